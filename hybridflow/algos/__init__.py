@@ -1,0 +1,57 @@
+"""Pure tensor math of RL post-training: advantages, policy/value losses, KL, entropy, aggregation.
+
+One registry per kind (see `hybridflow.registry.Registry`), one signature per registry:
+`ADVANTAGE_ESTIMATORS`, `POLICY_LOSSES`, `LOSS_AGGREGATIONS`, `KL_ESTIMATORS`,
+`KL_CONTROLLERS`. Tensors are batch-first (B, T) over response tokens; `response_mask` is
+bool with True = a real response token. docs/algorithms.md lists every registered name.
+"""
+
+from hybridflow.algos.advantages import (
+    ADVANTAGE_ESTIMATORS,
+    compute_advantages,
+    discounted_returns,
+    gae_advantages,
+    group_statistics,
+)
+from hybridflow.algos.aggregation import LOSS_AGGREGATIONS, aggregate_loss
+from hybridflow.algos.entropy import entropy_bonus, entropy_from_logits, log_probs_from_logits
+from hybridflow.algos.kl import (
+    KL_CONTROLLERS,
+    KL_ESTIMATORS,
+    AdaptiveKLController,
+    FixedKLController,
+    apply_kl_penalty,
+    build_kl_controller,
+    kl_loss,
+)
+from hybridflow.algos.masked import masked_mean, masked_sum, masked_var, masked_whiten
+from hybridflow.algos.policy_loss import POLICY_LOSSES, clipped_surrogate, compute_policy_loss
+from hybridflow.algos.value_loss import clipped_value_loss
+
+__all__ = [
+    "ADVANTAGE_ESTIMATORS",
+    "KL_CONTROLLERS",
+    "KL_ESTIMATORS",
+    "LOSS_AGGREGATIONS",
+    "POLICY_LOSSES",
+    "AdaptiveKLController",
+    "FixedKLController",
+    "aggregate_loss",
+    "apply_kl_penalty",
+    "build_kl_controller",
+    "clipped_surrogate",
+    "clipped_value_loss",
+    "compute_advantages",
+    "compute_policy_loss",
+    "discounted_returns",
+    "entropy_bonus",
+    "entropy_from_logits",
+    "gae_advantages",
+    "group_statistics",
+    "kl_loss",
+    "log_probs_from_logits",
+    "masked_mean",
+    "masked_sum",
+    "masked_var",
+    "masked_whiten",
+]

@@ -1,0 +1,102 @@
+"""A tiny Qwen2-architecture causal LM and a character tokenizer, built offline.
+
+Nothing can be downloaded at run time, so tests and the embedded default make their model
+here: a `tokenizers` WordLevel model over single characters (every printable ASCII
+character is one token, which makes arithmetic easy to learn) wrapped as a transformers
+fast tokenizer, and a randomly initialised Qwen2 model from a `Qwen2Config`. Both are saved
+into one Hugging Face directory that transformers and vLLM load like any other model.
+"""
+
+from __future__ import annotations
+
+import json
+import string
+from dataclasses import dataclass
+from pathlib import Path
+
+SPECIAL_TOKENS = ["<pad>", "<s>", "</s>", "<unk>"]
+CHARACTERS = string.digits + "+-*/=()?., " + string.ascii_letters + ":;!'\"#%&<>[]_"
+
+
+@dataclass(frozen=True)
+class TinyModelSpec:
+    hidden_size: int = 128
+    intermediate_size: int = 512
+    num_hidden_layers: int = 4
+    num_attention_heads: int = 4
+    num_key_value_heads: int = 2
+    max_position_embeddings: int = 256
+    tie_word_embeddings: bool = True
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.hidden_size % self.num_attention_heads:
+            raise ValueError(
+                f"tiny model: hidden_size {self.hidden_size} must be a multiple of "
+                f"num_attention_heads {self.num_attention_heads}")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(
+                f"tiny model: num_attention_heads {self.num_attention_heads} must be a multiple of "
+                f"num_key_value_heads {self.num_key_value_heads}")
+
+
+def build_char_tokenizer():
+    """A transformers fast tokenizer with one token per character and <s>/</s>/<pad>."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS + list(dict.fromkeys(CHARACTERS)))}
+    core = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    core.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    core.decoder = decoders.Fuse()
+    return PreTrainedTokenizerFast(
+        tokenizer_object=core,
+        bos_token="<s>",
+        eos_token="</s>",
+        pad_token="<pad>",
+        unk_token="<unk>",
+        padding_side="left",
+        clean_up_tokenization_spaces=False,
+    )
+
+
+def build_tiny_model(output_dir: str | Path, spec: TinyModelSpec = TinyModelSpec()) -> Path:
+    """Write a tiny Qwen2 model and its tokenizer to `output_dir` (a Hugging Face directory).
+
+    Re-running with the same spec and seed reuses a complete directory and rebuilds a
+    different or partial one.
+    """
+    import torch
+    from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM
+
+    output_dir = Path(output_dir)
+    marker = output_dir / "hybridflow_tiny_spec.json"
+    wanted = json.dumps(spec.__dict__, sort_keys=True)
+    if marker.exists() and marker.read_text() == wanted:
+        return output_dir
+    tokenizer = build_char_tokenizer()
+    vocab_size = ((len(tokenizer) + 63) // 64) * 64  # round up: tidy matmul shapes
+    config = Qwen2Config(
+        vocab_size=vocab_size,
+        hidden_size=spec.hidden_size,
+        intermediate_size=spec.intermediate_size,
+        num_hidden_layers=spec.num_hidden_layers,
+        num_attention_heads=spec.num_attention_heads,
+        num_key_value_heads=spec.num_key_value_heads,
+        max_position_embeddings=spec.max_position_embeddings,
+        tie_word_embeddings=spec.tie_word_embeddings,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        rope_theta=10000.0,
+        torch_dtype="float32",
+    )
+    torch.manual_seed(spec.seed)
+    model = Qwen2ForCausalLM(config)
+    output_dir.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(output_dir, safe_serialization=True)
+    tokenizer.save_pretrained(output_dir)
+    GenerationConfig(bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+                     pad_token_id=tokenizer.pad_token_id).save_pretrained(output_dir)
+    marker.write_text(wanted)
+    return output_dir

@@ -1,0 +1,61 @@
+"""The `hybridflow` command: a Hydra main over conf/.
+
+`hybridflow` alone runs the embedded default (local Ray, tiny model built offline, synthetic
+task, real vLLM on the CPU). Overrides select other recipes and settings:
+`hybridflow recipe=grpo rollout.temperature=0.7`. Under `ray job submit`, or with
+`ray.address=...`, the same command joins that cluster instead of starting one.
+The config is composed and validated before Ray starts: an unknown key or a bad value exits
+with status 2 and a message naming the key, the value and what is allowed.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Callable
+
+import hydra
+from omegaconf import DictConfig
+
+from hybridflow.config import CONF_DIR, ConfigError, to_config
+from hybridflow.config.schema import HybridFlowConfig
+from hybridflow.registry import Registry
+from hybridflow.tracking import make_run_dir, save_config
+
+RECIPES: Registry[str] = Registry("recipe", signature="run(config: HybridFlowConfig, run_dir: Path) -> dict")
+RECIPES.add("demo", "recipes.demo:run")
+
+
+def recipe_function(name: str) -> Callable:
+    from hybridflow.registry import load_object
+
+    return load_object(RECIPES.get(name) if name in RECIPES else name)
+
+
+def run(config: HybridFlowConfig) -> dict:
+    """Run the configured recipe in a fresh run directory (printed at start and end)."""
+    recipe = recipe_function(config.recipe.name)
+    run_dir = make_run_dir(config.logger.output_root, config.logger.run_name, config.recipe.name.split(":")[-1])
+    save_config(config, run_dir)
+    print(f"hybridflow: run directory {run_dir}", flush=True)
+    try:
+        return recipe(config, run_dir)
+    finally:
+        print(f"hybridflow: run directory {run_dir}", flush=True)
+
+
+@hydra.main(config_path=str(CONF_DIR), config_name="config", version_base="1.3")
+def _hydra_main(cfg: DictConfig) -> None:
+    try:
+        config = to_config(cfg)
+    except ConfigError as exc:
+        print(f"hybridflow: configuration error: {exc}", file=sys.stderr)
+        sys.exit(2)
+    run(config)
+
+
+def main() -> None:
+    _hydra_main()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,124 @@
+"""Resource pools: Ray placement groups built from a spec (nodes x devices per node).
+
+A pool reserves one bundle per device: one GPU (plus a few CPUs) on a GPU cluster, or a
+CPU slot on a machine without GPUs. Each node's bundles form one STRICT_PACK placement
+group pinned to a distinct node, so rank r of a pool always lives on node r // devices_per_node
+and a pool of two nodes really spans two nodes. Ranks are numbered node-major.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import ray
+from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
+
+NODE_ID_LABEL = "ray.io/node-id"
+
+
+@dataclass(frozen=True)
+class PoolSpec:
+    name: str
+    nodes: int = 1
+    devices_per_node: int = 1
+    use_gpu: bool = False
+    cpus_per_device: float = 1.0
+
+    def __post_init__(self) -> None:
+        if self.nodes < 1 or self.devices_per_node < 1:
+            raise ValueError(
+                f"pool {self.name!r}: nodes and devices_per_node must be >= 1, "
+                f"got nodes={self.nodes}, devices_per_node={self.devices_per_node}"
+            )
+        if self.cpus_per_device <= 0:
+            raise ValueError(f"pool {self.name!r}: cpus_per_device must be > 0, got {self.cpus_per_device}")
+
+    @property
+    def world_size(self) -> int:
+        return self.nodes * self.devices_per_node
+
+    def bundle(self) -> dict[str, float]:
+        bundle = {"CPU": self.cpus_per_device}
+        if self.use_gpu:
+            bundle["GPU"] = 1.0
+        return bundle
+
+
+@dataclass(frozen=True)
+class Slot:
+    """Where one rank runs: a bundle of a placement group on a known node."""
+
+    rank: int
+    placement_group: PlacementGroup
+    bundle_index: int
+    node_id: str
+
+
+class ResourcePool:
+    def __init__(self, spec: PoolSpec) -> None:
+        self.spec = spec
+        self._groups: list[tuple[PlacementGroup, str]] = []
+
+    @property
+    def world_size(self) -> int:
+        return self.spec.world_size
+
+    def create(self, timeout_s: float = 60.0) -> "ResourcePool":
+        """Reserve the pool's bundles; raises naming the pool if the cluster cannot hold it."""
+        if self._groups:
+            return self
+        nodes = self._pick_nodes()
+        for i, node_id in enumerate(nodes):
+            bundles = [self.spec.bundle() for _ in range(self.spec.devices_per_node)]
+            pg = placement_group(
+                bundles,
+                strategy="STRICT_PACK",
+                name=f"hybridflow-{self.spec.name}-node{i}",
+                bundle_label_selector=[{NODE_ID_LABEL: node_id}] * len(bundles),
+            )
+            self._groups.append((pg, node_id))
+        ready = [pg.ready() for pg, _ in self._groups]
+        done, pending = ray.wait(ready, num_returns=len(ready), timeout=timeout_s)
+        if pending:
+            self.remove()
+            raise RuntimeError(
+                f"resource pool {self.spec.name!r} could not reserve {self.spec.nodes} node(s) x "
+                f"{self.spec.devices_per_node} bundle(s) of {self.spec.bundle()} within {timeout_s:.0f} s; "
+                f"cluster resources available: {ray.available_resources()}. "
+                "Reduce placement.pools.<name>.devices_per_node / nodes, or add nodes."
+            )
+        return self
+
+    def _pick_nodes(self) -> list[str]:
+        """Distinct alive nodes that each fit one node's worth of bundles, most free first."""
+        need = {k: v * self.spec.devices_per_node for k, v in self.spec.bundle().items()}
+        candidates = []
+        for node in ray.nodes():
+            if not node.get("Alive"):
+                continue
+            total = node.get("Resources", {})
+            if all(total.get(k, 0.0) >= v for k, v in need.items()):
+                candidates.append((total.get("CPU", 0.0), node["NodeID"]))
+        free = ray.available_resources()
+        if len(candidates) < self.spec.nodes:
+            raise RuntimeError(
+                f"resource pool {self.spec.name!r} needs {self.spec.nodes} node(s) with {need} each, "
+                f"but only {len(candidates)} node(s) of the cluster are that large (available now: {free}). "
+                "Lower placement.pools.<name>.nodes or devices_per_node, or start more Ray nodes."
+            )
+        candidates.sort(key=lambda c: -c[0])
+        return [node_id for _, node_id in candidates[: self.spec.nodes]]
+
+    def slots(self) -> list[Slot]:
+        if not self._groups:
+            raise RuntimeError(f"resource pool {self.spec.name!r} is not created yet; call create() first")
+        slots = []
+        for pg, node_id in self._groups:
+            for b in range(self.spec.devices_per_node):
+                slots.append(Slot(len(slots), pg, b, node_id))
+        return slots
+
+    def remove(self) -> None:
+        for pg, _ in self._groups:
+            remove_placement_group(pg)
+        self._groups = []

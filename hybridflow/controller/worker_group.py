@@ -1,0 +1,324 @@
+"""Worker groups: one controller call becomes per-rank remote calls.
+
+`spawn_workers(pool, {"actor": RoleSpec(ActorWorker, ...), "rollout": RoleSpec(...)})` starts
+one host process (a Ray actor) per slot of the pool and builds every listed role inside it, so
+roles that share a pool are fused into one process per device (one CUDA context, weights
+shareable). It returns one `WorkerGroup` per role. Calling `group.method(batch)` splits the
+arguments by the method's dispatch mode, runs it on the ranks its execute mode names, and
+gathers the results; `group.method.remote(batch)` returns a `GroupFuture` instead, which can be
+passed straight into another group's call: its data then moves between workers through Ray's
+object store, never through the controller.
+
+Failures: every rank's result is awaited with `ray.wait`, so the first rank that raises is
+reported at once as a `WorkerError` naming the class, method and rank, with the remote
+traceback, even while the other ranks are still blocked in a collective waiting for it.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+import traceback
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any, Sequence
+
+import ray
+from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from hybridflow.batch import Batch
+from hybridflow.controller.decorators import Dispatch, Execute, MethodSpec, registered_methods
+from hybridflow.controller.errors import WorkerError, WorkerGroupBroken
+from hybridflow.controller.pools import ResourcePool
+
+
+@dataclass(frozen=True)
+class WorkerContext:
+    """What a worker is told about its place: given explicitly, never read from the environment.
+
+    When the worker is built, the default torch.distributed process group of its process is
+    already initialised over the ranks of its group (gloo on CPU, NCCL on GPU).
+    """
+
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+    node_id: str = "local"
+    device: str = "cpu"
+    backend: str = "gloo"
+    master_addr: str = "127.0.0.1"
+    master_port: int = 0
+    group_name: str = "local"
+
+
+@dataclass
+class RoleSpec:
+    """A worker class and the keyword arguments its constructor takes after the context."""
+
+    cls: type
+    kwargs: dict[str, Any] = field(default_factory=dict)
+
+
+class WorkerHost:
+    """The process behind one rank: builds the role workers and runs their methods.
+
+    This plain class becomes a Ray actor in `spawn_workers`; it is the only place the
+    worker classes meet Ray.
+    """
+
+    def __init__(self, group_name: str, rank: int, world_size: int, local_rank: int, node_id: str,
+                 use_gpu: bool, roles: dict[str, RoleSpec]) -> None:
+        self.group_name, self.rank, self.world_size = group_name, rank, world_size
+        self.local_rank, self.node_id, self.use_gpu = local_rank, node_id, use_gpu
+        self.roles = roles
+        self.workers: dict[str, Any] = {}
+
+    def rendezvous_address(self) -> tuple[str, int]:
+        """An address and a free port on this host for the group's process-group rendezvous."""
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.bind(("", 0))
+            port = s.getsockname()[1]
+        return ray.util.get_node_ip_address(), port
+
+    def setup(self, master_addr: str, master_port: int, collective_timeout_s: float) -> dict:
+        import torch
+        import torch.distributed as dist
+
+        device = "cuda" if self.use_gpu else "cpu"
+        backend = "nccl" if self.use_gpu else "gloo"
+        if self.use_gpu:
+            torch.cuda.set_device(0)  # Ray makes the bundle's GPU the only visible one
+        if not dist.is_initialized():
+            dist.init_process_group(
+                backend=backend,
+                init_method=f"tcp://{master_addr}:{master_port}",
+                rank=self.rank,
+                world_size=self.world_size,
+                timeout=timedelta(seconds=collective_timeout_s),
+            )
+        ctx = WorkerContext(self.rank, self.world_size, self.local_rank, self.node_id, device, backend,
+                            master_addr, master_port, self.group_name)
+        for role, spec in self.roles.items():
+            try:
+                self.workers[role] = spec.cls(ctx, **spec.kwargs)
+            except BaseException as exc:
+                raise self._error(spec.cls.__name__, "__init__", exc) from None
+        return {"rank": self.rank, "node_id": self.node_id, "pid": os.getpid()}
+
+    def call(self, role: str, method: str, *args: Any, **kwargs: Any) -> Any:
+        worker = self.workers[role]
+        try:
+            return getattr(worker, method)(*args, **kwargs)
+        except BaseException as exc:
+            raise self._error(type(worker).__name__, method, exc) from None
+
+    def _error(self, cls_name: str, method: str, exc: BaseException) -> WorkerError:
+        detail = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+        return WorkerError(self.group_name, cls_name, method, self.rank, self.world_size, detail)
+
+    def info(self) -> dict:
+        return {"rank": self.rank, "node_id": self.node_id, "pid": os.getpid(), "roles": list(self.workers)}
+
+
+# ---- moving futures between groups without the controller ------------------------------------
+
+
+@ray.remote(num_cpus=0)
+def _gather(dispatch: Dispatch, pad: int, *parts: Any) -> Any:
+    return _collect(dispatch, list(parts), pad)
+
+
+@ray.remote(num_cpus=0)
+def _gather_and_split(dispatch: Dispatch, pad: int, ranks: int, *parts: Any) -> tuple:
+    batch = _collect(dispatch, list(parts), pad)
+    if not isinstance(batch, Batch):
+        raise TypeError(f"a data-parallel call needs a Batch argument, the future holds {type(batch).__name__}")
+    padded, new_pad = batch.pad_to_multiple(ranks)
+    return (*padded.chunk(ranks), new_pad)
+
+
+def _collect(dispatch: Dispatch, results: list[Any], pad: int) -> Any:
+    if dispatch is Dispatch.RANK_ZERO:
+        return results[0]
+    if dispatch is Dispatch.DP_SPLIT and results and all(isinstance(r, Batch) for r in results):
+        return Batch.concat(results).unpad(pad)
+    return results
+
+
+class GroupFuture:
+    """Pending results of one call on a worker group, one object reference per rank that ran it."""
+
+    def __init__(self, group: "WorkerGroup", method: str, spec: MethodSpec, refs: list[ray.ObjectRef],
+                 ranks: list[int], pad: int | ray.ObjectRef) -> None:
+        self.group, self.method, self.spec = group, method, spec
+        self.refs, self.ranks, self.pad = refs, ranks, pad
+
+    def get(self, timeout_s: float | None = None) -> Any:
+        results = self.group._wait(self.method, self.refs, self.ranks, timeout_s)
+        pad = ray.get(self.pad) if isinstance(self.pad, ray.ObjectRef) else self.pad
+        if self.spec.execute is Execute.RANK_ZERO:
+            return results[0]
+        return _collect(self.spec.dispatch, results, pad)
+
+    def single_ref(self) -> ray.ObjectRef:
+        """One reference to the gathered result (gathered in the cluster, not the controller)."""
+        if self.spec.execute is Execute.RANK_ZERO or self.spec.dispatch is Dispatch.RANK_ZERO:
+            return self.refs[0]
+        return _gather.remote(self.spec.dispatch, self.pad, *self.refs)
+
+    def split_refs(self, ranks: int) -> tuple[list[ray.ObjectRef], int | ray.ObjectRef]:
+        """`ranks` references to equal chunks of the gathered Batch, and the pad they carry."""
+        if self.spec.dispatch is Dispatch.DP_SPLIT and len(self.refs) == ranks:
+            return list(self.refs), self.pad
+        out = _gather_and_split.options(num_returns=ranks + 1).remote(
+            self.spec.dispatch, self.pad, ranks, *self.refs)
+        return list(out[:ranks]), out[ranks]
+
+
+# ---- the group --------------------------------------------------------------------------------
+
+
+class _GroupMethod:
+    def __init__(self, group: "WorkerGroup", name: str, spec: MethodSpec) -> None:
+        self.group, self.name, self.spec = group, name, spec
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        future = self.remote(*args, **kwargs)
+        return future.get() if self.spec.blocking else future
+
+    def remote(self, *args: Any, **kwargs: Any) -> GroupFuture:
+        return self.group._submit(self.name, self.spec, args, kwargs)
+
+
+class WorkerGroup:
+    """The ranks of one role. Methods marked with `@register` are callable on the group."""
+
+    def __init__(self, name: str, role: str, worker_cls: type, hosts: list, infos: list[dict]) -> None:
+        self.name, self.role, self.worker_cls = name, role, worker_cls
+        self.hosts, self.infos = hosts, infos
+        self._methods = registered_methods(worker_cls)
+        self._broken: str | None = None
+
+    @property
+    def world_size(self) -> int:
+        return len(self.hosts)
+
+    def __getattr__(self, name: str) -> _GroupMethod:
+        methods = self.__dict__.get("_methods", {})
+        if name in methods:
+            return _GroupMethod(self, name, methods[name])
+        raise AttributeError(
+            f"{self.__dict__.get('worker_cls', type(None)).__name__} has no controller-callable method {name!r}; "
+            f"registered: {sorted(methods)} (mark a method with @register to call it from the controller)"
+        )
+
+    def _submit(self, method: str, spec: MethodSpec, args: tuple, kwargs: dict) -> GroupFuture:
+        if self._broken:
+            raise WorkerGroupBroken(f"worker group {self.name!r} failed earlier ({self._broken}); start a new one")
+        ranks = [0] if spec.execute is Execute.RANK_ZERO else list(range(self.world_size))
+        per_rank, pad = _split_arguments(spec.dispatch, self.world_size, args, kwargs)
+        refs = [self.hosts[r].call.remote(self.role, method, *per_rank[r][0], **per_rank[r][1]) for r in ranks]
+        return GroupFuture(self, method, spec, refs, ranks, pad)
+
+    def _wait(self, method: str, refs: list[ray.ObjectRef], ranks: list[int], timeout_s: float | None) -> list:
+        """Results in rank order; the first failure on any rank raises at once."""
+        position = {ref: i for i, ref in enumerate(refs)}
+        results: list[Any] = [None] * len(refs)
+        pending = list(refs)
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        while pending:
+            wait_s = None if deadline is None else max(0.0, deadline - time.monotonic())
+            ready, pending = ray.wait(pending, num_returns=1, timeout=wait_s)
+            if not ready:
+                raise GetTimeoutError(
+                    f"{self.worker_cls.__name__}.{method} on worker group {self.name!r}: ranks "
+                    f"{[ranks[position[r]] for r in pending]} gave no result within {timeout_s} s")
+            for ref in ready:
+                i = position[ref]
+                results[i] = self._get_one(method, ref, ranks[i])
+        return results
+
+    def _get_one(self, method: str, ref: ray.ObjectRef, rank: int) -> Any:
+        try:
+            return ray.get(ref)
+        except RayTaskError as exc:
+            cause = exc.cause if isinstance(exc.cause, WorkerError) else None
+            error = cause or WorkerError(self.name, self.worker_cls.__name__, method, rank, self.world_size, str(exc))
+        except RayActorError as exc:
+            error = WorkerError(self.name, self.worker_cls.__name__, method, rank, self.world_size,
+                                f"the worker process died: {exc}")
+        self._broken = f"{error.worker_class}.{error.method} on rank {error.rank}"
+        raise WorkerError(error.group, error.worker_class, error.method, error.rank, error.world_size,
+                          error.detail) from None
+
+    def node_ids(self) -> list[str]:
+        return [info["node_id"] for info in self.infos]
+
+    def pids(self) -> list[int]:
+        return [info["pid"] for info in self.infos]
+
+
+def _split_arguments(dispatch: Dispatch, ranks: int, args: tuple, kwargs: dict) -> tuple[list[tuple[tuple, dict]], Any]:
+    """Per-rank (args, kwargs) for a call, and the number of pad rows the results will carry."""
+    names = list(range(len(args))) + list(kwargs)
+    values = list(args) + list(kwargs.values())
+    per_rank_values: list[list[Any]] = [[] for _ in range(ranks)]
+    pad: Any = 0
+    for name, value in zip(names, values):
+        if dispatch is Dispatch.DP_SPLIT and isinstance(value, (Batch, GroupFuture)):
+            chunks, pad = _dp_chunks(value, ranks)
+        elif dispatch is Dispatch.ALL_TO_ALL:
+            if isinstance(value, GroupFuture):
+                value = value.refs
+            if not isinstance(value, Sequence) or len(value) != ranks:
+                raise ValueError(f"all-to-all argument {name!r} must be a list of {ranks} entries, one per rank")
+            chunks = list(value)
+        else:
+            shared = value.single_ref() if isinstance(value, GroupFuture) else value
+            chunks = [shared] * ranks
+        for r in range(ranks):
+            per_rank_values[r].append(chunks[r])
+    n_pos = len(args)
+    return [(tuple(v[:n_pos]), dict(zip(list(kwargs), v[n_pos:]))) for v in per_rank_values], pad
+
+
+def _dp_chunks(value: Batch | GroupFuture, ranks: int) -> tuple[list[Any], Any]:
+    if isinstance(value, GroupFuture):
+        return value.split_refs(ranks)
+    padded, pad = value.pad_to_multiple(ranks)
+    return padded.chunk(ranks), pad
+
+
+def spawn_workers(
+    pool: ResourcePool,
+    roles: dict[str, RoleSpec],
+    *,
+    name: str | None = None,
+    env_vars: dict[str, str] | None = None,
+    collective_timeout_s: float = 600.0,
+    setup_timeout_s: float = 600.0,
+) -> dict[str, WorkerGroup]:
+    """Start one process per slot of `pool` hosting every role in `roles`; one group per role."""
+    if not roles:
+        raise ValueError("spawn_workers needs at least one role")
+    name = name or f"{pool.spec.name}:{'+'.join(roles)}"
+    slots = pool.create().slots()
+    spec = pool.spec
+    host_cls = ray.remote(WorkerHost)
+    hosts = []
+    for slot in slots:
+        options = dict(
+            num_cpus=spec.cpus_per_device,
+            num_gpus=1 if spec.use_gpu else 0,
+            scheduling_strategy=PlacementGroupSchedulingStrategy(slot.placement_group, slot.bundle_index),
+            runtime_env={"env_vars": dict(env_vars or {})},
+        )
+        hosts.append(host_cls.options(**options).remote(
+            name, slot.rank, len(slots), slot.bundle_index, slot.node_id, spec.use_gpu, roles))
+    probe = WorkerGroup(name, "host", WorkerHost, hosts, [])
+    addr, port = probe._get_one("rendezvous_address", hosts[0].rendezvous_address.remote(), 0)
+    refs = [h.setup.remote(addr, port, collective_timeout_s) for h in hosts]
+    infos = probe._wait("setup", refs, list(range(len(hosts))), setup_timeout_s)
+    return {role: WorkerGroup(name, role, rs.cls, hosts, infos) for role, rs in roles.items()}

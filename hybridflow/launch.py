@@ -1,0 +1,100 @@
+"""Building a run from config at the edge: model, data, Ray, pools and worker groups.
+
+Recipes call these so that inner code receives built objects. Placement is configuration:
+`placement.roles` maps each role to a pool, and all roles on one pool are fused into one
+process per device.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+from hybridflow.builders import TinyModelSpec, build_tiny_model
+from hybridflow.config.schema import DeviceKind, HybridFlowConfig, PlacementConfig
+from hybridflow.controller import PoolSpec, ResourcePool, RoleSpec, WorkerGroup, spawn_workers
+from hybridflow.controller.runtime import connect
+from hybridflow.data import ArithmeticSpec, make_arithmetic_rows, read_rows, write_rows
+
+
+def prepare_model(config: HybridFlowConfig, run_dir: Path) -> Path:
+    """The model directory: `model.path`, or the tiny model built into run_dir/base_model."""
+    if config.model.path is not None:
+        path = Path(config.model.path).expanduser()
+        if not (path / "config.json").is_file():
+            raise FileNotFoundError(f"model.path={config.model.path!r}: no config.json there; give a Hugging Face model directory")
+        return path
+    spec = TinyModelSpec(**vars(config.model.tiny))
+    return build_tiny_model(run_dir / "base_model", spec)
+
+
+@dataclass
+class Datasets:
+    train: list[dict]
+    val: list[dict]
+    train_path: Path
+    val_path: Path
+
+
+def prepare_data(config: HybridFlowConfig, run_dir: Path) -> Datasets:
+    """Rows from data.train_path / val_path, or the synthetic task written to run_dir/data."""
+    data = config.data
+    if data.train_path is not None:
+        train_path, val_path = Path(data.train_path), Path(data.val_path)
+        return Datasets(read_rows(train_path), read_rows(val_path), train_path, val_path)
+    syn = data.synthetic
+    spec = ArithmeticSpec(syn.min_digits, syn.max_digits, tuple(syn.operations))
+    val = make_arithmetic_rows(syn.val_rows, spec, seed=data.seed + 1)
+    train = make_arithmetic_rows(syn.train_rows, spec, seed=data.seed, exclude={r["prompt"] for r in val})
+    train_path = write_rows(train, run_dir / "data" / "train.parquet")
+    val_path = write_rows(val, run_dir / "data" / "val.parquet")
+    return Datasets(train, val, train_path, val_path)
+
+
+def slots_needed(placement: PlacementConfig) -> float:
+    used = set(placement.roles.values())
+    return sum(p.nodes * p.devices_per_node * p.cpus_per_device for name, p in placement.pools.items() if name in used)
+
+
+def start_ray(config: HybridFlowConfig) -> str:
+    r = config.ray
+    num_cpus = r.num_cpus or max(1, math.ceil(slots_needed(config.placement)) + 1)
+    return connect(address=r.address, num_cpus=num_cpus, dashboard=r.dashboard,
+                   dashboard_host=r.dashboard_host, namespace=r.namespace)
+
+
+def use_gpu(placement: PlacementConfig) -> bool:
+    if placement.device is DeviceKind.auto:
+        import ray
+
+        return ray.cluster_resources().get("GPU", 0) > 0
+    return placement.device is DeviceKind.cuda
+
+
+def spawn_roles(config: HybridFlowConfig, roles: dict[str, RoleSpec], env_vars: dict[str, str] | None = None
+                ) -> dict[str, WorkerGroup]:
+    """Spawn `roles` on their pools (from placement.roles); roles sharing a pool share processes."""
+    placement = config.placement
+    gpu = use_gpu(placement)
+    by_pool: dict[str, dict[str, RoleSpec]] = {}
+    for role, spec in roles.items():
+        if role not in placement.roles:
+            raise KeyError(f"role {role!r} has no pool: add placement.roles.{role}=<pool name>")
+        by_pool.setdefault(placement.roles[role], {})[role] = spec
+    groups: dict[str, WorkerGroup] = {}
+    for pool_name, pool_roles in by_pool.items():
+        p = placement.pools[pool_name]
+        pool = ResourcePool(PoolSpec(pool_name, p.nodes, p.devices_per_node, gpu, p.cpus_per_device))
+        groups.update(spawn_workers(pool, pool_roles, env_vars=env_vars,
+                                    collective_timeout_s=placement.collective_timeout_s))
+    return groups
+
+
+def vllm_env(config: HybridFlowConfig) -> dict[str, str]:
+    """Environment for processes hosting an in-process vLLM engine."""
+    return {
+        "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+        "VLLM_CPU_KVCACHE_SPACE": str(config.rollout.kv_cache_space_gib),
+        "TOKENIZERS_PARALLELISM": "false",
+    }

@@ -1,0 +1,81 @@
+"""Run directories and metrics.
+
+A run has one directory (printed at start and end) holding `metrics.jsonl` (one JSON object
+per step with at least `step`), the resolved config, checkpoints and the final model.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from dataclasses import asdict, is_dataclass
+from enum import Enum
+from pathlib import Path
+from typing import Any
+
+
+def make_run_dir(output_root: str, run_name: str | None, recipe: str) -> Path:
+    name = run_name or f"{recipe}-{time.strftime('%Y%m%d-%H%M%S')}"
+    run_dir = Path(output_root).expanduser().resolve() / name
+    run_dir.mkdir(parents=True, exist_ok=True)
+    return run_dir
+
+
+def _jsonable(value: Any) -> Any:
+    if is_dataclass(value):
+        return _jsonable(asdict(value))
+    if isinstance(value, Enum):
+        return value.value
+    if isinstance(value, dict):
+        return {str(k): _jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_jsonable(v) for v in value]
+    return value
+
+
+def save_config(config: Any, run_dir: Path) -> Path:
+    path = run_dir / "config.json"
+    path.write_text(json.dumps(_jsonable(config), indent=2))
+    return path
+
+
+class MetricsLogger:
+    """Appends one JSON line per `log` call to run_dir/metrics.jsonl and echoes to the console."""
+
+    def __init__(self, run_dir: Path, backends: list[str]) -> None:
+        self.path = run_dir / "metrics.jsonl"
+        self.console = "console" in backends
+        self.jsonl = "jsonl" in backends
+        self.tensorboard = None
+        if "tensorboard" in backends:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+            except ImportError as exc:
+                raise ImportError("logger.backends has 'tensorboard': pip install tensorboard") from exc
+            self.tensorboard = SummaryWriter(str(run_dir / "tensorboard"))
+
+    def log(self, step: int, metrics: dict[str, float]) -> None:
+        bad = {k: v for k, v in metrics.items() if isinstance(v, float) and not math.isfinite(v)}
+        record = {"step": step, **{k: _jsonable(v) for k, v in metrics.items()}}
+        if self.jsonl:
+            with open(self.path, "a") as f:
+                f.write(json.dumps(record) + "\n")
+        if self.tensorboard is not None:
+            for k, v in metrics.items():
+                if isinstance(v, (int, float)):
+                    self.tensorboard.add_scalar(k, v, step)
+        if self.console:
+            shown = " ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in metrics.items())
+            print(f"[step {step}] {shown}", flush=True)
+        if bad:
+            print(f"[step {step}] warning: non-finite metrics {sorted(bad)}", flush=True)
+
+    def close(self) -> None:
+        if self.tensorboard is not None:
+            self.tensorboard.close()
+
+
+def read_metrics(run_dir: Path) -> list[dict]:
+    path = Path(run_dir) / "metrics.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]

@@ -1,0 +1,1 @@
+"""The dataflow programs. Each recipe is a function taking the validated HybridFlowConfig."""

@@ -1,0 +1,118 @@
+"""Worker groups on real Ray (CPU slots): concurrency, collectives, dispatch, failures."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from hybridflow.batch import Batch
+from hybridflow.controller import PoolSpec, ResourcePool, RoleSpec, WorkerError, WorkerGroupBroken, spawn_workers
+from tests.controller.workers import BrokenInitWorker, CounterWorker, EchoWorker
+
+
+@pytest.fixture(scope="module")
+def pair(ray_local):
+    """A 2-rank EchoWorker group and a 1-rank EchoWorker group on two separate pools."""
+    two = spawn_workers(ResourcePool(PoolSpec("two", devices_per_node=2)), {"echo": RoleSpec(EchoWorker)})["echo"]
+    one = spawn_workers(ResourcePool(PoolSpec("one")), {"echo": RoleSpec(EchoWorker, {"scale": 10.0})})["echo"]
+    return two, one
+
+
+def test_ranks_get_rank_world_size_and_gloo(pair):
+    two, _ = pair
+    infos = two.whoami()
+    assert [i["rank"] for i in infos] == [0, 1]
+    assert {i["world_size"] for i in infos} == {2}
+    assert {i["backend"] for i in infos} == {"gloo"}
+    assert infos[0]["pid"] != infos[1]["pid"]
+
+
+def test_all_reduce_through_group_process_group(pair):
+    two, _ = pair
+    assert two.all_reduce_rank() == [3.0, 3.0]  # (0+1) + (1+1)
+
+
+def test_two_pools_run_concurrently(pair):
+    two, one = pair
+    two.sleep(0.0), one.sleep(0.0)  # warm both
+    start = time.monotonic()
+    a, b = two.sleep.remote(1.0), one.sleep.remote(1.0)
+    a.get(), b.get()
+    elapsed = time.monotonic() - start
+    assert elapsed < 1.7, f"independent calls on two pools took {elapsed:.2f} s, expected ~1 s"
+
+
+@pytest.mark.parametrize("size", [8, 7, 1])
+def test_dp_split_round_trip(pair, size):
+    two, _ = pair
+    batch = Batch({"x": torch.arange(size, dtype=torch.float32)}, {"tag": [f"s{i}" for i in range(size)]})
+    out = two.double(batch)
+    assert len(out) == size
+    assert torch.equal(out["x"], batch["x"] * 2)
+    assert out["tag"] == [f"s{i}!" for i in range(size)]
+    # Rows are split in order: the first half (rounded up after padding) went to rank 0.
+    assert out["owner"].tolist() == sorted(out["owner"].tolist())
+    if size > 1:
+        assert set(out["owner"].tolist()) == {0, 1}
+
+
+def test_future_feeds_another_group_without_driver(pair):
+    two, one = pair
+    batch = Batch({"x": torch.arange(5, dtype=torch.float32)}, {"tag": list("abcde")})
+    doubled = two.double.remote(batch)  # 2 ranks, padded to 6
+    scaled = one.double.remote(doubled)  # re-split inside the cluster for 1 rank (scale 10)
+    chained_same_size = two.add_one.remote(two.double.remote(batch))  # refs passed straight through
+    out = scaled.get()
+    assert torch.equal(out["x"], batch["x"] * 2 * 2 * 10)
+    assert out["tag"] == ["a!!", "b!!", "c!!", "d!!", "e!!"]
+    assert torch.equal(chained_same_size.get()["x"], batch["x"] * 2 + 1)
+
+
+def test_rank_zero_and_all_to_all(pair):
+    two, _ = pair
+    assert two.rank_zero_value() == 100
+    assert two.only_rank_zero() == 0
+    assert two.take([1, 2]) == [10, 21]
+    with pytest.raises(ValueError, match="all-to-all argument 0 must be a list of 2"):
+        two.take([1])
+
+
+def test_unknown_method_names_registered_ones(pair):
+    two, _ = pair
+    with pytest.raises(AttributeError, match="registered: .*all_reduce_rank"):
+        two.no_such_method()
+
+
+def test_colocated_roles_share_one_process(ray_local):
+    groups = spawn_workers(ResourcePool(PoolSpec("fused", devices_per_node=2)),
+                           {"echo": RoleSpec(EchoWorker), "counter": RoleSpec(CounterWorker)})
+    echo_pids = [i["pid"] for i in groups["echo"].whoami()]
+    assert groups["counter"].pid() == echo_pids
+    groups["echo"].set_state(7)
+    assert groups["echo"].get_state() == [7, 7]
+
+
+def test_remote_exception_names_class_method_rank_quickly(ray_local):
+    group = spawn_workers(ResourcePool(PoolSpec("failing", devices_per_node=2)), {"echo": RoleSpec(EchoWorker)})["echo"]
+    start = time.monotonic()
+    with pytest.raises(WorkerError) as info:
+        group.fail_on_rank(1)  # rank 0 is stuck in all_reduce; the error must not wait for it
+    assert time.monotonic() - start < 10
+    err = info.value
+    assert (err.worker_class, err.method, err.rank) == ("EchoWorker", "fail_on_rank", 1)
+    assert "EchoWorker.fail_on_rank failed on rank 1 of 2" in str(err)
+    assert "deliberate failure on rank 1" in str(err) and "Traceback" in str(err)
+    with pytest.raises(WorkerGroupBroken):
+        group.whoami()
+
+
+def test_constructor_failure_is_reported(ray_local):
+    with pytest.raises(WorkerError, match=r"(?s)BrokenInitWorker.__init__ failed on rank 0 .*cannot build this worker"):
+        spawn_workers(ResourcePool(PoolSpec("broken")), {"b": RoleSpec(BrokenInitWorker)})
+
+
+def test_pool_too_large_is_a_clear_error(ray_local):
+    with pytest.raises(RuntimeError, match="resource pool 'huge' needs 1 node"):
+        ResourcePool(PoolSpec("huge", devices_per_node=64)).create(timeout_s=5)

@@ -1,0 +1,93 @@
+"""Offline builders: tiny model + tokenizer directory, synthetic arithmetic rows, row files."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from hybridflow.builders import TinyModelSpec, build_char_tokenizer, build_tiny_model
+from hybridflow.data import ArithmeticSpec, make_arithmetic_rows, read_rows, write_rows
+from hybridflow.data.prompts import encode_prompts
+
+
+def test_tokenizer_round_trips_characters():
+    tok = build_char_tokenizer()
+    ids = tok("37+45=", add_special_tokens=False)["input_ids"]
+    assert len(ids) == 6 and tok.decode(ids) == "37+45="
+    assert tok.decode(ids + [tok.eos_token_id], skip_special_tokens=True) == "37+45="
+
+
+def test_tiny_model_directory_loads_with_transformers(tmp_path):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    spec = TinyModelSpec(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                         num_key_value_heads=1)
+    path = build_tiny_model(tmp_path / "m", spec)
+    model = AutoModelForCausalLM.from_pretrained(path)
+    tok = AutoTokenizer.from_pretrained(path)
+    assert model.config.model_type == "qwen2" and model.config.vocab_size >= len(tok)
+    assert json.loads((path / "config.json").read_text())["tie_word_embeddings"] is True
+    out = model(torch.tensor([tok("1+1=")["input_ids"]]))
+    assert out.logits.shape[-1] == model.config.vocab_size
+    # same spec: reused; the marker records the spec
+    assert build_tiny_model(tmp_path / "m", spec) == path
+
+
+def test_tiny_spec_rejects_bad_heads():
+    with pytest.raises(ValueError, match="multiple of num_attention_heads"):
+        TinyModelSpec(hidden_size=30, num_attention_heads=4)
+
+
+def test_arithmetic_rows_are_correct_distinct_and_seeded():
+    spec = ArithmeticSpec(min_digits=1, max_digits=2, operations=("add", "sub", "mul"))
+    rows = make_arithmetic_rows(300, spec, seed=3)
+    assert rows == make_arithmetic_rows(300, spec, seed=3)
+    assert len({r["prompt"] for r in rows}) == 300
+    for r in rows:
+        expr = r["prompt"].rstrip("=")
+        assert str(eval(expr)) == r["ground_truth"]  # noqa: S307 - digits and one operator only
+        assert r["data_source"].startswith("arithmetic/")
+        assert int(r["ground_truth"]) >= 0  # no negative subtraction results by default
+
+
+def test_arithmetic_excludes_and_reports_exhaustion():
+    spec = ArithmeticSpec(1, 1, ("add",))
+    val = make_arithmetic_rows(20, spec, seed=1)
+    train = make_arithmetic_rows(50, spec, seed=0, exclude={r["prompt"] for r in val})
+    assert not {r["prompt"] for r in val} & {r["prompt"] for r in train}
+    with pytest.raises(ValueError, match="only .* distinct problems"):
+        make_arithmetic_rows(1000, spec, seed=0)
+
+
+@pytest.mark.parametrize("suffix", [".parquet", ".jsonl"])
+def test_row_files_round_trip(tmp_path, suffix):
+    rows = make_arithmetic_rows(10, ArithmeticSpec(), seed=0)
+    path = write_rows(rows, tmp_path / f"rows{suffix}")
+    assert read_rows(path) == rows
+
+
+def test_row_file_errors_name_file_and_line(tmp_path):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"prompt": "1+1="}\n{oops\n')
+    with pytest.raises(ValueError, match=r"bad.jsonl:2: not valid JSON"):
+        read_rows(bad)
+    missing = tmp_path / "missing.jsonl"
+    missing.write_text('{"question": "1+1="}\n')
+    with pytest.raises(ValueError, match=r"row 0: missing column\(s\) \['prompt'\]"):
+        read_rows(missing)
+    with pytest.raises(FileNotFoundError, match="data.train_path"):
+        read_rows(tmp_path / "nope.parquet")
+
+
+def test_encode_prompts_left_pads_to_fixed_width():
+    tok = build_char_tokenizer()
+    rows = [{"prompt": "1+1=", "ground_truth": "2"}, {"prompt": "12+13=", "ground_truth": "25"}]
+    batch = encode_prompts(rows, tok, max_prompt_tokens=8)
+    assert batch["prompt_ids"].shape == (2, 8)
+    assert batch["prompt_mask"].sum(1).tolist() == [4, 6]
+    assert tok.decode(batch["prompt_ids"][0][batch["prompt_mask"][0]]) == "1+1="
+    assert batch["ground_truth"] == ["2", "25"]
+    with pytest.raises(ValueError, match="sample 1 .* more than data.max_prompt_tokens=5"):
+        encode_prompts(rows, tok, max_prompt_tokens=5)

