@@ -51,6 +51,9 @@ class WorkerContext:
     master_addr: str = "127.0.0.1"
     master_port: int = 0
     group_name: str = "local"
+    # The other role workers built in this same process (fused roles), by role name; filled in
+    # once every role is built. The actor uses it to reach its colocated rollout engine.
+    colocated: dict = field(default_factory=dict, compare=False, repr=False)
 
 
 @dataclass
@@ -105,6 +108,7 @@ class WorkerHost:
                 self.workers[role] = spec.cls(ctx, **spec.kwargs)
             except BaseException as exc:
                 raise self._error(spec.cls.__name__, "__init__", exc) from None
+        ctx.colocated.update(self.workers)
         return {"rank": self.rank, "node_id": self.node_id, "pid": os.getpid()}
 
     def call(self, role: str, method: str, *args: Any, **kwargs: Any) -> Any:

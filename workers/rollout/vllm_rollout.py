@@ -19,17 +19,23 @@ from hybridflow.controller import Dispatch, WorkerContext, register
 
 class VLLMRollout:
     def __init__(self, ctx: WorkerContext, model_path: str, rollout: RolloutConfig, max_prompt_tokens: int,
-                 eos_token_id: int, pad_token_id: int) -> None:
+                 eos_token_id: int, pad_token_id: int, verifiable_weights: bool = False) -> None:
         self.ctx, self.model_path, self.cfg = ctx, model_path, rollout
         self.max_prompt_tokens = max_prompt_tokens
         self.eos_token_id, self.pad_token_id = eos_token_id, pad_token_id
+        self.verifiable_weights = verifiable_weights  # keep weights readable for sync verification
         self.engine = None
+        self.asleep = False
 
     @register(Dispatch.ONE_TO_ALL)
     def start_engine(self) -> float:
         """Build the engine; returns the seconds it took."""
         from vllm import LLM
 
+        if self.verifiable_weights and self.ctx.device == "cpu":
+            from hybridflow.patches import keep_vllm_cpu_linear_weights
+
+            keep_vllm_cpu_linear_weights()
         start = time.perf_counter()
         self.engine = LLM(
             model=self.model_path,
@@ -41,8 +47,27 @@ class VLLMRollout:
             gpu_memory_utilization=self.cfg.gpu_memory_utilization,
             tensor_parallel_size=self.cfg.tensor_parallel_size,
             logprobs_mode="processed_logprobs",  # after temperature: what the actor's ratio needs
+            enable_sleep_mode=self.ctx.device == "cuda",
         )
         return time.perf_counter() - start
+
+    @register(Dispatch.ONE_TO_ALL)
+    def sleep(self) -> bool:
+        """Release the KV cache (and offload weights) while training runs. The CPU backend has no
+        sleep mode (its KV cache is a fixed VLLM_CPU_KVCACHE_SPACE buffer); returns whether it slept."""
+        if self.ctx.device != "cuda" or self.asleep:
+            return False
+        self.engine.sleep(level=1)
+        self.asleep = True
+        return True
+
+    @register(Dispatch.ONE_TO_ALL)
+    def wake_up(self) -> bool:
+        if not self.asleep:
+            return False
+        self.engine.wake_up()
+        self.asleep = False
+        return True
 
     @register(Dispatch.DP_SPLIT)
     def generate(self, prompts: Batch) -> Batch:

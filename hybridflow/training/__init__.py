@@ -1,0 +1,1 @@
+"""Shared training pieces for the FSDP2 workers (actor, critic, reference)."""

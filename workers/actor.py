@@ -1,0 +1,241 @@
+"""The actor: a Hugging Face causal LM under FSDP2 over its group's ranks.
+
+Computes response log-probs and entropy, updates the policy with the configured loss over
+mini-batches and micro-batches, runs supervised fine-tuning steps (the SFT recipe reuses the
+actor), and pushes its weights into the rollout engine colocated in the same process.
+
+Gradient accumulation is invariant to the micro-batch split: every micro-batch loss is
+normalised by the token (or sequence) count of the whole mini-batch across all ranks, and
+multiplied by the number of ranks to undo FSDP's gradient averaging, so one micro-batch or
+four give the same gradients.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+from hybridflow.algos import aggregate_loss, compute_policy_loss, entropy_bonus, kl_loss, log_probs_from_logits
+from hybridflow.algos.entropy import entropy_from_logits
+from hybridflow.batch import Batch
+from hybridflow.controller import Dispatch, WorkerContext, register
+from hybridflow.training.fsdp import (
+    LoraSpec,
+    all_reduce_mean_dict,
+    all_reduce_sum,
+    build_optimizer,
+    clip_gradients,
+    load_model,
+    shard_model,
+)
+from hybridflow.training.sequences import micro_batches, mini_batches, response_logits
+
+
+@dataclass(frozen=True)
+class ActorSettings:
+    """What the actor needs from the config (built by the recipe from ActorConfig)."""
+
+    model_path: str
+    dtype: str = "float32"
+    lr: float = 1e-4
+    weight_decay: float = 0.0
+    betas: tuple[float, float] = (0.9, 0.999)
+    warmup_steps: int = 0
+    total_steps: int = 100
+    max_grad_norm: float = 1.0
+    samples_per_mini_batch: int = 0  # global, across ranks; 0: the whole step batch is one mini-batch
+    samples_per_micro_batch: int = 8  # per rank
+    epochs_per_step: int = 1
+    policy_loss: str = "ppo_clip"
+    clip_ratio_low: float = 0.2
+    clip_ratio_high: float = 0.2
+    dual_clip_c: float | None = None
+    loss_aggregation: str = "token-mean"
+    entropy_coef: float = 0.0
+    kl_loss_coef: float = 0.0
+    kl_loss_estimator: str = "k3"
+    temperature: float = 1.0
+    lora: LoraSpec | None = None
+    gradient_checkpointing: bool = False
+    rollout_dtype: str = "float32"
+    seed: int = 0
+
+
+PROBE_PROMPT_IDS = [3, 4, 5, 6, 7, 8]  # any ids below every vocabulary size will do
+PROBE_TOLERANCE = 1e-2  # float32 kernels differ by ~1e-5; a stale weight by far more
+
+
+class ActorWorker:
+    def __init__(self, ctx: WorkerContext, settings: ActorSettings) -> None:
+        self.ctx, self.s = ctx, settings
+        self.model = self.optimizer = self.scheduler = None
+        self.updates = 0
+
+    # ---- set-up ---------------------------------------------------------------------------
+
+    @register(Dispatch.ONE_TO_ALL)
+    def start(self) -> dict:
+        torch.manual_seed(self.s.seed)
+        model = load_model(self.s.model_path, self.s.dtype, lora=self.s.lora,
+                           gradient_checkpointing=self.s.gradient_checkpointing)
+        self.model = shard_model(model, self.ctx.device)
+        self.optimizer, self.scheduler = build_optimizer(
+            self.model, self.s.lr, self.s.weight_decay, tuple(self.s.betas), self.s.warmup_steps, self.s.total_steps)
+        trainable = sum(p.numel() for p in self.model.parameters() if p.requires_grad)
+        return {"trainable_parameters_on_rank": trainable}
+
+    # ---- inference ------------------------------------------------------------------------
+
+    @register(Dispatch.DP_SPLIT)
+    @torch.no_grad()
+    def compute_log_probs(self, batch: Batch) -> Batch:
+        """`old_log_probs` and `entropy`, (B, R) each, 0 outside `response_mask`."""
+        return self._log_probs(batch, "old_log_probs")
+
+    @register(Dispatch.DP_SPLIT)
+    @torch.no_grad()
+    def compute_ref_log_probs(self, batch: Batch) -> Batch:
+        """Reference log-probs from the actor with its LoRA adapter disabled (LoRA runs only)."""
+        if not hasattr(self.model, "disable_adapter"):
+            raise RuntimeError("compute_ref_log_probs on the actor needs actor.lora.rank > 0; "
+                               "without LoRA the reference role computes reference log-probs")
+        with self.model.disable_adapter():
+            out = self._log_probs(batch, "ref_log_probs")
+        return out.select(["ref_log_probs"])
+
+    def _log_probs(self, batch: Batch, key: str) -> Batch:
+        self.model.eval()
+        parts_lp, parts_ent = [], []
+        for micro in micro_batches(batch, self.s.samples_per_micro_batch):
+            logits = response_logits(self.model, micro, self.s.temperature)
+            mask = micro["response_mask"]
+            parts_lp.append(log_probs_from_logits(logits, micro["response_ids"]) * mask)
+            parts_ent.append(entropy_from_logits(logits) * mask)
+        return Batch(tensors={key: torch.cat(parts_lp), "entropy": torch.cat(parts_ent)})
+
+    # ---- training ---------------------------------------------------------------------------
+
+    @register(Dispatch.DP_SPLIT)
+    def update_policy(self, batch: Batch) -> dict:
+        """One step's policy update. Needs response tokens, `old_log_probs`, `advantages`
+        (and `ref_log_probs` when kl_loss_coef > 0). Returns metrics averaged over ranks."""
+        start = time.perf_counter()
+        stats = self._train(batch, self._policy_loss)
+        stats["timing/actor_update_s"] = time.perf_counter() - start
+        return stats
+
+    @register(Dispatch.DP_SPLIT)
+    def train_sft(self, batch: Batch) -> dict:
+        """One supervised step: cross-entropy on response (answer) tokens only."""
+        return self._train(batch, self._sft_loss, epochs=1, whole_batch=True)
+
+    def _policy_loss(self, micro: Batch, tokens: float, seqs: float) -> tuple[torch.Tensor, dict]:
+        logits = response_logits(self.model, micro, self.s.temperature)
+        mask = micro["response_mask"]
+        log_probs = log_probs_from_logits(logits, micro["response_ids"])
+        counts = {"global_token_count": tokens, "global_sequence_count": seqs}
+        loss, stats = compute_policy_loss(
+            self.s.policy_loss, log_probs=log_probs, old_log_probs=micro["old_log_probs"],
+            advantages=micro["advantages"], response_mask=mask, clip_ratio_low=self.s.clip_ratio_low,
+            clip_ratio_high=self.s.clip_ratio_high, dual_clip_c=self.s.dual_clip_c,
+            aggregation=self.s.loss_aggregation, **counts)
+        if self.s.entropy_coef:
+            bonus, ent_stats = entropy_bonus(entropy=entropy_from_logits(logits), response_mask=mask,
+                                             coef=self.s.entropy_coef, aggregation=self.s.loss_aggregation, **counts)
+            loss = loss - bonus
+            stats.update(ent_stats)
+        if self.s.kl_loss_coef:
+            kl, kl_stats = kl_loss(log_probs=log_probs, ref_log_probs=micro["ref_log_probs"], response_mask=mask,
+                                   estimator=self.s.kl_loss_estimator, aggregation=self.s.loss_aggregation, **counts)
+            loss = loss + self.s.kl_loss_coef * kl
+            stats.update(kl_stats)
+        return loss, stats
+
+    def _sft_loss(self, micro: Batch, tokens: float, seqs: float) -> tuple[torch.Tensor, dict]:
+        logits = response_logits(self.model, micro)
+        nll = -log_probs_from_logits(logits, micro["response_ids"])
+        loss = aggregate_loss(nll, micro["response_mask"], "token-mean", global_token_count=tokens)
+        return loss, {}  # the mini-batch loss is reported as actor/loss
+
+    def _train(self, batch: Batch, loss_fn, epochs: int | None = None, whole_batch: bool = False) -> dict:
+        self.model.train()
+        world = self.ctx.world_size
+        rows_per_mini = len(batch) if whole_batch or not self.s.samples_per_mini_batch else \
+            self.s.samples_per_mini_batch // world
+        generator = torch.Generator().manual_seed(self.s.seed * 100003 + self.updates)
+        totals: dict[str, float] = {}
+        n_mini = 0
+        for _ in range(epochs or self.s.epochs_per_step):
+            for mini in mini_batches(batch, rows_per_mini, generator):
+                mini_stats = self._train_mini_batch(mini, loss_fn, world)
+                for k, v in mini_stats.items():
+                    totals[k] = totals.get(k, 0.0) + v
+                n_mini += 1
+        self.scheduler.step()
+        self.updates += 1
+        stats = {k: v / n_mini for k, v in totals.items()}
+        stats["actor/lr"] = self.scheduler.get_last_lr()[0]
+        return all_reduce_mean_dict(stats)
+
+    def _train_mini_batch(self, mini: Batch, loss_fn, world: int) -> dict:
+        mask = mini["response_mask"]
+        tokens = all_reduce_sum(int(mask.sum()))
+        seqs = all_reduce_sum(int(mask.any(dim=1).sum()))
+        if tokens == 0:
+            raise ValueError("a mini-batch has no response tokens on any rank; check rollout.max_response_tokens")
+        self.optimizer.zero_grad(set_to_none=True)
+        loss_total, weighted = 0.0, {}
+        for micro in micro_batches(mini, self.s.samples_per_micro_batch):
+            loss, stats = loss_fn(micro, tokens, seqs)
+            (loss * world).backward()
+            loss_total += float(loss.detach())
+            share = float(micro["response_mask"].sum()) / max(1.0, float(mask.sum()))
+            for k, v in stats.items():
+                weighted[k] = weighted.get(k, 0.0) + v * share
+        grad_norm = clip_gradients(self.model, self.s.max_grad_norm)
+        if not torch.isfinite(torch.tensor(grad_norm)):
+            self.optimizer.zero_grad(set_to_none=True)
+            raise FloatingPointError(f"gradient norm is {grad_norm} at actor update {self.updates}; lower the lr "
+                                     "or check the advantages/rewards for NaN")
+        self.optimizer.step()
+        weighted["actor/loss"] = all_reduce_sum(loss_total)  # the mini-batch loss over all ranks
+        weighted["actor/grad_norm"] = grad_norm
+        return weighted
+
+    # ---- weights ----------------------------------------------------------------------------------
+
+    @register(Dispatch.ONE_TO_ALL)
+    def sync_weights_to_rollout(self, verify: bool = False) -> dict:
+        """Push the current weights into the vLLM engine colocated in this process."""
+        from hybridflow.resharding import (
+            WeightSyncError,
+            full_weights,
+            load_into_vllm,
+            probe_log_prob_gap,
+            verify_vllm_weights,
+            weight_checksums,
+        )
+
+        rollout = self.ctx.colocated.get("rollout")
+        if rollout is None or getattr(rollout, "engine", None) is None:
+            raise RuntimeError("sync_weights_to_rollout needs a started rollout worker in the same process: map "
+                               "placement.roles.actor and placement.roles.rollout to the same pool")
+        dtype = getattr(torch, self.s.rollout_dtype)
+        stats = load_into_vllm(rollout.engine, full_weights(self.model, dtype))
+        if verify:
+            stats.update(verify_vllm_weights(rollout.engine, weight_checksums(full_weights(self.model, dtype))))
+            gap = probe_log_prob_gap(rollout.engine, self.model, PROBE_PROMPT_IDS)
+            stats["weight_sync/probe_log_prob_gap"] = gap
+            if gap > PROBE_TOLERANCE:
+                raise WeightSyncError(
+                    f"after the weight sync vLLM's log-probs differ from the actor's by up to {gap:.3g} on a probe "
+                    f"prompt (tolerance {PROBE_TOLERANCE}): the engine is not computing with the synced weights")
+        return stats
+
+    @register(Dispatch.ONE_TO_ALL)
+    def weight_checksums(self) -> dict:
+        from hybridflow.resharding import full_weights, weight_checksums
+
+        return weight_checksums(full_weights(self.model))
