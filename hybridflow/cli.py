@@ -23,6 +23,9 @@ from hybridflow.tracking import make_run_dir, save_config
 
 RECIPES: Registry[str] = Registry("recipe", signature="run(config: HybridFlowConfig, run_dir: Path) -> dict")
 RECIPES.add("demo", "recipes.demo:run")
+RECIPES.add("sft", "recipes.sft:run")
+RECIPES.add("grpo", "recipes.ppo:run")
+RECIPES.add("ppo", "recipes.ppo:run")
 
 
 def recipe_function(name: str) -> Callable:

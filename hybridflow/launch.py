@@ -98,3 +98,51 @@ def vllm_env(config: HybridFlowConfig) -> dict[str, str]:
         "VLLM_CPU_KVCACHE_SPACE": str(config.rollout.kv_cache_space_gib),
         "TOKENIZERS_PARALLELISM": "false",
     }
+
+
+# ---- role specs from config ------------------------------------------------------------------
+
+
+def actor_settings(config: HybridFlowConfig, model_dir: Path):
+    from hybridflow.training.fsdp import LoraSpec
+    from workers.actor import ActorSettings
+
+    a, o = config.actor, config.actor.optim
+    lora = LoraSpec(a.lora.rank, a.lora.alpha, a.lora.dropout, tuple(a.lora.target_modules)) if a.lora.rank else None
+    return ActorSettings(
+        model_path=str(model_dir), dtype=config.model.dtype.value, lr=o.lr, weight_decay=o.weight_decay,
+        betas=tuple(o.betas), warmup_steps=o.warmup_steps, total_steps=config.trainer.total_steps,
+        max_grad_norm=o.max_grad_norm, lr_schedule=o.lr_schedule, min_lr_ratio=o.min_lr_ratio,
+        samples_per_mini_batch=a.samples_per_mini_batch,
+        samples_per_micro_batch=a.samples_per_micro_batch, epochs_per_step=a.epochs_per_step,
+        policy_loss=a.policy_loss, clip_ratio_low=a.clip_ratio_low, clip_ratio_high=a.clip_ratio_high,
+        dual_clip_c=a.dual_clip_c, loss_aggregation=a.loss_aggregation, entropy_coef=a.entropy_coef,
+        kl_loss_coef=a.kl_loss_coef, kl_loss_estimator=a.kl_loss_estimator,
+        temperature=config.rollout.temperature, lora=lora, gradient_checkpointing=a.gradient_checkpointing,
+        rollout_dtype=config.rollout.dtype.value, seed=config.seed)
+
+
+def critic_settings(config: HybridFlowConfig, model_dir: Path):
+    from workers.critic import CriticSettings
+
+    c, o = config.critic, config.critic.optim
+    return CriticSettings(
+        model_path=str(model_dir), dtype=config.model.dtype.value, lr=o.lr, weight_decay=o.weight_decay,
+        betas=tuple(o.betas), warmup_steps=o.warmup_steps, total_steps=config.trainer.total_steps,
+        max_grad_norm=o.max_grad_norm, lr_schedule=o.lr_schedule, min_lr_ratio=o.min_lr_ratio,
+        samples_per_mini_batch=c.samples_per_mini_batch,
+        samples_per_micro_batch=c.samples_per_micro_batch, epochs_per_step=c.epochs_per_step,
+        value_clip_range=c.value_clip_range, loss_aggregation=c.loss_aggregation, seed=config.seed)
+
+
+def rollout_role(config: HybridFlowConfig, model_dir: Path, tokenizer) -> RoleSpec:
+    from hybridflow.config.schema import RolloutBackend
+
+    if config.rollout.backend is RolloutBackend.vllm:
+        from workers.rollout.vllm_rollout import VLLMRollout as rollout_cls
+    else:
+        from workers.rollout.hf_rollout import HFRollout as rollout_cls
+    return RoleSpec(rollout_cls, dict(
+        model_path=str(model_dir), rollout=config.rollout, max_prompt_tokens=config.data.max_prompt_tokens,
+        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+        verifiable_weights=config.trainer.verify_weight_sync))

@@ -38,7 +38,7 @@ def run(config: HybridFlowConfig, run_dir) -> dict:
     samples: Batch = rollout.generate(prompts.repeat_interleave(config.rollout.samples_per_prompt))
     generate_s = time.perf_counter() - start
 
-    scores = [exact_match(r, g) for r, g in zip(samples["response"], samples["ground_truth"])]
+    scores = [exact_match(r, g)["score"] for r, g in zip(samples["response"], samples["ground_truth"])]
     response_tokens = int(samples["response_mask"].sum())
     metrics = {
         "demo/accuracy": sum(scores) / len(scores),

@@ -17,7 +17,14 @@ from dataclasses import dataclass
 
 import torch
 
-from hybridflow.algos import aggregate_loss, compute_policy_loss, entropy_bonus, kl_loss, log_probs_from_logits
+from hybridflow.algos import (
+    aggregate_loss,
+    compute_policy_loss,
+    entropy_bonus,
+    kl_loss,
+    log_probs_from_logits,
+    masked_mean,
+)
 from hybridflow.algos.entropy import entropy_from_logits
 from hybridflow.batch import Batch
 from hybridflow.controller import Dispatch, WorkerContext, register
@@ -30,7 +37,7 @@ from hybridflow.training.fsdp import (
     load_model,
     shard_model,
 )
-from hybridflow.training.sequences import micro_batches, mini_batches, response_logits
+from hybridflow.training.sequences import log_probs_and_entropy, micro_batches, mini_batches, response_logits
 
 
 @dataclass(frozen=True)
@@ -45,6 +52,8 @@ class ActorSettings:
     warmup_steps: int = 0
     total_steps: int = 100
     max_grad_norm: float = 1.0
+    lr_schedule: str = "constant"
+    min_lr_ratio: float = 0.0
     samples_per_mini_batch: int = 0  # global, across ranks; 0: the whole step batch is one mini-batch
     samples_per_micro_batch: int = 8  # per rank
     epochs_per_step: int = 1
@@ -82,7 +91,8 @@ class ActorWorker:
                            gradient_checkpointing=self.s.gradient_checkpointing)
         self.model = shard_model(model, self.ctx.device)
         self.optimizer, self.scheduler = build_optimizer(
-            self.model, self.s.lr, self.s.weight_decay, tuple(self.s.betas), self.s.warmup_steps, self.s.total_steps)
+            self.model, self.s.lr, self.s.weight_decay, tuple(self.s.betas), self.s.warmup_steps, self.s.total_steps,
+            self.s.lr_schedule, self.s.min_lr_ratio)
         trainable = sum(p.numel() for p in self.model.parameters() if p.requires_grad)
         return {"trainable_parameters_on_rank": trainable}
 
@@ -106,14 +116,9 @@ class ActorWorker:
         return out.select(["ref_log_probs"])
 
     def _log_probs(self, batch: Batch, key: str) -> Batch:
-        self.model.eval()
-        parts_lp, parts_ent = [], []
-        for micro in micro_batches(batch, self.s.samples_per_micro_batch):
-            logits = response_logits(self.model, micro, self.s.temperature)
-            mask = micro["response_mask"]
-            parts_lp.append(log_probs_from_logits(logits, micro["response_ids"]) * mask)
-            parts_ent.append(entropy_from_logits(logits) * mask)
-        return Batch(tensors={key: torch.cat(parts_lp), "entropy": torch.cat(parts_ent)})
+        log_probs, entropy = log_probs_and_entropy(self.model, batch, self.s.samples_per_micro_batch,
+                                                   self.s.temperature)
+        return Batch(tensors={key: log_probs, "entropy": entropy})
 
     # ---- training ---------------------------------------------------------------------------
 
@@ -141,11 +146,13 @@ class ActorWorker:
             advantages=micro["advantages"], response_mask=mask, clip_ratio_low=self.s.clip_ratio_low,
             clip_ratio_high=self.s.clip_ratio_high, dual_clip_c=self.s.dual_clip_c,
             aggregation=self.s.loss_aggregation, **counts)
+        entropy = entropy_from_logits(logits)
         if self.s.entropy_coef:
-            bonus, ent_stats = entropy_bonus(entropy=entropy_from_logits(logits), response_mask=mask,
-                                             coef=self.s.entropy_coef, aggregation=self.s.loss_aggregation, **counts)
+            bonus, _ = entropy_bonus(entropy=entropy, response_mask=mask, coef=self.s.entropy_coef,
+                                     aggregation=self.s.loss_aggregation, **counts)
             loss = loss - bonus
-            stats.update(ent_stats)
+        stats["actor/entropy"] = float(masked_mean(entropy.detach(), mask))
+        stats["actor/log_prob_diff_from_old"] = float(masked_mean((log_probs.detach() - micro["old_log_probs"]).abs(), mask))
         if self.s.kl_loss_coef:
             kl, kl_stats = kl_loss(log_probs=log_probs, ref_log_probs=micro["ref_log_probs"], response_mask=mask,
                                    estimator=self.s.kl_loss_estimator, aggregation=self.s.loss_aggregation, **counts)
@@ -209,33 +216,61 @@ class ActorWorker:
     @register(Dispatch.ONE_TO_ALL)
     def sync_weights_to_rollout(self, verify: bool = False) -> dict:
         """Push the current weights into the vLLM engine colocated in this process."""
-        from hybridflow.resharding import (
-            WeightSyncError,
-            full_weights,
-            load_into_vllm,
-            probe_log_prob_gap,
-            verify_vllm_weights,
-            weight_checksums,
-        )
+        from hybridflow.resharding import WeightSyncError, full_weights, weight_checksums
 
         rollout = self.ctx.colocated.get("rollout")
-        if rollout is None or getattr(rollout, "engine", None) is None:
-            raise RuntimeError("sync_weights_to_rollout needs a started rollout worker in the same process: map "
+        if rollout is None:
+            raise RuntimeError("sync_weights_to_rollout needs the rollout worker in the same process: map "
                                "placement.roles.actor and placement.roles.rollout to the same pool")
         dtype = getattr(torch, self.s.rollout_dtype)
-        stats = load_into_vllm(rollout.engine, full_weights(self.model, dtype))
+        stats = rollout.load_weights(full_weights(self.model, dtype))
         if verify:
-            stats.update(verify_vllm_weights(rollout.engine, weight_checksums(full_weights(self.model, dtype))))
-            gap = probe_log_prob_gap(rollout.engine, self.model, PROBE_PROMPT_IDS)
+            stats.update(rollout.verify_weights(weight_checksums(full_weights(self.model, dtype))))
+            tokens, rollout_lp = rollout.probe_log_probs(PROBE_PROMPT_IDS, new_tokens=4)
+            gap = float((rollout_lp - self._probe_actor_log_probs(tokens)).abs().max())
             stats["weight_sync/probe_log_prob_gap"] = gap
             if gap > PROBE_TOLERANCE:
                 raise WeightSyncError(
-                    f"after the weight sync vLLM's log-probs differ from the actor's by up to {gap:.3g} on a probe "
-                    f"prompt (tolerance {PROBE_TOLERANCE}): the engine is not computing with the synced weights")
+                    f"after the weight sync the rollout's log-probs differ from the actor's by up to {gap:.3g} on a "
+                    f"probe prompt (tolerance {PROBE_TOLERANCE}): the engine is not computing with the synced weights")
         return stats
+
+    @torch.no_grad()
+    def _probe_actor_log_probs(self, tokens: list[int]) -> torch.Tensor:
+        full = torch.tensor([PROBE_PROMPT_IDS + tokens], device=self.ctx.device)
+        self.model.eval()
+        logits = self.model(input_ids=full, use_cache=False).logits[0, len(PROBE_PROMPT_IDS) - 1 : -1].float()
+        return torch.log_softmax(logits, -1).gather(-1, full[0, len(PROBE_PROMPT_IDS):, None])[:, 0].double().cpu()
 
     @register(Dispatch.ONE_TO_ALL)
     def weight_checksums(self) -> dict:
         from hybridflow.resharding import full_weights, weight_checksums
 
         return weight_checksums(full_weights(self.model))
+
+    # ---- checkpoints -------------------------------------------------------------------------
+
+    @register(Dispatch.ONE_TO_ALL)
+    def save_checkpoint(self, directory: str) -> None:
+        """Collective: this rank's shard of model + optimizer, the scheduler, RNG and update count."""
+        from hybridflow.checkpoint import save_training_state
+
+        save_training_state(directory, model=self.model, optimizer=self.optimizer, scheduler=self.scheduler,
+                            rank=self.ctx.rank, extra={"updates": self.updates})
+
+    @register(Dispatch.ONE_TO_ALL)
+    def load_checkpoint(self, directory: str) -> None:
+        from hybridflow.checkpoint import load_training_state
+
+        extra = load_training_state(directory, model=self.model, optimizer=self.optimizer, scheduler=self.scheduler,
+                                    rank=self.ctx.rank)
+        self.updates = int((extra or {}).get("updates", 0))
+
+    @register(Dispatch.ONE_TO_ALL)
+    def export_hf(self, directory: str, tokenizer_source_dir: str) -> str | None:
+        """Collective: rank 0 writes the actor (LoRA folded) as a Hugging Face model directory."""
+        from hybridflow.checkpoint import export_hf_model
+
+        path = export_hf_model(directory, model=self.model, tokenizer_source_dir=tokenizer_source_dir,
+                               rank=self.ctx.rank)
+        return str(path) if path is not None else None

@@ -13,6 +13,8 @@ import enum
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
 
+from hybridflow.rewards.config import RewardConfig  # noqa: F401 - the reward.* schema lives beside its code
+
 ROLES = ("actor", "rollout", "reference", "critic", "reward")
 
 
@@ -154,25 +156,122 @@ class RolloutConfig:
 
 
 @dataclass
-class RewardConfig:
-    # A registered name or 'package.module:function' / 'path/to/file.py:function'.
-    fn: str = "exact_match"
-    timeout_s: float = 30.0
+class AlgorithmConfig:
+    # A registered advantage estimator (gae, grpo, dr_grpo, rloo, reinforce_plus_plus, remax) or 'module:fn'.
+    advantage_estimator: str = "grpo"
+    use_critic: bool = False  # gae needs a critic; the critic-free estimators do not
+    gamma: float = 1.0
+    lam: float = 1.0
+    kl_penalty_coef: float = 0.0  # KL to the reference as a reward penalty (0: off)
+    kl_penalty_estimator: str = "k1"
+    kl_controller: str = "fixed"  # fixed | adaptive
+    kl_target: float = 0.1  # adaptive controller's target KL per sequence
+    kl_horizon: int = 10000
 
     def __post_init__(self) -> None:
-        _require(bool(self.fn), "reward.fn", self.fn, "name a reward function")
-        _require(self.timeout_s > 0, "reward.timeout_s", self.timeout_s, "must be > 0")
+        from hybridflow.algos import ADVANTAGE_ESTIMATORS, KL_CONTROLLERS, KL_ESTIMATORS
+
+        known = ADVANTAGE_ESTIMATORS.names()
+        _require(self.advantage_estimator in known or ":" in self.advantage_estimator,
+                 "algorithm.advantage_estimator", self.advantage_estimator, f"one of {known}, or 'module:function'")
+        _require(self.use_critic or self.advantage_estimator != "gae", "algorithm.use_critic", self.use_critic,
+                 "advantage_estimator=gae needs a critic: set algorithm.use_critic=true (or recipe=ppo)")
+        _require(0 <= self.gamma <= 1, "algorithm.gamma", self.gamma, "must be in [0, 1]")
+        _require(0 <= self.lam <= 1, "algorithm.lam", self.lam, "must be in [0, 1]")
+        _require(self.kl_penalty_coef >= 0, "algorithm.kl_penalty_coef", self.kl_penalty_coef, "must be >= 0")
+        _require(self.kl_penalty_estimator in KL_ESTIMATORS.names(), "algorithm.kl_penalty_estimator",
+                 self.kl_penalty_estimator, f"one of {KL_ESTIMATORS.names()}")
+        _require(self.kl_controller in KL_CONTROLLERS.names(), "algorithm.kl_controller", self.kl_controller,
+                 f"one of {KL_CONTROLLERS.names()}")
 
 
 @dataclass
-class AlgorithmConfig:
-    advantage_estimator: str = "grpo"
-    gamma: float = 1.0
-    lam: float = 1.0
+class OptimConfig:
+    lr: float = 1e-4
+    weight_decay: float = 0.0
+    betas: List[float] = field(default_factory=lambda: [0.9, 0.999])
+    warmup_steps: int = 0
+    lr_schedule: str = "constant"  # constant | cosine (decays to min_lr_ratio * lr at trainer.total_steps)
+    min_lr_ratio: float = 0.0
+    max_grad_norm: float = 1.0  # 0 disables clipping
 
     def __post_init__(self) -> None:
-        _require(0 <= self.gamma <= 1, "algorithm.gamma", self.gamma, "must be in [0, 1]")
-        _require(0 <= self.lam <= 1, "algorithm.lam", self.lam, "must be in [0, 1]")
+        _require(self.lr > 0, "<role>.optim.lr", self.lr, "must be > 0")
+        _require(len(self.betas) == 2 and all(0 <= b < 1 for b in self.betas), "<role>.optim.betas", self.betas,
+                 "two numbers in [0, 1)")
+        _require(self.lr_schedule in ("constant", "cosine"), "<role>.optim.lr_schedule", self.lr_schedule,
+                 "one of ['constant', 'cosine']")
+        _require(self.max_grad_norm >= 0, "<role>.optim.max_grad_norm", self.max_grad_norm, "must be >= 0")
+
+
+@dataclass
+class LoraConfig:
+    rank: int = 0  # 0: full fine-tuning
+    alpha: float = 16.0
+    dropout: float = 0.0
+    target_modules: List[str] = field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj",
+                                                               "gate_proj", "up_proj", "down_proj"])
+
+
+@dataclass
+class ActorConfig:
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    lora: LoraConfig = field(default_factory=LoraConfig)
+    samples_per_mini_batch: int = 0  # global; 0: the step's whole batch is one mini-batch (on-policy)
+    samples_per_micro_batch: int = 16  # per rank
+    epochs_per_step: int = 1
+    policy_loss: str = "ppo_clip"
+    clip_ratio_low: float = 0.2
+    clip_ratio_high: float = 0.2
+    dual_clip_c: Optional[float] = None
+    loss_aggregation: str = "token-mean"
+    entropy_coef: float = 0.0
+    kl_loss_coef: float = 0.0  # KL to the reference as a loss term (0: off)
+    kl_loss_estimator: str = "k3"
+    gradient_checkpointing: bool = False
+
+    def __post_init__(self) -> None:
+        from hybridflow.algos import KL_ESTIMATORS, LOSS_AGGREGATIONS, POLICY_LOSSES
+
+        _require(self.samples_per_mini_batch >= 0, "actor.samples_per_mini_batch", self.samples_per_mini_batch, "must be >= 0")
+        _require(self.samples_per_micro_batch >= 1, "actor.samples_per_micro_batch", self.samples_per_micro_batch, "must be >= 1")
+        _require(self.epochs_per_step >= 1, "actor.epochs_per_step", self.epochs_per_step, "must be >= 1")
+        _require(self.policy_loss in POLICY_LOSSES.names(), "actor.policy_loss", self.policy_loss, f"one of {POLICY_LOSSES.names()}")
+        _require(self.loss_aggregation in LOSS_AGGREGATIONS.names(), "actor.loss_aggregation", self.loss_aggregation,
+                 f"one of {LOSS_AGGREGATIONS.names()}")
+        _require(self.kl_loss_estimator in KL_ESTIMATORS.names(), "actor.kl_loss_estimator", self.kl_loss_estimator,
+                 f"one of {KL_ESTIMATORS.names()}")
+        _require(self.dual_clip_c is None or self.dual_clip_c > 1, "actor.dual_clip_c", self.dual_clip_c, "null or > 1")
+
+
+@dataclass
+class CriticConfig:
+    optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-4))
+    samples_per_mini_batch: int = 0
+    samples_per_micro_batch: int = 16
+    epochs_per_step: int = 1
+    value_clip_range: float = 0.2
+    loss_aggregation: str = "token-mean"
+
+
+@dataclass
+class TrainerConfig:
+    total_steps: int = 20
+    prompts_per_step: int = 16
+    val_every_steps: int = 5  # 0: validate only at the end
+    val_prompts: int = 200  # validation prompts (greedy decoding); at most the validation set
+    save_every_steps: int = 0  # 0: no periodic checkpoints
+    keep_last_checkpoints: Optional[int] = None
+    resume: bool = False  # continue from the latest complete checkpoint of logger.run_name
+    use_sampler_log_probs: bool = True  # on-policy single update: skip the old-log-prob forward pass
+    verify_weight_sync: bool = False  # compare every vLLM tensor with the actor after each sync
+    export_hf: bool = True  # save the final actor as a Hugging Face directory
+
+    def __post_init__(self) -> None:
+        _require(self.total_steps >= 1, "trainer.total_steps", self.total_steps, "must be >= 1")
+        _require(self.prompts_per_step >= 1, "trainer.prompts_per_step", self.prompts_per_step, "must be >= 1")
+        _require(self.val_every_steps >= 0, "trainer.val_every_steps", self.val_every_steps, "must be >= 0")
+        _require(self.save_every_steps >= 0, "trainer.save_every_steps", self.save_every_steps, "must be >= 0")
 
 
 @dataclass
@@ -187,7 +286,7 @@ class LoggerConfig:
         _require(not bad, "logger.backends", self.backends, f"each must be one of {list(allowed)}")
 
 
-RECIPE_NAMES = ("demo",)
+RECIPE_NAMES = ("demo", "sft", "grpo", "ppo")
 
 
 @dataclass
@@ -209,7 +308,23 @@ class HybridFlowConfig:
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
+    actor: ActorConfig = field(default_factory=ActorConfig)
+    critic: CriticConfig = field(default_factory=CriticConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
     placement: PlacementConfig = field(default_factory=PlacementConfig)
     logger: LoggerConfig = field(default_factory=LoggerConfig)
     ray: RayConfig = field(default_factory=RayConfig)
     seed: int = 0
+
+    def __post_init__(self) -> None:
+        world = self.placement.pools[self.placement.roles["actor"]].nodes * \
+            self.placement.pools[self.placement.roles["actor"]].devices_per_node
+        samples = self.trainer.prompts_per_step * self.rollout.samples_per_prompt
+        _require(samples % world == 0, "trainer.prompts_per_step", self.trainer.prompts_per_step,
+                 f"prompts_per_step x rollout.samples_per_prompt ({samples}) must divide evenly over the "
+                 f"{world} actor ranks")
+        mini = self.actor.samples_per_mini_batch
+        _require(mini == 0 or (samples % mini == 0 and mini % world == 0), "actor.samples_per_mini_batch", mini,
+                 f"must divide the step's {samples} samples and be a multiple of the {world} actor ranks")
+        _require(self.recipe.name != "ppo" or self.algorithm.use_critic, "algorithm.use_critic",
+                 self.algorithm.use_critic, "recipe=ppo trains a critic: set algorithm.use_critic=true")

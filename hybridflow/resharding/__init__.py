@@ -4,11 +4,11 @@ from hybridflow.resharding.colocated import (
     WeightSyncError,
     full_weights,
     load_into_vllm,
-    probe_log_prob_gap,
+    probe_vllm_log_probs,
     vllm_checksums,
     verify_vllm_weights,
     weight_checksums,
 )
 
-__all__ = ["WeightSyncError", "full_weights", "load_into_vllm", "probe_log_prob_gap", "vllm_checksums", "verify_vllm_weights",
+__all__ = ["WeightSyncError", "full_weights", "load_into_vllm", "probe_vllm_log_probs", "vllm_checksums", "verify_vllm_weights",
            "weight_checksums"]

@@ -155,11 +155,12 @@ def verify_vllm_weights(engine, expected: dict[str, tuple[float, float]], rtol: 
     return {"weight_sync/verified_tensors": float(checked)}
 
 
-def probe_log_prob_gap(engine, model: torch.nn.Module, prompt_ids: list[int], new_tokens: int = 4) -> float:
-    """Max |log p_vLLM - log p_actor| over a short greedy continuation of `prompt_ids`.
+def probe_vllm_log_probs(engine, prompt_ids: list[int], new_tokens: int = 4) -> tuple[list[int], torch.Tensor]:
+    """A short greedy continuation of `prompt_ids` and vLLM's log-prob of each token (float64).
 
-    The checksums prove which numbers vLLM holds; this proves what it computes with them (a
-    stale kernel or a missed tensor shows up here even when every readable parameter matches).
+    The checksums prove which numbers vLLM holds; comparing these log-probs with the actor's
+    proves what it computes with them (a stale kernel or a missed tensor shows up here even
+    when every readable parameter matches).
     """
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
@@ -167,15 +168,7 @@ def probe_log_prob_gap(engine, model: torch.nn.Module, prompt_ids: list[int], ne
     params = SamplingParams(temperature=0.0, max_tokens=new_tokens, logprobs=0, ignore_eos=True)
     out = engine.generate([TokensPrompt(prompt_token_ids=prompt_ids)], params, use_tqdm=False)[0].outputs[0]
     tokens = list(out.token_ids)
-    vllm_lp = torch.tensor([entry[t].logprob for t, entry in zip(tokens, out.logprobs)], dtype=torch.float64)
-    full = torch.tensor([prompt_ids + tokens])
-    was_training = model.training
-    model.eval()
-    with torch.no_grad():
-        logits = model(input_ids=full, use_cache=False).logits[0, len(prompt_ids) - 1 : -1].float()
-    model.train(was_training)
-    actor_lp = torch.log_softmax(logits, -1).gather(-1, torch.tensor(tokens)[:, None])[:, 0].double()
-    return float((vllm_lp - actor_lp).abs().max())
+    return tokens, torch.tensor([entry[t].logprob for t, entry in zip(tokens, out.logprobs)], dtype=torch.float64)
 
 
 def _close(a: float, b: float, rtol: float, scale: float | None = None) -> bool:

@@ -1,18 +1,68 @@
-"""Built-in rule-based rewards."""
+"""Built-in rule-based reward functions, registered by name in `REWARD_FUNCTIONS`.
+
+Every entry follows the custom-function contract (see docs/rewards.md): keyword arguments
+taken by name from the sample (`prompt`, `response`, data columns), a float or a dict with
+`score` returned.
+"""
 
 from __future__ import annotations
 
+import math
 import re
 
-_NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
+from hybridflow.registry import Registry
+
+REWARD_FUNCTIONS: Registry = Registry(
+    "reward function",
+    signature="fn(*, response, prompt, <data columns such as ground_truth>, **_) -> float | {'score': float, ...}",
+)
+
+# A number as people write it: optional sign, thousands separators, decimals ("-1,234.5").
+_NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?|-?\.\d+")
+_FINAL_MARK = "####"  # GSM8K writes the final answer after '####'
 
 
-def extract_answer(response: str) -> str | None:
-    """The first number in a response ("82 and more" -> "82"); None if there is none."""
-    match = _NUMBER.search(response)
-    return match.group(0) if match else None
+def extract_answer(text: str) -> str | None:
+    """The final numeric answer of a text, commas stripped; None if there is none.
+
+    The first number after the last '####' when the text has one (GSM8K solutions), else the
+    last number in the text ("so 3 + 4 = 7" -> "7").
+    """
+    text = str(text)
+    if _FINAL_MARK in text:
+        numbers = _NUMBER.findall(text.rsplit(_FINAL_MARK, 1)[1])
+        found = numbers[0] if numbers else None
+    else:
+        numbers = _NUMBER.findall(text)
+        found = numbers[-1] if numbers else None
+    if found is None:
+        return None
+    found = found.replace(",", "").rstrip(".")
+    return found or None
 
 
-def exact_match(response: str, ground_truth: str, **_) -> float:
+def _same_number(a: str | None, b: str | None) -> bool:
+    if a is None or b is None:
+        return False
+    try:
+        return math.isclose(float(a), float(b), rel_tol=1e-9, abs_tol=1e-9)
+    except ValueError:
+        return False
+
+
+@REWARD_FUNCTIONS.register("exact_match")
+def exact_match(response: str, ground_truth: str, **_) -> dict:
     """1.0 when the response, stripped of surrounding space, equals the ground truth, else 0.0."""
-    return 1.0 if response.strip() == str(ground_truth).strip() else 0.0
+    s = 1.0 if str(response).strip() == str(ground_truth).strip() else 0.0
+    return {"score": s, "accuracy": s}
+
+
+@REWARD_FUNCTIONS.register("math_answer")
+def math_answer(response: str, ground_truth: str, **_) -> dict:
+    """1.0 when the response's final number equals the ground truth's numerically (GSM8K style).
+
+    Both sides go through `extract_answer`, so a ground truth may be a bare number ("1,234")
+    or a full GSM8K solution ending in "#### 1234".
+    """
+    s = 1.0 if _same_number(extract_answer(response), extract_answer(ground_truth)) else 0.0
+    return {"score": s, "accuracy": s}

@@ -68,8 +68,8 @@ def _unwrap(model: torch.nn.Module) -> torch.nn.Module:
 
 
 def build_optimizer(model: torch.nn.Module, lr: float, weight_decay: float, betas: tuple[float, float],
-                    warmup_steps: int, total_steps: int, min_lr_ratio: float = 0.0):
-    """AdamW over trainable parameters, linear warmup then cosine decay to `min_lr_ratio * lr`."""
+                    warmup_steps: int, total_steps: int, schedule: str = "constant", min_lr_ratio: float = 0.0):
+    """AdamW over trainable parameters; linear warmup, then constant or cosine decay to `min_lr_ratio * lr`."""
     params = [p for p in model.parameters() if p.requires_grad]
     if not params:
         raise ValueError("the model has no trainable parameters")
@@ -78,6 +78,8 @@ def build_optimizer(model: torch.nn.Module, lr: float, weight_decay: float, beta
     def factor(step: int) -> float:
         if warmup_steps and step < warmup_steps:
             return (step + 1) / warmup_steps
+        if schedule == "constant":
+            return 1.0
         span = max(1, total_steps - warmup_steps)
         progress = min(1.0, (step - warmup_steps) / span)
         return min_lr_ratio + (1 - min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))

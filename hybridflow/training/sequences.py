@@ -43,3 +43,19 @@ def mini_batches(batch: Batch, rows_per_mini_batch: int, generator: torch.Genera
     """Shuffled mini-batches of equal size (the caller checks divisibility)."""
     order = torch.randperm(len(batch), generator=generator) if generator is not None else torch.arange(len(batch))
     return batch.reorder(order).split(rows_per_mini_batch)
+
+
+@torch.no_grad()
+def log_probs_and_entropy(model: torch.nn.Module, batch: Batch, rows_per_micro_batch: int,
+                          temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Log-probs of the response tokens and the entropy at each position, (B, R) each, 0 on padding."""
+    from hybridflow.algos import entropy_from_logits, log_probs_from_logits
+
+    model.eval()
+    parts_lp, parts_ent = [], []
+    for micro in micro_batches(batch, rows_per_micro_batch):
+        logits = response_logits(model, micro, temperature)
+        mask = micro["response_mask"]
+        parts_lp.append(log_probs_from_logits(logits, micro["response_ids"]) * mask)
+        parts_ent.append(entropy_from_logits(logits) * mask)
+    return torch.cat(parts_lp), torch.cat(parts_ent)

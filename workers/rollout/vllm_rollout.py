@@ -69,8 +69,27 @@ class VLLMRollout:
         self.asleep = False
         return True
 
+    # ---- weights (called in-process by the colocated actor) ------------------------------------
+
+    def load_weights(self, weights) -> dict[str, float]:
+        from hybridflow.resharding import load_into_vllm
+
+        return load_into_vllm(self.engine, weights)
+
+    def verify_weights(self, expected: dict[str, tuple[float, float]]) -> dict[str, float]:
+        from hybridflow.resharding import verify_vllm_weights
+
+        return verify_vllm_weights(self.engine, expected)
+
+    def probe_log_probs(self, prompt_ids: list[int], new_tokens: int) -> tuple[list[int], torch.Tensor]:
+        from hybridflow.resharding import probe_vllm_log_probs
+
+        return probe_vllm_log_probs(self.engine, prompt_ids, new_tokens)
+
+    # ---- generation ---------------------------------------------------------------------------
+
     @register(Dispatch.DP_SPLIT)
-    def generate(self, prompts: Batch) -> Batch:
+    def generate(self, prompts: Batch, greedy: bool = False) -> Batch:
         """One response per prompt row.
 
         In: `prompt_ids` (B, P) left-padded, `prompt_mask` (B, P).
@@ -85,13 +104,20 @@ class VLLMRollout:
             raise RuntimeError("VLLMRollout.generate called before start_engine()")
         requests = [TokensPrompt(prompt_token_ids=ids[mask].tolist())
                     for ids, mask in zip(prompts["prompt_ids"], prompts["prompt_mask"])]
-        params = SamplingParams(
-            temperature=self.cfg.temperature,
-            top_p=self.cfg.top_p,
-            max_tokens=self.cfg.max_response_tokens,
-            logprobs=0,
-            stop_token_ids=[self.eos_token_id],
-        )
+        def sampling(seed: int | None) -> SamplingParams:
+            return SamplingParams(
+                temperature=0.0 if greedy else self.cfg.temperature,
+                top_p=1.0 if greedy else self.cfg.top_p,
+                max_tokens=self.cfg.max_response_tokens,
+                logprobs=0,
+                stop_token_ids=[self.eos_token_id],
+                seed=seed,
+            )
+
+        # Per-sample seeds (tensor `sample_seed`) make a step's samples independent of the
+        # engine's history, so a resumed run draws what the uninterrupted run drew.
+        seeds = prompts["sample_seed"].tolist() if "sample_seed" in prompts and not greedy else [None] * len(requests)
+        params = [sampling(seed) for seed in seeds]
         outputs = self.engine.generate(requests, params, use_tqdm=False)
         return _responses_to_batch(outputs, prompts, self.cfg.max_response_tokens, self.pad_token_id)
 

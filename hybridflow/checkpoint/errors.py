@@ -1,0 +1,9 @@
+"""The one exception type of the checkpoint package."""
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be written, found or loaded.
+
+    The message names the path, what is wrong with it (the missing file, the mismatched
+    value) and what to do about it.
+    """

@@ -1,0 +1,163 @@
+"""A worker's share of a training checkpoint: model, optimizer, scheduler and RNG states.
+
+Called collectively on every rank of one worker group, each rank passing the same
+`directory` (on a filesystem all ranks share). Inside it:
+
+    .metadata, __<r>_0.distcp      torch.distributed.checkpoint (DCP): model + optimizer,
+                                   each rank writing only its own FSDP shards
+    scheduler.pt                   the LR scheduler's state_dict (rank 0; ranks share one)
+    rng_rank<r>.pt                 each rank's python / numpy / torch / CUDA RNG states
+    extra_rank<r>.pt               a rank's `extra` dict, when one was given
+    training_state.json            world size and what was saved (rank 0)
+
+The state dicts come from `get_state_dict` / `set_state_dict`, which know FSDP2's DTensor
+shards. Frozen parameters (a LoRA model's base weights) are not saved
+(`ignore_frozen_params`): they never change, so a resumed run takes them from the model it
+was built from, which must be the same base model. RNG states are per rank, so a
+checkpoint resumes on the same number of ranks.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import warnings
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+
+from hybridflow.checkpoint.errors import CheckpointError
+from hybridflow.checkpoint.files import atomic_torch_save, atomic_write_text
+from hybridflow.checkpoint.manager import RESUME_FIX
+from hybridflow.checkpoint.rng import capture_rng_state, restore_rng_state
+
+FORMAT_VERSION = 1
+STATE_META = "training_state.json"
+DCP_METADATA = ".metadata"
+SCHEDULER = "scheduler.pt"
+OPTIONS = StateDictOptions(ignore_frozen_params=True)
+# Frozen parameters are absent from the checkpoint, so loading is not strict about them; every
+# other key is still required, because dcp.load fails for a key of the template it cannot find.
+LOAD_OPTIONS = StateDictOptions(ignore_frozen_params=True, strict=False)
+
+
+def rng_file(rank: int) -> str:
+    return f"rng_rank{rank}.pt"
+
+
+def extra_file(rank: int) -> str:
+    return f"extra_rank{rank}.pt"
+
+
+def save_training_state(directory: "str | os.PathLike[str]", *, model: torch.nn.Module,
+                        optimizer: torch.optim.Optimizer, scheduler: Optional[Any] = None, rank: int,
+                        extra: Optional[dict] = None) -> Path:
+    """Save this rank's shard of the model and optimizer, the scheduler and this rank's RNG.
+
+    Collective: every rank of the group calls it with the same `directory`. `extra` is any
+    picklable per-rank dict (returned by `load_training_state`). Draws no random numbers.
+    """
+    rng = capture_rng_state()
+    world_size = _world_size(rank)
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    model_state, optim_state = get_state_dict(model, optimizer, options=OPTIONS)
+    with _single_process_quiet():
+        dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=directory)
+    atomic_torch_save(directory / rng_file(rank), rng)
+    if extra is not None:
+        atomic_torch_save(directory / extra_file(rank), extra)
+    if rank == 0:
+        if scheduler is not None:
+            atomic_torch_save(directory / SCHEDULER, scheduler.state_dict())
+        meta = {"format": FORMAT_VERSION, "world_size": world_size, "scheduler": scheduler is not None}
+        atomic_write_text(directory / STATE_META, json.dumps(meta, indent=1) + "\n")
+    return directory
+
+
+def load_training_state(directory: "str | os.PathLike[str]", *, model: torch.nn.Module,
+                        optimizer: torch.optim.Optimizer, scheduler: Optional[Any] = None,
+                        rank: int) -> Optional[dict]:
+    """Restore what `save_training_state` wrote, RNG states last; returns this rank's `extra`.
+
+    Collective, like the save. `model` and `optimizer` are built (and `model` sharded) as
+    for a fresh start; any gradients are dropped. Returns None when no `extra` was saved.
+    """
+    directory = Path(directory)
+    world_size = _world_size(rank)
+    meta = _check_files(directory, rank=rank, world_size=world_size, want_scheduler=scheduler is not None)
+    if meta["scheduler"] and scheduler is None:
+        raise CheckpointError(f"{directory}: holds an LR scheduler state but no scheduler was passed to "
+                              "load_training_state; pass the run's scheduler")
+    optimizer.zero_grad(set_to_none=True)  # get_state_dict only initialises a gradient-free optimizer
+    model_state, optim_state = get_state_dict(model, optimizer, options=LOAD_OPTIONS)
+    state = {"model": model_state, "optim": optim_state}
+    try:
+        with _single_process_quiet():
+            dcp.load(state, checkpoint_id=directory)
+    except Exception as exc:  # DCP wraps every rank's failure in one CheckpointException
+        raise CheckpointError(f"{directory}: loading the sharded model/optimizer state failed on rank {rank}: "
+                              f"{exc}\nIs this a checkpoint of the same model and optimizer? {RESUME_FIX}") from exc
+    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"],
+                   options=LOAD_OPTIONS)
+    if scheduler is not None:
+        # Files this run wrote: full unpickling, like any torch checkpoint you trust.
+        scheduler.load_state_dict(torch.load(directory / SCHEDULER, weights_only=False))
+    extra_path = directory / extra_file(rank)
+    extra = torch.load(extra_path, weights_only=False) if extra_path.is_file() else None
+    rng_path = directory / rng_file(rank)
+    restore_rng_state(torch.load(rng_path, weights_only=True), source=str(rng_path))
+    return extra
+
+
+@contextlib.contextmanager
+def _single_process_quiet():
+    """Without a process group DCP saves and loads in one process, as meant; it need not warn."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+        yield
+
+
+def _world_size(rank: int) -> int:
+    if not dist.is_initialized():
+        if rank != 0:
+            raise CheckpointError(f"rank={rank} but torch.distributed is not initialised (a single process is rank 0)")
+        return 1
+    if dist.get_rank() != rank:
+        raise CheckpointError(f"rank={rank} but this process is rank {dist.get_rank()} of the default process "
+                              "group; pass the worker's rank in its group")
+    return dist.get_world_size()
+
+
+def _check_files(directory: Path, *, rank: int, world_size: int, want_scheduler: bool) -> dict:
+    """Every file this rank needs, checked before any collective so a bad path fails fast."""
+    if not directory.is_dir():
+        raise CheckpointError(f"training state {directory} does not exist; {RESUME_FIX}")
+    if not (directory / STATE_META).is_file():
+        raise CheckpointError(f"training state {directory} is missing {STATE_META} (not written by "
+                              f"save_training_state, or its save was interrupted); {RESUME_FIX}")
+    try:
+        meta = json.loads((directory / STATE_META).read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise CheckpointError(f"{directory / STATE_META}: cannot be read as JSON ({exc}); {RESUME_FIX}") from None
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT_VERSION:
+        found = meta.get("format") if isinstance(meta, dict) else type(meta).__name__
+        raise CheckpointError(f"{directory / STATE_META}: format {found!r}, this code reads "
+                              f"{FORMAT_VERSION}; {RESUME_FIX}")
+    if meta.get("world_size") != world_size:
+        raise CheckpointError(f"training state {directory} was saved by {meta.get('world_size')} ranks and is being "
+                              f"loaded by {world_size}; per-rank RNG states need the same number of ranks "
+                              f"(resume with {meta.get('world_size')} ranks)")
+    if want_scheduler and not meta.get("scheduler"):
+        raise CheckpointError(f"training state {directory} was saved without an LR scheduler but one was passed; "
+                              "pass scheduler=None or resume from a checkpoint saved with one")
+    needed = [DCP_METADATA, rng_file(rank)] + ([SCHEDULER] if meta.get("scheduler") else [])
+    missing = [name for name in needed if not (directory / name).is_file()]
+    if missing:
+        raise CheckpointError(f"training state {directory} is missing {missing}; {RESUME_FIX}")
+    return meta

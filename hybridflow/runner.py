@@ -1,0 +1,122 @@
+"""Pieces every training recipe uses around its step loop: stage timing, validation,
+checkpoint save / resume, and the final export. Nothing here knows an algorithm.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Iterator
+
+import torch
+
+from hybridflow.batch import Batch
+from hybridflow.checkpoint import CheckpointManager, capture_rng_state, config_hash, restore_rng_state
+from hybridflow.config.schema import HybridFlowConfig
+from hybridflow.controller import WorkerGroup
+from hybridflow.data.prompts import encode_prompts
+from hybridflow.rewards import reward_metrics
+
+
+class StageTimer:
+    """`with timer("generate"): ...` records `timing/generate_s`."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = {}
+
+    @contextmanager
+    def __call__(self, stage: str) -> Iterator[None]:
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.seconds[f"timing/{stage}_s"] = time.perf_counter() - start
+
+
+def response_stats(samples: Batch) -> dict[str, float]:
+    lengths = samples["response_mask"].sum(dim=1).float()
+    return {"response/length_mean": float(lengths.mean()), "response/length_max": float(lengths.max()),
+            "response/tokens": float(lengths.sum())}
+
+
+def validate(config: HybridFlowConfig, rollout: WorkerGroup, reward: WorkerGroup, rows: list[dict], tokenizer,
+             step: int) -> dict[str, float]:
+    """Greedy generation on the validation prompts; `val/accuracy` is the reward's `accuracy`
+    extra when it reports one, else the mean reward."""
+    rows = rows[: config.trainer.val_prompts]
+    prompts = encode_prompts(rows, tokenizer, config.data.max_prompt_tokens, source="validation data")
+    samples = rollout.generate(prompts, greedy=True)
+    scored = reward_metrics(reward.compute_rewards(samples))
+    accuracy = scored.get("reward/accuracy", scored["reward/score"])
+    metrics = {"val/accuracy": accuracy, "val/reward_mean": scored["reward/score"],
+               "val/response_length_mean": float(samples["response_mask"].sum(1).float().mean())}
+    print(f"[step {step}] validation on {len(rows)} prompts: accuracy {accuracy:.3f}", flush=True)
+    return metrics
+
+
+class Checkpointer:
+    """Saves every role's training state plus the actor as a Hugging Face model, atomically,
+    and resumes from the latest complete checkpoint of the run directory."""
+
+    def __init__(self, config: HybridFlowConfig, run_dir: Path, model_dir: Path,
+                 trainable: dict[str, WorkerGroup]) -> None:
+        self.config, self.model_dir, self.trainable = config, model_dir, trainable
+        self.manager = CheckpointManager(run_dir, keep_last=config.trainer.keep_last_checkpoints)
+        self.config_hash = config_hash({k: v for k, v in json.loads(json.dumps(_plain(config))).items()
+                                        if k in ("model", "data", "algorithm", "actor", "critic", "seed")})
+
+    def due(self, step: int) -> bool:
+        every = self.config.trainer.save_every_steps
+        return bool(every) and step % every == 0
+
+    def save(self, step: int, state: dict) -> Path:
+        tmp = self.manager.begin(step)
+        try:
+            for role, group in self.trainable.items():
+                group.save_checkpoint(str(tmp / role))
+            self.trainable["actor"].export_hf(str(tmp / "hf"), str(self.model_dir))
+            state = {**state, "step": step, "driver_rng": capture_rng_state(), "config_hash": self.config_hash}
+            return self.manager.commit(tmp, step, state)
+        except BaseException:
+            self.manager.abort(tmp)
+            raise
+
+    def resume(self) -> dict | None:
+        """Load the latest complete checkpoint into every role; returns its trainer state."""
+        if not self.config.trainer.resume:
+            return None
+        latest = self.manager.latest(clean_stale=True)
+        if latest is None:
+            print("hybridflow: trainer.resume=true but no complete checkpoint yet; starting fresh", flush=True)
+            return None
+        step, path = latest
+        state = self.manager.load_trainer_state(path, config_hash=self.config_hash)
+        for role, group in self.trainable.items():
+            group.load_checkpoint(str(path / role))
+        self.manager.discard_after(step)
+        restore_rng_state(state["driver_rng"])
+        print(f"hybridflow: resumed from {path} (step {step})", flush=True)
+        return state
+
+    def export_final(self, run_dir: Path) -> str:
+        final = run_dir / "final_model"
+        if final.exists():
+            import shutil
+
+            shutil.rmtree(final)
+        self.trainable["actor"].export_hf(str(final), str(self.model_dir))
+        return str(final)
+
+
+def _plain(value):
+    from hybridflow.tracking import _jsonable
+
+    return _jsonable(value)
+
+
+def sample_seeds(seed: int, step: int, count: int) -> torch.Tensor:
+    """Per-sample sampling seeds (B,): generation at a step depends only on weights, seed and step,
+    so a resumed run draws exactly what the uninterrupted run drew."""
+    return (seed * 1_000_003 + step * 10_007 + torch.arange(count)).long()

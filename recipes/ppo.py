@@ -1,0 +1,169 @@
+"""The PPO family: PPO with a critic, and the critic-free estimators (GRPO, Dr. GRPO, RLOO,
+REINFORCE++, ReMax) — one loop, the algorithm chosen by config.
+
+Per step: generate n samples per prompt -> reward -> old and reference log-probs -> values
+-> advantages -> critic update -> actor update -> weight sync. Stages that do not depend on
+each other are issued together (non-blocking), so on different pools they run at the same
+time. An on-policy run with one update per step uses the sampler's log-probs as the old
+log-probs instead of a second forward pass; the update reports how far they are from the
+actor's own (`rollout/log_prob_diff`).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from transformers import AutoTokenizer
+
+from hybridflow.algos import apply_kl_penalty, build_kl_controller, compute_advantages, masked_mean
+from hybridflow.algos.rewards import place_sequence_rewards
+from hybridflow.batch import Batch
+from hybridflow.config.schema import HybridFlowConfig
+from hybridflow.controller import RoleSpec
+from hybridflow.data.loader import PromptLoader
+from hybridflow.data.prompts import encode_prompts
+from hybridflow.launch import (
+    actor_settings,
+    critic_settings,
+    prepare_data,
+    prepare_model,
+    rollout_role,
+    spawn_roles,
+    start_ray,
+    vllm_env,
+)
+from hybridflow.rewards import reward_metrics
+from hybridflow.runner import Checkpointer, StageTimer, response_stats, sample_seeds, validate
+from hybridflow.tracking import MetricsLogger
+from workers.actor import ActorWorker
+from workers.critic import CriticWorker
+from workers.reference import ReferenceWorker
+from workers.reward import RewardWorker
+
+
+def run(config: HybridFlowConfig, run_dir: Path) -> dict:
+    model_dir = prepare_model(config, run_dir)
+    data = prepare_data(config, run_dir)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    start_ray(config)
+    groups = spawn_roles(config, build_roles(config, model_dir, tokenizer), env_vars=vllm_env(config))
+    actor, rollout, reward = groups["actor"], groups["rollout"], groups["reward"]
+    reference, critic = groups.get("reference"), groups.get("critic")
+    for future in [g.start.remote() for name, g in groups.items() if name != "rollout"] + [rollout.start_engine.remote()]:
+        future.get()
+
+    trainable = {"actor": actor, **({"critic": critic} if critic else {})}
+    checkpointer = Checkpointer(config, run_dir, model_dir, trainable)
+    loader = PromptLoader(data.train, config.trainer.prompts_per_step, seed=config.seed)
+    kl_ctl = build_kl_controller(config.algorithm.kl_controller, **kl_controller_args(config))
+    state = checkpointer.resume() or {}
+    step = int(state.get("step", 0))
+    if state:
+        loader.load_state_dict(state["loader"])
+        kl_ctl.coef = float(state["kl_coef"])
+    actor.sync_weights_to_rollout(config.trainer.verify_weight_sync)
+    logger = MetricsLogger(run_dir, config.logger.backends)
+    n = config.rollout.samples_per_prompt
+    on_policy = config.trainer.use_sampler_log_probs and config.actor.epochs_per_step == 1 and \
+        config.actor.samples_per_mini_batch in (0, config.trainer.prompts_per_step * n)
+
+    while step < config.trainer.total_steps:
+        step += 1
+        timer = StageTimer()
+        with timer("generate"):
+            prompts = encode_prompts(loader.next_rows(), tokenizer, config.data.max_prompt_tokens)
+            prompts.tensors["group_ids"] = torch.arange(len(prompts))
+            prompts = prompts.repeat_interleave(n)
+            prompts.tensors["sample_seed"] = sample_seeds(config.seed, step, len(prompts))
+            samples = rollout.generate(prompts)
+            rollout.sleep()  # GPU: free the KV cache while training runs (the CPU backend cannot)
+        with timer("score"):  # independent: on separate pools these run at the same time
+            pending = [reward.compute_rewards.remote(samples)]
+            if not on_policy:
+                pending.append(actor.compute_log_probs.remote(samples))
+            if reference is not None:
+                pending.append(reference.compute_ref_log_probs.remote(samples))
+            elif config.actor.lora.rank and needs_reference(config):
+                pending.append(actor.compute_ref_log_probs.remote(samples))
+            if critic is not None:
+                pending.append(critic.compute_values.remote(samples))
+            for future in pending:
+                samples = samples.union(future.get())
+        if on_policy:
+            samples.tensors["old_log_probs"] = samples["sampler_log_probs"]
+        with timer("advantages"):
+            samples, algo_metrics = add_advantages(samples, config, kl_ctl.coef)
+            kl_ctl.update(algo_metrics.get("kl/penalty_mean", 0.0), n_steps=len(samples))
+        with timer("update"):
+            critic_update = critic.update_critic.remote(samples) if critic is not None else None
+            actor_metrics = actor.update_policy(samples)[0]
+            critic_metrics = critic_update.get()[0] if critic_update is not None else {}
+        with timer("weight_sync"):
+            rollout.wake_up()
+            sync_metrics = actor.sync_weights_to_rollout(config.trainer.verify_weight_sync)[0]
+
+        metrics = {**reward_metrics(samples), **algo_metrics, **actor_metrics, **critic_metrics, **sync_metrics,
+                   **response_stats(samples), **timer.seconds, "kl/coef": kl_ctl.coef}
+        metrics["perf/tokens_per_s"] = metrics["response/tokens"] / metrics["timing/generate_s"]
+        if on_policy:  # the update's first forward pass is the actor's log-prob of the sampled tokens
+            metrics["rollout/log_prob_diff"] = actor_metrics["actor/log_prob_diff_from_old"]
+        else:
+            metrics["rollout/log_prob_diff"] = float(masked_mean(
+                (samples["old_log_probs"] - samples["sampler_log_probs"]).abs(), samples["response_mask"]))
+        if config.trainer.val_every_steps and step % config.trainer.val_every_steps == 0 \
+                or step == config.trainer.total_steps:
+            metrics.update(validate(config, rollout, reward, data.val, tokenizer, step))
+        logger.log(step, metrics)
+        if checkpointer.due(step):
+            checkpointer.save(step, {"loader": loader.state_dict(), "kl_coef": kl_ctl.coef, "metrics": metrics})
+
+    final_model = checkpointer.export_final(run_dir) if config.trainer.export_hf else None
+    logger.close()
+    return {"final_model": final_model, "steps": step}
+
+
+def needs_reference(config: HybridFlowConfig) -> bool:
+    return config.algorithm.kl_penalty_coef > 0 or config.actor.kl_loss_coef > 0
+
+
+def build_roles(config: HybridFlowConfig, model_dir: Path, tokenizer) -> dict[str, RoleSpec]:
+    roles = {
+        "actor": RoleSpec(ActorWorker, {"settings": actor_settings(config, model_dir)}),
+        "rollout": rollout_role(config, model_dir, tokenizer),
+        "reward": RoleSpec(RewardWorker, {"reward": config.reward}),
+    }
+    if needs_reference(config) and not config.actor.lora.rank:
+        roles["reference"] = RoleSpec(ReferenceWorker, dict(
+            model_path=str(model_dir), dtype=config.model.dtype.value,
+            samples_per_micro_batch=config.actor.samples_per_micro_batch, temperature=config.rollout.temperature))
+    if config.algorithm.use_critic:
+        roles["critic"] = RoleSpec(CriticWorker, {"settings": critic_settings(config, model_dir)})
+    return roles
+
+
+def kl_controller_args(config: HybridFlowConfig) -> dict:
+    a = config.algorithm
+    if a.kl_controller == "adaptive":
+        return {"init_coef": a.kl_penalty_coef, "target_kl": a.kl_target, "horizon": a.kl_horizon}
+    return {"coef": a.kl_penalty_coef}
+
+
+def add_advantages(samples: Batch, config: HybridFlowConfig, kl_coef: float) -> tuple[Batch, dict[str, float]]:
+    """Token rewards (sequence reward on the last token, minus the KL penalty), then the
+    configured advantage estimator. Adds `token_rewards`, `advantages`, `returns`."""
+    a, mask = config.algorithm, samples["response_mask"]
+    token_rewards = place_sequence_rewards(samples["sequence_rewards"], mask)
+    metrics: dict[str, float] = {}
+    if "ref_log_probs" in samples:
+        token_rewards, kl_stats = apply_kl_penalty(
+            token_rewards=token_rewards, log_probs=samples["old_log_probs"], ref_log_probs=samples["ref_log_probs"],
+            response_mask=mask, kl_coef=kl_coef if a.kl_penalty_coef > 0 else 0.0, estimator=a.kl_penalty_estimator)
+        metrics["kl/penalty_mean"] = kl_stats["kl_per_sequence"]
+        metrics["kl/token_mean"] = kl_stats["kl"]
+    advantages, returns, stats = compute_advantages(
+        a.advantage_estimator, token_rewards=token_rewards, response_mask=mask, values=samples.tensors.get("values"),
+        group_ids=samples["group_ids"], gamma=a.gamma, lam=a.lam)
+    samples = samples.union(Batch({"token_rewards": token_rewards, "advantages": advantages, "returns": returns}))
+    metrics.update({f"advantages/{k}": v for k, v in stats.items()})
+    return samples, metrics

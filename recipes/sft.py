@@ -1,0 +1,68 @@
+"""Supervised fine-tuning: cross-entropy on prompt -> answer, loss on the answer tokens only.
+
+Reuses the actor (FSDP2) and, for validation, the rollout engine colocated with it: the
+weights are synced into vLLM before each validation, exactly as in RL. The answer is the
+data row's `ground_truth` followed by EOS.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from transformers import AutoTokenizer
+
+from hybridflow.config.schema import HybridFlowConfig
+from hybridflow.controller import RoleSpec
+from hybridflow.data.answers import encode_answers
+from hybridflow.data.loader import PromptLoader
+from hybridflow.data.prompts import encode_prompts
+from hybridflow.launch import actor_settings, prepare_data, prepare_model, rollout_role, spawn_roles, start_ray, vllm_env
+from hybridflow.runner import Checkpointer, StageTimer, validate
+from hybridflow.tracking import MetricsLogger
+from workers.actor import ActorWorker
+from workers.reward import RewardWorker
+
+
+def run(config: HybridFlowConfig, run_dir: Path) -> dict:
+    model_dir = prepare_model(config, run_dir)
+    data = prepare_data(config, run_dir)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    start_ray(config)
+    groups = spawn_roles(config, {
+        "actor": RoleSpec(ActorWorker, {"settings": actor_settings(config, model_dir)}),
+        "rollout": rollout_role(config, model_dir, tokenizer),
+        "reward": RoleSpec(RewardWorker, {"reward": config.reward}),
+    }, env_vars=vllm_env(config))
+    actor, rollout, reward = groups["actor"], groups["rollout"], groups["reward"]
+    for future in [actor.start.remote(), reward.start.remote(), rollout.start_engine.remote()]:
+        future.get()
+
+    checkpointer = Checkpointer(config, run_dir, model_dir, {"actor": actor})
+    loader = PromptLoader(data.train, config.trainer.prompts_per_step, seed=config.seed)
+    state = checkpointer.resume() or {}
+    step = int(state.get("step", 0))
+    if state:
+        loader.load_state_dict(state["loader"])
+    logger = MetricsLogger(run_dir, config.logger.backends)
+
+    while step < config.trainer.total_steps:
+        step += 1
+        timer = StageTimer()
+        with timer("update"):
+            rows = loader.next_rows()
+            batch = encode_prompts(rows, tokenizer, config.data.max_prompt_tokens).union(
+                encode_answers([r["ground_truth"] for r in rows], tokenizer, config.rollout.max_response_tokens))
+            metrics = actor.train_sft(batch)[0]
+        metrics.update(timer.seconds)
+        if config.trainer.val_every_steps and step % config.trainer.val_every_steps == 0 \
+                or step == config.trainer.total_steps:
+            with timer("weight_sync"):
+                metrics.update(actor.sync_weights_to_rollout(config.trainer.verify_weight_sync)[0])
+            metrics.update(validate(config, rollout, reward, data.val, tokenizer, step))
+        logger.log(step, metrics)
+        if checkpointer.due(step):
+            checkpointer.save(step, {"loader": loader.state_dict(), "metrics": metrics})
+
+    final_model = checkpointer.export_final(run_dir) if config.trainer.export_hf else None
+    logger.close()
+    return {"final_model": final_model, "steps": step}

@@ -1,0 +1,44 @@
+"""Built-in reward functions, against hand-worked answers."""
+
+from __future__ import annotations
+
+import pytest
+
+from hybridflow.rewards import REWARD_FUNCTIONS, exact_match, extract_answer, math_answer
+
+
+def test_registry_holds_builtins_and_refuses_duplicates():
+    assert {"exact_match", "math_answer"} <= set(REWARD_FUNCTIONS.names())
+    with pytest.raises(KeyError, match="already registered"):
+        REWARD_FUNCTIONS.add("exact_match", lambda response: 0.0)
+    with pytest.raises(KeyError, match="registered: exact_match, math_answer"):
+        REWARD_FUNCTIONS.get("nope")
+
+
+def test_exact_match_returns_score_and_accuracy():
+    assert exact_match(" 82 ", "82") == {"score": 1.0, "accuracy": 1.0}
+    assert exact_match("82 and more", "82") == {"score": 0.0, "accuracy": 0.0}
+
+
+@pytest.mark.parametrize("text, answer", [
+    ("She pays 3 + 4 = 7 dollars.", "7"),  # last number
+    ("step 12 ... #### 1,234", "1234"),  # after ####, commas stripped
+    ("#### $18.50 because 3", "18.50"),  # the first number after ####
+    ("a #### 5 b #### -6", "-6"),  # after the last ####
+    ("no digits here", None),
+    ("The answer is 42.", "42"),
+])
+def test_extract_answer(text, answer):
+    assert extract_answer(text) == answer
+
+
+@pytest.mark.parametrize("response, truth, score", [
+    ("so the total is 1,234", "1234", 1.0),
+    ("#### 72", "Natalia sold 48/2 = 24 clips... 48+24 = 72\n#### 72", 1.0),  # GSM8K solution as truth
+    ("72.0", "72", 1.0),  # numeric, not string, comparison
+    ("#### 71 and later 72", "72", 0.0),  # #### wins over the last number
+    ("no answer", "72", 0.0),
+    ("-3", "3", 0.0),
+])
+def test_math_answer(response, truth, score):
+    assert math_answer(response, truth) == {"score": score, "accuracy": score}

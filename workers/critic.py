@@ -1,0 +1,134 @@
+"""The critic: a value head on a causal LM backbone, trained with the clipped value loss.
+
+The model is the backbone with a one-output token-classification head (transformers'
+`AutoModelForTokenClassification`, num_labels=1), initialised from the actor's starting
+model; the head starts random. The value of response position t is read where the logits
+predicting token t sit (position P-1+t): the state before token t is generated.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+from hybridflow.algos import clipped_value_loss
+from hybridflow.batch import Batch
+from hybridflow.controller import Dispatch, WorkerContext, register
+from hybridflow.training.fsdp import (
+    all_reduce_mean_dict,
+    all_reduce_sum,
+    build_optimizer,
+    clip_gradients,
+    load_model,
+    shard_model,
+)
+from hybridflow.training.sequences import micro_batches, mini_batches, model_inputs
+
+
+@dataclass(frozen=True)
+class CriticSettings:
+    model_path: str
+    dtype: str = "float32"
+    lr: float = 1e-4
+    weight_decay: float = 0.0
+    betas: tuple[float, float] = (0.9, 0.999)
+    warmup_steps: int = 0
+    total_steps: int = 100
+    max_grad_norm: float = 1.0
+    lr_schedule: str = "constant"
+    min_lr_ratio: float = 0.0
+    samples_per_mini_batch: int = 0
+    samples_per_micro_batch: int = 16
+    epochs_per_step: int = 1
+    value_clip_range: float = 0.2
+    loss_aggregation: str = "token-mean"
+    seed: int = 0
+
+
+def _values(model: torch.nn.Module, batch: Batch) -> torch.Tensor:
+    """Values (B, R) at the positions that predict each response token."""
+    prompt_len = batch["prompt_ids"].shape[1]
+    width = batch["response_ids"].shape[1]
+    logits = model(**model_inputs(batch)).logits  # (B, P+R, 1)
+    return logits[:, prompt_len - 1 : prompt_len - 1 + width, 0].float()
+
+
+class CriticWorker:
+    def __init__(self, ctx: WorkerContext, settings: CriticSettings) -> None:
+        self.ctx, self.s = ctx, settings
+        self.model = self.optimizer = self.scheduler = None
+        self.updates = 0
+
+    @register(Dispatch.ONE_TO_ALL)
+    def start(self) -> None:
+        torch.manual_seed(self.s.seed + 1)
+        self.model = shard_model(load_model(self.s.model_path, self.s.dtype, value_head=True), self.ctx.device)
+        self.optimizer, self.scheduler = build_optimizer(
+            self.model, self.s.lr, self.s.weight_decay, tuple(self.s.betas), self.s.warmup_steps, self.s.total_steps,
+            self.s.lr_schedule, self.s.min_lr_ratio)
+
+    @register(Dispatch.DP_SPLIT)
+    @torch.no_grad()
+    def compute_values(self, batch: Batch) -> Batch:
+        self.model.eval()
+        parts = [_values(self.model, m) * m["response_mask"] for m in micro_batches(batch, self.s.samples_per_micro_batch)]
+        return Batch(tensors={"values": torch.cat(parts)})
+
+    @register(Dispatch.DP_SPLIT)
+    def update_critic(self, batch: Batch) -> dict:
+        """Clipped value-loss updates on `returns`, with `values` as the old values."""
+        start = time.perf_counter()
+        self.model.train()
+        world = self.ctx.world_size
+        rows = self.s.samples_per_mini_batch // world if self.s.samples_per_mini_batch else len(batch)
+        generator = torch.Generator().manual_seed(self.s.seed * 7919 + self.updates)
+        totals, n = {}, 0
+        for _ in range(self.s.epochs_per_step):
+            for mini in mini_batches(batch, rows, generator):
+                for k, v in self._mini_batch(mini, world).items():
+                    totals[k] = totals.get(k, 0.0) + v
+                n += 1
+        self.scheduler.step()
+        self.updates += 1
+        stats = {f"critic/{k}": v / n for k, v in totals.items()}
+        stats["timing/critic_update_s"] = time.perf_counter() - start
+        return all_reduce_mean_dict(stats)
+
+    def _mini_batch(self, mini: Batch, world: int) -> dict:
+        mask = mini["response_mask"]
+        counts = {"global_token_count": all_reduce_sum(int(mask.sum())),
+                  "global_sequence_count": all_reduce_sum(int(mask.any(1).sum()))}
+        self.optimizer.zero_grad(set_to_none=True)
+        weighted: dict[str, float] = {}
+        for micro in micro_batches(mini, self.s.samples_per_micro_batch):
+            loss, stats = clipped_value_loss(
+                values=_values(self.model, micro), old_values=micro["values"], returns=micro["returns"],
+                response_mask=micro["response_mask"], clip_range=self.s.value_clip_range,
+                aggregation=self.s.loss_aggregation, **counts)
+            (loss * world).backward()
+            share = float(micro["response_mask"].sum()) / max(1.0, float(mask.sum()))
+            for k, v in stats.items():
+                weighted[k] = weighted.get(k, 0.0) + v * share
+        weighted["grad_norm"] = clip_gradients(self.model, self.s.max_grad_norm)
+        self.optimizer.step()
+        return weighted
+
+    # ---- checkpoints -------------------------------------------------------------------------
+
+    @register(Dispatch.ONE_TO_ALL)
+    def save_checkpoint(self, directory: str) -> None:
+        """Collective: this rank's shard of model + optimizer, the scheduler, RNG and update count."""
+        from hybridflow.checkpoint import save_training_state
+
+        save_training_state(directory, model=self.model, optimizer=self.optimizer, scheduler=self.scheduler,
+                            rank=self.ctx.rank, extra={"updates": self.updates})
+
+    @register(Dispatch.ONE_TO_ALL)
+    def load_checkpoint(self, directory: str) -> None:
+        from hybridflow.checkpoint import load_training_state
+
+        extra = load_training_state(directory, model=self.model, optimizer=self.optimizer, scheduler=self.scheduler,
+                                    rank=self.ctx.rank)
+        self.updates = int((extra or {}).get("updates", 0))

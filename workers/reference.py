@@ -1,0 +1,42 @@
+"""The reference: frozen log-probs of the initial policy, for the KL penalty or KL loss.
+
+A separate copy of the starting model, sharded with FSDP2 like the actor but never updated.
+(With a LoRA actor the reference is the actor with its adapter disabled instead — see
+ActorWorker.compute_ref_log_probs — and this role is not started.)
+"""
+
+from __future__ import annotations
+
+import torch
+
+from hybridflow.batch import Batch
+from hybridflow.controller import Dispatch, WorkerContext, register
+from hybridflow.training.fsdp import load_model, shard_model
+from hybridflow.training.sequences import log_probs_and_entropy
+
+
+class ReferenceWorker:
+    def __init__(self, ctx: WorkerContext, model_path: str, dtype: str = "float32",
+                 samples_per_micro_batch: int = 16, temperature: float = 1.0) -> None:
+        self.ctx, self.model_path, self.dtype = ctx, model_path, dtype
+        self.samples_per_micro_batch, self.temperature = samples_per_micro_batch, temperature
+        self.model = None
+
+    @register(Dispatch.ONE_TO_ALL)
+    def start(self) -> None:
+        model = load_model(self.model_path, self.dtype)
+        model.requires_grad_(False)
+        self.model = shard_model(model, self.ctx.device)
+
+    @register(Dispatch.DP_SPLIT)
+    def compute_ref_log_probs(self, batch: Batch) -> Batch:
+        """`ref_log_probs` (B, R), 0 outside `response_mask`."""
+        log_probs, _ = log_probs_and_entropy(self.model, batch, self.samples_per_micro_batch, self.temperature)
+        return Batch(tensors={"ref_log_probs": log_probs})
+
+    @register(Dispatch.ONE_TO_ALL)
+    def load_state_from(self, weights: dict[str, torch.Tensor]) -> None:
+        """Replace the reference weights (e.g. with an EMA of the actor, from a merge hook)."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+        set_model_state_dict(self.model, weights, options=StateDictOptions(full_state_dict=True))
