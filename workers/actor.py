@@ -215,8 +215,8 @@ class ActorWorker:
 
     @register(Dispatch.ONE_TO_ALL)
     def sync_weights_to_rollout(self, verify: bool = False) -> dict:
-        """Push the current weights into the vLLM engine colocated in this process."""
-        from hybridflow.resharding import WeightSyncError, full_weights, weight_checksums
+        """Push the current weights into the rollout engine colocated in this process."""
+        from hybridflow.resharding import full_weights
 
         rollout = self.ctx.colocated.get("rollout")
         if rollout is None:
@@ -225,14 +225,25 @@ class ActorWorker:
         dtype = getattr(torch, self.s.rollout_dtype)
         stats = rollout.load_weights(full_weights(self.model, dtype))
         if verify:
-            stats.update(rollout.verify_weights(weight_checksums(full_weights(self.model, dtype))))
-            tokens, rollout_lp = rollout.probe_log_probs(PROBE_PROMPT_IDS, new_tokens=4)
-            gap = float((rollout_lp - self._probe_actor_log_probs(tokens)).abs().max())
-            stats["weight_sync/probe_log_prob_gap"] = gap
-            if gap > PROBE_TOLERANCE:
-                raise WeightSyncError(
-                    f"after the weight sync the rollout's log-probs differ from the actor's by up to {gap:.3g} on a "
-                    f"probe prompt (tolerance {PROBE_TOLERANCE}): the engine is not computing with the synced weights")
+            stats.update(self.verify_rollout_weights())
+        return stats
+
+    @register(Dispatch.ONE_TO_ALL)
+    def verify_rollout_weights(self) -> dict:
+        """Check every rollout tensor against the actor's, then the log-probs it computes with them;
+        raises WeightSyncError naming what differs."""
+        from hybridflow.resharding import WeightSyncError, full_weights, weight_checksums
+
+        rollout = self.ctx.colocated["rollout"]
+        dtype = getattr(torch, self.s.rollout_dtype)
+        stats = rollout.verify_weights(weight_checksums(full_weights(self.model, dtype)))
+        tokens, rollout_lp = rollout.probe_log_probs(PROBE_PROMPT_IDS, new_tokens=4)
+        gap = float((rollout_lp - self._probe_actor_log_probs(tokens)).abs().max())
+        stats["weight_sync/probe_log_prob_gap"] = gap
+        if gap > PROBE_TOLERANCE:
+            raise WeightSyncError(
+                f"the rollout's log-probs differ from the actor's by up to {gap:.3g} on a probe prompt "
+                f"(tolerance {PROBE_TOLERANCE}): the engine is not computing with the actor's weights")
         return stats
 
     @torch.no_grad()

@@ -10,7 +10,7 @@ from hybridflow.checkpoint.errors import CheckpointError
 from hybridflow.checkpoint.hf_export import export_hf_model, hf_state_dict
 from hybridflow.checkpoint.manager import CheckpointManager, config_hash, read_trainer_state, step_dir_name
 from hybridflow.checkpoint.rng import capture_rng_state, restore_rng_state
-from hybridflow.checkpoint.training_state import load_training_state, save_training_state
+from hybridflow.checkpoint.training_state import load_training_state, save_training_state, verify_training_state
 
 __all__ = [
     "CheckpointError",
@@ -24,4 +24,5 @@ __all__ = [
     "restore_rng_state",
     "save_training_state",
     "step_dir_name",
+    "verify_training_state",
 ]

@@ -1,5 +1,7 @@
 """The one exception type of the checkpoint package."""
 
+RESUME_FIX = "start without resume, or point resume at a complete checkpoint"
+
 
 class CheckpointError(ValueError):
     """A checkpoint that cannot be written, found or loaded.

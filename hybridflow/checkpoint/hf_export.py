@@ -58,12 +58,10 @@ def export_hf_model(directory: "str | os.PathLike[str]", *, model: torch.nn.Modu
     training dtype. `directory` must hold no weights yet.
     """
     directory, source = Path(directory), Path(tokenizer_source_dir)
-    _check_source(source)  # on every rank, before the collective, so all ranks fail together
+    _check_paths(source, directory)  # on every rank, before the collective, so all ranks fail together
     full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     if rank != 0:
         return None
-    if directory.is_dir() and any(_is_model_file(p) for p in directory.iterdir()):
-        raise CheckpointError(f"export_hf_model: {directory} already holds model files; export into a new directory")
     tensors = hf_state_dict(model, full)
     if dtype is not None:
         tensors = {k: v.to(dtype) if v.is_floating_point() else v for k, v in tensors.items()}
@@ -225,10 +223,13 @@ def _is_model_file(path: Path) -> bool:
     return path.suffix in MODEL_FILE_SUFFIXES or path.name in MODEL_FILE_NAMES
 
 
-def _check_source(source: Path) -> None:
+def _check_paths(source: Path, directory: Path) -> None:
     if not source.is_dir() or not any((source / name).is_file() for name in TOKENIZER_MARKERS):
-        raise CheckpointError(f"export_hf_model: tokenizer_source_dir {source} holds no {' or '.join(TOKENIZER_MARKERS)}; "
-                              "point it at the Hugging Face directory the actor was loaded from")
+        raise CheckpointError(f"export_hf_model: tokenizer_source_dir {source} holds no "
+                              f"{' or '.join(TOKENIZER_MARKERS)}; point it at the Hugging Face directory the "
+                              "actor was loaded from")
+    if directory.is_dir() and any(_is_model_file(p) for p in directory.iterdir()):
+        raise CheckpointError(f"export_hf_model: {directory} already holds model files; export into a new directory")
 
 
 def _copy_non_weight_files(source: Path, directory: Path, hf_model: torch.nn.Module) -> None:

@@ -28,8 +28,9 @@ import uuid
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
-from hybridflow.checkpoint.errors import CheckpointError
+from hybridflow.checkpoint.errors import RESUME_FIX, CheckpointError
 from hybridflow.checkpoint.files import atomic_write_text, fsync_dir, fsync_tree
+from hybridflow.checkpoint.training_state import STATE_META, verify_training_state
 
 log = logging.getLogger(__name__)
 
@@ -37,7 +38,6 @@ COMPLETE = "COMPLETE"
 TRAINER_STATE = "trainer_state.json"
 STEP_DIR = re.compile(r"^step_(\d+)$")
 HIDDEN_DIR = re.compile(r"^\.step_(\d+)\.(tmp|stale)-[0-9a-f]+$")
-RESUME_FIX = "start without resume, or point resume at a complete checkpoint"
 
 
 def step_dir_name(step: int) -> str:
@@ -74,6 +74,7 @@ class CheckpointManager:
     def commit(self, tmp_dir: "str | os.PathLike[str]", step: int, trainer_state: dict[str, Any]) -> Path:
         """Declare what the workers wrote into `tmp_dir` checkpoint `step`; returns its directory.
 
+        Every training state under `tmp_dir` is checked for all of its ranks' files first.
         `trainer_state` must be JSON-serialisable; `step` and `saved_at` (unix time) are added.
         """
         tmp_dir = self._own_tmp_dir(tmp_dir, step)
@@ -81,6 +82,8 @@ class CheckpointManager:
         if missing:
             raise CheckpointError(f"{tmp_dir}: the workers did not write {missing}; the checkpoint of step {step} "
                                   "is not committed (call abort() and check the workers' save calls)")
+        for meta in sorted(tmp_dir.glob(f"*/{STATE_META}")):
+            verify_training_state(meta.parent)  # every rank's files, as seen from the driver
         if trainer_state.get("step", step) != step:
             raise CheckpointError(f"trainer_state['step']={trainer_state['step']} but the checkpoint is for "
                                   f"step {step}; pass the same step to both")

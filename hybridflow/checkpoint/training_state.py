@@ -31,9 +31,8 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
-from hybridflow.checkpoint.errors import CheckpointError
+from hybridflow.checkpoint.errors import RESUME_FIX, CheckpointError
 from hybridflow.checkpoint.files import atomic_torch_save, atomic_write_text
-from hybridflow.checkpoint.manager import RESUME_FIX
 from hybridflow.checkpoint.rng import capture_rng_state, restore_rng_state
 
 FORMAT_VERSION = 1
@@ -115,6 +114,34 @@ def load_training_state(directory: "str | os.PathLike[str]", *, model: torch.nn.
     return extra
 
 
+def verify_training_state(directory: "str | os.PathLike[str]") -> None:
+    """Check that every rank's files of a saved training state exist and are whole.
+
+    For the driver before it commits: it sees what all nodes wrote (on a shared
+    filesystem), so a rank that wrote elsewhere, or a truncated shard, fails the commit.
+    """
+    directory = Path(directory)
+    meta = _read_meta(directory)
+    ranks = range(meta["world_size"])
+    needed = [DCP_METADATA] + [rng_file(r) for r in ranks] + ([SCHEDULER] if meta["scheduler"] else [])
+    missing = [name for name in needed if not (directory / name).is_file()]
+    if missing:
+        raise CheckpointError(f"training state {directory} is missing {missing}; every rank must write into the "
+                              "same directory on a filesystem shared by all nodes and the driver")
+    try:
+        storage = dcp.FileSystemReader(directory).read_metadata().storage_data
+    except Exception as exc:
+        raise CheckpointError(f"{directory / DCP_METADATA}: cannot be read ({exc})") from exc
+    ends: dict[str, int] = {}
+    for info in storage.values():
+        ends[info.relative_path] = max(ends.get(info.relative_path, 0), info.offset + info.length)
+    short = [name for name, end in sorted(ends.items())
+             if not (directory / name).is_file() or (directory / name).stat().st_size < end]
+    if short:
+        raise CheckpointError(f"training state {directory}: shard files {short} are missing or shorter than "
+                              f"{DCP_METADATA} says; every rank must write into the same shared directory")
+
+
 @contextlib.contextmanager
 def _single_process_quiet():
     """Without a process group DCP saves and loads in one process, as meant; it need not warn."""
@@ -134,8 +161,7 @@ def _world_size(rank: int) -> int:
     return dist.get_world_size()
 
 
-def _check_files(directory: Path, *, rank: int, world_size: int, want_scheduler: bool) -> dict:
-    """Every file this rank needs, checked before any collective so a bad path fails fast."""
+def _read_meta(directory: Path) -> dict:
     if not directory.is_dir():
         raise CheckpointError(f"training state {directory} does not exist; {RESUME_FIX}")
     if not (directory / STATE_META).is_file():
@@ -149,14 +175,23 @@ def _check_files(directory: Path, *, rank: int, world_size: int, want_scheduler:
         found = meta.get("format") if isinstance(meta, dict) else type(meta).__name__
         raise CheckpointError(f"{directory / STATE_META}: format {found!r}, this code reads "
                               f"{FORMAT_VERSION}; {RESUME_FIX}")
-    if meta.get("world_size") != world_size:
-        raise CheckpointError(f"training state {directory} was saved by {meta.get('world_size')} ranks and is being "
+    if not isinstance(meta.get("world_size"), int) or not isinstance(meta.get("scheduler"), bool):
+        raise CheckpointError(f"{directory / STATE_META}: needs an integer 'world_size' and a boolean 'scheduler', "
+                              f"found {meta}; {RESUME_FIX}")
+    return meta
+
+
+def _check_files(directory: Path, *, rank: int, world_size: int, want_scheduler: bool) -> dict:
+    """Every file this rank needs, checked before any collective so a bad path fails fast."""
+    meta = _read_meta(directory)
+    if meta["world_size"] != world_size:
+        raise CheckpointError(f"training state {directory} was saved by {meta['world_size']} ranks and is being "
                               f"loaded by {world_size}; per-rank RNG states need the same number of ranks "
-                              f"(resume with {meta.get('world_size')} ranks)")
-    if want_scheduler and not meta.get("scheduler"):
+                              f"(resume with {meta['world_size']} ranks)")
+    if want_scheduler and not meta["scheduler"]:
         raise CheckpointError(f"training state {directory} was saved without an LR scheduler but one was passed; "
                               "pass scheduler=None or resume from a checkpoint saved with one")
-    needed = [DCP_METADATA, rng_file(rank)] + ([SCHEDULER] if meta.get("scheduler") else [])
+    needed = [DCP_METADATA, rng_file(rank)] + ([SCHEDULER] if meta["scheduler"] else [])
     missing = [name for name in needed if not (directory / name).is_file()]
     if missing:
         raise CheckpointError(f"training state {directory} is missing {missing}; {RESUME_FIX}")

@@ -21,10 +21,10 @@ from typing import Optional, Sequence, Union
 
 import torch
 
+from hybridflow.merge import dcp, lora  # noqa: F401  (importing them registers the "dcp" and "lora" formats)
 from hybridflow.merge.checkpoints import Checkpoint, StateDictCheckpoint, open_checkpoint
 from hybridflow.merge.engine import StreamingMerger
 from hybridflow.merge.errors import MergeError
-from hybridflow.merge.lora import LoraCheckpoint  # importing it registers the "lora" checkpoint format
 from hybridflow.merge.methods import MERGE_METHODS, METHODS_WITHOUT_BASE, MergeParams, check_params, linear_form
 from hybridflow.merge.provenance import InputHasher, build_provenance, safetensors_metadata
 from hybridflow.merge.safetensors_io import OutputTensor, ShardedWriter, all_finite
@@ -61,9 +61,12 @@ def merge_checkpoints(inputs: Sequence[PathLike], output: PathLike, method: str,
                       **params) -> Path:
     """Merge `inputs` (oldest first, newest last) with `method` into the directory `output`.
 
-    inputs: Hugging Face safetensors directories, .safetensors files or LoRA adapter
-        directories (folded into `base`, or into the local base their config names).
-    base: the base model of task-vector methods and of LoRA inputs.
+    inputs: Hugging Face safetensors directories, .safetensors files, LoRA adapter
+        directories (folded into `base`, or into the local base their config names),
+        FSDP2 / DCP training states (`step_<N>/actor`) and run step directories (`step_<N>`,
+        standing for their hf/, else their actor/).
+    base: the base model of task-vector methods and of LoRA inputs; for a DCP input without
+        an hf/ beside it, the model whose config and tokenizer files are copied.
     dtype: "float32" | "bfloat16" | "float16" for floating tensors; None keeps the inputs'.
     params: the fields of MergeParams (alpha, weights, normalize, lam or lambda, density, t, seed).
     Returns the output path. Non-weight files (config, tokenizer, ...) come from the newest input.
@@ -200,9 +203,9 @@ def _check_output(output: Path, inputs: list[Path], overwrite: bool) -> None:
 
 
 def _check_base_use(method: str, base: Optional[Checkpoint], ckpts: list[Checkpoint]) -> None:
-    if base is not None and method in METHODS_WITHOUT_BASE and not any(isinstance(c, LoraCheckpoint) for c in ckpts):
-        raise MergeError(f"method {method!r} does not use a base model and no input is a LoRA adapter to fold "
-                         "into it; drop --base")
+    if base is not None and method in METHODS_WITHOUT_BASE and not any(c.uses_base for c in ckpts):
+        raise MergeError(f"method {method!r} does not use a base model and no input needs one (a LoRA adapter to "
+                         "fold into it, or a DCP checkpoint taking its config from it); drop --base")
 
 
 def _effective_weights(method: str, n: int, params: MergeParams) -> Optional[tuple[float, ...]]:

@@ -5,12 +5,14 @@ reads one tensor at a time. `open_checkpoint(path)` picks the reader from what t
 contains, through the `CHECKPOINT_FORMATS` registry: each entry is a class with a
 `matches(path) -> bool` classmethod and a constructor `cls(path, base=None)`. Formats
 registered here: a Hugging Face safetensors directory (one file or shards with
-`model.safetensors.index.json`), a single `.safetensors` file, and a peft LoRA adapter
-directory (in `hybridflow.merge.lora`). A consolidating reader for FSDP2 / DCP sharded
-checkpoints is added by registering one more class; nothing else changes.
+`model.safetensors.index.json`), a single `.safetensors` file, a peft LoRA adapter
+directory (in `hybridflow.merge.lora`) and an FSDP2 / torch.distributed.checkpoint directory,
+consolidated on the fly (in `hybridflow.merge.dcp`).
 
-Run layout (fixed by the trainer): `RUN_DIR/checkpoints/step_<8-digit step>/hf/` is a Hugging
-Face model directory, complete only once `RUN_DIR/checkpoints/step_<N>/COMPLETE` exists.
+Run layout (fixed by the trainer, `hybridflow.checkpoint`): `RUN_DIR/checkpoints/step_<8-digit
+step>/` is complete only once its `COMPLETE` file exists; inside it `hf/` is a Hugging Face model
+directory and `actor/` the actor's sharded training state (DCP). A step directory given as an
+input stands for its `hf/`, or its `actor/` when it has no `hf/`.
 """
 
 from __future__ import annotations
@@ -45,6 +47,7 @@ class Checkpoint:
     the directory holding config and tokenizer files."""
 
     path: Path
+    uses_base = False  # True when the reader takes weights or files from the `base` it was given
 
     def keys(self) -> list[str]:
         raise NotImplementedError
@@ -222,7 +225,7 @@ def open_checkpoint(path: "str | os.PathLike[str]", *, base: Optional[Checkpoint
 
     `base` is given to formats that are relative to a base model (LoRA adapters).
     """
-    path = Path(path).expanduser()
+    path = resolve_step_dir(Path(path).expanduser())
     if not path.exists():
         raise MergeError(f"checkpoint {path} does not exist")
     found = [name for name in CHECKPOINT_FORMATS.names() if CHECKPOINT_FORMATS.get(name).matches(path)]
@@ -238,8 +241,9 @@ def _describe_unknown(path: Path) -> str:
     if path.is_file():
         return f"is not a .safetensors file (convert it with safetensors.torch.save_file)"
     names = sorted(p.name for p in path.iterdir())
-    if any(n.endswith(".distcp") for n in names) or ".metadata" in names:
-        return "looks like a torch.distributed.checkpoint (FSDP2) directory, which has no reader yet"
+    if any(n.endswith(".distcp") for n in names):
+        return ("looks like a torch.distributed.checkpoint (FSDP2) directory but has no .metadata file (its save "
+                "was interrupted, or it is one rank's part of a checkpoint: give the directory all ranks wrote)")
     if any(n.endswith(".bin") for n in names):
         return "holds .bin (pickle) weights; re-save it with save_pretrained(..., safe_serialization=True)"
     return f"holds no safetensors weights (it contains {names[:10]})"
@@ -248,10 +252,24 @@ def _describe_unknown(path: Path) -> str:
 # ------------------------------------------------------------------------------ run layout
 
 STEP_DIR = re.compile(r"^step_(\d+)$")
+COMPLETE = "COMPLETE"
+MODEL_SUBDIRS = ("hf", "actor")  # what a step directory stands for, in order of preference
+
+
+def resolve_step_dir(path: Path) -> Path:
+    """A run's step directory stands for its `hf/` model, else its `actor/` DCP checkpoint;
+    any other path is returned unchanged. An incomplete step directory is refused."""
+    if not path.is_dir() or not any((path / sub).is_dir() for sub in MODEL_SUBDIRS):
+        return path
+    if STEP_DIR.match(path.name) and not (path / COMPLETE).exists():
+        raise MergeError(f"checkpoint {path} has no {COMPLETE} file: its save was interrupted; pick a complete "
+                         "checkpoint of the run")
+    return next(path / sub for sub in MODEL_SUBDIRS if (path / sub).is_dir())
 
 
 def last_checkpoints(run_dir: "str | os.PathLike[str]", n: int) -> list[Path]:
-    """The Hugging Face directories of the last `n` complete checkpoints of a run, oldest first."""
+    """The model directories of the last `n` complete checkpoints of a run, oldest first: each
+    checkpoint's `hf/`, or its `actor/` (DCP, consolidated when read) when it has no `hf/`."""
     run_dir = Path(run_dir).expanduser()
     if n < 1:
         raise MergeError(f"--last {n}: the number of checkpoints must be at least 1")
@@ -259,17 +277,17 @@ def last_checkpoints(run_dir: "str | os.PathLike[str]", n: int) -> list[Path]:
     if not root.is_dir():
         raise MergeError(f"{run_dir} has no checkpoints/ directory; is it a HybridFlow run directory?")
     steps = sorted((int(m.group(1)), p) for p in root.iterdir() if (m := STEP_DIR.match(p.name)) and p.is_dir())
-    complete = [p for _, p in steps if (p / "COMPLETE").exists()]
-    incomplete = [p.name for _, p in steps if not (p / "COMPLETE").exists()]
+    complete = [p for _, p in steps if (p / COMPLETE).exists()]
+    incomplete = [p.name for _, p in steps if not (p / COMPLETE).exists()]
     if len(complete) < n:
         names = ", ".join(p.name for p in complete) or "none"
         unfinished = f"; incomplete (no COMPLETE file): {', '.join(incomplete)}" if incomplete else ""
         raise MergeError(f"{root} has {len(complete)} complete checkpoints ({names}) but {n} were asked for{unfinished}")
-    chosen = [p / "hf" for p in complete[-n:]]
-    missing = [str(p) for p in chosen if not p.is_dir()]
+    missing = [str(p) for p in complete[-n:] if not any((p / sub).is_dir() for sub in MODEL_SUBDIRS)]
     if missing:
-        raise MergeError(f"complete checkpoints without an hf/ model directory: {missing}")
-    return chosen
+        raise MergeError(f"complete checkpoints with neither an hf/ model directory nor an actor/ training state: "
+                         f"{missing}")
+    return [resolve_step_dir(p) for p in complete[-n:]]
 
 
 # -------------------------------------------------------------------------- in memory

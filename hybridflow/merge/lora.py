@@ -37,6 +37,8 @@ ADAPTER_WEIGHTS = "adapter_model.safetensors"
 class LoraCheckpoint(Checkpoint):
     """`base` (a Checkpoint) with the adapter at `path` folded in."""
 
+    uses_base = True
+
     @classmethod
     def matches(cls, path: Path) -> bool:
         return path.is_dir() and (path / ADAPTER_CONFIG).is_file()

@@ -67,6 +67,10 @@ class InputHasher:
         self._thread.start()
 
     def _hash_header(self, path: Path) -> int:
+        """Hash a safetensors header (the reads feed only tensor data); other files (DCP shards)
+        are not fed by the reads and are hashed whole by `result()`."""
+        if path.suffix != ".safetensors":
+            return 0
         with open(path, "rb") as handle:
             prefix = handle.read(8)
             header = handle.read(int.from_bytes(prefix, "little"))

@@ -19,14 +19,11 @@ from typing import Any, Callable
 
 from hybridflow.rewards.calls import Outcome, run_async, run_sync
 
-SAMPLE_KEYS = ("prompt", "response")  # always offered, besides the data columns
-
-
 class RewardFunctionError(ValueError):
     """A reward function failed on a sample.
 
-    `kind` is the cause: "raised", "bad_value", "timeout" (these three may fall back),
-    "missing_argument" or "bad_signature" (setup errors, always raised).
+    `kind` is the cause: "raised", "bad_value", "timeout" (these three may fall back), or a
+    setup error, always raised: "load", "bad_signature", "missing_argument", "argument_clash".
     """
 
     FALLBACK_KINDS = ("raised", "bad_value", "timeout")
@@ -109,7 +106,7 @@ class RewardFunction:
         clash = sorted(set(self.kwargs) & set(row))
         if clash:
             raise self._sample_error(index, row, f"{self.key}.kwargs sets {clash}, which the data row also has; "
-                                     "rename the fixed argument or drop the column", "missing_argument")
+                                     "rename the fixed argument or drop the column", "argument_clash")
         available = {**row, **self.kwargs}
         missing = [name for name in self._required if name not in available]
         if missing:
@@ -209,7 +206,6 @@ def batched_reward(fn):
     """
     fn.reward_batched = True
     return fn
-
 
 
 def _bind(fn: Callable, kwargs: dict[str, Any]) -> Callable[[], Any]:

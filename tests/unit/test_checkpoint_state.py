@@ -125,3 +125,22 @@ def test_lora_round_trip_saves_only_trainable_weights(tmp_path):
     model, optimizer = build()  # same frozen base, other LoRA weights
     load_training_state(tmp_path / "actor", model=model, optimizer=optimizer, rank=0)
     assert model(input_ids=ids, labels=ids).loss.item() == expected
+
+
+def test_commit_refuses_training_state_with_missing_or_short_files(tmp_path):
+    from hybridflow.checkpoint import CheckpointManager
+
+    manager = CheckpointManager(tmp_path, required=())
+    model, optimizer, scheduler = _tiny_training()
+    tmp = manager.begin(1)
+    save_training_state(tmp / "actor", model=model, optimizer=optimizer, scheduler=scheduler, rank=0)
+    shard = tmp / "actor" / "__0_0.distcp"
+    data = shard.read_bytes()
+    shard.write_bytes(data[:-10])  # a rank that did not finish writing
+    with pytest.raises(CheckpointError, match=r"shard files \['__0_0.distcp'\] are missing or shorter"):
+        manager.commit(tmp, 1, {})
+    shard.write_bytes(data)
+    (tmp / "actor" / "rng_rank0.pt").unlink()  # a rank that wrote onto another node's disk
+    with pytest.raises(CheckpointError, match=r"missing \['rng_rank0.pt'\]; every rank must write into the same"):
+        manager.commit(tmp, 1, {})
+    assert manager.latest() is None

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import math
+import pickle
+import re
+import sys
 import textwrap
 import time
 
@@ -96,6 +99,11 @@ def composer(user_file, name, **cfg):
     return build_reward(RewardConfig(fn=f"{user_file}:{name}", timeout_s=cfg.pop("timeout_s", 2.0), **cfg))
 
 
+def user_module(path):
+    """The module a `file.py:name` reference loaded (to read what the functions recorded)."""
+    return next(m for m in sys.modules.values() if getattr(m, "__file__", None) == str(path))
+
+
 def rows_with(responses):
     return [{"prompt": f"q{i}", "response": r, "ground_truth": "x"} for i, r in enumerate(responses)]
 
@@ -133,25 +141,25 @@ def test_missing_attribute_in_file_is_a_load_error(user_file):
 
 
 def test_only_named_arguments_are_passed(user_file):
-    import sys
-
     composer(user_file, "length_bonus").score(ROWS)
-    module = next(m for m in sys.modules.values() if getattr(m, "__file__", None) == str(user_file))
-    assert ("length_bonus", "4", "4") in module.calls  # prompt and data_source were not passed
+    assert ("length_bonus", "4", "4") in user_module(user_file).calls  # prompt and data_source were not passed
 
 
 def test_var_kwargs_gets_prompt_response_and_every_column(user_file):
-    import sys
-
     composer(user_file, "everything").score(ROWS[:1])
-    module = next(m for m in sys.modules.values() if getattr(m, "__file__", None) == str(user_file))
-    assert ("everything", ["data_source", "ground_truth", "prompt", "response"]) in module.calls
+    assert ("everything", ["data_source", "ground_truth", "prompt", "response"]) in user_module(user_file).calls
 
 
 def test_fixed_kwargs_and_defaults(user_file):
     spec = RewardFunctionConfig(fn=f"{user_file}:scaled", kwargs={"scale": 2.0, "offset": 0.5})
     result = build_reward(RewardConfig(fn=None, functions=[spec])).score(rows_with(["abc"]))
     assert result.scores == [6.5]
+
+
+def test_fixed_kwarg_that_is_also_a_column_is_an_error(user_file):
+    spec = RewardFunctionConfig(fn=f"{user_file}:everything", kwargs={"ground_truth": "fixed"})
+    with pytest.raises(RewardFunctionError, match=r"kwargs sets \['ground_truth'\], which the data row also has"):
+        build_reward(RewardConfig(fn=None, functions=[spec])).score(ROWS)
 
 
 def test_unknown_fixed_kwarg_is_an_error_at_build(user_file):
@@ -228,8 +236,9 @@ def test_bad_function_error_names_function_sample_and_cause(user_file, name, bad
     assert f"{user_file}:{name}" in str(err)
     assert f"sample {expected_sample} (prompt 'q{expected_sample - 10}')" in str(err)
     assert err.function == f"{user_file}:{name}"
-    import re
     assert re.search(cause, str(err)), str(err)
+    copy = pickle.loads(pickle.dumps(err))  # errors cross Ray processes
+    assert (str(copy), copy.kind, copy.sample, copy.function) == (str(err), err.kind, err.sample, err.function)
 
 
 @pytest.mark.parametrize("name", ["sleeps", "async_sleeps", "async_blocks"])
@@ -269,3 +278,35 @@ def test_fallback_in_batched_call_covers_the_whole_batch(user_file):
     result = build_reward(cfg).score(ROWS)
     assert result.scores == [0.25, 0.25] and result.fallback == [True, True]
     assert result.metrics["reward/fallback/bad_value"] == 2
+
+
+def test_blocked_event_loop_falls_back_promptly(user_file):
+    reward = composer(user_file, "async_blocks", timeout_s=0.5, on_error="fallback", fallback_score=-2.0)
+    start = time.monotonic()
+    result = reward.score(rows_with(["fine", "slow", "fine"]))
+    assert time.monotonic() - start < 3.0
+    assert result.scores[1] == -2.0 and result.fallback[1]
+    assert result.metrics["reward/fallback/timeout"] >= 1
+
+
+@pytest.mark.parametrize("is_async", [False, True])
+def test_concurrency_is_bounded(tmp_path, is_async):
+    path = tmp_path / "track.py"
+    path.write_text(textwrap.dedent(f'''
+        import asyncio, threading, time
+        lock, state = threading.Lock(), {{"now": 0, "max": 0}}
+
+        {"async " if is_async else ""}def f(response):
+            with lock:
+                state["now"] += 1
+                state["max"] = max(state["max"], state["now"])
+            {"await asyncio.sleep(0.1)" if is_async else "time.sleep(0.1)"}
+            with lock:
+                state["now"] -= 1
+            return 1.0
+    '''))
+    reward = build_reward(RewardConfig(fn=f"{path}:f", max_concurrency=3))
+    start = time.monotonic()
+    assert reward.score(rows_with(["a"] * 9)).scores == [1.0] * 9
+    assert time.monotonic() - start < 0.85  # 3 rounds of 0.1 s, not 9 in a row
+    assert user_module(path).state["max"] == 3

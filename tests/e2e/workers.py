@@ -1,0 +1,21 @@
+"""Test-only worker subclasses (imported by Ray workers by module path)."""
+
+from __future__ import annotations
+
+from hybridflow.controller import Dispatch, register
+from workers.rollout.vllm_rollout import VLLMRollout
+
+
+class CorruptibleVLLMRollout(VLLMRollout):
+    @register(Dispatch.ONE_TO_ALL)
+    def corrupt_parameter(self, name_fragment: str) -> str:
+        """Add 1 to the first engine parameter whose name contains `name_fragment`."""
+
+        def corrupt(worker, fragment=name_fragment):
+            for name, param in worker.model_runner.get_model().named_parameters():
+                if fragment in name and param.numel():
+                    param.data.add_(1.0)
+                    return name
+            raise KeyError(f"no vLLM parameter matches {fragment!r}")
+
+        return self.engine.collective_rpc(corrupt)[0]
