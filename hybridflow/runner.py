@@ -48,7 +48,7 @@ def validate(config: HybridFlowConfig, rollout: WorkerGroup, reward: WorkerGroup
     rows = rows[: config.trainer.val_prompts]
     prompts = encode_prompts(rows, tokenizer, config.data.max_prompt_tokens, source="validation data")
     samples = rollout.generate(prompts, greedy=True)
-    scored = reward_metrics(reward.compute_rewards(samples))
+    scored = reward_metrics(reward.compute_rewards(samples.select(list(samples.objects))))
     accuracy = scored.get("reward/accuracy", scored["reward/score"])
     metrics = {"val/accuracy": accuracy, "val/reward_mean": scored["reward/score"],
                "val/response_length_mean": float(samples["response_mask"].sum(1).float().mean())}

@@ -79,7 +79,7 @@ def run(config: HybridFlowConfig, run_dir: Path) -> dict:
             samples = rollout.generate(prompts)
             rollout.sleep()  # GPU: free the KV cache while training runs (the CPU backend cannot)
         with timer("score"):  # independent: on separate pools these run at the same time
-            pending = [reward.compute_rewards.remote(samples)]
+            pending = [reward.compute_rewards.remote(samples.select(list(samples.objects)))]  # text only
             if not on_policy:
                 pending.append(actor.compute_log_probs.remote(samples))
             if reference is not None:
