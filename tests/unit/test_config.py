@@ -12,6 +12,7 @@ GROUPS = sorted(p.name for p in CONF_DIR.iterdir() if p.is_dir())
 REQUIRED_VALUES = {  # options whose '???' values a user must supply
     "model/local_hf": ["model.path=/some/model"],
     "data/files": ["data.train_path=/a.jsonl", "data.val_path=/b.jsonl"],
+    "recipe/grpo_gsm8k": ["model.path=/some/model", "data.train_path=/a.parquet", "data.val_path=/b.parquet"],
 }
 
 
