@@ -43,13 +43,15 @@ def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="hybridflow-merge", description=__doc__.split("\n\n")[0],
                      formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
     parser.add_argument("inputs", nargs="*", metavar="INPUT",
-                        help="checkpoints, oldest first: HF model dirs, .safetensors files, LoRA adapter dirs")
+                        help="checkpoints, oldest first: HF model dirs, .safetensors files, LoRA adapter dirs, "
+                             "FSDP2/DCP dirs (step_N/actor), run step dirs (step_N: its hf/, else its actor/)")
     parser.add_argument("--method", required=True, metavar="NAME",
                         help=f"one of {', '.join(BUILTIN_METHODS)}, or package.module:function")
     parser.add_argument("--output", required=True, metavar="OUT", help="directory to create")
     parser.add_argument("--last", nargs=2, metavar=("N", "RUN_DIR"),
                         help="merge the last N complete checkpoints of a run instead of listing INPUTs")
-    parser.add_argument("--base", help="base model: for task_arithmetic/ties/dare_*, and to fold LoRA inputs")
+    parser.add_argument("--base", help="base model: for task_arithmetic/ties/dare_*, to fold LoRA inputs, and as "
+                                       "the config/tokenizer source of DCP inputs with no hf/ beside them")
     parser.add_argument("--alpha", type=float, help="EMA: weight of the newest checkpoint, in (0, 1]")
     parser.add_argument("--weights", type=float, nargs="+", metavar="W", help="one weight per input")
     parser.add_argument("--no-normalize", dest="normalize", action="store_false",

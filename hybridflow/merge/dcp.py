@@ -23,7 +23,9 @@ holds only the adapter factors, without the base weights or the adapter's scalin
 
 A DCP directory holds no config.json or tokenizer. They are taken from the same step's `hf/`
 directory (`step_<N>/hf`, next to `step_<N>/actor`) when it has a config.json, else from the
-base model given to `open_checkpoint` (`--base`: the model the run started from).
+base model given to `open_checkpoint` (`--base`: the model the run started from); with neither,
+the input is refused when opened, since the config also says whether the embeddings are tied.
+Missing or truncated shard files are refused when opened (`.metadata` lists each file's items).
 """
 
 from __future__ import annotations
@@ -36,6 +38,10 @@ from pathlib import Path
 from typing import Optional
 
 import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import CheckpointException, FileSystemReader
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
 from hybridflow.merge.checkpoints import CHECKPOINT_FORMATS, Checkpoint, is_weight_file
 from hybridflow.merge.errors import MergeError
@@ -68,13 +74,10 @@ class DcpCheckpoint(Checkpoint):
         return path.is_dir() and (path / DCP_METADATA).is_file()
 
     def __init__(self, path: Path, base: Optional[Checkpoint] = None) -> None:
-        from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-
         self.path = path
-        self._reader = _reader(path)
+        self._reader = _open_reader(path)
         metadata = self._reader.metadata
-        self._check_files(metadata)
-        self.config_files, self.uses_base = _config_source(path, base)  # raises when there is none
+        self.files = [path / DCP_METADATA] + _shard_files(path, metadata)
         self.entries: dict[str, tuple[str, TensorStorageMetadata]] = {}  # HF name -> (flat DCP key, metadata)
         for flat, fqn in _model_keys(path, metadata).items():
             meta = metadata.state_dict_metadata[flat]
@@ -91,15 +94,8 @@ class DcpCheckpoint(Checkpoint):
             self.entries[name] = (flat, meta)
         if not self.entries:
             raise MergeError(f"{path}: holds no model tensors (DCP keys: {sorted(metadata.state_dict_metadata)[:5]})")
+        self.config_files, self.uses_base = _config_source(path, base)  # raises when there is none
         self._drop_tied_output_embedding()
-
-    def _check_files(self, metadata) -> None:
-        files = sorted({info.relative_path for info in (metadata.storage_data or {}).values()})
-        missing = [name for name in files if not (self.path / name).is_file()]
-        if missing:
-            raise MergeError(f"{self.path}: the shard files {missing[:5]} listed in {DCP_METADATA} are missing; "
-                             "copy every rank's __<rank>_0.distcp file, or pick another checkpoint")
-        self.files = [self.path / DCP_METADATA] + [self.path / name for name in files]
 
     def _drop_tied_output_embedding(self) -> None:
         config = _read_config(self.config_files)
@@ -120,9 +116,6 @@ class DcpCheckpoint(Checkpoint):
         return tuple(self.entries[key][1].size)
 
     def read(self, key: str) -> torch.Tensor:
-        import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
-
         flat, meta = self.entries[key]
         full = torch.empty(tuple(meta.size), dtype=meta.properties.dtype)
         # The key is already flat: DCP looks it up in .metadata as is and fills `full` in place.
@@ -131,9 +124,9 @@ class DcpCheckpoint(Checkpoint):
             with warnings.catch_warnings():
                 warnings.filterwarnings("ignore", message="torch.distributed is disabled")  # no_dist is meant
                 dcp.load({flat: full}, storage_reader=self._reader, planner=planner, no_dist=True)
-        except Exception as exc:  # DCP wraps a short or corrupt shard file in one CheckpointException
-            raise MergeError(f"{self.path}: reading {flat!r} failed ({str(exc).strip()[:300]}); a shard file is "
-                             "truncated or corrupt, pick another checkpoint") from None
+        except (Exception, CheckpointException) as exc:  # the latter, DCP's wrapper, is a BaseException
+            raise MergeError(f"{self.path}: reading {flat!r} failed ({_last_line(exc)}); a shard file is truncated "
+                             "or corrupt, pick another checkpoint") from None
         return full
 
     def source(self, key: str) -> str:
@@ -149,20 +142,19 @@ class DcpCheckpoint(Checkpoint):
 CHECKPOINT_FORMATS.add("dcp", DcpCheckpoint)
 
 
-def _reader(path: Path):
-    from torch.distributed.checkpoint import FileSystemReader
+class MetadataOnceReader(FileSystemReader):
+    """`dcp.load` reads `.metadata` on every call; it also lists the optimizer state, so
+    unpickling it once per tensor could cost more than reading the tensor."""
 
-    class MetadataOnceReader(FileSystemReader):
-        """`dcp.load` reads `.metadata` on every call; it also lists the optimizer state, so
-        unpickling it once per tensor would cost more than the tensor."""
+    def __init__(self, path: Path) -> None:
+        super().__init__(path)
+        self.metadata: Metadata = super().read_metadata()
 
-        def __init__(self, directory: Path) -> None:
-            super().__init__(directory)
-            self.metadata = super().read_metadata()
+    def read_metadata(self, *args, **kwargs) -> Metadata:
+        return self.metadata
 
-        def read_metadata(self, *args, **kwargs):
-            return self.metadata
 
+def _open_reader(path: Path) -> MetadataOnceReader:
     try:
         return MetadataOnceReader(path)
     except (OSError, EOFError, pickle.UnpicklingError, AttributeError, ValueError) as exc:
@@ -170,12 +162,31 @@ def _reader(path: Path):
                          "the file is corrupt, pick another checkpoint") from None
 
 
-def _model_keys(path: Path, metadata) -> dict[str, str]:
-    """{flat DCP key: model state name}. The planner data maps each flat key to its path in the
+def _shard_files(path: Path, metadata: Metadata) -> list[Path]:
+    """The shard files `.metadata` lists, checked to exist and to be as long as it says."""
+    ends: dict[str, int] = {}  # file -> end of its last stored item
+    for info in (metadata.storage_data or {}).values():
+        ends[info.relative_path] = max(ends.get(info.relative_path, 0), info.offset + info.length)
+    missing = [name for name in sorted(ends) if not (path / name).is_file()]
+    if missing:
+        raise MergeError(f"{path}: the shard files {missing[:5]} listed in {DCP_METADATA} are missing; copy every "
+                         "rank's __<rank>_0.distcp file, or pick another checkpoint")
+    short = [f"{name} ({(path / name).stat().st_size} of {end} bytes)" for name, end in sorted(ends.items())
+             if (path / name).stat().st_size < end]
+    if short:
+        raise MergeError(f"{path}: shard files shorter than {DCP_METADATA} says: {short[:5]}; they are truncated "
+                         "(an interrupted copy or save), pick another checkpoint")
+    return [path / name for name in sorted(ends)]
+
+
+def _model_keys(path: Path, metadata: Metadata) -> dict[str, str]:
+    """{flat DCP key: model state name}. DCP's planner data maps each flat key to its path in the
     saved dict: ("model", name) under save_training_state's "model" entry; a checkpoint of a
     bare model state dict (no "model" entry) has one-element paths, all of them model tensors."""
-    paths = metadata.planner_data or {}
-    paths = {flat: tuple(paths.get(flat, (flat,))) for flat in metadata.state_dict_metadata}
+    if not isinstance(metadata.planner_data, dict):
+        raise MergeError(f"{path}: {DCP_METADATA} has no flattening map (saved with a custom planner?), so model "
+                         "tensors cannot be told from the others; save with DCP's default planner")
+    paths = {flat: tuple(metadata.planner_data.get(flat, (flat,))) for flat in metadata.state_dict_metadata}
     nested = {flat: ".".join(map(str, p[1:])) for flat, p in paths.items() if len(p) > 1 and p[0] == MODEL_KEY}
     if nested:
         return nested
@@ -185,6 +196,12 @@ def _model_keys(path: Path, metadata) -> dict[str, str]:
                          f"{sorted({str(p[0]) for p in paths.values()})[:10]}); save the model state under "
                          f"'{MODEL_KEY}' as hybridflow.checkpoint.save_training_state does")
     return bare
+
+
+def _last_line(exc: Exception) -> str:
+    """The cause at the end of a CheckpointException, which carries each rank's whole traceback."""
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    return lines[-1][:300] if lines else type(exc).__name__
 
 
 def _config_source(path: Path, base: Optional[Checkpoint]) -> tuple[list[Path], bool]:

@@ -62,7 +62,7 @@ def run_stage_hook(config: HookConfig, previous_run_dir: Union[str, Path], outpu
     """Run the stage hook `config` names; returns the model directory the next stage starts from."""
     hook = STAGE_HOOKS.get(config.name)
     params = _plain(config.params)
-    check_hook_params("stage hook", config.name, hook, params, STAGE_ARGS)
+    check_hook_params(STAGE_HOOKS, config.name, hook, params, STAGE_ARGS)
     result = hook(previous_run_dir=Path(previous_run_dir).expanduser(), output_dir=Path(output_dir).expanduser(),
                   **params)
     if not isinstance(result, (str, Path)) or not (Path(result) / "config.json").is_file():
@@ -76,7 +76,7 @@ def run_training_hook(config: HookConfig, *, step: int, actor_state: StateDict,
     """Run the training hook `config` names; returns new reference weights or None (keep them)."""
     hook = TRAINING_HOOKS.get(config.name)
     params = _plain(config.params)
-    check_hook_params("training hook", config.name, hook, params, TRAINING_ARGS)
+    check_hook_params(TRAINING_HOOKS, config.name, hook, params, TRAINING_ARGS)
     result = hook(step=step, actor_state=actor_state, reference_state=reference_state, **params)
     if result is None:
         return None
@@ -88,14 +88,16 @@ def run_training_hook(config: HookConfig, *, step: int, actor_state: StateDict,
     return result
 
 
-def check_hook_params(kind: str, name: str, hook: Callable, params: dict, given: tuple[str, ...]) -> None:
+def check_hook_params(registry: Registry, name: str, hook: Callable, params: dict, given: tuple[str, ...]) -> None:
     """Raise MergeError when `params` has a key the hook does not take, lacks a required one,
-    or sets an argument the runner passes itself (`given`)."""
+    or sets an argument the runner passes itself (`given`), or the hook does not accept those."""
     signature = inspect.signature(hook)
     takes = {n: p for n, p in signature.parameters.items()
              if n not in given and p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD)}
     open_ended = any(p.kind is p.VAR_KEYWORD for p in signature.parameters.values())
     problems = []
+    if lacking := ([] if open_ended else [g for g in given if g not in signature.parameters]):
+        problems.append(f"it does not accept {lacking}; a {registry.kind} must have the signature {registry.signature}")
     if reserved := sorted(set(params) & set(given)):
         problems.append(f"params {reserved} are passed by the runner, remove them from params")
     if unknown := ([] if open_ended else sorted(set(params) - set(takes) - set(given))):
@@ -105,16 +107,16 @@ def check_hook_params(kind: str, name: str, hook: Callable, params: dict, given:
     if problems:
         described = ", ".join(f"{n} (required)" if p.default is p.empty else f"{n} (default {p.default!r})"
                               for n, p in takes.items()) or "no params"
-        raise MergeError(f"{kind} {name!r}: {'; '.join(problems)}; it takes {described}")
+        raise MergeError(f"{registry.kind} {name!r}: {'; '.join(problems)}; it takes {described}")
 
 
 def _plain(params: Any) -> dict:
     """Params as a plain dict (Hydra gives a DictConfig)."""
     try:
-        from omegaconf import DictConfig, OmegaConf
+        from omegaconf import OmegaConf
     except ImportError:  # hooks also run without Hydra
-        DictConfig = ()
-    if DictConfig and isinstance(params, DictConfig):
+        OmegaConf = None
+    if OmegaConf is not None and OmegaConf.is_config(params):
         params = OmegaConf.to_container(params, resolve=True)
     if not isinstance(params, dict):
         raise MergeError(f"hook params must be a mapping of name to value, got {type(params).__name__}")

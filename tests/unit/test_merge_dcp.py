@@ -128,10 +128,10 @@ def hf_reference(step: Path) -> dict[str, torch.Tensor]:
 
 @pytest.mark.parametrize("run, world_size", [("run", 2), ("run1", 1)])
 def test_reader_gives_full_tensors_under_hf_names(runs, run, world_size):
-    root, _ = runs
+    root, model_dir = runs
     step = step_dir(root, 1, run)
     want = hf_reference(step)
-    ckpt = open_checkpoint(step / "actor")
+    ckpt = open_checkpoint(step / "actor", base=open_checkpoint(model_dir))  # run1 has no hf/: config from the base
     assert isinstance(ckpt, DcpCheckpoint)
     assert sorted(ckpt.keys()) == sorted(want)  # no "model." / optimizer / FSDP prefixes, lm_head tied away
     assert len(list((step / "actor").glob("*.distcp"))) == world_size
@@ -149,10 +149,11 @@ def test_dcp_and_hf_export_of_one_step_read_the_same(runs):
 
 
 def test_step_dir_resolves_to_hf_else_actor(runs, tmp_path):
-    root, _ = runs
+    root, model_dir = runs
     assert isinstance(open_checkpoint(step_dir(root, 1)), SafetensorsCheckpoint)
     assert open_checkpoint(step_dir(root, 1)).path == step_dir(root, 1) / "hf"
-    assert open_checkpoint(step_dir(root, 2)).path == step_dir(root, 2) / "actor"
+    second = open_checkpoint(step_dir(root, 2), base=open_checkpoint(model_dir))
+    assert isinstance(second, DcpCheckpoint) and second.path == step_dir(root, 2) / "actor" and second.uses_base
     assert last_checkpoints(root / "run", 2) == [step_dir(root, 1) / "hf", step_dir(root, 2) / "actor"]
     incomplete = tmp_path / "step_00000009"
     shutil.copytree(step_dir(root, 2) / "actor", incomplete / "actor")
@@ -199,13 +200,27 @@ def test_lora_training_state_is_refused(runs):
         open_checkpoint(root / "peft_actor")
 
 
-def test_missing_rank_file_is_refused(runs, tmp_path):
-    root, _ = runs
+def test_damaged_checkpoints_are_refused_naming_the_file(runs, tmp_path):
+    root, model_dir = runs
+    base = open_checkpoint(model_dir)
     broken = tmp_path / "actor"
     shutil.copytree(step_dir(root, 2) / "actor", broken)
+    shard = broken / "__0_0.distcp"
+    size = shard.stat().st_size
+    shard.write_bytes(bytes(size))  # zeros: the right length, unreadable content
+    ckpt = open_checkpoint(broken, base=base)
+    with pytest.raises(MergeError, match=r"actor: reading 'model\.model\.embed_tokens\.weight' failed \(.*\); a "
+                                         r"shard file is truncated or corrupt"):
+        ckpt.read(EMBED)
+    shard.write_bytes(bytes(100))
+    with pytest.raises(MergeError, match=rf"shorter than .metadata says: \['__0_0.distcp \(100 of {size} bytes\)'\]"):
+        open_checkpoint(broken, base=base)
     (broken / "__1_0.distcp").unlink()
     with pytest.raises(MergeError, match=r"the shard files \['__1_0.distcp'\] listed in .metadata are missing"):
-        open_checkpoint(broken)
+        open_checkpoint(broken, base=base)
+    (broken / ".metadata").write_bytes(b"not a pickle")
+    with pytest.raises(MergeError, match=r"actor/.metadata: cannot be read"):
+        open_checkpoint(broken, base=base)
     (broken / ".metadata").unlink()
     with pytest.raises(MergeError, match="has no .metadata file"):
-        open_checkpoint(broken)
+        open_checkpoint(broken, base=base)
