@@ -26,6 +26,8 @@ RECIPES.add("demo", "recipes.demo:run")
 RECIPES.add("sft", "recipes.sft:run")
 RECIPES.add("grpo", "recipes.ppo:run")
 RECIPES.add("ppo", "recipes.ppo:run")
+RECIPES.add("evaluate", "recipes.evaluate:run")
+RECIPES.add("pipeline", "recipes.pipeline:run")
 
 
 def recipe_function(name: str) -> Callable:
@@ -43,6 +45,9 @@ def run(config: HybridFlowConfig) -> dict:
     try:
         return recipe(config, run_dir)
     finally:
+        from hybridflow.launch import release_all
+
+        release_all()
         print(f"hybridflow: run directory {run_dir}", flush=True)
 
 

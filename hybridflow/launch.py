@@ -83,12 +83,27 @@ def spawn_roles(config: HybridFlowConfig, roles: dict[str, RoleSpec], env_vars: 
             raise KeyError(f"role {role!r} has no pool: add placement.roles.{role}=<pool name>")
         by_pool.setdefault(placement.roles[role], {})[role] = spec
     groups: dict[str, WorkerGroup] = {}
-    for pool_name, pool_roles in by_pool.items():
+    for pool_name, pool_roles in by_pool.items():  # noqa: B007
         p = placement.pools[pool_name]
         pool = ResourcePool(PoolSpec(pool_name, p.nodes, p.devices_per_node, gpu, p.cpus_per_device))
         groups.update(spawn_workers(pool, pool_roles, env_vars=env_vars,
                                     collective_timeout_s=placement.collective_timeout_s))
+    _SPAWNED.extend(groups.values())
     return groups
+
+
+_SPAWNED: list[WorkerGroup] = []
+
+
+def release_all() -> None:
+    """Shut down every worker group this driver spawned, so the next stage gets the devices."""
+    seen = set()
+    while _SPAWNED:
+        group = _SPAWNED.pop()
+        if group.pool is not None and id(group.pool) in seen:
+            continue
+        seen.add(id(group.pool))
+        group.shutdown()
 
 
 def vllm_env(config: HybridFlowConfig) -> dict[str, str]:

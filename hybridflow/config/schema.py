@@ -286,7 +286,37 @@ class LoggerConfig:
         _require(not bad, "logger.backends", self.backends, f"each must be one of {list(allowed)}")
 
 
-RECIPE_NAMES = ("demo", "sft", "grpo", "ppo")
+RECIPE_NAMES = ("demo", "sft", "grpo", "ppo", "evaluate", "pipeline")
+
+
+@dataclass
+class StageHookConfig:
+    # A registered stage hook (pma_sma, pma_ema, pma_wma, last_checkpoint, final_model) or 'module:fn'.
+    name: str = "final_model"
+    params: Dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class StageConfig:
+    name: str = "stage"
+    recipe: str = "sft"  # sft | grpo | ppo
+    overrides: List[str] = field(default_factory=list)  # Hydra overrides for this stage only
+    # How this stage's starting model is made from the previous stage (ignored for the first).
+    init: StageHookConfig = field(default_factory=StageHookConfig)
+    evaluate_init: bool = False  # also measure the starting model's held-out accuracy (e.g. a merge)
+
+
+@dataclass
+class PipelineConfig:
+    stages: List[StageConfig] = field(default_factory=list)
+    common_overrides: List[str] = field(default_factory=list)  # applied to every stage first
+
+    def __post_init__(self) -> None:
+        names = [s.name for s in self.stages]
+        _require(len(set(names)) == len(names), "pipeline.stages[*].name", names, "stage names must be unique")
+        for i, stage in enumerate(self.stages):
+            _require(stage.recipe in ("sft", "grpo", "ppo"), f"pipeline.stages[{i}].recipe", stage.recipe,
+                     "one of ['sft', 'grpo', 'ppo']")
 
 
 @dataclass
@@ -314,6 +344,7 @@ class HybridFlowConfig:
     placement: PlacementConfig = field(default_factory=PlacementConfig)
     logger: LoggerConfig = field(default_factory=LoggerConfig)
     ray: RayConfig = field(default_factory=RayConfig)
+    pipeline: PipelineConfig = field(default_factory=PipelineConfig)
     seed: int = 0
 
     def __post_init__(self) -> None:

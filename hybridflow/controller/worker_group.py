@@ -199,9 +199,10 @@ class _GroupMethod:
 class WorkerGroup:
     """The ranks of one role. Methods marked with `@register` are callable on the group."""
 
-    def __init__(self, name: str, role: str, worker_cls: type, hosts: list, infos: list[dict]) -> None:
+    def __init__(self, name: str, role: str, worker_cls: type, hosts: list, infos: list[dict],
+                 pool: ResourcePool | None = None) -> None:
         self.name, self.role, self.worker_cls = name, role, worker_cls
-        self.hosts, self.infos = hosts, infos
+        self.hosts, self.infos, self.pool = hosts, infos, pool
         self._methods = registered_methods(worker_cls)
         self._broken: str | None = None
 
@@ -259,6 +260,14 @@ class WorkerGroup:
 
     def node_ids(self) -> list[str]:
         return [info["node_id"] for info in self.infos]
+
+    def shutdown(self) -> None:
+        """Kill this group's processes (shared with colocated roles) and release its pool."""
+        for host in self.hosts:
+            ray.kill(host, no_restart=True)
+        if self.pool is not None:
+            self.pool.remove()
+        self._broken = "shut down"
 
     def pids(self) -> list[int]:
         return [info["pid"] for info in self.infos]
@@ -325,4 +334,4 @@ def spawn_workers(
     addr, port = probe._get_one("rendezvous_address", hosts[0].rendezvous_address.remote(), 0)
     refs = [h.setup.remote(addr, port, collective_timeout_s) for h in hosts]
     infos = probe._wait("setup", refs, list(range(len(hosts))), setup_timeout_s)
-    return {role: WorkerGroup(name, role, rs.cls, hosts, infos) for role, rs in roles.items()}
+    return {role: WorkerGroup(name, role, rs.cls, hosts, infos, pool) for role, rs in roles.items()}

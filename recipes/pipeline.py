@@ -1,0 +1,125 @@
+"""A multi-stage pipeline: stages run in order, each an existing recipe with its own config,
+and the model is handed from stage to stage through a stage hook (e.g. `pma_sma`: the next
+stage starts from the average of the previous stage's last N checkpoints — PMA-init).
+
+Every stage lives in one run directory (`<run>/<index>-<name>/`). A finished stage leaves
+`STAGE_COMPLETE` (its result as JSON); re-running the pipeline with the same run name skips
+finished stages and resumes the interrupted one from its latest checkpoint. At the end a short
+report (`report.md` and `report.png`) gives held-out accuracy after each stage and for each
+merged starting model.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+from hybridflow.config import compose
+from hybridflow.config.schema import HybridFlowConfig, StageConfig
+from hybridflow.launch import release_all
+from hybridflow.merge.hooks import HookConfig, run_stage_hook
+from hybridflow.tracking import read_metrics
+
+
+def run(config: HybridFlowConfig, run_dir: Path) -> dict:
+    from hybridflow.cli import recipe_function
+
+    if not config.pipeline.stages:
+        raise ValueError("recipe=pipeline needs pipeline.stages; see conf/recipe/pipeline.yaml")
+    model_path, previous_dir, results = config.model.path, None, []
+    for index, stage in enumerate(config.pipeline.stages):
+        stage_dir = run_dir / f"{index:02d}-{stage.name}"
+        done = stage_dir / "STAGE_COMPLETE"
+        if done.is_file():
+            result = json.loads(done.read_text())
+            print(f"pipeline: stage {stage.name} already complete, skipping", flush=True)
+        else:
+            result = {"stage": stage.name, "recipe": stage.recipe}
+            if previous_dir is not None:
+                hook = HookConfig(stage.init.name, dict(stage.init.params))
+                model_path = str(run_stage_hook(hook, previous_dir, stage_dir / "init_model"))
+                result["init_model"] = model_path
+                if stage.evaluate_init:
+                    result["init_accuracy"] = _evaluate(config, stage, model_path, run_dir, index)
+            stage_config = _stage_config(config, stage, model_path, run_dir, stage_dir.name)
+            print(f"pipeline: stage {index} {stage.name} ({stage.recipe}) starts from {model_path or 'the tiny model'}",
+                  flush=True)
+            stage_result = recipe_function(stage.recipe)(stage_config, stage_dir)
+            release_all()
+            validations = [m for m in read_metrics(stage_dir) if "val/accuracy" in m]
+            result.update(final_model=stage_result["final_model"],
+                          final_accuracy=validations[-1]["val/accuracy"] if validations else None)
+            _atomic_json(done, result)
+        results.append(result)
+        model_path, previous_dir = result["final_model"], stage_dir
+    write_report(run_dir, config.pipeline.stages, results)
+    return {"final_model": model_path, "stages": results}
+
+
+def _stage_config(config: HybridFlowConfig, stage: StageConfig, model_path: str | None, run_dir: Path,
+                  name: str, extra: list[str] = ()) -> HybridFlowConfig:
+    overrides = [*config.pipeline.common_overrides, f"recipe={stage.recipe}", *stage.overrides,
+                 f"logger.output_root={run_dir}", f"logger.run_name={name}", "trainer.resume=true", *extra]
+    if model_path is not None:
+        overrides.append(f"model.path={model_path}")
+    return compose(overrides)
+
+
+def _evaluate(config: HybridFlowConfig, stage: StageConfig, model_path: str, run_dir: Path, index: int) -> float:
+    from recipes.evaluate import run as evaluate
+
+    eval_dir = run_dir / f"{index:02d}-{stage.name}" / "init_eval"
+    eval_dir.mkdir(parents=True, exist_ok=True)
+    eval_config = _stage_config(config, stage, model_path, run_dir, eval_dir.name, extra=["recipe.name=evaluate"])
+    result = evaluate(eval_config, eval_dir)
+    release_all()
+    return result["val/accuracy"]
+
+
+def _atomic_json(path: Path, value: dict) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(value, indent=2))
+    os.replace(tmp, path)
+
+
+def write_report(run_dir: Path, stages: list[StageConfig], results: list[dict]) -> None:
+    """report.md (held-out accuracy per stage and per merged start) and report.png (curves)."""
+    lines = ["# Pipeline report", "", "| stage | recipe | starting model accuracy | final accuracy |", "| --- | --- | --- | --- |"]
+    def show(value: float | None) -> str:
+        return "" if value is None else f"{value:.3f}"
+
+    for r in results:
+        lines.append(f"| {r['stage']} | {r['recipe']} | {show(r.get('init_accuracy'))} | {show(r.get('final_accuracy'))} |")
+    for before, after in zip(results, results[1:]):
+        if after.get("init_accuracy") is not None and before.get("final_accuracy") is not None:
+            verdict = "beat" if after["init_accuracy"] > before["final_accuracy"] else "did not beat"
+            lines += ["", f"The starting model of stage {after['stage']} ({after['init_accuracy']:.3f}) {verdict} "
+                          f"the last checkpoint of stage {before['stage']} ({before['final_accuracy']:.3f}) "
+                          "on held-out accuracy (measured)."]
+    (run_dir / "report.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines), flush=True)
+    _plot(run_dir, results)
+
+
+def _plot(run_dir: Path, results: list[dict]) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    offset = 0
+    for index, r in enumerate(results):
+        rows = [m for m in read_metrics(run_dir / f"{index:02d}-{r['stage']}") if "val/accuracy" in m]
+        steps = [offset + m["step"] for m in rows]
+        ax.plot(steps, [m["val/accuracy"] for m in rows], marker="o", label=f"{r['stage']} ({r['recipe']})")
+        if r.get("init_accuracy") is not None:
+            ax.scatter([offset], [r["init_accuracy"]], marker="*", s=120, label=f"{r['stage']} start (merge)")
+        offset = steps[-1] if steps else offset
+    ax.set_xlabel("step (stages back to back)")
+    ax.set_ylabel("held-out accuracy")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(run_dir / "report.png", dpi=100)
+    plt.close(fig)

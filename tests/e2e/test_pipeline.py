@@ -1,0 +1,42 @@
+"""The multi-stage pipeline: SFT -> PMA merge of the last SFT checkpoints -> GRPO, with its report."""
+
+from __future__ import annotations
+
+import json
+
+from hybridflow.config import compose
+from hybridflow.config.schema import StageConfig, StageHookConfig
+
+COMMON = ["trainer.prompts_per_step=4", "rollout.max_response_tokens=4", "trainer.val_prompts=8",
+          "data.synthetic.train_rows=200", "data.synthetic.val_rows=16", "actor.samples_per_micro_batch=8",
+          "placement.pools.global.devices_per_node=1"]
+
+
+def test_sft_merge_grpo_pipeline_runs_reports_and_skips_finished_stages(tmp_path):
+    import ray
+
+    from hybridflow.cli import run
+
+    config = compose(["recipe=pipeline", f"logger.output_root={tmp_path}", "logger.run_name=pipe"])
+    config.pipeline.common_overrides = COMMON
+    config.pipeline.stages = [
+        StageConfig(name="sft", recipe="sft", overrides=["trainer.total_steps=4", "trainer.save_every_steps=2"]),
+        StageConfig(name="grpo", recipe="grpo", init=StageHookConfig("pma_sma", {"last": 2}), evaluate_init=True,
+                    overrides=["trainer.total_steps=2", "rollout.samples_per_prompt=2"]),
+    ]
+    try:
+        result = run(config)
+        run_dir = tmp_path / "pipe"
+        sft, grpo = (json.loads((run_dir / d / "STAGE_COMPLETE").read_text()) for d in ("00-sft", "01-grpo"))
+        assert sft["final_accuracy"] is not None and grpo["final_accuracy"] is not None
+        assert 0.0 <= grpo["init_accuracy"] <= 1.0
+        provenance = json.loads((run_dir / "01-grpo" / "init_model" / "merge_provenance.json").read_text())
+        assert provenance["method"] == "sma" and len(provenance["inputs"]) == 2
+        report = (run_dir / "report.md").read_text()
+        assert "the last checkpoint of stage sft" in report and (run_dir / "report.png").stat().st_size > 0
+        assert result["final_model"].endswith("01-grpo/final_model")
+
+        again = run(config)  # every stage is complete: nothing is re-run
+        assert again["final_model"] == result["final_model"]
+    finally:
+        ray.shutdown()
