@@ -10,8 +10,8 @@ from pathlib import Path
 VENV_BIN = Path(sys.executable).parent
 
 
-def test_main_command_runs_the_embedded_default(tmp_path):
-    cmd = [str(VENV_BIN / "hybridflow"), "recipe.demo_prompts=4", f"logger.output_root={tmp_path}",
+def test_main_command_runs_the_controller_demo(tmp_path):
+    cmd = [str(VENV_BIN / "hybridflow"), "recipe=demo", "recipe.demo_prompts=4", f"logger.output_root={tmp_path}",
            "logger.run_name=demo"]
     result = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]

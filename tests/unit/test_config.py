@@ -62,3 +62,10 @@ def test_unknown_keys_and_bad_types_fail_in_composition(override, expected):
 def test_cross_field_rules_name_key_value_and_fix(override, message):
     with pytest.raises(ConfigError, match=message):
         compose(override)
+
+
+def test_the_main_command_runs_the_default_pipeline():
+    config = compose([])
+    assert config.recipe.name == "pipeline"
+    assert [s.recipe for s in config.pipeline.stages] == ["sft", "grpo"]
+    assert config.pipeline.stages[1].init.name == "pma_sma" and config.pipeline.stages[1].evaluate_init
