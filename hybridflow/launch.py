@@ -83,7 +83,7 @@ def spawn_roles(config: HybridFlowConfig, roles: dict[str, RoleSpec], env_vars: 
             raise KeyError(f"role {role!r} has no pool: add placement.roles.{role}=<pool name>")
         by_pool.setdefault(placement.roles[role], {})[role] = spec
     groups: dict[str, WorkerGroup] = {}
-    for pool_name, pool_roles in by_pool.items():  # noqa: B007
+    for pool_name, pool_roles in by_pool.items():
         p = placement.pools[pool_name]
         pool = ResourcePool(PoolSpec(pool_name, p.nodes, p.devices_per_node, gpu, p.cpus_per_device))
         groups.update(spawn_workers(pool, pool_roles, env_vars=env_vars,

@@ -54,6 +54,20 @@ class MetricsLogger:
             except ImportError as exc:
                 raise ImportError("logger.backends has 'tensorboard': pip install tensorboard") from exc
             self.tensorboard = SummaryWriter(str(run_dir / "tensorboard"))
+        self.wandb = self.mlflow = None
+        if "wandb" in backends:
+            try:
+                import wandb
+            except ImportError as exc:
+                raise ImportError("logger.backends has 'wandb': pip install wandb") from exc
+            self.wandb = wandb.init(dir=str(run_dir), name=run_dir.name)
+        if "mlflow" in backends:
+            try:
+                import mlflow
+            except ImportError as exc:
+                raise ImportError("logger.backends has 'mlflow': pip install mlflow") from exc
+            mlflow.start_run(run_name=run_dir.name)
+            self.mlflow = mlflow
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
         bad = {k: v for k, v in metrics.items() if isinstance(v, float) and not math.isfinite(v)}
@@ -61,10 +75,14 @@ class MetricsLogger:
         if self.jsonl:
             with open(self.path, "a") as f:
                 f.write(json.dumps(record) + "\n")
+        numeric = {k: float(v) for k, v in metrics.items() if isinstance(v, (int, float))}
         if self.tensorboard is not None:
-            for k, v in metrics.items():
-                if isinstance(v, (int, float)):
-                    self.tensorboard.add_scalar(k, v, step)
+            for k, v in numeric.items():
+                self.tensorboard.add_scalar(k, v, step)
+        if self.wandb is not None:
+            self.wandb.log(numeric, step=step)
+        if self.mlflow is not None:
+            self.mlflow.log_metrics({k.replace("/", "_"): v for k, v in numeric.items()}, step=step)
         if self.console:
             shown = " ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in metrics.items())
             print(f"[step {step}] {shown}", flush=True)
@@ -74,6 +92,10 @@ class MetricsLogger:
     def close(self) -> None:
         if self.tensorboard is not None:
             self.tensorboard.close()
+        if self.wandb is not None:
+            self.wandb.finish()
+        if self.mlflow is not None:
+            self.mlflow.end_run()
 
 
 def read_metrics(run_dir: Path) -> list[dict]:

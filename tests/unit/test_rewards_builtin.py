@@ -11,7 +11,7 @@ def test_registry_holds_builtins_and_refuses_duplicates():
     assert {"exact_match", "math_answer"} <= set(REWARD_FUNCTIONS.names())
     with pytest.raises(KeyError, match="already registered"):
         REWARD_FUNCTIONS.add("exact_match", lambda response: 0.0)
-    with pytest.raises(KeyError, match="registered: exact_match, math_answer"):
+    with pytest.raises(KeyError, match="registered: digit_match, exact_match, math_answer"):
         REWARD_FUNCTIONS.get("nope")
 
 
@@ -42,3 +42,14 @@ def test_extract_answer(text, answer):
 ])
 def test_math_answer(response, truth, score):
     assert math_answer(response, truth) == {"score": score, "accuracy": score}
+
+
+def test_digit_match_gives_partial_credit_aligned_from_the_right():
+    from hybridflow.rewards.builtin import digit_match
+
+    assert digit_match("173", "173") == {"score": 1.0, "accuracy": 1.0}
+    assert digit_match("170", "173") == {"score": 2 / 3, "accuracy": 0.0}  # "17" matches, "0" != "3"
+    assert digit_match("73", "173") == {"score": 2 / 3, "accuracy": 0.0}  # " 73" vs "173"
+    assert digit_match("88", "173") == {"score": 0.0, "accuracy": 0.0}
+    assert digit_match("", "") == {"score": 0.0, "accuracy": 0.0}
+    assert digit_match("1730", "173") == {"score": 0.0, "accuracy": 0.0}  # "1730" vs " 173": shifted
