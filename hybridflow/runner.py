@@ -120,3 +120,24 @@ def sample_seeds(seed: int, step: int, count: int) -> torch.Tensor:
     """Per-sample sampling seeds (B,): generation at a step depends only on weights, seed and step,
     so a resumed run draws exactly what the uninterrupted run drew."""
     return (seed * 1_000_003 + step * 10_007 + torch.arange(count)).long()
+
+
+def run_training_hooks(config: HybridFlowConfig, step: int, actor: WorkerGroup, reference: WorkerGroup | None
+                       ) -> dict[str, float]:
+    """Apply `trainer.training_hooks` after the actor update of `step` (e.g. reference <- EMA of
+    the actor). Full weights pass through the driver, so hooks are meant for every K steps."""
+    from hybridflow.merge.hooks import HookConfig, run_training_hook
+
+    applied = 0.0
+    for hook in config.trainer.training_hooks:
+        every = hook.params.get("every_steps")  # hook params are free-form by design
+        if every and step % int(every):
+            continue
+        if reference is None:
+            raise RuntimeError(f"training hook {hook.name!r} needs the reference role")
+        new_state = run_training_hook(HookConfig(hook.name, dict(hook.params)), step=step,
+                                      actor_state=actor.full_state_dict(), reference_state=reference.full_state_dict())
+        if new_state is not None:
+            reference.load_state_from(new_state)
+            applied += 1
+    return {"hooks/applied": applied} if config.trainer.training_hooks else {}

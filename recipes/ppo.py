@@ -34,7 +34,14 @@ from hybridflow.launch import (
     vllm_env,
 )
 from hybridflow.rewards import reward_metrics
-from hybridflow.runner import Checkpointer, StageTimer, response_stats, sample_seeds, validate
+from hybridflow.runner import (
+    Checkpointer,
+    StageTimer,
+    response_stats,
+    run_training_hooks,
+    sample_seeds,
+    validate,
+)
 from hybridflow.tracking import MetricsLogger
 from workers.actor import ActorWorker
 from workers.critic import CriticWorker
@@ -99,6 +106,7 @@ def run(config: HybridFlowConfig, run_dir: Path) -> dict:
             critic_update = critic.update_critic.remote(samples) if critic is not None else None
             actor_metrics = actor.update_policy(samples)[0]
             critic_metrics = critic_update.get()[0] if critic_update is not None else {}
+            critic_metrics.update(run_training_hooks(config, step, actor, reference))
         with timer("weight_sync"):
             rollout.wake_up()
             sync_metrics = actor.sync_weights_to_rollout(config.trainer.verify_weight_sync)[0]

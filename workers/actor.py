@@ -285,3 +285,10 @@ class ActorWorker:
         path = export_hf_model(directory, model=self.model, tokenizer_source_dir=tokenizer_source_dir,
                                rank=self.ctx.rank)
         return str(path) if path is not None else None
+
+    @register(Dispatch.RANK_ZERO)
+    def full_state_dict(self) -> dict:
+        """Collective: the full (unsharded) weights on the CPU; rank 0's copy is returned."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        return get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))

@@ -40,3 +40,10 @@ class ReferenceWorker:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
         set_model_state_dict(self.model, weights, options=StateDictOptions(full_state_dict=True))
+
+    @register(Dispatch.RANK_ZERO)
+    def full_state_dict(self) -> dict:
+        """Collective: the full (unsharded) weights on the CPU; rank 0's copy is returned."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        return get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))

@@ -255,6 +255,13 @@ class CriticConfig:
 
 
 @dataclass
+class TrainingHookConfig:
+    # A registered training hook (reference_ema, reference_reset) or 'module:fn', and its params.
+    name: str = "reference_ema"
+    params: Dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
 class TrainerConfig:
     total_steps: int = 20
     prompts_per_step: int = 16
@@ -266,6 +273,9 @@ class TrainerConfig:
     use_sampler_log_probs: bool = True  # on-policy single update: skip the old-log-prob forward pass
     verify_weight_sync: bool = False  # compare every vLLM tensor with the actor after each sync
     export_hf: bool = True  # save the final actor as a Hugging Face directory
+    # Run after each actor update (only at multiples of params.every_steps when given), e.g.
+    # {name: reference_ema, params: {every_steps: 10, alpha: 0.1}}; they need a reference role.
+    training_hooks: List[TrainingHookConfig] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         _require(self.total_steps >= 1, "trainer.total_steps", self.total_steps, "must be >= 1")
@@ -357,5 +367,12 @@ class HybridFlowConfig:
         mini = self.actor.samples_per_mini_batch
         _require(mini == 0 or (samples % mini == 0 and mini % world == 0), "actor.samples_per_mini_batch", mini,
                  f"must divide the step's {samples} samples and be a multiple of the {world} actor ranks")
+        _require(not self.trainer.training_hooks or self.algorithm.kl_penalty_coef > 0 or self.actor.kl_loss_coef > 0,
+                 "trainer.training_hooks", [h.name for h in self.trainer.training_hooks],
+                 "the hooks update the reference model, which runs only with algorithm.kl_penalty_coef > 0 or "
+                 "actor.kl_loss_coef > 0")
+        _require(not self.trainer.training_hooks or not self.actor.lora.rank, "trainer.training_hooks",
+                 [h.name for h in self.trainer.training_hooks],
+                 "with LoRA the reference is the actor with its adapter disabled; it has no weights of its own to set")
         _require(self.recipe.name != "ppo" or self.algorithm.use_critic, "algorithm.use_critic",
                  self.algorithm.use_critic, "recipe=ppo trains a critic: set algorithm.use_critic=true")

@@ -61,15 +61,20 @@ def test_grpo_with_a_reward_function_from_a_file(tmp_path):
     AutoModelForCausalLM.from_pretrained(run_dir / "final_model")
 
 
-def test_ppo_with_critic_and_kl_penalty(tmp_path):
-    result = hybridflow(["recipe=ppo", "trainer.total_steps=2", "algorithm.kl_penalty_coef=0.05",
-                         "trainer.export_hf=false"], tmp_path, "ppo")
+def test_ppo_with_critic_kl_penalty_and_a_reference_reset_hook(tmp_path):
+    result = hybridflow(["recipe=ppo", "trainer.total_steps=3", "algorithm.kl_penalty_coef=0.05",
+                         "trainer.export_hf=false", "actor.optim.lr=1e-3",
+                         "trainer.training_hooks=[{name:reference_reset,params:{every_steps:2}}]"], tmp_path, "ppo")
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
     rows = metrics(tmp_path / "ppo")
-    assert len(rows) == 2
-    for key in STEP_KEYS + ["critic/value_loss", "kl/penalty_mean", "kl/coef"]:
+    assert len(rows) == 3
+    for key in STEP_KEYS + ["critic/value_loss", "kl/penalty_mean", "kl/coef", "hooks/applied"]:
         assert key in rows[-1], f"{key} missing"
-    assert rows[0]["kl/penalty_mean"] == pytest.approx(0.0, abs=1e-5)  # step 1: actor == reference
+    kl = [r["kl/penalty_mean"] for r in rows]
+    assert kl[0] == pytest.approx(0.0, abs=1e-5)  # step 1: actor == reference
+    assert abs(kl[1]) > 1e-6  # step 2: the actor moved away from the reference
+    assert [r["hooks/applied"] for r in rows] == [0.0, 1.0, 0.0]
+    assert kl[2] == pytest.approx(0.0, abs=1e-5)  # step 3: the reference was reset to the actor after step 2
 
 
 def test_kill_and_resume_matches_the_uninterrupted_run(tmp_path):
