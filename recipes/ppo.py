@@ -79,12 +79,14 @@ def run(config: HybridFlowConfig, run_dir: Path) -> dict:
         step += 1
         timer = StageTimer()
         with timer("generate"):
+            actor.offload()  # GPU: training state to host memory while vLLM generates (no-op on the CPU)
             prompts = encode_prompts(loader.next_rows(), tokenizer, config.data.max_prompt_tokens)
             prompts.tensors["group_ids"] = torch.arange(len(prompts))
             prompts = prompts.repeat_interleave(n)
             prompts.tensors["sample_seed"] = sample_seeds(config.seed, step, len(prompts))
             samples = rollout.generate(prompts)
             rollout.sleep()  # GPU: free the KV cache while training runs (the CPU backend cannot)
+            actor.reload()  # GPU: training state back from host memory (no-op on the CPU)
         with timer("score"):  # independent: on separate pools these run at the same time
             pending = [reward.compute_rewards.remote(samples.select(list(samples.objects)))]  # text only
             if not on_policy:

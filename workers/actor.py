@@ -211,6 +211,30 @@ class ActorWorker:
         weighted["actor/grad_norm"] = grad_norm
         return weighted
 
+    # ---- device memory ------------------------------------------------------------------------
+
+    @register(Dispatch.ONE_TO_ALL)
+    def offload(self) -> bool:
+        """Move parameters and optimizer state to host memory while the colocated engine generates.
+        Only on a GPU (on the CPU there is nowhere else to put them); returns whether it moved."""
+        return self._move("cpu") if self.ctx.device == "cuda" else False
+
+    @register(Dispatch.ONE_TO_ALL)
+    def reload(self) -> bool:
+        """Bring parameters and optimizer state back to the device before training."""
+        return self._move(self.ctx.device) if self.ctx.device == "cuda" else False
+
+    def _move(self, device: str) -> bool:
+        self.model.to(device)  # FSDP2 modules move their sharded parameters with .to()
+        for state in self.optimizer.state.values():
+            for key, value in state.items():
+                if torch.is_tensor(value) and key != "step":
+                    state[key] = value.to(device, non_blocking=True)
+        if device == "cpu":
+            torch.cuda.empty_cache()
+        torch.cuda.synchronize()
+        return True
+
     # ---- weights ----------------------------------------------------------------------------------
 
     @register(Dispatch.ONE_TO_ALL)
