@@ -118,6 +118,14 @@ def vllm_env(config: HybridFlowConfig) -> dict[str, str]:
 # ---- role specs from config ------------------------------------------------------------------
 
 
+def optim_settings(o, total_steps: int):
+    from hybridflow.training.fsdp import OptimSettings
+
+    return OptimSettings(lr=o.lr, weight_decay=o.weight_decay, betas=tuple(o.betas), warmup_steps=o.warmup_steps,
+                         total_steps=total_steps, lr_schedule=o.lr_schedule, min_lr_ratio=o.min_lr_ratio,
+                         max_grad_norm=o.max_grad_norm)
+
+
 def actor_settings(config: HybridFlowConfig, model_dir: Path):
     from hybridflow.training.fsdp import LoraSpec
     from workers.actor import ActorSettings
@@ -125,9 +133,7 @@ def actor_settings(config: HybridFlowConfig, model_dir: Path):
     a, o = config.actor, config.actor.optim
     lora = LoraSpec(a.lora.rank, a.lora.alpha, a.lora.dropout, tuple(a.lora.target_modules)) if a.lora.rank else None
     return ActorSettings(
-        model_path=str(model_dir), dtype=config.model.dtype.value, lr=o.lr, weight_decay=o.weight_decay,
-        betas=tuple(o.betas), warmup_steps=o.warmup_steps, total_steps=config.trainer.total_steps,
-        max_grad_norm=o.max_grad_norm, lr_schedule=o.lr_schedule, min_lr_ratio=o.min_lr_ratio,
+        model_path=str(model_dir), dtype=config.model.dtype.value, optim=optim_settings(o, config.trainer.total_steps),
         samples_per_mini_batch=a.samples_per_mini_batch,
         samples_per_micro_batch=a.samples_per_micro_batch, epochs_per_step=a.epochs_per_step,
         policy_loss=a.policy_loss, clip_ratio_low=a.clip_ratio_low, clip_ratio_high=a.clip_ratio_high,
@@ -142,9 +148,7 @@ def critic_settings(config: HybridFlowConfig, model_dir: Path):
 
     c, o = config.critic, config.critic.optim
     return CriticSettings(
-        model_path=str(model_dir), dtype=config.model.dtype.value, lr=o.lr, weight_decay=o.weight_decay,
-        betas=tuple(o.betas), warmup_steps=o.warmup_steps, total_steps=config.trainer.total_steps,
-        max_grad_norm=o.max_grad_norm, lr_schedule=o.lr_schedule, min_lr_ratio=o.min_lr_ratio,
+        model_path=str(model_dir), dtype=config.model.dtype.value, optim=optim_settings(o, config.trainer.total_steps),
         samples_per_mini_batch=c.samples_per_mini_batch,
         samples_per_micro_batch=c.samples_per_micro_batch, epochs_per_step=c.epochs_per_step,
         value_clip_range=c.value_clip_range, loss_aggregation=c.loss_aggregation, seed=config.seed)

@@ -29,6 +29,7 @@ from hybridflow.algos.entropy import entropy_from_logits
 from hybridflow.batch import Batch
 from hybridflow.controller import Dispatch, WorkerContext, register
 from hybridflow.training.fsdp import (
+    OptimSettings,
     LoraSpec,
     all_reduce_mean_dict,
     all_reduce_sum,
@@ -46,14 +47,7 @@ class ActorSettings:
 
     model_path: str
     dtype: str = "float32"
-    lr: float = 1e-4
-    weight_decay: float = 0.0
-    betas: tuple[float, float] = (0.9, 0.999)
-    warmup_steps: int = 0
-    total_steps: int = 100
-    max_grad_norm: float = 1.0
-    lr_schedule: str = "constant"
-    min_lr_ratio: float = 0.0
+    optim: OptimSettings = OptimSettings()
     samples_per_mini_batch: int = 0  # global, across ranks; 0: the whole step batch is one mini-batch
     samples_per_micro_batch: int = 8  # per rank
     epochs_per_step: int = 1
@@ -91,8 +85,7 @@ class ActorWorker:
                            gradient_checkpointing=self.s.gradient_checkpointing)
         self.model = shard_model(model, self.ctx.device)
         self.optimizer, self.scheduler = build_optimizer(
-            self.model, self.s.lr, self.s.weight_decay, tuple(self.s.betas), self.s.warmup_steps, self.s.total_steps,
-            self.s.lr_schedule, self.s.min_lr_ratio)
+            self.model, self.s.optim)
         trainable = sum(p.numel() for p in self.model.parameters() if p.requires_grad)
         return {"trainable_parameters_on_rank": trainable}
 
@@ -201,7 +194,7 @@ class ActorWorker:
             share = float(micro["response_mask"].sum()) / max(1.0, float(mask.sum()))
             for k, v in stats.items():
                 weighted[k] = weighted.get(k, 0.0) + v * share
-        grad_norm = clip_gradients(self.model, self.s.max_grad_norm)
+        grad_norm = clip_gradients(self.model, self.s.optim.max_grad_norm)
         if not torch.isfinite(torch.tensor(grad_norm)):
             self.optimizer.zero_grad(set_to_none=True)
             raise FloatingPointError(f"gradient norm is {grad_norm} at actor update {self.updates}; lower the lr "

@@ -17,6 +17,7 @@ from hybridflow.algos import clipped_value_loss
 from hybridflow.batch import Batch
 from hybridflow.controller import Dispatch, WorkerContext, register
 from hybridflow.training.fsdp import (
+    OptimSettings,
     all_reduce_mean_dict,
     all_reduce_sum,
     build_optimizer,
@@ -31,14 +32,7 @@ from hybridflow.training.sequences import micro_batches, mini_batches, model_inp
 class CriticSettings:
     model_path: str
     dtype: str = "float32"
-    lr: float = 1e-4
-    weight_decay: float = 0.0
-    betas: tuple[float, float] = (0.9, 0.999)
-    warmup_steps: int = 0
-    total_steps: int = 100
-    max_grad_norm: float = 1.0
-    lr_schedule: str = "constant"
-    min_lr_ratio: float = 0.0
+    optim: OptimSettings = OptimSettings()
     samples_per_mini_batch: int = 0
     samples_per_micro_batch: int = 16
     epochs_per_step: int = 1
@@ -66,8 +60,7 @@ class CriticWorker:
         torch.manual_seed(self.s.seed + 1)
         self.model = shard_model(load_model(self.s.model_path, self.s.dtype, value_head=True), self.ctx.device)
         self.optimizer, self.scheduler = build_optimizer(
-            self.model, self.s.lr, self.s.weight_decay, tuple(self.s.betas), self.s.warmup_steps, self.s.total_steps,
-            self.s.lr_schedule, self.s.min_lr_ratio)
+            self.model, self.s.optim)
 
     @register(Dispatch.DP_SPLIT)
     @torch.no_grad()
@@ -111,7 +104,7 @@ class CriticWorker:
             share = float(micro["response_mask"].sum()) / max(1.0, float(mask.sum()))
             for k, v in stats.items():
                 weighted[k] = weighted.get(k, 0.0) + v * share
-        weighted["grad_norm"] = clip_gradients(self.model, self.s.max_grad_norm)
+        weighted["grad_norm"] = clip_gradients(self.model, self.s.optim.max_grad_norm)
         self.optimizer.step()
         return weighted
 

@@ -67,22 +67,35 @@ def _unwrap(model: torch.nn.Module) -> torch.nn.Module:
     return getattr(base, "model", model) if base is not None and base is not model else model
 
 
-def build_optimizer(model: torch.nn.Module, lr: float, weight_decay: float, betas: tuple[float, float],
-                    warmup_steps: int, total_steps: int, schedule: str = "constant", min_lr_ratio: float = 0.0):
+@dataclass(frozen=True)
+class OptimSettings:
+    """AdamW and its learning-rate schedule, as one training worker needs them."""
+
+    lr: float = 1e-4
+    weight_decay: float = 0.0
+    betas: tuple[float, float] = (0.9, 0.999)
+    warmup_steps: int = 0
+    total_steps: int = 100  # the schedule steps once per trainer step
+    lr_schedule: str = "constant"  # constant | cosine
+    min_lr_ratio: float = 0.0
+    max_grad_norm: float = 1.0  # 0: no clipping
+
+
+def build_optimizer(model: torch.nn.Module, optim: OptimSettings):
     """AdamW over trainable parameters; linear warmup, then constant or cosine decay to `min_lr_ratio * lr`."""
     params = [p for p in model.parameters() if p.requires_grad]
     if not params:
         raise ValueError("the model has no trainable parameters")
-    optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay, betas=betas)
+    optimizer = torch.optim.AdamW(params, lr=optim.lr, weight_decay=optim.weight_decay, betas=tuple(optim.betas))
+    warmup, total, floor = optim.warmup_steps, optim.total_steps, optim.min_lr_ratio
 
     def factor(step: int) -> float:
-        if warmup_steps and step < warmup_steps:
-            return (step + 1) / warmup_steps
-        if schedule == "constant":
+        if warmup and step < warmup:
+            return (step + 1) / warmup
+        if optim.lr_schedule == "constant":
             return 1.0
-        span = max(1, total_steps - warmup_steps)
-        progress = min(1.0, (step - warmup_steps) / span)
-        return min_lr_ratio + (1 - min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+        progress = min(1.0, (step - warmup) / max(1, total - warmup))
+        return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress))
 
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
     return optimizer, scheduler

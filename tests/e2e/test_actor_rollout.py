@@ -12,6 +12,7 @@ from hybridflow.controller import PoolSpec, ResourcePool, RoleSpec, WorkerError,
 from hybridflow.data import ArithmeticSpec, make_arithmetic_rows
 from hybridflow.data.prompts import encode_prompts
 from tests.e2e.workers import CorruptibleVLLMRollout
+from hybridflow.training.fsdp import OptimSettings
 from workers.actor import ActorSettings, ActorWorker
 from workers.reference import ReferenceWorker
 
@@ -25,7 +26,7 @@ def groups(ray_local, tiny_model_dir):
     rollout = RoleSpec(CorruptibleVLLMRollout, dict(
         model_path=str(tiny_model_dir), rollout=RolloutConfig(max_response_tokens=6), max_prompt_tokens=MAX_PROMPT_TOKENS,
         eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, verifiable_weights=True))
-    actor = RoleSpec(ActorWorker, {"settings": ActorSettings(model_path=str(tiny_model_dir), lr=1e-3,
+    actor = RoleSpec(ActorWorker, {"settings": ActorSettings(model_path=str(tiny_model_dir), optim=OptimSettings(lr=1e-3),
                                                              samples_per_micro_batch=4)})
     reference = RoleSpec(ReferenceWorker, {"model_path": str(tiny_model_dir), "samples_per_micro_batch": 4})
     out = spawn_workers(ResourcePool(PoolSpec("hybrid", devices_per_node=2)),
