@@ -108,13 +108,13 @@ def run(config: HybridFlowConfig, run_dir: Path) -> dict:
             critic_update = critic.update_critic.remote(samples) if critic is not None else None
             actor_metrics = actor.update_policy(samples)[0]
             critic_metrics = critic_update.get()[0] if critic_update is not None else {}
-            critic_metrics.update(run_training_hooks(config, step, actor, reference))
+            hook_metrics = run_training_hooks(config, step, actor, reference)
         with timer("weight_sync"):
             rollout.wake_up()
             sync_metrics = actor.sync_weights_to_rollout(config.trainer.verify_weight_sync)[0]
 
-        metrics = {**reward_metrics(samples), **algo_metrics, **actor_metrics, **critic_metrics, **sync_metrics,
-                   **response_stats(samples), **timer.seconds, "kl/coef": kl_ctl.coef}
+        metrics = {**reward_metrics(samples), **algo_metrics, **actor_metrics, **critic_metrics, **hook_metrics,
+                   **sync_metrics, **response_stats(samples), **timer.seconds, "kl/coef": kl_ctl.coef}
         metrics["perf/tokens_per_s"] = metrics["response/tokens"] / metrics["timing/generate_s"]
         if on_policy:  # the update's first forward pass is the actor's log-prob of the sampled tokens
             metrics["rollout/log_prob_diff"] = actor_metrics["actor/log_prob_diff_from_old"]
