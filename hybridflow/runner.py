@@ -4,7 +4,6 @@ checkpoint save / resume, and the final export. Nothing here knows an algorithm.
 
 from __future__ import annotations
 
-import json
 import time
 from contextlib import contextmanager
 from pathlib import Path
@@ -64,7 +63,7 @@ class Checkpointer:
                  trainable: dict[str, WorkerGroup]) -> None:
         self.config, self.model_dir, self.trainable = config, model_dir, trainable
         self.manager = CheckpointManager(run_dir, keep_last=config.trainer.keep_last_checkpoints)
-        self.config_hash = config_hash({k: v for k, v in json.loads(json.dumps(_plain(config))).items()
+        self.config_hash = config_hash({k: v for k, v in _plain(config).items()
                                         if k in ("model", "data", "algorithm", "actor", "critic", "seed")})
 
     def due(self, step: int) -> bool:
@@ -126,7 +125,7 @@ def run_training_hooks(config: HybridFlowConfig, step: int, actor: WorkerGroup, 
                        ) -> dict[str, float]:
     """Apply `trainer.training_hooks` after the actor update of `step` (e.g. reference <- EMA of
     the actor). Full weights pass through the driver, so hooks are meant for every K steps."""
-    from hybridflow.merge.hooks import HookConfig, run_training_hook
+    from hybridflow.merge.hooks import run_training_hook
 
     applied = 0.0
     for hook in config.trainer.training_hooks:
@@ -135,7 +134,7 @@ def run_training_hooks(config: HybridFlowConfig, step: int, actor: WorkerGroup, 
             continue
         if reference is None:
             raise RuntimeError(f"training hook {hook.name!r} needs the reference role")
-        new_state = run_training_hook(HookConfig(hook.name, dict(hook.params)), step=step,
+        new_state = run_training_hook(hook, step=step,
                                       actor_state=actor.full_state_dict(), reference_state=reference.full_state_dict())
         if new_state is not None:
             reference.load_state_from(new_state)

@@ -18,7 +18,7 @@ from pathlib import Path
 from hybridflow.config import compose
 from hybridflow.config.schema import HybridFlowConfig, StageConfig
 from hybridflow.launch import release_all
-from hybridflow.merge.hooks import HookConfig, run_stage_hook
+from hybridflow.merge.hooks import run_stage_hook
 from hybridflow.tracking import read_metrics
 
 
@@ -37,8 +37,7 @@ def run(config: HybridFlowConfig, run_dir: Path) -> dict:
         else:
             result = {"stage": stage.name, "recipe": stage.recipe}
             if previous_dir is not None:
-                hook = HookConfig(stage.init.name, dict(stage.init.params))
-                model_path = str(run_stage_hook(hook, previous_dir, stage_dir / "init_model"))
+                model_path = str(run_stage_hook(stage.init, previous_dir, stage_dir / "init_model"))
                 result["init_model"] = model_path
                 if stage.evaluate_init:
                     result["init_accuracy"] = _evaluate(config, stage, model_path, run_dir, index)

@@ -38,6 +38,7 @@ from hybridflow.training.fsdp import (
     load_model,
     shard_model,
 )
+from hybridflow.training.state import TrainingStateMixin
 from hybridflow.training.sequences import log_probs_and_entropy, micro_batches, mini_batches, response_logits
 
 
@@ -70,7 +71,7 @@ PROBE_PROMPT_IDS = [3, 4, 5, 6, 7, 8]  # any ids below every vocabulary size wil
 PROBE_TOLERANCE = 1e-2  # float32 kernels differ by ~1e-5; a stale weight by far more
 
 
-class ActorWorker:
+class ActorWorker(TrainingStateMixin):
     def __init__(self, ctx: WorkerContext, settings: ActorSettings) -> None:
         self.ctx, self.s = ctx, settings
         self.model = self.optimizer = self.scheduler = None
@@ -276,23 +277,7 @@ class ActorWorker:
 
         return weight_checksums(full_weights(self.model))
 
-    # ---- checkpoints -------------------------------------------------------------------------
-
-    @register(Dispatch.ONE_TO_ALL)
-    def save_checkpoint(self, directory: str) -> None:
-        """Collective: this rank's shard of model + optimizer, the scheduler, RNG and update count."""
-        from hybridflow.checkpoint import save_training_state
-
-        save_training_state(directory, model=self.model, optimizer=self.optimizer, scheduler=self.scheduler,
-                            rank=self.ctx.rank, extra={"updates": self.updates})
-
-    @register(Dispatch.ONE_TO_ALL)
-    def load_checkpoint(self, directory: str) -> None:
-        from hybridflow.checkpoint import load_training_state
-
-        extra = load_training_state(directory, model=self.model, optimizer=self.optimizer, scheduler=self.scheduler,
-                                    rank=self.ctx.rank)
-        self.updates = int((extra or {}).get("updates", 0))
+    # ---- checkpoints (save/load: TrainingStateMixin) ----------------------------------------
 
     @register(Dispatch.ONE_TO_ALL)
     def export_hf(self, directory: str, tokenizer_source_dir: str) -> str | None:

@@ -25,6 +25,7 @@ from hybridflow.training.fsdp import (
     load_model,
     shard_model,
 )
+from hybridflow.training.state import TrainingStateMixin
 from hybridflow.training.sequences import micro_batches, mini_batches, model_inputs
 
 
@@ -49,7 +50,7 @@ def _values(model: torch.nn.Module, batch: Batch) -> torch.Tensor:
     return logits[:, prompt_len - 1 : prompt_len - 1 + width, 0].float()
 
 
-class CriticWorker:
+class CriticWorker(TrainingStateMixin):
     def __init__(self, ctx: WorkerContext, settings: CriticSettings) -> None:
         self.ctx, self.s = ctx, settings
         self.model = self.optimizer = self.scheduler = None
@@ -107,21 +108,3 @@ class CriticWorker:
         weighted["grad_norm"] = clip_gradients(self.model, self.s.optim.max_grad_norm)
         self.optimizer.step()
         return weighted
-
-    # ---- checkpoints -------------------------------------------------------------------------
-
-    @register(Dispatch.ONE_TO_ALL)
-    def save_checkpoint(self, directory: str) -> None:
-        """Collective: this rank's shard of model + optimizer, the scheduler, RNG and update count."""
-        from hybridflow.checkpoint import save_training_state
-
-        save_training_state(directory, model=self.model, optimizer=self.optimizer, scheduler=self.scheduler,
-                            rank=self.ctx.rank, extra={"updates": self.updates})
-
-    @register(Dispatch.ONE_TO_ALL)
-    def load_checkpoint(self, directory: str) -> None:
-        from hybridflow.checkpoint import load_training_state
-
-        extra = load_training_state(directory, model=self.model, optimizer=self.optimizer, scheduler=self.scheduler,
-                                    rank=self.ctx.rank)
-        self.updates = int((extra or {}).get("updates", 0))

@@ -13,6 +13,7 @@ import enum
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
 
+from hybridflow.merge.hooks import HookConfig  # the hook schema lives beside the hooks
 from hybridflow.rewards.config import RewardConfig  # noqa: F401 - the reward.* schema lives beside its code
 
 ROLES = ("actor", "rollout", "reference", "critic", "reward")
@@ -255,13 +256,6 @@ class CriticConfig:
 
 
 @dataclass
-class TrainingHookConfig:
-    # A registered training hook (reference_ema, reference_reset) or 'module:fn', and its params.
-    name: str = "reference_ema"
-    params: Dict[str, Any] = field(default_factory=dict)
-
-
-@dataclass
 class TrainerConfig:
     total_steps: int = 20
     prompts_per_step: int = 16
@@ -275,7 +269,8 @@ class TrainerConfig:
     export_hf: bool = True  # save the final actor as a Hugging Face directory
     # Run after each actor update (only at multiples of params.every_steps when given), e.g.
     # {name: reference_ema, params: {every_steps: 10, alpha: 0.1}}; they need a reference role.
-    training_hooks: List[TrainingHookConfig] = field(default_factory=list)
+    # A registered training hook (reference_ema, reference_reset) or 'module:fn', and its params.
+    training_hooks: List[HookConfig] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         _require(self.total_steps >= 1, "trainer.total_steps", self.total_steps, "must be >= 1")
@@ -300,19 +295,13 @@ RECIPE_NAMES = ("demo", "sft", "grpo", "ppo", "evaluate", "pipeline")
 
 
 @dataclass
-class StageHookConfig:
-    # A registered stage hook (pma_sma, pma_ema, pma_wma, last_checkpoint, final_model) or 'module:fn'.
-    name: str = "final_model"
-    params: Dict[str, Any] = field(default_factory=dict)
-
-
-@dataclass
 class StageConfig:
     name: str = "stage"
     recipe: str = "sft"  # sft | grpo | ppo
     overrides: List[str] = field(default_factory=list)  # Hydra overrides for this stage only
     # How this stage's starting model is made from the previous stage (ignored for the first).
-    init: StageHookConfig = field(default_factory=StageHookConfig)
+    # A registered stage hook (pma_sma, pma_ema, pma_wma, last_checkpoint, final_model) or 'module:fn'.
+    init: HookConfig = field(default_factory=lambda: HookConfig("final_model"))
     evaluate_init: bool = False  # also measure the starting model's held-out accuracy (e.g. a merge)
 
 

@@ -49,7 +49,7 @@ def load_model(path: str, dtype: str, *, value_head: bool = False, lora: LoraSpe
 def shard_model(model: torch.nn.Module, device: str) -> torch.nn.Module:
     """FSDP2-shard every decoder block and the root over the default process group."""
     model.to(device)
-    if not dist.is_initialized() or dist.get_world_size() == 1 and device == "cpu":
+    if not dist.is_initialized() or (dist.get_world_size() == 1 and device == "cpu"):
         return model  # one CPU rank: nothing to shard, plain module is identical and faster
     block_names = set(getattr(_unwrap(model), "_no_split_modules", None) or [])
     blocks = [m for m in model.modules() if type(m).__name__ in block_names]

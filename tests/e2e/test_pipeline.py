@@ -5,7 +5,8 @@ from __future__ import annotations
 import json
 
 from hybridflow.config import compose
-from hybridflow.config.schema import StageConfig, StageHookConfig
+from hybridflow.config.schema import StageConfig
+from hybridflow.merge.hooks import HookConfig
 
 COMMON = ["trainer.prompts_per_step=4", "rollout.max_response_tokens=4", "trainer.val_prompts=8",
           "data.synthetic.train_rows=200", "data.synthetic.val_rows=16", "actor.samples_per_micro_batch=8",
@@ -21,7 +22,7 @@ def test_sft_merge_grpo_pipeline_runs_reports_and_skips_finished_stages(tmp_path
     config.pipeline.common_overrides = COMMON
     config.pipeline.stages = [
         StageConfig(name="sft", recipe="sft", overrides=["trainer.total_steps=4", "trainer.save_every_steps=2"]),
-        StageConfig(name="grpo", recipe="grpo", init=StageHookConfig("pma_sma", {"last": 2}), evaluate_init=True,
+        StageConfig(name="grpo", recipe="grpo", init=HookConfig("pma_sma", {"last": 2}), evaluate_init=True,
                     overrides=["trainer.total_steps=2", "rollout.samples_per_prompt=2"]),
     ]
     try:
