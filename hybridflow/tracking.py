@@ -41,9 +41,13 @@ def save_config(config: Any, run_dir: Path) -> Path:
 
 
 class MetricsLogger:
-    """Appends one JSON line per `log` call to run_dir/metrics.jsonl and echoes to the console."""
+    """Appends one JSON line per `log` call to run_dir/metrics.jsonl and echoes to the console.
+
+    Each line also carries `time/elapsed_s`: wall-clock seconds since this logger was made (the
+    step loop of this process, validation included; a resumed run counts from its restart)."""
 
     def __init__(self, run_dir: Path, backends: list[str]) -> None:
+        self.started = time.monotonic()
         self.path = run_dir / "metrics.jsonl"
         self.console = "console" in backends
         self.jsonl = "jsonl" in backends
@@ -71,6 +75,7 @@ class MetricsLogger:
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
         bad = {k: v for k, v in metrics.items() if isinstance(v, float) and not math.isfinite(v)}
+        metrics = {**metrics, "time/elapsed_s": time.monotonic() - self.started}
         record = {"step": step, **{k: _jsonable(v) for k, v in metrics.items()}}
         if self.jsonl:
             with open(self.path, "a") as f:

@@ -104,21 +104,22 @@ def run(config: HybridFlowConfig, run_dir: Path) -> dict:
         with timer("advantages"):
             samples, algo_metrics = add_advantages(samples, config, kl_ctl.coef)
             kl_ctl.update(algo_metrics.get("kl/penalty_mean", 0.0), n_steps=len(samples))
+        actor_learns = step > config.trainer.critic_warmup_steps
         with timer("update"):
             critic_update = critic.update_critic.remote(samples) if critic is not None else None
-            actor_metrics = actor.update_policy(samples)[0]
+            actor_metrics = actor.update_policy(samples)[0] if actor_learns else {}
             critic_metrics = critic_update.get()[0] if critic_update is not None else {}
-            hook_metrics = run_training_hooks(config, step, actor, reference)
+            hook_metrics = run_training_hooks(config, step, actor, reference) if actor_learns else {}
         with timer("weight_sync"):
             rollout.wake_up()
-            sync_metrics = actor.sync_weights_to_rollout(config.trainer.verify_weight_sync)[0]
+            sync_metrics = actor.sync_weights_to_rollout(config.trainer.verify_weight_sync)[0] if actor_learns else {}
 
         metrics = {**reward_metrics(samples), **algo_metrics, **actor_metrics, **critic_metrics, **hook_metrics,
                    **sync_metrics, **response_stats(samples), **timer.seconds, "kl/coef": kl_ctl.coef}
         metrics["perf/tokens_per_s"] = metrics["response/tokens"] / metrics["timing/generate_s"]
-        if on_policy:  # the update's first forward pass is the actor's log-prob of the sampled tokens
+        if on_policy and actor_learns:  # the update's first forward pass is the actor's log-prob of the sampled tokens
             metrics["rollout/log_prob_diff"] = actor_metrics["actor/log_prob_diff_from_old"]
-        else:
+        elif not on_policy:
             metrics["rollout/log_prob_diff"] = float(masked_mean(
                 (samples["old_log_probs"] - samples["sampler_log_probs"]).abs(), samples["response_mask"]))
         if config.trainer.val_every_steps and step % config.trainer.val_every_steps == 0 \

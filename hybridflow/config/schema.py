@@ -271,8 +271,12 @@ class TrainerConfig:
     # {name: reference_ema, params: {every_steps: 10, alpha: 0.1}}; they need a reference role.
     # A registered training hook (reference_ema, reference_reset) or 'module:fn', and its params.
     training_hooks: List[HookConfig] = field(default_factory=list)
+    # PPO with a critic: the first N steps train only the critic (the actor waits for useful values).
+    critic_warmup_steps: int = 0
 
     def __post_init__(self) -> None:
+        _require(self.critic_warmup_steps >= 0, "trainer.critic_warmup_steps", self.critic_warmup_steps,
+                 "must be >= 0")
         _require(self.total_steps >= 1, "trainer.total_steps", self.total_steps, "must be >= 1")
         _require(self.prompts_per_step >= 1, "trainer.prompts_per_step", self.prompts_per_step, "must be >= 1")
         _require(self.val_every_steps >= 0, "trainer.val_every_steps", self.val_every_steps, "must be >= 0")
@@ -363,5 +367,8 @@ class HybridFlowConfig:
         _require(not self.trainer.training_hooks or not self.actor.lora.rank, "trainer.training_hooks",
                  [h.name for h in self.trainer.training_hooks],
                  "with LoRA the reference is the actor with its adapter disabled; it has no weights of its own to set")
+        _require(not self.trainer.critic_warmup_steps or self.algorithm.use_critic, "trainer.critic_warmup_steps",
+                 self.trainer.critic_warmup_steps, "only a run with a critic (algorithm.use_critic=true) can warm one up; "
+                 "set it to 0")
         _require(self.recipe.name != "ppo" or self.algorithm.use_critic, "algorithm.use_critic",
                  self.algorithm.use_critic, "recipe=ppo trains a critic: set algorithm.use_critic=true")

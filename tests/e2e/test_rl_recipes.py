@@ -61,20 +61,21 @@ def test_grpo_with_a_reward_function_from_a_file(tmp_path):
     AutoModelForCausalLM.from_pretrained(run_dir / "final_model")
 
 
-def test_ppo_with_critic_kl_penalty_and_a_reference_reset_hook(tmp_path):
-    result = hybridflow(["recipe=ppo", "trainer.total_steps=3", "algorithm.kl_penalty_coef=0.05",
-                         "trainer.export_hf=false", "actor.optim.lr=1e-3",
-                         "trainer.training_hooks=[{name:reference_reset,params:{every_steps:2}}]"], tmp_path, "ppo")
+def test_ppo_with_critic_warmup_kl_penalty_and_a_reference_reset_hook(tmp_path):
+    result = hybridflow(["recipe=ppo", "trainer.total_steps=4", "trainer.critic_warmup_steps=1",
+                         "algorithm.kl_penalty_coef=0.05", "trainer.export_hf=false", "actor.optim.lr=1e-3",
+                         "trainer.training_hooks=[{name:reference_reset,params:{every_steps:3}}]"], tmp_path, "ppo")
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
     rows = metrics(tmp_path / "ppo")
-    assert len(rows) == 3
+    assert len(rows) == 4
+    assert "critic/value_loss" in rows[0] and "actor/loss" not in rows[0]  # step 1: only the critic learns
     for key in STEP_KEYS + ["critic/value_loss", "kl/penalty_mean", "kl/coef", "hooks/applied"]:
         assert key in rows[-1], f"{key} missing"
     kl = [r["kl/penalty_mean"] for r in rows]
-    assert kl[0] == pytest.approx(0.0, abs=1e-5)  # step 1: actor == reference
-    assert abs(kl[1]) > 1e-6  # step 2: the actor moved away from the reference
-    assert [r["hooks/applied"] for r in rows] == [0.0, 1.0, 0.0]
-    assert kl[2] == pytest.approx(0.0, abs=1e-5)  # step 3: the reference was reset to the actor after step 2
+    assert kl[0] == pytest.approx(0.0, abs=1e-5) and kl[1] == pytest.approx(0.0, abs=1e-5)  # actor == reference
+    assert abs(kl[2]) > 1e-6  # step 3: the actor moved away from the reference at step 2
+    assert [r["hooks/applied"] for r in rows[1:]] == [0.0, 1.0, 0.0]
+    assert kl[3] == pytest.approx(0.0, abs=1e-5)  # step 4: the reference was reset to the actor after step 3
 
 
 def test_kill_and_resume_matches_the_uninterrupted_run(tmp_path):

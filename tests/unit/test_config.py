@@ -58,6 +58,9 @@ def test_unknown_keys_and_bad_types_fail_in_composition(override, expected):
     (["data.train_path=/x.jsonl"], r"data.train_path/val_path"),
     (["logger.backends=[console,carrier_pigeon]"], r"logger.backends"),
     (["data.synthetic.operations=[pow]"], r"data.synthetic.operations"),
+    (["recipe=grpo", "trainer.critic_warmup_steps=5"],
+     r"trainer.critic_warmup_steps=5 is invalid: only a run with a critic \(algorithm.use_critic=true\)"),
+    (["trainer.critic_warmup_steps=-1"], r"trainer.critic_warmup_steps=-1 is invalid: must be >= 0"),
 ])
 def test_cross_field_rules_name_key_value_and_fix(override, message):
     with pytest.raises(ConfigError, match=message):
