@@ -15,7 +15,7 @@ from hybridflow.builders import TinyModelSpec, build_tiny_model
 from hybridflow.config.schema import DeviceKind, HybridFlowConfig, PlacementConfig
 from hybridflow.controller import PoolSpec, ResourcePool, RoleSpec, WorkerGroup, spawn_workers
 from hybridflow.controller.runtime import connect
-from hybridflow.data import ArithmeticSpec, make_arithmetic_rows, read_rows, write_rows
+from hybridflow.data import ArithmeticSpec, make_arithmetic_split, read_rows, write_rows
 
 
 def prepare_model(config: HybridFlowConfig, run_dir: Path) -> Path:
@@ -45,8 +45,7 @@ def prepare_data(config: HybridFlowConfig, run_dir: Path) -> Datasets:
         return Datasets(read_rows(train_path), read_rows(val_path), train_path, val_path)
     syn = data.synthetic
     spec = ArithmeticSpec(syn.min_digits, syn.max_digits, tuple(syn.operations))
-    val = make_arithmetic_rows(syn.val_rows, spec, seed=data.seed + 1)
-    train = make_arithmetic_rows(syn.train_rows, spec, seed=data.seed, exclude={r["prompt"] for r in val})
+    train, val = make_arithmetic_split(syn.train_rows, syn.val_rows, spec, seed=data.seed)
     train_path = write_rows(train, run_dir / "data" / "train.parquet")
     val_path = write_rows(val, run_dir / "data" / "val.parquet")
     return Datasets(train, val, train_path, val_path)
@@ -139,6 +138,7 @@ def actor_settings(config: HybridFlowConfig, model_dir: Path):
         policy_loss=a.policy_loss, clip_ratio_low=a.clip_ratio_low, clip_ratio_high=a.clip_ratio_high,
         dual_clip_c=a.dual_clip_c, loss_aggregation=a.loss_aggregation, entropy_coef=a.entropy_coef,
         kl_loss_coef=a.kl_loss_coef, kl_loss_estimator=a.kl_loss_estimator,
+        skip_zero_advantage_samples=a.skip_zero_advantage_samples,
         temperature=config.rollout.temperature, lora=lora, gradient_checkpointing=a.gradient_checkpointing,
         rollout_dtype=config.rollout.dtype.value, seed=config.seed)
 

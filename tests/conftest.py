@@ -16,6 +16,7 @@ def ray_local():
     import ray
 
     ray.init(
+        address="local",  # a new instance, never a cluster another process started
         num_cpus=8,
         include_dashboard=False,
         namespace="hybridflow-tests",

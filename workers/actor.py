@@ -20,6 +20,7 @@ import torch
 from hybridflow.algos import (
     aggregate_loss,
     compute_policy_loss,
+    vanishes_at_zero_advantage,
     entropy_bonus,
     kl_loss,
     log_probs_from_logits,
@@ -31,6 +32,7 @@ from hybridflow.controller import Dispatch, WorkerContext, register
 from hybridflow.training.fsdp import (
     OptimSettings,
     LoraSpec,
+    all_reduce_max,
     all_reduce_mean_dict,
     all_reduce_sum,
     build_optimizer,
@@ -60,6 +62,7 @@ class ActorSettings:
     entropy_coef: float = 0.0
     kl_loss_coef: float = 0.0
     kl_loss_estimator: str = "k3"
+    skip_zero_advantage_samples: bool = True
     temperature: float = 1.0
     lora: LoraSpec | None = None
     gradient_checkpointing: bool = False
@@ -188,13 +191,16 @@ class ActorWorker(TrainingStateMixin):
             raise ValueError("a mini-batch has no response tokens on any rank; check rollout.max_response_tokens")
         self.optimizer.zero_grad(set_to_none=True)
         loss_total, weighted = 0.0, {}
-        for micro in micro_batches(mini, self.s.samples_per_micro_batch):
+        trained = self._rows_with_gradient(mini)
+        trained_tokens = max(1.0, float(trained["response_mask"].sum()))
+        for micro in micro_batches(trained, self.s.samples_per_micro_batch):
             loss, stats = loss_fn(micro, tokens, seqs)
             (loss * world).backward()
             loss_total += float(loss.detach())
-            share = float(micro["response_mask"].sum()) / max(1.0, float(mask.sum()))
+            share = float(micro["response_mask"].sum()) / trained_tokens
             for k, v in stats.items():
                 weighted[k] = weighted.get(k, 0.0) + v * share
+        weighted["actor/trained_sample_fraction"] = len(trained) / len(mini)
         grad_norm = clip_gradients(self.model, self.s.optim.max_grad_norm)
         if not torch.isfinite(torch.tensor(grad_norm)):
             self.optimizer.zero_grad(set_to_none=True)
@@ -204,6 +210,24 @@ class ActorWorker(TrainingStateMixin):
         weighted["actor/loss"] = all_reduce_sum(loss_total)  # the mini-batch loss over all ranks
         weighted["actor/grad_norm"] = grad_norm
         return weighted
+
+    def _rows_with_gradient(self, mini: Batch) -> Batch:
+        """The rows of a policy mini-batch worth a forward and backward pass.
+
+        A sample whose every advantage is 0 (a GRPO group where all samples scored the same)
+        adds nothing to the gradient of a loss that vanishes there (`ppo_clip`, `gspo`), so when
+        the loss has no entropy or KL term it is left out. The loss is still normalised by the whole mini-batch's token
+        and sequence counts, so the gradient is the same as with every row. Ranks keep the same
+        number of rows (topped up with zero-advantage ones) so that FSDP's collectives match.
+        Stats such as `actor/entropy` are then over the trained rows only.
+        """
+        if not self.s.skip_zero_advantage_samples or "advantages" not in mini or \
+                self.s.entropy_coef or self.s.kl_loss_coef or not vanishes_at_zero_advantage(self.s.policy_loss):
+            return mini
+        has_gradient = (mini["advantages"] != 0).any(dim=1)  # (B,)
+        rows = max(1, int(all_reduce_max(int(has_gradient.sum()))))
+        order = torch.argsort((~has_gradient).int(), stable=True)  # rows with a gradient first
+        return mini.index(order[:rows])
 
     # ---- device memory ------------------------------------------------------------------------
 

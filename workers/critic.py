@@ -26,7 +26,7 @@ from hybridflow.training.fsdp import (
     shard_model,
 )
 from hybridflow.training.state import TrainingStateMixin
-from hybridflow.training.sequences import micro_batches, mini_batches, model_inputs
+from hybridflow.training.sequences import micro_batches, mini_batches, pad_response_width, trimmed_inputs
 
 
 @dataclass(frozen=True)
@@ -43,11 +43,10 @@ class CriticSettings:
 
 
 def _values(model: torch.nn.Module, batch: Batch) -> torch.Tensor:
-    """Values (B, R) at the positions that predict each response token."""
-    prompt_len = batch["prompt_ids"].shape[1]
-    width = batch["response_ids"].shape[1]
-    logits = model(**model_inputs(batch)).logits  # (B, P+R, 1)
-    return logits[:, prompt_len - 1 : prompt_len - 1 + width, 0].float()
+    """Values (B, R) at the positions that predict each response token (0 past every response)."""
+    inputs, prompt_len, width = trimmed_inputs(batch)  # all-padding columns cost compute and change nothing
+    logits = model(**inputs).logits  # (B, p+r, 1)
+    return pad_response_width(logits[:, prompt_len - 1 : prompt_len - 1 + width, 0].float(), batch["response_ids"].shape[1])
 
 
 class CriticWorker(TrainingStateMixin):

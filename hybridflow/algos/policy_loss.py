@@ -124,6 +124,17 @@ def gspo(*, log_probs, old_log_probs, advantages, response_mask, clip_ratio_low=
                    global_sequence_count)
 
 
+# A policy loss whose per-token loss is 0, with no gradient, wherever the advantage is 0 says so;
+# the actor then skips samples whose advantages are all 0 (`actor.skip_zero_advantage_samples`).
+# A loss registered from outside opts in the same way.
+ppo_clip.zero_at_zero_advantage = True
+gspo.zero_at_zero_advantage = True
+
+
+def vanishes_at_zero_advantage(name: str) -> bool:
+    return bool(getattr(POLICY_LOSSES.get(name), "zero_at_zero_advantage", False))
+
+
 def compute_policy_loss(name: str, **kwargs):
     """`POLICY_LOSSES.get(name)(**kwargs)`: the one place the actor picks a policy loss by name."""
     return POLICY_LOSSES.get(name)(**kwargs)

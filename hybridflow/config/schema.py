@@ -229,6 +229,9 @@ class ActorConfig:
     entropy_coef: float = 0.0
     kl_loss_coef: float = 0.0  # KL to the reference as a loss term (0: off)
     kl_loss_estimator: str = "k3"
+    # Leave samples whose advantages are all 0 out of the update's forward/backward when that
+    # changes no gradient (a loss that declares it, no entropy or KL term): same update, less compute.
+    skip_zero_advantage_samples: bool = True
     gradient_checkpointing: bool = False
 
     def __post_init__(self) -> None:

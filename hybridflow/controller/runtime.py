@@ -28,7 +28,11 @@ def connect(*, address: str | None, num_cpus: int | None, dashboard: bool, dashb
         ray.init(address=target, namespace=namespace, runtime_env=runtime_env, log_to_driver=True)
         log.info("joined Ray cluster at %s", target)
         return f"joined {target}"
+    # address="local": always a new instance. Without it ray.init joins the last cluster that
+    # `ray start` recorded in /tmp/ray/ray_current_cluster, even a dead one whose record a killed
+    # head left behind (and then refuses num_cpus).
     ray.init(
+        address="local",
         num_cpus=num_cpus,
         include_dashboard=dashboard,
         dashboard_host=dashboard_host,

@@ -3,8 +3,11 @@
 Rows carry the columns every task in HybridFlow has: `prompt`, `ground_truth` and
 `data_source`. Difficulty is set by the number of digits per operand and the operations
 allowed; `data_source` records both (e.g. "arithmetic/add/2d"), so metrics can be split by it.
-Generation is seeded and deterministic; train and validation sets come from different seeds
-and are disjoint by construction (validation prompts present in train are dropped).
+Generation is seeded and deterministic. `make_arithmetic_split` draws the training and
+validation rows together and splits them at random, so the held-out set is disjoint from the
+training set and has the same mix of difficulties: drawn separately, a small validation set
+would take most of the few 1-digit problems (100 exist, against 8,100 2-digit ones) and test a
+different mix than training sees.
 """
 
 from __future__ import annotations
@@ -58,3 +61,11 @@ def make_arithmetic_rows(count: int, spec: ArithmeticSpec, seed: int, exclude: s
         answer = a + b if op == "add" else a - b if op == "sub" else a * b
         rows.append({"prompt": prompt, "ground_truth": str(answer), "data_source": f"arithmetic/{op}/{digits}d"})
     return rows
+
+
+def make_arithmetic_split(train_rows: int, val_rows: int, spec: ArithmeticSpec, seed: int
+                          ) -> tuple[list[dict], list[dict]]:
+    """(train, val): `train_rows + val_rows` distinct rows, shuffled, the first `val_rows` held out."""
+    rows = make_arithmetic_rows(train_rows + val_rows, spec, seed)
+    random.Random(seed + 1).shuffle(rows)
+    return rows[val_rows:], rows[:val_rows]

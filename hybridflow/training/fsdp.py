@@ -118,6 +118,14 @@ def all_reduce_sum(value: float | int) -> float:
     return float(t.item())
 
 
+def all_reduce_max(value: float | int) -> float:
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return float(value)
+    t = torch.tensor([float(value)], dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return float(t.item())
+
+
 def all_reduce_mean_dict(stats: dict[str, float]) -> dict[str, float]:
     """Means over ranks of each value (every rank must pass the same keys in the same order)."""
     if not stats or not dist.is_initialized() or dist.get_world_size() == 1:

@@ -23,16 +23,44 @@ def model_inputs(batch: Batch) -> dict[str, torch.Tensor]:
     return {"input_ids": input_ids, "attention_mask": attention_mask.long(), "position_ids": position_ids}
 
 
+def trimmed_inputs(batch: Batch) -> tuple[dict[str, torch.Tensor], int, int]:
+    """`model_inputs` without the columns that are padding in every row: the leading prompt
+    columns and the trailing response columns. Returns (inputs, prompt_len, response_len) of the
+    trimmed sequences.
+
+    Prompts are padded to `data.max_prompt_tokens` and responses to
+    `rollout.max_response_tokens`, which for short tasks is several times the real length; the
+    forward pass costs in proportion to the width, so this is the main cost saved. The result
+    is the same: left padding is masked and positions count real tokens only, and causal
+    attention never looks at the trailing columns.
+    """
+    prompt_used = batch["prompt_mask"].any(dim=0).nonzero()  # (n, 1) columns with a real token
+    response_used = batch["response_mask"].any(dim=0).nonzero()
+    prompt_width, response_width = batch["prompt_ids"].shape[1], batch["response_ids"].shape[1]
+    first = min(int(prompt_used[0]), prompt_width - 1) if len(prompt_used) else prompt_width - 1
+    end = max(int(response_used[-1]) + 1, 1) if len(response_used) else 1
+    trimmed = Batch({"prompt_ids": batch["prompt_ids"][:, first:], "prompt_mask": batch["prompt_mask"][:, first:],
+                     "response_ids": batch["response_ids"][:, :end], "response_mask": batch["response_mask"][:, :end]})
+    return model_inputs(trimmed), prompt_width - first, min(end, response_width)
+
+
+def pad_response_width(values: torch.Tensor, width: int) -> torch.Tensor:
+    """Pad dim 1 of (B, r, ...) with zeros to (B, width, ...): back to the batch's response width."""
+    missing = width - values.shape[1]
+    if missing <= 0:
+        return values
+    return torch.cat([values, values.new_zeros((values.shape[0], missing, *values.shape[2:]))], dim=1)
+
+
 def response_logits(model: torch.nn.Module, batch: Batch, temperature: float = 1.0) -> torch.Tensor:
-    """Logits (B, R, V) predicting each response token, divided by the sampling temperature."""
-    inputs = model_inputs(batch)
-    prompt_len = batch["prompt_ids"].shape[1]
-    width = batch["response_ids"].shape[1]
-    logits = model(**inputs, use_cache=False).logits  # (B, P+R, V)
+    """Logits (B, R, V) predicting each response token, divided by the sampling temperature.
+    Positions past every row's response hold zeros (they are outside `response_mask`)."""
+    inputs, prompt_len, width = trimmed_inputs(batch)
+    logits = model(**inputs, use_cache=False).logits  # (B, p+r, V)
     logits = logits[:, prompt_len - 1 : prompt_len - 1 + width].float()
     if temperature > 0 and temperature != 1.0:
         logits = logits / temperature
-    return logits
+    return pad_response_width(logits, batch["response_ids"].shape[1])
 
 
 def micro_batches(batch: Batch, rows_per_micro_batch: int) -> Iterator[Batch]:

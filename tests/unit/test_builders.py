@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from hybridflow.builders import TinyModelSpec, build_char_tokenizer, build_tiny_model
-from hybridflow.data import ArithmeticSpec, make_arithmetic_rows, read_rows, write_rows
+from hybridflow.data import ArithmeticSpec, make_arithmetic_rows, make_arithmetic_split, read_rows, write_rows
 from hybridflow.data.prompts import encode_prompts
 
 
@@ -59,6 +59,18 @@ def test_arithmetic_excludes_and_reports_exhaustion():
     assert not {r["prompt"] for r in val} & {r["prompt"] for r in train}
     with pytest.raises(ValueError, match="only .* distinct problems"):
         make_arithmetic_rows(1000, spec, seed=0)
+
+
+def test_arithmetic_split_holds_out_the_same_mix_as_training():
+    # 1-digit problems are 100 of the 8,200: drawn on its own, a 200-row validation set took 73 of
+    # them, so held-out accuracy measured a different mix than training saw. One shuffled pool
+    # split in two gives both sides the pool's share.
+    train, val = make_arithmetic_split(4000, 400, ArithmeticSpec(), seed=0)
+    assert (len(train), len(val)) == (4000, 400)
+    assert not {r["prompt"] for r in train} & {r["prompt"] for r in val}
+    share = lambda rows: sum(r["data_source"].endswith("/1d") for r in rows) / len(rows)  # noqa: E731
+    assert share(train) < 0.05 and share(val) < 0.05 and abs(share(train) - share(val)) < 0.02
+    assert (train, val) == make_arithmetic_split(4000, 400, ArithmeticSpec(), seed=0)
 
 
 @pytest.mark.parametrize("suffix", [".parquet", ".jsonl"])

@@ -1,0 +1,54 @@
+"""Trimming all-padding columns before the forward pass changes no logit or value."""
+
+from __future__ import annotations
+
+import torch
+from transformers import Qwen2Config, Qwen2ForCausalLM
+
+from hybridflow.batch import Batch
+from hybridflow.training.sequences import model_inputs, response_logits, trimmed_inputs
+
+
+def _batch() -> Batch:
+    # Prompts left-padded to 8 columns (real lengths 3 and 5), responses right-padded to 6
+    # (real lengths 2 and 4): columns 0-2 and 10-13 are padding in every row.
+    prompt_ids = torch.tensor([[0, 0, 0, 0, 0, 7, 8, 9], [0, 0, 0, 4, 5, 6, 7, 8]])
+    prompt_mask = prompt_ids != 0
+    response_ids = torch.tensor([[3, 2, 0, 0, 0, 0], [9, 8, 7, 2, 0, 0]])
+    response_mask = response_ids != 0
+    return Batch({"prompt_ids": prompt_ids, "prompt_mask": prompt_mask, "response_ids": response_ids,
+                  "response_mask": response_mask})
+
+
+def _model() -> Qwen2ForCausalLM:
+    torch.manual_seed(0)
+    config = Qwen2Config(vocab_size=16, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32)
+    return Qwen2ForCausalLM(config).eval()
+
+
+def test_trimmed_inputs_drop_only_all_padding_columns():
+    inputs, prompt_len, response_len = trimmed_inputs(_batch())
+    assert (prompt_len, response_len) == (5, 4)  # 8 - 3 leading pad columns; 4 of 6 response columns
+    assert inputs["input_ids"].shape == (2, 9)
+    # positions count real tokens, as before trimming
+    assert inputs["position_ids"][1].tolist() == [0, 1, 2, 3, 4, 5, 6, 7, 8]
+    assert inputs["position_ids"][0, 2:7].tolist() == [0, 1, 2, 3, 4]
+
+
+def test_response_logits_equal_the_untrimmed_forward():
+    model, batch = _model(), _batch()
+    with torch.no_grad():
+        full = model(**model_inputs(batch), use_cache=False).logits[:, 7:13]  # P - 1 = 7, R = 6
+        trimmed = response_logits(model, batch)
+    mask = batch["response_mask"]
+    assert trimmed.shape == full.shape == (2, 6, 16)
+    torch.testing.assert_close(trimmed[mask], full[mask], rtol=1e-5, atol=1e-5)
+    assert torch.all(trimmed[:, 4:] == 0)  # past every response: zeros, outside the mask
+
+
+def test_a_row_without_response_tokens_keeps_one_column():
+    batch = _batch()
+    batch.tensors["response_mask"] = torch.zeros_like(batch["response_mask"])
+    _, prompt_len, response_len = trimmed_inputs(batch)
+    assert (prompt_len, response_len) == (5, 1)
