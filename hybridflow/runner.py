@@ -17,6 +17,7 @@ from hybridflow.config.schema import HybridFlowConfig
 from hybridflow.controller import WorkerGroup
 from hybridflow.data.prompts import encode_prompts
 from hybridflow.rewards import reward_metrics
+from hybridflow.rewards.composer import EXTRA_PREFIX, SCORE_KEY
 
 
 class StageTimer:
@@ -47,12 +48,29 @@ def validate(config: HybridFlowConfig, rollout: WorkerGroup, reward: WorkerGroup
     rows = rows[: config.trainer.val_prompts]
     prompts = encode_prompts(rows, tokenizer, config.data.max_prompt_tokens, source="validation data")
     samples = rollout.generate(prompts, greedy=True)
-    scored = reward_metrics(reward.compute_rewards(samples.select(list(samples.objects))))
+    rewards = reward.compute_rewards(samples.select(list(samples.objects)))
+    scored = reward_metrics(rewards)
     accuracy = scored.get("reward/accuracy", scored["reward/score"])
     metrics = {"val/accuracy": accuracy, "val/reward_mean": scored["reward/score"],
-               "val/response_length_mean": float(samples["response_mask"].sum(1).float().mean())}
+               "val/response_length_mean": float(samples["response_mask"].sum(1).float().mean()),
+               **accuracy_by_source(rewards, [row.get("data_source") for row in rows])}
     print(f"[step {step}] validation on {len(rows)} prompts: accuracy {accuracy:.3f}", flush=True)
     return metrics
+
+
+def accuracy_by_source(rewards: Batch, sources: list) -> dict[str, float]:
+    """`val/accuracy/<data_source>` for each data source among the rows, when there are several
+    (e.g. `val/accuracy/arithmetic/add/2d`): the reward's `accuracy` extra, else the score."""
+    names = sorted({s for s in sources if s is not None})
+    if len(names) < 2:
+        return {}
+    per_sample = rewards.tensors.get(EXTRA_PREFIX + "accuracy", rewards[SCORE_KEY]).float()  # (B,)
+    out = {}
+    for name in names:
+        rows = torch.tensor([s == name for s in sources])
+        values = per_sample[rows]
+        out[f"val/accuracy/{name}"] = float(values[~torch.isnan(values)].mean())
+    return out
 
 
 class Checkpointer:

@@ -27,3 +27,18 @@ def test_a_backend_that_is_not_installed_says_what_to_install(tmp_path):
             MetricsLogger(tmp_path, ["wandb"])
     else:
         pytest.skip("wandb is installed")
+
+
+def test_validation_accuracy_is_split_by_data_source():
+    import torch
+
+    from hybridflow.batch import Batch
+    from hybridflow.runner import accuracy_by_source
+
+    rewards = Batch({"sequence_rewards": torch.tensor([1.0, 0.0, 0.5, 1.0]),
+                     "reward_extra/accuracy": torch.tensor([1.0, 0.0, 0.0, 1.0])})
+    out = accuracy_by_source(rewards, ["add/1d", "add/2d", "add/2d", "add/2d"])
+    assert out == {"val/accuracy/add/1d": 1.0, "val/accuracy/add/2d": pytest.approx(1 / 3)}
+    assert accuracy_by_source(rewards, ["gsm8k"] * 4) == {}  # one source: val/accuracy says it all
+    no_extra = Batch({"sequence_rewards": torch.tensor([1.0, 0.0, 0.5, 1.0])})
+    assert accuracy_by_source(no_extra, ["a", "a", "b", "b"]) == {"val/accuracy/a": 0.5, "val/accuracy/b": 0.75}
