@@ -27,6 +27,7 @@ def run(config: HybridFlowConfig, run_dir: Path) -> dict:
 
     if not config.pipeline.stages:
         raise ValueError("recipe=pipeline needs pipeline.stages; see conf/recipe/pipeline.yaml")
+    check_stages(config, run_dir)
     model_path, previous_dir, results = config.model.path, None, []
     for index, stage in enumerate(config.pipeline.stages):
         stage_dir = run_dir / f"{index:02d}-{stage.name}"
@@ -54,6 +55,20 @@ def run(config: HybridFlowConfig, run_dir: Path) -> dict:
         model_path, previous_dir = result["final_model"], stage_dir
     write_report(run_dir, config.pipeline.stages, results)
     return {"final_model": model_path, "stages": results}
+
+
+def check_stages(config: HybridFlowConfig, run_dir: Path) -> None:
+    """Compose every stage's config before the first stage runs, so a bad override in a late
+    stage fails now, naming the stage, not after the stages before it have trained."""
+    from hybridflow.config import ConfigError
+
+    for index, stage in enumerate(config.pipeline.stages):
+        model_path = config.model.path if index == 0 else str(run_dir / f"{index:02d}-{stage.name}" / "init_model")
+        try:
+            _stage_config(config, stage, model_path, run_dir, f"{index:02d}-{stage.name}")
+        except Exception as error:  # Hydra's composition errors and the schema's rule errors alike
+            raise ConfigError(f"pipeline.stages[{index}] ({stage.name}, recipe={stage.recipe}) has an invalid "
+                              f"config: {error}. Fix the stage's overrides or pipeline.common_overrides") from error
 
 
 def _stage_config(config: HybridFlowConfig, stage: StageConfig, model_path: str | None, run_dir: Path,

@@ -192,8 +192,11 @@ class OptimConfig:
     weight_decay: float = 0.0
     betas: List[float] = field(default_factory=lambda: [0.9, 0.999])
     warmup_steps: int = 0
-    lr_schedule: str = "constant"  # constant | cosine (decays to min_lr_ratio * lr at trainer.total_steps)
+    lr_schedule: str = "constant"  # constant | cosine (decays to min_lr_ratio * lr at schedule_steps)
     min_lr_ratio: float = 0.0
+    # Steps the schedule spans; null: trainer.total_steps. More than total_steps ends the run partway
+    # down the schedule (an SFT stage that hands on a model while it is still learning fast).
+    schedule_steps: Optional[int] = None
     max_grad_norm: float = 1.0  # 0 disables clipping
 
     def __post_init__(self) -> None:
@@ -203,6 +206,8 @@ class OptimConfig:
         _require(self.lr_schedule in ("constant", "cosine"), "<role>.optim.lr_schedule", self.lr_schedule,
                  "one of ['constant', 'cosine']")
         _require(self.max_grad_norm >= 0, "<role>.optim.max_grad_norm", self.max_grad_norm, "must be >= 0")
+        _require(self.schedule_steps is None or self.schedule_steps >= 1, "<role>.optim.schedule_steps",
+                 self.schedule_steps, "must be >= 1, or null to span trainer.total_steps")
 
 
 @dataclass

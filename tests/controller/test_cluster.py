@@ -94,7 +94,7 @@ def _wait_for_port(port: int, process: subprocess.Popen, timeout_s: float) -> No
 
 
 def _stop_group(process: subprocess.Popen) -> None:
-    for sig, wait_s in ((signal.SIGTERM, 30), (signal.SIGKILL, 10)):
+    for sig, wait_s in ((signal.SIGTERM, 5), (signal.SIGKILL, 10)):
         try:
             os.killpg(process.pid, sig)
         except ProcessLookupError:
