@@ -20,11 +20,11 @@ import torch
 from hybridflow.algos import (
     aggregate_loss,
     compute_policy_loss,
-    vanishes_at_zero_advantage,
     entropy_bonus,
     kl_loss,
     log_probs_from_logits,
     masked_mean,
+    vanishes_at_zero_advantage,
 )
 from hybridflow.algos.entropy import entropy_from_logits
 from hybridflow.batch import Batch
@@ -216,9 +216,10 @@ class ActorWorker(TrainingStateMixin):
 
         A sample whose every advantage is 0 (a GRPO group where all samples scored the same)
         adds nothing to the gradient of a loss that vanishes there (`ppo_clip`, `gspo`), so when
-        the loss has no entropy or KL term it is left out. The loss is still normalised by the whole mini-batch's token
-        and sequence counts, so the gradient is the same as with every row. Ranks keep the same
-        number of rows (topped up with zero-advantage ones) so that FSDP's collectives match.
+        the loss has no entropy or KL term it is left out. The loss is still normalised by the
+        whole mini-batch's token and sequence counts, so the gradient is the same as with every
+        row. Ranks keep the same number of rows (topped up with zero-advantage ones) so that
+        FSDP's collectives match.
         Stats such as `actor/entropy` are then over the trained rows only.
         """
         if not self.s.skip_zero_advantage_samples or "advantages" not in mini or \
