@@ -46,7 +46,8 @@ def _values(model: torch.nn.Module, batch: Batch) -> torch.Tensor:
     """Values (B, R) at the positions that predict each response token (0 past every response)."""
     inputs, prompt_len, width = trimmed_inputs(batch)  # all-padding columns cost compute and change nothing
     logits = model(**inputs).logits  # (B, p+r, 1)
-    return pad_response_width(logits[:, prompt_len - 1 : prompt_len - 1 + width, 0].float(), batch["response_ids"].shape[1])
+    values = logits[:, prompt_len - 1 : prompt_len - 1 + width, 0].float()
+    return pad_response_width(values, batch["response_ids"].shape[1])
 
 
 class CriticWorker(TrainingStateMixin):

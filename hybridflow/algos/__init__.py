@@ -25,7 +25,12 @@ from hybridflow.algos.kl import (
     kl_loss,
 )
 from hybridflow.algos.masked import masked_mean, masked_sum, masked_var, masked_whiten
-from hybridflow.algos.policy_loss import POLICY_LOSSES, clipped_surrogate, compute_policy_loss, vanishes_at_zero_advantage
+from hybridflow.algos.policy_loss import (
+    POLICY_LOSSES,
+    clipped_surrogate,
+    compute_policy_loss,
+    vanishes_at_zero_advantage,
+)
 from hybridflow.algos.value_loss import clipped_value_loss
 
 __all__ = [
@@ -43,7 +48,6 @@ __all__ = [
     "clipped_value_loss",
     "compute_advantages",
     "compute_policy_loss",
-    "vanishes_at_zero_advantage",
     "discounted_returns",
     "entropy_bonus",
     "entropy_from_logits",
@@ -55,4 +59,5 @@ __all__ = [
     "masked_sum",
     "masked_var",
     "masked_whiten",
+    "vanishes_at_zero_advantage",
 ]

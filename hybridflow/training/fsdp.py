@@ -110,20 +110,20 @@ def clip_gradients(model: torch.nn.Module, max_norm: float) -> float:
     return float(norm)
 
 
-def all_reduce_sum(value: float | int) -> float:
+def _all_reduce_scalar(value: float | int, op) -> float:
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return float(value)
     t = torch.tensor([float(value)], dtype=torch.float64)
-    dist.all_reduce(t)
+    dist.all_reduce(t, op=op)
     return float(t.item())
+
+
+def all_reduce_sum(value: float | int) -> float:
+    return _all_reduce_scalar(value, dist.ReduceOp.SUM)
 
 
 def all_reduce_max(value: float | int) -> float:
-    if not dist.is_initialized() or dist.get_world_size() == 1:
-        return float(value)
-    t = torch.tensor([float(value)], dtype=torch.float64)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return float(t.item())
+    return _all_reduce_scalar(value, dist.ReduceOp.MAX)
 
 
 def all_reduce_mean_dict(stats: dict[str, float]) -> dict[str, float]:

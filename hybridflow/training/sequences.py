@@ -37,8 +37,8 @@ def trimmed_inputs(batch: Batch) -> tuple[dict[str, torch.Tensor], int, int]:
     prompt_used = batch["prompt_mask"].any(dim=0).nonzero()  # (n, 1) columns with a real token
     response_used = batch["response_mask"].any(dim=0).nonzero()
     prompt_width, response_width = batch["prompt_ids"].shape[1], batch["response_ids"].shape[1]
-    first = min(int(prompt_used[0]), prompt_width - 1) if len(prompt_used) else prompt_width - 1
-    end = max(int(response_used[-1]) + 1, 1) if len(response_used) else 1
+    first = int(prompt_used[0]) if len(prompt_used) else prompt_width - 1  # keep >= 1 prompt column
+    end = int(response_used[-1]) + 1 if len(response_used) else 1
     trimmed = Batch({"prompt_ids": batch["prompt_ids"][:, first:], "prompt_mask": batch["prompt_mask"][:, first:],
                      "response_ids": batch["response_ids"][:, :end], "response_mask": batch["response_mask"][:, :end]})
     return model_inputs(trimmed), prompt_width - first, min(end, response_width)

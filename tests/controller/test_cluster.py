@@ -94,6 +94,7 @@ def _wait_for_port(port: int, process: subprocess.Popen, timeout_s: float) -> No
 
 
 def _stop_group(process: subprocess.Popen) -> None:
+    """SIGTERM to the head, then SIGKILL to what is left of its group (raylet, GCS, workers)."""
     for sig, wait_s in ((signal.SIGTERM, 5), (signal.SIGKILL, 10)):
         try:
             os.killpg(process.pid, sig)
@@ -102,11 +103,7 @@ def _stop_group(process: subprocess.Popen) -> None:
         try:
             process.wait(timeout=wait_s)
         except subprocess.TimeoutExpired:
-            continue
-    try:  # the head's own processes (raylet, GCS, workers) share its process group
-        os.killpg(process.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
+            pass
 
 
 def _submit(address: str, env: dict, entry: list[str]) -> subprocess.CompletedProcess:
