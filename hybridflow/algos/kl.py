@@ -5,6 +5,9 @@ KL Divergence", 2020), with log_probs = log π(y), ref_log_probs = log π_ref(y)
   k1 = log π - log π_ref                          unbiased, high variance, can be negative
   k2 = ½ (log π - log π_ref)²                     biased, low variance, >= 0
   k3 = exp(log π_ref - log π) - (log π_ref - log π) - 1    unbiased, low variance, >= 0
+  abs = |log π - log π_ref|                       biased, >= 0 (verl's `abs`)
+verl's names are registered beside ours for the same functions: `kl` = k1, `mse` = k2,
+`low_var_kl` = k3 (verl clamps it to ±10 as well), so a verl config's estimator name works as is.
 Departure for stability: k3 clamps the log-ratio to ±K3_LOG_RATIO_BOUND before `exp` and
 the result to at most K3_MAX, so one token the reference finds very unlikely cannot
 overflow or dominate the loss (the gradient is 0 where the clamp is active).
@@ -39,6 +42,12 @@ def kl_k1(*, log_probs: torch.Tensor, ref_log_probs: torch.Tensor) -> torch.Tens
     return log_probs - ref_log_probs
 
 
+@KL_ESTIMATORS.register("abs")
+def kl_abs(*, log_probs: torch.Tensor, ref_log_probs: torch.Tensor) -> torch.Tensor:
+    """|log π - log π_ref|, per token (B, T)."""
+    return (log_probs - ref_log_probs).abs()
+
+
 @KL_ESTIMATORS.register("k2")
 def kl_k2(*, log_probs: torch.Tensor, ref_log_probs: torch.Tensor) -> torch.Tensor:
     """k2 = ½ (log π - log π_ref)², per token (B, T)."""
@@ -50,6 +59,12 @@ def kl_k3(*, log_probs: torch.Tensor, ref_log_probs: torch.Tensor) -> torch.Tens
     """k3 = e^r - r - 1 with r = log π_ref - log π clamped to ±20; result clamped to <= 10."""
     log_ratio = (ref_log_probs - log_probs).clamp(-K3_LOG_RATIO_BOUND, K3_LOG_RATIO_BOUND)
     return (torch.exp(log_ratio) - log_ratio - 1).clamp(max=K3_MAX)
+
+
+# verl's names for the same estimators (algorithm.kl_penalty / actor.kl_loss_type there).
+VERL_KL_NAMES = {"kl": kl_k1, "mse": kl_k2, "low_var_kl": kl_k3}
+for _name, _fn in VERL_KL_NAMES.items():
+    KL_ESTIMATORS.add(_name, _fn)
 
 
 def apply_kl_penalty(
