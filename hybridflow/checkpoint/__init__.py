@@ -1,18 +1,20 @@
 """Checkpointing: atomic, resumable checkpoints of a run, and the actor as a Hugging Face model.
 
-Driver side: `CheckpointManager` (begin / commit / abort / latest / prune) and
-`read_trainer_state`. Worker side, called collectively on every rank of a group:
+Driver side: `CheckpointManager` (begin / commit / abort / latest / resumable / verify /
+prune to weights-only snapshots) and `read_trainer_state`; every checkpoint records the
+sha256 of its files in `MANIFEST.json` (`hybridflow.checkpoint.integrity`). Worker side, called collectively on every rank of a group:
 `save_training_state` / `load_training_state` (FSDP2 shards via torch.distributed.checkpoint,
 LR scheduler, per-rank RNG) and `export_hf_model`. See docs/checkpoints.md.
 """
 
-from hybridflow.checkpoint.errors import CheckpointError
+from hybridflow.checkpoint.errors import CheckpointCorrupt, CheckpointError
 from hybridflow.checkpoint.hf_export import export_hf_model, hf_state_dict
 from hybridflow.checkpoint.manager import CheckpointManager, config_hash, read_trainer_state, step_dir_name
 from hybridflow.checkpoint.rng import capture_rng_state, restore_rng_state
 from hybridflow.checkpoint.training_state import load_training_state, save_training_state, verify_training_state
 
 __all__ = [
+    "CheckpointCorrupt",
     "CheckpointError",
     "CheckpointManager",
     "capture_rng_state",

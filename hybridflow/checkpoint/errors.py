@@ -9,3 +9,8 @@ class CheckpointError(ValueError):
     The message names the path, what is wrong with it (the missing file, the mismatched
     value) and what to do about it.
     """
+
+
+class CheckpointCorrupt(CheckpointError):
+    """A checkpoint whose files do not match what was recorded when it was saved (truncated,
+    missing or altered): a resume may fall back to an older checkpoint (trainer.on_corrupt_checkpoint)."""

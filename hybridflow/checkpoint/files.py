@@ -18,6 +18,8 @@ from typing import Any
 
 import torch
 
+from hybridflow.checkpoint.integrity import digest_bytes, entry
+
 
 # Some filesystems (FUSE mounts of object stores, some network filesystems) refuse fsync on
 # a directory or a read-only descriptor; there it cannot be had, and the rename order still holds.
@@ -52,7 +54,8 @@ def fsync_tree(root: Path) -> None:
         fsync_dir(Path(dirpath))
 
 
-def atomic_write_bytes(path: Path, data: bytes) -> None:
+def atomic_write_bytes(path: Path, data: bytes) -> str:
+    """Write `data` to `path` atomically; returns its sha256 (hashed from memory, never re-read)."""
     tmp = path.with_name(f".{path.name}.tmp-{uuid.uuid4().hex}")
     try:
         with open(tmp, "wb") as f:
@@ -63,13 +66,16 @@ def atomic_write_bytes(path: Path, data: bytes) -> None:
     finally:
         tmp.unlink(missing_ok=True)
     fsync_dir(path.parent)
+    return digest_bytes(data)
 
 
-def atomic_write_text(path: Path, text: str) -> None:
-    atomic_write_bytes(path, text.encode("utf-8"))
+def atomic_write_text(path: Path, text: str) -> str:
+    return atomic_write_bytes(path, text.encode("utf-8"))
 
 
-def atomic_torch_save(path: Path, obj: Any) -> None:
+def atomic_torch_save(path: Path, obj: Any) -> dict:
+    """torch.save `obj` to `path` atomically; returns its manifest entry (bytes and sha256)."""
     buffer = io.BytesIO()
     torch.save(obj, buffer)
-    atomic_write_bytes(path, buffer.getvalue())
+    data = buffer.getvalue()
+    return entry(len(data), atomic_write_bytes(path, data))

@@ -4,15 +4,22 @@ Layout (fixed; `hybridflow.merge` reads it):
 
     RUN_DIR/checkpoints/step_<8-digit step>/      complete only if it holds COMPLETE
         COMPLETE                                  written last
+        MANIFEST.json                             size and sha256 of every file (integrity.py)
         trainer_state.json                        the driver's state (step, data position, RNG, ...)
         hf/  actor/  critic/ ...                  written by the workers
 
 Protocol. `begin(step)` makes `checkpoints/.step_<N>.tmp-<uuid>/`; every worker group writes
-its part there; `commit` writes `trainer_state.json`, fsyncs the whole tree, renames the
-directory to `step_<N>` and only then writes `COMPLETE` (itself atomically). A crash at any
-point leaves either a hidden temporary directory or a step directory without `COMPLETE`;
-both are ignored by `latest()` and removed by `clean_stale()`, and a later save of the same
-step replaces an incomplete `step_<N>`. Only one driver may save into a run directory.
+its part there; `commit` writes `trainer_state.json` and `MANIFEST.json`, fsyncs the whole
+tree, renames the directory to `step_<N>` and only then writes `COMPLETE` (itself
+atomically). A crash at any point leaves either a hidden temporary directory or a step
+directory without `COMPLETE`; both are ignored by `latest()` and removed by `clean_stale()`,
+and a later save of the same step replaces an incomplete `step_<N>`. Only one driver may
+save into a run directory.
+
+Retention. The newest `keep_last` checkpoints keep everything (enough to resume); older
+ones within the newest `keep_weights` become weights-only snapshots (their `hf/` kept for
+merges, the training state deleted, `full_state: false` in the manifest); the rest are
+deleted. `resumable()` lists only checkpoints with their full state.
 """
 
 from __future__ import annotations
@@ -30,6 +37,8 @@ from typing import Any, Optional, Sequence
 
 from hybridflow.checkpoint.errors import RESUME_FIX, CheckpointError
 from hybridflow.checkpoint.files import atomic_write_text, fsync_dir, fsync_tree
+from hybridflow.checkpoint.integrity import (MANIFEST, build_manifest, manifest_text, read_manifest, strip_manifest,
+                                             verify_files)
 from hybridflow.checkpoint.training_state import STATE_META, verify_training_state
 
 log = logging.getLogger(__name__)
@@ -45,20 +54,27 @@ def step_dir_name(step: int) -> str:
 
 
 class CheckpointManager:
-    """Begin, commit, abort, find and prune the checkpoints of one run directory.
+    """Begin, commit, abort, find, verify and prune the checkpoints of one run directory.
 
-    `keep_last`: after each commit keep only the newest `keep_last` complete checkpoints
-    (None keeps all). `required`: paths, relative to a checkpoint, that `commit` checks the
-    workers wrote before declaring the checkpoint complete.
+    After each commit: the newest `keep_last` complete checkpoints keep their full state
+    (None: all do); of the older ones, those among the newest `keep_weights` keep only their
+    `weights` parts (None: all older ones do; 0: none), and the rest are deleted.
+    `required`: paths, relative to a checkpoint, that `commit` checks the workers wrote
+    before declaring the checkpoint complete.
     """
 
     def __init__(self, run_dir: "str | os.PathLike[str]", keep_last: Optional[int] = None,
-                 *, required: Sequence[str] = ("hf/config.json",)) -> None:
+                 *, keep_weights: Optional[int] = None, weights: Sequence[str] = ("hf",),
+                 required: Sequence[str] = ("hf/config.json",)) -> None:
         if keep_last is not None and keep_last < 1:
             raise CheckpointError(f"keep_last={keep_last}: must be at least 1 (None keeps every checkpoint)")
+        if keep_weights is not None and keep_weights < 0:
+            raise CheckpointError(f"keep_weights={keep_weights}: must be at least 0 (None keeps the weights of "
+                                  "every checkpoint)")
         self.run_dir = Path(run_dir).expanduser()
         self.root = self.run_dir / "checkpoints"
-        self.keep_last = keep_last
+        self.keep_last, self.keep_weights = keep_last, keep_weights
+        self.weights = tuple(weights)
         self.required = tuple(required)
 
     # ------------------------------------------------------------------------ saving
@@ -94,6 +110,7 @@ class CheckpointManager:
             raise CheckpointError(f"trainer_state for step {step} is not JSON-serialisable ({exc}); "
                                   "convert tensors and numpy values to Python numbers or lists") from None
         atomic_write_text(tmp_dir / TRAINER_STATE, text)
+        atomic_write_text(tmp_dir / MANIFEST, manifest_text(build_manifest(tmp_dir)))
         fsync_tree(tmp_dir)
         final = self.root / step_dir_name(step)
         self._move_aside(final)
@@ -150,6 +167,36 @@ class CheckpointManager:
             _delete(path)
         return later
 
+    def resumable(self) -> list[tuple[int, Path]]:
+        """Every complete checkpoint that holds its full training state, oldest first (a
+        checkpoint whose manifest cannot be read is listed, so that `verify` names the problem)."""
+        return [(step, path) for step, path in self.all_complete() if self._full_state(path) is not False]
+
+    def verify(self, path: "str | os.PathLike[str]", *, include_weights: bool = False) -> int:
+        """Check the files of checkpoint `path` against its manifest; returns the bytes checked.
+
+        Without `include_weights`, only what a resume loads (the training state and the
+        driver's files, not the `weights` parts). Raises CheckpointCorrupt naming the file.
+        A checkpoint saved before manifests existed is not checked (a warning says so).
+        """
+        path = Path(path)
+        manifest = read_manifest(path)
+        if manifest is None:
+            log.warning("checkpoint %s has no %s (saved by an older version): its files are not verified", path,
+                        MANIFEST)
+            return 0
+        parts = None if include_weights else {name.split("/", 1)[0] for name in manifest["files"]} - set(self.weights)
+        return verify_files(path, manifest, parts)
+
+    def quarantine(self, path: "str | os.PathLike[str]") -> Path:
+        """Move a corrupt checkpoint out of the way (`corrupt-step_<N>-<uuid>`, ignored by every
+        lookup and never deleted by the manager) so that it can be inspected; returns its new path."""
+        path = Path(path)
+        aside = self.root / f"corrupt-{path.name}-{uuid.uuid4().hex[:8]}"
+        os.rename(path, aside)
+        fsync_dir(self.root)
+        return aside
+
     def load_trainer_state(self, path: "str | os.PathLike[str]", *, config_hash: Optional[str] = None) -> dict:
         """The trainer state of the complete checkpoint at `path` (a step directory)."""
         return read_trainer_state(path, config_hash=config_hash)
@@ -192,11 +239,39 @@ class CheckpointManager:
         shutil.rmtree(aside, ignore_errors=True)
 
     def _prune(self, keep: Path) -> None:
-        if self.keep_last is None:
-            return
-        for _, path in self.all_complete()[: -self.keep_last]:
-            if path != keep:  # the checkpoint just committed stays, even below a newer step
+        complete = [path for _, path in self.all_complete()]
+        full = set(_newest(complete, self.keep_last)) | {keep}  # the checkpoint just committed stays whole
+        weights = set(_newest(complete, self.keep_weights))
+        for path in complete:
+            if path in full:
+                continue
+            if (path in weights and any((path / part).is_dir() for part in self.weights)
+                    and self._full_state(path) is not None):  # an unreadable manifest: deleted, not kept
+                self._strip(path)
+            else:
                 _delete(path)
+
+    def _strip(self, path: Path) -> None:
+        """Make `path` a weights-only snapshot: the manifest says so first, so a crash midway
+        leaves a snapshot that a resume skips; the next prune deletes what is left over."""
+        state_parts = [p for p in path.iterdir() if p.is_dir() and p.name not in self.weights]
+        if self._full_state(path) is False and not state_parts:
+            return
+        manifest = read_manifest(path) or build_manifest(path)
+        atomic_write_text(path / MANIFEST, manifest_text(strip_manifest(manifest, self.weights)))
+        for part in state_parts:
+            shutil.rmtree(part, ignore_errors=True)
+
+    def _full_state(self, path: Path) -> Optional[bool]:
+        """True / False from the manifest; None when it cannot be read. Without a manifest (an
+        older checkpoint): whether it holds a training-state directory."""
+        try:
+            manifest = read_manifest(path)
+        except CheckpointError:
+            return None
+        if manifest is None:
+            return any(p.is_dir() and p.name not in self.weights for p in path.iterdir())
+        return bool(manifest.get("full_state", True))
 
 
 def read_trainer_state(path: "str | os.PathLike[str]", *, config_hash: Optional[str] = None) -> dict:
@@ -230,6 +305,10 @@ def config_hash(config: Any) -> str:
     """A stable short hash of a JSON-serialisable config (key order does not matter)."""
     text = json.dumps(config, sort_keys=True, separators=(",", ":"), default=str)
     return hashlib.sha256(text.encode("utf-8")).hexdigest()[:16]
+
+
+def _newest(paths: list[Path], count: Optional[int]) -> list[Path]:
+    return list(paths) if count is None else paths[max(0, len(paths) - count):]
 
 
 def _delete(path: Path) -> None:

@@ -9,6 +9,8 @@ Called collectively on every rank of one worker group, each rank passing the sam
     rng_rank<r>.pt                 each rank's python / numpy / torch / CUDA RNG states
     extra_rank<r>.pt               a rank's `extra` dict, when one was given
     training_state.json            world size and what was saved (rank 0)
+    .checksums-rank<r>.json        sha256 of the files rank r wrote, folded into the
+                                   checkpoint's MANIFEST.json by the driver's commit
 
 The state dicts come from `get_state_dict` / `set_state_dict`, which know FSDP2's DTensor
 shards. Frozen parameters (a LoRA model's base weights) are not saved
@@ -33,6 +35,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_
 
 from hybridflow.checkpoint.errors import RESUME_FIX, CheckpointError
 from hybridflow.checkpoint.files import atomic_torch_save, atomic_write_text
+from hybridflow.checkpoint.integrity import digest_file, entry, write_sidecar
 from hybridflow.checkpoint.rng import capture_rng_state, restore_rng_state
 
 FORMAT_VERSION = 1
@@ -68,15 +71,25 @@ def save_training_state(directory: "str | os.PathLike[str]", *, model: torch.nn.
     model_state, optim_state = get_state_dict(model, optimizer, options=OPTIONS)
     with _single_process_quiet():
         dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=directory)
-    atomic_torch_save(directory / rng_file(rank), rng)
+    digests = _hash_own_shards(directory, rank)
+    digests[rng_file(rank)] = atomic_torch_save(directory / rng_file(rank), rng)
     if extra is not None:
-        atomic_torch_save(directory / extra_file(rank), extra)
+        digests[extra_file(rank)] = atomic_torch_save(directory / extra_file(rank), extra)
     if rank == 0:
         if scheduler is not None:
-            atomic_torch_save(directory / SCHEDULER, scheduler.state_dict())
-        meta = {"format": FORMAT_VERSION, "world_size": world_size, "scheduler": scheduler is not None}
-        atomic_write_text(directory / STATE_META, json.dumps(meta, indent=1) + "\n")
+            digests[SCHEDULER] = atomic_torch_save(directory / SCHEDULER, scheduler.state_dict())
+        text = json.dumps({"format": FORMAT_VERSION, "world_size": world_size, "scheduler": scheduler is not None},
+                          indent=1) + "\n"
+        digests[STATE_META] = entry(len(text.encode()), atomic_write_text(directory / STATE_META, text))
+    write_sidecar(directory, rank, digests)
     return directory
+
+
+def _hash_own_shards(directory: Path, rank: int) -> dict:
+    """Digests of the DCP files this rank wrote (`__<rank>_<i>.distcp`; rank 0 also `.metadata`),
+    read back right after the write, from the page cache, on every rank in parallel."""
+    files = sorted(directory.glob(f"__{rank}_*.distcp")) + ([directory / DCP_METADATA] if rank == 0 else [])
+    return {path.name: entry(path.stat().st_size, digest_file(path)) for path in files}
 
 
 def load_training_state(directory: "str | os.PathLike[str]", *, model: torch.nn.Module,

@@ -109,17 +109,50 @@ def test_killed_process_never_leaves_a_complete_looking_checkpoint(tmp_path, whe
 
 
 def test_keep_last_prunes_oldest(tmp_path):
-    manager = CheckpointManager(tmp_path, keep_last=2)
+    manager = CheckpointManager(tmp_path, keep_last=2, keep_weights=0)
     for step in (1, 2, 3, 4):
         _save(manager, step)
     assert [s for s, _ in manager.all_complete()] == [3, 4]
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step_00000003", "step_00000004"]
     with pytest.raises(CheckpointError, match="keep_last=0"):
         CheckpointManager(tmp_path, keep_last=0)
+    with pytest.raises(CheckpointError, match="keep_weights=-1"):
+        CheckpointManager(tmp_path, keep_weights=-1)
+
+
+def test_older_checkpoints_become_weights_only_snapshots(tmp_path):
+    manager = CheckpointManager(tmp_path, keep_last=2, keep_weights=4)
+    for step in range(1, 7):
+        _save(manager, step)
+    root = tmp_path / "checkpoints"
+    assert [s for s, _ in manager.all_complete()] == [3, 4, 5, 6]  # steps 1 and 2 are outside both windows
+    assert [s for s, _ in manager.resumable()] == [5, 6]
+    for step in (3, 4):
+        snapshot = root / f"step_{step:08d}"
+        assert sorted(p.name for p in snapshot.iterdir()) == ["COMPLETE", "MANIFEST.json", "hf", "trainer_state.json"]
+        manifest = json.loads((snapshot / "MANIFEST.json").read_text())
+        assert manifest["full_state"] is False and not any(name.startswith("actor/") for name in manifest["files"])
+        assert manager.verify(snapshot, include_weights=True) > 0  # what is left still matches its checksums
+    for step in (5, 6):
+        assert (root / f"step_{step:08d}" / "actor" / "weights").is_file()
+        assert json.loads((root / f"step_{step:08d}" / "MANIFEST.json").read_text())["full_state"] is True
+
+
+def test_weights_kept_for_every_checkpoint_by_default_and_a_half_stripped_one_is_finished(tmp_path):
+    manager = CheckpointManager(tmp_path, keep_last=1)
+    for step in (1, 2, 3):
+        _save(manager, step)
+    assert [s for s, _ in manager.all_complete()] == [1, 2, 3] and [s for s, _ in manager.resumable()] == [3]
+    # A crash while stripping step 1: its manifest says weights-only, its actor/ is still there.
+    (tmp_path / "checkpoints" / "step_00000001" / "actor").mkdir()
+    (tmp_path / "checkpoints" / "step_00000001" / "actor" / "weights").write_text("left over")
+    assert [s for s, _ in manager.resumable()] == [3]  # the manifest, not the directory, decides
+    _save(manager, 4)
+    assert not (tmp_path / "checkpoints" / "step_00000001" / "actor").exists()
 
 
 def test_keep_last_one_never_deletes_newest(tmp_path):
-    manager = CheckpointManager(tmp_path, keep_last=1)
+    manager = CheckpointManager(tmp_path, keep_last=1, keep_weights=0)
     _save(manager, 10)
     newest = _save(manager, 20)
     assert manager.all_complete() == [(20, newest)]
