@@ -12,7 +12,8 @@ from typing import Iterator
 import torch
 
 from hybridflow.batch import Batch
-from hybridflow.checkpoint import CheckpointManager, capture_rng_state, config_hash, restore_rng_state
+from hybridflow.checkpoint import (CheckpointCorrupt, CheckpointManager, capture_rng_state, config_hash,
+                                  restore_rng_state)
 from hybridflow.config.schema import HybridFlowConfig
 from hybridflow.controller import WorkerGroup
 from hybridflow.data.prompts import encode_prompts
@@ -75,12 +76,15 @@ def accuracy_by_source(rewards: Batch, sources: list) -> dict[str, float]:
 
 class Checkpointer:
     """Saves every role's training state plus the actor as a Hugging Face model, atomically,
-    and resumes from the latest complete checkpoint of the run directory."""
+    and resumes from the newest complete checkpoint that holds its full state and passes its
+    checksums (older ones, weights-only snapshots, serve the merge; see docs/checkpoints.md)."""
 
     def __init__(self, config: HybridFlowConfig, run_dir: Path, model_dir: Path,
                  trainable: dict[str, WorkerGroup]) -> None:
         self.config, self.model_dir, self.trainable = config, model_dir, trainable
-        self.manager = CheckpointManager(run_dir, keep_last=config.trainer.keep_last_checkpoints)
+        trainer = config.trainer
+        self.manager = CheckpointManager(run_dir, keep_last=trainer.keep_last_checkpoints,
+                                         keep_weights=trainer.keep_last_weights)
         self.config_hash = config_hash({k: v for k, v in _plain(config).items()
                                         if k in ("model", "data", "algorithm", "actor", "critic", "seed")})
 
@@ -101,14 +105,15 @@ class Checkpointer:
             raise
 
     def resume(self) -> dict | None:
-        """Load the latest complete checkpoint into every role; returns its trainer state."""
+        """Load the newest sound checkpoint into every role; returns its trainer state."""
         if not self.config.trainer.resume:
             return None
-        latest = self.manager.latest(clean_stale=True)
-        if latest is None:
+        self.manager.clean_stale()
+        found = self._newest_sound()
+        if found is None:
             print("hybridflow: trainer.resume=true but no complete checkpoint yet; starting fresh", flush=True)
             return None
-        step, path = latest
+        step, path = found
         state = self.manager.load_trainer_state(path, config_hash=self.config_hash)
         for role, group in self.trainable.items():
             group.load_checkpoint(str(path / role))
@@ -116,6 +121,31 @@ class Checkpointer:
         restore_rng_state(state["driver_rng"])
         print(f"hybridflow: resumed from {path} (step {step})", flush=True)
         return state
+
+    def _newest_sound(self) -> tuple[int, Path] | None:
+        """The newest full-state checkpoint whose files match their checksums. A corrupt one is
+        moved aside (`corrupt-step_<N>-*`) and the one before it tried, or, with
+        trainer.on_corrupt_checkpoint=stop, the run stops naming the file."""
+        candidates = self.manager.resumable()
+        for step, path in reversed(candidates):
+            start = time.perf_counter()
+            try:
+                checked = self.manager.verify(path)
+            except CheckpointCorrupt as error:
+                if self.config.trainer.on_corrupt_checkpoint == "stop":
+                    raise CheckpointCorrupt(f"{error}. Stopping (trainer.on_corrupt_checkpoint=stop); set "
+                                            "trainer.on_corrupt_checkpoint=previous to resume from the checkpoint "
+                                            "before it, or delete the corrupt checkpoint") from None
+                aside = self.manager.quarantine(path)
+                print(f"hybridflow: {error}; moved it to {aside} and trying the checkpoint before it", flush=True)
+                continue
+            print(f"hybridflow: checksums of {path.name} verified ({checked / 2**20:.1f} MiB in "
+                  f"{time.perf_counter() - start:.2f} s)", flush=True)
+            return step, path
+        if candidates:
+            raise CheckpointCorrupt(f"{self.manager.root}: every checkpoint with a full training state is corrupt "
+                                    "(moved aside as corrupt-step_*); start without resume (trainer.resume=false)")
+        return None
 
     def export_final(self, run_dir: Path) -> str:
         final = run_dir / "final_model"

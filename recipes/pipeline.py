@@ -4,7 +4,10 @@ stage starts from the average of the previous stage's last N checkpoints — PMA
 
 Every stage lives in one run directory (`<run>/<index>-<name>/`). A finished stage leaves
 `STAGE_COMPLETE` (its result as JSON); re-running the pipeline with the same run name skips
-finished stages and resumes the interrupted one from its latest checkpoint. At the end a short
+finished stages and resumes the interrupted one from its latest checkpoint. A stage keeps the
+weights of as many of its newest checkpoints as the next stage's init hook reads
+(`trainer.keep_last_weights`; the training state only of the last `trainer.keep_last_checkpoints`),
+so a run directory holds what the merges need and no more. At the end a short
 report (`report.md` and `report.png`) gives held-out accuracy after each stage and for each
 merged starting model.
 """
@@ -18,7 +21,7 @@ from pathlib import Path
 from hybridflow.config import compose
 from hybridflow.config.schema import HybridFlowConfig, StageConfig
 from hybridflow.launch import release_all
-from hybridflow.merge.hooks import run_stage_hook
+from hybridflow.merge.hooks import checkpoints_needed, run_stage_hook
 from hybridflow.tracking import read_metrics
 
 
@@ -42,7 +45,8 @@ def run(config: HybridFlowConfig, run_dir: Path) -> dict:
                 result["init_model"] = model_path
                 if stage.evaluate_init:
                     result["init_accuracy"] = _evaluate(config, stage, model_path, run_dir, index)
-            stage_config = _stage_config(config, stage, model_path, run_dir, stage_dir.name)
+            stage_config = _stage_config(config, stage, model_path, run_dir, stage_dir.name,
+                                         retention=_retention(config, index))
             print(f"pipeline: stage {index} {stage.name} ({stage.recipe}) starts from {model_path or 'the tiny model'}",
                   flush=True)
             stage_result = recipe_function(stage.recipe)(stage_config, stage_dir)
@@ -65,15 +69,46 @@ def check_stages(config: HybridFlowConfig, run_dir: Path) -> None:
     for index, stage in enumerate(config.pipeline.stages):
         model_path = config.model.path if index == 0 else str(run_dir / f"{index:02d}-{stage.name}" / "init_model")
         try:
-            _stage_config(config, stage, model_path, run_dir, f"{index:02d}-{stage.name}")
+            stage_config = _stage_config(config, stage, model_path, run_dir, f"{index:02d}-{stage.name}",
+                                         retention=_retention(config, index))
         except Exception as error:  # Hydra's composition errors and the schema's rule errors alike
             raise ConfigError(f"pipeline.stages[{index}] ({stage.name}, recipe={stage.recipe}) has an invalid "
                               f"config: {error}. Fix the stage's overrides or pipeline.common_overrides") from error
+        _check_retention(config, index, stage_config)
+
+
+def _retention(config: HybridFlowConfig, index: int) -> list[str]:
+    """`trainer.keep_last_weights` for stage `index`: the checkpoints the next stage's init hook
+    reads (null when the hook does not say, or for the last stage: a user may merge them later)."""
+    needed = _window(config, index)
+    return [f"trainer.keep_last_weights={'null' if needed is None else needed}"]
+
+
+def _window(config: HybridFlowConfig, index: int) -> int | None:
+    """How many of stage `index`'s newest checkpoints the next stage's init hook reads."""
+    stages = config.pipeline.stages
+    return checkpoints_needed(stages[index + 1].init) if index + 1 < len(stages) else None
+
+
+def _check_retention(config: HybridFlowConfig, index: int, stage_config: HybridFlowConfig) -> None:
+    """A stage's own overrides may keep more snapshots than the next hook reads, never fewer."""
+    from hybridflow.config import ConfigError
+
+    stages, needed = config.pipeline.stages, _window(config, index)
+    trainer = stage_config.trainer
+    if needed is None or trainer.keep_last_weights is None or trainer.keep_last_checkpoints is None:
+        return  # the hook reads any number, or every checkpoint keeps its weights
+    kept = max(trainer.keep_last_weights, trainer.keep_last_checkpoints)
+    if kept < needed:
+        raise ConfigError(f"pipeline.stages[{index}] ({stages[index].name}) keeps the weights of its last "
+                          f"{kept} checkpoints (trainer.keep_last_weights={trainer.keep_last_weights}) but the "
+                          f"next stage's init hook {stages[index + 1].init.name!r} reads {needed}; remove that "
+                          f"override or set trainer.keep_last_weights={needed}")
 
 
 def _stage_config(config: HybridFlowConfig, stage: StageConfig, model_path: str | None, run_dir: Path,
-                  name: str, extra: list[str] = ()) -> HybridFlowConfig:
-    overrides = [*config.pipeline.common_overrides, f"recipe={stage.recipe}", *stage.overrides,
+                  name: str, extra: list[str] = (), retention: list[str] = ()) -> HybridFlowConfig:
+    overrides = [*config.pipeline.common_overrides, f"recipe={stage.recipe}", *retention, *stage.overrides,
                  f"logger.output_root={run_dir}", f"logger.run_name={name}", "trainer.resume=true", *extra]
     if model_path is not None:
         overrides.append(f"model.path={model_path}")

@@ -270,7 +270,15 @@ class TrainerConfig:
     val_every_steps: int = 5  # 0: validate only at the end
     val_prompts: int = 200  # validation prompts (greedy decoding); at most the validation set
     save_every_steps: int = 0  # 0: no periodic checkpoints
-    keep_last_checkpoints: Optional[int] = None
+    # Retention (docs/checkpoints.md): the newest N checkpoints keep their full training state
+    # (optimizer, RNG, data position: enough to resume; null keeps every one); older ones within
+    # the newest keep_last_weights keep only their hf/ weights, for merges (null: every older one;
+    # 0: none). A pipeline sets keep_last_weights to what the next stage's merge hook reads.
+    keep_last_checkpoints: Optional[int] = 2
+    keep_last_weights: Optional[int] = None
+    # A checkpoint whose files fail their checksums at resume: 'previous' moves it aside and
+    # resumes from the one before; 'stop' raises, naming the file.
+    on_corrupt_checkpoint: str = "previous"
     resume: bool = False  # continue from the latest complete checkpoint of logger.run_name
     use_sampler_log_probs: bool = True  # on-policy single update: skip the old-log-prob forward pass
     verify_weight_sync: bool = False  # compare every vLLM tensor with the actor after each sync
@@ -289,6 +297,13 @@ class TrainerConfig:
         _require(self.prompts_per_step >= 1, "trainer.prompts_per_step", self.prompts_per_step, "must be >= 1")
         _require(self.val_every_steps >= 0, "trainer.val_every_steps", self.val_every_steps, "must be >= 0")
         _require(self.save_every_steps >= 0, "trainer.save_every_steps", self.save_every_steps, "must be >= 0")
+        _require(self.keep_last_checkpoints is None or self.keep_last_checkpoints >= 1,
+                 "trainer.keep_last_checkpoints", self.keep_last_checkpoints,
+                 "must be >= 1 (the newest checkpoint is what a resume loads), or null to keep every one")
+        _require(self.keep_last_weights is None or self.keep_last_weights >= 0, "trainer.keep_last_weights",
+                 self.keep_last_weights, "must be >= 0, or null to keep the weights of every checkpoint")
+        _require(self.on_corrupt_checkpoint in ("previous", "stop"), "trainer.on_corrupt_checkpoint",
+                 self.on_corrupt_checkpoint, "one of ['previous', 'stop']")
 
 
 @dataclass

@@ -17,6 +17,11 @@ the hook takes) and check what the hook returns. Users add hooks with
 PMA-init ("Model Merging in Pre-training"): the next stage starts from an average of the
 previous stage's last N complete checkpoints (`pma_sma`, `pma_ema`, `pma_wma`), written as a
 Hugging Face directory by `merge_checkpoints` (with its validation, atomic output and provenance).
+
+A stage hook states how many of the previous stage's newest checkpoints it reads with
+`@reads_checkpoints(lambda params: ...)`; `checkpoints_needed` tells the pipeline, which keeps
+that many weights-only snapshots in the previous stage (`trainer.keep_last_weights`). A hook
+that states nothing (a user's `module:function`) gets every snapshot.
 """
 
 from __future__ import annotations
@@ -126,6 +131,33 @@ def _plain(params: Any) -> dict:
 # ---------------------------------------------------------------------------- stage hooks
 
 
+def reads_checkpoints(window: Callable[[dict], int]) -> Callable[[Callable], Callable]:
+    """Decorator for a stage hook: `window(params)` is how many of the previous stage's newest
+    checkpoints (their hf/ weights) the hook reads; 0 when it reads none."""
+
+    def mark(hook: Callable) -> Callable:
+        hook.checkpoint_window = window
+        return hook
+
+    return mark
+
+
+def checkpoints_needed(config: HookConfig) -> Optional[int]:
+    """How many newest checkpoints of the previous stage the stage hook `config` reads, or None
+    when the hook does not say (then the previous stage keeps the weights of every checkpoint)."""
+    hook = STAGE_HOOKS.get(config.name)
+    window = getattr(hook, "checkpoint_window", None)
+    if window is None:
+        return None
+    params = _plain(config.params)
+    check_hook_params(STAGE_HOOKS, config.name, hook, params, STAGE_ARGS)
+    return window(params)
+
+
+def _last_param(params: dict) -> int:
+    return _positive_int("last", params["last"])
+
+
 def _positive_int(name: str, value: Any) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise MergeError(f"{name}={value!r}: must be a whole number of at least 1, e.g. {name}: 5")
@@ -138,6 +170,7 @@ def _pma(previous_run_dir: Path, output_dir: Path, method: str, last: int, **opt
 
 
 @STAGE_HOOKS.register("pma_sma")
+@reads_checkpoints(_last_param)
 def pma_sma(*, previous_run_dir: Path, output_dir: Path, last: int, dtype: Optional[str] = None,
             overwrite: bool = False) -> Path:
     """PMA-init: the SMA of the previous stage's last `last` complete checkpoints, written to `output_dir`."""
@@ -145,6 +178,7 @@ def pma_sma(*, previous_run_dir: Path, output_dir: Path, last: int, dtype: Optio
 
 
 @STAGE_HOOKS.register("pma_ema")
+@reads_checkpoints(_last_param)
 def pma_ema(*, previous_run_dir: Path, output_dir: Path, last: int, alpha: float, dtype: Optional[str] = None,
             overwrite: bool = False) -> Path:
     """PMA-init with EMA (recursion from the oldest; `alpha` is the newest's weight)."""
@@ -153,6 +187,7 @@ def pma_ema(*, previous_run_dir: Path, output_dir: Path, last: int, alpha: float
 
 
 @STAGE_HOOKS.register("pma_wma")
+@reads_checkpoints(_last_param)
 def pma_wma(*, previous_run_dir: Path, output_dir: Path, last: int, dtype: Optional[str] = None,
             overwrite: bool = False) -> Path:
     """PMA-init with WMA (weights 1, 2, ..., N: the newest heaviest)."""
@@ -160,6 +195,7 @@ def pma_wma(*, previous_run_dir: Path, output_dir: Path, last: int, dtype: Optio
 
 
 @STAGE_HOOKS.register("last_checkpoint")
+@reads_checkpoints(lambda params: 1)
 def last_checkpoint(*, previous_run_dir: Path, output_dir: Path) -> Path:
     """The newest complete checkpoint's hf/ directory, as is (nothing is written)."""
     newest = last_checkpoints(previous_run_dir, 1)[0]
@@ -170,6 +206,7 @@ def last_checkpoint(*, previous_run_dir: Path, output_dir: Path) -> Path:
 
 
 @STAGE_HOOKS.register("final_model")
+@reads_checkpoints(lambda params: 0)
 def final_model(*, previous_run_dir: Path, output_dir: Path) -> Path:
     """RUN_DIR/final_model: the model the previous stage's recipe exported at its end."""
     path = previous_run_dir / FINAL_MODEL
