@@ -5,7 +5,9 @@ task, real vLLM on the CPU). Overrides select other recipes and settings:
 `hybridflow recipe=grpo rollout.temperature=0.7`. Under `ray job submit`, or with
 `ray.address=...`, the same command joins that cluster instead of starting one.
 The config is composed and validated before Ray starts: an unknown key or a bad value exits
-with status 2 and a message naming the key, the value and what is allowed.
+with status 2 and a message naming the key, the value and what is allowed. The inputs it names
+(data files, model directory, reward functions) are then checked (hybridflow/preflight.py), also
+before anything starts; a problem there exits with status 2 too, naming file, row and column.
 """
 
 from __future__ import annotations
@@ -37,7 +39,11 @@ def recipe_function(name: str) -> Callable:
 
 
 def run(config: HybridFlowConfig) -> dict:
-    """Run the configured recipe in a fresh run directory (printed at start and end)."""
+    """Run the configured recipe in a fresh run directory (printed at start and end), once its
+    inputs pass `check_inputs` (which raises InputError before anything is created)."""
+    from hybridflow.preflight import check_inputs
+
+    check_inputs(config)  # first: a refused run never pays for importing the recipe's torch and vLLM
     recipe = recipe_function(config.recipe.name)
     run_dir = make_run_dir(config.logger.output_root, config.logger.run_name, config.recipe.name.split(":")[-1])
     save_config(config, run_dir)
@@ -58,7 +64,13 @@ def _hydra_main(cfg: DictConfig) -> None:
     except ConfigError as exc:
         print(f"hybridflow: configuration error: {exc}", file=sys.stderr)
         sys.exit(2)
-    run(config)
+    from hybridflow.preflight import InputError
+
+    try:
+        run(config)
+    except InputError as exc:
+        print(f"hybridflow: {exc}", file=sys.stderr)
+        sys.exit(2)
 
 
 def main() -> None:

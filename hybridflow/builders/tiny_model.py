@@ -16,6 +16,9 @@ from pathlib import Path
 
 SPECIAL_TOKENS = ["<pad>", "<s>", "</s>", "<unk>"]
 CHARACTERS = string.digits + "+-*/=()?., " + string.ascii_letters + ":;!'\"#%&<>[]_"
+# Chat prompts (verl's layout) render as "user: 3+4= assistant: ": only characters in the vocabulary.
+CHAT_TEMPLATE = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }} {% endfor %}"
+                 "{% if add_generation_prompt %}assistant: {% endif %}")
 
 
 @dataclass(frozen=True)
@@ -57,6 +60,7 @@ def build_char_tokenizer():
         unk_token="<unk>",
         padding_side="left",
         clean_up_tokenization_spaces=False,
+        chat_template=CHAT_TEMPLATE,
     )
 
 

@@ -124,11 +124,17 @@ class DataConfig:
     synthetic: SyntheticTaskConfig = field(default_factory=SyntheticTaskConfig)
     max_prompt_tokens: int = 64
     seed: int = 0
+    # Row checks before anything starts (hybridflow/preflight.py): 'sample' reads the first rows of
+    # each file (every row's prompt is checked again during the one full read, still before Ray);
+    # 'all' streams every row first; 'none' checks only files, columns and row counts.
+    validate_rows: str = "sample"
 
     def __post_init__(self) -> None:
         _require((self.train_path is None) == (self.val_path is None), "data.train_path/val_path",
                  (self.train_path, self.val_path), "set both to files, or leave both null for the synthetic task")
         _require(self.max_prompt_tokens >= 1, "data.max_prompt_tokens", self.max_prompt_tokens, "must be >= 1")
+        _require(self.validate_rows in ("all", "sample", "none"), "data.validate_rows", self.validate_rows,
+                 "one of ['all', 'sample', 'none']")
 
 
 @dataclass

@@ -3,7 +3,10 @@
 `RewardFunction` turns a plain, `async def` or batched function into per-sample scores. It
 passes each call only the keyword arguments the function names (everything when it takes
 `**kwargs`): `prompt`, `response`, every column of the data row, and the fixed `kwargs` of
-its config entry. It runs the calls with a deadline each (see `calls.py`) and checks every
+its config entry. Other frameworks' names for the sample's text are filled too when a
+function names them (`ARGUMENT_ALIASES`): verl's `compute_score(data_source, solution_str,
+ground_truth, extra_info)` and TRL's `reward_func(prompts, completions, **kwargs)` plug in
+unchanged. It runs the calls with a deadline each (see `calls.py`) and checks every
 result: a finite number, or a dict with a finite numeric `score` and numeric extras. A
 failure becomes a `RewardFunctionError` naming the function, the sample and the cause; the
 composer then raises it or scores the sample with the fallback.
@@ -18,6 +21,12 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from hybridflow.rewards.calls import Outcome, run_async, run_sync
+
+SAMPLE_ARGUMENTS = ("prompt", "response")  # filled for every sample by the reward role
+# Other frameworks' argument names -> the sample field they mean. Filled only for a function that
+# names them and only when the data has no column of that name (a column always wins).
+ARGUMENT_ALIASES = {"solution_str": "response", "completions": "response", "prompts": "prompt"}
+
 
 class RewardFunctionError(ValueError):
     """A reward function failed on a sample.
@@ -108,6 +117,9 @@ class RewardFunction:
             raise self._sample_error(index, row, f"{self.key}.kwargs sets {clash}, which the data row also has; "
                                      "rename the fixed argument or drop the column", "argument_clash")
         available = {**row, **self.kwargs}
+        for alias, field_name in ARGUMENT_ALIASES.items():
+            if alias in self._accepted and alias not in available and field_name in row:
+                available[alias] = row[field_name]
         missing = [name for name in self._required if name not in available]
         if missing:
             raise self._sample_error(
@@ -117,6 +129,16 @@ class RewardFunction:
         if self._takes_all:
             return available
         return {k: v for k, v in available.items() if k in self._accepted}
+
+    def data_arguments(self) -> list[str]:
+        """The required arguments that only a data column can fill: not the sample's prompt or
+        response (or an alias of them), and not a fixed argument of the config entry."""
+        filled = {*SAMPLE_ARGUMENTS, *ARGUMENT_ALIASES, *self.kwargs}
+        return [name for name in self._required if name not in filled]
+
+    def clashing_columns(self, columns) -> list[str]:
+        """Fixed arguments (`<key>.kwargs`) that a data column of the same name would collide with."""
+        return sorted(set(self.kwargs) & set(columns))
 
     # ---- scoring -------------------------------------------------------------------------------
 

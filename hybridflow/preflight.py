@@ -1,0 +1,294 @@
+"""Checks of a run's inputs before anything starts: no run directory, no Ray, no model loaded.
+
+What the config plus a cheap read of the inputs can show:
+- data files: readable, their columns, each checked row's `prompt` (text or chat messages) and the
+  columns that the reward functions (and SFT's answers) need; row counts against one step's
+  prompts and against the validation size;
+- the model directory (and a reward model's): config.json, weights, tokenizer files, and a chat
+  template when the data has chat prompts;
+- every reward function loads, and each argument it requires can be filled from the data's columns.
+Every problem found is reported at once, each naming the file or key, the row(s), the column, the
+value's type and the fix.
+
+Cost, so that a good run's start-up barely grows: a parquet file's row count and columns come
+from its footer; rows are read only up to `SAMPLE_ROWS` per file with `data.validate_rows=sample`
+(the default), because `read_rows` checks every row's prompt again during the one full read that
+follows (still before Ray starts). `all` streams every row here first (a second pass over the
+file); `none` reads only the footer or first line. Reward functions are imported in the driver to
+read their signatures, as the reward role will import them again in its own process.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterator
+
+from hybridflow.config.schema import HybridFlowConfig
+
+SAMPLE_ROWS = 1000
+TRAINING_RECIPES = ("sft", "grpo", "ppo")
+VALIDATING_RECIPES = ("sft", "grpo", "ppo", "evaluate")
+SYNTHETIC_COLUMNS = ("prompt", "ground_truth", "data_source")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt", "spiece.model")
+WEIGHT_INDEXES = ("model.safetensors.index.json", "pytorch_model.bin.index.json")
+MODEL_FIX = "save the model there with model.save_pretrained(dir) and tokenizer.save_pretrained(dir)"
+
+
+class InputError(ValueError):
+    """The run's inputs cannot work; the message lists every problem found, one per line."""
+
+
+def check_inputs(config: HybridFlowConfig) -> None:
+    """Raise `InputError` listing every problem with the run's data, model and reward functions.
+
+    A pipeline is checked stage by stage (each stage composes its own config); a later stage's
+    model is made by the stage before it, so only the first stage's model directory is checked.
+    """
+    if config.recipe.name == "pipeline":
+        problems = [f"{label}: {problem}" for label, stage, first in _pipeline_stages(config)
+                    for problem in check_run(stage, check_model=first)]
+    else:
+        problems = check_run(config)
+    if problems:
+        listed = "\n".join(f"  - {p}" for p in problems)
+        raise InputError(f"{len(problems)} problem(s) with the run's inputs, found before anything started:\n{listed}")
+
+
+def check_run(config: HybridFlowConfig, check_model: bool = True) -> list[str]:
+    """The problems of one run's inputs (empty when it can start)."""
+    functions, problems = _reward_functions(config)
+    model_path = config.model.path if check_model else None
+    if model_path is not None:
+        problems += check_model_dir(model_path, "model.path")
+    if config.reward.reward_model.path is not None:
+        problems += check_model_dir(config.reward.reward_model.path, "reward.reward_model.path")
+    needed = _needed_columns(config, functions)
+    if config.data.train_path is None:
+        return problems + _check_synthetic(config, needed)
+    train_rows, val_rows = _row_needs(config)
+    for key, path, min_rows in (("data.train_path", config.data.train_path, train_rows),
+                                ("data.val_path", config.data.val_path, val_rows)):
+        facts = check_data_file(path, key, needed, min_rows, config.data.validate_rows, functions)
+        problems += facts.problems
+        if facts.first_chat_row is not None and model_path is not None and not has_chat_template(model_path):
+            problems.append(f"data file {path} ({key}), column 'prompt', row {facts.first_chat_row}: a list of chat "
+                            f"messages, but the tokenizer in model.path={model_path!r} has no chat template; fix: "
+                            "use a model whose tokenizer has one (tokenizer_config.json 'chat_template', or "
+                            "chat_template.jinja), or write the prompts as text")
+    return problems
+
+
+# ---- reward functions ---------------------------------------------------------------------------
+
+
+def _reward_functions(config: HybridFlowConfig) -> tuple[list, list[str]]:
+    """The configured reward functions, loaded and wrapped; a load or signature error is a problem."""
+    from hybridflow.rewards.composer import build_reward_function
+    from hybridflow.rewards.functions import RewardFunctionError
+
+    functions, problems = [], []
+    for spec, key in zip(config.reward.function_specs(), config.reward.function_keys()):
+        try:
+            functions.append(build_reward_function(spec, key))
+        except RewardFunctionError as exc:
+            problems.append(f"{exc}; fix the function or {key}")
+    return functions, problems
+
+
+def _needed_columns(config: HybridFlowConfig, functions: list) -> dict[str, str]:
+    """Data column -> why the run needs it in every row."""
+    needed: dict[str, str] = {}
+    for fn in functions:
+        for name in fn.data_arguments():
+            needed.setdefault(name, f"reward function {fn.reference!r} ({fn.key}) requires the argument {name!r}")
+    if config.recipe.name == "sft":
+        needed.setdefault("ground_truth", "recipe=sft trains on it as each prompt's answer")
+    return needed
+
+
+def _argument_fix(column: str) -> str:
+    return (f"add a {column!r} column to the data, give the function's parameter a default, or set it as a fixed "
+            f"argument (reward.functions=[{{fn: ..., kwargs: {{{column}: ...}}}}])")
+
+
+# ---- data ------------------------------------------------------------------------------------------
+
+
+def _row_needs(config: HybridFlowConfig) -> tuple[tuple[str, int] | None, tuple[str, int] | None]:
+    """(key, rows) the training and the validation file must have at least, if the recipe needs them."""
+    recipe, trainer = config.recipe.name, config.trainer
+    train = ("trainer.prompts_per_step", trainer.prompts_per_step) if recipe in TRAINING_RECIPES else None
+    val = ("trainer.val_prompts", trainer.val_prompts) if recipe in VALIDATING_RECIPES else None
+    return train, val
+
+
+def _check_synthetic(config: HybridFlowConfig, needed: dict[str, str]) -> list[str]:
+    problems = [f"data: the synthetic task has no column {column!r} (it has {list(SYNTHETIC_COLUMNS)}), but "
+                f"{reason}; fix: {_argument_fix(column)}" for column, reason in needed.items()
+                if column not in SYNTHETIC_COLUMNS]
+    train, val = _row_needs(config)
+    syn = config.data.synthetic
+    for need, rows_key, rows in ((train, "data.synthetic.train_rows", syn.train_rows),
+                                 (val, "data.synthetic.val_rows", syn.val_rows)):
+        if need is not None and rows < need[1]:
+            problems.append(f"config {need[0]}={need[1]} is more than {rows_key}={rows}; lower {need[0]} to at most "
+                            f"{rows} or raise {rows_key}")
+    return problems
+
+
+@dataclass
+class FileFacts:
+    problems: list[str] = field(default_factory=list)
+    first_chat_row: int | None = None
+
+
+def check_data_file(path: str, key: str, needed: dict[str, str], min_rows: tuple[str, int] | None,
+                    mode: str, functions: list = ()) -> FileFacts:
+    """Check one data file: readable, columns present, rows well-typed (per `mode`), enough rows."""
+    from hybridflow.data.rows import count_rows
+
+    where = f"data file {path} ({key})"
+    try:
+        columns, checker, rows_read = _read_rows(path, needed, mode)
+        need = max(min_rows[1] if min_rows else 1, rows_read + 1)  # +1: are there rows beyond those read?
+        total, exact = (rows_read, True) if mode == "all" else count_rows(path, at_least=need)
+    except (OSError, ValueError) as exc:  # unreadable: a missing file, bad JSON, not parquet (ArrowInvalid)
+        message = str(exc) if str(path) in str(exc) else f"{where}: {type(exc).__name__}: {exc}"
+        return FileFacts([message if "; " in message else message + "; fix: give a readable .parquet or .jsonl file"])
+    facts = FileFacts(first_chat_row=checker.first_chat_row)
+    if total == 0:
+        facts.problems.append(f"{where} has no rows; fix: point {key} at a file with rows")
+        return facts
+    if min_rows is not None and total < min_rows[1]:
+        facts.problems.append(f"{where} has {total} rows, fewer than {min_rows[0]}={min_rows[1]}; fix: lower "
+                              f"{min_rows[0]} to at most {total}, or add rows")
+    facts.problems += _column_problems(where, columns, needed, functions)
+    facts.problems += checker.messages(where, skip=[c for c in ("prompt", *needed) if c not in columns])
+    if mode == "sample" and rows_read < total:
+        print(f"hybridflow: checked the first {rows_read} of {total if exact else 'more'} rows of {path} "
+              "(data.validate_rows=sample); every row's prompt is checked as the file is loaded", flush=True)
+    return facts
+
+
+def _read_rows(path: str, needed: dict[str, str], mode: str):
+    """(columns, RowChecker over the rows read, rows read): every row with `all`, the first
+    SAMPLE_ROWS with `sample`, and with `none` the first row only, for a JSON lines file's columns."""
+    from hybridflow.data.checks import RowChecker
+    from hybridflow.data.rows import check_row_file, iter_rows, parquet_columns
+
+    check_row_file(path)
+    columns = parquet_columns(path) if str(path).endswith(".parquet") else []
+    checker = RowChecker(needed)
+    limit = None if mode == "all" else SAMPLE_ROWS if mode == "sample" else 1
+    rows_read = 0
+    for index, row in enumerate(iter_rows(path, limit)):
+        columns += [c for c in row if c not in columns]  # JSON lines: the union of the rows' keys
+        if mode != "none":
+            checker.check(index, row)
+        rows_read += 1
+    return columns, checker, rows_read
+
+
+def _column_problems(where: str, columns: list[str], needed: dict[str, str], functions) -> list[str]:
+    problems = [f"{where}: no column 'prompt' (columns: {columns}); fix: name the prompt column 'prompt'"] \
+        if "prompt" not in columns else []
+    problems += [f"{where}: no column {column!r} (columns: {columns}), but {reason}; fix: {_argument_fix(column)}"
+                 for column, reason in needed.items() if column not in columns and column != "prompt"]
+    for fn in functions:
+        clash = fn.clashing_columns(columns)
+        if clash:
+            problems.append(f"{where}: column(s) {clash} are also fixed arguments in {fn.key}.kwargs of reward "
+                            f"function {fn.reference!r}; fix: rename the fixed argument or drop the column")
+    return problems
+
+
+# ---- model directories ----------------------------------------------------------------------------
+
+
+def check_model_dir(path: str, key: str) -> list[str]:
+    """Problems of a Hugging Face model directory: config.json, weights, tokenizer files."""
+    root = Path(path).expanduser()
+    if not root.is_dir():
+        return [f"{key}={path!r}: no such directory; fix: give a Hugging Face model directory (config.json, "
+                "weights, tokenizer files)"]
+    problems = _config_problems(root, key) + _weight_problems(root, key)
+    if not any((root / name).is_file() for name in TOKENIZER_FILES):
+        problems.append(f"{key}={path!r}: no tokenizer files ({', '.join(TOKENIZER_FILES)}) in {root}; fix: "
+                        "copy the base model's tokenizer there (tokenizer.save_pretrained(dir))")
+    return problems
+
+
+def _config_problems(root: Path, key: str) -> list[str]:
+    config_file = root / "config.json"
+    if not config_file.is_file():
+        return [f"{key}={str(root)!r}: no config.json in {root}; fix: {MODEL_FIX}"]
+    try:
+        config = json.loads(config_file.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        return [f"{config_file} ({key}): not valid JSON ({exc}); fix: {MODEL_FIX}"]
+    if not isinstance(config, dict) or "model_type" not in config:
+        return [f"{config_file} ({key}): no 'model_type' key, so transformers cannot tell the architecture; fix: "
+                f"{MODEL_FIX}"]
+    return []
+
+
+def _weight_problems(root: Path, key: str) -> list[str]:
+    for index_name in WEIGHT_INDEXES:
+        index = root / index_name
+        if index.is_file():
+            try:
+                shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+            except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError, AttributeError) as exc:
+                return [f"{index} ({key}): not a weight index ({type(exc).__name__}: {exc}); fix: {MODEL_FIX}"]
+            missing = [s for s in shards if not (root / s).is_file()]
+            return [f"{key}={str(root)!r}: {index_name} lists weight file(s) {missing[:3]} that are not in {root}; "
+                    "fix: copy every shard into the directory"] if missing else []
+    weights = sorted(root.glob("*.safetensors")) + sorted(root.glob("pytorch_model*.bin"))
+    if not weights:
+        return [f"{key}={str(root)!r}: no weights (*.safetensors or pytorch_model*.bin) in {root}; fix: {MODEL_FIX}, "
+                f"or point {key} at the directory that has them"]
+    return [problem for w in weights if w.suffix == ".safetensors" for problem in _safetensors_header(w, key)]
+
+
+def _safetensors_header(path: Path, key: str) -> list[str]:
+    """A safetensors file starts with an 8-byte header length, then that many bytes of JSON."""
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        head = f.read(8)
+    header_bytes = int.from_bytes(head, "little") if len(head) == 8 else -1
+    if header_bytes < 2 or 8 + header_bytes > size:
+        return [f"{path} ({key}): {size} bytes, not a complete safetensors file (truncated or empty); fix: "
+                "copy or save the weights again"]
+    return []
+
+
+def has_chat_template(path: str) -> bool:
+    """Whether a model directory's tokenizer has a chat template (read from its files, cheaply)."""
+    root = Path(path).expanduser()
+    if (root / "chat_template.jinja").is_file() or (root / "chat_template.json").is_file():
+        return True
+    try:
+        return bool(json.loads((root / "tokenizer_config.json").read_text()).get("chat_template"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, AttributeError):
+        return False
+
+
+# ---- pipelines ------------------------------------------------------------------------------------
+
+
+def _pipeline_stages(config: HybridFlowConfig) -> Iterator[tuple[str, HybridFlowConfig, bool]]:
+    """(label, config, is_first) per stage, composed as the pipeline recipe composes them. A stage
+    whose overrides do not compose is left to the pipeline's own stage check, which names it."""
+    from hybridflow.config import compose
+
+    for index, stage in enumerate(config.pipeline.stages):
+        overrides = [*config.pipeline.common_overrides, f"recipe={stage.recipe}", *stage.overrides]
+        if index == 0 and config.model.path is not None:
+            overrides.append(f"model.path={config.model.path}")
+        try:
+            stage_config = compose(overrides)
+        except Exception:  # noqa: BLE001 - reported by recipes.pipeline.check_stages with the stage named
+            continue
+        yield f"pipeline.stages[{index}] ({stage.name})", stage_config, index == 0
