@@ -1,0 +1,131 @@
+"""Bad inputs are refused before anything starts: one `hybridflow` command per row of the table,
+each exiting with status 2 within seconds, naming the file or key, the row, the column, the value's
+type, and creating no run directory (so no model was built and Ray never started)."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Callable
+
+import pytest
+
+VENV_BIN = Path(sys.executable).parent
+REFUSED_WITHIN_S = 10.0
+SMALL = ["trainer.prompts_per_step=4", "trainer.val_prompts=4", "data.max_prompt_tokens=32"]
+
+
+def rows(count: int) -> list[dict]:
+    return [{"prompt": f"{i}+1=", "ground_truth": str(i + 1), "data_source": "a"} for i in range(count)]
+
+
+@pytest.fixture(scope="module")
+def inputs(tmp_path_factory, tiny_model_dir) -> Path:
+    """Every bad input of the table, written once: data files, model directories, reward files."""
+    from hybridflow.data import write_rows
+
+    root = tmp_path_factory.mktemp("bad_inputs")
+    write_rows(rows(40), root / "good.parquet")
+    write_rows(rows(8), root / "eight.parquet")
+    write_rows([{"prompt": i, "ground_truth": "1"} for i in range(40)], root / "numbers.parquet")
+    gaps = rows(40)
+    gaps[2]["ground_truth"] = gaps[5]["ground_truth"] = None
+    write_rows(gaps, root / "gaps.jsonl")
+    write_rows([{"prompt": [{"role": "user", "text": "1+1="}], "ground_truth": "2"}] * 8, root / "bad_chat.parquet")
+    write_rows([{"prompt": [{"role": "user", "content": f"{i}+1="}], "ground_truth": str(i + 1)} for i in range(8)],
+               root / "chat.parquet")
+    write_rows([{"question": "1+1=", "ground_truth": "2"}] * 8, root / "no_prompt.jsonl")
+    (root / "broken.jsonl").write_text('{"prompt": "1+1="}\n{"prompt": \n')
+    (root / "empty.jsonl").write_text("")
+    (root / "needs_answer.py").write_text("def score(response, answer):\n    return float(response == answer)\n")
+    (root / "syntax_error.py").write_text("def score(response:\n    return 1.0\n")
+    (root / "positional.py").write_text("def score(response, /):\n    return 1.0\n")
+    for name, breaks in MODEL_BREAKS.items():
+        shutil.copytree(tiny_model_dir, root / name)
+        breaks(root / name)
+    return root
+
+
+MODEL_BREAKS: dict[str, Callable[[Path], None]] = {
+    "no_weights": lambda d: (d / "model.safetensors").unlink(),
+    "no_tokenizer": lambda d: (d / "tokenizer.json").unlink(),
+    "bad_config": lambda d: (d / "config.json").write_text('{"model_type": "qwen2",'),
+    "truncated_weights": lambda d: (d / "model.safetensors").write_bytes(b"\x00" * 4),
+    "no_chat_template": lambda d: (d / "chat_template.jinja").unlink(),
+}
+
+
+def files(train: str, val: str = "good.parquet") -> Callable[[Path], list[str]]:
+    return lambda root: ["recipe=grpo", "data=files", f"data.train_path={root / train}",
+                         f"data.val_path={root / val}", *SMALL]
+
+
+def model(name: str, *extra: str) -> Callable[[Path], list[str]]:
+    return lambda root: ["recipe=grpo", f"model.path={root / name}", *SMALL, *extra]
+
+
+def reward(file: str) -> Callable[[Path], list[str]]:
+    return lambda root: [*files("good.parquet")(root), f"reward.fn={root / file}:score"]
+
+
+# id -> (overrides, the names the error must contain; "{root}" is the inputs folder)
+CASES = {
+    "prompt holds numbers": (files("numbers.parquet"), [
+        "{root}/numbers.parquet (data.train_path)", "column 'prompt'", "row(s) 0, 1, 2, 3, 4 and 35 more",
+        "holds int 0", "fix: write the prompt as text"]),
+    "fewer rows than one step": (lambda root: [*files("eight.parquet")(root), "trainer.prompts_per_step=16"], [
+        "{root}/eight.parquet (data.train_path) has 8 rows, fewer than trainer.prompts_per_step=16"]),
+    "fewer validation rows than val_prompts": (lambda root: [*files("good.parquet", "eight.parquet")(root),
+                                                             "trainer.val_prompts=20"], [
+        "{root}/eight.parquet (data.val_path) has 8 rows, fewer than trainer.val_prompts=20",
+        "lower trainer.val_prompts to at most 8"]),
+    "ground truth missing in some rows": (files("gaps.jsonl"), [
+        "{root}/gaps.jsonl (data.train_path)", "column 'ground_truth', row(s) 2, 5: no value (row 2: null)",
+        "reward function 'exact_match' (reward.fn) requires the argument 'ground_truth'"]),
+    "chat message without content": (files("bad_chat.parquet"), [
+        "{root}/bad_chat.parquet (data.train_path)", "column 'prompt', row(s) 0, 1, 2, 3, 4 and 3 more",
+        "has no text content"]),
+    "no prompt column": (files("no_prompt.jsonl"), [
+        "{root}/no_prompt.jsonl (data.train_path): no column 'prompt' (columns: ['question', 'ground_truth'])"]),
+    "broken JSON line": (files("broken.jsonl"), ["{root}/broken.jsonl:2: not valid JSON"]),
+    "empty file": (files("empty.jsonl"), ["{root}/empty.jsonl (data.train_path) has no rows"]),
+    "missing data file": (files("nowhere.parquet"), ["data file {root}/nowhere.parquet does not exist"]),
+    "model without weights": (model("no_weights"), ["model.path='{root}/no_weights'", "no weights"]),
+    "model without tokenizer": (model("no_tokenizer"), ["model.path='{root}/no_tokenizer'", "no tokenizer files"]),
+    "model config not JSON": (model("bad_config"), ["{root}/bad_config/config.json (model.path): not valid JSON"]),
+    "truncated weights": (model("truncated_weights"), [
+        "{root}/truncated_weights/model.safetensors (model.path)", "not a complete safetensors file"]),
+    "chat prompts, no chat template": (lambda root: [*model("no_chat_template")(root), "data=files",
+                                                     f"data.train_path={root / 'chat.parquet'}",
+                                                     f"data.val_path={root / 'chat.parquet'}"], [
+        "{root}/chat.parquet (data.train_path), column 'prompt', row 0: a list of chat messages",
+        "model.path='{root}/no_chat_template' has no chat template"]),
+    "reward argument the data lacks": (reward("needs_answer.py"), [
+        "{root}/good.parquet (data.train_path): no column 'answer'", "'{root}/needs_answer.py:score' (reward.fn)"]),
+    "reward file does not parse": (reward("syntax_error.py"), [
+        "cannot load reward function reward.fn='{root}/syntax_error.py:score': SyntaxError"]),
+    "reward with positional-only parameters": (reward("positional.py"), [
+        "'{root}/positional.py:score' (reward.fn) has positional-only parameters ['response']"]),
+    "config: validation larger than the synthetic set": (lambda root: ["recipe=sft", "trainer.val_prompts=300"], [
+        "trainer.val_prompts=300 is more than data.synthetic.val_rows=200"]),
+    "pipeline whose first stage has no weights": (lambda root: [f"model.path={root / 'no_weights'}"], [
+        "pipeline.stages[0] (sft): model.path='{root}/no_weights'", "no weights"]),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_bad_input_is_refused_before_anything_starts(inputs, tmp_path, case):
+    overrides, names = CASES[case]
+    output_root = tmp_path / "runs"
+    cmd = [str(VENV_BIN / "hybridflow"), *overrides(inputs), f"logger.output_root={output_root}"]
+    start = time.perf_counter()
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    elapsed_s = time.perf_counter() - start
+    assert result.returncode == 2, result.stdout[-3000:] + result.stderr[-3000:]
+    for name in names:
+        assert name.format(root=inputs) in result.stderr, f"{name!r} not in:\n{result.stderr}"
+    assert not output_root.exists() and "run directory" not in result.stdout  # nothing was started
+    assert elapsed_s < REFUSED_WITHIN_S, f"refused after {elapsed_s:.1f} s"
