@@ -167,8 +167,9 @@ def check_data_file(path: str, key: str, needed: dict[str, str], min_rows: tuple
     facts.problems += _column_problems(where, columns, needed, functions)
     facts.problems += checker.messages(where, skip=[c for c in ("prompt", *needed) if c not in columns])
     if mode == "sample" and rows_read < total:
-        print(f"hybridflow: checked the first {rows_read} of {total if exact else 'more'} rows of {path} "
-              "(data.validate_rows=sample); every row's prompt is checked as the file is loaded", flush=True)
+        of = f"of {total} rows" if exact else "rows (of more)"
+        print(f"hybridflow: checked the first {rows_read} {of} of {path} (data.validate_rows=sample); every row's "
+              "prompt is checked as the file is loaded", flush=True)
     return facts
 
 

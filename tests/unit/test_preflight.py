@@ -56,7 +56,7 @@ def test_validate_rows_modes_read_what_they_say(tmp_path, capsys, mode, caught):
     assert any(f"row(s) {SAMPLE_ROWS + 10}: row {SAMPLE_ROWS + 10} holds dict" in p for p in problems) == caught
     assert any("column 'ground_truth', row(s) 3: no value" in p for p in problems) == (mode != "none")
     said = capsys.readouterr().out
-    assert (f"checked the first {SAMPLE_ROWS} of more rows of {path}" in said) == (mode == "sample")
+    assert (f"checked the first {SAMPLE_ROWS} rows (of more) of {path}" in said) == (mode == "sample")
 
 
 def test_row_counts_against_one_step_and_the_validation_size(tmp_path):
