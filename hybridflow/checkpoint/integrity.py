@@ -120,6 +120,18 @@ def verify_files(checkpoint: Path, manifest: dict, parts: Optional[Iterable[str]
     return sum(value["bytes"] for value in listed.values())
 
 
+def strip_manifest(manifest: dict, keep_parts: Iterable[str]) -> dict:
+    """The manifest of a weights-only snapshot: top-level files and `keep_parts` only."""
+    keep = set(keep_parts)
+    files = {name: value for name, value in manifest["files"].items()
+             if "/" not in name or name.split("/", 1)[0] in keep}
+    return {**manifest, "full_state": False, "files": files}
+
+
+def manifest_text(manifest: dict) -> str:
+    return json.dumps(manifest, indent=1, sort_keys=True) + "\n"
+
+
 def _size_problem(size: Optional[int], expected: int) -> str:
     return "missing" if size is None else f"{size} bytes, {expected} when saved"
 
@@ -132,16 +144,3 @@ def _read_json(path: Path, error: type[CheckpointError]) -> dict:
     if not isinstance(value, dict) or not isinstance(value.get("files"), dict):
         raise error(f"{path}: expected a JSON object with 'files'; {RESUME_FIX}")
     return value
-
-
-def strip_manifest(manifest: dict, keep_parts: Iterable[str]) -> dict:
-    """The manifest of a weights-only snapshot: top-level files and `keep_parts` only."""
-    keep = set(keep_parts)
-    files = {name: value for name, value in manifest["files"].items()
-             if "/" not in name or name.split("/", 1)[0] in keep}
-    return {**manifest, "full_state": False, "files": files}
-
-
-def manifest_text(manifest: dict) -> str:
-    return json.dumps(manifest, indent=1, sort_keys=True) + "\n"
-

@@ -13,6 +13,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 import torch
@@ -155,7 +156,7 @@ def test_killed_during_save_the_previous_checkpoint_loads(tmp_path, where):
     manager = CheckpointManager(tmp_path, keep_last=1)
     model, optimizer = _training(0)
     first = _save(manager, 1, model, optimizer)
-    here = str(__import__("pathlib").Path(__file__).parent)
+    here = str(Path(__file__).parent)  # the script imports this module's helpers
     proc = subprocess.run([sys.executable, "-c", KILL_SCRIPT, str(tmp_path), where, here], capture_output=True,
                           timeout=300)
     assert proc.returncode == -signal.SIGKILL, proc.stderr.decode()[-3000:]
