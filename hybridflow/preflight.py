@@ -6,7 +6,9 @@ What the config plus a cheap read of the inputs can show:
   prompts and against the validation size;
 - the model directory (and a reward model's): config.json, weights, tokenizer files, and a chat
   template when the data has chat prompts;
-- every reward function loads, and each argument it requires can be filled from the data's columns.
+- every reward function loads, and each argument it requires can be filled from the data's columns;
+- once all of that is right, the prompts of the rows read fit data.max_prompt_tokens with the
+  model's tokenizer (chat prompts rendered with its template).
 Every problem found is reported at once, each naming the file or key, the row(s), the column, the
 value's type and the fix.
 
@@ -68,16 +70,58 @@ def check_run(config: HybridFlowConfig, check_model: bool = True) -> list[str]:
     if config.data.train_path is None:
         return problems + _check_synthetic(config, needed)
     train_rows, val_rows = _row_needs(config)
+    files = {}
     for key, path, min_rows in (("data.train_path", config.data.train_path, train_rows),
                                 ("data.val_path", config.data.val_path, val_rows)):
-        facts = check_data_file(path, key, needed, min_rows, config.data.validate_rows, functions)
+        files[key] = facts = check_data_file(path, key, needed, min_rows, config.data.validate_rows, functions)
         problems += facts.problems
         if facts.first_chat_row is not None and model_path is not None and not has_chat_template(model_path):
             problems.append(f"data file {path} ({key}), column 'prompt', row {facts.first_chat_row}: a list of chat "
                             f"messages, but the tokenizer in model.path={model_path!r} has no chat template; fix: "
                             "use a model whose tokenizer has one (tokenizer_config.json 'chat_template', or "
                             "chat_template.jinja), or write the prompts as text")
+    if not problems and check_model:  # lengths need a working tokenizer: only once all else is right
+        problems += _prompt_length_problems(config, files)
     return problems
+
+
+def _prompt_length_problems(config: HybridFlowConfig, files: dict[str, "FileFacts"]) -> list[str]:
+    """Prompts (of the rows read) longer than data.max_prompt_tokens with the model's tokenizer.
+
+    Loading the tokenizer imports transformers, which the recipe imports next anyway: a good run
+    pays only for reading the tokenizer files once more.
+    """
+    from hybridflow.data.chat import render_prompt
+
+    try:
+        tokenizer = _load_tokenizer(config)
+    except Exception as exc:  # noqa: BLE001 - any failure to load is the problem to report
+        return [f"model.path={config.model.path!r}: its tokenizer does not load ({type(exc).__name__}: {exc}); "
+                f"fix: {MODEL_FIX}"]
+    limit, problems = config.data.max_prompt_tokens, []
+    for key, facts in files.items():
+        if not facts.prompts:
+            continue
+        texts = [render_prompt(prompt, tokenizer) for _, prompt in facts.prompts]
+        lengths = [len(ids) for ids in tokenizer(texts, add_special_tokens=False)["input_ids"]]
+        long = [(row, n) for (row, _), n in zip(facts.prompts, lengths) if n > limit]
+        if long:
+            more = f" and {len(long) - 5} more" if len(long) > 5 else ""
+            listed = ", ".join(str(row) for row, _ in long[:5]) + more
+            problems.append(f"data file {facts.path} ({key}), column 'prompt', row(s) {listed}: row {long[0][0]} has "
+                            f"{long[0][1]} tokens, more than data.max_prompt_tokens={limit}; fix: raise "
+                            f"data.max_prompt_tokens to {max(n for _, n in long)}, or shorten the prompts")
+    return problems
+
+
+def _load_tokenizer(config: HybridFlowConfig):
+    if config.model.path is None:
+        from hybridflow.builders.tiny_model import build_char_tokenizer
+
+        return build_char_tokenizer()
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(config.model.path, trust_remote_code=config.model.trust_remote_code)
 
 
 # ---- reward functions ---------------------------------------------------------------------------
@@ -140,8 +184,10 @@ def _check_synthetic(config: HybridFlowConfig, needed: dict[str, str]) -> list[s
 
 @dataclass
 class FileFacts:
+    path: str
     problems: list[str] = field(default_factory=list)
     first_chat_row: int | None = None
+    prompts: list = field(default_factory=list)  # (row, prompt) of the first rows read, for length checks
 
 
 def check_data_file(path: str, key: str, needed: dict[str, str], min_rows: tuple[str, int] | None,
@@ -156,8 +202,9 @@ def check_data_file(path: str, key: str, needed: dict[str, str], min_rows: tuple
         total, exact = (rows_read, True) if mode == "all" else count_rows(path, at_least=need)
     except (OSError, ValueError) as exc:  # unreadable: a missing file, bad JSON, not parquet (ArrowInvalid)
         message = str(exc) if str(path) in str(exc) else f"{where}: {type(exc).__name__}: {exc}"
-        return FileFacts([message if "; " in message else message + "; fix: give a readable .parquet or .jsonl file"])
-    facts = FileFacts(first_chat_row=checker.first_chat_row)
+        fix = "" if "; " in message else "; fix: give a readable .parquet or .jsonl file"
+        return FileFacts(path, [message + fix])
+    facts = FileFacts(path, first_chat_row=checker.first_chat_row, prompts=checker.prompts)
     if total == 0:
         facts.problems.append(f"{where} has no rows; fix: point {key} at a file with rows")
         return facts
@@ -181,7 +228,7 @@ def _read_rows(path: str, needed: dict[str, str], mode: str):
 
     check_row_file(path)
     columns = parquet_columns(path) if str(path).endswith(".parquet") else []
-    checker = RowChecker(needed)
+    checker = RowChecker(needed, keep_prompts=SAMPLE_ROWS)
     limit = None if mode == "all" else SAMPLE_ROWS if mode == "sample" else 1
     rows_read = 0
     for index, row in enumerate(iter_rows(path, limit)):

@@ -27,10 +27,12 @@ class RowChecker:
     takes it as an argument"), which the error repeats.
     """
 
-    def __init__(self, required: dict[str, str] | None = None) -> None:
+    def __init__(self, required: dict[str, str] | None = None, keep_prompts: int = 0) -> None:
         self.required = dict(required or {})
         self.rows_checked = 0
         self.first_chat_row: int | None = None
+        self.keep_prompts = keep_prompts
+        self.prompts: list[tuple[int, object]] = []  # (row, prompt): the first `keep_prompts` good ones
         self._offenders: dict[str, _Offenders] = {}
 
     def check(self, index: int, row: dict) -> None:
@@ -38,8 +40,11 @@ class RowChecker:
         problem = prompt_problem(prompt)
         if problem is not None:
             self._add("prompt", index, problem)
-        elif self.first_chat_row is None and is_chat(prompt):
-            self.first_chat_row = index
+        else:
+            if self.first_chat_row is None and is_chat(prompt):
+                self.first_chat_row = index
+            if len(self.prompts) < self.keep_prompts:
+                self.prompts.append((index, prompt))
         for column in self.required:
             if row.get(column) is None and column != "prompt":
                 self._add(column, index, "null" if column in row else "no such key")

@@ -93,6 +93,12 @@ CASES = {
     "broken JSON line": (files("broken.jsonl"), ["{root}/broken.jsonl:2: not valid JSON"]),
     "empty file": (files("empty.jsonl"), ["{root}/empty.jsonl (data.train_path) has no rows"]),
     "missing data file": (files("nowhere.parquet"), ["data file {root}/nowhere.parquet does not exist"]),
+    "prompt longer than max_prompt_tokens": (lambda root: [
+        "recipe=grpo", "data=files", f"data.train_path={root / 'good.parquet'}",
+        f"data.val_path={root / 'good.parquet'}",
+        "trainer.prompts_per_step=4", "trainer.val_prompts=4", "data.max_prompt_tokens=3"], [
+        "{root}/good.parquet (data.train_path), column 'prompt', row(s) 0, 1, 2, 3, 4 and 35 more: row 0 has 4 tokens, "
+        "more than data.max_prompt_tokens=3; fix: raise data.max_prompt_tokens to 5"]),
     "model without weights": (model("no_weights"), ["model.path='{root}/no_weights'", "no weights"]),
     "model without tokenizer": (model("no_tokenizer"), ["model.path='{root}/no_tokenizer'", "no tokenizer files"]),
     "model config not JSON": (model("bad_config"), ["{root}/bad_config/config.json (model.path): not valid JSON"]),

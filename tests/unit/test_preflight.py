@@ -141,3 +141,21 @@ def test_check_inputs_lists_every_problem_at_once(tmp_path):
     for part in (f"model.path='{tmp_path / 'nowhere'}': no such directory", "has 2 rows, fewer than",
                  "column 'prompt', row(s) 0, 1: row 0 holds int 7", "no column 'ground_truth'"):
         assert part in message
+
+
+def test_prompts_longer_than_max_prompt_tokens_with_the_models_tokenizer(tmp_path, tiny_model_dir):
+    long = rows(8)
+    long[2]["prompt"] = long[6]["prompt"] = "1+" * 20 + "1="  # 42 characters: 42 tokens of the tiny tokenizer
+    # "user: 1+1= assistant: ": 19 tokens as the model directory's tokenizer loads (AutoTokenizer gives
+    # Qwen2Tokenizer, which drops the spaces), the tokenizer the recipe encodes with
+    chat = [{"prompt": [{"role": "user", "content": "1+1="}], "ground_truth": "2"}] * 4
+    train, val = write_rows(long, tmp_path / "train.parquet"), write_rows(chat, tmp_path / "val.parquet")
+    cfg = config(train, val, model=tiny_model_dir)
+    cfg.data.max_prompt_tokens = 18
+    assert check_run(cfg) == [
+        f"data file {train} (data.train_path), column 'prompt', row(s) 2, 6: row 2 has 42 tokens, more than "
+        "data.max_prompt_tokens=18; fix: raise data.max_prompt_tokens to 42, or shorten the prompts",
+        f"data file {val} (data.val_path), column 'prompt', row(s) 0, 1, 2, 3: row 0 has 19 tokens, more than "
+        "data.max_prompt_tokens=18; fix: raise data.max_prompt_tokens to 19, or shorten the prompts"]
+    cfg.data.max_prompt_tokens = 42
+    assert check_run(cfg) == []
