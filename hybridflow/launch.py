@@ -140,7 +140,7 @@ def actor_settings(config: HybridFlowConfig, model_dir: Path):
         kl_loss_coef=a.kl_loss_coef, kl_loss_estimator=a.kl_loss_estimator,
         skip_zero_advantage_samples=a.skip_zero_advantage_samples,
         temperature=config.rollout.temperature, lora=lora, gradient_checkpointing=a.gradient_checkpointing,
-        rollout_dtype=config.rollout.dtype.value, seed=config.seed)
+        seed=config.seed)
 
 
 def critic_settings(config: HybridFlowConfig, model_dir: Path):
@@ -164,4 +164,14 @@ def rollout_role(config: HybridFlowConfig, model_dir: Path, tokenizer) -> RoleSp
     return RoleSpec(rollout_cls, dict(
         model_path=str(model_dir), rollout=config.rollout, max_prompt_tokens=config.data.max_prompt_tokens,
         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
-        verifiable_weights=config.trainer.verify_weight_sync))
+        verifiable_weights=config.weight_sync.checksum_every_steps > 0),
+        replica_size=config.rollout.tensor_parallel_size)
+
+
+def build_weight_sync(config: HybridFlowConfig, actor: WorkerGroup, rollout: WorkerGroup):
+    """The one object that moves the actor's weights into the rollout each step: in-process when
+    the two share a pool, over a gloo group spanning the two pools otherwise."""
+    from hybridflow.resharding.sync import WeightSync
+
+    transport = "colocated" if config.placement.rollout_colocated else "gloo"
+    return WeightSync(actor, rollout, config.weight_sync, transport, config.rollout.dtype.value)

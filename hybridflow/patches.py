@@ -7,6 +7,7 @@ the target moved, so an upgrade fails loudly instead of silently changing behavi
 from __future__ import annotations
 
 import functools
+import os
 
 _applied: set[str] = set()
 
@@ -40,3 +41,48 @@ def keep_vllm_cpu_linear_weights() -> None:
     utils.dispatch_cpu_unquantized_gemm = dispatch_keeping_weight
     assert utils.dispatch_cpu_unquantized_gemm is dispatch_keeping_weight
     _applied.add("keep_vllm_cpu_linear_weights")
+
+
+SHM_IDENT_VAR = "HYBRIDFLOW_VLLM_SHM_IDENT"
+
+
+def unique_vllm_cpu_shm_names() -> None:
+    """Give each tensor-parallel vLLM engine on the CPU shared-memory segments of its own.
+
+    The CPU backend's all-reduce goes through /dev/shm segments named from VLLM_DIST_IDENT,
+    which the CPU worker derives from its init method; under `external_launcher` that is
+    `env://`, so every TP engine on a machine gets the same names, and a second engine — or the
+    next one after a process was killed — fails with "create shm in SHMManager failed. errno: 17".
+    We prefix the names with `$HYBRIDFLOW_VLLM_SHM_IDENT` (set per engine by the rollout worker)
+    and unlink each rank's segment once every rank has mapped it, so a killed engine leaves no
+    segment behind. Checked against vllm 0.32.
+    """
+    if "unique_vllm_cpu_shm_names" in _applied:
+        return
+    import vllm
+
+    if not vllm.__version__.startswith("0.32"):
+        raise RuntimeError(
+            f"hybridflow.patches.unique_vllm_cpu_shm_names was written for vllm 0.32, found {vllm.__version__}; "
+            "re-check vllm.distributed.device_communicators.cpu_communicator._CPUSHMDistributed")
+    from vllm.distributed.device_communicators import cpu_communicator
+
+    cls = getattr(cpu_communicator, "_CPUSHMDistributed", None)
+    if cls is None or not hasattr(cls, "make_group_name") or not hasattr(cls, "_init_cpu_shm"):
+        raise RuntimeError("vllm's _CPUSHMDistributed.make_group_name/_init_cpu_shm moved; update the patch")
+    original_name, original_init = cls.make_group_name, cls._init_cpu_shm
+
+    def make_group_name(communicator) -> str:
+        return f"{os.environ[SHM_IDENT_VAR]}-{original_name(communicator).lstrip('/')}"
+
+    def init_then_unlink(self) -> int:
+        handle = original_init(self)  # ends with a barrier: every rank has mapped every segment
+        path = f"/dev/shm/{self.group_name.lstrip('/')}_{self.communicator.rank}"
+        if os.path.exists(path):
+            os.unlink(path)
+        return handle
+
+    cls.make_group_name = staticmethod(make_group_name)
+    cls._init_cpu_shm = init_then_unlink
+    assert cls._init_cpu_shm is init_then_unlink
+    _applied.add("unique_vllm_cpu_shm_names")

@@ -25,6 +25,7 @@ from hybridflow.data.loader import PromptLoader
 from hybridflow.data.prompts import encode_prompts
 from hybridflow.launch import (
     actor_settings,
+    build_weight_sync,
     critic_settings,
     prepare_data,
     prepare_model,
@@ -69,7 +70,9 @@ def run(config: HybridFlowConfig, run_dir: Path) -> dict:
     if state:
         loader.load_state_dict(state["loader"])
         kl_ctl.coef = float(state["kl_coef"])
-    actor.sync_weights_to_rollout(config.trainer.verify_weight_sync)
+    weight_sync = build_weight_sync(config, actor, rollout)
+    weight_sync.setup()
+    weight_sync.sync(step)
     logger = MetricsLogger(run_dir, config.logger.backends)
     n = config.rollout.samples_per_prompt
     on_policy = config.trainer.use_sampler_log_probs and config.actor.epochs_per_step == 1 and \
@@ -112,7 +115,7 @@ def run(config: HybridFlowConfig, run_dir: Path) -> dict:
             hook_metrics = run_training_hooks(config, step, actor, reference) if actor_learns else {}
         with timer("weight_sync"):
             rollout.wake_up()
-            sync_metrics = actor.sync_weights_to_rollout(config.trainer.verify_weight_sync)[0] if actor_learns else {}
+            sync_metrics = weight_sync.sync(step) if actor_learns else {}
 
         metrics = {**reward_metrics(samples), **algo_metrics, **actor_metrics, **critic_metrics, **hook_metrics,
                    **sync_metrics, **response_stats(samples), **timer.seconds, "kl/coef": kl_ctl.coef}

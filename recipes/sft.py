@@ -1,7 +1,7 @@
 """Supervised fine-tuning: cross-entropy on prompt -> answer, loss on the answer tokens only.
 
-Reuses the actor (FSDP2) and, for validation, the rollout engine colocated with it: the
-weights are synced into vLLM before each validation, exactly as in RL. The answer is the
+Reuses the actor (FSDP2) and, for validation, the rollout engine: the weights are synced
+into vLLM before each validation, exactly as in RL. The answer is the
 data row's `ground_truth` followed by EOS.
 """
 
@@ -16,7 +16,16 @@ from hybridflow.controller import RoleSpec
 from hybridflow.data.answers import encode_answers
 from hybridflow.data.loader import PromptLoader
 from hybridflow.data.prompts import encode_prompts
-from hybridflow.launch import actor_settings, prepare_data, prepare_model, rollout_role, spawn_roles, start_ray, vllm_env
+from hybridflow.launch import (
+    actor_settings,
+    build_weight_sync,
+    prepare_data,
+    prepare_model,
+    rollout_role,
+    spawn_roles,
+    start_ray,
+    vllm_env,
+)
 from hybridflow.runner import Checkpointer, StageTimer, validate
 from hybridflow.tracking import MetricsLogger
 from workers.actor import ActorWorker
@@ -44,6 +53,8 @@ def run(config: HybridFlowConfig, run_dir: Path) -> dict:
     if state:
         loader.load_state_dict(state["loader"])
     logger = MetricsLogger(run_dir, config.logger.backends)
+    weight_sync = build_weight_sync(config, actor, rollout)
+    weight_sync.setup()
 
     while step < config.trainer.total_steps:
         step += 1
@@ -57,7 +68,7 @@ def run(config: HybridFlowConfig, run_dir: Path) -> dict:
         if config.trainer.val_every_steps and step % config.trainer.val_every_steps == 0 \
                 or step == config.trainer.total_steps:
             with timer("weight_sync"):
-                metrics.update(actor.sync_weights_to_rollout(config.trainer.verify_weight_sync)[0])
+                metrics.update(weight_sync.sync(step))
             metrics.update(validate(config, rollout, reward, data.val, tokenizer, step))
         logger.log(step, metrics)
         if checkpointer.due(step):

@@ -2,7 +2,7 @@
 
 Computes response log-probs and entropy, updates the policy with the configured loss over
 mini-batches and micro-batches, runs supervised fine-tuning steps (the SFT recipe reuses the
-actor), and pushes its weights into the rollout engine colocated in the same process.
+actor), and is the sending end of the weight sync (`hybridflow.resharding`).
 
 Gradient accumulation is invariant to the micro-batch split: every micro-batch loss is
 normalised by the token (or sequence) count of the whole mini-batch across all ranks, and
@@ -66,18 +66,14 @@ class ActorSettings:
     temperature: float = 1.0
     lora: LoraSpec | None = None
     gradient_checkpointing: bool = False
-    rollout_dtype: str = "float32"
     seed: int = 0
-
-
-PROBE_PROMPT_IDS = [3, 4, 5, 6, 7, 8]  # any ids below every vocabulary size will do
-PROBE_TOLERANCE = 1e-2  # float32 kernels differ by ~1e-5; a stale weight by far more
 
 
 class ActorWorker(TrainingStateMixin):
     def __init__(self, ctx: WorkerContext, settings: ActorSettings) -> None:
         self.ctx, self.s = ctx, settings
         self.model = self.optimizer = self.scheduler = None
+        self.sender = None  # built by setup_weight_sender
         self.updates = 0
 
     # ---- set-up ---------------------------------------------------------------------------
@@ -254,53 +250,45 @@ class ActorWorker(TrainingStateMixin):
         torch.cuda.synchronize()
         return True
 
-    # ---- weights ----------------------------------------------------------------------------------
+    # ---- weights (the sending end of hybridflow.resharding.WeightSync) --------------------------
+
+    @register(Dispatch.RANK_ZERO)
+    def weight_shapes(self) -> dict[str, list[int]]:
+        """Checkpoint name -> full shape of every weight the rollout receives."""
+        from hybridflow.resharding.weights import checkpoint_shapes
+
+        return checkpoint_shapes(self.model)
 
     @register(Dispatch.ONE_TO_ALL)
-    def sync_weights_to_rollout(self, verify: bool = False) -> dict:
-        """Push the current weights into the rollout engine colocated in this process."""
-        from hybridflow.resharding import full_weights
+    def setup_weight_sender(self, plan) -> bool:
+        """Build this rank's sender from the controller's `SyncPlan` (opens the transfer group if any)."""
+        from hybridflow.resharding.sender import WeightSender
 
-        rollout = self.ctx.colocated.get("rollout")
-        if rollout is None:
-            raise RuntimeError("sync_weights_to_rollout needs the rollout worker in the same process: map "
-                               "placement.roles.actor and placement.roles.rollout to the same pool")
-        dtype = getattr(torch, self.s.rollout_dtype)
-        stats = rollout.load_weights(full_weights(self.model, dtype))
-        if verify:
-            stats.update(self.verify_rollout_weights())
-        return stats
+        self.sender = WeightSender(self.model, plan, self.ctx.rank, self.ctx.world_size)
+        self.sender.connect()
+        return True
 
     @register(Dispatch.ONE_TO_ALL)
-    def verify_rollout_weights(self) -> dict:
-        """Check every rollout tensor against the actor's, then the log-probs it computes with them;
-        raises WeightSyncError naming what differs."""
-        from hybridflow.resharding import WeightSyncError, full_weights, weight_checksums
+    def send_weights(self) -> dict[str, float]:
+        """Collective: move the current weights to the rollout (see hybridflow.resharding.sender)."""
+        from hybridflow.resharding.receiver import local_receiver
 
-        rollout = self.ctx.colocated["rollout"]
-        dtype = getattr(torch, self.s.rollout_dtype)
-        stats = rollout.verify_weights(weight_checksums(full_weights(self.model, dtype)))
-        tokens, rollout_lp = rollout.probe_log_probs(PROBE_PROMPT_IDS, new_tokens=4)
-        gap = float((rollout_lp - self._probe_actor_log_probs(tokens)).abs().max())
-        stats["weight_sync/probe_log_prob_gap"] = gap
-        if gap > PROBE_TOLERANCE:
-            raise WeightSyncError(
-                f"the rollout's log-probs differ from the actor's by up to {gap:.3g} on a probe prompt "
-                f"(tolerance {PROBE_TOLERANCE}): the engine is not computing with the actor's weights")
-        return stats
+        colocated = self.sender.plan.transport == "colocated"
+        return self.sender.send(local_receiver(self.ctx.group_name) if colocated else None)
 
+    @register(Dispatch.ONE_TO_ALL)
+    def weight_checksums(self) -> list[dict[str, tuple[float, float]]]:
+        """Collective: per rollout rank, checksums of the part of every tensor it needs."""
+        return self.sender.checksums()
+
+    @register(Dispatch.ONE_TO_ALL)
     @torch.no_grad()
-    def _probe_actor_log_probs(self, tokens: list[int]) -> torch.Tensor:
-        full = torch.tensor([PROBE_PROMPT_IDS + tokens], device=self.ctx.device)
+    def probe_log_probs(self, prompt_ids: list[int], tokens: list[int]) -> torch.Tensor:
+        """Collective: the actor's log-prob of each of `tokens` after `prompt_ids` (float64)."""
+        full = torch.tensor([prompt_ids + tokens], device=self.ctx.device)
         self.model.eval()
-        logits = self.model(input_ids=full, use_cache=False).logits[0, len(PROBE_PROMPT_IDS) - 1 : -1].float()
-        return torch.log_softmax(logits, -1).gather(-1, full[0, len(PROBE_PROMPT_IDS):, None])[:, 0].double().cpu()
-
-    @register(Dispatch.ONE_TO_ALL)
-    def weight_checksums(self) -> dict:
-        from hybridflow.resharding import full_weights, weight_checksums
-
-        return weight_checksums(full_weights(self.model))
+        logits = self.model(input_ids=full, use_cache=False).logits[0, len(prompt_ids) - 1 : -1].float()
+        return torch.log_softmax(logits, -1).gather(-1, full[0, len(prompt_ids):, None])[:, 0].double().cpu()
 
     # ---- checkpoints (save/load: TrainingStateMixin) ----------------------------------------
 

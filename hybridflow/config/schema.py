@@ -65,20 +65,80 @@ class PoolConfig:
         _require(self.cpus_per_device > 0, "placement.pools.<name>.cpus_per_device", self.cpus_per_device, "must be > 0")
 
 
+def _pool(name: str, value: Any) -> PoolConfig:
+    if isinstance(value, PoolConfig):
+        return value
+    fields = set(PoolConfig.__dataclass_fields__)
+    _require(isinstance(value, dict) and set(value) <= fields, f"placement.pools.{name}", value,
+             f"a pool takes the keys {sorted(fields)}, e.g. +placement.pools.{name}={{devices_per_node:1}}")
+    return PoolConfig(**value)
+
+
 @dataclass
 class PlacementConfig:
     device: DeviceKind = DeviceKind.auto
-    pools: Dict[str, PoolConfig] = field(default_factory=lambda: {"global": PoolConfig(devices_per_node=2)})
+    # name -> PoolConfig. Typed as Any so that a pool can be added from the command line
+    # (`+placement.pools.gen={devices_per_node:1}`: OmegaConf refuses a new entry of a typed dict);
+    # each entry is checked and turned into a PoolConfig in __post_init__.
+    pools: Dict[str, Any] = field(default_factory=lambda: {"global": PoolConfig(devices_per_node=2)})
     # role -> pool name; roles on the same pool are fused into one process per device
     roles: Dict[str, str] = field(default_factory=lambda: {role: "global" for role in ROLES})
     collective_timeout_s: float = 600.0
 
     def __post_init__(self) -> None:
         _require(bool(self.pools), "placement.pools", self.pools, "define at least one pool")
+        self.pools = {name: _pool(name, p) for name, p in self.pools.items()}
         for role, pool in self.roles.items():
             _require(role in ROLES, f"placement.roles.{role}", pool, f"roles are {list(ROLES)}")
             _require(pool in self.pools, f"placement.roles.{role}", pool, f"must name a pool in placement.pools: {sorted(self.pools)}")
         _require(self.collective_timeout_s > 0, "placement.collective_timeout_s", self.collective_timeout_s, "must be > 0")
+
+    def world_size(self, role: str) -> int:
+        pool = self.pools[self.roles[role]]
+        return pool.nodes * pool.devices_per_node
+
+    @property
+    def rollout_colocated(self) -> bool:
+        """The rollout shares the actor's processes (weights move in-process), or has a pool of its own."""
+        return self.roles["rollout"] == self.roles["actor"]
+
+    def check_rollout(self, rollout: "RolloutConfig", model: "ModelConfig") -> None:
+        """Every placement x tensor-parallel combination that cannot run, refused with what would."""
+        tp, ranks = rollout.tensor_parallel_size, self.world_size("rollout")
+        pool = self.roles["rollout"]
+        if rollout.backend is RolloutBackend.hf:
+            _require(tp == 1, "rollout.tensor_parallel_size", tp,
+                     "rollout=hf generates with one Hugging Face model per rank; tensor parallelism needs rollout=vllm")
+            _require(self.rollout_colocated, "placement.roles.rollout", pool,
+                     f"rollout=hf receives weights only in the actor's processes: set placement.roles.rollout="
+                     f"{self.roles['actor']} (or use rollout=vllm on a pool of its own)")
+        _require(tp in (1, ranks), "rollout.tensor_parallel_size", tp,
+                 f"the rollout pool {pool!r} has {ranks} rank(s): use 1 (one engine per rank)"
+                 + (f" or {ranks} (one engine across the pool)" if ranks > 1 else
+                    f", or give the pool more ranks (placement.pools.{pool}.devices_per_node)"))
+        heads, kv_heads = model_heads(model)
+        if heads:
+            _require(heads % tp == 0 and (kv_heads % tp == 0 or tp % kv_heads == 0), "rollout.tensor_parallel_size",
+                     tp, f"must divide the model's {heads} attention heads and divide or be a multiple of its "
+                     f"{kv_heads} key/value heads")
+
+
+def model_heads(model: "ModelConfig") -> tuple[int, int]:
+    """(attention heads, key/value heads) from the tiny model config or model.path's config.json;
+    (0, 0) when the directory cannot tell (checked again when the model loads)."""
+    if model.path is None:
+        return model.tiny.num_attention_heads, model.tiny.num_key_value_heads
+    import json
+    from pathlib import Path
+
+    config_file = Path(model.path).expanduser() / "config.json"
+    try:
+        config = json.loads(config_file.read_text())
+    except (OSError, ValueError):
+        return 0, 0
+    text = config.get("text_config", config)
+    heads = int(text.get("num_attention_heads", 0) or 0)
+    return heads, int(text.get("num_key_value_heads", heads) or heads)
 
 
 @dataclass
@@ -160,6 +220,23 @@ class RolloutConfig:
         _require(self.tensor_parallel_size >= 1, "rollout.tensor_parallel_size", self.tensor_parallel_size, "must be >= 1")
         _require(0 < self.gpu_memory_utilization <= 1, "rollout.gpu_memory_utilization", self.gpu_memory_utilization, "must be in (0, 1]")
         _require(self.kv_cache_space_gib >= 1, "rollout.kv_cache_space_gib", self.kv_cache_space_gib, "must be >= 1")
+
+
+@dataclass
+class WeightSyncConfig:
+    """Moving the actor's weights into the rollout engines each step (hybridflow.resharding)."""
+
+    bucket_mb: float = 64.0  # tensors travel in buckets of about this size
+    timeout_s: float = 300.0  # every transfer and the whole sync; past it, an error naming who did not answer
+    check: str = "probe"  # after every sync: probe (rollout vs actor log-probs on a probe prompt) | none
+    checksum_every_steps: int = 0  # also compare per-tensor checksums every N syncs (0: never)
+
+    def __post_init__(self) -> None:
+        _require(self.bucket_mb > 0, "weight_sync.bucket_mb", self.bucket_mb, "must be > 0")
+        _require(self.timeout_s > 0, "weight_sync.timeout_s", self.timeout_s, "must be > 0")
+        _require(self.check in ("probe", "none"), "weight_sync.check", self.check, "one of ['probe', 'none']")
+        _require(self.checksum_every_steps >= 0, "weight_sync.checksum_every_steps", self.checksum_every_steps,
+                 "must be >= 0 (0: never)")
 
 
 @dataclass
@@ -287,7 +364,6 @@ class TrainerConfig:
     on_corrupt_checkpoint: str = "previous"
     resume: bool = False  # continue from the latest complete checkpoint of logger.run_name
     use_sampler_log_probs: bool = True  # on-policy single update: skip the old-log-prob forward pass
-    verify_weight_sync: bool = False  # compare every vLLM tensor with the actor after each sync
     export_hf: bool = True  # save the final actor as a Hugging Face directory
     # Run after each actor update (only at multiples of params.every_steps when given), e.g.
     # {name: reference_ema, params: {every_steps: 10, alpha: 0.1}}; they need a reference role.
@@ -369,6 +445,7 @@ class HybridFlowConfig:
     data: DataConfig = field(default_factory=DataConfig)
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    weight_sync: WeightSyncConfig = field(default_factory=WeightSyncConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
     actor: ActorConfig = field(default_factory=ActorConfig)
     critic: CriticConfig = field(default_factory=CriticConfig)
@@ -380,6 +457,7 @@ class HybridFlowConfig:
     seed: int = 0
 
     def __post_init__(self) -> None:
+        self.placement.check_rollout(self.rollout, self.model)
         world = self.placement.pools[self.placement.roles["actor"]].nodes * \
             self.placement.pools[self.placement.roles["actor"]].devices_per_node
         samples = self.trainer.prompts_per_step * self.rollout.samples_per_prompt

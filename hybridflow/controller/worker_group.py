@@ -50,18 +50,22 @@ class WorkerContext:
     backend: str = "gloo"
     master_addr: str = "127.0.0.1"
     master_port: int = 0
-    group_name: str = "local"
-    # The other role workers built in this same process (fused roles), by role name; filled in
-    # once every role is built. The actor uses it to reach its colocated rollout engine.
-    colocated: dict = field(default_factory=dict, compare=False, repr=False)
+    group_name: str = "local"  # the worker group's name: roles fused into one process share it
 
 
 @dataclass
 class RoleSpec:
-    """A worker class and the keyword arguments its constructor takes after the context."""
+    """A worker class and the keyword arguments its constructor takes after the context.
+
+    `replica_size`: ranks that work as one data-parallel replica (a tensor-parallel vLLM
+    engine spans `replica_size` ranks). Data-parallel calls then split their Batch over the
+    replicas, give every rank of a replica the same part, and collect from each replica's
+    first rank.
+    """
 
     cls: type
     kwargs: dict[str, Any] = field(default_factory=dict)
+    replica_size: int = 1
 
 
 class WorkerHost:
@@ -108,7 +112,6 @@ class WorkerHost:
                 self.workers[role] = spec.cls(ctx, **spec.kwargs)
             except BaseException as exc:
                 raise self._error(spec.cls.__name__, "__init__", exc) from None
-        ctx.colocated.update(self.workers)
         return {"rank": self.rank, "node_id": self.node_id, "pid": os.getpid()}
 
     def call(self, role: str, method: str, *args: Any, **kwargs: Any) -> Any:
@@ -160,24 +163,34 @@ class GroupFuture:
         self.refs, self.ranks, self.pad = refs, ranks, pad
 
     def get(self, timeout_s: float | None = None) -> Any:
-        results = self.group._wait(self.method, self.refs, self.ranks, timeout_s)
+        return self.collect(self.group._wait(self.method, self.refs, self.ranks, timeout_s))
+
+    def collect(self, results: list) -> Any:
+        """The call's result from every rank's result (in rank order)."""
         pad = ray.get(self.pad) if isinstance(self.pad, ray.ObjectRef) else self.pad
         if self.spec.execute is Execute.RANK_ZERO:
             return results[0]
+        if self.spec.dispatch is Dispatch.DP_SPLIT:
+            results = results[:: self.group.replica_size]  # one rank per replica
         return _collect(self.spec.dispatch, results, pad)
+
+    def _data_refs(self) -> list[ray.ObjectRef]:
+        if self.spec.dispatch is Dispatch.DP_SPLIT:
+            return self.refs[:: self.group.replica_size]
+        return self.refs
 
     def single_ref(self) -> ray.ObjectRef:
         """One reference to the gathered result (gathered in the cluster, not the controller)."""
         if self.spec.execute is Execute.RANK_ZERO or self.spec.dispatch is Dispatch.RANK_ZERO:
             return self.refs[0]
-        return _gather.remote(self.spec.dispatch, self.pad, *self.refs)
+        return _gather.remote(self.spec.dispatch, self.pad, *self._data_refs())
 
     def split_refs(self, ranks: int) -> tuple[list[ray.ObjectRef], int | ray.ObjectRef]:
         """`ranks` references to equal chunks of the gathered Batch, and the pad they carry."""
-        if self.spec.dispatch is Dispatch.DP_SPLIT and len(self.refs) == ranks:
-            return list(self.refs), self.pad
-        out = _gather_and_split.options(num_returns=ranks + 1).remote(
-            self.spec.dispatch, self.pad, ranks, *self.refs)
+        refs = self._data_refs()
+        if self.spec.dispatch is Dispatch.DP_SPLIT and len(refs) == ranks:
+            return list(refs), self.pad
+        out = _gather_and_split.options(num_returns=ranks + 1).remote(self.spec.dispatch, self.pad, ranks, *refs)
         return list(out[:ranks]), out[ranks]
 
 
@@ -200,9 +213,12 @@ class WorkerGroup:
     """The ranks of one role. Methods marked with `@register` are callable on the group."""
 
     def __init__(self, name: str, role: str, worker_cls: type, hosts: list, infos: list[dict],
-                 pool: ResourcePool | None = None) -> None:
+                 pool: ResourcePool | None = None, replica_size: int = 1) -> None:
+        if len(hosts) % replica_size:
+            raise ValueError(f"worker group {name!r}: {len(hosts)} ranks do not form replicas of {replica_size}")
         self.name, self.role, self.worker_cls = name, role, worker_cls
         self.hosts, self.infos, self.pool = hosts, infos, pool
+        self.replica_size = replica_size
         self._methods = registered_methods(worker_cls)
         self._broken: str | None = None
 
@@ -223,7 +239,7 @@ class WorkerGroup:
         if self._broken:
             raise WorkerGroupBroken(f"worker group {self.name!r} failed earlier ({self._broken}); start a new one")
         ranks = [0] if spec.execute is Execute.RANK_ZERO else list(range(self.world_size))
-        per_rank, pad = _split_arguments(spec.dispatch, self.world_size, args, kwargs)
+        per_rank, pad = _split_arguments(spec.dispatch, self.world_size, args, kwargs, self.replica_size)
         refs = [self.hosts[r].call.remote(self.role, method, *per_rank[r][0], **per_rank[r][1]) for r in ranks]
         return GroupFuture(self, method, spec, refs, ranks, pad)
 
@@ -273,7 +289,8 @@ class WorkerGroup:
         return [info["pid"] for info in self.infos]
 
 
-def _split_arguments(dispatch: Dispatch, ranks: int, args: tuple, kwargs: dict) -> tuple[list[tuple[tuple, dict]], Any]:
+def _split_arguments(dispatch: Dispatch, ranks: int, args: tuple, kwargs: dict, replica_size: int = 1
+                     ) -> tuple[list[tuple[tuple, dict]], Any]:
     """Per-rank (args, kwargs) for a call, and the number of pad rows the results will carry."""
     names = list(range(len(args))) + list(kwargs)
     values = list(args) + list(kwargs.values())
@@ -281,7 +298,8 @@ def _split_arguments(dispatch: Dispatch, ranks: int, args: tuple, kwargs: dict) 
     pad: Any = 0
     for name, value in zip(names, values):
         if dispatch is Dispatch.DP_SPLIT and isinstance(value, (Batch, GroupFuture)):
-            chunks, pad = _dp_chunks(value, ranks)
+            chunks, pad = _dp_chunks(value, ranks // replica_size)
+            chunks = [c for c in chunks for _ in range(replica_size)]  # every rank of a replica: the same part
         elif dispatch is Dispatch.ALL_TO_ALL:
             if isinstance(value, GroupFuture):
                 value = value.refs
@@ -334,4 +352,29 @@ def spawn_workers(
     addr, port = probe._get_one("rendezvous_address", hosts[0].rendezvous_address.remote(), 0)
     refs = [h.setup.remote(addr, port, collective_timeout_s) for h in hosts]
     infos = probe._wait("setup", refs, list(range(len(hosts))), setup_timeout_s)
-    return {role: WorkerGroup(name, role, rs.cls, hosts, infos, pool) for role, rs in roles.items()}
+    return {role: WorkerGroup(name, role, rs.cls, hosts, infos, pool, rs.replica_size) for role, rs in roles.items()}
+
+
+def wait_all(futures: list[GroupFuture], timeout_s: float | None = None) -> list:
+    """The results of several calls issued together (on one group or several), in order.
+
+    The first failure on any rank of any of them raises at once, naming its group, method and
+    rank, even while the others are blocked waiting for the failed peer; past `timeout_s` a
+    `GetTimeoutError` names every rank that has not answered.
+    """
+    owner = {ref: (i, pos) for i, f in enumerate(futures) for pos, ref in enumerate(f.refs)}
+    results: list[list[Any]] = [[None] * len(f.refs) for f in futures]
+    pending = list(owner)
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    while pending:
+        wait_s = None if deadline is None else max(0.0, deadline - time.monotonic())
+        ready, pending = ray.wait(pending, num_returns=1, timeout=wait_s)
+        if not ready:
+            silent = [f"{futures[i].group.worker_cls.__name__}.{futures[i].method} rank {futures[i].ranks[pos]}"
+                      for i, pos in (owner[r] for r in pending)]
+            raise GetTimeoutError(f"no result within {timeout_s} s from: {', '.join(silent)}")
+        for ref in ready:
+            i, pos = owner[ref]
+            f = futures[i]
+            results[i][pos] = f.group._get_one(f.method, ref, f.ranks[pos])
+    return [f.collect(r) for f, r in zip(futures, results)]

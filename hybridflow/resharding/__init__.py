@@ -1,14 +1,15 @@
-"""Moving the actor's weights from the training layout to the generation layout."""
+"""Moving the actor's weights from the training layout to the generation layout.
 
-from hybridflow.resharding.colocated import (
-    WeightSyncError,
-    full_weights,
-    load_into_vllm,
-    probe_vllm_log_probs,
-    vllm_checksums,
-    verify_vllm_weights,
-    weight_checksums,
-)
+- `layout`: which part of each tensor a rank holds and needs, the plan, the layout minimum.
+- `sender` / `receiver`: the training and generation ends, which workers delegate to.
+- `vllm_side`: our engine in vLLM's weight-transfer framework, and what vLLM's loaders read.
+- `transport`: the cross-pool gloo group and flat-buffer packing.
+- `sync`: `WeightSync`, the controller's one object and one call per step.
+- `verify`: checksums compared across layouts.
 
-__all__ = ["WeightSyncError", "full_weights", "load_into_vllm", "probe_vllm_log_probs", "vllm_checksums", "verify_vllm_weights",
-           "weight_checksums"]
+docs/resharding.md has the picture of who sends what to whom.
+"""
+
+from hybridflow.resharding.verify import WeightSyncError
+
+__all__ = ["WeightSyncError"]

@@ -116,3 +116,30 @@ def test_constructor_failure_is_reported(ray_local):
 def test_pool_too_large_is_a_clear_error(ray_local):
     with pytest.raises(RuntimeError, match="resource pool 'huge' needs 1 node"):
         ResourcePool(PoolSpec("huge", devices_per_node=64)).create(timeout_s=5)
+
+
+def test_dp_split_over_replicas_gives_each_replica_one_part_and_collects_from_its_first_rank(ray_local):
+    """A 2-rank group forming one replica of 2 (as a TP-2 vLLM engine does): both ranks see the
+    whole batch, and the result comes back once, from rank 0."""
+    group = spawn_workers(ResourcePool(PoolSpec("replica", devices_per_node=2, cpus_per_device=0.25)),
+                          {"echo": RoleSpec(EchoWorker, replica_size=2)})["echo"]
+    try:
+        batch = Batch({"x": torch.arange(5, dtype=torch.float32)}, {"tag": [f"s{i}" for i in range(5)]})
+        out = group.double(batch)
+        assert len(out) == 5 and out["owner"].tolist() == [0] * 5
+        assert torch.equal(out["x"], batch["x"] * 2)
+        seen = group.double.remote(batch)
+        assert len(seen.refs) == 2  # both ranks ran it
+    finally:
+        group.shutdown()
+
+
+def test_wait_all_returns_each_calls_result_and_names_the_first_failure(pair):
+    from hybridflow.controller import wait_all
+
+    two, one = pair
+    echo, sleeper = two.whoami.remote(), one.sleep.remote(0.2)
+    infos, stamps = wait_all([echo, sleeper], timeout_s=30)
+    assert [i["rank"] for i in infos] == [0, 1] and len(stamps) == 1
+    with pytest.raises(Exception, match=r"no result within 0.5 s from: EchoWorker.sleep rank 0"):
+        wait_all([one.sleep.remote(3.0)], timeout_s=0.5)

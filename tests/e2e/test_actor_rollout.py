@@ -1,4 +1,4 @@
-"""Actor (FSDP2 over 2 gloo ranks) colocated with vLLM: weight sync and its verification,
+"""Actor (FSDP2 over 2 gloo ranks) colocated with vLLM at TP 1: weight sync and its checks,
 reference log-probs at step 0, and the update path."""
 
 from __future__ import annotations
@@ -7,8 +7,10 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
-from hybridflow.config.schema import RolloutConfig
-from hybridflow.controller import PoolSpec, ResourcePool, RoleSpec, WorkerError, spawn_workers
+from hybridflow.config.schema import RolloutConfig, WeightSyncConfig
+from hybridflow.controller import PoolSpec, ResourcePool, RoleSpec, spawn_workers
+from hybridflow.resharding import WeightSyncError
+from hybridflow.resharding.sync import WeightSync
 from hybridflow.data import ArithmeticSpec, make_arithmetic_rows
 from hybridflow.data.prompts import encode_prompts
 from tests.e2e.workers import CorruptibleVLLMRollout
@@ -33,6 +35,9 @@ def groups(ray_local, tiny_model_dir):
                         {"actor": actor, "rollout": rollout, "reference": reference}, env_vars=VLLM_ENV)
     for future in [out["actor"].start.remote(), out["reference"].start.remote(), out["rollout"].start_engine.remote()]:
         future.get()
+    out["sync"] = WeightSync(out["actor"], out["rollout"], WeightSyncConfig(checksum_every_steps=1), "colocated",
+                             "float32")
+    out["sync"].setup()
     return out, tok
 
 
@@ -54,19 +59,21 @@ def test_step0_reference_and_actor_log_probs_equal_the_samplers(groups):
 def test_update_changes_weights_and_sync_makes_vllm_match(groups):
     g, tok = groups
     actor, rollout = g["actor"], g["rollout"]
-    before = actor.weight_checksums()[0]
+    before = actor.weight_checksums()[0][0]  # rank 0 result, rollout rank 0 (whole tensors at TP 1)
     samples = _samples(g, tok, seed=1)
     samples = samples.union(actor.compute_log_probs(samples))
     torch.manual_seed(0)
     samples.tensors["advantages"] = torch.randn(len(samples), 1).expand_as(samples["old_log_probs"]).contiguous()
     stats = actor.update_policy(samples)[0]
     assert stats["actor/grad_norm"] > 0 and stats["actor/log_prob_diff_from_old"] < 1e-5
-    after = actor.weight_checksums()[0]
+    after = actor.weight_checksums()[0][0]
     changed = [name for name in before if before[name] != after[name]]
     assert len(changed) == len(before), f"unchanged after an update: {set(before) - set(changed)}"
 
-    sync = actor.sync_weights_to_rollout(verify=True)
-    assert all(s["weight_sync/verified_tensors"] > 0 and s["weight_sync/probe_log_prob_gap"] < 1e-3 for s in sync)
+    sync = g["sync"].sync(step=1)
+    assert sync["weight_sync/verified_tensors"] > 0 and sync["weight_sync/probe_log_prob_gap"] < 1e-3
+    # TP 1 on 2 FSDP ranks: each rank lacks the other half of every tensor, and receives exactly that.
+    assert sync["weight_sync/bytes_received_per_rank"] == sync["weight_sync/min_bytes_per_rank"] > 0
     fresh = _samples(g, tok, seed=2)
     new_lp = actor.compute_log_probs(fresh)["old_log_probs"]
     mask = fresh["response_mask"]
@@ -75,10 +82,10 @@ def test_update_changes_weights_and_sync_makes_vllm_match(groups):
 
 def test_verification_fails_loudly_on_a_corrupted_vllm_tensor(groups):
     g, _ = groups
-    g["actor"].sync_weights_to_rollout(verify=True)
+    g["sync"].sync(step=2)
     name = g["rollout"].corrupt_parameter("layers.1.post_attention_layernorm")[0]
-    with pytest.raises(WorkerError, match=rf"(?s)weight sync verification failed for 1 of .*{name}"):
-        g["actor"].verify_rollout_weights()
+    with pytest.raises(WeightSyncError, match=rf"(?s)weight sync verification failed for 1 of .*{name}"):
+        g["sync"].verify_checksums()
     # The group is now marked broken (another rank could be stuck in a collective): this test
     # runs last of the tests that use it.
 

@@ -45,7 +45,7 @@ def test_grpo_with_a_reward_function_from_a_file(tmp_path):
     reward_file = tmp_path / "my_reward.py"
     reward_file.write_text(REWARD_FILE)
     result = hybridflow(["recipe=grpo", "trainer.total_steps=2", f"reward.fn={reward_file}:score",
-                         "trainer.verify_weight_sync=true", "trainer.save_every_steps=2"], tmp_path, "grpo")
+                         "weight_sync.checksum_every_steps=1", "trainer.save_every_steps=2"], tmp_path, "grpo")
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
     run_dir = tmp_path / "grpo"
     rows = metrics(run_dir)

@@ -19,3 +19,11 @@ class CorruptibleVLLMRollout(VLLMRollout):
             raise KeyError(f"no vLLM parameter matches {fragment!r}")
 
         return self.engine.collective_rpc(corrupt)[0]
+
+    @register(Dispatch.ONE_TO_ALL)
+    def inject_weight_sync_fault(self, kind: str, bucket: int) -> bool:
+        """`corrupt` the received bucket, or `exit` this process when it arrives."""
+        from hybridflow.resharding import faults
+
+        {"corrupt": faults.corrupt_bucket, "exit": faults.exit_at_bucket}[kind](bucket)
+        return True

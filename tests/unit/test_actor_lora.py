@@ -10,7 +10,7 @@ from hybridflow.batch import Batch
 from hybridflow.controller import WorkerContext
 from hybridflow.data import ArithmeticSpec, make_arithmetic_rows
 from hybridflow.data.prompts import encode_prompts
-from hybridflow.resharding import full_weights
+from hybridflow.resharding.weights import full_weights
 from hybridflow.training.fsdp import LoraSpec, OptimSettings
 from workers.actor import ActorSettings, ActorWorker
 

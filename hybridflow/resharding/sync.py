@@ -1,0 +1,144 @@
+"""The controller's side of weight movement: one object, one call per step.
+
+`WeightSync(actor, rollout, config, transport)` owns the whole trip from the actor group's
+training layout to the rollout group's generation layout: at `setup()` it asks the rollout
+ranks which part of each checkpoint tensor they need, plans the buckets, opens the transfer
+group when the rollout has a pool of its own, and measures the copy floor; at `sync(step)` it
+drives the sender and (disaggregated) the receiver together, waits on both with the configured
+deadline, checks the result, and returns the step's `weight_sync/*` metrics. The recipe never
+sees a bucket, and the actor never sees the rollout worker.
+"""
+
+from __future__ import annotations
+
+import time
+import torch
+
+from hybridflow.controller import WorkerError, WorkerGroup, wait_all
+from hybridflow.resharding.layout import Box, buckets, fsdp_box, layout_minimum, numel
+from hybridflow.resharding.sender import SyncPlan
+from hybridflow.resharding.verify import WeightSyncError
+
+PROBE_PROMPT_IDS = [3, 4, 5, 6, 7, 8]  # any ids below every vocabulary size will do
+PROBE_NEW_TOKENS = 4
+PROBE_TOLERANCE = 1e-2  # float32 kernels differ by ~1e-5; a stale or garbled weight by far more
+
+
+class WeightSync:
+    def __init__(self, actor: WorkerGroup, rollout: WorkerGroup, config, transport: str, dtype: str) -> None:
+        self.actor, self.rollout, self.cfg = actor, rollout, config  # config: the weight_sync node
+        self.transport, self.dtype = transport, dtype
+        self.syncs = 0
+        self.floor_seconds = 0.0
+        self.min_bytes = self.engine_bytes = 0
+
+    def setup(self) -> dict[str, float]:
+        """Plan the sync and open its transport; call once, after both groups have started."""
+        shapes = self.actor.weight_shapes()
+        needs = self.rollout.weight_needs(shapes)
+        size = torch.empty((), dtype=getattr(torch, self.dtype)).element_size()
+        plan_buckets = buckets(list(shapes), {n: numel(s) * size for n, s in shapes.items()},
+                               int(self.cfg.bucket_mb * 2 ** 20))
+        addr, port = ("", 0)
+        if self.transport == "gloo":
+            addr, port = _rendezvous(self.actor)
+        plan = SyncPlan(self.transport, self.dtype, int(self.cfg.bucket_mb * 2 ** 20), self.cfg.timeout_s, needs,
+                        addr, port, plan_buckets, shapes)
+        futures = [self.actor.setup_weight_sender.remote(plan)]
+        if self.transport == "gloo":
+            futures.append(self.rollout.join_weight_sync.remote(plan))
+        self._wait(futures, "setup")
+        boxes = [{n: Box(tuple(tuple(r) for r in need[n])) for n in shapes} for need in needs]
+        held = None
+        if self.transport == "colocated":
+            world = self.actor.world_size
+            held = [{n: fsdp_box(s, world, r) for n, s in shapes.items()} for r in range(world)]
+        self.min_bytes = max(layout_minimum(shapes, boxes, held, size))
+        self.engine_bytes = max(layout_minimum(shapes, boxes, None, size))
+        self.floor_seconds = max(self.rollout.copy_floor_seconds(self.engine_bytes))
+        return {"weight_sync/buckets": float(len(plan_buckets)), "weight_sync/engine_bytes_per_rank":
+                float(self.engine_bytes), "weight_sync/copy_floor_s": self.floor_seconds}
+
+    def sync(self, step: int) -> dict[str, float]:
+        """Move the actor's current weights into the rollout engines, check them, and measure."""
+        start = time.perf_counter()
+        futures = [self.actor.send_weights.remote()]
+        if self.transport == "gloo":
+            futures.append(self.rollout.receive_weights.remote())
+        results = self._wait(futures, f"step {step}")
+        seconds = time.perf_counter() - start
+        per_rank = results[1] if self.transport == "gloo" else results[0]
+        self.syncs += 1
+        metrics = {
+            "weight_sync/bytes_received_per_rank": max(r["received_bytes"] for r in per_rank),
+            "weight_sync/min_bytes_per_rank": float(self.min_bytes),
+            "weight_sync/seconds": seconds,
+            "weight_sync/copy_floor_ratio": seconds / max(self.floor_seconds, 1e-9),
+        }
+        metrics.update(self.check(step))
+        return metrics
+
+    def check(self, step: int) -> dict[str, float]:
+        """The cheap check every sync (a log-prob probe), the per-tensor checksums every N syncs."""
+        out = {}
+        if self.cfg.check == "probe":
+            out.update(self.probe())
+        every = self.cfg.checksum_every_steps
+        if every and self.syncs % every == 0:
+            out.update(self.verify_checksums())
+        return out
+
+    def probe(self) -> dict[str, float]:
+        """Every rollout rank's greedy log-probs on a probe prompt against the actor's own."""
+        probes = self._wait([self.rollout.probe_log_probs.remote(PROBE_PROMPT_IDS, PROBE_NEW_TOKENS)], "the probe")[0]
+        gap, actor_lp = 0.0, {}
+        for rank, (tokens, rollout_lp) in enumerate(probes):
+            key = tuple(tokens)
+            if key not in actor_lp:
+                actor_lp[key] = self.actor.probe_log_probs(PROBE_PROMPT_IDS, list(tokens))[0]
+            rank_gap = float((rollout_lp - actor_lp[key]).abs().max())
+            if rank_gap > PROBE_TOLERANCE:
+                raise WeightSyncError(
+                    f"after the weight sync, rollout rank {rank}'s log-probs differ from the actor's by up to "
+                    f"{rank_gap:.3g} on a probe prompt (tolerance {PROBE_TOLERANCE}): the engine is not computing "
+                    "with the actor's weights. Set weight_sync.checksum_every_steps=1 to find the tensor")
+            gap = max(gap, rank_gap)
+        return {"weight_sync/probe_log_prob_gap": gap}
+
+    def verify_checksums(self) -> dict[str, float]:
+        expected = self.actor.weight_checksums()[0]  # per rollout rank: checksums of the box it needs
+        found = self._wait([self.rollout.verify_weights.remote(expected)], "the checksum check")[0]
+        return {"weight_sync/verified_tensors": min(f["weight_sync/verified_tensors"] for f in found)}
+
+    def _wait(self, futures: list, when: str) -> list:
+        try:
+            return wait_all(futures, self.cfg.timeout_s)
+        except WorkerError as exc:
+            detail = "".join(f"\n{e}" for e in _other_errors(futures, exc))  # the peer's side: which bucket
+            raise WeightSyncError(f"weight sync ({self.transport}) failed at {when} in {exc.worker_class}.{exc.method} "
+                                  f"on rank {exc.rank} of worker group {exc.group!r} (stage weight_sync):\n"
+                                  f"{exc.detail}{detail}") from None
+        except TimeoutError as exc:
+            raise WeightSyncError(f"weight sync ({self.transport}) at {when} did not finish within "
+                                  f"weight_sync.timeout_s={self.cfg.timeout_s} (stage weight_sync): {exc}") from None
+
+
+def _other_errors(futures: list, first: WorkerError, grace_s: float = 5.0) -> list[WorkerError]:
+    """Errors the other side reports shortly after the first failure (a sender blocked on a dead
+    receiver fails in a moment, naming the bucket it was sending)."""
+    found = []
+    for future in futures:
+        try:
+            future.get(timeout_s=grace_s)
+        except WorkerError as exc:
+            if (exc.group, exc.method, exc.rank) != (first.group, first.method, first.rank):
+                found.append(exc)
+        except Exception:  # still blocked, or already reported: the first error stands
+            pass
+    return found
+
+
+def _rendezvous(group: WorkerGroup) -> tuple[str, int]:
+    import ray
+
+    return tuple(ray.get(group.hosts[0].rendezvous_address.remote()))

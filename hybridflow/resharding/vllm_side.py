@@ -1,0 +1,217 @@
+"""The generation side of a weight sync, inside vLLM: our transfer engine and what it needs.
+
+`HybridFlowTransferEngine` is a vLLM weight-transfer engine (`vllm/distributed/weight_transfer`)
+registered under the name `hybridflow`. vLLM builds it in each worker when the engine is
+created with `weight_transfer_config={"backend": "hybridflow"}`, and drives it through its own
+lifecycle: `init_weight_transfer_engine` (join the cross-pool gloo group, disaggregated only),
+`start_weight_update` (vLLM's layerwise reload), `update_weights` once per bucket,
+`finish_weight_update` (process the loaded layers). A bucket arrives either as tensors
+handed over in the same process (colocated) or as one flat buffer over the gloo group from
+the training side's sender (disaggregated), holding only this rank's slice of each tensor.
+
+vLLM's own engines (`nccl`, `ipc`, ...) broadcast full tensors from one trainer rank to every
+worker, which cannot express "each generation rank receives only the part of its slice its
+own training shard lacks", and need CUDA; so the transport here is ours, while the lifecycle
+(layerwise reload, the update-session guards, LoRA-state reset) is vLLM's.
+
+`needed_boxes` tells, for this worker's tensor-parallel rank, which region of every checkpoint
+tensor vLLM's loaders read — from the layer types and their partition attributes, not from a
+table of model names.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from hybridflow.resharding import faults
+from hybridflow.resharding.layout import Box
+
+ENGINE_NAME = "hybridflow"
+
+
+@dataclass
+class InitInfo:
+    master_addr: str = "127.0.0.1"
+    master_port: int = 0
+    rank: int = 1  # this worker's rank in the transfer group (the sender is 0)
+    world_size: int = 2
+    timeout_s: float = 120.0
+
+
+@dataclass
+class UpdateInfo:
+    """One bucket: `weights` in-process, or `names`/`shapes`/`boxes`/`dtype` to receive."""
+
+    bucket: int = 0
+    weights: Any = None  # iterable of (checkpoint name, full-shape tensor) (colocated)
+    names: list = field(default_factory=list)
+    shapes: list = field(default_factory=list)
+    boxes: list = field(default_factory=list)  # per name: the ranges this rank receives
+    dtype: str = "float32"
+
+
+def _engine_class():
+    from vllm.distributed.weight_transfer.base import WeightTransferEngine
+
+    class HybridFlowTransferEngine(WeightTransferEngine):
+        init_info_cls = InitInfo
+        update_info_cls = UpdateInfo
+        supports_draft_weight_update = False
+
+        def __init__(self, *args, **kwargs) -> None:
+            super().__init__(*args, **kwargs)
+            self.group = None
+            self.received_bytes = 0
+
+        def init_transfer_engine(self, init_info: InitInfo) -> None:
+            from hybridflow.resharding.transport import join_group
+
+            self.group = join_group(init_info.master_addr, init_info.master_port, init_info.rank,
+                                    init_info.world_size, init_info.timeout_s)
+
+        def start_weight_update(self) -> None:
+            from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
+
+            self.received_bytes = 0
+            initialize_layerwise_reload(self.model)
+
+        def update_weights(self, update_info: dict) -> None:  # no device synchronize on the CPU
+            self.receive_weights(self.parse_update_info(update_info))
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
+
+        def receive_weights(self, info: UpdateInfo) -> None:
+            weights = info.weights if info.weights is not None else self._receive(info)
+            self.model.load_weights(weights)
+
+        def _receive(self, info: UpdateInfo):
+            from hybridflow.resharding.transport import recv_flat, unpack
+
+            dtype = getattr(torch, info.dtype)
+            boxes = [Box(tuple(tuple(r) for r in b)) for b in info.boxes]
+            flat = recv_flat(self.group, sum(b.numel for b in boxes), dtype, src=0, what=f"bucket {info.bucket}")
+            self.received_bytes += flat.numel() * flat.element_size()
+            faults.apply_to_bucket(info.bucket, flat)
+            return unpack(flat, info.names, info.shapes, boxes, dtype)
+
+        def finish_weight_update(self) -> None:
+            from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
+
+            finalize_layerwise_reload(self.model, self.model_config)
+
+        def shutdown(self) -> None:
+            self.group = None
+
+    return HybridFlowTransferEngine
+
+
+def register_engine() -> None:
+    """Register `hybridflow` in vLLM's WeightTransferEngineFactory (once per process)."""
+    from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
+
+    if ENGINE_NAME not in WeightTransferEngineFactory._registry:
+        WeightTransferEngineFactory.register_engine(ENGINE_NAME, _engine_class())
+
+
+# ---- functions run inside the vLLM worker through collective_rpc --------------------------------
+
+
+def received_bytes(worker) -> int:
+    return worker.weight_transfer_engine.received_bytes
+
+
+def needed_boxes(worker, shapes: dict[str, list[int]]) -> dict[str, tuple]:
+    """Per checkpoint tensor, the ranges this tensor-parallel rank's loaders read from it."""
+    model = worker.model_runner.get_model()
+    rules = _partition_rules(model)
+    out = {}
+    for name, shape in shapes.items():
+        module, _, leaf = name.rpartition(".")
+        rule = rules.get(module)
+        box = rule(shape, leaf) if rule is not None else Box.whole(shape)
+        out[name] = box.ranges
+    return out
+
+
+def _partition_rules(model) -> dict:
+    """checkpoint module path -> fn(shape, 'weight'|'bias') -> Box, for tensor-parallel layers."""
+    from vllm.model_executor.layers.linear import (
+        ColumnParallelLinear,
+        MergedColumnParallelLinear,
+        QKVParallelLinear,
+        RowParallelLinear,
+    )
+    from vllm.model_executor.layers.vocab_parallel_embedding import VocabParallelEmbedding
+
+    packed = dict(getattr(model, "packed_modules_mapping", {}) or {})
+    rules = {}
+    for path, module in model.named_modules():
+        if getattr(module, "tp_size", 1) == 1:
+            continue
+        parent, _, leaf = path.rpartition(".")
+        parts = [f"{parent}.{p}" if parent else p for p in packed.get(leaf, [leaf])]
+        rank = module.tp_rank
+        if isinstance(module, QKVParallelLinear):
+            q_rows = module.num_heads * module.head_size
+            kv_rows = module.num_kv_heads * module.head_size
+            kv_start = (rank // module.num_kv_head_replicas) * kv_rows
+            for part, (start, size) in zip(parts, [(rank * q_rows, q_rows), (kv_start, kv_rows), (kv_start, kv_rows)]):
+                rules[part] = _rows(start, size)
+        elif isinstance(module, MergedColumnParallelLinear):
+            for part, total in zip(parts, module.output_sizes):
+                size = total // module.tp_size
+                rules[part] = _rows(rank * size, size)
+        elif isinstance(module, ColumnParallelLinear):
+            size = module.output_size_per_partition
+            rules[parts[0] if len(parts) == 1 else path] = _rows(rank * size, size)
+        elif isinstance(module, RowParallelLinear):
+            size = module.input_size_per_partition
+            rules[parts[0] if len(parts) == 1 else path] = _columns_of_weight(rank * size, size)
+        elif isinstance(module, VocabParallelEmbedding):
+            idx = module.shard_indices
+            rules[path] = _rows(idx.org_vocab_start_index, idx.org_vocab_end_index - idx.org_vocab_start_index)
+    return rules
+
+
+def _rows(start: int, size: int):
+    return lambda shape, leaf: Box.along(shape, 0, start, min(start + size, shape[0]))
+
+
+def _columns_of_weight(start: int, size: int):
+    return lambda shape, leaf: Box.along(shape, 1, start, start + size) if len(shape) == 2 else Box.whole(shape)
+
+
+def refresh_cpu_kernels(worker) -> int:
+    """After a reload, rebuild CPU kernels of layers that kept their weight.
+
+    On the CPU backend a layer's GEMM kernel holds a packed copy of its weight, rebuilt when the
+    layer itself is reloaded. A layer that receives no tensor of its own, such as an lm_head tied
+    to the input embedding, keeps a kernel packed from the old weights although its (shared)
+    parameter holds the new ones: generation would silently use stale weights. Rebuilding the
+    kernel of every layer that still holds a readable weight closes that gap. No-op on GPUs.
+    """
+    refreshed = 0
+    for module in worker.model_runner.get_model().modules():
+        weight = getattr(module, "weight", None)
+        method = getattr(module, "quant_method", None)
+        if hasattr(module, "cpu_linear") and weight is not None and weight.numel() and method is not None:
+            method.process_weights_after_loading(module)
+            refreshed += 1
+    return refreshed
+
+
+def param_checksums(worker) -> dict:
+    """Checksums (sum, sum of squares in float64) of every readable vLLM parameter."""
+    model = worker.model_runner.get_model()
+    packed = dict(getattr(model, "packed_modules_mapping", {}) or {})
+    sums, empty = {}, []
+    for name, param in model.named_parameters():
+        if param.numel() == 0:
+            empty.append(name)
+            continue
+        t64 = param.detach().to(torch.float64)
+        sums[name] = (float(t64.sum()), float((t64 * t64).sum()))
+    return {"sums": sums, "packed": packed, "empty": empty}

@@ -1,0 +1,178 @@
+"""The resharding engine for real: FSDP2 actors and vLLM engines in Ray workers, on the CPU.
+
+- colocated, generation TP 2 over the actor's 2 FSDP ranks: bytes received per rank equal the
+  layout minimum, computed here by hand from the model's shapes;
+- disaggregated, the rollout on its own pool: 1 -> 1, 2 -> 1, 1 -> 2 (TP 2: about half the
+  model per rollout rank);
+- faults: a corrupted bucket is caught by the checksum check; a rollout process killed mid-
+  transfer gives a named error within the configured timeout.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+import torch
+from transformers import AutoTokenizer
+
+from hybridflow.config.schema import RolloutConfig, WeightSyncConfig
+from hybridflow.controller import PoolSpec, ResourcePool, RoleSpec, spawn_workers
+from hybridflow.data import ArithmeticSpec, make_arithmetic_rows
+from hybridflow.data.prompts import encode_prompts
+from hybridflow.resharding import WeightSyncError
+from hybridflow.resharding.sync import WeightSync
+from hybridflow.training.fsdp import OptimSettings
+from tests.e2e.workers import CorruptibleVLLMRollout
+from workers.actor import ActorSettings, ActorWorker
+
+MAX_PROMPT_TOKENS = 8
+VLLM_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1"}
+FLOAT32 = 4
+
+
+def _spawn(tiny_model_dir, actor_ranks: int, rollout_ranks: int | None, tp: int, name: str,
+           checksum_every: int = 0, bucket_mb: float = 64.0, timeout_s: float = 60.0):
+    """Actor and rollout groups (one pool when rollout_ranks is None) and their WeightSync."""
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    rollout = RoleSpec(CorruptibleVLLMRollout, dict(
+        model_path=str(tiny_model_dir), rollout=RolloutConfig(max_response_tokens=6, tensor_parallel_size=tp),
+        max_prompt_tokens=MAX_PROMPT_TOKENS, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
+        verifiable_weights=checksum_every > 0), replica_size=tp)
+    actor = RoleSpec(ActorWorker, {"settings": ActorSettings(model_path=str(tiny_model_dir),
+                                                             optim=OptimSettings(lr=1e-3), samples_per_micro_batch=4)})
+    if rollout_ranks is None:
+        groups = spawn_workers(ResourcePool(PoolSpec(name, devices_per_node=actor_ranks)),
+                               {"actor": actor, "rollout": rollout}, env_vars=VLLM_ENV)
+    else:
+        groups = spawn_workers(ResourcePool(PoolSpec(f"{name}-train", devices_per_node=actor_ranks)),
+                               {"actor": actor}, env_vars=VLLM_ENV)
+        groups.update(spawn_workers(ResourcePool(PoolSpec(f"{name}-gen", devices_per_node=rollout_ranks)),
+                                    {"rollout": rollout}, env_vars=VLLM_ENV))
+    for future in [groups["actor"].start.remote(), groups["rollout"].start_engine.remote()]:
+        future.get()
+    config = WeightSyncConfig(bucket_mb=bucket_mb, timeout_s=timeout_s, checksum_every_steps=checksum_every)
+    sync = WeightSync(groups["actor"], groups["rollout"], config,
+                      "colocated" if rollout_ranks is None else "gloo", "float32")
+    setup = sync.setup()
+    return groups, sync, tok, setup
+
+
+def _shutdown(groups) -> None:
+    for group in {id(g.pool): g for g in groups.values()}.values():
+        group.shutdown()
+
+
+def _train_one_step(groups, tok, seed: int) -> None:
+    prompts = encode_prompts(make_arithmetic_rows(8, ArithmeticSpec(), seed=seed), tok, MAX_PROMPT_TOKENS)
+    samples = groups["rollout"].generate(prompts)
+    samples = samples.union(groups["actor"].compute_log_probs(samples))
+    torch.manual_seed(seed)
+    samples.tensors["advantages"] = torch.randn(len(samples), 1).expand_as(samples["old_log_probs"]).contiguous()
+    groups["actor"].update_policy(samples)
+
+
+def _sampler_gap(groups, tok, seed: int) -> float:
+    prompts = encode_prompts(make_arithmetic_rows(8, ArithmeticSpec(), seed=seed), tok, MAX_PROMPT_TOKENS)
+    samples = groups["rollout"].generate(prompts)
+    actor_lp = groups["actor"].compute_log_probs(samples)["old_log_probs"]
+    mask = samples["response_mask"]
+    return float((actor_lp[mask] - samples["sampler_log_probs"][mask]).abs().max())
+
+
+def _tiny_dims(model_dir) -> dict:
+    c = json.loads((model_dir / "config.json").read_text())
+    return {"V": c["vocab_size"], "H": c["hidden_size"], "I": c["intermediate_size"], "L": c["num_hidden_layers"],
+            "kv": c["num_key_value_heads"] * c["hidden_size"] // c["num_attention_heads"],
+            "tied": c["tie_word_embeddings"]}
+
+
+def _colocated_tp2_minimum(d: dict) -> int:
+    """By hand, FSDP2 over 2 ranks (dim-0 halves, torch.chunk) -> vLLM TP 2 on the same 2 ranks.
+
+    q/k/v, their biases, gate/up: vLLM's slice is the rank's own FSDP half -> 0.
+    o_proj (H, H) and down_proj (H, I): vLLM wants the rank's column half, FSDP gave a row half:
+    the rank lacks one quarter. Norms (H,): wanted whole, half held -> the other half.
+    embed_tokens: vLLM pads the vocabulary to a multiple of 64 and gives rank 0 rows
+    [0, padded/2); FSDP gives rank 0 rows [0, ceil(V/2)) -> rank 0 lacks the rows in between.
+    """
+    H, I, L, V = d["H"], d["I"], d["L"], d["V"]
+    per_layer = (H * H) // 4 + (H * I) // 4 + 2 * (H // 2)
+    padded = -(-V // 64) * 64
+    embed_gap = max(0, min(padded // 2, V) - -(-V // 2)) * H
+    assert d["tied"], "the tiny model ties lm_head to the embedding (no lm_head tensor travels)"
+    return (L * per_layer + H // 2 + embed_gap) * FLOAT32
+
+
+def _model_bytes(d: dict) -> int:
+    H, I, L, V, kv = d["H"], d["I"], d["L"], d["V"], d["kv"]
+    layer = H * H + H + 2 * (kv * H + kv) + H * H + 3 * H * I + 2 * H
+    return (V * H + L * layer + H) * FLOAT32
+
+
+@pytest.fixture(scope="module")
+def ray(ray_local):
+    return ray_local
+
+
+def test_colocated_tp2_moves_exactly_the_layout_minimum(ray, tiny_model_dir):
+    groups, sync, tok, setup = _spawn(tiny_model_dir, 2, None, tp=2, name="co-tp2", checksum_every=1)
+    try:
+        first = sync.sync(step=0)
+        assert first["weight_sync/min_bytes_per_rank"] == _colocated_tp2_minimum(_tiny_dims(tiny_model_dir))
+        assert first["weight_sync/bytes_received_per_rank"] == first["weight_sync/min_bytes_per_rank"]
+        assert first["weight_sync/min_bytes_per_rank"] < 0.15 * _model_bytes(_tiny_dims(tiny_model_dir))
+        _train_one_step(groups, tok, seed=1)
+        after = sync.sync(step=1)  # the checksum check compares every vLLM parameter slice
+        assert after["weight_sync/verified_tensors"] > 0 and after["weight_sync/probe_log_prob_gap"] < 1e-3
+        assert _sampler_gap(groups, tok, seed=2) < 1e-3
+        assert setup["weight_sync/copy_floor_s"] > 0 and after["weight_sync/copy_floor_ratio"] > 1
+    finally:
+        _shutdown(groups)
+
+
+@pytest.mark.parametrize("actor_ranks,rollout_ranks,tp", [(1, 1, 1), (2, 1, 1), (1, 2, 2)],
+                         ids=["1to1", "2to1", "1to2-tp2"])
+def test_disaggregated_sync_over_a_gloo_group(ray, tiny_model_dir, actor_ranks, rollout_ranks, tp):
+    groups, sync, tok, _ = _spawn(tiny_model_dir, actor_ranks, rollout_ranks, tp=tp, name=f"dis{actor_ranks}{tp}",
+                                  checksum_every=1, bucket_mb=0.25)
+    try:
+        _train_one_step(groups, tok, seed=3)
+        metrics = sync.sync(step=1)
+        assert metrics["weight_sync/verified_tensors"] > 0 and metrics["weight_sync/probe_log_prob_gap"] < 1e-3
+        received, model = metrics["weight_sync/bytes_received_per_rank"], _model_bytes(_tiny_dims(tiny_model_dir))
+        assert received == metrics["weight_sync/min_bytes_per_rank"]
+        if tp == 1:
+            assert received == model  # a whole engine per rank: the whole model
+        else:
+            assert 0.4 * model < received < 0.6 * model  # each TP rank: about half, not all of it
+        assert _sampler_gap(groups, tok, seed=4) < 1e-3
+    finally:
+        _shutdown(groups)
+
+
+def test_a_corrupted_bucket_is_caught_by_the_checksum_check(ray, tiny_model_dir):
+    groups, sync, tok, setup = _spawn(tiny_model_dir, 1, 1, tp=1, name="corrupt", checksum_every=1, bucket_mb=0.05)
+    try:
+        assert setup["weight_sync/buckets"] > 4
+        groups["rollout"].inject_weight_sync_fault("corrupt", 0)  # one element of bucket 1 gets +1
+        with pytest.raises(WeightSyncError, match="verification failed for 1 of"):
+            sync.sync(step=1)
+    finally:
+        _shutdown(groups)
+
+
+def test_a_receiver_killed_mid_transfer_is_named_within_the_timeout(ray, tiny_model_dir):
+    groups, sync, tok, _ = _spawn(tiny_model_dir, 1, 1, tp=1, name="kill", bucket_mb=0.05, timeout_s=30.0)
+    try:
+        groups["rollout"].inject_weight_sync_fault("exit", 2)  # the process dies when bucket 3 arrives
+        start = time.monotonic()
+        with pytest.raises(WeightSyncError, match=r"(?s)step 2.*rank 0.*stage weight_sync") as error:
+            sync.sync(step=2)
+        assert time.monotonic() - start < 30.0
+        message = str(error.value)
+        assert "receive_weights" in message and "died" in message
+        assert "bucket" in message  # the sender's side: which bucket it was sending when the peer went away
+    finally:
+        _shutdown(groups)
