@@ -81,15 +81,12 @@ def run(config: HybridFlowConfig, run_dir: Path) -> dict:
     while step < config.trainer.total_steps:
         step += 1
         timer = StageTimer()
-        with timer("generate"):
-            actor.offload()  # GPU: training state to host memory while vLLM generates (no-op on the CPU)
+        with timer("generate"), weight_sync.generating():  # GPU, colocated: the devices change hands
             prompts = encode_prompts(loader.next_rows(), tokenizer, config.data.max_prompt_tokens)
             prompts.tensors["group_ids"] = torch.arange(len(prompts))
             prompts = prompts.repeat_interleave(n)
             prompts.tensors["sample_seed"] = sample_seeds(config.seed, step, len(prompts))
             samples = rollout.generate(prompts)
-            rollout.sleep()  # GPU: free the KV cache while training runs (the CPU backend cannot)
-            actor.reload()  # GPU: training state back from host memory (no-op on the CPU)
         with timer("score"):  # independent: on separate pools these run at the same time
             pending = [reward.compute_rewards.remote(samples.select(list(samples.objects)))]  # text only
             if not on_policy:
@@ -114,7 +111,6 @@ def run(config: HybridFlowConfig, run_dir: Path) -> dict:
             critic_metrics = critic_update.get()[0] if critic_update is not None else {}
             hook_metrics = run_training_hooks(config, step, actor, reference) if actor_learns else {}
         with timer("weight_sync"):
-            rollout.wake_up()
             sync_metrics = weight_sync.sync(step) if actor_learns else {}
 
         metrics = {**reward_metrics(samples), **algo_metrics, **actor_metrics, **critic_metrics, **hook_metrics,
@@ -127,7 +123,8 @@ def run(config: HybridFlowConfig, run_dir: Path) -> dict:
                 (samples["old_log_probs"] - samples["sampler_log_probs"]).abs(), samples["response_mask"]))
         if config.trainer.val_every_steps and step % config.trainer.val_every_steps == 0 \
                 or step == config.trainer.total_steps:
-            metrics.update(validate(config, rollout, reward, data.val, tokenizer, step))
+            with weight_sync.generating():
+                metrics.update(validate(config, rollout, reward, data.val, tokenizer, step))
         logger.log(step, metrics)
         if checkpointer.due(step):
             checkpointer.save(step, {"loader": loader.state_dict(), "kl_coef": kl_ctl.coef, "metrics": metrics})

@@ -69,7 +69,8 @@ def run(config: HybridFlowConfig, run_dir: Path) -> dict:
                 or step == config.trainer.total_steps:
             with timer("weight_sync"):
                 metrics.update(weight_sync.sync(step))
-            metrics.update(validate(config, rollout, reward, data.val, tokenizer, step))
+            with weight_sync.generating():  # GPU: vLLM's KV cache is released again for training
+                metrics.update(validate(config, rollout, reward, data.val, tokenizer, step))
         logger.log(step, metrics)
         if checkpointer.due(step):
             checkpointer.save(step, {"loader": loader.state_dict(), "metrics": metrics})

@@ -12,6 +12,8 @@ sees a bucket, and the actor never sees the rollout worker.
 from __future__ import annotations
 
 import time
+from contextlib import contextmanager
+from typing import Iterator
 import torch
 
 from hybridflow.controller import WorkerError, WorkerGroup, wait_all
@@ -59,9 +61,26 @@ class WeightSync:
         return {"weight_sync/buckets": float(len(plan_buckets)), "weight_sync/engine_bytes_per_rank":
                 float(self.engine_bytes), "weight_sync/copy_floor_s": self.floor_seconds}
 
+    @contextmanager
+    def generating(self) -> Iterator[None]:
+        """Around generation, the device memory steps of a colocated run on GPUs: the actor's
+        training state goes to host memory while vLLM generates, then vLLM releases its KV cache
+        and the training state comes back (`sync` wakes vLLM up again). No-ops on the CPU and
+        when the rollout has devices of its own."""
+        colocated = self.transport == "colocated"
+        if colocated:
+            self.rollout.wake_up()  # a step without a sync (critic warm-up) left it asleep
+            self.actor.offload()
+        yield
+        if colocated:
+            self.rollout.sleep()
+            self.actor.reload()
+
     def sync(self, step: int) -> dict[str, float]:
         """Move the actor's current weights into the rollout engines, check them, and measure."""
         start = time.perf_counter()
+        if self.transport == "colocated":
+            self.rollout.wake_up()
         futures = [self.actor.send_weights.remote()]
         if self.transport == "gloo":
             futures.append(self.rollout.receive_weights.remote())

@@ -118,20 +118,18 @@ def test_pool_too_large_is_a_clear_error(ray_local):
         ResourcePool(PoolSpec("huge", devices_per_node=64)).create(timeout_s=5)
 
 
-def test_dp_split_over_replicas_gives_each_replica_one_part_and_collects_from_its_first_rank(ray_local):
-    """A 2-rank group forming one replica of 2 (as a TP-2 vLLM engine does): both ranks see the
+def test_dp_split_over_replicas_gives_each_replica_one_part_and_collects_from_its_first_rank(pair):
+    """The 2-rank group seen as one replica of 2 (as a TP-2 vLLM engine is): both ranks see the
     whole batch, and the result comes back once, from rank 0."""
-    group = spawn_workers(ResourcePool(PoolSpec("replica", devices_per_node=2, cpus_per_device=0.25)),
-                          {"echo": RoleSpec(EchoWorker, replica_size=2)})["echo"]
-    try:
-        batch = Batch({"x": torch.arange(5, dtype=torch.float32)}, {"tag": [f"s{i}" for i in range(5)]})
-        out = group.double(batch)
-        assert len(out) == 5 and out["owner"].tolist() == [0] * 5
-        assert torch.equal(out["x"], batch["x"] * 2)
-        seen = group.double.remote(batch)
-        assert len(seen.refs) == 2  # both ranks ran it
-    finally:
-        group.shutdown()
+    from hybridflow.controller import WorkerGroup
+
+    two, _ = pair
+    replica = WorkerGroup(two.name, "echo", EchoWorker, two.hosts, two.infos, replica_size=2)
+    batch = Batch({"x": torch.arange(5, dtype=torch.float32)}, {"tag": [f"s{i}" for i in range(5)]})
+    out = replica.double(batch)
+    assert len(out) == 5 and out["owner"].tolist() == [0] * 5
+    assert torch.equal(out["x"], batch["x"] * 2)
+    assert len(replica.double.remote(batch).refs) == 2  # both ranks ran it
 
 
 def test_wait_all_returns_each_calls_result_and_names_the_first_failure(pair):

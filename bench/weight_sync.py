@@ -1,0 +1,136 @@
+"""Benchmark: the weight sync in every placement, against the layout minimum and a plain copy.
+
+    PYTHONPATH=. .venv/bin/python bench/weight_sync.py [--models tiny,100m] [--syncs 5]
+
+For each model (the tiny default, and a ~100M-parameter Qwen2 built offline from a config)
+and each mode — colocated TP 1 and TP 2 over 2 FSDP2 ranks, disaggregated 1 -> 1, 2 -> 1 and
+1 -> 2 (rollout TP 2) — it starts the real actor and vLLM rollout groups on a local Ray, runs
+one warm-up sync and then `--syncs` timed ones through `WeightSync` (the same object the
+recipes use), and records per sync: seconds, bytes received per rank (max over ranks), the
+layout minimum for the pair of layouts (from the shapes), and the ratio to the copy floor:
+a plain `torch` copy, on the same machine, of the bytes one rank's engine holds (its whole
+generation slice: the least any sync must write). Checks are off while timing (the probe
+costs a generation). Results go to docs/resharding_benchmark.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+MODES = [  # name, actor ranks, rollout ranks (None: the actor's processes), rollout TP
+    ("colocated TP1", 2, None, 1),
+    ("colocated TP2", 2, None, 2),
+    ("disaggregated 1->1", 1, 1, 1),
+    ("disaggregated 2->1", 2, 1, 1),
+    ("disaggregated 1->2 (TP2)", 1, 2, 2),
+]
+MODELS = {
+    "tiny": dict(),
+    "100m": dict(hidden_size=768, intermediate_size=2304, num_hidden_layers=14, num_attention_heads=12,
+                 num_key_value_heads=4),
+}
+
+
+def run_mode(model_dir: Path, actor_ranks: int, rollout_ranks: int | None, tp: int, syncs: int) -> dict:
+    from transformers import AutoTokenizer
+
+    from hybridflow.config.schema import RolloutConfig, WeightSyncConfig
+    from hybridflow.controller import PoolSpec, ResourcePool, RoleSpec, spawn_workers
+    from hybridflow.resharding.sync import WeightSync
+    from workers.actor import ActorSettings, ActorWorker
+    from workers.rollout.vllm_rollout import VLLMRollout
+
+    env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1"}
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    rollout = RoleSpec(VLLMRollout, dict(model_path=str(model_dir), rollout=RolloutConfig(tensor_parallel_size=tp),
+                                         max_prompt_tokens=16, eos_token_id=tok.eos_token_id,
+                                         pad_token_id=tok.pad_token_id), replica_size=tp)
+    actor = RoleSpec(ActorWorker, {"settings": ActorSettings(model_path=str(model_dir))})
+    tag = f"{actor_ranks}{rollout_ranks}{tp}{time.monotonic_ns() % 10000}"
+    if rollout_ranks is None:
+        groups = spawn_workers(ResourcePool(PoolSpec(f"b{tag}", devices_per_node=actor_ranks)),
+                               {"actor": actor, "rollout": rollout}, env_vars=env)
+    else:
+        groups = spawn_workers(ResourcePool(PoolSpec(f"t{tag}", devices_per_node=actor_ranks)), {"actor": actor},
+                               env_vars=env)
+        groups.update(spawn_workers(ResourcePool(PoolSpec(f"g{tag}", devices_per_node=rollout_ranks)),
+                                    {"rollout": rollout}, env_vars=env))
+    try:
+        for future in [groups["actor"].start.remote(), groups["rollout"].start_engine.remote()]:
+            future.get()
+        sync = WeightSync(groups["actor"], groups["rollout"], WeightSyncConfig(check="none"),
+                          "colocated" if rollout_ranks is None else "gloo", "float32")
+        setup = sync.setup()
+        sync.sync(step=0)  # warm-up
+        runs = [sync.sync(step=i + 1) for i in range(syncs)]
+    finally:
+        for group in {id(g.pool): g for g in groups.values()}.values():
+            group.shutdown()
+    seconds = statistics.median(r["weight_sync/seconds"] for r in runs)
+    return {"seconds": seconds, "received": runs[0]["weight_sync/bytes_received_per_rank"],
+            "minimum": runs[0]["weight_sync/min_bytes_per_rank"], "engine": setup["weight_sync/engine_bytes_per_rank"],
+            "floor_s": setup["weight_sync/copy_floor_s"], "ratio": seconds / setup["weight_sync/copy_floor_s"]}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--models", default="tiny,100m")
+    parser.add_argument("--syncs", type=int, default=5)
+    parser.add_argument("--output", default=str(ROOT / "docs" / "resharding_benchmark.md"))
+    args = parser.parse_args()
+
+    import ray
+
+    from hybridflow.builders import TinyModelSpec, build_tiny_model
+
+    ray.init(address="local", num_cpus=8, include_dashboard=False, log_to_driver=False,
+             runtime_env={"env_vars": {"PYTHONPATH": str(ROOT)}})
+    lines = ["| model | parameters | mode | seconds (median) | bytes received / rank | layout minimum / rank | "
+             "engine bytes / rank | copy floor (s) | ratio to floor |", "|---|---|---|---|---|---|---|---|---|"]
+    with tempfile.TemporaryDirectory() as tmp:
+        for name in args.models.split(","):
+            model_dir = build_tiny_model(Path(tmp) / name, TinyModelSpec(**MODELS[name]))
+            params = _parameters(model_dir)
+            for mode, actor_ranks, rollout_ranks, tp in MODES:
+                r = run_mode(model_dir, actor_ranks, rollout_ranks, tp, args.syncs)
+                line = (f"| {name} | {params / 1e6:.1f}M | {mode} | {r['seconds']:.4f} | {_mb(r['received'])} | "
+                        f"{_mb(r['minimum'])} | {_mb(r['engine'])} | {r['floor_s']:.4f} | {r['ratio']:.2f} |")
+                print(line, flush=True)
+                lines.append(line)
+    ray.shutdown()
+    command = f"PYTHONPATH=. .venv/bin/python bench/weight_sync.py --models {args.models} --syncs {args.syncs}"
+    text = ("# Weight sync benchmark\n\nMeasured by `bench/weight_sync.py` (see its docstring) on this machine "
+            f"(2 cores, no GPU), float32, {time.strftime('%Y-%m-%d')}:\n\n```bash\n{command}\n```\n\n"
+            + "\n".join(lines) + "\n")
+    Path(args.output).write_text(text)
+    print(f"wrote {args.output}")
+
+
+def _parameters(model_dir: Path) -> int:
+    from safetensors import safe_open
+
+    total = 0
+    for file in model_dir.glob("*.safetensors"):
+        with safe_open(str(file), "pt") as f:
+            for key in f.keys():
+                n = 1
+                for s in f.get_slice(key).get_shape():
+                    n *= s
+                total += n
+    return total
+
+
+def _mb(nbytes: float) -> str:
+    return f"{nbytes / 2 ** 20:.2f} MiB"
+
+
+if __name__ == "__main__":
+    main()
