@@ -77,7 +77,11 @@ def accuracy_by_source(rewards: Batch, sources: list) -> dict[str, float]:
 class Checkpointer:
     """Saves every role's training state plus the actor as a Hugging Face model, atomically,
     and resumes from the newest complete checkpoint that holds its full state and passes its
-    checksums (older ones, weights-only snapshots, serve the merge; see docs/checkpoints.md)."""
+    checksums (older ones, weights-only snapshots, serve the merge; see docs/checkpoints.md).
+
+    A resume may run on another number of ranks than the save (placement is not in the config
+    hash): each role's state is resharded on load, and the log says which RNG states were
+    restored, dropped or derived."""
 
     def __init__(self, config: HybridFlowConfig, run_dir: Path, model_dir: Path,
                  trainable: dict[str, WorkerGroup]) -> None:
@@ -116,7 +120,9 @@ class Checkpointer:
         step, path = found
         state = self.manager.load_trainer_state(path, config_hash=self.config_hash)
         for role, group in self.trainable.items():
-            group.load_checkpoint(str(path / role))
+            notes = group.load_checkpoint(str(path / role))  # per rank: what another rank count changed
+            if notes and notes[0]:
+                print(f"hybridflow: {role} {notes[0]}", flush=True)
         self.manager.discard_after(step)
         restore_rng_state(state["driver_rng"])
         print(f"hybridflow: resumed from {path} (step {step})", flush=True)

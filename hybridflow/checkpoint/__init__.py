@@ -4,14 +4,15 @@ Driver side: `CheckpointManager` (begin / commit / abort / latest / resumable / 
 prune to weights-only snapshots) and `read_trainer_state`; every checkpoint records the
 sha256 of its files in `MANIFEST.json` (`hybridflow.checkpoint.integrity`). Worker side, called collectively on every rank of a group:
 `save_training_state` / `load_training_state` (FSDP2 shards via torch.distributed.checkpoint,
-LR scheduler, per-rank RNG) and `export_hf_model`. See docs/checkpoints.md.
+LR scheduler, per-rank RNG; loadable on another rank count) and `export_hf_model`. See docs/checkpoints.md.
 """
 
 from hybridflow.checkpoint.errors import CheckpointCorrupt, CheckpointError
 from hybridflow.checkpoint.hf_export import export_hf_model, hf_state_dict
 from hybridflow.checkpoint.manager import CheckpointManager, config_hash, read_trainer_state, step_dir_name
 from hybridflow.checkpoint.rng import capture_rng_state, restore_rng_state
-from hybridflow.checkpoint.training_state import load_training_state, save_training_state, verify_training_state
+from hybridflow.checkpoint.training_state import (load_training_state, rank_change_note, save_training_state,
+                                                 saved_world_size, verify_training_state)
 
 __all__ = [
     "CheckpointCorrupt",
@@ -22,9 +23,11 @@ __all__ = [
     "export_hf_model",
     "hf_state_dict",
     "load_training_state",
+    "rank_change_note",
     "read_trainer_state",
     "restore_rng_state",
     "save_training_state",
+    "saved_world_size",
     "step_dir_name",
     "verify_training_state",
 ]

@@ -17,6 +17,8 @@ not global and are the caller's to save.
 from __future__ import annotations
 
 import base64
+import hashlib
+import json
 import random
 from typing import Any
 
@@ -67,6 +69,21 @@ def restore_rng_state(state: dict[str, Any], *, source: str = "RNG state") -> No
     torch.set_rng_state(_decode(state["torch"]))
     if cuda:
         torch.cuda.set_rng_state_all([_decode(s) for s in cuda])
+
+
+def derived_seed(state: dict[str, Any], rank: int) -> int:
+    """A seed for a rank that has no saved RNG state of its own (a resume on more ranks than
+    saved): the first 8 bytes of sha256(`state` as JSON, `rank`). The same checkpoint and rank
+    always give the same seed, and different ranks different ones."""
+    text = json.dumps(state, sort_keys=True) + f"/rank{rank}"
+    return int.from_bytes(hashlib.sha256(text.encode("utf-8")).digest()[:8], "little") >> 1  # < 2**63
+
+
+def seed_rng(seed: int) -> None:
+    """Seed python `random`, numpy's global generator and torch (CPU and every CUDA device)."""
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
 
 
 def _encode(state: torch.Tensor) -> str:

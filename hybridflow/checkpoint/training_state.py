@@ -15,13 +15,20 @@ Called collectively on every rank of one worker group, each rank passing the sam
 The state dicts come from `get_state_dict` / `set_state_dict`, which know FSDP2's DTensor
 shards. Frozen parameters (a LoRA model's base weights) are not saved
 (`ignore_frozen_params`): they never change, so a resumed run takes them from the model it
-was built from, which must be the same base model. RNG states are per rank, so a
-checkpoint resumes on the same number of ranks.
+was built from, which must be the same base model.
+
+Another rank count. A state saved by N ranks loads on M: DCP reshards the model and optimizer
+to the loading ranks' layout (a plain module on one CPU rank, FSDP2 shards on several). RNG
+states are per rank, so rank r < N gets saved rank r's, the states of saved ranks >= M are
+dropped, and a rank r >= N is seeded with `derived_seed(saved rank 0's state, r)`. A rank's
+`extra` is its own saved one, or rank 0's when it has none; if the saved ranks' extras differ
+the load is refused (a per-rank value cannot be spread over another rank count).
 """
 
 from __future__ import annotations
 
 import contextlib
+import io
 import json
 import os
 import warnings
@@ -31,12 +38,13 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
 from hybridflow.checkpoint.errors import RESUME_FIX, CheckpointError
 from hybridflow.checkpoint.files import atomic_torch_save, atomic_write_text
 from hybridflow.checkpoint.integrity import digest_file, entry, write_sidecar
-from hybridflow.checkpoint.rng import capture_rng_state, restore_rng_state
+from hybridflow.checkpoint.rng import capture_rng_state, derived_seed, restore_rng_state, seed_rng
 
 FORMAT_VERSION = 1
 STATE_META = "training_state.json"
@@ -97,34 +105,111 @@ def load_training_state(directory: "str | os.PathLike[str]", *, model: torch.nn.
                         rank: int) -> Optional[dict]:
     """Restore what `save_training_state` wrote, RNG states last; returns this rank's `extra`.
 
-    Collective, like the save. `model` and `optimizer` are built (and `model` sharded) as
-    for a fresh start; any gradients are dropped. Returns None when no `extra` was saved.
+    Collective, like the save, on any number of ranks (see the module docstring for what
+    changes when it differs from the saving run's). `model` and `optimizer` are built (and
+    `model` sharded) as for a fresh start; any gradients are dropped. Returns None when no
+    `extra` was saved.
     """
     directory = Path(directory)
     world_size = _world_size(rank)
-    meta = _check_files(directory, rank=rank, world_size=world_size, want_scheduler=scheduler is not None)
+    meta = _check_files(directory, rank=rank, want_scheduler=scheduler is not None)
     if meta["scheduler"] and scheduler is None:
         raise CheckpointError(f"{directory}: holds an LR scheduler state but no scheduler was passed to "
                               "load_training_state; pass the run's scheduler")
+    extra = _read_extra(directory, rank=rank, saved=meta["world_size"], world_size=world_size)
+    _load_sharded(directory, model, optimizer, rank=rank, saved=meta["world_size"], world_size=world_size)
+    if scheduler is not None:
+        # Files this run wrote: full unpickling, like any torch checkpoint you trust.
+        scheduler.load_state_dict(torch.load(directory / SCHEDULER, weights_only=False))
+    _restore_rank_rng(directory, rank=rank, saved=meta["world_size"])
+    return extra
+
+
+def saved_world_size(directory: "str | os.PathLike[str]") -> int:
+    """The number of ranks that saved the training state in `directory`."""
+    return _read_meta(Path(directory))["world_size"]
+
+
+def rank_change_note(saved: int, world_size: int) -> Optional[str]:
+    """What a load on `world_size` ranks of a state saved by `saved` ranks restores, or None when
+    the counts are equal (everything is restored exactly)."""
+    if saved == world_size:
+        return None
+    kept = min(saved, world_size)
+    parts = [f"saved by {saved} ranks, loaded on {world_size}: model and optimizer resharded by "
+             f"torch.distributed.checkpoint; RNG states of {_ranks(0, kept)} restored"]
+    if saved > world_size:
+        parts.append(f"those of saved {_ranks(world_size, saved)} dropped")
+    else:
+        parts.append(f"{_ranks(saved, world_size)} seeded from sha256(saved rank 0's RNG state, rank)")
+    return "; ".join(parts)
+
+
+def _ranks(first: int, end: int) -> str:
+    return f"rank {first}" if end - first == 1 else f"ranks {first}-{end - 1}"
+
+
+def _load_sharded(directory: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, rank: int,
+                  saved: int, world_size: int) -> None:
+    """DCP reads, for each tensor of this rank's layout, the pieces any saved rank wrote of it."""
     optimizer.zero_grad(set_to_none=True)  # get_state_dict only initialises a gradient-free optimizer
     model_state, optim_state = get_state_dict(model, optimizer, options=LOAD_OPTIONS)
     state = {"model": model_state, "optim": optim_state}
     try:
         with _single_process_quiet():
             dcp.load(state, checkpoint_id=directory)
-    except Exception as exc:  # DCP wraps every rank's failure in one CheckpointException
-        raise CheckpointError(f"{directory}: loading the sharded model/optimizer state failed on rank {rank}: "
-                              f"{exc}\nIs this a checkpoint of the same model and optimizer? {RESUME_FIX}") from exc
+    except (Exception, CheckpointException) as exc:  # DCP wraps every rank's failure in one, a BaseException
+        counts = f" (saved by {saved} ranks, loading on {world_size})" if saved != world_size else ""
+        raise CheckpointError(f"{directory}: loading the sharded model/optimizer state failed on rank {rank}"
+                              f"{counts}: {exc}\nIs this a checkpoint of the same model and optimizer? "
+                              f"{RESUME_FIX}") from exc
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"],
                    options=LOAD_OPTIONS)
-    if scheduler is not None:
-        # Files this run wrote: full unpickling, like any torch checkpoint you trust.
-        scheduler.load_state_dict(torch.load(directory / SCHEDULER, weights_only=False))
-    extra_path = directory / extra_file(rank)
-    extra = torch.load(extra_path, weights_only=False) if extra_path.is_file() else None
-    rng_path = directory / rng_file(rank)
-    restore_rng_state(torch.load(rng_path, weights_only=True), source=str(rng_path))
-    return extra
+
+
+def _read_extra(directory: Path, *, rank: int, saved: int, world_size: int) -> Optional[dict]:
+    """This rank's `extra`. On another rank count every saved rank's must be equal (checked
+    before any collective, so a refusal cannot hang the other ranks); rank 0's serves a new rank."""
+    if saved == world_size:
+        path = directory / extra_file(rank)
+        return torch.load(path, weights_only=False) if path.is_file() else None
+    paths = [directory / extra_file(r) for r in range(saved)]
+    present = [path.is_file() for path in paths]
+    if not any(present):
+        return None
+    if not all(present):
+        missing = [path.name for path, here in zip(paths, present) if not here]
+        raise CheckpointError(f"training state {directory} is missing {missing}; {RESUME_FIX}")
+    extras = [torch.load(path, weights_only=False) for path in paths]
+    differing = [r for r in range(1, saved) if not _same_value(extras[r], extras[0])]
+    if differing:
+        raise CheckpointError(f"training state {directory} was saved by {saved} ranks and is being loaded by "
+                              f"{world_size}: the per-rank values in extra_rank<r>.pt of ranks {differing} differ "
+                              f"from rank 0's, and per-rank values cannot be spread over another rank count; "
+                              f"resume with {saved} ranks")
+    return extras[rank] if rank < saved else extras[0]
+
+
+def _same_value(a: Any, b: Any) -> bool:
+    try:
+        return bool(a == b)
+    except (RuntimeError, TypeError, ValueError):  # tensors inside: compare what was saved, byte for byte
+        return _pickled(a) == _pickled(b)
+
+
+def _pickled(value: Any) -> bytes:
+    buffer = io.BytesIO()
+    torch.save(value, buffer)
+    return buffer.getvalue()
+
+
+def _restore_rank_rng(directory: Path, *, rank: int, saved: int) -> None:
+    """Saved rank `rank`'s RNG states; a rank the saving run did not have gets a derived seed."""
+    if rank < saved:
+        path = directory / rng_file(rank)
+        restore_rng_state(torch.load(path, weights_only=True), source=str(path))
+    else:
+        seed_rng(derived_seed(torch.load(directory / rng_file(0), weights_only=True), rank))
 
 
 def verify_training_state(directory: "str | os.PathLike[str]") -> None:
@@ -194,17 +279,14 @@ def _read_meta(directory: Path) -> dict:
     return meta
 
 
-def _check_files(directory: Path, *, rank: int, world_size: int, want_scheduler: bool) -> dict:
+def _check_files(directory: Path, *, rank: int, want_scheduler: bool) -> dict:
     """Every file this rank needs, checked before any collective so a bad path fails fast."""
     meta = _read_meta(directory)
-    if meta["world_size"] != world_size:
-        raise CheckpointError(f"training state {directory} was saved by {meta['world_size']} ranks and is being "
-                              f"loaded by {world_size}; per-rank RNG states need the same number of ranks "
-                              f"(resume with {meta['world_size']} ranks)")
     if want_scheduler and not meta["scheduler"]:
         raise CheckpointError(f"training state {directory} was saved without an LR scheduler but one was passed; "
                               "pass scheduler=None or resume from a checkpoint saved with one")
-    needed = [DCP_METADATA, rng_file(rank)] + ([SCHEDULER] if meta["scheduler"] else [])
+    rng = rng_file(rank if rank < meta["world_size"] else 0)
+    needed = [DCP_METADATA, rng] + ([SCHEDULER] if meta["scheduler"] else [])
     missing = [name for name in needed if not (directory / name).is_file()]
     if missing:
         raise CheckpointError(f"training state {directory} is missing {missing}; {RESUME_FIX}")

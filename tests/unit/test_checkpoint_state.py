@@ -86,10 +86,7 @@ def test_load_errors_name_path_and_fix(tmp_path):
     with pytest.raises(CheckpointError, match=r"actor is missing \['rng_rank0.pt'\]; start without resume, or "
                                               "point resume at a complete checkpoint"):
         load_training_state(directory, model=model, optimizer=optimizer, rank=0)
-    meta = json.loads((directory / "training_state.json").read_text())
-    (directory / "training_state.json").write_text(json.dumps({**meta, "world_size": 4}))
-    with pytest.raises(CheckpointError, match="saved by 4 ranks and is being loaded by 1"):
-        load_training_state(directory, model=model, optimizer=optimizer, rank=0)
+    # another rank count is not an error: tests/unit/test_resume_rank_count.py
     with pytest.raises(CheckpointError, match="rank=1 but torch.distributed is not initialised"):
         save_training_state(directory, model=model, optimizer=optimizer, rank=1)
 
