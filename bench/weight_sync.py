@@ -75,9 +75,35 @@ def run_mode(model_dir: Path, actor_ranks: int, rollout_ranks: int | None, tp: i
         for group in {id(g.pool): g for g in groups.values()}.values():
             group.shutdown()
     seconds = statistics.median(r["weight_sync/seconds"] for r in runs)
-    return {"seconds": seconds, "received": runs[0]["weight_sync/bytes_received_per_rank"],
+    exchange = statistics.median(r.get("weight_sync/exchange_s", 0.0) for r in runs)
+    return {"seconds": seconds, "exchange": exchange, "received": runs[0]["weight_sync/bytes_received_per_rank"],
             "minimum": runs[0]["weight_sync/min_bytes_per_rank"], "engine": setup["weight_sync/engine_bytes_per_rank"],
             "floor_s": setup["weight_sync/copy_floor_s"], "ratio": seconds / setup["weight_sync/copy_floor_s"]}
+
+
+RELOAD_SCRIPT = """
+import os, sys, time
+os.environ.update(VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_CPU_KVCACHE_SPACE="1")
+from transformers import AutoModelForCausalLM
+from vllm import LLM
+llm = LLM(model=sys.argv[1], dtype="float32", enforce_eager=True, max_model_len=64)
+weights = [(n, p.detach()) for n, p in AutoModelForCausalLM.from_pretrained(sys.argv[1]).named_parameters()]
+times = []
+for _ in range(4):
+    start = time.perf_counter()
+    llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(weights), "is_checkpoint_format": True})
+    times.append(time.perf_counter() - start)
+print("RELOAD", sorted(times[1:])[1])
+"""
+
+
+def vllm_reload_seconds(model_dir: Path) -> float:
+    """vLLM's own reload of the whole model from memory (median of 3 after a warm-up)."""
+    import subprocess
+
+    out = subprocess.run([sys.executable, "-c", RELOAD_SCRIPT, str(model_dir)], capture_output=True, text=True,
+                         timeout=600, check=True).stdout
+    return float(out.split("RELOAD")[-1].split()[0])
 
 
 def main() -> None:
@@ -93,15 +119,21 @@ def main() -> None:
 
     ray.init(address="local", num_cpus=8, include_dashboard=False, log_to_driver=False,
              runtime_env={"env_vars": {"PYTHONPATH": str(ROOT)}})
-    lines = ["| model | parameters | mode | seconds (median) | bytes received / rank | layout minimum / rank | "
-             "engine bytes / rank | copy floor (s) | ratio to floor |", "|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| model | parameters | mode | seconds (median) | of which exchange (s) | bytes received / rank | "
+             "layout minimum / rank | engine bytes / rank | copy floor (s) | ratio to floor |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    reloads = ["| model | parameters | vLLM reload_weights, whole model, one engine alone (s) |", "|---|---|---|"]
     with tempfile.TemporaryDirectory() as tmp:
         for name in args.models.split(","):
             model_dir = build_tiny_model(Path(tmp) / name, TinyModelSpec(**MODELS[name]))
             params = _parameters(model_dir)
+            reload_s = vllm_reload_seconds(model_dir)
+            print(f"{name}: vLLM reload_weights of the whole model from memory: {reload_s:.4f} s", flush=True)
+            reloads.append(f"| {name} | {params / 1e6:.1f}M | {reload_s:.4f} |")
             for mode, actor_ranks, rollout_ranks, tp in MODES:
                 r = run_mode(model_dir, actor_ranks, rollout_ranks, tp, args.syncs)
-                line = (f"| {name} | {params / 1e6:.1f}M | {mode} | {r['seconds']:.4f} | {_mb(r['received'])} | "
+                line = (f"| {name} | {params / 1e6:.1f}M | {mode} | {r['seconds']:.4f} | {r['exchange']:.4f} | "
+                        f"{_mb(r['received'])} | "
                         f"{_mb(r['minimum'])} | {_mb(r['engine'])} | {r['floor_s']:.4f} | {r['ratio']:.2f} |")
                 print(line, flush=True)
                 lines.append(line)
@@ -109,7 +141,8 @@ def main() -> None:
     command = f"PYTHONPATH=. .venv/bin/python bench/weight_sync.py --models {args.models} --syncs {args.syncs}"
     text = ("# Weight sync benchmark\n\nMeasured by `bench/weight_sync.py` (see its docstring) on this machine "
             f"(2 cores, no GPU), float32, {time.strftime('%Y-%m-%d')}:\n\n```bash\n{command}\n```\n\n"
-            + "\n".join(lines) + "\n")
+            + "\n".join(lines) + "\n\nvLLM's own loader, for comparison (the tensors already in memory, no transport):\n\n"
+            + "\n".join(reloads) + "\n")
     Path(args.output).write_text(text)
     print(f"wrote {args.output}")
 

@@ -12,24 +12,28 @@ import os
 _applied: set[str] = set()
 
 
+def _check_vllm_version(patch: str, target: str) -> None:
+    import vllm
+
+    if not vllm.__version__.startswith("0.32"):
+        raise RuntimeError(f"hybridflow.patches.{patch} was written for vllm 0.32, found {vllm.__version__}; "
+                           f"re-check {target} and update the patch")
+
+
 def keep_vllm_cpu_linear_weights() -> None:
     """Keep vLLM's unpacked linear weights readable on the CPU backend.
 
     vLLM's CPU backend repacks each linear weight for its GEMM kernel and replaces the
     parameter with an empty tensor, so the weights in the engine cannot be read back. Weight
-    verification (`trainer.verify_weight_sync`) needs to read them, so in that mode only we ask
+    checksums (`weight_sync.checksum_every_steps`) need to read them, so in that mode only we ask
     the dispatcher to keep the parameter (it costs one more copy of the linear weights).
     Checked against vllm 0.32.
     """
     if "keep_vllm_cpu_linear_weights" in _applied:
         return
-    import vllm
+    _check_vllm_version("keep_vllm_cpu_linear_weights", "vllm.model_executor.layers.utils.dispatch_cpu_unquantized_gemm")
     from vllm.model_executor.layers import utils
 
-    if not vllm.__version__.startswith("0.32"):
-        raise RuntimeError(
-            f"hybridflow.patches.keep_vllm_cpu_linear_weights was written for vllm 0.32, found {vllm.__version__}; "
-            "re-check vllm.model_executor.layers.utils.dispatch_cpu_unquantized_gemm and update the patch")
     original = getattr(utils, "dispatch_cpu_unquantized_gemm", None)
     if original is None:
         raise RuntimeError("vllm.model_executor.layers.utils.dispatch_cpu_unquantized_gemm moved; update the patch")
@@ -59,12 +63,7 @@ def unique_vllm_cpu_shm_names() -> None:
     """
     if "unique_vllm_cpu_shm_names" in _applied:
         return
-    import vllm
-
-    if not vllm.__version__.startswith("0.32"):
-        raise RuntimeError(
-            f"hybridflow.patches.unique_vllm_cpu_shm_names was written for vllm 0.32, found {vllm.__version__}; "
-            "re-check vllm.distributed.device_communicators.cpu_communicator._CPUSHMDistributed")
+    _check_vllm_version("unique_vllm_cpu_shm_names", "vllm.distributed.device_communicators.cpu_communicator")
     from vllm.distributed.device_communicators import cpu_communicator
 
     cls = getattr(cpu_communicator, "_CPUSHMDistributed", None)

@@ -245,21 +245,7 @@ class WorkerGroup:
 
     def _wait(self, method: str, refs: list[ray.ObjectRef], ranks: list[int], timeout_s: float | None) -> list:
         """Results in rank order; the first failure on any rank raises at once."""
-        position = {ref: i for i, ref in enumerate(refs)}
-        results: list[Any] = [None] * len(refs)
-        pending = list(refs)
-        deadline = None if timeout_s is None else time.monotonic() + timeout_s
-        while pending:
-            wait_s = None if deadline is None else max(0.0, deadline - time.monotonic())
-            ready, pending = ray.wait(pending, num_returns=1, timeout=wait_s)
-            if not ready:
-                raise GetTimeoutError(
-                    f"{self.worker_cls.__name__}.{method} on worker group {self.name!r}: ranks "
-                    f"{[ranks[position[r]] for r in pending]} gave no result within {timeout_s} s")
-            for ref in ready:
-                i = position[ref]
-                results[i] = self._get_one(method, ref, ranks[i])
-        return results
+        return _await([(self, method, ref, rank) for ref, rank in zip(refs, ranks)], timeout_s)
 
     def _get_one(self, method: str, ref: ray.ObjectRef, rank: int) -> Any:
         try:
@@ -362,19 +348,29 @@ def wait_all(futures: list[GroupFuture], timeout_s: float | None = None) -> list
     rank, even while the others are blocked waiting for the failed peer; past `timeout_s` a
     `GetTimeoutError` names every rank that has not answered.
     """
-    owner = {ref: (i, pos) for i, f in enumerate(futures) for pos, ref in enumerate(f.refs)}
-    results: list[list[Any]] = [[None] * len(f.refs) for f in futures]
-    pending = list(owner)
+    calls = [(f.group, f.method, ref, rank) for f in futures for ref, rank in zip(f.refs, f.ranks)]
+    results = _await(calls, timeout_s)
+    out, start = [], 0
+    for f in futures:
+        out.append(f.collect(results[start:start + len(f.refs)]))
+        start += len(f.refs)
+    return out
+
+
+def _await(calls: list[tuple[WorkerGroup, str, ray.ObjectRef, int]], timeout_s: float | None) -> list:
+    """Each (group, method, ref, rank)'s result, in order; the first failure raises at once."""
+    position = {ref: i for i, (_, _, ref, _) in enumerate(calls)}
+    results: list[Any] = [None] * len(calls)
+    pending = list(position)
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
     while pending:
         wait_s = None if deadline is None else max(0.0, deadline - time.monotonic())
         ready, pending = ray.wait(pending, num_returns=1, timeout=wait_s)
         if not ready:
-            silent = [f"{futures[i].group.worker_cls.__name__}.{futures[i].method} rank {futures[i].ranks[pos]}"
-                      for i, pos in (owner[r] for r in pending)]
+            silent = [f"{g.worker_cls.__name__}.{m} rank {rank} (worker group {g.name!r})"
+                      for g, m, _, rank in (calls[position[r]] for r in pending)]
             raise GetTimeoutError(f"no result within {timeout_s} s from: {', '.join(silent)}")
         for ref in ready:
-            i, pos = owner[ref]
-            f = futures[i]
-            results[i][pos] = f.group._get_one(f.method, ref, f.ranks[pos])
-    return [f.collect(r) for f, r in zip(futures, results)]
+            group, method, _, rank = calls[position[ref]]
+            results[position[ref]] = group._get_one(method, ref, rank)
+    return results

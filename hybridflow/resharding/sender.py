@@ -95,6 +95,7 @@ class WeightSender:
             yield self._exchange(index, names, local, stats)
 
     def _exchange(self, index: int, names: list[str], local: dict, stats: dict) -> list:
+        start = time.perf_counter()
         me = self.rank
         pieces = plan_pieces(names, self.held, self.needs)
         send = [[] for _ in range(self.world)]
@@ -116,6 +117,8 @@ class WeightSender:
                                     f"training ranks failed: {exc}") from exc
         faults.apply_to_bucket(index, received)
         stats["received_bytes"] += received.numel() * received.element_size()
+        stats["exchange_seconds"] += time.perf_counter() - start
+        start = time.perf_counter()
         offsets = [sum(recv_sizes[:s]) for s in range(self.world)]
         out = []
         for name in names:
@@ -132,6 +135,7 @@ class WeightSender:
                     full[p.box.slices()].copy_(received[offsets[p.src]:offsets[p.src] + n].view(p.box.shape))
                     offsets[p.src] += n
             out.append((name, full))
+        stats["assemble_seconds"] += time.perf_counter() - start
         return out
 
     def _gathered_buckets(self, stats: dict):
@@ -160,7 +164,7 @@ class WeightSender:
     def send(self, receiver=None) -> dict[str, float]:
         """One sync. Colocated: into `receiver` (this process's); gloo: to the rollout pool."""
         start = time.perf_counter()
-        stats = {"received_bytes": 0}
+        stats = {"received_bytes": 0, "exchange_seconds": 0.0, "assemble_seconds": 0.0}
         if self.plan.transport == "colocated":
             loaded = receiver.load(self.colocated_buckets(stats))
             stats["load_seconds"] = loaded["load_seconds"]

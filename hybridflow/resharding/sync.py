@@ -93,7 +93,12 @@ class WeightSync:
             "weight_sync/min_bytes_per_rank": float(self.min_bytes),
             "weight_sync/seconds": seconds,
             "weight_sync/copy_floor_ratio": seconds / max(self.floor_seconds, 1e-9),
+            # where the time went, slowest rank: vLLM's load session (colocated: with the exchange
+            # inside it, bucket by bucket) and, colocated, the exchange between training ranks
+            "weight_sync/load_s": max(r.get("load_seconds", 0.0) for r in per_rank),
         }
+        if self.transport == "colocated":
+            metrics["weight_sync/exchange_s"] = max(r["exchange_seconds"] for r in per_rank)
         metrics.update(self.check(step))
         return metrics
 
