@@ -61,6 +61,7 @@ class WeightSender:
         self.buckets = plan.buckets
         self.group = None
         self._check_plan()
+        self.pieces = [] if self.gathers else [plan_pieces(names, self.held, self.needs) for names in self.buckets]
 
     def _check_plan(self) -> None:
         missing = [n for n in self.shapes if any(n not in need for need in self.needs)]
@@ -95,9 +96,9 @@ class WeightSender:
             yield self._exchange(index, names, local, stats)
 
     def _exchange(self, index: int, names: list[str], local: dict, stats: dict) -> list:
+        """One bucket: send each peer what it lacks of its slice, receive what this rank lacks."""
         start = time.perf_counter()
-        me = self.rank
-        pieces = plan_pieces(names, self.held, self.needs)
+        me, pieces = self.rank, self.pieces[index]
         send = [[] for _ in range(self.world)]
         recv_sizes = [0] * self.world
         for p in pieces:
@@ -119,14 +120,23 @@ class WeightSender:
         stats["received_bytes"] += received.numel() * received.element_size()
         stats["exchange_seconds"] += time.perf_counter() - start
         start = time.perf_counter()
+        out = self._assemble(names, pieces, local, received, recv_sizes)
+        stats["assemble_seconds"] += time.perf_counter() - start
+        return out
+
+    def _assemble(self, names: list[str], pieces: list, local: dict, received: torch.Tensor,
+                  recv_sizes: list[int]) -> list[tuple[str, torch.Tensor]]:
+        """Full-shape tensors with this rank's generation slice filled: its own part from its
+        shard, the rest from `received` (laid out by source rank, in piece order)."""
+        me = self.rank
         offsets = [sum(recv_sizes[:s]) for s in range(self.world)]
         out = []
         for name in names:
             need, held = self.needs[me][name], self.held[me][name]
             if need == held == Box.whole(self.shapes[name]):
-                out.append((name, local[name]))
+                out.append((name, local[name]))  # a single rank: its shard is the whole tensor
                 continue
-            full = torch.empty(self.shapes[name], dtype=self.dtype)
+            full = torch.empty(self.shapes[name], dtype=self.dtype)  # only the needed box is written
             for p in (p for p in pieces if p.name == name and p.dst == me):
                 if p.src == me:
                     full[p.box.slices()].copy_(local[name][p.box.relative_to(held).slices()])
@@ -135,7 +145,6 @@ class WeightSender:
                     full[p.box.slices()].copy_(received[offsets[p.src]:offsets[p.src] + n].view(p.box.shape))
                     offsets[p.src] += n
             out.append((name, full))
-        stats["assemble_seconds"] += time.perf_counter() - start
         return out
 
     def _gathered_buckets(self, stats: dict):
