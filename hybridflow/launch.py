@@ -140,7 +140,7 @@ def actor_settings(config: HybridFlowConfig, model_dir: Path):
         kl_loss_coef=a.kl_loss_coef, kl_loss_estimator=a.kl_loss_estimator,
         skip_zero_advantage_samples=a.skip_zero_advantage_samples,
         temperature=config.rollout.temperature, lora=lora, gradient_checkpointing=a.gradient_checkpointing,
-        seed=config.seed)
+        trust_remote_code=config.model.trust_remote_code, seed=config.seed)
 
 
 def critic_settings(config: HybridFlowConfig, model_dir: Path):
@@ -151,7 +151,8 @@ def critic_settings(config: HybridFlowConfig, model_dir: Path):
         model_path=str(model_dir), dtype=config.model.dtype.value, optim=optim_settings(o, config.trainer.total_steps),
         samples_per_mini_batch=c.samples_per_mini_batch,
         samples_per_micro_batch=c.samples_per_micro_batch, epochs_per_step=c.epochs_per_step,
-        value_clip_range=c.value_clip_range, loss_aggregation=c.loss_aggregation, seed=config.seed)
+        value_clip_range=c.value_clip_range, loss_aggregation=c.loss_aggregation,
+        trust_remote_code=config.model.trust_remote_code, seed=config.seed)
 
 
 def rollout_role(config: HybridFlowConfig, model_dir: Path, tokenizer) -> RoleSpec:

@@ -53,7 +53,7 @@ from workers.reward import RewardWorker
 def run(config: HybridFlowConfig, run_dir: Path) -> dict:
     model_dir = prepare_model(config, run_dir)
     data = prepare_data(config, run_dir)
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir, trust_remote_code=config.model.trust_remote_code)
     start_ray(config)
     groups = spawn_roles(config, build_roles(config, model_dir, tokenizer), env_vars=vllm_env(config))
     actor, rollout, reward = groups["actor"], groups["rollout"], groups["reward"]
@@ -84,11 +84,13 @@ def run(config: HybridFlowConfig, run_dir: Path) -> dict:
         with timer("generate"), weight_sync.generating():  # GPU, colocated: the devices change hands
             prompts = encode_prompts(loader.next_rows(), tokenizer, config.data.max_prompt_tokens)
             prompts.tensors["group_ids"] = torch.arange(len(prompts))
+            greedy = rollout.generate(prompts, greedy=True) if needs_greedy_baseline(config) else None  # ReMax
             prompts = prompts.repeat_interleave(n)
             prompts.tensors["sample_seed"] = sample_seeds(config.seed, step, len(prompts))
             samples = rollout.generate(prompts)
         with timer("score"):  # independent: on separate pools these run at the same time
-            pending = [reward.compute_rewards.remote(samples.select(list(samples.objects)))]  # text only
+            pending = [reward.compute_rewards.remote(text_only(samples))]
+            baseline = reward.compute_rewards.remote(text_only(greedy)) if greedy is not None else None
             if not on_policy:
                 pending.append(actor.compute_log_probs.remote(samples))
             if reference is not None:
@@ -99,6 +101,8 @@ def run(config: HybridFlowConfig, run_dir: Path) -> dict:
                 pending.append(critic.compute_values.remote(samples))
             for future in pending:
                 samples = samples.union(future.get())
+            if baseline is not None:  # each prompt's greedy reward, beside each of its n samples
+                samples.tensors["baseline_rewards"] = baseline.get()["sequence_rewards"].repeat_interleave(n)
         if on_policy:
             samples.tensors["old_log_probs"] = samples["sampler_log_probs"]
         with timer("advantages"):
@@ -138,6 +142,16 @@ def needs_reference(config: HybridFlowConfig) -> bool:
     return config.algorithm.kl_penalty_coef > 0 or config.actor.kl_loss_coef > 0
 
 
+def needs_greedy_baseline(config: HybridFlowConfig) -> bool:
+    """ReMax's baseline is the reward of one greedy response per prompt."""
+    return config.algorithm.advantage_estimator == "remax"
+
+
+def text_only(samples: Batch) -> Batch:
+    """What the reward role reads: the prompt, response and data columns, no tensors."""
+    return samples.select(list(samples.objects))
+
+
 def build_roles(config: HybridFlowConfig, model_dir: Path, tokenizer) -> dict[str, RoleSpec]:
     roles = {
         "actor": RoleSpec(ActorWorker, {"settings": actor_settings(config, model_dir)}),
@@ -147,7 +161,8 @@ def build_roles(config: HybridFlowConfig, model_dir: Path, tokenizer) -> dict[st
     if needs_reference(config) and not config.actor.lora.rank:
         roles["reference"] = RoleSpec(ReferenceWorker, dict(
             model_path=str(model_dir), dtype=config.model.dtype.value,
-            samples_per_micro_batch=config.actor.samples_per_micro_batch, temperature=config.rollout.temperature))
+            samples_per_micro_batch=config.actor.samples_per_micro_batch, temperature=config.rollout.temperature,
+            trust_remote_code=config.model.trust_remote_code))
     if config.algorithm.use_critic:
         roles["critic"] = RoleSpec(CriticWorker, {"settings": critic_settings(config, model_dir)})
     return roles
@@ -162,9 +177,17 @@ def kl_controller_args(config: HybridFlowConfig) -> dict:
 
 def add_advantages(samples: Batch, config: HybridFlowConfig, kl_coef: float) -> tuple[Batch, dict[str, float]]:
     """Token rewards (sequence reward on the last token, minus the KL penalty), then the
-    configured advantage estimator. Adds `token_rewards`, `advantages`, `returns`."""
+    configured advantage estimator. Adds `token_rewards`, `advantages`, `returns`.
+
+    Reads `sequence_rewards`, `response_mask`, `group_ids`, `old_log_probs` and `ref_log_probs`
+    (when a reference ran), `values` (with a critic) and `baseline_rewards` (ReMax: the greedy
+    response's reward per sample, (B,))."""
     a, mask = config.algorithm, samples["response_mask"]
     token_rewards = place_sequence_rewards(samples["sequence_rewards"], mask)
+    baseline_token_rewards = None
+    if "baseline_rewards" in samples:  # summed over the row by the estimator: any one column carries it
+        baseline_token_rewards = torch.zeros_like(token_rewards)
+        baseline_token_rewards[:, 0] = samples["baseline_rewards"].float()
     metrics: dict[str, float] = {}
     if "ref_log_probs" in samples:
         token_rewards, kl_stats = apply_kl_penalty(
@@ -174,7 +197,7 @@ def add_advantages(samples: Batch, config: HybridFlowConfig, kl_coef: float) -> 
         metrics["kl/token_mean"] = kl_stats["kl"]
     advantages, returns, stats = compute_advantages(
         a.advantage_estimator, token_rewards=token_rewards, response_mask=mask, values=samples.tensors.get("values"),
-        group_ids=samples["group_ids"], gamma=a.gamma, lam=a.lam)
+        group_ids=samples["group_ids"], baseline_token_rewards=baseline_token_rewards, gamma=a.gamma, lam=a.lam)
     samples = samples.union(Batch({"token_rewards": token_rewards, "advantages": advantages, "returns": returns}))
     metrics.update({f"advantages/{k}": v for k, v in stats.items()})
     return samples, metrics

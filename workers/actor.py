@@ -66,6 +66,7 @@ class ActorSettings:
     temperature: float = 1.0
     lora: LoraSpec | None = None
     gradient_checkpointing: bool = False
+    trust_remote_code: bool = False  # model.trust_remote_code
     seed: int = 0
 
 
@@ -82,7 +83,8 @@ class ActorWorker(TrainingStateMixin):
     def start(self) -> dict:
         torch.manual_seed(self.s.seed)
         model = load_model(self.s.model_path, self.s.dtype, lora=self.s.lora,
-                           gradient_checkpointing=self.s.gradient_checkpointing)
+                           gradient_checkpointing=self.s.gradient_checkpointing,
+                           trust_remote_code=self.s.trust_remote_code)
         self.model = shard_model(model, self.ctx.device)
         self.optimizer, self.scheduler = build_optimizer(
             self.model, self.s.optim)

@@ -39,6 +39,7 @@ class CriticSettings:
     epochs_per_step: int = 1
     value_clip_range: float = 0.2
     loss_aggregation: str = "token-mean"
+    trust_remote_code: bool = False  # model.trust_remote_code
     seed: int = 0
 
 
@@ -59,7 +60,9 @@ class CriticWorker(TrainingStateMixin):
     @register(Dispatch.ONE_TO_ALL)
     def start(self) -> None:
         torch.manual_seed(self.s.seed + 1)
-        self.model = shard_model(load_model(self.s.model_path, self.s.dtype, value_head=True), self.ctx.device)
+        model = load_model(self.s.model_path, self.s.dtype, value_head=True,
+                           trust_remote_code=self.s.trust_remote_code)
+        self.model = shard_model(model, self.ctx.device)
         self.optimizer, self.scheduler = build_optimizer(
             self.model, self.s.optim)
 

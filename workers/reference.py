@@ -17,14 +17,16 @@ from hybridflow.training.sequences import log_probs_and_entropy
 
 class ReferenceWorker:
     def __init__(self, ctx: WorkerContext, model_path: str, dtype: str = "float32",
-                 samples_per_micro_batch: int = 16, temperature: float = 1.0) -> None:
+                 samples_per_micro_batch: int = 16, temperature: float = 1.0,
+                 trust_remote_code: bool = False) -> None:
         self.ctx, self.model_path, self.dtype = ctx, model_path, dtype
         self.samples_per_micro_batch, self.temperature = samples_per_micro_batch, temperature
+        self.trust_remote_code = trust_remote_code
         self.model = None
 
     @register(Dispatch.ONE_TO_ALL)
     def start(self) -> None:
-        model = load_model(self.model_path, self.dtype)
+        model = load_model(self.model_path, self.dtype, trust_remote_code=self.trust_remote_code)
         model.requires_grad_(False)
         self.model = shard_model(model, self.ctx.device)
 

@@ -8,6 +8,7 @@ bool with True = a real response token. docs/algorithms.md lists every registere
 
 from hybridflow.algos.advantages import (
     ADVANTAGE_ESTIMATORS,
+    check_estimator,
     compute_advantages,
     discounted_returns,
     gae_advantages,
@@ -44,6 +45,7 @@ __all__ = [
     "aggregate_loss",
     "apply_kl_penalty",
     "build_kl_controller",
+    "check_estimator",
     "clipped_surrogate",
     "clipped_value_loss",
     "compute_advantages",

@@ -17,6 +17,8 @@ Conventions and departures:
 
 from __future__ import annotations
 
+import inspect
+
 import torch
 
 from hybridflow.algos.masked import check_mask, masked_mean, masked_sum, masked_var, masked_whiten
@@ -203,3 +205,22 @@ def remax(*, token_rewards, response_mask, values=None, group_ids=None, baseline
 def compute_advantages(name: str, **kwargs):
     """`ADVANTAGE_ESTIMATORS.get(name)(**kwargs)`: the one place a recipe picks an estimator by name."""
     return ADVANTAGE_ESTIMATORS.get(name)(**kwargs)
+
+
+# The keywords a recipe passes to every estimator (the registry's signature, less `eps`).
+ESTIMATOR_ARGUMENTS = ("token_rewards", "response_mask", "values", "group_ids", "baseline_token_rewards",
+                       "gamma", "lam")
+
+
+def check_estimator(name: str) -> None:
+    """Raise unless `name` (a registered name or a 'module:fn' reference) resolves to a callable
+    that accepts every keyword in ESTIMATOR_ARGUMENTS: so that a custom estimator fails before a run starts."""
+    fn = ADVANTAGE_ESTIMATORS.get(name)
+    if not callable(fn):
+        raise TypeError(f"advantage estimator {name!r} is a {type(fn).__name__}, not a function; "
+                        f"it must have the signature {ADVANTAGE_ESTIMATORS.signature}")
+    try:
+        inspect.signature(fn).bind(**dict.fromkeys(ESTIMATOR_ARGUMENTS))
+    except TypeError as exc:
+        raise TypeError(f"advantage estimator {name!r} cannot take the recipe's keywords ({exc}); "
+                        f"it must have the signature {ADVANTAGE_ESTIMATORS.signature}") from None

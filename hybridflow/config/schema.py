@@ -248,16 +248,21 @@ class AlgorithmConfig:
     lam: float = 1.0
     kl_penalty_coef: float = 0.0  # KL to the reference as a reward penalty (0: off)
     kl_penalty_estimator: str = "k1"
-    kl_controller: str = "fixed"  # fixed | adaptive
+    kl_controller: str = "fixed"  # fixed | adaptive (starts at kl_penalty_coef, which must then be > 0)
     kl_target: float = 0.1  # adaptive controller's target KL per sequence
-    kl_horizon: int = 10000
+    kl_horizon: int = 10000  # adaptive controller's horizon, in samples
 
     def __post_init__(self) -> None:
-        from hybridflow.algos import ADVANTAGE_ESTIMATORS, KL_CONTROLLERS, KL_ESTIMATORS
+        from hybridflow.algos import ADVANTAGE_ESTIMATORS, KL_CONTROLLERS, KL_ESTIMATORS, check_estimator
 
         known = ADVANTAGE_ESTIMATORS.names()
         _require(self.advantage_estimator in known or ":" in self.advantage_estimator,
                  "algorithm.advantage_estimator", self.advantage_estimator, f"one of {known}, or 'module:function'")
+        if self.advantage_estimator not in known:  # a custom one: import it and check its signature now
+            try:
+                check_estimator(self.advantage_estimator)
+            except Exception as exc:  # noqa: BLE001 - whatever the import raised, refuse the config with it
+                _require(False, "algorithm.advantage_estimator", self.advantage_estimator, str(exc))
         _require(self.use_critic or self.advantage_estimator != "gae", "algorithm.use_critic", self.use_critic,
                  "advantage_estimator=gae needs a critic: set algorithm.use_critic=true (or recipe=ppo)")
         _require(0 <= self.gamma <= 1, "algorithm.gamma", self.gamma, "must be in [0, 1]")
@@ -267,6 +272,14 @@ class AlgorithmConfig:
                  self.kl_penalty_estimator, f"one of {KL_ESTIMATORS.names()}")
         _require(self.kl_controller in KL_CONTROLLERS.names(), "algorithm.kl_controller", self.kl_controller,
                  f"one of {KL_CONTROLLERS.names()}")
+        _require(self.kl_controller != "adaptive" or self.kl_penalty_coef > 0, "algorithm.kl_penalty_coef",
+                 self.kl_penalty_coef, "algorithm.kl_controller=adaptive starts from algorithm.kl_penalty_coef and "
+                 "scales it, so from 0 it can never move: set algorithm.kl_penalty_coef to its starting value "
+                 "(e.g. 0.05), or use algorithm.kl_controller=fixed")
+        _require(self.kl_target > 0, "algorithm.kl_target", self.kl_target,
+                 "must be > 0 (the adaptive controller's target KL per sequence)")
+        _require(self.kl_horizon > 0, "algorithm.kl_horizon", self.kl_horizon,
+                 "must be > 0 (the adaptive controller's horizon in samples; Ziegler et al. use 10000)")
 
 
 @dataclass
@@ -334,6 +347,10 @@ class ActorConfig:
         _require(self.kl_loss_estimator in KL_ESTIMATORS.names(), "actor.kl_loss_estimator", self.kl_loss_estimator,
                  f"one of {KL_ESTIMATORS.names()}")
         _require(self.dual_clip_c is None or self.dual_clip_c > 1, "actor.dual_clip_c", self.dual_clip_c, "null or > 1")
+        _require(0 <= self.clip_ratio_low < 1, "actor.clip_ratio_low", self.clip_ratio_low,
+                 "must be in [0, 1): the ratio is clipped below at 1 - clip_ratio_low > 0")
+        _require(self.clip_ratio_high >= 0, "actor.clip_ratio_high", self.clip_ratio_high, "must be >= 0")
+        _require(self.kl_loss_coef >= 0, "actor.kl_loss_coef", self.kl_loss_coef, "must be >= 0 (0: no KL loss)")
 
 
 @dataclass
