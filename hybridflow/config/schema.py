@@ -157,6 +157,8 @@ class ModelConfig:
     path: Optional[str] = None  # a Hugging Face model directory; null builds the tiny model offline
     tiny: TinyModelConfig = field(default_factory=TinyModelConfig)
     dtype: Dtype = Dtype.float32  # training parameter dtype
+    # Run the model directory's own Python code (its config.json `auto_map`): passed to the actor,
+    # critic and reference model loaders and to the tokenizers of the preflight check and the RL driver.
     trust_remote_code: bool = False
 
 
