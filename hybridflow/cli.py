@@ -48,8 +48,12 @@ def run(config: HybridFlowConfig) -> dict:
     run_dir = make_run_dir(config.logger.output_root, config.logger.run_name, config.recipe.name.split(":")[-1])
     save_config(config, run_dir)
     print(f"hybridflow: run directory {run_dir}", flush=True)
+    from hybridflow.controller import deadlines
+    from hybridflow.runner import run_with_restarts
+
+    deadlines.configure(dict(config.trainer.stage_timeout_s), config.trainer.default_stage_timeout_s)
     try:
-        return recipe(config, run_dir)
+        return run_with_restarts(recipe, config, run_dir)
     finally:
         from hybridflow.launch import release_all
 

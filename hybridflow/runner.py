@@ -15,14 +15,15 @@ from hybridflow.batch import Batch
 from hybridflow.checkpoint import (CheckpointCorrupt, CheckpointManager, capture_rng_state, config_hash,
                                   restore_rng_state)
 from hybridflow.config.schema import HybridFlowConfig
-from hybridflow.controller import WorkerGroup
+from hybridflow.controller import WorkerGroup, deadlines
 from hybridflow.data.prompts import encode_prompts
 from hybridflow.rewards import reward_metrics
 from hybridflow.rewards.composer import EXTRA_PREFIX, SCORE_KEY
 
 
 class StageTimer:
-    """`with timer("generate"): ...` records `timing/generate_s`."""
+    """`with timer("generate"): ...` records `timing/generate_s`, and bounds every worker-group
+    wait inside by the stage's deadline (hybridflow.controller.deadlines)."""
 
     def __init__(self) -> None:
         self.seconds: dict[str, float] = {}
@@ -31,7 +32,8 @@ class StageTimer:
     def __call__(self, stage: str) -> Iterator[None]:
         start = time.perf_counter()
         try:
-            yield
+            with deadlines.stage(stage):
+                yield
         finally:
             self.seconds[f"timing/{stage}_s"] = time.perf_counter() - start
 
@@ -194,3 +196,43 @@ def run_training_hooks(config: HybridFlowConfig, step: int, actor: WorkerGroup, 
             reference.load_state_from(new_state)
             applied += 1
     return {"hooks/applied": applied} if config.trainer.training_hooks else {}
+
+
+def run_with_restarts(recipe, config: HybridFlowConfig, run_dir: Path) -> dict:
+    """Run `recipe`; when a worker dies or raises, or a stage overruns its deadline, report it,
+    tear the worker groups down and resume from the last complete checkpoint, at most
+    `trainer.max_restarts` times. Each restart is a line in run_dir/restarts.jsonl, and every
+    metrics row after it carries `trainer/restarts`."""
+    import dataclasses
+    import json
+
+    from hybridflow.controller import WorkerError, WorkerGroupBroken
+    from hybridflow.launch import release_all
+    from hybridflow.resharding import WeightSyncError
+
+    restarts = 0
+    while True:
+        try:
+            return recipe(config, run_dir)
+        except (WorkerError, WorkerGroupBroken, WeightSyncError, TimeoutError) as exc:
+            if restarts >= config.trainer.max_restarts:
+                raise
+            restarts += 1
+            step = _last_logged_step(run_dir) + 1
+            print(f"hybridflow: step {step}: {type(exc).__name__}: {str(exc).splitlines()[0]}\n"
+                  f"hybridflow: restart {restarts} of "
+                  f"{config.trainer.max_restarts} (trainer.max_restarts): tearing the worker groups down and resuming "
+                  "from the last complete checkpoint", flush=True)
+            with (run_dir / "restarts.jsonl").open("a") as f:
+                f.write(json.dumps({"restart": restarts, "step": step, "error": type(exc).__name__, "message": str(exc)[:2000],
+                                    "time": time.time()}) + "\n")
+            release_all()
+            config = dataclasses.replace(config, trainer=dataclasses.replace(config.trainer, resume=True))
+
+
+def _last_logged_step(run_dir: Path) -> int:
+    import json
+
+    path = run_dir / "metrics.jsonl"
+    lines = path.read_text().splitlines() if path.exists() else []
+    return int(json.loads(lines[-1])["step"]) if lines else 0

@@ -49,6 +49,8 @@ class MetricsLogger:
     def __init__(self, run_dir: Path, backends: list[str]) -> None:
         self.started = time.monotonic()
         self.path = run_dir / "metrics.jsonl"
+        restarts = run_dir / "restarts.jsonl"  # written by hybridflow.runner.run_with_restarts
+        self.restarts = len(restarts.read_text().splitlines()) if restarts.exists() else 0
         self.console = "console" in backends
         self.jsonl = "jsonl" in backends
         self.tensorboard = None
@@ -76,6 +78,8 @@ class MetricsLogger:
     def log(self, step: int, metrics: dict[str, float]) -> None:
         bad = {k: v for k, v in metrics.items() if isinstance(v, float) and not math.isfinite(v)}
         metrics = {**metrics, "time/elapsed_s": time.monotonic() - self.started}
+        if self.restarts:
+            metrics["trainer/restarts"] = self.restarts
         record = {"step": step, **{k: _jsonable(v) for k, v in metrics.items()}}
         if self.jsonl:
             with open(self.path, "a") as f:

@@ -23,6 +23,7 @@ from hybridflow.config.schema import HybridFlowConfig
 from hybridflow.controller import RoleSpec
 from hybridflow.data.loader import PromptLoader
 from hybridflow.data.prompts import encode_prompts
+from hybridflow.faults import inject_faults
 from hybridflow.launch import (
     actor_settings,
     build_weight_sync,
@@ -80,6 +81,7 @@ def run(config: HybridFlowConfig, run_dir: Path) -> dict:
 
     while step < config.trainer.total_steps:
         step += 1
+        inject_faults(config, step, groups, run_dir)  # trainer.fault_injection: off unless configured
         timer = StageTimer()
         with timer("generate"), weight_sync.generating():  # GPU, colocated: the devices change hands
             prompts = encode_prompts(loader.next_rows(), tokenizer, config.data.max_prompt_tokens)

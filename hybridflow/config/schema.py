@@ -365,6 +365,27 @@ class CriticConfig:
     loss_aggregation: str = "token-mean"
 
 
+STAGES = ("generate", "score", "advantages", "update", "weight_sync")
+FAULT_KINDS = ("kill", "hang")
+
+
+@dataclass
+class FaultConfig:
+    kind: str = "kill"  # kill: the rank's process dies; hang: the method never returns
+    role: str = "actor"
+    rank: int = 0
+    step: int = 1  # at the start of this step (once per run directory)
+    method: str = ""  # hang: the worker method that hangs (e.g. generate)
+
+    def __post_init__(self) -> None:
+        _require(self.kind in FAULT_KINDS, "trainer.fault_injection[*].kind", self.kind, f"one of {list(FAULT_KINDS)}")
+        _require(self.role in ROLES, "trainer.fault_injection[*].role", self.role, f"one of {list(ROLES)}")
+        _require(self.step >= 1 and self.rank >= 0, "trainer.fault_injection[*].step/rank", (self.step, self.rank),
+                 "step >= 1 and rank >= 0")
+        _require(self.kind != "hang" or bool(self.method), "trainer.fault_injection[*].method", self.method,
+                 "kind=hang needs the worker method that hangs, e.g. method=generate")
+
+
 @dataclass
 class TrainerConfig:
     total_steps: int = 20
@@ -390,6 +411,16 @@ class TrainerConfig:
     training_hooks: List[HookConfig] = field(default_factory=list)
     # PPO with a critic: the first N steps train only the critic (the actor waits for useful values).
     critic_warmup_steps: int = 0
+    # Faults survived (docs/reliability.md): after a worker dies, raises or a stage overruns its
+    # deadline, tear the groups down and resume from the last complete checkpoint, at most N times.
+    max_restarts: int = 0
+    default_stage_timeout_s: float = 3600.0  # every controller wait on a worker ends by then
+    # Per stage (generate, score, advantages, update, weight_sync), e.g. +trainer.stage_timeout_s.generate=600.
+    # Typed Any so a stage can be named from the command line (OmegaConf refuses new keys of a typed dict).
+    stage_timeout_s: Dict[str, Any] = field(default_factory=dict)
+    # Faults on purpose, to check that a cluster survives them (off by default), e.g.
+    # [{kind: kill, role: actor, rank: 0, step: 2}] or [{kind: hang, role: rollout, method: generate, step: 2}].
+    fault_injection: List[FaultConfig] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         _require(self.critic_warmup_steps >= 0, "trainer.critic_warmup_steps", self.critic_warmup_steps,
@@ -405,6 +436,12 @@ class TrainerConfig:
                  self.keep_last_weights, "must be >= 0, or null to keep the weights of every checkpoint")
         _require(self.on_corrupt_checkpoint in ("previous", "stop"), "trainer.on_corrupt_checkpoint",
                  self.on_corrupt_checkpoint, "one of ['previous', 'stop']")
+        _require(self.max_restarts >= 0, "trainer.max_restarts", self.max_restarts, "must be >= 0")
+        _require(self.default_stage_timeout_s > 0, "trainer.default_stage_timeout_s", self.default_stage_timeout_s,
+                 "must be > 0 seconds")
+        bad = {k: v for k, v in self.stage_timeout_s.items()
+               if k not in STAGES or not isinstance(v, (int, float)) or v <= 0}
+        _require(not bad, "trainer.stage_timeout_s", bad, f"stages are {list(STAGES)}, each with seconds > 0")
 
 
 @dataclass

@@ -29,6 +29,7 @@ from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from hybridflow.batch import Batch
+from hybridflow.controller import deadlines
 from hybridflow.controller.decorators import Dispatch, Execute, MethodSpec, registered_methods
 from hybridflow.controller.errors import WorkerError, WorkerGroupBroken
 from hybridflow.controller.pools import ResourcePool
@@ -81,6 +82,11 @@ class WorkerHost:
         self.local_rank, self.node_id, self.use_gpu = local_rank, node_id, use_gpu
         self.roles = roles
         self.workers: dict[str, Any] = {}
+        self.hanging: set[tuple[str, str]] = set()
+
+    def inject_hang(self, role: str, method: str) -> None:
+        """Fault injection: every later call of `role.method` in this process never returns."""
+        self.hanging.add((role, method))
 
     def rendezvous_address(self) -> tuple[str, int]:
         """An address and a free port on this host for the group's process-group rendezvous."""
@@ -115,6 +121,8 @@ class WorkerHost:
         return {"rank": self.rank, "node_id": self.node_id, "pid": os.getpid()}
 
     def call(self, role: str, method: str, *args: Any, **kwargs: Any) -> Any:
+        if (role, method) in self.hanging:
+            time.sleep(1e9)  # an injected fault: this call never returns
         worker = self.workers[role]
         try:
             return getattr(worker, method)(*args, **kwargs)
@@ -163,7 +171,7 @@ class GroupFuture:
         self.refs, self.ranks, self.pad = refs, ranks, pad
 
     def get(self, timeout_s: float | None = None) -> Any:
-        return self.collect(self.group._wait(self.method, self.refs, self.ranks, timeout_s))
+        return wait_all([self], timeout_s)[0]
 
     def collect(self, results: list) -> Any:
         """The call's result from every rank's result (in rank order)."""
@@ -346,10 +354,17 @@ def wait_all(futures: list[GroupFuture], timeout_s: float | None = None) -> list
 
     The first failure on any rank of any of them raises at once, naming its group, method and
     rank, even while the others are blocked waiting for the failed peer; past `timeout_s` a
-    `GetTimeoutError` names every rank that has not answered.
+    `GetTimeoutError` names every rank that has not answered. Without `timeout_s`, inside a stage
+    (`hybridflow.controller.deadlines.stage`) the wait ends by the stage's deadline.
     """
     calls = [(f.group, f.method, ref, rank) for f in futures for ref, rank in zip(f.refs, f.ranks)]
-    results = _await(calls, timeout_s)
+    current = deadlines.remaining() if timeout_s is None else None
+    try:
+        results = _await(calls, current[1] if current else timeout_s)
+    except GetTimeoutError as exc:
+        if current is None:
+            raise
+        raise deadlines.overrun(current[0], current[2], str(exc)) from None
     out, start = [], 0
     for f in futures:
         out.append(f.collect(results[start:start + len(f.refs)]))

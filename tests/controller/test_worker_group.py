@@ -141,3 +141,21 @@ def test_wait_all_returns_each_calls_result_and_names_the_first_failure(pair):
     assert [i["rank"] for i in infos] == [0, 1] and len(stamps) == 1
     with pytest.raises(Exception, match=r"no result within 0.5 s from: EchoWorker.sleep rank 0"):
         wait_all([one.sleep.remote(3.0)], timeout_s=0.5)
+
+
+def test_a_wait_inside_a_stage_ends_at_its_deadline_naming_stage_method_and_ranks(pair):
+    from hybridflow.controller import deadlines
+
+    two, _ = pair
+    deadlines.configure({"generate": 0.5}, default_s=None)
+    try:
+        start = time.monotonic()
+        with deadlines.stage("generate"), pytest.raises(deadlines.StageTimeoutError) as error:
+            two.sleep(3.0)
+        assert time.monotonic() - start < 2.5
+        message = str(error.value)
+        assert "stage 'generate'" in message and "trainer.stage_timeout_s.generate" in message
+        assert "EchoWorker.sleep rank 0" in message and "EchoWorker.sleep rank 1" in message
+        two.sleep(3.0)  # outside the stage, and with no default: no deadline
+    finally:
+        deadlines.configure({}, default_s=None)

@@ -78,12 +78,23 @@ def test_ppo_with_critic_warmup_kl_penalty_and_a_reference_reset_hook(tmp_path):
     assert kl[3] == pytest.approx(0.0, abs=1e-5)  # step 4: the reference was reset to the actor after step 3
 
 
-def test_kill_and_resume_matches_the_uninterrupted_run(tmp_path):
-    args = ["recipe=grpo", "trainer.total_steps=3", "trainer.save_every_steps=1", "trainer.val_every_steps=0",
-            "trainer.export_hf=false"]
-    straight = hybridflow(args, tmp_path, "straight")
-    assert straight.returncode == 0, straight.stdout[-4000:] + straight.stderr[-4000:]
+RESUMABLE = ["recipe=grpo", "trainer.total_steps=3", "trainer.save_every_steps=1", "trainer.val_every_steps=0",
+             "trainer.export_hf=false"]
+COMPARED = ["reward/score", "actor/loss", "actor/grad_norm", "actor/entropy", "response/length_mean",
+            "advantages/advantage_std"]
 
+
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory) -> dict[int, dict]:
+    """The uninterrupted 3-step run the fault tests compare with, by step."""
+    root = tmp_path_factory.mktemp("straight")
+    result = hybridflow(RESUMABLE, root, "straight")
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
+    return {r["step"]: r for r in metrics(root / "straight")}
+
+
+def test_kill_and_resume_matches_the_uninterrupted_run(tmp_path, straight):
+    args = RESUMABLE
     # The second run is killed (SIGKILL, whole process group) once its step-2 checkpoint is complete.
     cmd = [str(VENV_BIN / "hybridflow"), *args, *SMALL, f"logger.output_root={tmp_path}", "logger.run_name=killed"]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
@@ -99,8 +110,36 @@ def test_kill_and_resume_matches_the_uninterrupted_run(tmp_path):
     resumed = hybridflow([*args, "trainer.resume=true"], tmp_path, "killed")
     assert resumed.returncode == 0, resumed.stdout[-4000:] + resumed.stderr[-4000:]
     assert "resumed from" in resumed.stdout
-    expected = {r["step"]: r for r in metrics(tmp_path / "straight")}[3]
     got = {r["step"]: r for r in metrics(tmp_path / "killed")}[3]
-    for key in ["reward/score", "actor/loss", "actor/grad_norm", "actor/entropy", "response/length_mean",
-                "advantages/advantage_std"]:
-        assert got[key] == pytest.approx(expected[key], rel=1e-5, abs=1e-6), key
+    for key in COMPARED:
+        assert got[key] == pytest.approx(straight[3][key], rel=1e-5, abs=1e-6), key
+
+
+def test_an_actor_rank_killed_mid_run_is_restarted_and_the_run_matches_the_uninterrupted_one(tmp_path, straight):
+    start = time.monotonic()
+    result = hybridflow([*RESUMABLE, "trainer.max_restarts=1",
+                         "trainer.fault_injection=[{kind:kill,role:actor,rank:1,step:2}]"], tmp_path, "restarted")
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
+    assert "restart 1 of 1" in result.stdout
+    # the first call that reaches the dead process names it: the group (actor+rollout+reward), rank, method, step
+    restart = json.loads((tmp_path / "restarted" / "restarts.jsonl").read_text().splitlines()[0])
+    assert restart["step"] == 2 and "failed on rank 1 of 2" in restart["message"] and "died" in restart["message"]
+    rows = {r["step"]: r for r in metrics(tmp_path / "restarted")}
+    assert rows[3]["trainer/restarts"] == 1 and "trainer/restarts" not in rows[1]
+    for step in (2, 3):
+        for key in COMPARED:
+            assert rows[step][key] == pytest.approx(straight[step][key], rel=1e-5, abs=1e-6), (step, key)
+    assert time.monotonic() - start < 300
+
+
+def test_a_hung_rollout_is_a_named_stage_timeout_then_a_restart(tmp_path):
+    result = hybridflow([*RESUMABLE, "trainer.total_steps=2", "trainer.max_restarts=1",
+                         "+trainer.stage_timeout_s.generate=15",
+                         "trainer.fault_injection=[{kind:hang,role:rollout,method:generate,step:2}]"], tmp_path, "hung")
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
+    restart = json.loads((tmp_path / "hung" / "restarts.jsonl").read_text().splitlines()[0])
+    assert restart["error"] == "StageTimeoutError"
+    assert "stage 'generate' did not finish within 15 s" in restart["message"]
+    # rank 0 hangs; rank 1's engine is independent at TP 1 and answered
+    assert "VLLMRollout.generate rank 0" in restart["message"] and "rank 1" not in restart["message"]
+    assert [r["step"] for r in metrics(tmp_path / "hung")][-1] == 2

@@ -1,0 +1,38 @@
+"""Faults on purpose (`trainer.fault_injection`): kill a role's rank, or make a method hang, at the
+start of a named step — to check that a run survives them (`trainer.max_restarts`).
+
+Each fault fires once per run directory (`faults_fired.json` records it), so the step that is
+run again after the restart goes through.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import ray
+
+from hybridflow.config.schema import HybridFlowConfig
+from hybridflow.controller import WorkerGroup
+
+
+def inject_faults(config: HybridFlowConfig, step: int, groups: dict[str, WorkerGroup], run_dir: Path) -> None:
+    """Fire the faults configured for `step` that have not fired in this run directory yet."""
+    record = run_dir / "faults_fired.json"
+    fired = json.loads(record.read_text()) if record.exists() else []
+    for i, fault in enumerate(config.trainer.fault_injection):
+        if fault.step != step or i in fired or fault.role not in groups:
+            continue
+        group = groups[fault.role]
+        if fault.rank >= group.world_size:
+            raise ValueError(f"trainer.fault_injection[{i}]: rank {fault.rank} of role {fault.role!r}, which has "
+                             f"{group.world_size} rank(s)")
+        fired.append(i)
+        record.write_text(json.dumps(fired))
+        host = group.hosts[fault.rank]
+        print(f"hybridflow: fault injection: {fault.kind} {fault.role} rank {fault.rank}"
+              + (f" method {fault.method}" if fault.method else "") + f" at step {step}", flush=True)
+        if fault.kind == "kill":
+            ray.kill(host, no_restart=True)
+        else:
+            ray.get(host.inject_hang.remote(fault.role, fault.method))
