@@ -165,7 +165,8 @@ def rollout_role(config: HybridFlowConfig, model_dir: Path, tokenizer) -> RoleSp
     return RoleSpec(rollout_cls, dict(
         model_path=str(model_dir), rollout=config.rollout, max_prompt_tokens=config.data.max_prompt_tokens,
         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
-        verifiable_weights=config.weight_sync.checksum_every_steps > 0),
+        verifiable_weights=config.weight_sync.checksum_every_steps > 0,
+        trust_remote_code=config.model.trust_remote_code),
         replica_size=config.rollout.tensor_parallel_size)
 
 

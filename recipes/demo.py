@@ -24,12 +24,13 @@ from workers.rollout.vllm_rollout import VLLMRollout
 def run(config: HybridFlowConfig, run_dir) -> dict:
     model_dir = prepare_model(config, run_dir)
     data = prepare_data(config, run_dir)
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir, trust_remote_code=config.model.trust_remote_code)
     print(f"ray: {start_ray(config)}", flush=True)
 
     rollout_spec = RoleSpec(VLLMRollout, dict(
         model_path=str(model_dir), rollout=config.rollout, max_prompt_tokens=config.data.max_prompt_tokens,
-        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id))
+        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+        trust_remote_code=config.model.trust_remote_code))
     rollout = spawn_roles(config, {"rollout": rollout_spec}, env_vars=vllm_env(config))["rollout"]
     engine_start_s = max(rollout.start_engine())
 

@@ -35,7 +35,7 @@ from workers.reward import RewardWorker
 def run(config: HybridFlowConfig, run_dir: Path) -> dict:
     model_dir = prepare_model(config, run_dir)
     data = prepare_data(config, run_dir)
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir, trust_remote_code=config.model.trust_remote_code)
     start_ray(config)
     groups = spawn_roles(config, {
         "actor": RoleSpec(ActorWorker, {"settings": actor_settings(config, model_dir)}),

@@ -366,12 +366,14 @@ class CriticConfig:
 
 
 STAGES = ("generate", "score", "advantages", "update", "weight_sync")
-FAULT_KINDS = ("kill", "hang")
+FAULT_KINDS = ("kill", "hang", "corrupt")
 
 
 @dataclass
 class FaultConfig:
-    kind: str = "kill"  # kill: the rank's process dies; hang: the method never returns
+    # kill: the rank's process dies; hang: the method never returns; corrupt: the largest file of
+    # the newest complete checkpoint is cut to half (the next resume must name it and fall back)
+    kind: str = "kill"
     role: str = "actor"
     rank: int = 0
     step: int = 1  # at the start of this step (once per run directory)

@@ -20,6 +20,10 @@ from pathlib import Path
 import pytest
 import torch
 
+# Six CLI runs, about 2.5 minutes: left out of the default run (`pytest -m slow` runs it);
+# tests/unit/test_resume_rank_count.py covers 2 -> 1 and 1 -> 2 with the real actor by default.
+pytestmark = pytest.mark.slow
+
 VENV_BIN = Path(sys.executable).parent
 SMALL = ["recipe=sft", "trainer.prompts_per_step=4", "rollout.max_response_tokens=4", "trainer.val_prompts=8",
          "data.synthetic.train_rows=200", "data.synthetic.val_rows=16", "actor.samples_per_micro_batch=2",

@@ -18,10 +18,12 @@ from workers.rollout import ReceivingEnd
 
 class HFRollout(ReceivingEnd):
     def __init__(self, ctx: WorkerContext, model_path: str, rollout: RolloutConfig, max_prompt_tokens: int,
-                 eos_token_id: int, pad_token_id: int, verifiable_weights: bool = False) -> None:
+                 eos_token_id: int, pad_token_id: int, verifiable_weights: bool = False,
+                 trust_remote_code: bool = False) -> None:
         self.ctx, self.model_path, self.cfg = ctx, model_path, rollout
         self.max_prompt_tokens = max_prompt_tokens
         self.eos_token_id, self.pad_token_id = eos_token_id, pad_token_id
+        self.trust_remote_code = trust_remote_code
         self.model = None
 
     @register(Dispatch.ONE_TO_ALL)
@@ -31,7 +33,8 @@ class HFRollout(ReceivingEnd):
         from hybridflow.resharding.receiver import ModuleReceiver, register_local
 
         start = time.perf_counter()
-        self.model = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=getattr(torch, self.cfg.dtype.value))
+        self.model = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=getattr(torch, self.cfg.dtype.value),
+                                                          trust_remote_code=self.trust_remote_code)
         self.model.to(self.ctx.device).eval().requires_grad_(False)
         self.receiver = ModuleReceiver(self.model, self.pad_token_id)
         register_local(self.ctx.group_name, self.receiver)
@@ -78,5 +81,5 @@ class HFRollout(ReceivingEnd):
         if not hasattr(self, "_tokenizer"):
             from transformers import AutoTokenizer
 
-            self._tokenizer = AutoTokenizer.from_pretrained(self.model_path)
+            self._tokenizer = AutoTokenizer.from_pretrained(self.model_path, trust_remote_code=self.trust_remote_code)
         return [self._tokenizer.decode(row[m], skip_special_tokens=True) for row, m in zip(ids, mask)]

@@ -24,10 +24,12 @@ from workers.rollout import ReceivingEnd
 
 class VLLMRollout(ReceivingEnd):
     def __init__(self, ctx: WorkerContext, model_path: str, rollout: RolloutConfig, max_prompt_tokens: int,
-                 eos_token_id: int, pad_token_id: int, verifiable_weights: bool = False) -> None:
+                 eos_token_id: int, pad_token_id: int, verifiable_weights: bool = False,
+                 trust_remote_code: bool = False) -> None:
         self.ctx, self.model_path, self.cfg = ctx, model_path, rollout
         self.max_prompt_tokens = max_prompt_tokens
         self.eos_token_id, self.pad_token_id = eos_token_id, pad_token_id
+        self.trust_remote_code = trust_remote_code
         self.verifiable_weights = verifiable_weights  # keep weights readable for checksum checks
         self.engine = self.receiver = None
         self.asleep = False
@@ -62,6 +64,7 @@ class VLLMRollout(ReceivingEnd):
             logprobs_mode="processed_logprobs",  # after temperature: what the actor's ratio needs
             enable_sleep_mode=self.ctx.device == "cuda",
             weight_transfer_config={"backend": ENGINE_NAME},
+            trust_remote_code=self.trust_remote_code,
         )
         self.receiver = VLLMReceiver(self.engine, self.ctx.rank)
         register_local(self.ctx.group_name, self.receiver)
