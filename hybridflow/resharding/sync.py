@@ -14,8 +14,10 @@ from __future__ import annotations
 import time
 from contextlib import contextmanager
 from typing import Iterator
+
 import torch
 
+from hybridflow.config.schema import WeightSyncConfig
 from hybridflow.controller import WorkerError, WorkerGroup, wait_all
 from hybridflow.resharding.layout import Box, buckets, fsdp_box, layout_minimum, numel
 from hybridflow.resharding.sender import SyncPlan
@@ -27,8 +29,9 @@ PROBE_TOLERANCE = 1e-2  # float32 kernels differ by ~1e-5; a stale or garbled we
 
 
 class WeightSync:
-    def __init__(self, actor: WorkerGroup, rollout: WorkerGroup, config, transport: str, dtype: str) -> None:
-        self.actor, self.rollout, self.cfg = actor, rollout, config  # config: the weight_sync node
+    def __init__(self, actor: WorkerGroup, rollout: WorkerGroup, config: WeightSyncConfig, transport: str,
+                 dtype: str) -> None:
+        self.actor, self.rollout, self.cfg = actor, rollout, config
         self.transport, self.dtype = transport, dtype
         self.syncs = 0
         self.floor_seconds = 0.0
