@@ -19,6 +19,8 @@ from hybridflow.controller import WorkerGroup
 
 def inject_faults(config: HybridFlowConfig, step: int, groups: dict[str, WorkerGroup], run_dir: Path) -> None:
     """Fire the faults configured for `step` that have not fired in this run directory yet."""
+    if not any(fault.step == step for fault in config.trainer.fault_injection):
+        return
     record = run_dir / "faults_fired.json"
     fired = json.loads(record.read_text()) if record.exists() else []
     for i, fault in enumerate(config.trainer.fault_injection):

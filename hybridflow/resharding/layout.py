@@ -28,6 +28,11 @@ class Box:
     ranges: tuple[Range, ...]
 
     @staticmethod
+    def of(ranges) -> "Box":
+        """A box from ranges as they travel between processes (lists or tuples)."""
+        return Box(tuple((int(a), int(b)) for a, b in ranges))
+
+    @staticmethod
     def whole(shape: Sequence[int]) -> "Box":
         return Box(tuple((0, int(n)) for n in shape))
 

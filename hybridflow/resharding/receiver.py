@@ -56,8 +56,7 @@ class Receiver:
                               "placement.roles.rollout on the actor's pool, or use rollout=vllm")
 
     def receive(self) -> dict[str, float]:
-        self.join(None)
-        return {}
+        return self.join(None)  # raises: only a colocated actor feeds this receiver
 
     def needed_boxes(self, shapes: dict[str, list[int]]) -> dict[str, tuple]:
         raise NotImplementedError

@@ -55,7 +55,7 @@ class WeightSender:
         self.model, self.plan, self.rank, self.world = model, plan, rank, world_size
         self.dtype = getattr(torch, plan.dtype)
         self.shapes = checkpoint_shapes(model)
-        self.needs = [{n: Box(tuple(tuple(r) for r in ranges)) for n, ranges in need.items()} for need in plan.needs]
+        self.needs = [{n: Box.of(ranges) for n, ranges in need.items()} for need in plan.needs]
         self.held = [{n: fsdp_box(s, world_size, r) for n, s in self.shapes.items()} for r in range(world_size)]
         self.gathers = is_peft(model) or plan.transport == "gloo"  # whole tensors are built on every rank
         self.buckets = plan.buckets

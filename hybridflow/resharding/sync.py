@@ -53,7 +53,7 @@ class WeightSync:
         if self.transport == "gloo":
             futures.append(self.rollout.join_weight_sync.remote(plan))
         self._wait(futures, "setup")
-        boxes = [{n: Box(tuple(tuple(r) for r in need[n])) for n in shapes} for need in needs]
+        boxes = [{n: Box.of(need[n]) for n in shapes} for need in needs]
         held = None
         if self.transport == "colocated":
             world = self.actor.world_size

@@ -91,7 +91,7 @@ def _engine_class():
             from hybridflow.resharding.transport import recv_flat, unpack
 
             dtype = getattr(torch, info.dtype)
-            boxes = [Box(tuple(tuple(r) for r in b)) for b in info.boxes]
+            boxes = [Box.of(b) for b in info.boxes]
             flat = recv_flat(self.group, sum(b.numel for b in boxes), dtype, src=0, what=f"bucket {info.bucket}")
             self.received_bytes += flat.numel() * flat.element_size()
             faults.apply_to_bucket(info.bucket, flat)

@@ -58,7 +58,7 @@ def test_step0_reference_and_actor_log_probs_equal_the_samplers(groups):
 
 def test_update_changes_weights_and_sync_makes_vllm_match(groups):
     g, tok = groups
-    actor, rollout = g["actor"], g["rollout"]
+    actor = g["actor"]
     before = actor.weight_checksums()[0][0]  # rank 0 result, rollout rank 0 (whole tensors at TP 1)
     samples = _samples(g, tok, seed=1)
     samples = samples.union(actor.compute_log_probs(samples))
