@@ -7,8 +7,8 @@ are prepared by grpo_vs_trl.py and handed over as files.
     bench/.trl-venv/bin/python bench/trl_grpo_steps.py --model DIR --prompts FILE.jsonl --out FILE.json \
         [--steps 7] [--prompts-per-step 16] [--samples-per-prompt 8] [--max-response-tokens 8]
 
-TRL generates with plain transformers `generate` (`use_vllm=False`): TRL's vLLM modes need
-vLLM's CUDA build (colocate) or a `trl vllm-serve` server, neither of which runs on this CPU.
+TRL generates with plain transformers `generate` (`use_vllm=False`), or with `--vllm-colocate`
+TRL's colocated vLLM mode, which needs vLLM in TRL's environment (`bench/trl_env.sh --vllm`).
 One step is one optimizer step: one generation of prompts x samples completions, then a
 forward and backward pass over them in micro-batches of `--samples-per-micro-batch`. With
 `beta=0` there is no reference model and with `num_iterations=1` TRL takes the old log-probs
@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import tempfile
 import time
 from pathlib import Path
@@ -37,10 +38,12 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=7, help="optimizer steps, warm-up included")
     p.add_argument("--prompts-per-step", type=int, default=16)
     p.add_argument("--samples-per-prompt", type=int, default=8)
-    p.add_argument("--samples-per-micro-batch", type=int, default=64)
+    p.add_argument("--samples-per-micro-batch", type=int, default=128)
     p.add_argument("--max-response-tokens", type=int, default=8)
     p.add_argument("--lr", type=float, default=2e-5)
-    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--threads", type=int, default=2, help="torch threads per process")
+    p.add_argument("--vllm-colocate", action="store_true",
+                   help="TRL's vLLM generation in the training process (needs vLLM in TRL's environment)")
     args = p.parse_args()
 
     import torch
@@ -57,10 +60,12 @@ def main() -> None:
         raise SystemExit(f"{args.prompts} has {len(rows)} prompts; {args.steps} steps need {needed}")
     dataset = Dataset.from_list([{"prompt": r["prompt"], "ground_truth": r["ground_truth"]} for r in rows[:needed]])
 
+    world = int(os.environ.get("WORLD_SIZE", "1"))  # under torchrun: data parallel over `world` processes
     samples_per_step = args.prompts_per_step * args.samples_per_prompt
-    micro = min(args.samples_per_micro_batch, samples_per_step)
-    if samples_per_step % micro:
-        raise SystemExit(f"--samples-per-micro-batch {micro} must divide prompts x samples = {samples_per_step}")
+    micro = min(args.samples_per_micro_batch, samples_per_step) // world  # per process
+    if micro < 1 or samples_per_step % (micro * world):
+        raise SystemExit(f"--samples-per-micro-batch {args.samples_per_micro_batch} over {world} process(es) must "
+                         f"divide prompts x samples = {samples_per_step}")
     times = StepTimes()
 
     class TimedGRPOTrainer(GRPOTrainer):
@@ -79,9 +84,12 @@ def main() -> None:
                 out = super()._generate_and_score_completions(inputs)
             finally:
                 times.add("generate_and_score_s", time.perf_counter() - start)
-            times.add("response_tokens", float(out["completion_mask"].sum()))
-            times.add("prompt_tokens", float(out["prompt_mask"].sum()))
-            times.add("samples", float(out["completion_mask"].shape[0]))
+            local = torch.tensor([float(out["completion_mask"].sum()), float(out["prompt_mask"].sum()),
+                                  float(out["completion_mask"].shape[0])])
+            if torch.distributed.is_initialized():  # each process holds its slice of the step's samples
+                torch.distributed.all_reduce(local)
+            for key, value in zip(("response_tokens", "prompt_tokens", "samples"), local.tolist()):
+                times.add(key, value)
             return out
 
     class StepClock(TrainerCallback):
@@ -96,7 +104,7 @@ def main() -> None:
             output_dir=output_dir,
             max_steps=args.steps,
             per_device_train_batch_size=micro,
-            gradient_accumulation_steps=samples_per_step // micro,  # one generation, one optimizer step
+            gradient_accumulation_steps=samples_per_step // (micro * world),  # one generation, one optimizer step
             num_generations=args.samples_per_prompt,
             max_completion_length=args.max_response_tokens,
             temperature=1.0,
@@ -113,7 +121,10 @@ def main() -> None:
             scale_rewards="group",
             bf16=False,  # float32 everywhere, as HybridFlow's tiny model
             use_cpu=True,
-            use_vllm=False,
+            use_vllm=args.vllm_colocate,
+            vllm_mode="colocate",
+            vllm_gpu_memory_utilization=0.3,
+            vllm_max_model_length=64,
             shuffle_dataset=False,  # the prompts in the order HybridFlow's loader drew them
             seed=0,
             logging_steps=1,
@@ -128,12 +139,15 @@ def main() -> None:
                                    processing_class=tokenizer, callbacks=[StepClock()])
         trainer.train()
 
+    if int(os.environ.get("RANK", "0")):
+        return
     result = {
         "steps": times.steps,
         "versions": {"torch": torch.__version__, "transformers": transformers.__version__, "trl": trl.__version__},
         "threads": torch.get_num_threads(),
+        "processes": world,
         "samples_per_micro_batch": micro,
-        "generation": "transformers generate (use_vllm=False)",
+        "generation": "vLLM colocate" if args.vllm_colocate else "transformers generate (use_vllm=False)",
     }
     Path(args.out).write_text(json.dumps(result, indent=1))
     print(f"TRL: {len(times.steps)} steps timed -> {args.out}")
