@@ -190,8 +190,8 @@ def versions(trl_versions: dict | None) -> dict:
 def render(results: dict) -> str:
     a = results["args"]
     lines = [
-        f"Measured {results['date']} on this machine ({os.cpu_count()} cores, every run alone under "
-        f"`flock /tmp/hybridflow-heavy.lock`): {a['warmup']} warm-up steps, then the median of {a['steps']}; "
+        f"Measured {results['date']} on this machine ({os.cpu_count()} cores): {a['warmup']} warm-up "
+        f"step(s) dropped, then the median of {a['steps']} steps; "
         f"{a['prompts_per_step']} prompts x {a['samples_per_prompt']} samples = "
         f"{a['prompts_per_step'] * a['samples_per_prompt']} samples per step, at most {a['max_response_tokens']} "
         f"response tokens, float32. Matmul rate for the floor: {results['matmul_gflops']:.1f} GFLOP/s (float32, "
@@ -274,7 +274,12 @@ def main() -> None:
     p.add_argument("--trl-venv", default=str(ROOT / "bench" / ".trl-venv"))
     p.add_argument("--doc", default=str(ROOT / "docs" / "performance.md"))
     p.add_argument("--no-doc", action="store_true", help="only print and write <work>/results.json")
+    p.add_argument("--render-only", action="store_true", help="rewrite the doc from <work>/results.json, run nothing")
     args = p.parse_args()
+    if args.render_only:
+        results = json.loads((Path(args.work) / "results.json").read_text())
+        write_doc(Path(args.doc), render(results))
+        return
     models, sides = args.models.split(","), args.sides.split(",")
     unknown = [m for m in models if m not in MODELS] + [s for s in sides if s not in SIDES]
     if unknown:

@@ -146,6 +146,7 @@ def main() -> None:
         "versions": {"torch": torch.__version__, "transformers": transformers.__version__, "trl": trl.__version__},
         "threads": torch.get_num_threads(),
         "processes": world,
+        "backend": torch.distributed.get_backend() if torch.distributed.is_initialized() else None,
         "samples_per_micro_batch": micro,
         "generation": "vLLM colocate" if args.vllm_colocate else "transformers generate (use_vllm=False)",
     }
