@@ -112,11 +112,18 @@ def run_hybridflow(args, inputs: dict, work: Path) -> dict:
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     with open(log, "w") as out:
         subprocess.run(command, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT, check=True)
-    records = [json.loads(line) for line in (work / "runs" / run_name / "metrics.jsonl").read_text().splitlines()]
-    steps = [r for r in records if "timing/generate_s" in r]
-    return {"command": ["hybridflow", *overrides], "log": str(log), "steps": [
-        {"step_s": sum(r[f"timing/{s}_s"] for s in STAGES), **{f"{s}_s": r[f"timing/{s}_s"] for s in STAGES},
-         "response_tokens": r["response/tokens"], "elapsed_s": r["time/elapsed_s"]} for r in steps]}
+    run_dir = work / "runs" / run_name
+    return {"command": ["hybridflow", *overrides], "log": str(log), "run_dir": str(run_dir),
+            "steps": hybridflow_steps(run_dir / "metrics.jsonl")}
+
+
+def hybridflow_steps(metrics: Path) -> list[dict]:
+    """Per step, from the recipe's metrics: the stage seconds and their sum, the weight transfer
+    inside the weight_sync stage (the rest of that stage is the sync's check), response tokens."""
+    records = [json.loads(line) for line in metrics.read_text().splitlines()]
+    return [{"step_s": sum(r[f"timing/{s}_s"] for s in STAGES), **{f"{s}_s": r[f"timing/{s}_s"] for s in STAGES},
+             "weight_transfer_s": r["weight_sync/seconds"], "response_tokens": r["response/tokens"],
+             "elapsed_s": r["time/elapsed_s"]} for r in records if "timing/generate_s" in r]
 
 
 def run_trl(args, inputs: dict, work: Path, processes: int) -> dict:
@@ -234,7 +241,9 @@ def breakdown(sides: dict) -> list[str]:
     h = sides.get("hybridflow", {}).get("summary")
     if h:
         out.append("HybridFlow by stage: " + ", ".join(f"{s} {h[f'{s}_s']:.2f} s" for s in STAGES) +
-                   f"; every timed step: {', '.join(f'{x:.2f}' for x in h['step_s_all'])} s")
+                   f" (of which the weight transfer {h['weight_transfer_s']:.2f} s, the rest its check: a probe "
+                   f"generation compared with the actor); every timed step: "
+                   f"{', '.join(f'{x:.2f}' for x in h['step_s_all'])} s")
     for side in ("trl", "trl-ddp"):
         t = sides.get(side, {}).get("summary")
         if t:
