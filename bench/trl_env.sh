@@ -33,8 +33,8 @@ STAMP="$VENV/.hybridflow-bench-pins"
 if [[ -f "$STAMP" && "$(cat "$STAMP")" == "$PINS" ]]; then
     exit 0
 fi
-quiet() {  # pip's notes about local index folders it skips are noise here
-    "$@" 2> >(grep -v "is neither a file nor a directory" >&2)
+quiet() {  # pip's notes about local index folders it skips are noise here; pip's own status is kept
+    "$@" 2>&1 | { grep -v "is neither a file nor a directory" || true; }
 }
 "$PYTHON" -m venv "$VENV"
 quiet "$VENV/bin/pip" install --quiet --upgrade pip
