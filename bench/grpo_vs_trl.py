@@ -218,7 +218,7 @@ def render(results: dict) -> str:
                 lines.append(f"| {label} | did not run: {r.get('error', '?')} (see below) | | | | |")
                 continue
             lines.append(f"| {label} | {s['step_s_median']:.2f} s | {s['response_tokens_per_step']:.0f} | "
-                         f"{s['tokens_per_s']:.0f} | {s['floor_s_median']:.3g} s | {s['ratio_to_floor']:.1f}x |")
+                         f"{s['tokens_per_s']:.0f} | {s['floor_s_median']:.3f} s | {s['ratio_to_floor']:.1f}x |")
         lines += ["", *[f"- {line}" for line in breakdown(m["sides"])]]
     lines += ["", "Versions: " + ", ".join(f"{k} {v}" for k, v in results["versions"].items()) + ".",
               "", "The commands the script ran (last model):", ""]
