@@ -65,7 +65,8 @@ def prepare_inputs(work: Path, model: str, prompts_per_step: int, total_steps: i
     data, seed = DataConfig(), HybridFlowConfig().seed  # the defaults `recipe=grpo` would use
     spec = ArithmeticSpec(data.synthetic.min_digits, data.synthetic.max_digits, tuple(data.synthetic.operations))
     train, val = make_arithmetic_split(data.synthetic.train_rows, data.synthetic.val_rows, spec, seed=data.seed)
-    train_path, val_path = write_rows(train, work / "data" / "train.parquet"), write_rows(val, work / "data" / "val.parquet")
+    train_path = write_rows(train, work / "data" / "train.parquet")
+    val_path = write_rows(val, work / "data" / "val.parquet")
     loader = PromptLoader(train, prompts_per_step, seed=seed)  # the recipe's loader, same seed: the same prompts
     ordered = [row for _ in range(total_steps) for row in loader.next_rows()]
     prompts_path = work / "data" / "prompts_in_step_order.jsonl"
