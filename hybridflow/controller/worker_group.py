@@ -68,6 +68,10 @@ class RoleSpec:
     kwargs: dict[str, Any] = field(default_factory=dict)
     replica_size: int = 1
 
+    def build(self, ctx: WorkerContext) -> Any:
+        """The worker for one rank (in a WorkerHost, or in-process in a test)."""
+        return self.cls(ctx, **self.kwargs)
+
 
 class WorkerHost:
     """The process behind one rank: builds the role workers and runs their methods.
@@ -115,7 +119,7 @@ class WorkerHost:
                             master_addr, master_port, self.group_name)
         for role, spec in self.roles.items():
             try:
-                self.workers[role] = spec.cls(ctx, **spec.kwargs)
+                self.workers[role] = spec.build(ctx)
             except BaseException as exc:
                 raise self._error(spec.cls.__name__, "__init__", exc) from None
         return {"rank": self.rank, "node_id": self.node_id, "pid": os.getpid()}
