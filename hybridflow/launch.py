@@ -12,6 +12,7 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
+from hybridflow import console
 from hybridflow.builders import build_tiny_model
 from hybridflow.config.schema import DeviceKind, HybridFlowConfig, PlacementConfig
 from hybridflow.controller import PoolSpec, ResourcePool, RoleSpec, WorkerGroup, spawn_workers
@@ -60,7 +61,7 @@ def start_ray(config: HybridFlowConfig) -> str:
     r = config.ray
     num_cpus = r.num_cpus or max(1, math.ceil(slots_needed(config.placement)) + 1)
     return connect(address=r.address, num_cpus=num_cpus, dashboard=r.dashboard,
-                   dashboard_host=r.dashboard_host, namespace=r.namespace)
+                   dashboard_host=r.dashboard_host, namespace=r.namespace, log_to_driver=not console.quiet())
 
 
 def use_gpu(placement: PlacementConfig) -> bool:
@@ -86,7 +87,8 @@ def spawn_roles(config: HybridFlowConfig, roles: dict[str, RoleSpec], env_vars: 
         p = placement.pools[pool_name]
         pool = ResourcePool(PoolSpec(pool_name, p.nodes, p.devices_per_node, gpu, p.cpus_per_device))
         groups.update(spawn_workers(pool, pool_roles, env_vars=env_vars,
-                                    collective_timeout_s=placement.collective_timeout_s))
+                                    collective_timeout_s=placement.collective_timeout_s,
+                                    log_dir=console.worker_log_dir()))
     _SPAWNED.extend(groups.values())
     return groups
 

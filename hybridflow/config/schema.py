@@ -462,6 +462,10 @@ class LoggerConfig:
     output_root: str = "runs"  # each run gets output_root/<run_name>
     run_name: Optional[str] = None  # null: <recipe>-<YYYYmmdd-HHMMSS>
     backends: List[str] = field(default_factory=lambda: ["console", "jsonl"])
+    # false: the console shows progress lines, validation results and errors; everything vLLM, Ray,
+    # transformers and torch print goes to <run_dir>/logs/ (hybridflow/console.py). true: all of it
+    # reaches the console too, as the libraries print it.
+    verbose: bool = False
 
     def __post_init__(self) -> None:
         allowed = ("console", "jsonl", "tensorboard", "wandb", "mlflow")
