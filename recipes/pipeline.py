@@ -132,7 +132,8 @@ def _evaluate(config: HybridFlowConfig, stage: StageConfig, model_path: str, run
     eval_dir = run_dir / f"{index:02d}-{stage.name}" / "init_eval"
     eval_dir.mkdir(parents=True, exist_ok=True)
     eval_config = _stage_config(config, stage, model_path, run_dir, eval_dir.name, extra=["recipe.name=evaluate"])
-    result = evaluate(eval_config, eval_dir)
+    with console.stage(f"{stage.name}-init"):  # "grpo-init: held-out accuracy ..."; logs/grpo-init/
+        result = evaluate(eval_config, eval_dir)
     release_all()
     return result["val/accuracy"]
 
