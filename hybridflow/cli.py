@@ -49,22 +49,21 @@ def run(config: HybridFlowConfig) -> dict:
     name = config.recipe.name.split(":")[-1]
     run_dir = make_run_dir(config.logger.output_root, config.logger.run_name, name)
     save_config(config, run_dir)
-    log_dir = console.configure(run_dir, config.logger.verbose)
-    where = "" if config.logger.verbose else f" (library and worker output: {log_dir})"
-    console.say(f"hybridflow: run directory {run_dir}{where}")
     from hybridflow.controller import deadlines
+    from hybridflow.launch import release_all
     from hybridflow.runner import run_with_restarts
 
     deadlines.configure(dict(config.trainer.stage_timeout_s), config.trainer.default_stage_timeout_s)
-    try:
-        with console.stage(name):
-            return run_with_restarts(recipe, config, run_dir)
-    finally:
-        console.end_progress_lines()  # an error's traceback starts on a line of its own
-        from hybridflow.launch import release_all
-
-        release_all()
-        console.say(f"hybridflow: run directory {run_dir}")
+    with console.session(run_dir, config.logger.verbose) as log_dir:
+        where = "" if config.logger.verbose else f" (library and worker output: {log_dir})"
+        console.say(f"hybridflow: run directory {run_dir}{where}")
+        try:
+            with console.stage(name):
+                return run_with_restarts(recipe, config, run_dir)
+        finally:
+            console.end_progress_lines()  # an error's traceback starts on a line of its own
+            release_all()
+            console.say(f"hybridflow: run directory {run_dir}")
 
 
 @hydra.main(config_path=str(CONF_DIR), config_name="config", version_base="1.3")

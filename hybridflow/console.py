@@ -11,9 +11,8 @@ and errors whole. Everything the libraries write goes to `<run_dir>/logs/`:
   `hybridflow.controller` (Ray's own forwarding to the driver is off, `log_to_driver=False`).
 
 With `logger.verbose=true` nothing is redirected: the console gets all of it, as Ray, vLLM and
-transformers print it. The console state is per driver process: `configure` is called once by
-the `hybridflow` command; code that never calls it (tests, a notebook) keeps the libraries'
-own behaviour.
+transformers print it. The console state is per driver process: the `hybridflow` command opens
+a `session` for its run; code outside one (tests, a notebook) keeps the libraries' own behaviour.
 """
 
 from __future__ import annotations
@@ -26,7 +25,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator
 
-_state: dict = {"log_dir": None, "verbose": True, "stage": None, "open": []}
+_DEFAULTS = {"log_dir": None, "verbose": True, "stage": None}
+_state: dict = {**_DEFAULTS, "open": []}
 
 # The numbers a user watches on a progress line: metric key -> short label, in display order.
 WATCHED = {
@@ -40,36 +40,48 @@ WATCHED = {
 }
 
 
-def configure(run_dir: Path, verbose: bool) -> Path:
-    """Send the driver's logging to run_dir/logs/driver.log (and to stderr when verbose); returns
-    the logs directory. Hydra's stdout handler is replaced: its messages go to the file too."""
+@contextmanager
+def session(run_dir: Path, verbose: bool) -> Iterator[Path]:
+    """For one run of the `hybridflow` command: the driver's logging goes to run_dir/logs/driver.log
+    (and to stderr when verbose), worker processes write under run_dir/logs/ (unless verbose).
+    Yields the logs directory; afterwards the process's logging is as it was (a test may call
+    `hybridflow.cli.run` in-process). Hydra's stdout handler is set aside: its records go to the file."""
     log_dir = Path(run_dir) / "logs"
     log_dir.mkdir(parents=True, exist_ok=True)
-    _state.update(log_dir=log_dir, verbose=verbose)
     root = logging.getLogger()
-    for handler in list(root.handlers):
-        root.removeHandler(handler)
+    saved = (list(root.handlers), root.level)
     file_handler = logging.FileHandler(log_dir / "driver.log")
     file_handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
-    root.addHandler(file_handler)
-    if verbose:
-        root.addHandler(logging.StreamHandler(sys.stderr))
+    root.handlers = [file_handler] + ([logging.StreamHandler(sys.stderr)] if verbose else [])
     root.setLevel(logging.INFO)
     logging.captureWarnings(True)  # warnings.warn(...) from any library: logger 'py.warnings'
-    _route_library_loggers(verbose)
-    return log_dir
+    _route_transformers(quiet=not verbose)
+    _state.update(log_dir=log_dir, verbose=verbose)
+    try:
+        yield log_dir
+    finally:
+        _state.update(_DEFAULTS)
+        _route_transformers(quiet=False)
+        logging.captureWarnings(False)
+        root.handlers, root.level = saved
+        file_handler.close()
 
 
-def _route_library_loggers(verbose: bool) -> None:
-    """Libraries that install their own console handler: let their records reach the root's file."""
+def _route_transformers(quiet: bool) -> None:
+    """transformers has its own console handler and progress bars ("Writing model shards" of
+    save_pretrained in the driver): when quiet, its records reach the root's file instead."""
     try:
         from transformers.utils import logging as hf_logging
     except ImportError:
         return
-    if not verbose:
+    if quiet:
         hf_logging.disable_default_handler()
-        hf_logging.disable_progress_bar()  # "Writing model shards" bars of save_pretrained in the driver
-    hf_logging.enable_propagation()
+        hf_logging.disable_progress_bar()
+        hf_logging.enable_propagation()
+    else:
+        hf_logging.enable_default_handler()
+        hf_logging.enable_progress_bar()
+        hf_logging.disable_propagation()
 
 
 def quiet() -> bool:
