@@ -14,9 +14,13 @@ SMALL = ["recipe=grpo", "trainer.prompts_per_step=4", "rollout.samples_per_promp
 
 
 def hybridflow(args: list[str], output_root: Path, run_name: str) -> subprocess.CompletedProcess:
+    """The command's output as written: bytes decoded without universal newlines, so a progress
+    line's carriage returns stay carriage returns and only real lines end in "\n"."""
     cmd = [str(VENV_BIN / "hybridflow"), *SMALL, *args, f"logger.output_root={output_root}",
            f"logger.run_name={run_name}"]
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    result = subprocess.run(cmd, capture_output=True, timeout=600)
+    result.stdout, result.stderr = result.stdout.decode(), result.stderr.decode()
+    return result
 
 
 def test_a_short_run_prints_a_few_lines_and_keeps_the_library_output_in_its_logs(tmp_path):
