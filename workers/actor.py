@@ -89,9 +89,9 @@ class ActorWorker(TrainingStateMixin):
         return out.select(["ref_log_probs"])
 
     def _log_probs(self, batch: Batch, key: str) -> Batch:
-        log_probs, entropy = log_probs_and_entropy(self.model, batch, self.cfg.samples_per_micro_batch,
-                                                   self.temperature)
-        return Batch(tensors={key: log_probs, "entropy": entropy})
+        log_probs, entropy = log_probs_and_entropy(self.model, batch.to(self.ctx.device),
+                                                   self.cfg.samples_per_micro_batch, self.temperature)
+        return Batch(tensors={key: log_probs.cpu(), "entropy": entropy.cpu()})
 
     # ---- training ---------------------------------------------------------------------------
 
@@ -141,6 +141,7 @@ class ActorWorker(TrainingStateMixin):
 
     def _train(self, batch: Batch, loss_fn, epochs: int | None = None, whole_batch: bool = False) -> dict:
         self.model.train()
+        batch = batch.to(self.ctx.device)
         world = self.ctx.world_size
         rows_per_mini = len(batch) if whole_batch or not self.cfg.samples_per_mini_batch else \
             self.cfg.samples_per_mini_batch // world

@@ -57,14 +57,16 @@ class CriticWorker(TrainingStateMixin):
     @torch.no_grad()
     def compute_values(self, batch: Batch) -> Batch:
         self.model.eval()
+        batch = batch.to(self.ctx.device)
         parts = [_values(self.model, m) * m["response_mask"] for m in micro_batches(batch, self.cfg.samples_per_micro_batch)]
-        return Batch(tensors={"values": torch.cat(parts)})
+        return Batch(tensors={"values": torch.cat(parts).cpu()})
 
     @register(Dispatch.DP_SPLIT)
     def update_critic(self, batch: Batch) -> dict:
         """Clipped value-loss updates on `returns`, with `values` as the old values."""
         start = time.perf_counter()
         self.model.train()
+        batch = batch.to(self.ctx.device)
         world = self.ctx.world_size
         rows = self.cfg.samples_per_mini_batch // world if self.cfg.samples_per_mini_batch else len(batch)
         generator = torch.Generator().manual_seed(self.seed * 7919 + self.updates)
