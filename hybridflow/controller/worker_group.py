@@ -21,7 +21,6 @@ import socket
 import sys
 import time
 import traceback
-from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, Sequence
@@ -32,29 +31,10 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from hybridflow.batch import Batch
 from hybridflow.controller import deadlines
-from hybridflow.controller.context import WorkerContext
+from hybridflow.controller.context import RoleSpec, WorkerContext
 from hybridflow.controller.decorators import Dispatch, Execute, MethodSpec, registered_methods
 from hybridflow.controller.errors import WorkerError, WorkerGroupBroken
 from hybridflow.controller.pools import ResourcePool
-
-
-@dataclass
-class RoleSpec:
-    """A worker class and the keyword arguments its constructor takes after the context.
-
-    `replica_size`: ranks that work as one data-parallel replica (a tensor-parallel vLLM
-    engine spans `replica_size` ranks). Data-parallel calls then split their Batch over the
-    replicas, give every rank of a replica the same part, and collect from each replica's
-    first rank.
-    """
-
-    cls: type
-    kwargs: dict[str, Any] = field(default_factory=dict)
-    replica_size: int = 1
-
-    def build(self, ctx: WorkerContext) -> Any:
-        """The worker for one rank (in a WorkerHost, or in-process in a test)."""
-        return self.cls(ctx, **self.kwargs)
 
 
 class WorkerHost:
