@@ -89,14 +89,14 @@ def check_training(actor, batch, device: str) -> dict:
 
 def check_reference_and_critic(model_dir: Path, ctx, actor, batch) -> dict:
     """Before any update the reference computes the actor's log-probs; the critic trains on the device."""
-    from workers.critic import CriticSettings, CriticWorker
-    from workers.reference import ReferenceWorker
+    from hybridflow.config.schema import HybridFlowConfig
+    from recipes.roles import critic_role, reference_role
 
-    reference = ReferenceWorker(ctx, str(model_dir))
+    reference = reference_role(HybridFlowConfig(), model_dir).build(ctx)
     reference.start()
     ref = reference.compute_ref_log_probs(batch)["ref_log_probs"]
     gap = float((ref - actor.compute_log_probs(batch)["old_log_probs"]).abs().max())
-    critic = CriticWorker(ctx, CriticSettings(model_path=str(model_dir)))
+    critic = critic_role(HybridFlowConfig(), model_dir).build(ctx)
     critic.start()
     values = critic.compute_values(batch)["values"]
     returns = torch.ones_like(values) * batch["response_mask"]
@@ -218,10 +218,10 @@ def main() -> None:
 
     import torch.distributed as dist
 
-    from hybridflow.builders.tiny_model import TinyModelSpec, build_tiny_model
+    from hybridflow.builders.tiny_model import build_tiny_model
+    from hybridflow.config.schema import ActorConfig, HybridFlowConfig, OptimConfig, TinyModelConfig
     from hybridflow.controller import WorkerContext
-    from hybridflow.training.fsdp import OptimSettings
-    from workers.actor import ActorSettings, ActorWorker
+    from recipes.roles import actor_role
 
     backend = "nccl" if args.device == "cuda" else "gloo"
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
@@ -232,9 +232,9 @@ def main() -> None:
     report = {"device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu", "backend": backend,
               "torch": torch.__version__, "model": args.model}
     with tempfile.TemporaryDirectory() as tmp:
-        model_dir = build_tiny_model(Path(tmp) / args.model, TinyModelSpec(**MODELS[args.model]))
+        model_dir = build_tiny_model(Path(tmp) / args.model, TinyModelConfig(**MODELS[args.model]))
         ctx = WorkerContext(device=args.device, backend=backend)
-        actor = ActorWorker(ctx, ActorSettings(model_path=str(model_dir), optim=OptimSettings(lr=1e-4)))
+        actor = actor_role(HybridFlowConfig(actor=ActorConfig(optim=OptimConfig(lr=1e-4))), model_dir).build(ctx)
         actor.start()
         report["parameters"] = sum(p.numel() for p in actor.model.parameters())
         batch = batch_for(model_dir, rows=8)

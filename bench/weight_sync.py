@@ -42,10 +42,10 @@ MODELS = {
 def run_mode(model_dir: Path, actor_ranks: int, rollout_ranks: int | None, tp: int, syncs: int) -> dict:
     from transformers import AutoTokenizer
 
-    from hybridflow.config.schema import RolloutConfig, WeightSyncConfig
+    from hybridflow.config.schema import HybridFlowConfig, RolloutConfig, WeightSyncConfig
     from hybridflow.controller import PoolSpec, ResourcePool, RoleSpec, spawn_workers
     from hybridflow.resharding.sync import WeightSync
-    from workers.actor import ActorSettings, ActorWorker
+    from recipes.roles import actor_role
     from workers.rollout.vllm_rollout import VLLMRollout
 
     env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1"}
@@ -53,7 +53,7 @@ def run_mode(model_dir: Path, actor_ranks: int, rollout_ranks: int | None, tp: i
     rollout = RoleSpec(VLLMRollout, dict(model_path=str(model_dir), rollout=RolloutConfig(tensor_parallel_size=tp),
                                          max_prompt_tokens=16, eos_token_id=tok.eos_token_id,
                                          pad_token_id=tok.pad_token_id), replica_size=tp)
-    actor = RoleSpec(ActorWorker, {"settings": ActorSettings(model_path=str(model_dir))})
+    actor = actor_role(HybridFlowConfig(), model_dir)
     tag = f"{actor_ranks}{rollout_ranks}{tp}{time.monotonic_ns() % 10000}"
     if rollout_ranks is None:
         groups = spawn_workers(ResourcePool(PoolSpec(f"b{tag}", devices_per_node=actor_ranks)),
@@ -115,7 +115,8 @@ def main() -> None:
 
     import ray
 
-    from hybridflow.builders import TinyModelSpec, build_tiny_model
+    from hybridflow.builders import build_tiny_model
+    from hybridflow.config.schema import TinyModelConfig
 
     ray.init(address="local", num_cpus=8, include_dashboard=False, log_to_driver=False,
              runtime_env={"env_vars": {"PYTHONPATH": str(ROOT)}})
@@ -125,7 +126,7 @@ def main() -> None:
     reloads = ["| model | parameters | vLLM reload_weights, whole model, one engine alone (s) |", "|---|---|---|"]
     with tempfile.TemporaryDirectory() as tmp:
         for name in args.models.split(","):
-            model_dir = build_tiny_model(Path(tmp) / name, TinyModelSpec(**MODELS[name]))
+            model_dir = build_tiny_model(Path(tmp) / name, TinyModelConfig(**MODELS[name]))
             params = _parameters(model_dir)
             reload_s = vllm_reload_seconds(model_dir)
             print(f"{name}: vLLM reload_weights of the whole model from memory: {reload_s:.4f} s", flush=True)

@@ -18,6 +18,7 @@ from typing import Callable
 import hydra
 from omegaconf import DictConfig
 
+from hybridflow import console
 from hybridflow.config import CONF_DIR, ConfigError, to_config
 from hybridflow.config.schema import HybridFlowConfig
 from hybridflow.registry import Registry
@@ -45,20 +46,24 @@ def run(config: HybridFlowConfig) -> dict:
 
     check_inputs(config)  # first: a refused run never pays for importing the recipe's torch and vLLM
     recipe = recipe_function(config.recipe.name)
-    run_dir = make_run_dir(config.logger.output_root, config.logger.run_name, config.recipe.name.split(":")[-1])
+    name = config.recipe.name.split(":")[-1]
+    run_dir = make_run_dir(config.logger.output_root, config.logger.run_name, name)
     save_config(config, run_dir)
-    print(f"hybridflow: run directory {run_dir}", flush=True)
     from hybridflow.controller import deadlines
+    from hybridflow.launch import release_all
     from hybridflow.runner import run_with_restarts
 
     deadlines.configure(dict(config.trainer.stage_timeout_s), config.trainer.default_stage_timeout_s)
-    try:
-        return run_with_restarts(recipe, config, run_dir)
-    finally:
-        from hybridflow.launch import release_all
-
-        release_all()
-        print(f"hybridflow: run directory {run_dir}", flush=True)
+    with console.session(run_dir, config.logger.verbose) as log_dir:
+        where = "" if config.logger.verbose else f" (library and worker output: {log_dir})"
+        console.say(f"hybridflow: run directory {run_dir}{where}")
+        try:
+            with console.stage(name):
+                return run_with_restarts(recipe, config, run_dir)
+        finally:
+            console.end_progress_lines()  # an error's traceback starts on a line of its own
+            release_all()
+            console.say(f"hybridflow: run directory {run_dir}")
 
 
 @hydra.main(config_path=str(CONF_DIR), config_name="config", version_base="1.3")

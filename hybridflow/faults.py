@@ -14,6 +14,7 @@ from pathlib import Path
 import ray
 
 from hybridflow.config.schema import HybridFlowConfig
+from hybridflow.console import say
 from hybridflow.controller import WorkerGroup
 
 
@@ -29,8 +30,7 @@ def inject_faults(config: HybridFlowConfig, step: int, groups: dict[str, WorkerG
         if fault.kind == "corrupt":
             fired.append(i)
             record.write_text(json.dumps(fired))
-            print(f"hybridflow: fault injection: truncated {corrupt_newest_checkpoint(run_dir)} at step {step}",
-                  flush=True)
+            say(f"hybridflow: fault injection: truncated {corrupt_newest_checkpoint(run_dir)} at step {step}")
             continue
         group = groups[fault.role]
         if fault.rank >= group.world_size:
@@ -39,8 +39,8 @@ def inject_faults(config: HybridFlowConfig, step: int, groups: dict[str, WorkerG
         fired.append(i)
         record.write_text(json.dumps(fired))
         host = group.hosts[fault.rank]
-        print(f"hybridflow: fault injection: {fault.kind} {fault.role} rank {fault.rank}"
-              + (f" method {fault.method}" if fault.method else "") + f" at step {step}", flush=True)
+        say(f"hybridflow: fault injection: {fault.kind} {fault.role} rank {fault.rank}"
+            + (f" method {fault.method}" if fault.method else "") + f" at step {step}")
         if fault.kind == "kill":
             ray.kill(host, no_restart=True)
         else:

@@ -11,6 +11,7 @@ from typing import Iterator
 
 import torch
 
+from hybridflow import console
 from hybridflow.batch import Batch
 from hybridflow.checkpoint import (CheckpointCorrupt, CheckpointManager, capture_rng_state, config_hash,
                                   restore_rng_state)
@@ -57,8 +58,7 @@ def validate(config: HybridFlowConfig, rollout: WorkerGroup, reward: WorkerGroup
     metrics = {"val/accuracy": accuracy, "val/reward_mean": scored["reward/score"],
                "val/response_length_mean": float(samples["response_mask"].sum(1).float().mean()),
                **accuracy_by_source(rewards, [row.get("data_source") for row in rows])}
-    print(f"[step {step}] validation on {len(rows)} prompts: accuracy {accuracy:.3f}", flush=True)
-    return metrics
+    return metrics  # shown on the console by the MetricsLogger that logs it
 
 
 def accuracy_by_source(rewards: Batch, sources: list) -> dict[str, float]:
@@ -209,6 +209,7 @@ def run_with_restarts(recipe, config: HybridFlowConfig, run_dir: Path) -> dict:
     from hybridflow.controller import WorkerError, WorkerGroupBroken
     from hybridflow.launch import release_all
     from hybridflow.resharding import WeightSyncError
+    from hybridflow.tracking import last_logged_step
 
     restarts = 0
     while True:
@@ -218,7 +219,8 @@ def run_with_restarts(recipe, config: HybridFlowConfig, run_dir: Path) -> dict:
             if restarts >= config.trainer.max_restarts:
                 raise
             restarts += 1
-            step = _last_logged_step(run_dir) + 1
+            step = last_logged_step(run_dir) + 1
+            console.end_progress_lines()
             print(f"hybridflow: step {step}: {type(exc).__name__}: {str(exc).splitlines()[0]}\n"
                   f"hybridflow: restart {restarts} of "
                   f"{config.trainer.max_restarts} (trainer.max_restarts): tearing the worker groups down and resuming "
@@ -229,10 +231,3 @@ def run_with_restarts(recipe, config: HybridFlowConfig, run_dir: Path) -> dict:
             release_all()
             config = dataclasses.replace(config, trainer=dataclasses.replace(config.trainer, resume=True))
 
-
-def _last_logged_step(run_dir: Path) -> int:
-    import json
-
-    path = run_dir / "metrics.jsonl"
-    lines = path.read_text().splitlines() if path.exists() else []
-    return int(json.loads(lines[-1])["step"]) if lines else 0

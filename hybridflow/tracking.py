@@ -41,17 +41,26 @@ def save_config(config: Any, run_dir: Path) -> Path:
 
 
 class MetricsLogger:
-    """Appends one JSON line per `log` call to run_dir/metrics.jsonl and echoes to the console.
+    """Appends one JSON line per `log` call to run_dir/metrics.jsonl and shows it on the console.
 
-    Each line also carries `time/elapsed_s`: wall-clock seconds since this logger was made (the
+    On the console (backend `console`), a step loop of `total_steps` is one live progress line
+    with the watched numbers, plus a line per validation and a summary at `close`
+    (hybridflow.console); without `total_steps` each `log` is one line.
+    Each JSON line also carries `time/elapsed_s`: wall-clock seconds since this logger was made (the
     step loop of this process, validation included; a resumed run counts from its restart)."""
 
-    def __init__(self, run_dir: Path, backends: list[str]) -> None:
+    def __init__(self, run_dir: Path, backends: list[str], total_steps: int | None = None) -> None:
         self.started = time.monotonic()
+        self.run_dir = run_dir
         self.path = run_dir / "metrics.jsonl"
         restarts = run_dir / "restarts.jsonl"  # written by hybridflow.runner.run_with_restarts
         self.restarts = len(restarts.read_text().splitlines()) if restarts.exists() else 0
         self.console = "console" in backends
+        self.progress = None
+        if self.console and total_steps is not None:
+            from hybridflow.console import Progress, stage_name
+
+            self.progress = Progress(stage_name(run_dir.name), total_steps, initial_step=last_logged_step(run_dir))
         self.jsonl = "jsonl" in backends
         self.tensorboard = None
         if "tensorboard" in backends:
@@ -92,19 +101,41 @@ class MetricsLogger:
             self.wandb.log(numeric, step=step)
         if self.mlflow is not None:
             self.mlflow.log_metrics({k.replace("/", "_"): v for k, v in numeric.items()}, step=step)
-        if self.console:
-            shown = " ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in metrics.items())
-            print(f"[step {step}] {shown}", flush=True)
+        if self.progress is not None:
+            self.progress.update(step, metrics)
+        elif self.console:
+            self._line(step, metrics)
         if bad:
-            print(f"[step {step}] warning: non-finite metrics {sorted(bad)}", flush=True)
+            from hybridflow.console import say
+
+            say(f"[step {step}] warning: non-finite metrics {sorted(bad)}")
+
+    def _line(self, step: int, metrics: dict) -> None:
+        from hybridflow.console import say, stage_name
+
+        if "val/accuracy" in metrics:  # an evaluation: the number, not every metric
+            say(f"{stage_name(self.run_dir.name)}: held-out accuracy {metrics['val/accuracy']:.3f}")
+            return
+        shown = " ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in metrics.items())
+        say(f"[step {step}] {shown}")
 
     def close(self) -> None:
+        if self.progress is not None:
+            self.progress.close()
+            self.progress = None
         if self.tensorboard is not None:
             self.tensorboard.close()
         if self.wandb is not None:
             self.wandb.finish()
         if self.mlflow is not None:
             self.mlflow.end_run()
+
+
+def last_logged_step(run_dir: Path) -> int:
+    """The step of the last line of run_dir/metrics.jsonl (0 when there is none)."""
+    path = Path(run_dir) / "metrics.jsonl"
+    lines = path.read_text().splitlines() if path.exists() else []
+    return int(json.loads(lines[-1])["step"]) if lines else 0
 
 
 def read_metrics(run_dir: Path) -> list[dict]:

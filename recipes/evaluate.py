@@ -7,11 +7,10 @@ from pathlib import Path
 from transformers import AutoTokenizer
 
 from hybridflow.config.schema import HybridFlowConfig
-from hybridflow.controller import RoleSpec
-from hybridflow.launch import prepare_data, prepare_model, rollout_role, spawn_roles, start_ray, vllm_env
+from hybridflow.launch import prepare_data, prepare_model, spawn_roles, start_ray, vllm_env
 from hybridflow.runner import validate
 from hybridflow.tracking import MetricsLogger
-from workers.reward import RewardWorker
+from recipes.roles import reward_role, rollout_role
 
 
 def run(config: HybridFlowConfig, run_dir: Path) -> dict:
@@ -20,7 +19,7 @@ def run(config: HybridFlowConfig, run_dir: Path) -> dict:
     tokenizer = AutoTokenizer.from_pretrained(model_dir, trust_remote_code=config.model.trust_remote_code)
     start_ray(config)
     groups = spawn_roles(config, {"rollout": rollout_role(config, model_dir, tokenizer),
-                                  "reward": RoleSpec(RewardWorker, {"reward": config.reward})}, env_vars=vllm_env(config))
+                                  "reward": reward_role(config)}, env_vars=vllm_env(config))
     for future in [groups["reward"].start.remote(), groups["rollout"].start_engine.remote()]:
         future.get()
     metrics = validate(config, groups["rollout"], groups["reward"], data.val, tokenizer, step=0)

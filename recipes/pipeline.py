@@ -18,16 +18,16 @@ import json
 import os
 from pathlib import Path
 
+from hybridflow import console
 from hybridflow.config import compose
 from hybridflow.config.schema import HybridFlowConfig, StageConfig
+from hybridflow.console import say
 from hybridflow.launch import release_all
 from hybridflow.merge.hooks import checkpoints_needed, run_stage_hook
 from hybridflow.tracking import read_metrics
 
 
 def run(config: HybridFlowConfig, run_dir: Path) -> dict:
-    from hybridflow.cli import recipe_function
-
     if not config.pipeline.stages:
         raise ValueError("recipe=pipeline needs pipeline.stages; see conf/recipe/pipeline.yaml")
     check_stages(config, run_dir)
@@ -37,28 +37,39 @@ def run(config: HybridFlowConfig, run_dir: Path) -> dict:
         done = stage_dir / "STAGE_COMPLETE"
         if done.is_file():
             result = json.loads(done.read_text())
-            print(f"pipeline: stage {stage.name} already complete, skipping", flush=True)
+            say(f"pipeline: stage {stage.name} already complete, skipping")
         else:
-            result = {"stage": stage.name, "recipe": stage.recipe}
-            if previous_dir is not None:
-                model_path = str(run_stage_hook(stage.init, previous_dir, stage_dir / "init_model"))
-                result["init_model"] = model_path
-                if stage.evaluate_init:
-                    result["init_accuracy"] = _evaluate(config, stage, model_path, run_dir, index)
-            stage_config = _stage_config(config, stage, model_path, run_dir, stage_dir.name,
-                                         retention=_retention(config, index))
-            print(f"pipeline: stage {index} {stage.name} ({stage.recipe}) starts from {model_path or 'the tiny model'}",
-                  flush=True)
-            stage_result = recipe_function(stage.recipe)(stage_config, stage_dir)
-            release_all()
-            validations = [m for m in read_metrics(stage_dir) if "val/accuracy" in m]
-            result.update(final_model=stage_result["final_model"],
-                          final_accuracy=validations[-1]["val/accuracy"] if validations else None)
+            with console.stage(stage.name):
+                result = _run_stage(config, run_dir, index, model_path, previous_dir)
             _atomic_json(done, result)
         results.append(result)
         model_path, previous_dir = result["final_model"], stage_dir
     write_report(run_dir, config.pipeline.stages, results)
     return {"final_model": model_path, "stages": results}
+
+
+def _run_stage(config: HybridFlowConfig, run_dir: Path, index: int, model_path: str | None,
+               previous_dir: Path | None) -> dict:
+    """Stage `index`: its starting model (the init hook over the previous stage), then its recipe."""
+    from hybridflow.cli import recipe_function
+
+    stage = config.pipeline.stages[index]
+    stage_dir = run_dir / f"{index:02d}-{stage.name}"
+    result = {"stage": stage.name, "recipe": stage.recipe}
+    if previous_dir is not None:
+        model_path = str(run_stage_hook(stage.init, previous_dir, stage_dir / "init_model"))
+        result["init_model"] = model_path
+        if stage.evaluate_init:
+            result["init_accuracy"] = _evaluate(config, stage, model_path, run_dir, index)
+    stage_config = _stage_config(config, stage, model_path, run_dir, stage_dir.name,
+                                 retention=_retention(config, index))
+    say(f"pipeline: stage {index} {stage.name} ({stage.recipe}) starts from {model_path or 'the tiny model'}")
+    stage_result = recipe_function(stage.recipe)(stage_config, stage_dir)
+    release_all()
+    validations = [m for m in read_metrics(stage_dir) if "val/accuracy" in m]
+    result.update(final_model=stage_result["final_model"],
+                  final_accuracy=validations[-1]["val/accuracy"] if validations else None)
+    return result
 
 
 def check_stages(config: HybridFlowConfig, run_dir: Path) -> None:
@@ -121,7 +132,8 @@ def _evaluate(config: HybridFlowConfig, stage: StageConfig, model_path: str, run
     eval_dir = run_dir / f"{index:02d}-{stage.name}" / "init_eval"
     eval_dir.mkdir(parents=True, exist_ok=True)
     eval_config = _stage_config(config, stage, model_path, run_dir, eval_dir.name, extra=["recipe.name=evaluate"])
-    result = evaluate(eval_config, eval_dir)
+    with console.stage(f"{stage.name}-init"):  # "grpo-init: held-out accuracy ..."; logs/grpo-init/
+        result = evaluate(eval_config, eval_dir)
     release_all()
     return result["val/accuracy"]
 
@@ -147,7 +159,7 @@ def write_report(run_dir: Path, stages: list[StageConfig], results: list[dict]) 
                           f"the last checkpoint of stage {before['stage']} ({before['final_accuracy']:.3f}) "
                           "on held-out accuracy (measured)."]
     (run_dir / "report.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines), flush=True)
+    say("\n".join(lines))
     _plot(run_dir, results)
 
 

@@ -24,17 +24,7 @@ from hybridflow.controller import RoleSpec
 from hybridflow.data.loader import PromptLoader
 from hybridflow.data.prompts import encode_prompts
 from hybridflow.faults import inject_faults
-from hybridflow.launch import (
-    actor_settings,
-    build_weight_sync,
-    critic_settings,
-    prepare_data,
-    prepare_model,
-    rollout_role,
-    spawn_roles,
-    start_ray,
-    vllm_env,
-)
+from hybridflow.launch import build_weight_sync, prepare_data, prepare_model, spawn_roles, start_ray, vllm_env
 from hybridflow.rewards import reward_metrics
 from hybridflow.runner import (
     Checkpointer,
@@ -45,10 +35,7 @@ from hybridflow.runner import (
     validate,
 )
 from hybridflow.tracking import MetricsLogger
-from workers.actor import ActorWorker
-from workers.critic import CriticWorker
-from workers.reference import ReferenceWorker
-from workers.reward import RewardWorker
+from recipes.roles import actor_role, critic_role, reference_role, reward_role, rollout_role
 
 
 def run(config: HybridFlowConfig, run_dir: Path) -> dict:
@@ -74,7 +61,7 @@ def run(config: HybridFlowConfig, run_dir: Path) -> dict:
     weight_sync = build_weight_sync(config, actor, rollout)
     weight_sync.setup()
     weight_sync.sync(step)
-    logger = MetricsLogger(run_dir, config.logger.backends)
+    logger = MetricsLogger(run_dir, config.logger.backends, total_steps=config.trainer.total_steps)
     n = config.rollout.samples_per_prompt
     on_policy = config.trainer.use_sampler_log_probs and config.actor.epochs_per_step == 1 and \
         config.actor.samples_per_mini_batch in (0, config.trainer.prompts_per_step * n)
@@ -156,17 +143,14 @@ def text_only(samples: Batch) -> Batch:
 
 def build_roles(config: HybridFlowConfig, model_dir: Path, tokenizer) -> dict[str, RoleSpec]:
     roles = {
-        "actor": RoleSpec(ActorWorker, {"settings": actor_settings(config, model_dir)}),
+        "actor": actor_role(config, model_dir),
         "rollout": rollout_role(config, model_dir, tokenizer),
-        "reward": RoleSpec(RewardWorker, {"reward": config.reward}),
+        "reward": reward_role(config),
     }
     if needs_reference(config) and not config.actor.lora.rank:
-        roles["reference"] = RoleSpec(ReferenceWorker, dict(
-            model_path=str(model_dir), dtype=config.model.dtype.value,
-            samples_per_micro_batch=config.actor.samples_per_micro_batch, temperature=config.rollout.temperature,
-            trust_remote_code=config.model.trust_remote_code))
+        roles["reference"] = reference_role(config, model_dir)
     if config.algorithm.use_critic:
-        roles["critic"] = RoleSpec(CriticWorker, {"settings": critic_settings(config, model_dir)})
+        roles["critic"] = critic_role(config, model_dir)
     return roles
 
 

@@ -12,24 +12,13 @@ from pathlib import Path
 from transformers import AutoTokenizer
 
 from hybridflow.config.schema import HybridFlowConfig
-from hybridflow.controller import RoleSpec
 from hybridflow.data.answers import encode_answers
 from hybridflow.data.loader import PromptLoader
 from hybridflow.data.prompts import encode_prompts
-from hybridflow.launch import (
-    actor_settings,
-    build_weight_sync,
-    prepare_data,
-    prepare_model,
-    rollout_role,
-    spawn_roles,
-    start_ray,
-    vllm_env,
-)
+from hybridflow.launch import build_weight_sync, prepare_data, prepare_model, spawn_roles, start_ray, vllm_env
 from hybridflow.runner import Checkpointer, StageTimer, validate
 from hybridflow.tracking import MetricsLogger
-from workers.actor import ActorWorker
-from workers.reward import RewardWorker
+from recipes.roles import actor_role, reward_role, rollout_role
 
 
 def run(config: HybridFlowConfig, run_dir: Path) -> dict:
@@ -38,9 +27,9 @@ def run(config: HybridFlowConfig, run_dir: Path) -> dict:
     tokenizer = AutoTokenizer.from_pretrained(model_dir, trust_remote_code=config.model.trust_remote_code)
     start_ray(config)
     groups = spawn_roles(config, {
-        "actor": RoleSpec(ActorWorker, {"settings": actor_settings(config, model_dir)}),
+        "actor": actor_role(config, model_dir),
         "rollout": rollout_role(config, model_dir, tokenizer),
-        "reward": RoleSpec(RewardWorker, {"reward": config.reward}),
+        "reward": reward_role(config),
     }, env_vars=vllm_env(config))
     actor, rollout, reward = groups["actor"], groups["rollout"], groups["reward"]
     for future in [actor.start.remote(), reward.start.remote(), rollout.start_engine.remote()]:
@@ -52,7 +41,7 @@ def run(config: HybridFlowConfig, run_dir: Path) -> dict:
     step = int(state.get("step", 0))
     if state:
         loader.load_state_dict(state["loader"])
-    logger = MetricsLogger(run_dir, config.logger.backends)
+    logger = MetricsLogger(run_dir, config.logger.backends, total_steps=config.trainer.total_steps)
     weight_sync = build_weight_sync(config, actor, rollout)
     weight_sync.setup()
 

@@ -13,7 +13,6 @@ four give the same gradients.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
 
 import torch
 
@@ -28,10 +27,9 @@ from hybridflow.algos import (
 )
 from hybridflow.algos.entropy import entropy_from_logits
 from hybridflow.batch import Batch
+from hybridflow.config.schema import ActorConfig
 from hybridflow.controller import Dispatch, WorkerContext, register
 from hybridflow.training.fsdp import (
-    OptimSettings,
-    LoraSpec,
     all_reduce_max,
     all_reduce_mean_dict,
     all_reduce_sum,
@@ -44,35 +42,16 @@ from hybridflow.training.state import TrainingStateMixin
 from hybridflow.training.sequences import log_probs_and_entropy, micro_batches, mini_batches, response_logits
 
 
-@dataclass(frozen=True)
-class ActorSettings:
-    """What the actor needs from the config (built by the recipe from ActorConfig)."""
-
-    model_path: str
-    dtype: str = "float32"
-    optim: OptimSettings = OptimSettings()
-    samples_per_mini_batch: int = 0  # global, across ranks; 0: the whole step batch is one mini-batch
-    samples_per_micro_batch: int = 8  # per rank
-    epochs_per_step: int = 1
-    policy_loss: str = "ppo_clip"
-    clip_ratio_low: float = 0.2
-    clip_ratio_high: float = 0.2
-    dual_clip_c: float | None = None
-    loss_aggregation: str = "token-mean"
-    entropy_coef: float = 0.0
-    kl_loss_coef: float = 0.0
-    kl_loss_estimator: str = "k3"
-    skip_zero_advantage_samples: bool = True
-    temperature: float = 1.0
-    lora: LoraSpec | None = None
-    gradient_checkpointing: bool = False
-    trust_remote_code: bool = False  # model.trust_remote_code
-    seed: int = 0
-
-
 class ActorWorker(TrainingStateMixin):
-    def __init__(self, ctx: WorkerContext, settings: ActorSettings) -> None:
-        self.ctx, self.s = ctx, settings
+    def __init__(self, ctx: WorkerContext, actor: ActorConfig, *, model_path: str, dtype: str, temperature: float,
+                 total_steps: int, trust_remote_code: bool, seed: int) -> None:
+        """`actor`: the `actor` config node; the rest come from elsewhere in the config (built by
+        recipes/roles.py): `model.dtype`, `rollout.temperature` (log-probs at the sampler's
+        temperature), `trainer.total_steps` (the lr schedule's span unless actor.optim.schedule_steps),
+        `model.trust_remote_code`, `seed`."""
+        self.ctx, self.cfg = ctx, actor
+        self.model_path, self.dtype, self.temperature = model_path, dtype, temperature
+        self.total_steps, self.trust_remote_code, self.seed = total_steps, trust_remote_code, seed
         self.model = self.optimizer = self.scheduler = None
         self.sender = None  # built by setup_weight_sender
         self.updates = 0
@@ -81,13 +60,12 @@ class ActorWorker(TrainingStateMixin):
 
     @register(Dispatch.ONE_TO_ALL)
     def start(self) -> dict:
-        torch.manual_seed(self.s.seed)
-        model = load_model(self.s.model_path, self.s.dtype, lora=self.s.lora,
-                           gradient_checkpointing=self.s.gradient_checkpointing,
-                           trust_remote_code=self.s.trust_remote_code)
+        torch.manual_seed(self.seed)
+        model = load_model(self.model_path, self.dtype, lora=self.cfg.lora,
+                           gradient_checkpointing=self.cfg.gradient_checkpointing,
+                           trust_remote_code=self.trust_remote_code)
         self.model = shard_model(model, self.ctx.device)
-        self.optimizer, self.scheduler = build_optimizer(
-            self.model, self.s.optim)
+        self.optimizer, self.scheduler = build_optimizer(self.model, self.cfg.optim, self.total_steps)
         trainable = sum(p.numel() for p in self.model.parameters() if p.requires_grad)
         return {"trainable_parameters_on_rank": trainable}
 
@@ -112,7 +90,7 @@ class ActorWorker(TrainingStateMixin):
 
     def _log_probs(self, batch: Batch, key: str) -> Batch:
         log_probs, entropy = log_probs_and_entropy(self.model, batch.to(self.ctx.device),
-                                                   self.s.samples_per_micro_batch, self.s.temperature)
+                                                   self.cfg.samples_per_micro_batch, self.temperature)
         return Batch(tensors={key: log_probs.cpu(), "entropy": entropy.cpu()})
 
     # ---- training ---------------------------------------------------------------------------
@@ -132,26 +110,26 @@ class ActorWorker(TrainingStateMixin):
         return self._train(batch, self._sft_loss, epochs=1, whole_batch=True)
 
     def _policy_loss(self, micro: Batch, tokens: float, seqs: float) -> tuple[torch.Tensor, dict]:
-        logits = response_logits(self.model, micro, self.s.temperature)
+        logits = response_logits(self.model, micro, self.temperature)
         mask = micro["response_mask"]
         log_probs = log_probs_from_logits(logits, micro["response_ids"])
         counts = {"global_token_count": tokens, "global_sequence_count": seqs}
         loss, stats = compute_policy_loss(
-            self.s.policy_loss, log_probs=log_probs, old_log_probs=micro["old_log_probs"],
-            advantages=micro["advantages"], response_mask=mask, clip_ratio_low=self.s.clip_ratio_low,
-            clip_ratio_high=self.s.clip_ratio_high, dual_clip_c=self.s.dual_clip_c,
-            aggregation=self.s.loss_aggregation, **counts)
+            self.cfg.policy_loss, log_probs=log_probs, old_log_probs=micro["old_log_probs"],
+            advantages=micro["advantages"], response_mask=mask, clip_ratio_low=self.cfg.clip_ratio_low,
+            clip_ratio_high=self.cfg.clip_ratio_high, dual_clip_c=self.cfg.dual_clip_c,
+            aggregation=self.cfg.loss_aggregation, **counts)
         entropy = entropy_from_logits(logits)
-        if self.s.entropy_coef:
-            bonus, _ = entropy_bonus(entropy=entropy, response_mask=mask, coef=self.s.entropy_coef,
-                                     aggregation=self.s.loss_aggregation, **counts)
+        if self.cfg.entropy_coef:
+            bonus, _ = entropy_bonus(entropy=entropy, response_mask=mask, coef=self.cfg.entropy_coef,
+                                     aggregation=self.cfg.loss_aggregation, **counts)
             loss = loss - bonus
         stats["actor/entropy"] = float(masked_mean(entropy.detach(), mask))
         stats["actor/log_prob_diff_from_old"] = float(masked_mean((log_probs.detach() - micro["old_log_probs"]).abs(), mask))
-        if self.s.kl_loss_coef:
+        if self.cfg.kl_loss_coef:
             kl, kl_stats = kl_loss(log_probs=log_probs, ref_log_probs=micro["ref_log_probs"], response_mask=mask,
-                                   estimator=self.s.kl_loss_estimator, aggregation=self.s.loss_aggregation, **counts)
-            loss = loss + self.s.kl_loss_coef * kl
+                                   estimator=self.cfg.kl_loss_estimator, aggregation=self.cfg.loss_aggregation, **counts)
+            loss = loss + self.cfg.kl_loss_coef * kl
             stats.update(kl_stats)
         return loss, stats
 
@@ -165,12 +143,12 @@ class ActorWorker(TrainingStateMixin):
         self.model.train()
         batch = batch.to(self.ctx.device)
         world = self.ctx.world_size
-        rows_per_mini = len(batch) if whole_batch or not self.s.samples_per_mini_batch else \
-            self.s.samples_per_mini_batch // world
-        generator = torch.Generator().manual_seed(self.s.seed * 100003 + self.updates)
+        rows_per_mini = len(batch) if whole_batch or not self.cfg.samples_per_mini_batch else \
+            self.cfg.samples_per_mini_batch // world
+        generator = torch.Generator().manual_seed(self.seed * 100003 + self.updates)
         totals: dict[str, float] = {}
         n_mini = 0
-        for _ in range(epochs or self.s.epochs_per_step):
+        for _ in range(epochs or self.cfg.epochs_per_step):
             for mini in mini_batches(batch, rows_per_mini, generator):
                 mini_stats = self._train_mini_batch(mini, loss_fn, world)
                 for k, v in mini_stats.items():
@@ -192,7 +170,7 @@ class ActorWorker(TrainingStateMixin):
         loss_total, weighted = 0.0, {}
         trained = self._rows_with_gradient(mini)
         trained_tokens = max(1.0, float(trained["response_mask"].sum()))
-        for micro in micro_batches(trained, self.s.samples_per_micro_batch):
+        for micro in micro_batches(trained, self.cfg.samples_per_micro_batch):
             loss, stats = loss_fn(micro, tokens, seqs)
             (loss * world).backward()
             loss_total += float(loss.detach())
@@ -200,7 +178,7 @@ class ActorWorker(TrainingStateMixin):
             for k, v in stats.items():
                 weighted[k] = weighted.get(k, 0.0) + v * share
         weighted["actor/trained_sample_fraction"] = len(trained) / len(mini)
-        grad_norm = clip_gradients(self.model, self.s.optim.max_grad_norm)
+        grad_norm = clip_gradients(self.model, self.cfg.optim.max_grad_norm)
         if not torch.isfinite(torch.tensor(grad_norm)):
             self.optimizer.zero_grad(set_to_none=True)
             raise FloatingPointError(f"gradient norm is {grad_norm} at actor update {self.updates}; lower the lr "
@@ -221,8 +199,8 @@ class ActorWorker(TrainingStateMixin):
         FSDP's collectives match.
         Stats such as `actor/entropy` are then over the trained rows only.
         """
-        if not self.s.skip_zero_advantage_samples or "advantages" not in mini or \
-                self.s.entropy_coef or self.s.kl_loss_coef or not vanishes_at_zero_advantage(self.s.policy_loss):
+        if not self.cfg.skip_zero_advantage_samples or "advantages" not in mini or \
+                self.cfg.entropy_coef or self.cfg.kl_loss_coef or not vanishes_at_zero_advantage(self.cfg.policy_loss):
             return mini
         has_gradient = (mini["advantages"] != 0).any(dim=1)  # (B,)
         rows = max(1, int(all_reduce_max(int(has_gradient.sum()))))

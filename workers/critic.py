@@ -9,15 +9,14 @@ predicting token t sit (position P-1+t): the state before token t is generated.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
 
 import torch
 
 from hybridflow.algos import clipped_value_loss
 from hybridflow.batch import Batch
+from hybridflow.config.schema import CriticConfig
 from hybridflow.controller import Dispatch, WorkerContext, register
 from hybridflow.training.fsdp import (
-    OptimSettings,
     all_reduce_mean_dict,
     all_reduce_sum,
     build_optimizer,
@@ -29,20 +28,6 @@ from hybridflow.training.state import TrainingStateMixin
 from hybridflow.training.sequences import micro_batches, mini_batches, pad_response_width, trimmed_inputs
 
 
-@dataclass(frozen=True)
-class CriticSettings:
-    model_path: str
-    dtype: str = "float32"
-    optim: OptimSettings = OptimSettings()
-    samples_per_mini_batch: int = 0
-    samples_per_micro_batch: int = 16
-    epochs_per_step: int = 1
-    value_clip_range: float = 0.2
-    loss_aggregation: str = "token-mean"
-    trust_remote_code: bool = False  # model.trust_remote_code
-    seed: int = 0
-
-
 def _values(model: torch.nn.Module, batch: Batch) -> torch.Tensor:
     """Values (B, R) at the positions that predict each response token (0 past every response)."""
     inputs, prompt_len, width = trimmed_inputs(batch)  # all-padding columns cost compute and change nothing
@@ -52,26 +37,28 @@ def _values(model: torch.nn.Module, batch: Batch) -> torch.Tensor:
 
 
 class CriticWorker(TrainingStateMixin):
-    def __init__(self, ctx: WorkerContext, settings: CriticSettings) -> None:
-        self.ctx, self.s = ctx, settings
+    def __init__(self, ctx: WorkerContext, critic: CriticConfig, *, model_path: str, dtype: str, total_steps: int,
+                 trust_remote_code: bool, seed: int) -> None:
+        """`critic`: the `critic` config node; the rest as for the actor (recipes/roles.py)."""
+        self.ctx, self.cfg = ctx, critic
+        self.model_path, self.dtype, self.total_steps = model_path, dtype, total_steps
+        self.trust_remote_code, self.seed = trust_remote_code, seed
         self.model = self.optimizer = self.scheduler = None
         self.updates = 0
 
     @register(Dispatch.ONE_TO_ALL)
     def start(self) -> None:
-        torch.manual_seed(self.s.seed + 1)
-        model = load_model(self.s.model_path, self.s.dtype, value_head=True,
-                           trust_remote_code=self.s.trust_remote_code)
+        torch.manual_seed(self.seed + 1)
+        model = load_model(self.model_path, self.dtype, value_head=True, trust_remote_code=self.trust_remote_code)
         self.model = shard_model(model, self.ctx.device)
-        self.optimizer, self.scheduler = build_optimizer(
-            self.model, self.s.optim)
+        self.optimizer, self.scheduler = build_optimizer(self.model, self.cfg.optim, self.total_steps)
 
     @register(Dispatch.DP_SPLIT)
     @torch.no_grad()
     def compute_values(self, batch: Batch) -> Batch:
         self.model.eval()
         batch = batch.to(self.ctx.device)
-        parts = [_values(self.model, m) * m["response_mask"] for m in micro_batches(batch, self.s.samples_per_micro_batch)]
+        parts = [_values(self.model, m) * m["response_mask"] for m in micro_batches(batch, self.cfg.samples_per_micro_batch)]
         return Batch(tensors={"values": torch.cat(parts).cpu()})
 
     @register(Dispatch.DP_SPLIT)
@@ -81,10 +68,10 @@ class CriticWorker(TrainingStateMixin):
         self.model.train()
         batch = batch.to(self.ctx.device)
         world = self.ctx.world_size
-        rows = self.s.samples_per_mini_batch // world if self.s.samples_per_mini_batch else len(batch)
-        generator = torch.Generator().manual_seed(self.s.seed * 7919 + self.updates)
+        rows = self.cfg.samples_per_mini_batch // world if self.cfg.samples_per_mini_batch else len(batch)
+        generator = torch.Generator().manual_seed(self.seed * 7919 + self.updates)
         totals, n = {}, 0
-        for _ in range(self.s.epochs_per_step):
+        for _ in range(self.cfg.epochs_per_step):
             for mini in mini_batches(batch, rows, generator):
                 for k, v in self._mini_batch(mini, world).items():
                     totals[k] = totals.get(k, 0.0) + v
@@ -101,15 +88,15 @@ class CriticWorker(TrainingStateMixin):
                   "global_sequence_count": all_reduce_sum(int(mask.any(1).sum()))}
         self.optimizer.zero_grad(set_to_none=True)
         weighted: dict[str, float] = {}
-        for micro in micro_batches(mini, self.s.samples_per_micro_batch):
+        for micro in micro_batches(mini, self.cfg.samples_per_micro_batch):
             loss, stats = clipped_value_loss(
                 values=_values(self.model, micro), old_values=micro["values"], returns=micro["returns"],
-                response_mask=micro["response_mask"], clip_range=self.s.value_clip_range,
-                aggregation=self.s.loss_aggregation, **counts)
+                response_mask=micro["response_mask"], clip_range=self.cfg.value_clip_range,
+                aggregation=self.cfg.loss_aggregation, **counts)
             (loss * world).backward()
             share = float(micro["response_mask"].sum()) / max(1.0, float(mask.sum()))
             for k, v in stats.items():
                 weighted[k] = weighted.get(k, 0.0) + v * share
-        weighted["grad_norm"] = clip_gradients(self.model, self.s.optim.max_grad_norm)
+        weighted["grad_norm"] = clip_gradients(self.model, self.cfg.optim.max_grad_norm)
         self.optimizer.step()
         return weighted

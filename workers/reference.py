@@ -16,9 +16,10 @@ from hybridflow.training.sequences import log_probs_and_entropy
 
 
 class ReferenceWorker:
-    def __init__(self, ctx: WorkerContext, model_path: str, dtype: str = "float32",
-                 samples_per_micro_batch: int = 16, temperature: float = 1.0,
-                 trust_remote_code: bool = False) -> None:
+    def __init__(self, ctx: WorkerContext, *, model_path: str, dtype: str, samples_per_micro_batch: int,
+                 temperature: float, trust_remote_code: bool) -> None:
+        """Values from the config, built by recipes/roles.py: `model.dtype`,
+        `actor.samples_per_micro_batch`, `rollout.temperature`, `model.trust_remote_code`."""
         self.ctx, self.model_path, self.dtype = ctx, model_path, dtype
         self.samples_per_micro_batch, self.temperature = samples_per_micro_batch, temperature
         self.trust_remote_code = trust_remote_code

@@ -11,36 +11,15 @@ from __future__ import annotations
 
 import json
 import string
-from dataclasses import dataclass
 from pathlib import Path
+
+from hybridflow.config.schema import TinyModelConfig
 
 SPECIAL_TOKENS = ["<pad>", "<s>", "</s>", "<unk>"]
 CHARACTERS = string.digits + "+-*/=()?., " + string.ascii_letters + ":;!'\"#%&<>[]_"
 # Chat prompts (verl's layout) render as "user: 3+4= assistant: ": only characters in the vocabulary.
 CHAT_TEMPLATE = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }} {% endfor %}"
                  "{% if add_generation_prompt %}assistant: {% endif %}")
-
-
-@dataclass(frozen=True)
-class TinyModelSpec:
-    hidden_size: int = 128
-    intermediate_size: int = 512
-    num_hidden_layers: int = 4
-    num_attention_heads: int = 4
-    num_key_value_heads: int = 2
-    max_position_embeddings: int = 256
-    tie_word_embeddings: bool = True
-    seed: int = 0
-
-    def __post_init__(self) -> None:
-        if self.hidden_size % self.num_attention_heads:
-            raise ValueError(
-                f"tiny model: hidden_size {self.hidden_size} must be a multiple of "
-                f"num_attention_heads {self.num_attention_heads}")
-        if self.num_attention_heads % self.num_key_value_heads:
-            raise ValueError(
-                f"tiny model: num_attention_heads {self.num_attention_heads} must be a multiple of "
-                f"num_key_value_heads {self.num_key_value_heads}")
 
 
 def build_char_tokenizer():
@@ -64,8 +43,9 @@ def build_char_tokenizer():
     )
 
 
-def build_tiny_model(output_dir: str | Path, spec: TinyModelSpec = TinyModelSpec()) -> Path:
-    """Write a tiny Qwen2 model and its tokenizer to `output_dir` (a Hugging Face directory).
+def build_tiny_model(output_dir: str | Path, spec: TinyModelConfig | None = None) -> Path:
+    """Write a tiny Qwen2 model and its tokenizer to `output_dir` (a Hugging Face directory);
+    `spec` is the `model.tiny` config node (None: its defaults).
 
     Re-running with the same spec and seed reuses a complete directory and rebuilds a
     different or partial one.
@@ -73,6 +53,7 @@ def build_tiny_model(output_dir: str | Path, spec: TinyModelSpec = TinyModelSpec
     import torch
     from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM
 
+    spec = spec if spec is not None else TinyModelConfig()
     output_dir = Path(output_dir)
     marker = output_dir / "hybridflow_tiny_spec.json"
     wanted = json.dumps(spec.__dict__, sort_keys=True)

@@ -143,13 +143,24 @@ def model_heads(model: "ModelConfig") -> tuple[int, int]:
 
 @dataclass
 class TinyModelConfig:
+    """The tiny Qwen2 model built offline (hybridflow.builders.build_tiny_model)."""
+
     hidden_size: int = 128
     intermediate_size: int = 512
     num_hidden_layers: int = 4
     num_attention_heads: int = 4
     num_key_value_heads: int = 2
     max_position_embeddings: int = 256
+    tie_word_embeddings: bool = True
     seed: int = 0
+
+    def __post_init__(self) -> None:
+        _require(self.num_attention_heads >= 1 and self.num_key_value_heads >= 1, "model.tiny.num_attention_heads/"
+                 "num_key_value_heads", (self.num_attention_heads, self.num_key_value_heads), "must be >= 1")
+        _require(self.hidden_size % self.num_attention_heads == 0, "model.tiny.hidden_size", self.hidden_size,
+                 f"must be a multiple of num_attention_heads ({self.num_attention_heads})")
+        _require(self.num_attention_heads % self.num_key_value_heads == 0, "model.tiny.num_key_value_heads",
+                 self.num_key_value_heads, f"num_attention_heads ({self.num_attention_heads}) must be a multiple of it")
 
 
 @dataclass
@@ -451,6 +462,10 @@ class LoggerConfig:
     output_root: str = "runs"  # each run gets output_root/<run_name>
     run_name: Optional[str] = None  # null: <recipe>-<YYYYmmdd-HHMMSS>
     backends: List[str] = field(default_factory=lambda: ["console", "jsonl"])
+    # false: the console shows progress lines, validation results and errors; everything vLLM, Ray,
+    # transformers and torch print goes to <run_dir>/logs/ (hybridflow/console.py). true: all of it
+    # reaches the console too, as the libraries print it.
+    verbose: bool = False
 
     def __post_init__(self) -> None:
         allowed = ("console", "jsonl", "tensorboard", "wandb", "mlflow")

@@ -1,4 +1,5 @@
-"""What a worker is told about its place in its group: a plain dataclass, importable without Ray.
+"""What a worker is told about its place in its group, and how it is built: plain dataclasses,
+importable without Ray.
 
 Workers are plain classes (STYLE 8): they import this, the decorators and the errors, never
 Ray, so a worker file can be imported, built and tested in a process with no Ray installed
@@ -7,7 +8,8 @@ Ray, so a worker file can be imported, built and tested in a process with no Ray
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 
 @dataclass(frozen=True)
@@ -27,3 +29,22 @@ class WorkerContext:
     master_addr: str = "127.0.0.1"
     master_port: int = 0
     group_name: str = "local"  # the worker group's name: roles fused into one process share it
+
+
+@dataclass
+class RoleSpec:
+    """A worker class and the keyword arguments its constructor takes after the context.
+
+    `replica_size`: ranks that work as one data-parallel replica (a tensor-parallel vLLM
+    engine spans `replica_size` ranks). Data-parallel calls then split their Batch over the
+    replicas, give every rank of a replica the same part, and collect from each replica's
+    first rank.
+    """
+
+    cls: type
+    kwargs: dict[str, Any] = field(default_factory=dict)
+    replica_size: int = 1
+
+    def build(self, ctx: WorkerContext) -> Any:
+        """The worker for one rank (in a WorkerHost, or in-process in a test)."""
+        return self.cls(ctx, **self.kwargs)

@@ -17,15 +17,24 @@ log = logging.getLogger(__name__)
 
 
 def connect(*, address: str | None, num_cpus: int | None, dashboard: bool, dashboard_host: str,
-            namespace: str, env_vars: dict[str, str] | None = None) -> str:
-    """Initialise Ray once for this driver; returns 'joined <address>' or 'local'."""
+            namespace: str, env_vars: dict[str, str] | None = None, log_to_driver: bool = True) -> str:
+    """Initialise Ray once for this driver; returns 'joined <address>' or 'local'.
+
+    `log_to_driver=False` (hybridflow.console, a quiet run): Ray neither forwards the workers'
+    output to the driver's console nor gives its own logger a console handler; its messages go
+    where the driver's root logger sends them (the run's logs/driver.log)."""
     if ray.is_initialized():
         return "already connected"
+    if not log_to_driver:
+        ray_logger = logging.getLogger("ray")
+        ray_logger.handlers.clear()
+        ray_logger.propagate = True
+    quiet = {} if log_to_driver else {"configure_logging": False}
     runtime_env = {"env_vars": dict(env_vars or {})}
     # The driver reads RAY_ADDRESS here, at the edge, so workers never need to.
     target = address or os.environ.get("RAY_ADDRESS")
     if target:
-        ray.init(address=target, namespace=namespace, runtime_env=runtime_env, log_to_driver=True)
+        ray.init(address=target, namespace=namespace, runtime_env=runtime_env, log_to_driver=log_to_driver, **quiet)
         log.info("joined Ray cluster at %s", target)
         return f"joined {target}"
     # address="local": always a new instance. Without it ray.init joins the last cluster that
@@ -38,7 +47,8 @@ def connect(*, address: str | None, num_cpus: int | None, dashboard: bool, dashb
         dashboard_host=dashboard_host,
         namespace=namespace,
         runtime_env=runtime_env,
-        log_to_driver=True,
+        log_to_driver=log_to_driver,
+        **quiet,
     )
     log.info("started a local Ray instance with %s CPU slot(s)", ray.cluster_resources().get("CPU"))
     return "local"

@@ -18,10 +18,11 @@ from __future__ import annotations
 
 import os
 import socket
+import sys
 import time
 import traceback
-from dataclasses import dataclass, field
 from datetime import timedelta
+from pathlib import Path
 from typing import Any, Sequence
 
 import ray
@@ -30,25 +31,10 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from hybridflow.batch import Batch
 from hybridflow.controller import deadlines
-from hybridflow.controller.context import WorkerContext
+from hybridflow.controller.context import RoleSpec, WorkerContext
 from hybridflow.controller.decorators import Dispatch, Execute, MethodSpec, registered_methods
 from hybridflow.controller.errors import WorkerError, WorkerGroupBroken
 from hybridflow.controller.pools import ResourcePool
-
-
-@dataclass
-class RoleSpec:
-    """A worker class and the keyword arguments its constructor takes after the context.
-
-    `replica_size`: ranks that work as one data-parallel replica (a tensor-parallel vLLM
-    engine spans `replica_size` ranks). Data-parallel calls then split their Batch over the
-    replicas, give every rank of a replica the same part, and collect from each replica's
-    first rank.
-    """
-
-    cls: type
-    kwargs: dict[str, Any] = field(default_factory=dict)
-    replica_size: int = 1
 
 
 class WorkerHost:
@@ -59,7 +45,10 @@ class WorkerHost:
     """
 
     def __init__(self, group_name: str, rank: int, world_size: int, local_rank: int, node_id: str,
-                 use_gpu: bool, roles: dict[str, RoleSpec]) -> None:
+                 use_gpu: bool, roles: dict[str, RoleSpec], log_file: str | None = None) -> None:
+        self.log_file = log_file
+        if log_file is not None:
+            redirect_output(log_file, f"{group_name} rank {rank} of {world_size}")
         self.group_name, self.rank, self.world_size = group_name, rank, world_size
         self.local_rank, self.node_id, self.use_gpu = local_rank, node_id, use_gpu
         self.roles = roles
@@ -97,10 +86,10 @@ class WorkerHost:
                             master_addr, master_port, self.group_name)
         for role, spec in self.roles.items():
             try:
-                self.workers[role] = spec.cls(ctx, **spec.kwargs)
+                self.workers[role] = spec.build(ctx)
             except BaseException as exc:
                 raise self._error(spec.cls.__name__, "__init__", exc) from None
-        return {"rank": self.rank, "node_id": self.node_id, "pid": os.getpid()}
+        return {"rank": self.rank, "node_id": self.node_id, "pid": os.getpid(), "log_file": self.log_file}
 
     def call(self, role: str, method: str, *args: Any, **kwargs: Any) -> Any:
         if (role, method) in self.hanging:
@@ -244,8 +233,9 @@ class WorkerGroup:
             cause = exc.cause if isinstance(exc.cause, WorkerError) else None
             error = cause or WorkerError(self.name, self.worker_cls.__name__, method, rank, self.world_size, str(exc))
         except RayActorError as exc:
+            log_file = self.infos[rank].get("log_file") if rank < len(self.infos) else None
             error = WorkerError(self.name, self.worker_cls.__name__, method, rank, self.world_size,
-                                f"the worker process died: {exc}")
+                                f"the worker process died: {exc}{output_tail(log_file)}")
         self._broken = f"{error.worker_class}.{error.method} on rank {error.rank}"
         raise WorkerError(error.group, error.worker_class, error.method, error.rank, error.world_size,
                           error.detail) from None
@@ -298,6 +288,28 @@ def _dp_chunks(value: Batch | GroupFuture, ranks: int) -> tuple[list[Any], Any]:
     return padded.chunk(ranks), pad
 
 
+def redirect_output(path: str, header: str) -> None:
+    """This process's stdout and stderr, Python's and C's alike (vLLM, torch and Ray write from
+    both), appended to `path` from now on."""
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.close(fd)
+    print(f"==== {header}, pid {os.getpid()}, {time.strftime('%Y-%m-%d %H:%M:%S')} ====", flush=True)
+
+
+def output_tail(log_file: str | None, lines: int = 40) -> str:
+    """The last lines a dead worker wrote, for its error (empty when there is no readable file)."""
+    try:
+        text = Path(log_file).read_text(errors="replace").splitlines()[-lines:] if log_file else []
+    except OSError:
+        return ""
+    return f"\nits last output ({log_file}):\n" + "\n".join(text) if text else ""
+
+
 def spawn_workers(
     pool: ResourcePool,
     roles: dict[str, RoleSpec],
@@ -306,8 +318,12 @@ def spawn_workers(
     env_vars: dict[str, str] | None = None,
     collective_timeout_s: float = 600.0,
     setup_timeout_s: float = 600.0,
+    log_dir: str | Path | None = None,
 ) -> dict[str, WorkerGroup]:
-    """Start one process per slot of `pool` hosting every role in `roles`; one group per role."""
+    """Start one process per slot of `pool` hosting every role in `roles`; one group per role.
+
+    With `log_dir`, each process writes its stdout and stderr (everything the libraries in it
+    print) to `<log_dir>/<pool>-rank<r>.log` instead of Ray's session logs (hybridflow.console)."""
     if not roles:
         raise ValueError("spawn_workers needs at least one role")
     name = name or f"{pool.spec.name}:{'+'.join(roles)}"
@@ -322,8 +338,9 @@ def spawn_workers(
             scheduling_strategy=PlacementGroupSchedulingStrategy(slot.placement_group, slot.bundle_index),
             runtime_env={"env_vars": dict(env_vars or {})},
         )
+        log_file = None if log_dir is None else str(Path(log_dir) / f"{spec.name}-rank{slot.rank}.log")
         hosts.append(host_cls.options(**options).remote(
-            name, slot.rank, len(slots), slot.bundle_index, slot.node_id, spec.use_gpu, roles))
+            name, slot.rank, len(slots), slot.bundle_index, slot.node_id, spec.use_gpu, roles, log_file))
     probe = WorkerGroup(name, "host", WorkerHost, hosts, [])
     addr, port = probe._get_one("rendezvous_address", hosts[0].rendezvous_address.remote(), 0)
     refs = [h.setup.remote(addr, port, collective_timeout_s) for h in hosts]

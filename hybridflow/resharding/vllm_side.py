@@ -100,12 +100,56 @@ def _engine_class():
         def finish_weight_update(self) -> None:
             from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
 
+            mark_layers_without_checkpoint_tensors(self.model)
             finalize_layerwise_reload(self.model, self.model_config)
 
         def shutdown(self) -> None:
             self.group = None
 
     return HybridFlowTransferEngine
+
+
+def mark_layers_without_checkpoint_tensors(model: torch.nn.Module) -> list[str]:
+    """Tell vLLM's layerwise reload which layers receive no tensor by design; returns their names.
+
+    At the end of a reload vLLM puts back the old tensors of every layer that received none,
+    and warns "<Layer>: Failed to load weights" for each one that had something to load. Two
+    kinds of layer never receive anything, at every sync, and that is right:
+    - a rotary embedding: its only tensor is the cos/sin cache, a non-persistent buffer that
+      vLLM computes and no checkpoint holds;
+    - an lm_head tied to the input embedding (`tie_word_embeddings`): its weight is the
+      embedding's own Parameter, filled when `embed_tokens` loads (checkpoints carry no
+      `lm_head.weight`, and the model's loader skips it).
+    For those, and only those, we record that there is nothing to load (`load_numel_total = 0`):
+    vLLM then puts their tensors back without the warning, exactly as before. A layer with a
+    tensor of its own that received nothing still warns: that is a real failed load.
+    Call it after the last bucket, before `finalize_layerwise_reload`: a layer that loaded has
+    been processed and reset by then (`can_load()` is false), one that did not is still pending.
+    Written against vllm 0.32's `model_loader/reload` (LayerReloadingInfo); raises if it moved.
+    """
+    from vllm.model_executor.model_loader.reload import layerwise
+
+    layers = [(name, layer, layerwise.get_layerwise_info(layer)) for name, layer in model.named_modules()]
+    fields = {"kernel_tensors", "kernel_non_persistent_buffers", "load_numel", "load_numel_total"}
+    missing = fields - set(getattr(type(layers[0][2]), "__dataclass_fields__", {})) if layers else set()
+    if missing or not hasattr(layerwise, "SKIP_LOAD_TENSORS") or not hasattr(layerwise, "is_deferred_attention_layer"):
+        raise RuntimeError(f"vllm's layerwise reload moved (LayerReloadingInfo lacks {sorted(missing)}, or "
+                           "SKIP_LOAD_TENSORS / is_deferred_attention_layer are gone); update "
+                           "hybridflow.resharding.vllm_side.mark_layers_without_checkpoint_tensors")
+    skipped = layerwise.SKIP_LOAD_TENSORS
+    loaded = {id(p) for _, layer, info in layers if not info.can_load() for p in layer.parameters(recurse=False)}
+    marked = []
+    for name, layer, info in layers:
+        if not info.can_load() or info.load_numel > 0 or not info.load_numel_total or info.kernel_tensors is None \
+                or layerwise.is_deferred_attention_layer(layer):
+            continue
+        params, buffers = info.kernel_tensors
+        tied = all(id(p) in loaded for n, p in params.items() if n not in skipped)
+        computed = all(n in info.kernel_non_persistent_buffers for n in buffers if n not in skipped)
+        if tied and computed:
+            info.load_numel_total = 0
+            marked.append(name)
+    return marked
 
 
 def register_engine() -> None:

@@ -8,24 +8,20 @@ becomes one FSDP2 unit and the root gets the rest (embeddings, final norm, head)
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import fully_shard
 
-
-@dataclass(frozen=True)
-class LoraSpec:
-    rank: int
-    alpha: float
-    dropout: float
-    target_modules: tuple[str, ...]
+if TYPE_CHECKING:
+    from hybridflow.config.schema import LoraConfig, OptimConfig
 
 
-def load_model(path: str, dtype: str, *, value_head: bool = False, lora: LoraSpec | None = None,
+def load_model(path: str, dtype: str, *, value_head: bool = False, lora: LoraConfig | None = None,
                gradient_checkpointing: bool = False, trust_remote_code: bool = False) -> torch.nn.Module:
-    """A causal LM (or, with `value_head`, a token-classification model with one output per token)."""
+    """A causal LM (or, with `value_head`, a token-classification model with one output per token),
+    with a LoRA adapter when `lora` (the `actor.lora` config node) has a rank > 0."""
     from transformers import AutoModelForCausalLM, AutoModelForTokenClassification
 
     torch_dtype = getattr(torch, dtype)
@@ -38,11 +34,11 @@ def load_model(path: str, dtype: str, *, value_head: bool = False, lora: LoraSpe
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     if lora is not None and lora.rank > 0:
         try:
-            from peft import LoraConfig, get_peft_model
+            from peft import LoraConfig as PeftLoraConfig, get_peft_model
         except ImportError as exc:
             raise ImportError("actor.lora.rank > 0 needs peft: pip install peft") from exc
-        model = get_peft_model(model, LoraConfig(r=lora.rank, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
-                                                 target_modules=list(lora.target_modules), bias="none"))
+        model = get_peft_model(model, PeftLoraConfig(r=lora.rank, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
+                                                     target_modules=list(lora.target_modules), bias="none"))
     return model
 
 
@@ -67,27 +63,15 @@ def _unwrap(model: torch.nn.Module) -> torch.nn.Module:
     return getattr(base, "model", model) if base is not None and base is not model else model
 
 
-@dataclass(frozen=True)
-class OptimSettings:
-    """AdamW and its learning-rate schedule, as one training worker needs them."""
-
-    lr: float = 1e-4
-    weight_decay: float = 0.0
-    betas: tuple[float, float] = (0.9, 0.999)
-    warmup_steps: int = 0
-    total_steps: int = 100  # the schedule steps once per trainer step
-    lr_schedule: str = "constant"  # constant | cosine
-    min_lr_ratio: float = 0.0
-    max_grad_norm: float = 1.0  # 0: no clipping
-
-
-def build_optimizer(model: torch.nn.Module, optim: OptimSettings):
-    """AdamW over trainable parameters; linear warmup, then constant or cosine decay to `min_lr_ratio * lr`."""
+def build_optimizer(model: torch.nn.Module, optim: OptimConfig, total_steps: int):
+    """AdamW over trainable parameters; linear warmup, then constant or cosine decay to `min_lr_ratio * lr`
+    over `optim.schedule_steps`, or `total_steps` (the trainer's) when that is null. `optim` is the
+    role's `<role>.optim` config node; the schedule steps once per trainer step."""
     params = [p for p in model.parameters() if p.requires_grad]
     if not params:
         raise ValueError("the model has no trainable parameters")
     optimizer = torch.optim.AdamW(params, lr=optim.lr, weight_decay=optim.weight_decay, betas=tuple(optim.betas))
-    warmup, total, floor = optim.warmup_steps, optim.total_steps, optim.min_lr_ratio
+    warmup, total, floor = optim.warmup_steps, optim.schedule_steps or total_steps, optim.min_lr_ratio
 
     def factor(step: int) -> float:
         if warmup and step < warmup:

@@ -7,16 +7,14 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
-from hybridflow.config.schema import RolloutConfig, WeightSyncConfig
+from hybridflow.config.schema import ActorConfig, HybridFlowConfig, OptimConfig, RolloutConfig, WeightSyncConfig
 from hybridflow.controller import PoolSpec, ResourcePool, RoleSpec, spawn_workers
 from hybridflow.resharding import WeightSyncError
 from hybridflow.resharding.sync import WeightSync
 from hybridflow.data import ArithmeticSpec, make_arithmetic_rows
 from hybridflow.data.prompts import encode_prompts
 from tests.e2e.workers import CorruptibleVLLMRollout
-from hybridflow.training.fsdp import OptimSettings
-from workers.actor import ActorSettings, ActorWorker
-from workers.reference import ReferenceWorker
+from recipes.roles import actor_role, reference_role
 
 MAX_PROMPT_TOKENS = 8
 VLLM_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1"}
@@ -28,9 +26,8 @@ def groups(ray_local, tiny_model_dir):
     rollout = RoleSpec(CorruptibleVLLMRollout, dict(
         model_path=str(tiny_model_dir), rollout=RolloutConfig(max_response_tokens=6), max_prompt_tokens=MAX_PROMPT_TOKENS,
         eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, verifiable_weights=True))
-    actor = RoleSpec(ActorWorker, {"settings": ActorSettings(model_path=str(tiny_model_dir), optim=OptimSettings(lr=1e-3),
-                                                             samples_per_micro_batch=4)})
-    reference = RoleSpec(ReferenceWorker, {"model_path": str(tiny_model_dir), "samples_per_micro_batch": 4})
+    config = HybridFlowConfig(actor=ActorConfig(optim=OptimConfig(lr=1e-3), samples_per_micro_batch=4))
+    actor, reference = actor_role(config, tiny_model_dir), reference_role(config, tiny_model_dir)
     out = spawn_workers(ResourcePool(PoolSpec("hybrid", devices_per_node=2)),
                         {"actor": actor, "rollout": rollout, "reference": reference}, env_vars=VLLM_ENV)
     for future in [out["actor"].start.remote(), out["reference"].start.remote(), out["rollout"].start_engine.remote()]:
@@ -106,8 +103,8 @@ def test_micro_batch_split_does_not_change_gradients(tiny_model_dir):
                                "old_log_probs": -torch.rand(8, 5) * 5, "advantages": torch.randn(8, 5)}))
 
     def grads(rows_per_micro: int) -> dict[str, torch.Tensor]:
-        worker = ActorWorker(WorkerContext(), ActorSettings(model_path=str(tiny_model_dir),
-                                                            samples_per_micro_batch=rows_per_micro))
+        config = HybridFlowConfig(actor=ActorConfig(samples_per_micro_batch=rows_per_micro))
+        worker = actor_role(config, tiny_model_dir).build(WorkerContext())
         worker.start()
         worker.model.train()
         tokens, seqs = float(mask.sum()), float(mask.any(1).sum())

@@ -17,15 +17,14 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
-from hybridflow.config.schema import RolloutConfig, WeightSyncConfig
+from hybridflow.config.schema import ActorConfig, HybridFlowConfig, OptimConfig, RolloutConfig, WeightSyncConfig
 from hybridflow.controller import PoolSpec, ResourcePool, RoleSpec, spawn_workers
 from hybridflow.data import ArithmeticSpec, make_arithmetic_rows
 from hybridflow.data.prompts import encode_prompts
 from hybridflow.resharding import WeightSyncError
 from hybridflow.resharding.sync import WeightSync
-from hybridflow.training.fsdp import OptimSettings
+from recipes.roles import actor_role
 from tests.e2e.workers import CorruptibleVLLMRollout
-from workers.actor import ActorSettings, ActorWorker
 
 MAX_PROMPT_TOKENS = 8
 VLLM_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1"}
@@ -40,8 +39,8 @@ def _spawn(tiny_model_dir, actor_ranks: int, rollout_ranks: int | None, tp: int,
         model_path=str(tiny_model_dir), rollout=RolloutConfig(max_response_tokens=6, tensor_parallel_size=tp),
         max_prompt_tokens=MAX_PROMPT_TOKENS, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
         verifiable_weights=checksum_every > 0), replica_size=tp)
-    actor = RoleSpec(ActorWorker, {"settings": ActorSettings(model_path=str(tiny_model_dir),
-                                                             optim=OptimSettings(lr=1e-3), samples_per_micro_batch=4)})
+    actor = actor_role(HybridFlowConfig(actor=ActorConfig(optim=OptimConfig(lr=1e-3), samples_per_micro_batch=4)),
+                       tiny_model_dir)
     if rollout_ranks is None:
         groups = spawn_workers(ResourcePool(PoolSpec(name, devices_per_node=actor_ranks)),
                                {"actor": actor, "rollout": rollout}, env_vars=VLLM_ENV)

@@ -11,13 +11,15 @@ from hybridflow.controller import WorkerContext
 from hybridflow.data import ArithmeticSpec, make_arithmetic_rows
 from hybridflow.data.prompts import encode_prompts
 from hybridflow.resharding.weights import full_weights
-from hybridflow.training.fsdp import LoraSpec, OptimSettings
-from workers.actor import ActorSettings, ActorWorker
+from hybridflow.config.schema import ActorConfig, HybridFlowConfig, LoraConfig, OptimConfig
+from recipes.roles import actor_role
+from workers.actor import ActorWorker
 
 
 def _actor(model_dir) -> ActorWorker:
-    lora = LoraSpec(rank=4, alpha=8.0, dropout=0.0, target_modules=("q_proj", "v_proj"))
-    actor = ActorWorker(WorkerContext(), ActorSettings(model_path=str(model_dir), optim=OptimSettings(lr=1e-2), lora=lora))
+    lora = LoraConfig(rank=4, alpha=8.0, dropout=0.0, target_modules=["q_proj", "v_proj"])
+    config = HybridFlowConfig(actor=ActorConfig(optim=OptimConfig(lr=1e-2), lora=lora))
+    actor = actor_role(config, model_dir).build(WorkerContext())
     actor.start()
     return actor
 

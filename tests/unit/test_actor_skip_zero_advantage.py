@@ -10,8 +10,8 @@ from hybridflow.batch import Batch
 from hybridflow.controller import WorkerContext
 from hybridflow.data import ArithmeticSpec, make_arithmetic_rows
 from hybridflow.data.prompts import encode_prompts
-from hybridflow.training.fsdp import OptimSettings
-from workers.actor import ActorSettings, ActorWorker
+from hybridflow.config.schema import ActorConfig, HybridFlowConfig, OptimConfig
+from recipes.roles import actor_role
 
 
 def _batch(model_dir) -> Batch:
@@ -26,9 +26,9 @@ def _batch(model_dir) -> Batch:
                               "old_log_probs": -torch.rand(8, 4) * 3, "advantages": advantages}))
 
 
-def _gradients(model_dir, batch: Batch, **settings) -> tuple[dict[str, torch.Tensor], dict]:
-    worker = ActorWorker(WorkerContext(), ActorSettings(model_path=str(model_dir), samples_per_micro_batch=2,
-                                                        optim=OptimSettings(max_grad_norm=0.0), **settings))
+def _gradients(model_dir, batch: Batch, **actor) -> tuple[dict[str, torch.Tensor], dict]:
+    config = HybridFlowConfig(actor=ActorConfig(samples_per_micro_batch=2, optim=OptimConfig(max_grad_norm=0.0), **actor))
+    worker = actor_role(config, model_dir).build(WorkerContext())
     worker.start()
     worker.optimizer.step = lambda: None  # keep the gradients of the one mini-batch to compare
     worker.model.train()

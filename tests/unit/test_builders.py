@@ -7,7 +7,8 @@ import json
 import pytest
 import torch
 
-from hybridflow.builders import TinyModelSpec, build_char_tokenizer, build_tiny_model
+from hybridflow.builders import build_char_tokenizer, build_tiny_model
+from hybridflow.config.schema import TinyModelConfig
 from hybridflow.data import ArithmeticSpec, make_arithmetic_rows, make_arithmetic_split, read_rows, write_rows
 from hybridflow.data.prompts import encode_prompts
 
@@ -22,8 +23,8 @@ def test_tokenizer_round_trips_characters():
 def test_tiny_model_directory_loads_with_transformers(tmp_path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    spec = TinyModelSpec(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
-                         num_key_value_heads=1)
+    spec = TinyModelConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                           num_key_value_heads=1)
     path = build_tiny_model(tmp_path / "m", spec)
     model = AutoModelForCausalLM.from_pretrained(path)
     tok = AutoTokenizer.from_pretrained(path)
@@ -36,8 +37,8 @@ def test_tiny_model_directory_loads_with_transformers(tmp_path):
 
 
 def test_tiny_spec_rejects_bad_heads():
-    with pytest.raises(ValueError, match="multiple of num_attention_heads"):
-        TinyModelSpec(hidden_size=30, num_attention_heads=4)
+    with pytest.raises(ValueError, match=r"model.tiny.hidden_size=30 is invalid: must be a multiple"):
+        TinyModelConfig(hidden_size=30, num_attention_heads=4)
 
 
 def test_arithmetic_rows_are_correct_distinct_and_seeded():

@@ -18,12 +18,13 @@ import numpy as np
 import pytest
 import torch
 
-from hybridflow.builders import TinyModelSpec, build_tiny_model
+from hybridflow.builders import build_tiny_model
+from hybridflow.config.schema import TinyModelConfig
 from hybridflow.checkpoint import CheckpointManager
 
 WORLD_SIZE = 2
-SPEC = TinyModelSpec(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
-                     num_key_value_heads=1, max_position_embeddings=64)
+SPEC = TinyModelConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                       num_key_value_heads=1, max_position_embeddings=64)
 PROBE = torch.arange(4, 20).reshape(2, 8)  # fixed input for comparing logits, (B=2, T=8)
 
 

@@ -11,11 +11,12 @@ import json
 import pytest
 import torch
 
-from hybridflow.builders import TinyModelSpec, build_tiny_model
+from hybridflow.builders import build_tiny_model
+from hybridflow.config.schema import TinyModelConfig
 from hybridflow.checkpoint import CheckpointError, export_hf_model
 
-UNTIED = TinyModelSpec(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
-                       num_key_value_heads=1, max_position_embeddings=64, tie_word_embeddings=False)
+UNTIED = TinyModelConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                         num_key_value_heads=1, max_position_embeddings=64, tie_word_embeddings=False)
 PROBE = torch.arange(4, 16).reshape(2, 6)  # (B=2, T=6)
 
 

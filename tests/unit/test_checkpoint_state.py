@@ -96,11 +96,12 @@ def test_lora_round_trip_saves_only_trainable_weights(tmp_path):
     import torch.distributed.checkpoint as dcp
     from transformers import AutoModelForCausalLM
 
-    from hybridflow.builders import TinyModelSpec, build_tiny_model
+    from hybridflow.builders import build_tiny_model
+    from hybridflow.config.schema import TinyModelConfig
 
-    base_dir = build_tiny_model(tmp_path / "base", TinyModelSpec(hidden_size=32, intermediate_size=64,
-                                                                 num_hidden_layers=1, num_attention_heads=2,
-                                                                 num_key_value_heads=1, tie_word_embeddings=False))
+    base_dir = build_tiny_model(tmp_path / "base", TinyModelConfig(hidden_size=32, intermediate_size=64,
+                                                                   num_hidden_layers=1, num_attention_heads=2,
+                                                                   num_key_value_heads=1, tie_word_embeddings=False))
 
     def build():
         model = peft.get_peft_model(AutoModelForCausalLM.from_pretrained(base_dir),

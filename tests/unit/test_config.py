@@ -90,19 +90,23 @@ def test_a_bad_override_in_a_later_pipeline_stage_fails_before_any_stage_runs(tm
 def test_schedule_steps_let_a_run_stop_partway_down_its_schedule():
     import torch
 
-    from hybridflow.launch import actor_settings
     from hybridflow.training.fsdp import build_optimizer
 
     config = compose(["recipe=sft", "trainer.total_steps=800", "actor.optim.schedule_steps=1500",
                       "actor.optim.warmup_steps=0", "actor.optim.lr=1.0", "actor.optim.min_lr_ratio=0"])
-    settings = actor_settings(config, "unused").optim
-    assert settings.total_steps == 1500
-    optimizer, scheduler = build_optimizer(torch.nn.Linear(2, 2), settings)
+    optimizer, scheduler = build_optimizer(torch.nn.Linear(2, 2), config.actor.optim, config.trainer.total_steps)
     for _ in range(750):
         optimizer.step()  # no gradients: only the schedule moves
         scheduler.step()
     # cosine at half of its 1500 steps: 0.5 * (1 + cos(pi / 2)) = 0.5, not the floor it reaches at 800 of 800
     assert scheduler.get_last_lr()[0] == pytest.approx(0.5)
-    assert actor_settings(compose(["recipe=sft", "trainer.total_steps=800"]), "unused").optim.total_steps == 800
+    # without schedule_steps the schedule spans trainer.total_steps: at 400 of 800, also half way
+    config = compose(["recipe=sft", "trainer.total_steps=800", "actor.optim.lr=1.0", "actor.optim.min_lr_ratio=0",
+                      "actor.optim.lr_schedule=cosine", "actor.optim.warmup_steps=0"])
+    optimizer, scheduler = build_optimizer(torch.nn.Linear(2, 2), config.actor.optim, config.trainer.total_steps)
+    for _ in range(400):
+        optimizer.step()
+        scheduler.step()
+    assert scheduler.get_last_lr()[0] == pytest.approx(0.5)
     with pytest.raises(ConfigError, match=r"optim.schedule_steps=0 is invalid"):
         compose(["actor.optim.schedule_steps=0"])

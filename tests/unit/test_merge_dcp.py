@@ -23,13 +23,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from hybridflow.builders import TinyModelSpec, build_tiny_model
+from hybridflow.builders import build_tiny_model
+from hybridflow.config.schema import TinyModelConfig
 from hybridflow.merge import DcpCheckpoint, MergeError, last_checkpoints, merge_checkpoints, open_checkpoint
 from hybridflow.merge.checkpoints import SafetensorsCheckpoint
 from hybridflow.merge.cli import main
 
-SPEC = TinyModelSpec(hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
-                     num_key_value_heads=1, max_position_embeddings=32)
+SPEC = TinyModelConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
+                       num_key_value_heads=1, max_position_embeddings=32)
 EMBED, HEAD = "model.embed_tokens.weight", "lm_head.weight"
 
 

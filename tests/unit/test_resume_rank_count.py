@@ -41,13 +41,13 @@ def _step_batch(model_dir: str, step: int):
 
 
 def _actor(model_dir: str, rank: int, world: int):
+    from hybridflow.config.schema import ActorConfig, HybridFlowConfig, OptimConfig, TrainerConfig
     from hybridflow.controller import WorkerContext
-    from hybridflow.training.fsdp import OptimSettings
-    from workers.actor import ActorSettings, ActorWorker
+    from recipes.roles import actor_role
 
-    settings = ActorSettings(model_path=model_dir, samples_per_micro_batch=1,
-                             optim=OptimSettings(lr=1e-2, warmup_steps=2, total_steps=10, lr_schedule="cosine"))
-    actor = ActorWorker(WorkerContext(rank=rank, world_size=world), settings)
+    config = HybridFlowConfig(actor=ActorConfig(samples_per_micro_batch=1, optim=OptimConfig(
+        lr=1e-2, warmup_steps=2, lr_schedule="cosine")), trainer=TrainerConfig(total_steps=10))
+    actor = actor_role(config, model_dir).build(WorkerContext(rank=rank, world_size=world))
     actor.start()
     return actor
 

@@ -42,3 +42,38 @@ def test_validation_accuracy_is_split_by_data_source():
     assert accuracy_by_source(rewards, ["gsm8k"] * 4) == {}  # one source: val/accuracy says it all
     no_extra = Batch({"sequence_rewards": torch.tensor([1.0, 0.0, 0.5, 1.0])})
     assert accuracy_by_source(no_extra, ["a", "a", "b", "b"]) == {"val/accuracy/a": 0.5, "val/accuracy/b": 0.75}
+
+
+def test_a_step_loop_is_one_progress_line_plus_validation_and_summary_lines(tmp_path, capsys):
+    from hybridflow import console
+
+    with console.stage("grpo"):
+        logger = MetricsLogger(tmp_path, ["console", "jsonl"], total_steps=50)
+        for step in range(1, 51):
+            metrics = {"reward/score": step / 100, "reward/accuracy": 0.5, "actor/loss": 1.0,
+                       "perf/tokens_per_s": 1234.5, "timing/generate_s": 0.1}
+            if step % 25 == 0:
+                metrics["val/accuracy"] = step / 100
+            logger.log(step, metrics)
+        logger.close()
+    out = capsys.readouterr().out
+    lines = out.split("\n")
+    assert len(lines) == 5 and lines[-1] == "", lines  # validation x2, the progress line, the summary
+    assert lines[0].endswith("grpo step 25/50: held-out accuracy 0.250")
+    assert lines[1].endswith("grpo step 50/50: held-out accuracy 0.500")
+    progress = lines[2].split("\r")[-1]
+    assert progress.startswith("grpo 50/50 [") and "reward=0.500 acc=0.500 tok/s=1234" in progress
+    assert "loss=" not in progress  # with a reward to watch, the loss is left out
+    assert lines[3].startswith("grpo: 50 steps in 0m0") and lines[3].endswith(", held-out accuracy 0.500 "
+                                                                             "(last step: reward=0.500 acc=0.500 tok/s=1234)")
+    assert len(read_metrics(tmp_path)) == 50
+
+
+def test_a_resumed_step_loop_counts_from_the_last_logged_step(tmp_path, capsys):
+    (tmp_path / "metrics.jsonl").write_text('{"step": 1}\n{"step": 2}\n')
+    logger = MetricsLogger(tmp_path, ["console"], total_steps=4)
+    logger.log(3, {"actor/loss": 0.5})
+    logger.log(4, {"actor/loss": 0.25})
+    logger.close()
+    out = capsys.readouterr().out
+    assert f"{tmp_path.name}: 2 steps in" in out and "loss=0.250" in out

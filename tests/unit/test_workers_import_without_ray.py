@@ -9,7 +9,8 @@ import sys
 import pytest
 
 WORKER_MODULES = ["workers.actor", "workers.critic", "workers.reference", "workers.reward",
-                  "workers.rollout.vllm_rollout", "workers.rollout.hf_rollout"]
+                  "workers.rollout.vllm_rollout", "workers.rollout.hf_rollout",
+                  "recipes.roles"]  # the role specs built from config: how a test or a GPU check builds a worker
 
 
 @pytest.mark.parametrize("module", WORKER_MODULES)

@@ -1,0 +1,56 @@
+"""Role specs from config: where the schema's nodes meet the worker classes.
+
+Each worker takes its own config node (`config.actor`, `config.rollout`, `config.reward`, ...)
+and, as explicit keywords, the few values that live elsewhere in the config or are made at run
+time (the model directory). The schema is the only copy of every default. The framework
+(hybridflow/) never imports workers/; the recipes do, here.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from hybridflow.config.schema import HybridFlowConfig, RolloutBackend
+from hybridflow.controller import RoleSpec
+from workers.actor import ActorWorker
+from workers.critic import CriticWorker
+from workers.reference import ReferenceWorker
+from workers.reward import RewardWorker
+
+
+def actor_role(config: HybridFlowConfig, model_dir: str | Path) -> RoleSpec:
+    return RoleSpec(ActorWorker, dict(
+        actor=config.actor, model_path=str(model_dir), dtype=config.model.dtype.value,
+        temperature=config.rollout.temperature, total_steps=config.trainer.total_steps,
+        trust_remote_code=config.model.trust_remote_code, seed=config.seed))
+
+
+def critic_role(config: HybridFlowConfig, model_dir: str | Path) -> RoleSpec:
+    return RoleSpec(CriticWorker, dict(
+        critic=config.critic, model_path=str(model_dir), dtype=config.model.dtype.value,
+        total_steps=config.trainer.total_steps, trust_remote_code=config.model.trust_remote_code, seed=config.seed))
+
+
+def reference_role(config: HybridFlowConfig, model_dir: str | Path) -> RoleSpec:
+    return RoleSpec(ReferenceWorker, dict(
+        model_path=str(model_dir), dtype=config.model.dtype.value,
+        samples_per_micro_batch=config.actor.samples_per_micro_batch, temperature=config.rollout.temperature,
+        trust_remote_code=config.model.trust_remote_code))
+
+
+def reward_role(config: HybridFlowConfig) -> RoleSpec:
+    return RoleSpec(RewardWorker, {"reward": config.reward})
+
+
+def rollout_role(config: HybridFlowConfig, model_dir: str | Path, tokenizer) -> RoleSpec:
+    """vLLM or Hugging Face generation (`rollout.backend`); one replica spans the tensor-parallel ranks."""
+    if config.rollout.backend is RolloutBackend.vllm:
+        from workers.rollout.vllm_rollout import VLLMRollout as rollout_cls
+    else:
+        from workers.rollout.hf_rollout import HFRollout as rollout_cls
+    return RoleSpec(rollout_cls, dict(
+        model_path=str(model_dir), rollout=config.rollout, max_prompt_tokens=config.data.max_prompt_tokens,
+        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+        verifiable_weights=config.weight_sync.checksum_every_steps > 0,
+        trust_remote_code=config.model.trust_remote_code),
+        replica_size=config.rollout.tensor_parallel_size)
