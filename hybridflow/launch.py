@@ -122,7 +122,8 @@ def optim_settings(o, total_steps: int):
 
     return OptimSettings(lr=o.lr, weight_decay=o.weight_decay, betas=tuple(o.betas), warmup_steps=o.warmup_steps,
                          total_steps=o.schedule_steps or total_steps, lr_schedule=o.lr_schedule,
-                         min_lr_ratio=o.min_lr_ratio, max_grad_norm=o.max_grad_norm)
+                         min_lr_ratio=o.min_lr_ratio, max_grad_norm=o.max_grad_norm,
+                         decay_steps=o.decay_steps)
 
 
 def actor_settings(config: HybridFlowConfig, model_dir: Path):

@@ -7,12 +7,14 @@ becomes one FSDP2 unit and the root gets the rest (embeddings, final norm, head)
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import fully_shard
+
+from hybridflow.training.schedules import lr_factor
 
 
 @dataclass(frozen=True)
@@ -76,27 +78,21 @@ class OptimSettings:
     betas: tuple[float, float] = (0.9, 0.999)
     warmup_steps: int = 0
     total_steps: int = 100  # the schedule steps once per trainer step
-    lr_schedule: str = "constant"  # constant | cosine
+    lr_schedule: str = "constant"  # constant | cosine | wsd (hybridflow/training/schedules.py)
     min_lr_ratio: float = 0.0
     max_grad_norm: float = 1.0  # 0: no clipping
+    decay_steps: int = 0  # wsd (other schedules ignore it): the last decay_steps decay linearly to min_lr_ratio
 
 
 def build_optimizer(model: torch.nn.Module, optim: OptimSettings):
-    """AdamW over trainable parameters; linear warmup, then constant or cosine decay to `min_lr_ratio * lr`."""
+    """AdamW over trainable parameters; linear warmup, then constant, cosine or warmup-stable-decay
+    (`hybridflow.training.schedules.lr_factor`)."""
     params = [p for p in model.parameters() if p.requires_grad]
     if not params:
         raise ValueError("the model has no trainable parameters")
     optimizer = torch.optim.AdamW(params, lr=optim.lr, weight_decay=optim.weight_decay, betas=tuple(optim.betas))
-    warmup, total, floor = optim.warmup_steps, optim.total_steps, optim.min_lr_ratio
-
-    def factor(step: int) -> float:
-        if warmup and step < warmup:
-            return (step + 1) / warmup
-        if optim.lr_schedule == "constant":
-            return 1.0
-        progress = min(1.0, (step - warmup) / max(1, total - warmup))
-        return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress))
-
+    factor = partial(lr_factor, schedule=optim.lr_schedule, warmup_steps=optim.warmup_steps,
+                     total_steps=optim.total_steps, min_lr_ratio=optim.min_lr_ratio, decay_steps=optim.decay_steps)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
     return optimizer, scheduler
 
