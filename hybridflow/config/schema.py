@@ -470,7 +470,7 @@ RECIPE_NAMES = ("demo", "sft", "grpo", "ppo", "evaluate", "pipeline", "pretrain"
 @dataclass
 class StageConfig:
     name: str = "stage"
-    recipe: str = "sft"  # sft | grpo | ppo
+    recipe: str = "sft"  # pretrain | sft | grpo | ppo
     overrides: List[str] = field(default_factory=list)  # Hydra overrides for this stage only
     # How this stage's starting model is made from the previous stage (ignored for the first).
     # A registered stage hook (pma_sma, pma_ema, pma_wma, last_checkpoint, final_model) or 'module:fn'.
@@ -487,8 +487,8 @@ class PipelineConfig:
         names = [s.name for s in self.stages]
         _require(len(set(names)) == len(names), "pipeline.stages[*].name", names, "stage names must be unique")
         for i, stage in enumerate(self.stages):
-            _require(stage.recipe in ("sft", "grpo", "ppo"), f"pipeline.stages[{i}].recipe", stage.recipe,
-                     "one of ['sft', 'grpo', 'ppo']")
+            _require(stage.recipe in ("pretrain", "sft", "grpo", "ppo"), f"pipeline.stages[{i}].recipe",
+                     stage.recipe, "one of ['pretrain', 'sft', 'grpo', 'ppo']")
 
 
 @dataclass
