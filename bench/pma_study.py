@@ -4,6 +4,7 @@
     flock /tmp/hybridflow-heavy.lock .venv/bin/python bench/pma_study.py constant   # ~12 min
     flock /tmp/hybridflow-heavy.lock .venv/bin/python bench/pma_study.py sft --schedule cosine    # ~12 min
     flock /tmp/hybridflow-heavy.lock .venv/bin/python bench/pma_study.py sft --schedule constant  # ~12 min
+    flock /tmp/hybridflow-heavy.lock .venv/bin/python bench/pma_study.py sft --schedule cosine --trajectory  # 1 min
     flock /tmp/hybridflow-heavy.lock .venv/bin/python bench/pma_study.py pmainit    # after constant
     flock /tmp/hybridflow-heavy.lock .venv/bin/python bench/pma_study.py spike      # ~6 min
     .venv/bin/python bench/pma_study.py report    # tables (printed) and docs/pma.png, docs/pma_spike.png
@@ -183,7 +184,7 @@ def constant_lr() -> None:
     _save("constant", results)
 
 
-def sft(schedule: str) -> None:
+def sft(schedule: str, trajectory_only: bool = False) -> None:
     from hybridflow.config import compose
     from hybridflow.data.answers import encode_answers
     from hybridflow.data.prompts import encode_prompts
@@ -204,6 +205,9 @@ def sft(schedule: str) -> None:
             scorer.load(weights)
             return {"loss": scorer.loss(batch), "accuracy": scorer.accuracy(prompts, answers)}
 
+        if trajectory_only:  # each checkpoint of the last 250 steps on its own: how fast is it still moving?
+            results[seed] = {s: score(read_weights(hf(run_dir, s))) for s in window(SFT_T, 25, 11, SFT_EVERY)}
+            continue
         row = {"last": score(read_weights(hf(run_dir, SFT_T))), "recipe_val_accuracy": metrics(run_dir)[-1].get(
             "val/accuracy"), "seconds": float((run_dir / "DONE").read_text())}
         for every in (25, 50, 100):
@@ -216,7 +220,7 @@ def sft(schedule: str) -> None:
         row["sma/N4/V25"] = score(merged(run_dir, window(SFT_T, 25, 4, SFT_EVERY), "sma"))  # the pipeline's merge
         results[seed] = row
         print(f"seed {seed}: last {row['last']} sma N4 V25 {row['sma/N4/V25']}", flush=True)
-    _save(f"sft_{schedule}", results)
+    _save(f"sft_{schedule}{'_trajectory' if trajectory_only else ''}", results)
 
 
 def pma_init() -> None:
@@ -322,6 +326,15 @@ def report() -> None:
                   f"{_stats([res[s]['last']['accuracy'] for s in seeds])}; SMA of the last 4 (the pipeline's "
                   f"merge): loss {_stats([res[s]['sma/N4/V25']['loss'] for s in seeds])}, accuracy "
                   f"{_stats([res[s]['sma/N4/V25']['accuracy'] for s in seeds])}\n")
+            trajectory = RUNS / f"sft_{schedule}_trajectory.json"
+            if trajectory.is_file():
+                traj = json.loads(trajectory.read_text())
+                steps = list(traj[seeds[0]])
+                print("| seed | " + " | ".join(f"step {k}" for k in steps) + " |")
+                print("| --- |" + " --- |" * len(steps))
+                for seed in seeds:
+                    print(f"| {seed} | " + " | ".join(f"{traj[seed][k]['accuracy']:.3f}" for k in steps) + " |")
+                print()
             for metric in ("loss", "accuracy"):
                 print(f"{metric}, merge minus last checkpoint:\n")
                 _merge_table(res, seeds, (25, 50, 100), lambda v, m=metric: v[m], "last")
@@ -381,12 +394,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("experiment", choices=["constant", "sft", "pmainit", "spike", "report"])
     parser.add_argument("--schedule", choices=["cosine", "constant"], default="cosine")
+    parser.add_argument("--trajectory", action="store_true", help="sft: score each of the last 11 checkpoints")
     args = parser.parse_args()
     torch.set_num_threads(2)
     if args.experiment == "constant":
         constant_lr()
     elif args.experiment == "sft":
-        sft(args.schedule)
+        sft(args.schedule, args.trajectory)
     elif args.experiment == "pmainit":
         pma_init()
     elif args.experiment == "spike":
