@@ -127,3 +127,15 @@ def test_config_errors_name_the_key_and_fix(overrides, message):
 def test_pretrain_config_with_hooks_composes():
     config = compose(["recipe=pretrain", "trainer.training_hooks=[{name: spike_recovery, params: {last: 4}}]"])
     assert config.recipe.name == "pretrain" and config.actor.optim.lr_schedule == "wsd"
+
+
+def test_a_pipeline_stage_may_pretrain_and_the_next_start_from_its_merge(tmp_path):
+    from hybridflow.config.schema import StageConfig
+    from hybridflow.merge.hooks import HookConfig
+    from recipes.pipeline import check_stages
+
+    config = compose(["recipe=pipeline"])
+    config.pipeline.stages = [StageConfig(name="pretrain", recipe="pretrain", overrides=["trainer.total_steps=20"]),
+                              StageConfig(name="sft", recipe="sft", init=HookConfig("pma_sma", {"last": 3}))]
+    config.pipeline.__post_init__()
+    check_stages(config, tmp_path)  # composes both stages, with the pretrain stage keeping 3 snapshots
