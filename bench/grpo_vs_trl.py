@@ -40,7 +40,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 from flop_floor import StepTokens, floor_seconds, grpo_step_flops, matmul_flops_per_s  # noqa: E402
 
 STAGES = ("generate", "score", "advantages", "update", "weight_sync")  # the recipe's StageTimer names
-MODELS = {  # TinyModelSpec overrides: the default tiny model, and a ~100M-parameter one where compute matters
+MODELS = {  # TinyModelConfig overrides: the default tiny model, and a ~100M-parameter one where compute matters
     "tiny": dict(),
     "100m": dict(hidden_size=768, intermediate_size=2304, num_hidden_layers=14, num_attention_heads=12,
                  num_key_value_heads=4),
@@ -55,13 +55,14 @@ BEGIN, END = "<!-- grpo_vs_trl:begin -->", "<!-- grpo_vs_trl:end -->"
 
 def prepare_inputs(work: Path, model: str, prompts_per_step: int, total_steps: int) -> dict:
     """The model directory, the data files and the prompts in HybridFlow's draw order."""
-    from hybridflow.builders.tiny_model import TinyModelSpec, build_tiny_model
+    from hybridflow.builders.tiny_model import build_tiny_model
+    from hybridflow.config.schema import TinyModelConfig
     from hybridflow.config.schema import DataConfig, HybridFlowConfig
     from hybridflow.data.arithmetic import ArithmeticSpec, make_arithmetic_split
     from hybridflow.data.loader import PromptLoader
     from hybridflow.data.rows import write_rows
 
-    model_dir = build_tiny_model(work / f"model-{model}", TinyModelSpec(**MODELS[model]))
+    model_dir = build_tiny_model(work / f"model-{model}", TinyModelConfig(**MODELS[model]))
     data, seed = DataConfig(), HybridFlowConfig().seed  # the defaults `recipe=grpo` would use
     spec = ArithmeticSpec(data.synthetic.min_digits, data.synthetic.max_digits, tuple(data.synthetic.operations))
     train, val = make_arithmetic_split(data.synthetic.train_rows, data.synthetic.val_rows, spec, seed=data.seed)

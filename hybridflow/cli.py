@@ -31,6 +31,7 @@ RECIPES.add("grpo", "recipes.ppo:run")
 RECIPES.add("ppo", "recipes.ppo:run")
 RECIPES.add("evaluate", "recipes.evaluate:run")
 RECIPES.add("pipeline", "recipes.pipeline:run")
+RECIPES.add("pretrain", "recipes.pretrain:run")
 
 
 def recipe_function(name: str) -> Callable:

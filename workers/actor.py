@@ -207,6 +207,29 @@ class ActorWorker(TrainingStateMixin):
         order = torch.argsort((~has_gradient).int(), stable=True)  # rows with a gradient first
         return mini.index(order[:rows])
 
+    @register(Dispatch.ONE_TO_ALL)
+    def scale_lr(self, factor: float) -> float:
+        """Multiply the lr of the next update only (the scheduler sets the one after from its own
+        formula): the `lr_burst` step hook's injected divergence. Returns the lr now in force."""
+        for group in self.optimizer.param_groups:
+            group["lr"] *= factor
+        return self.optimizer.param_groups[0]["lr"]
+
+    @register(Dispatch.ONE_TO_ALL)
+    def load_weights(self, weights: dict[str, torch.Tensor], reset_optimizer: bool = False) -> None:
+        """Replace the weights with full tensors under Hugging Face names (e.g. a merge of checkpoints,
+        from the `spike_recovery` step hook); `reset_optimizer` also clears Adam's moments."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+        expected = set(self.model.state_dict())
+        tied = {"lm_head.weight"} if getattr(self.model.config, "tie_word_embeddings", False) else set()
+        if set(weights) - expected or expected - set(weights) - tied:
+            raise KeyError(f"actor rank {self.ctx.rank}: the weights to load do not match the model: unexpected "
+                           f"{sorted(set(weights) - expected)[:5]}, missing {sorted(expected - set(weights) - tied)[:5]}")
+        set_model_state_dict(self.model, weights, options=StateDictOptions(full_state_dict=True, strict=False))
+        if reset_optimizer:
+            self.optimizer.state.clear()
+
     # ---- device memory ------------------------------------------------------------------------
 
     @register(Dispatch.ONE_TO_ALL)

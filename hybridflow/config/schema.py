@@ -13,6 +13,7 @@ import enum
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
 
+from hybridflow.data.corpus import PretrainConfig  # the pretrain.* schema lives beside the corpus
 from hybridflow.merge.hooks import HookConfig  # the hook schema lives beside the hooks
 from hybridflow.rewards.config import RewardConfig  # noqa: F401 - the reward.* schema lives beside its code
 
@@ -301,8 +302,11 @@ class OptimConfig:
     weight_decay: float = 0.0
     betas: List[float] = field(default_factory=lambda: [0.9, 0.999])
     warmup_steps: int = 0
-    lr_schedule: str = "constant"  # constant | cosine (decays to min_lr_ratio * lr at schedule_steps)
+    # constant | cosine (decays to min_lr_ratio * lr at schedule_steps) | wsd (warmup-stable-decay:
+    # constant, then linear to min_lr_ratio * lr over the last decay_steps of schedule_steps)
+    lr_schedule: str = "constant"
     min_lr_ratio: float = 0.0
+    decay_steps: int = 0  # read by wsd only
     # Steps the schedule spans; null: trainer.total_steps. More than total_steps ends the run partway
     # down the schedule (an SFT stage that hands on a model while it is still learning fast).
     schedule_steps: Optional[int] = None
@@ -312,8 +316,10 @@ class OptimConfig:
         _require(self.lr > 0, "<role>.optim.lr", self.lr, "must be > 0")
         _require(len(self.betas) == 2 and all(0 <= b < 1 for b in self.betas), "<role>.optim.betas", self.betas,
                  "two numbers in [0, 1)")
-        _require(self.lr_schedule in ("constant", "cosine"), "<role>.optim.lr_schedule", self.lr_schedule,
-                 "one of ['constant', 'cosine']")
+        _require(self.lr_schedule in ("constant", "cosine", "wsd"), "<role>.optim.lr_schedule", self.lr_schedule,
+                 "one of ['constant', 'cosine', 'wsd']")
+        _require(self.decay_steps >= (1 if self.lr_schedule == "wsd" else 0), "<role>.optim.decay_steps",
+                 self.decay_steps, "must be >= 0, and >= 1 with lr_schedule=wsd (the length of its decay)")
         _require(self.max_grad_norm >= 0, "<role>.optim.max_grad_norm", self.max_grad_norm, "must be >= 0")
         _require(self.schedule_steps is None or self.schedule_steps >= 1, "<role>.optim.schedule_steps",
                  self.schedule_steps, "must be >= 1, or null to span trainer.total_steps")
@@ -473,13 +479,13 @@ class LoggerConfig:
         _require(not bad, "logger.backends", self.backends, f"each must be one of {list(allowed)}")
 
 
-RECIPE_NAMES = ("demo", "sft", "grpo", "ppo", "evaluate", "pipeline")
+RECIPE_NAMES = ("demo", "sft", "grpo", "ppo", "evaluate", "pipeline", "pretrain")
 
 
 @dataclass
 class StageConfig:
     name: str = "stage"
-    recipe: str = "sft"  # sft | grpo | ppo
+    recipe: str = "sft"  # pretrain | sft | grpo | ppo
     overrides: List[str] = field(default_factory=list)  # Hydra overrides for this stage only
     # How this stage's starting model is made from the previous stage (ignored for the first).
     # A registered stage hook (pma_sma, pma_ema, pma_wma, last_checkpoint, final_model) or 'module:fn'.
@@ -496,8 +502,8 @@ class PipelineConfig:
         names = [s.name for s in self.stages]
         _require(len(set(names)) == len(names), "pipeline.stages[*].name", names, "stage names must be unique")
         for i, stage in enumerate(self.stages):
-            _require(stage.recipe in ("sft", "grpo", "ppo"), f"pipeline.stages[{i}].recipe", stage.recipe,
-                     "one of ['sft', 'grpo', 'ppo']")
+            _require(stage.recipe in ("pretrain", "sft", "grpo", "ppo"), f"pipeline.stages[{i}].recipe",
+                     stage.recipe, "one of ['pretrain', 'sft', 'grpo', 'ppo']")
 
 
 @dataclass
@@ -527,6 +533,7 @@ class HybridFlowConfig:
     logger: LoggerConfig = field(default_factory=LoggerConfig)
     ray: RayConfig = field(default_factory=RayConfig)
     pipeline: PipelineConfig = field(default_factory=PipelineConfig)
+    pretrain: PretrainConfig = field(default_factory=PretrainConfig)  # recipe=pretrain's corpus
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -540,12 +547,23 @@ class HybridFlowConfig:
         mini = self.actor.samples_per_mini_batch
         _require(mini == 0 or (samples % mini == 0 and mini % world == 0), "actor.samples_per_mini_batch", mini,
                  f"must divide the step's {samples} samples and be a multiple of the {world} actor ranks")
-        _require(not self.trainer.training_hooks or self.algorithm.kl_penalty_coef > 0 or self.actor.kl_loss_coef > 0,
-                 "trainer.training_hooks", [h.name for h in self.trainer.training_hooks],
+        from hybridflow.training.hooks import STEP_HOOKS, check_step_hooks
+
+        t = self.trainer
+        check_step_hooks(t.training_hooks, self.recipe.name, t.save_every_steps, t.keep_last_weights,
+                         t.keep_last_checkpoints)
+        reference_hooks = [h.name for h in t.training_hooks if h.name not in STEP_HOOKS]
+        _require(not reference_hooks or self.algorithm.kl_penalty_coef > 0 or self.actor.kl_loss_coef > 0,
+                 "trainer.training_hooks", reference_hooks,
                  "the hooks update the reference model, which runs only with algorithm.kl_penalty_coef > 0 or "
                  "actor.kl_loss_coef > 0")
-        _require(not self.trainer.training_hooks or not self.actor.lora.rank, "trainer.training_hooks",
-                 [h.name for h in self.trainer.training_hooks],
+        _require(self.recipe.name != "pretrain" or not reference_hooks, "trainer.training_hooks", reference_hooks,
+                 "recipe=pretrain has no reference model; its hooks are the step hooks "
+                 f"{STEP_HOOKS.names()}")
+        _require(self.recipe.name != "pretrain" or self.pretrain.sequences_per_step % world == 0,
+                 "pretrain.sequences_per_step", self.pretrain.sequences_per_step,
+                 f"must divide evenly over the {world} actor ranks")
+        _require(not reference_hooks or not self.actor.lora.rank, "trainer.training_hooks", reference_hooks,
                  "with LoRA the reference is the actor with its adapter disabled; it has no weights of its own to set")
         _require(not self.trainer.critic_warmup_steps or self.algorithm.use_critic, "trainer.critic_warmup_steps",
                  self.trainer.critic_warmup_steps, "only a run with a critic (algorithm.use_critic=true) can warm one up; "

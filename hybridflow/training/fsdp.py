@@ -7,12 +7,14 @@ becomes one FSDP2 unit and the root gets the rest (embeddings, final norm, head)
 
 from __future__ import annotations
 
-import math
+from functools import partial
 from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import fully_shard
+
+from hybridflow.training.schedules import lr_factor
 
 if TYPE_CHECKING:
     from hybridflow.config.schema import LoraConfig, OptimConfig
@@ -64,23 +66,17 @@ def _unwrap(model: torch.nn.Module) -> torch.nn.Module:
 
 
 def build_optimizer(model: torch.nn.Module, optim: OptimConfig, total_steps: int):
-    """AdamW over trainable parameters; linear warmup, then constant or cosine decay to `min_lr_ratio * lr`
-    over `optim.schedule_steps`, or `total_steps` (the trainer's) when that is null. `optim` is the
-    role's `<role>.optim` config node; the schedule steps once per trainer step."""
+    """AdamW over trainable parameters; linear warmup, then constant, cosine or warmup-stable-decay
+    (`hybridflow.training.schedules.lr_factor`) over `optim.schedule_steps`, or `total_steps` (the
+    trainer's) when that is null. `optim` is the role's `<role>.optim` config node; the schedule
+    steps once per trainer step."""
     params = [p for p in model.parameters() if p.requires_grad]
     if not params:
         raise ValueError("the model has no trainable parameters")
     optimizer = torch.optim.AdamW(params, lr=optim.lr, weight_decay=optim.weight_decay, betas=tuple(optim.betas))
-    warmup, total, floor = optim.warmup_steps, optim.schedule_steps or total_steps, optim.min_lr_ratio
-
-    def factor(step: int) -> float:
-        if warmup and step < warmup:
-            return (step + 1) / warmup
-        if optim.lr_schedule == "constant":
-            return 1.0
-        progress = min(1.0, (step - warmup) / max(1, total - warmup))
-        return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress))
-
+    factor = partial(lr_factor, schedule=optim.lr_schedule, warmup_steps=optim.warmup_steps,
+                     total_steps=optim.schedule_steps or total_steps, min_lr_ratio=optim.min_lr_ratio,
+                     decay_steps=optim.decay_steps)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
     return optimizer, scheduler
 

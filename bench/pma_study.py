@@ -1,0 +1,413 @@
+"""PMA ("Model Merging in Pre-training", arXiv 2505.12082) at small scale: the study in docs/pma.md.
+
+    export PYTHONPATH=.
+    flock /tmp/hybridflow-heavy.lock .venv/bin/python bench/pma_study.py constant   # ~12 min
+    flock /tmp/hybridflow-heavy.lock .venv/bin/python bench/pma_study.py sft --schedule cosine    # ~12 min
+    flock /tmp/hybridflow-heavy.lock .venv/bin/python bench/pma_study.py sft --schedule constant  # ~12 min
+    flock /tmp/hybridflow-heavy.lock .venv/bin/python bench/pma_study.py sft --schedule cosine --trajectory  # 1 min
+    flock /tmp/hybridflow-heavy.lock .venv/bin/python bench/pma_study.py pmainit    # after constant
+    flock /tmp/hybridflow-heavy.lock .venv/bin/python bench/pma_study.py spike      # ~6 min
+    .venv/bin/python bench/pma_study.py report    # tables (printed) and docs/pma.png, docs/pma_spike.png
+
+Every training run is a real recipe (`hybridflow.cli.run`, in this process: Ray starts once) in
+runs/pma_study/<name>; a finished run (its DONE file) is reused. Checkpoints are saved often and
+kept; merges are made afterwards in memory with `merge_state_dicts` (the code behind
+`hybridflow-merge` and the stage hooks) and scored here with plain transformers on the CPU:
+held-out loss, and for SFT also greedy exact-match accuracy. Results go to
+runs/pma_study/<experiment>.json; `report` reads them.
+
+constant: recipe=pretrain at a constant lr (3e-3 after 20 warmup steps) for T=400 steps, a
+  checkpoint every 4 steps; and a fork of the same run (same seeds: identical until step 320,
+  checked) that decays linearly to 0 over its last 80 steps (WSD). Last checkpoint vs SMA / EMA
+  (alpha 0.2) / WMA of the last N in {3, 6, 10} taken every V in {4, 8, 16} steps, vs the fork.
+sft: the default pipeline's SFT stage (800 steps of a 1500-step cosine, 128 prompts a step,
+  a checkpoint every 25 steps), or the same at a constant lr: last vs merges, loss and accuracy.
+spike: the constant run of seed 0 with the lr multiplied by 100 for the update of step 200,
+  without and with the spike_recovery hook.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+RUNS = ROOT / "runs" / "pma_study"
+DOCS = ROOT / "docs"
+SEEDS = (0, 1, 2)
+METHODS = {"sma": {}, "ema": {"alpha": 0.2}, "wma": {}}
+NS = (3, 6, 10)
+
+PRETRAIN = ["recipe=pretrain", "trainer.total_steps=400", "actor.optim.lr=3e-3", "actor.optim.warmup_steps=20",
+            "trainer.val_every_steps=20", "pretrain.val_sequences=256", "trainer.keep_last_checkpoints=1",
+            "trainer.keep_last_weights=null", "trainer.export_hf=true"]
+T, EVERY, DECAY = 400, 4, 80
+SFT = ["recipe=sft", "placement.pools.global.devices_per_node=1", "placement.pools.global.cpus_per_device=2",
+       "data.synthetic.train_rows=7700", "data.synthetic.val_rows=500", "trainer.val_prompts=500",
+       "trainer.total_steps=800", "trainer.prompts_per_step=128", "actor.samples_per_micro_batch=128",
+       "actor.optim.lr=3.0e-3", "actor.optim.schedule_steps=1500", "trainer.save_every_steps=25",
+       "trainer.val_every_steps=0", "trainer.keep_last_checkpoints=1", "trainer.keep_last_weights=null"]
+SFT_T, SFT_EVERY = 800, 25
+
+
+# ------------------------------------------------------------------------------ running
+
+
+def train(overrides: list[str], name: str) -> Path:
+    """Run a recipe into runs/pma_study/<name> unless a finished run is there."""
+    import shutil
+
+    from hybridflow.cli import run
+    from hybridflow.config import compose
+
+    run_dir = RUNS / name
+    if (run_dir / "DONE").is_file():
+        return run_dir
+    shutil.rmtree(run_dir, ignore_errors=True)
+    config = compose([*overrides, f"logger.output_root={RUNS}", f"logger.run_name={name}", "logger.backends=[jsonl]"])
+    start = time.perf_counter()
+    run(config)
+    (run_dir / "DONE").write_text(f"{time.perf_counter() - start:.1f}\n")
+    return run_dir
+
+
+def metrics(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def hf(run_dir: Path, step: int) -> Path:
+    return run_dir / "checkpoints" / f"step_{step:08d}" / "hf"
+
+
+def read_weights(directory: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    out = {}
+    for shard in sorted(directory.glob("*.safetensors")):
+        out.update(load_file(shard))
+    return out
+
+
+def merged(run_dir: Path, steps: list[int], method: str) -> dict[str, torch.Tensor]:
+    from hybridflow.merge.api import merge_state_dicts
+
+    return merge_state_dicts([read_weights(hf(run_dir, s)) for s in steps], method, **METHODS[method])
+
+
+def window(end: int, every: int, n: int, first_saved: int) -> list[int] | None:
+    """Steps end - (n-1)*every, ..., end (oldest first), or None if some were never saved."""
+    steps = [end - every * k for k in range(n - 1, -1, -1)]
+    return steps if steps[0] >= first_saved else None
+
+
+# ---------------------------------------------------------------------------- scoring
+
+
+class Scorer:
+    """Held-out loss (and for a task, greedy exact-match accuracy) of weights in one model."""
+
+    def __init__(self, model_dir: Path) -> None:
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+        self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
+
+    def load(self, weights: dict[str, torch.Tensor]) -> "Scorer":
+        missing, unexpected = self.model.load_state_dict(weights, strict=False)
+        assert not unexpected and set(missing) <= {"lm_head.weight"}, (missing, unexpected)
+        self.model.tie_weights()
+        return self
+
+    @torch.no_grad()
+    def loss(self, batch) -> float:
+        """Mean per-token NLL of the response tokens (every token for a pretraining sequence)."""
+        from hybridflow.algos import log_probs_from_logits
+        from hybridflow.training.sequences import response_logits
+
+        total, tokens = 0.0, 0
+        for micro in batch.split(128):
+            log_probs = log_probs_from_logits(response_logits(self.model, micro), micro["response_ids"])
+            mask = micro["response_mask"]
+            total += float(-(log_probs * mask).sum())
+            tokens += int(mask.sum())
+        return total / tokens
+
+    @torch.no_grad()
+    def accuracy(self, prompts, answers: list[str], max_new_tokens: int = 8) -> float:
+        ids, mask = prompts["prompt_ids"], prompts["prompt_mask"].long()
+        out = self.model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max_new_tokens, do_sample=False,
+                                  pad_token_id=self.tokenizer.pad_token_id, eos_token_id=self.tokenizer.eos_token_id)
+        texts = self.tokenizer.batch_decode(out[:, ids.shape[1]:], skip_special_tokens=True)
+        return sum(t.strip() == a for t, a in zip(texts, answers)) / len(answers)
+
+
+# ------------------------------------------------------------------------ experiments
+
+
+def constant_lr() -> None:
+    from hybridflow.config import compose
+    from hybridflow.data.corpus import build_corpus, sequence_batch
+
+    results = {}
+    for seed in SEEDS:
+        seeds = [f"seed={seed}", f"model.tiny.seed={seed}"]
+        const = train([*PRETRAIN, *seeds, "actor.optim.lr_schedule=constant", f"trainer.save_every_steps={EVERY}"],
+                      f"const-s{seed}")
+        fork = train([*PRETRAIN, *seeds, "actor.optim.lr_schedule=wsd", f"actor.optim.decay_steps={DECAY}",
+                      "trainer.save_every_steps=0"], f"wsd-s{seed}")
+        shared = [(a["actor/loss"], b["actor/loss"]) for a, b in zip(metrics(const), metrics(fork))
+                  if a["step"] <= T - DECAY]
+        scorer = Scorer(const / "base_model")
+        corpus = build_corpus(compose([*PRETRAIN, *seeds]).pretrain, scorer.tokenizer)
+        val = sequence_batch(corpus.val, corpus.start_token_id)
+        row = {"fork_max_loss_diff_before_decay": max(abs(a - b) for a, b in shared),
+               "last": scorer.load(read_weights(hf(const, T))).loss(val),
+               "annealed": scorer.load(read_weights(fork / "final_model")).loss(val),
+               "seconds": {d.name: float((d / "DONE").read_text()) for d in (const, fork)}}
+        for every in (4, 8, 16):
+            for n in NS:
+                for method in METHODS:
+                    row[f"{method}/N{n}/V{every}"] = scorer.load(merged(const, window(T, every, n, EVERY), method)).loss(val)
+        row["curve"] = {end: {"last": scorer.load(read_weights(hf(const, end))).loss(val),
+                              "sma6x8": scorer.load(merged(const, window(end, 8, 6, EVERY), "sma")).loss(val)}
+                        for end in range(60, T + 1, 20)}
+        row["fork_curve"] = {m["step"]: m["val/loss"] for m in metrics(fork) if "val/loss" in m}
+        results[seed] = row
+        print(f"seed {seed}: last {row['last']:.4f} annealed {row['annealed']:.4f} "
+              f"sma N6 V8 {row['sma/N6/V8']:.4f}", flush=True)
+    _save("constant", results)
+
+
+def sft(schedule: str, trajectory_only: bool = False) -> None:
+    from hybridflow.config import compose
+    from hybridflow.data.answers import encode_answers
+    from hybridflow.data.prompts import encode_prompts
+    from hybridflow.launch import prepare_data
+
+    results = {}
+    for seed in SEEDS:
+        overrides = [*SFT, f"seed={seed}", f"model.tiny.seed={seed}", f"actor.optim.lr_schedule={schedule}"]
+        run_dir = train(overrides, f"sft-{schedule}-s{seed}")
+        config = compose(overrides)
+        scorer = Scorer(run_dir / "base_model")
+        rows = prepare_data(config, run_dir).val
+        prompts = encode_prompts(rows, scorer.tokenizer, config.data.max_prompt_tokens)
+        answers = [r["ground_truth"] for r in rows]
+        batch = prompts.union(encode_answers(answers, scorer.tokenizer, config.rollout.max_response_tokens))
+
+        def score(weights):
+            scorer.load(weights)
+            return {"loss": scorer.loss(batch), "accuracy": scorer.accuracy(prompts, answers)}
+
+        if trajectory_only:  # each checkpoint of the last 250 steps on its own: how fast is it still moving?
+            results[seed] = {s: score(read_weights(hf(run_dir, s))) for s in window(SFT_T, 25, 11, SFT_EVERY)}
+            continue
+        row = {"last": score(read_weights(hf(run_dir, SFT_T))), "recipe_val_accuracy": metrics(run_dir)[-1].get(
+            "val/accuracy"), "seconds": float((run_dir / "DONE").read_text())}
+        for every in (25, 50, 100):
+            for n in NS:
+                steps = window(SFT_T, every, n, SFT_EVERY)
+                if steps is None:
+                    continue
+                for method in METHODS:
+                    row[f"{method}/N{n}/V{every}"] = score(merged(run_dir, steps, method))
+        row["sma/N4/V25"] = score(merged(run_dir, window(SFT_T, 25, 4, SFT_EVERY), "sma"))  # the pipeline's merge
+        results[seed] = row
+        print(f"seed {seed}: last {row['last']} sma N4 V25 {row['sma/N4/V25']}", flush=True)
+    _save(f"sft_{schedule}{'_trajectory' if trajectory_only else ''}", results)
+
+
+def pma_init() -> None:
+    """The next stage (SFT on the arithmetic task, constant lr 1e-3, 150 steps) from the constant-lr
+    pretraining run's last checkpoint vs from the SMA of its last 6 checkpoints taken every 8 steps."""
+    from hybridflow.merge.api import merge_checkpoints
+
+    stage = ["recipe=sft", "placement.pools.global.devices_per_node=1", "placement.pools.global.cpus_per_device=2",
+             "data.synthetic.train_rows=7700", "data.synthetic.val_rows=500", "trainer.val_prompts=500",
+             "trainer.total_steps=150", "trainer.prompts_per_step=128", "actor.samples_per_micro_batch=128",
+             "actor.optim.lr=1e-3", "actor.optim.warmup_steps=0", "actor.optim.lr_schedule=constant",
+             "trainer.val_every_steps=25", "trainer.save_every_steps=0", "trainer.export_hf=false"]
+    results = {}
+    for seed in SEEDS:
+        const = RUNS / f"const-s{seed}"
+        start = {"last": hf(const, T), "sma6x8": RUNS / f"init-sma6x8-s{seed}"}
+        if not start["sma6x8"].is_dir():
+            merge_checkpoints([hf(const, s) for s in window(T, 8, 6, EVERY)], start["sma6x8"], "sma")
+        results[seed] = {}
+        for name, model in start.items():
+            rows = metrics(train([*stage, f"seed={seed}", f"model.path={model}"], f"init-{name}-sft-s{seed}"))
+            norms = [r["actor/grad_norm"] for r in rows]
+            results[seed][name] = {"first_loss": rows[0]["actor/loss"], "loss": [r["actor/loss"] for r in rows],
+                                   "max_grad_norm_first_20": max(norms[:20]), "grad_norm": norms,
+                                   "val": {r["step"]: r["val/accuracy"] for r in rows if "val/accuracy" in r}}
+    _save("pma_init", results)
+
+
+def spike() -> None:
+    seeds = ["seed=0", "model.tiny.seed=0"]
+    common = [*PRETRAIN, *seeds, "actor.optim.lr_schedule=constant", f"trainer.save_every_steps={EVERY}",
+              "trainer.val_every_steps=10"]
+    burst = "{name: lr_burst, params: {at_step: 200, factor: 100}}"
+    recovery = "{name: spike_recovery, params: {last: 4}}"
+    runs = {"healthy": train([*common], "spike-healthy"),
+            "unrecovered": train([*common, f"trainer.training_hooks=[{burst}]"], "spike-unrecovered"),
+            "recovered": train([*common, f"trainer.training_hooks=[{burst},{recovery}]"], "spike-recovered")}
+    results = {name: {"val": {m["step"]: m["val/loss"] for m in metrics(d) if "val/loss" in m},
+                      "train": {m["step"]: m["actor/loss"] for m in metrics(d)},
+                      "fired": [m["step"] for m in metrics(d) if m.get("spike_recovery/fired")],
+                      "seconds": float((d / "DONE").read_text())} for name, d in runs.items()}
+    _save("spike", results)
+
+
+def _save(name: str, results: dict) -> None:
+    RUNS.mkdir(parents=True, exist_ok=True)
+    (RUNS / f"{name}.json").write_text(json.dumps(results, indent=1))
+    print(f"wrote {RUNS / f'{name}.json'}", flush=True)
+
+
+# ------------------------------------------------------------------------------ report
+
+
+def _stats(values: list[float]) -> str:
+    mean = statistics.mean(values)
+    spread = statistics.stdev(values) if len(values) > 1 else 0.0
+    return f"{mean:.4f} ± {spread:.4f}"
+
+
+def report() -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    if (RUNS / "constant.json").is_file():
+        res = json.loads((RUNS / "constant.json").read_text())
+        seeds = list(res)
+        print(f"## constant lr ({len(seeds)} seeds: mean ± std of held-out loss; lower is better)\n")
+        print(f"last checkpoint (step {T}): {_stats([res[s]['last'] for s in seeds])}  ")
+        print(f"annealed fork (WSD, decay over the last {DECAY} steps): {_stats([res[s]['annealed'] for s in seeds])}  ")
+        print(f"annealed minus last, paired: {_stats([res[s]['annealed'] - res[s]['last'] for s in seeds])}  ")
+        print(f"fork vs constant before the decay, max |train loss diff|: "
+              f"{max(res[s]['fork_max_loss_diff_before_decay'] for s in seeds):.2e}\n")
+        for key in ("sma/N6/V8", "sma/N10/V4", "wma/N6/V8", "ema/N10/V4"):
+            print(f"{key} minus annealed, paired: {_stats([res[s][key] - res[s]['annealed'] for s in seeds])}  ")
+        print("\nmerge minus last checkpoint (held-out loss, negative: the merge is better):\n")
+        _merge_table(res, seeds, (4, 8, 16), lambda v: v, "last")
+        fig, ax = plt.subplots(figsize=(7, 4))
+        ends = sorted(int(e) for e in res[seeds[0]]["curve"])
+        for key, label in (("last", "last checkpoint (constant lr)"), ("sma6x8", "SMA of the last 6, every 8 steps")):
+            values = torch.tensor([[res[s]["curve"][str(e)][key] for e in ends] for s in seeds])
+            ax.plot(ends, values.mean(0), label=label)
+            ax.fill_between(ends, values.min(0).values, values.max(0).values, alpha=0.2)
+        fork_steps = [int(k) for k in res[seeds[0]]["fork_curve"] if int(k) >= T - DECAY - 20]
+        values = torch.tensor([[res[s]["fork_curve"][str(k)] for k in fork_steps] for s in seeds])
+        ax.plot(fork_steps, values.mean(0), label="fork annealed to 0 (WSD)", linestyle="--")
+        ax.set_xlabel("step")
+        ax.set_ylabel("held-out loss (nats/token)")
+        ax.set_title(f"pretrain, tiny model, constant lr 3e-3: {len(seeds)} seeds (band: min-max)")
+        ax.set_ylim(top=float(torch.tensor([res[s]["curve"][str(120)]["last"] for s in seeds]).max()))
+        ax.legend()
+        fig.tight_layout()
+        fig.savefig(DOCS / "pma.png", dpi=100)
+        plt.close(fig)
+    for schedule in ("cosine", "constant"):
+        path = RUNS / f"sft_{schedule}.json"
+        if path.is_file():
+            res = json.loads(path.read_text())
+            seeds = list(res)
+            print(f"\n## SFT, {schedule} lr ({len(seeds)} seeds: held-out answer loss / greedy accuracy)\n")
+            print(f"last checkpoint: loss {_stats([res[s]['last']['loss'] for s in seeds])}, accuracy "
+                  f"{_stats([res[s]['last']['accuracy'] for s in seeds])}; SMA of the last 4 (the pipeline's "
+                  f"merge): loss {_stats([res[s]['sma/N4/V25']['loss'] for s in seeds])}, accuracy "
+                  f"{_stats([res[s]['sma/N4/V25']['accuracy'] for s in seeds])}\n")
+            trajectory = RUNS / f"sft_{schedule}_trajectory.json"
+            if trajectory.is_file():
+                traj = json.loads(trajectory.read_text())
+                steps = list(traj[seeds[0]])
+                print("| seed | " + " | ".join(f"step {k}" for k in steps) + " |")
+                print("| --- |" + " --- |" * len(steps))
+                for seed in seeds:
+                    print(f"| {seed} | " + " | ".join(f"{traj[seed][k]['accuracy']:.3f}" for k in steps) + " |")
+                print()
+            for metric in ("loss", "accuracy"):
+                print(f"{metric}, merge minus last checkpoint:\n")
+                _merge_table(res, seeds, (25, 50, 100), lambda v, m=metric: v[m], "last")
+    if (RUNS / "pma_init.json").is_file():
+        res = json.loads((RUNS / "pma_init.json").read_text())
+        seeds = list(res)
+        checkpoints = sorted(int(k) for k in res[seeds[0]]["last"]["val"])
+        print(f"\n## PMA-init ({len(seeds)} seeds): SFT from the last pretraining checkpoint vs from the SMA\n")
+        print("| start | first-step loss | max grad norm, steps 1-20 | "
+              + " | ".join(f"accuracy @{k}" for k in checkpoints) + " |")
+        print("| --- | --- | --- |" + " --- |" * len(checkpoints))
+        for name in ("last", "sma6x8"):
+            runs = [res[s][name] for s in seeds]
+            print(f"| {name} | {_stats([r['first_loss'] for r in runs])} | "
+                  f"{_stats([r['max_grad_norm_first_20'] for r in runs])} | "
+                  + " | ".join(_stats([r["val"][str(k)] for r in runs]) for k in checkpoints) + " |")
+    if (RUNS / "spike.json").is_file():
+        res = json.loads((RUNS / "spike.json").read_text())
+        fig, ax = plt.subplots(figsize=(7, 4))
+        for name, run in res.items():
+            steps = sorted(int(k) for k in run["val"])
+            ax.plot(steps, [run["val"][str(k)] for k in steps], label=name)
+        ax.axvline(200, color="gray", linestyle=":", label="lr x100 at step 200")
+        ax.set_xlabel("step")
+        ax.set_ylabel("held-out loss (nats/token)")
+        ax.set_ylim(top=4.0)
+        ax.legend()
+        fig.tight_layout()
+        fig.savefig(DOCS / "pma_spike.png", dpi=100)
+        plt.close(fig)
+        print("\n## spike (seed 0): held-out loss at steps 190, 210, 250, 300, 400; recovery fired at",
+              res["recovered"]["fired"], "\n")
+        print("| run | " + " | ".join(f"step {k}" for k in (190, 210, 250, 300, 400)) + " |")
+        print("| --- |" + " --- |" * 5)
+        for name, run in res.items():
+            print(f"| {name} | " + " | ".join(f"{run['val'][str(k)]:.4f}" for k in (190, 210, 250, 300, 400)) + " |")
+
+
+def _merge_table(res: dict, seeds: list[str], intervals, pick, last_key: str) -> None:
+    """Rows: method x N; columns: interval V. A cell: the merge's value minus the last checkpoint's,
+    per seed (paired: the seeds differ more from each other than a merge from its last checkpoint),
+    as mean ± std over seeds."""
+    print("| method | N | " + " | ".join(f"V={v}" for v in intervals) + " |")
+    print("| --- | --- |" + " --- |" * len(intervals))
+    for method in METHODS:
+        for n in NS:
+            cells = []
+            for v in intervals:
+                key = f"{method}/N{n}/V{v}"
+                cells.append(_stats([pick(res[s][key]) - pick(res[s][last_key]) for s in seeds])
+                             if key in res[seeds[0]] else "n/a")
+            print(f"| {method} | {n} | " + " | ".join(cells) + " |")
+    print()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("experiment", choices=["constant", "sft", "pmainit", "spike", "report"])
+    parser.add_argument("--schedule", choices=["cosine", "constant"], default="cosine")
+    parser.add_argument("--trajectory", action="store_true", help="sft: score each of the last 11 checkpoints")
+    args = parser.parse_args()
+    torch.set_num_threads(2)
+    if args.experiment == "constant":
+        constant_lr()
+    elif args.experiment == "sft":
+        sft(args.schedule, args.trajectory)
+    elif args.experiment == "pmainit":
+        pma_init()
+    elif args.experiment == "spike":
+        spike()
+    else:
+        report()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

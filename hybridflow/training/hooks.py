@@ -1,0 +1,270 @@
+"""Step hooks: components a training loop calls around each update, named in
+`trainer.training_hooks` like the reference-model hooks of `hybridflow.merge.hooks`.
+
+    trainer.training_hooks=[{name: spike_recovery, params: {last: 4}}]
+
+One registry, `STEP_HOOKS`, one signature: a class built as `cls(config, run_dir)` from its
+typed `Config` dataclass (the entry's `params`, checked before Ray starts), with
+`before_update(step, actor) -> dict` and `after_update(step, metrics, actor) -> dict`; both
+return metrics to log. The names share `trainer.training_hooks` with the reference hooks
+(`reference_ema`, `reference_reset`), which replace the reference model's weights in RL
+recipes; a name may be registered in only one of the two.
+
+- `spike_recovery` (the fourth claim of "Model Merging in Pre-training", arXiv 2505.12082):
+  when the loss or the gradient norm is far above its running statistics (`detect_spike`, a
+  pure function), the actor's weights are replaced by the SMA of the last N checkpoints saved
+  before the spike (written by `merge_checkpoints`, the same code as `hybridflow-merge`, into
+  RUN_DIR/spike_recovery/step_<N>/ with its provenance), the optimizer state is kept or, by
+  explicit choice, reset, and training goes on with the next batch: the offending batch, and
+  those since the newest merged checkpoint, are skipped, not replayed.
+- `lr_burst`: multiplies the learning rate for a few steps: the paper's stress test, a
+  divergence made on purpose to check a recovery against.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Any, Optional
+
+from hybridflow.registry import Registry
+
+STEP_HOOKS: Registry[type] = Registry(
+    "step hook", "a class with a dataclass `Config`, built as cls(config, run_dir), with before_update(step, actor) "
+    "-> dict and after_update(step, metrics, actor) -> dict")
+RECIPES_WITH_STEP_HOOKS = ("pretrain",)
+
+
+# ------------------------------------------------------------------------ the detector (pure)
+
+
+def detect_spike(history: list[float], value: float, *, sigmas: float, min_ratio: float) -> bool:
+    """Whether `value` is a spike against `history` (the recent values, all healthy).
+
+    A spike is far above the history in both senses: more than `sigmas` standard deviations
+    above its mean, and more than `min_ratio` times its mean. The first alone fires on a
+    flat, quiet history at a tiny wobble; the second alone misses a spike in a noisy one.
+    A non-finite value is always a spike; an empty history never has one.
+        history [2.0, 2.2, 1.8, 2.0], mean 2.0, std (population) sqrt(0.02) = 0.1414
+        value 3.5, sigmas 6, min_ratio 1.5: 3.5 > 2.0 + 6 * 0.1414 = 2.85 and 3.5 > 3.0 -> spike
+        value 2.9: above 2.85 but not above 3.0 -> no spike
+    """
+    if not math.isfinite(value):
+        return True
+    if not history:
+        return False
+    mean = sum(history) / len(history)
+    std = math.sqrt(sum((v - mean) ** 2 for v in history) / len(history))
+    return value > mean + sigmas * std and value > min_ratio * mean
+
+
+class SpikeDetector:
+    """Running windows of the loss and the gradient norm; a spiking value stays out of them, so
+    that one spike does not widen the statistics the next one is judged by."""
+
+    def __init__(self, window: int, warmup: int, sigmas: float, min_ratio: float) -> None:
+        self.window, self.warmup, self.sigmas, self.min_ratio = window, warmup, sigmas, min_ratio
+        self.history: dict[str, deque] = {}
+
+    def observe(self, values: dict[str, float]) -> list[str]:
+        """The names among `values` that spike (none until each has `warmup` healthy values)."""
+        spiking = []
+        for name, value in values.items():
+            history = self.history.setdefault(name, deque(maxlen=self.window))
+            ready = len(history) >= self.warmup
+            if ready and detect_spike(list(history), value, sigmas=self.sigmas, min_ratio=self.min_ratio):
+                spiking.append(name)
+            elif math.isfinite(value):
+                history.append(value)
+        return spiking
+
+
+# ------------------------------------------------------------------------------ spike recovery
+
+LOSS_KEY, GRAD_NORM_KEY = "actor/loss", "actor/grad_norm"
+
+
+@dataclass
+class SpikeRecoveryConfig:
+    last: int = 4  # merge the newest `last` checkpoints saved before the spike (SMA)
+    window: int = 20  # running statistics over the last `window` healthy steps
+    warmup: int = 10  # no detection until this many healthy steps are in the window
+    sigmas: float = 6.0
+    min_ratio: float = 1.5  # ... and this many times the window's mean
+    # Which signals can fire it: loss, grad_norm. Only the loss by default: the tiny model's gradient
+    # norm has lone 10x outliers on healthy runs (clipped, harmless; tests/e2e/test_pretrain.py saw one).
+    watch: tuple = ("loss",)
+    optimizer: str = "keep"  # keep: Adam's moments stay; reset: cleared (moments rebuilt from the next step)
+    max_recoveries: int = 3  # more spikes than this stop the run: the cause is not transient
+
+    def __post_init__(self) -> None:
+        key = "trainer.training_hooks[spike_recovery].params"
+        _check(self.last >= 1, f"{key}.last", self.last, "must be >= 1")
+        _check(self.window >= 2 and 2 <= self.warmup <= self.window, f"{key}.window/warmup",
+               (self.window, self.warmup), "need 2 <= warmup <= window")
+        _check(self.sigmas > 0 and self.min_ratio >= 1, f"{key}.sigmas/min_ratio", (self.sigmas, self.min_ratio),
+               "need sigmas > 0 and min_ratio >= 1")
+        self.watch = tuple(self.watch)
+        _check(bool(self.watch) and set(self.watch) <= {"loss", "grad_norm"}, f"{key}.watch", list(self.watch),
+               "a non-empty subset of [loss, grad_norm]")
+        _check(self.optimizer in ("keep", "reset"), f"{key}.optimizer", self.optimizer, "one of ['keep', 'reset']")
+        _check(self.max_recoveries >= 1, f"{key}.max_recoveries", self.max_recoveries, "must be >= 1")
+
+
+@STEP_HOOKS.register("spike_recovery")
+class SpikeRecovery:
+    """Roll the actor back to the SMA of the checkpoints saved before a loss / grad-norm spike."""
+
+    Config = SpikeRecoveryConfig
+
+    def __init__(self, config: SpikeRecoveryConfig, run_dir: Path) -> None:
+        self.config, self.run_dir = config, Path(run_dir)
+        self.detector = SpikeDetector(config.window, config.warmup, config.sigmas, config.min_ratio)
+        self.recoveries = 0
+
+    def before_update(self, step: int, actor) -> dict[str, float]:
+        return {}
+
+    def after_update(self, step: int, metrics: dict[str, float], actor) -> dict[str, float]:
+        keys = {"loss": LOSS_KEY, "grad_norm": GRAD_NORM_KEY}
+        spiking = self.detector.observe({name: metrics[keys[name]] for name in self.config.watch})
+        if not spiking:
+            return {"spike_recovery/fired": 0.0, "spike_recovery/total": float(self.recoveries)}
+        if self.recoveries >= self.config.max_recoveries:
+            raise RuntimeError(
+                f"spike_recovery: {', '.join(spiking)} spiked at step {step} after {self.recoveries} recoveries "
+                f"(max_recoveries={self.config.max_recoveries}); the cause is not transient: lower the lr "
+                "(actor.optim.lr) or raise max_recoveries")
+        merged, steps = self.recover(step, actor)
+        self.recoveries += 1
+        print(f"spike_recovery: {', '.join(spiking)} spiked at step {step} (loss {metrics[LOSS_KEY]:.4g}, grad norm "
+              f"{metrics[GRAD_NORM_KEY]:.4g}); the actor now holds the SMA of the checkpoints of steps {steps} "
+              f"({merged}), optimizer state {'reset' if self.config.optimizer == 'reset' else 'kept'}", flush=True)
+        return {"spike_recovery/fired": 1.0, "spike_recovery/total": float(self.recoveries),
+                "spike_recovery/merged_from_step": float(steps[0]), "spike_recovery/merged_to_step": float(steps[-1])}
+
+    def recover(self, step: int, actor) -> tuple[Path, list[int]]:
+        """Merge, then load into every actor rank; returns the merged directory and its steps."""
+        from safetensors.torch import load_file
+
+        from hybridflow.merge.api import merge_checkpoints
+
+        steps, inputs = checkpoints_before(self.run_dir, step, self.config.last)
+        output = self.run_dir / "spike_recovery" / f"step_{step:08d}"
+        merge_checkpoints(inputs, output, "sma", overwrite=True)
+        weights = {}
+        for shard in sorted(output.glob("*.safetensors")):
+            weights.update(load_file(shard))
+        actor.load_weights(weights, reset_optimizer=self.config.optimizer == "reset")
+        return output, steps
+
+
+def checkpoints_before(run_dir: Path, step: int, last: int) -> tuple[list[int], list[Path]]:
+    """(steps, hf/ directories) of the newest `last` complete checkpoints whose weights a healthy
+    loss has vouched for: saved before step - 1. (The loss logged at `step` is that of the weights
+    saved at step - 1, so a spike seen at `step` may already be in them.)"""
+    from hybridflow.checkpoint import CheckpointManager
+
+    usable = [(s, p / "hf") for s, p in CheckpointManager(run_dir).all_complete()
+              if s < step - 1 and (p / "hf" / "config.json").is_file()]
+    if len(usable) < last:
+        raise RuntimeError(
+            f"spike_recovery at step {step}: {len(usable)} checkpoint(s) with hf/ weights were saved before step "
+            f"{step - 1} (steps {[s for s, _ in usable]}), {last} are needed; save more often "
+            "(trainer.save_every_steps), keep more of them (trainer.keep_last_weights) or lower params.last")
+    chosen = usable[-last:]
+    return [s for s, _ in chosen], [p for _, p in chosen]
+
+
+# -------------------------------------------------------------------------------- LR burst
+
+
+@dataclass
+class LrBurstConfig:
+    at_step: int = 1  # the first step whose update uses the multiplied lr
+    factor: float = 10.0
+    steps: int = 1
+
+    def __post_init__(self) -> None:
+        key = "trainer.training_hooks[lr_burst].params"
+        _check(self.at_step >= 1 and self.steps >= 1, f"{key}.at_step/steps", (self.at_step, self.steps),
+               "both must be >= 1")
+        _check(self.factor > 0, f"{key}.factor", self.factor, "must be > 0")
+
+
+@STEP_HOOKS.register("lr_burst")
+class LrBurst:
+    """The updates of steps at_step .. at_step + steps - 1 use `factor` times the scheduled lr."""
+
+    Config = LrBurstConfig
+
+    def __init__(self, config: LrBurstConfig, run_dir: Path) -> None:
+        self.config = config
+
+    def before_update(self, step: int, actor) -> dict[str, float]:
+        c = self.config
+        if not c.at_step <= step < c.at_step + c.steps:
+            return {}
+        actor.scale_lr(c.factor)
+        return {"lr_burst/factor": c.factor}
+
+    def after_update(self, step: int, metrics: dict[str, float], actor) -> dict[str, float]:
+        return {}
+
+
+# -------------------------------------------------------------------------- building, checks
+
+
+def _check(ok: bool, key: str, value: Any, allowed: str) -> None:
+    if not ok:
+        raise ValueError(f"config {key}={value!r} is invalid: {allowed}")
+
+
+def _plain(params: Any) -> dict:
+    try:
+        from omegaconf import OmegaConf
+    except ImportError:
+        return dict(params)
+    return OmegaConf.to_container(params, resolve=True) if OmegaConf.is_config(params) else dict(params)
+
+
+def hook_config(name: str, params: Any):
+    """The typed config of step hook `name` from its params; unknown keys name the known ones."""
+    cls = STEP_HOOKS.get(name)
+    params = _plain(params)
+    known = [f.name for f in fields(cls.Config)]
+    unknown = sorted(set(params) - set(known))
+    _check(not unknown, f"trainer.training_hooks[{name}].params", params,
+           f"unknown key(s) {unknown}; {name} takes {known}")
+    return cls.Config(**params)
+
+
+def build_step_hooks(hooks: list, run_dir: Path) -> list:
+    """The step hooks among `trainer.training_hooks`, built in order."""
+    return [STEP_HOOKS.get(h.name)(hook_config(h.name, h.params), run_dir) for h in hooks if h.name in STEP_HOOKS]
+
+
+def check_step_hooks(hooks: list, recipe: str, save_every_steps: int, keep_last_weights: Optional[int],
+                     keep_last_checkpoints: Optional[int]) -> None:
+    """Before Ray starts: each step hook's params, that the recipe runs step hooks, and that
+    spike_recovery will find its checkpoints."""
+    from hybridflow.merge.hooks import TRAINING_HOOKS
+
+    for hook in hooks:
+        if hook.name not in STEP_HOOKS:
+            continue
+        _check(hook.name not in TRAINING_HOOKS, "trainer.training_hooks", hook.name,
+               "is registered both as a step hook and as a reference hook; rename one")
+        _check(recipe in RECIPES_WITH_STEP_HOOKS, "trainer.training_hooks", hook.name,
+               f"step hooks run in the recipes {list(RECIPES_WITH_STEP_HOOKS)}, not in recipe={recipe}")
+        config = hook_config(hook.name, hook.params)
+        if isinstance(config, SpikeRecoveryConfig):
+            _check(save_every_steps > 0, "trainer.save_every_steps", save_every_steps,
+                   "spike_recovery merges the checkpoints saved before a spike: save some (e.g. 10)")
+            kept = None if keep_last_weights is None or keep_last_checkpoints is None else \
+                max(keep_last_weights, keep_last_checkpoints)
+            _check(kept is None or kept >= config.last + 1, "trainer.keep_last_weights", keep_last_weights,
+                   f"spike_recovery reads the weights of {config.last} checkpoints saved before the newest one: "
+                   f"keep at least {config.last + 1} (or null: all)")

@@ -1,0 +1,141 @@
+"""The spike detector against hand-worked examples, the spike_recovery hook against a fake actor
+(which checkpoints it merges, what it loads, when it gives up), and the step-hook config checks."""
+
+import json
+import math
+import random
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from hybridflow.config import ConfigError, compose
+from hybridflow.training.hooks import (LrBurst, LrBurstConfig, SpikeDetector, SpikeRecovery, SpikeRecoveryConfig,
+                                       checkpoints_before, detect_spike)
+
+
+def test_detect_spike_by_hand():
+    # mean 2.0; population std sqrt((0 + 0.04 + 0.04 + 0) / 4) = 0.1414; 2.0 + 6 * 0.1414 = 2.849
+    history = [2.0, 2.2, 1.8, 2.0]
+    assert detect_spike(history, 3.5, sigmas=6, min_ratio=1.5)  # > 2.849 and > 3.0
+    assert not detect_spike(history, 2.9, sigmas=6, min_ratio=1.5)  # > 2.849 but not > 3.0
+    assert not detect_spike([2.0, 2.0], 2.5, sigmas=6, min_ratio=1.5)  # std 0, but 2.5 < 3.0
+    # a noisy history: mean 2, std 1; 3.5 > 1.5 * 2 but not > 2 + 6 * 1
+    assert not detect_spike([1.0, 3.0, 1.0, 3.0], 3.5, sigmas=6, min_ratio=1.5)
+    assert detect_spike(history, math.nan, sigmas=6, min_ratio=1.5)
+    assert not detect_spike([], 100.0, sigmas=6, min_ratio=1.5)
+
+
+def slow_detect(history, value, sigmas, min_ratio):
+    n = len(history)
+    mean = sum(history) / n
+    var = sum((h - mean) ** 2 for h in history) / n
+    return value > mean + sigmas * var**0.5 and value > min_ratio * mean
+
+
+def test_detect_spike_matches_torch_statistics():
+    rng = random.Random(0)
+    for _ in range(200):
+        history = [rng.uniform(0.5, 4.0) for _ in range(rng.randint(1, 30))]
+        value = rng.uniform(0, 10)
+        t = torch.tensor(history, dtype=torch.float64)
+        expected = value > float(t.mean()) + 2 * float(t.std(unbiased=False)) and value > 1.2 * float(t.mean())
+        assert detect_spike(history, value, sigmas=2, min_ratio=1.2) == expected == \
+            slow_detect(history, value, 2, 1.2)
+
+
+def test_detector_warms_up_and_keeps_spikes_out_of_its_window():
+    detector = SpikeDetector(window=4, warmup=3, sigmas=3, min_ratio=1.5)
+    assert detector.observe({"loss": 100.0}) == []  # no history yet: taken as healthy
+    detector = SpikeDetector(window=4, warmup=3, sigmas=3, min_ratio=1.5)
+    for value in (2.0, 2.1, 1.9):
+        assert detector.observe({"loss": value}) == []
+    assert detector.observe({"loss": 9.0}) == ["loss"]
+    assert detector.observe({"loss": 9.0}) == ["loss"]  # the first 9.0 did not enter the window
+    assert list(detector.history["loss"]) == [2.0, 2.1, 1.9]
+
+
+class FakeActor:
+    def __init__(self):
+        self.loaded = None
+
+    def load_weights(self, weights, reset_optimizer=False):
+        self.loaded = (weights, reset_optimizer)
+
+    def scale_lr(self, factor):
+        self.scaled = factor
+
+
+def write_checkpoints(run_dir, steps):
+    for step in steps:
+        hf = run_dir / "checkpoints" / f"step_{step:08d}" / "hf"
+        hf.mkdir(parents=True)
+        save_file({"w": torch.full((2,), float(step))}, hf / "model.safetensors", metadata={"format": "pt"})
+        (hf / "config.json").write_text(json.dumps({"model_type": "toy"}))
+        (hf.parent / "COMPLETE").write_text("{}\n")
+
+
+def test_checkpoints_before_skips_the_one_the_spike_may_be_in(tmp_path):
+    write_checkpoints(tmp_path, (2, 4, 6, 8))
+    steps, paths = checkpoints_before(tmp_path, 9, 2)  # 8 holds the weights whose loss step 9 logged
+    assert steps == [4, 6] and paths[-1] == tmp_path / "checkpoints" / "step_00000006" / "hf"
+    with pytest.raises(RuntimeError, match="save more often"):
+        checkpoints_before(tmp_path, 9, 4)
+
+
+def test_spike_recovery_loads_the_sma_and_counts(tmp_path):
+    write_checkpoints(tmp_path, (2, 4, 6, 8))
+    hook = SpikeRecovery(SpikeRecoveryConfig(last=3, window=4, warmup=3, optimizer="reset", max_recoveries=1),
+                         tmp_path)
+    actor = FakeActor()
+    for step, loss in enumerate((2.0, 2.1, 1.9), start=6):
+        out = hook.after_update(step, {"actor/loss": loss, "actor/grad_norm": 1.0}, actor)
+        assert out == {"spike_recovery/fired": 0.0, "spike_recovery/total": 0.0}
+    out = hook.after_update(9, {"actor/loss": 20.0, "actor/grad_norm": 1.0}, actor)
+    assert out["spike_recovery/fired"] == 1.0 and out["spike_recovery/merged_to_step"] == 6
+    weights, reset = actor.loaded
+    assert weights["w"].tolist() == [4.0, 4.0] and reset  # (2 + 4 + 6) / 3
+    assert (tmp_path / "spike_recovery" / "step_00000009" / "merge_provenance.json").is_file()
+    with pytest.raises(RuntimeError, match="max_recoveries=1"):
+        hook.after_update(10, {"actor/loss": 20.0, "actor/grad_norm": 1.0}, actor)
+
+
+def test_lr_burst_scales_only_its_steps():
+    hook, actor = LrBurst(LrBurstConfig(at_step=3, factor=50.0, steps=2), None), FakeActor()
+    assert hook.before_update(2, actor) == {} and not hasattr(actor, "scaled")
+    assert hook.before_update(4, actor) == {"lr_burst/factor": 50.0} and actor.scaled == 50.0
+    assert hook.before_update(5, actor) == {}
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["trainer.training_hooks=[{name: spike_recovery, params: {lst: 3}}]"], "unknown key"),
+    (["trainer.training_hooks=[{name: spike_recovery, params: {optimizer: restore}}]"], "keep"),
+    (["trainer.training_hooks=[{name: spike_recovery, params: {watch: [los]}}]"], "grad_norm"),
+    (["trainer.training_hooks=[{name: spike_recovery, params: {last: 20}}]"], "keep at least 21"),
+    (["trainer.training_hooks=[{name: spike_recovery}]", "trainer.save_every_steps=0"], "save some"),
+    (["trainer.training_hooks=[{name: lr_burst, params: {factor: 0}}]"], "factor"),
+    (["trainer.training_hooks=[{name: reference_ema, params: {every_steps: 1, alpha: 0.1}}]",
+      "algorithm.kl_penalty_coef=0.1"], "no reference model"),
+    (["recipe=sft", "trainer.training_hooks=[{name: spike_recovery}]"], "not in recipe=sft"),
+    (["actor.optim.decay_steps=0"], "decay_steps"),
+])
+def test_config_errors_name_the_key_and_fix(overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        compose(["recipe=pretrain", *overrides])
+
+
+def test_pretrain_config_with_hooks_composes():
+    config = compose(["recipe=pretrain", "trainer.training_hooks=[{name: spike_recovery, params: {last: 4}}]"])
+    assert config.recipe.name == "pretrain" and config.actor.optim.lr_schedule == "wsd"
+
+
+def test_a_pipeline_stage_may_pretrain_and_the_next_start_from_its_merge(tmp_path):
+    from hybridflow.config.schema import StageConfig
+    from hybridflow.merge.hooks import HookConfig
+    from recipes.pipeline import check_stages
+
+    config = compose(["recipe=pipeline"])
+    config.pipeline.stages = [StageConfig(name="pretrain", recipe="pretrain", overrides=["trainer.total_steps=20"]),
+                              StageConfig(name="sft", recipe="sft", init=HookConfig("pma_sma", {"last": 3}))]
+    config.pipeline.__post_init__()
+    check_stages(config, tmp_path)  # composes both stages, with the pretrain stage keeping 3 snapshots
