@@ -26,7 +26,7 @@ from hybridflow.training.fsdp import (
     shard_model,
 )
 from hybridflow.training.state import TrainingStateMixin
-from hybridflow.training.sequences import micro_batches, mini_batches, pad_response_width, trimmed_inputs
+from hybridflow.training.sequences import loss_mask, micro_batches, mini_batches, pad_response_width, trimmed_inputs
 
 
 @dataclass(frozen=True)
@@ -70,7 +70,7 @@ class CriticWorker(TrainingStateMixin):
     @torch.no_grad()
     def compute_values(self, batch: Batch) -> Batch:
         self.model.eval()
-        parts = [_values(self.model, m) * m["response_mask"] for m in micro_batches(batch, self.s.samples_per_micro_batch)]
+        parts = [_values(self.model, m) * loss_mask(m) for m in micro_batches(batch, self.s.samples_per_micro_batch)]
         return Batch(tensors={"values": torch.cat(parts)})
 
     @register(Dispatch.DP_SPLIT)
@@ -94,7 +94,7 @@ class CriticWorker(TrainingStateMixin):
         return all_reduce_mean_dict(stats)
 
     def _mini_batch(self, mini: Batch, world: int) -> dict:
-        mask = mini["response_mask"]
+        mask = loss_mask(mini)  # values are learned where the policy acts: on sampled tokens
         counts = {"global_token_count": all_reduce_sum(int(mask.sum())),
                   "global_sequence_count": all_reduce_sum(int(mask.any(1).sum()))}
         self.optimizer.zero_grad(set_to_none=True)
@@ -102,10 +102,10 @@ class CriticWorker(TrainingStateMixin):
         for micro in micro_batches(mini, self.s.samples_per_micro_batch):
             loss, stats = clipped_value_loss(
                 values=_values(self.model, micro), old_values=micro["values"], returns=micro["returns"],
-                response_mask=micro["response_mask"], clip_range=self.s.value_clip_range,
+                response_mask=loss_mask(micro), clip_range=self.s.value_clip_range,
                 aggregation=self.s.loss_aggregation, **counts)
             (loss * world).backward()
-            share = float(micro["response_mask"].sum()) / max(1.0, float(mask.sum()))
+            share = float(loss_mask(micro).sum()) / max(1.0, float(mask.sum()))
             for k, v in stats.items():
                 weighted[k] = weighted.get(k, 0.0) + v * share
         weighted["grad_norm"] = clip_gradients(self.model, self.s.optim.max_grad_norm)
