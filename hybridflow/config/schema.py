@@ -169,6 +169,9 @@ class SyntheticTaskConfig:
     operations: List[str] = field(default_factory=lambda: ["add"])
     train_rows: int = 4000
     val_rows: int = 200
+    # Training rows also carry a `demonstration` of the calculator tool (hybridflow/data/calculator.py)
+    # for SFT before agent RL (recipe=agent_pipeline): model turns and tool output, alternating.
+    calculator_demonstrations: bool = False
 
     def __post_init__(self) -> None:
         _require(1 <= self.min_digits <= self.max_digits <= 9, "data.synthetic.min_digits/max_digits",

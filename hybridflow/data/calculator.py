@@ -3,8 +3,9 @@
 A tiny model cannot multiply two 3-digit numbers in its head, but it can learn to call the
 calculator and copy its answer: "123*456=" -> `<calc>123*456</calc>` (the model's first turn
 ends at the closing tag) -> `<result>56088</result>` (the tool's output, not trained) ->
-`56088` EOS (the final answer, rewarded by exact match). `tool_use_rows` adds that trajectory
-as a `demonstration` column (model turns and observations alternating) for the SFT stage.
+`56088` EOS (the final answer, rewarded by exact match). With
+`data.synthetic.calculator_demonstrations=true` the training rows carry that trajectory as a
+`demonstration` column (model turns and observations alternating) for the SFT stage.
 """
 
 from __future__ import annotations
@@ -12,7 +13,6 @@ from __future__ import annotations
 import ast
 import operator
 
-from hybridflow.data.arithmetic import ArithmeticSpec, make_arithmetic_split
 
 _OPERATORS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul}
 MAX_DIGITS = 12  # bounds the work one call can ask for (no 9**9**9)
@@ -42,12 +42,3 @@ def demonstration(prompt: str) -> list[str]:
     answer = calc(expression)
     return [f"<calc>{expression}</calc>", f"<result>{answer}</result>", answer]
 
-
-def tool_use_rows(train_rows: int, val_rows: int, seed: int, with_demonstrations: bool = True
-                  ) -> tuple[list[dict], list[dict]]:
-    """(train, val) 3x3-digit multiplication rows; the training rows carry a `demonstration`."""
-    spec = ArithmeticSpec(min_digits=3, max_digits=3, operations=("mul",))
-    train, val = make_arithmetic_split(train_rows, val_rows, spec, seed)
-    if with_demonstrations:
-        train = [{**row, "demonstration": demonstration(row["prompt"])} for row in train]
-    return train, val
