@@ -209,3 +209,33 @@ def test_a_failing_reset_names_the_sample_and_agent():
 
     with pytest.raises(AgentError, match="sample 0: agent 'Bad': reset raised"):
         run_trajectories([Trajectory([1], Bad(), "Bad")], [{}], Script([[]]), TOK, 2, 10, 1.0)
+
+
+def test_sft_demonstrations_train_the_model_turns_and_attend_to_the_tool_output():
+    from hybridflow.data.answers import encode_demonstrations, encode_sft_targets
+
+    batch = encode_demonstrations([demonstration("123*456=")], TOK, 32)
+    call, result, answer = ids("<calc>123*456</calc>"), ids("<result>56088</result>"), ids("56088")
+    n = len(call) + len(result) + len(answer) + 1
+    assert batch["response_ids"][0, :n].tolist() == call + result + answer + [EOS]
+    assert batch["response_mask"][0].tolist() == [True] * n + [False] * (32 - n)
+    assert batch["loss_mask"][0, :n].tolist() == [True] * len(call) + [False] * len(result) + [True] * (len(answer) + 1)
+    plain = encode_sft_targets([{"ground_truth": "56088"}], TOK, 8)
+    assert "loss_mask" not in plain and plain["response_ids"][0, :6].tolist() == answer + [EOS]
+    with pytest.raises(ValueError, match="rollout.max_response_tokens=8; raise it"):
+        encode_demonstrations([demonstration("123*456=")], TOK, 8)
+
+
+def test_agent_config_keys_are_checked_before_anything_starts():
+    from hybridflow.config.schema import RolloutBackend, RolloutConfig
+
+    assert RolloutConfig(agent="hybridflow.data.calculator:calc").agent == ["hybridflow.data.calculator:calc"]
+    assert RolloutConfig().agent == []
+    with pytest.raises(ValueError, match="rollout.agent"):
+        RolloutConfig(agent=["calc"])
+    with pytest.raises(ValueError, match="does not exist"):
+        RolloutConfig(agent=["no/such/file.py:calc"])
+    with pytest.raises(ValueError, match="rollout=vllm only"):
+        RolloutConfig(agent=["hybridflow.data.calculator:calc"], backend=RolloutBackend.hf)
+    with pytest.raises(ValueError, match="rollout.max_turns"):
+        RolloutConfig(max_turns=0)
