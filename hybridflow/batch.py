@@ -82,7 +82,7 @@ class Batch:
             raise IndexError(f"Batch.index: indices out of range for a batch of {len(self)}")
         rows = idx.tolist()
         return Batch(
-            tensors={k: v.index_select(0, idx) for k, v in self.tensors.items()},
+            tensors={k: v.index_select(0, idx.to(v.device)) for k, v in self.tensors.items()},  # rows may live on a GPU
             objects={k: [v[i] for i in rows] for k, v in self.objects.items()},
             meta=dict(self.meta),
         )

@@ -111,9 +111,9 @@ class ActorWorker(TrainingStateMixin):
         return out.select(["ref_log_probs"])
 
     def _log_probs(self, batch: Batch, key: str) -> Batch:
-        log_probs, entropy = log_probs_and_entropy(self.model, batch, self.s.samples_per_micro_batch,
-                                                   self.s.temperature)
-        return Batch(tensors={key: log_probs, "entropy": entropy})
+        log_probs, entropy = log_probs_and_entropy(self.model, batch.to(self.ctx.device),
+                                                   self.s.samples_per_micro_batch, self.s.temperature)
+        return Batch(tensors={key: log_probs.cpu(), "entropy": entropy.cpu()})
 
     # ---- training ---------------------------------------------------------------------------
 
@@ -163,6 +163,7 @@ class ActorWorker(TrainingStateMixin):
 
     def _train(self, batch: Batch, loss_fn, epochs: int | None = None, whole_batch: bool = False) -> dict:
         self.model.train()
+        batch = batch.to(self.ctx.device)
         world = self.ctx.world_size
         rows_per_mini = len(batch) if whole_batch or not self.s.samples_per_mini_batch else \
             self.s.samples_per_mini_batch // world

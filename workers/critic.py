@@ -70,14 +70,16 @@ class CriticWorker(TrainingStateMixin):
     @torch.no_grad()
     def compute_values(self, batch: Batch) -> Batch:
         self.model.eval()
+        batch = batch.to(self.ctx.device)
         parts = [_values(self.model, m) * loss_mask(m) for m in micro_batches(batch, self.s.samples_per_micro_batch)]
-        return Batch(tensors={"values": torch.cat(parts)})
+        return Batch(tensors={"values": torch.cat(parts).cpu()})
 
     @register(Dispatch.DP_SPLIT)
     def update_critic(self, batch: Batch) -> dict:
         """Clipped value-loss updates on `returns`, with `values` as the old values."""
         start = time.perf_counter()
         self.model.train()
+        batch = batch.to(self.ctx.device)
         world = self.ctx.world_size
         rows = self.s.samples_per_mini_batch // world if self.s.samples_per_mini_batch else len(batch)
         generator = torch.Generator().manual_seed(self.s.seed * 7919 + self.updates)

@@ -33,8 +33,9 @@ class ReferenceWorker:
     @register(Dispatch.DP_SPLIT)
     def compute_ref_log_probs(self, batch: Batch) -> Batch:
         """`ref_log_probs` (B, R), 0 outside `response_mask`."""
-        log_probs, _ = log_probs_and_entropy(self.model, batch, self.samples_per_micro_batch, self.temperature)
-        return Batch(tensors={"ref_log_probs": log_probs})
+        log_probs, _ = log_probs_and_entropy(self.model, batch.to(self.ctx.device), self.samples_per_micro_batch,
+                                             self.temperature)
+        return Batch(tensors={"ref_log_probs": log_probs.cpu()})
 
     @register(Dispatch.ONE_TO_ALL)
     def load_state_from(self, weights: dict[str, torch.Tensor]) -> None:

@@ -1,18 +1,25 @@
-"""The single controller: resource pools, worker groups, dispatch modes, futures."""
+"""The single controller: resource pools, worker groups, dispatch modes, futures.
 
+What a worker file needs (the dispatch decorators, `WorkerContext`, the errors) is imported
+eagerly and needs no Ray; the Ray side (pools, worker groups, `wait_all`) is imported on first
+use, so importing a worker never imports Ray (STYLE 8: distribution is added from outside).
+"""
+
+from importlib import import_module
+
+from hybridflow.controller.context import WorkerContext
 from hybridflow.controller.decorators import Dispatch, Execute, register
 from hybridflow.controller.errors import WorkerError, WorkerGroupBroken
-from hybridflow.controller.pools import PoolSpec, ResourcePool
-from hybridflow.controller.worker_group import (
-    GroupFuture,
-    RoleSpec,
-    WorkerContext,
-    WorkerGroup,
-    spawn_workers,
-    wait_all,
-)
 
-__all__ = [
-    "Dispatch", "Execute", "register", "WorkerError", "WorkerGroupBroken", "PoolSpec", "ResourcePool",
-    "GroupFuture", "RoleSpec", "WorkerContext", "WorkerGroup", "spawn_workers", "wait_all",
-]
+_RAY_SIDE = {
+    "PoolSpec": "pools", "ResourcePool": "pools", "GroupFuture": "worker_group", "RoleSpec": "worker_group",
+    "WorkerGroup": "worker_group", "spawn_workers": "worker_group", "wait_all": "worker_group",
+}
+
+__all__ = ["Dispatch", "Execute", "register", "WorkerContext", "WorkerError", "WorkerGroupBroken", *_RAY_SIDE]
+
+
+def __getattr__(name: str):
+    if name in _RAY_SIDE:
+        return getattr(import_module(f"hybridflow.controller.{_RAY_SIDE[name]}"), name)
+    raise AttributeError(f"module 'hybridflow.controller' has no attribute {name!r}")

@@ -30,28 +30,10 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from hybridflow.batch import Batch
 from hybridflow.controller import deadlines
+from hybridflow.controller.context import WorkerContext
 from hybridflow.controller.decorators import Dispatch, Execute, MethodSpec, registered_methods
 from hybridflow.controller.errors import WorkerError, WorkerGroupBroken
 from hybridflow.controller.pools import ResourcePool
-
-
-@dataclass(frozen=True)
-class WorkerContext:
-    """What a worker is told about its place: given explicitly, never read from the environment.
-
-    When the worker is built, the default torch.distributed process group of its process is
-    already initialised over the ranks of its group (gloo on CPU, NCCL on GPU).
-    """
-
-    rank: int = 0
-    world_size: int = 1
-    local_rank: int = 0
-    node_id: str = "local"
-    device: str = "cpu"
-    backend: str = "gloo"
-    master_addr: str = "127.0.0.1"
-    master_port: int = 0
-    group_name: str = "local"  # the worker group's name: roles fused into one process share it
 
 
 @dataclass

@@ -19,7 +19,7 @@ def encode_prompts(rows: list[dict], tokenizer, max_prompt_tokens: int, source: 
     """
     pad = tokenizer.pad_token_id
     if pad is None:
-        raise ValueError(f"tokenizer of the model has no pad token; set one (e.g. tokenizer.pad_token = tokenizer.eos_token)")
+        raise ValueError("tokenizer of the model has no pad token; set one (e.g. tokenizer.pad_token = tokenizer.eos_token)")
     ids = torch.full((len(rows), max_prompt_tokens), pad, dtype=torch.long)
     mask = torch.zeros((len(rows), max_prompt_tokens), dtype=torch.bool)
     texts = []

@@ -239,7 +239,7 @@ def open_checkpoint(path: "str | os.PathLike[str]", *, base: Optional[Checkpoint
 
 def _describe_unknown(path: Path) -> str:
     if path.is_file():
-        return f"is not a .safetensors file (convert it with safetensors.torch.save_file)"
+        return "is not a .safetensors file (convert it with safetensors.torch.save_file)"
     names = sorted(p.name for p in path.iterdir())
     if any(n.endswith(".distcp") for n in names):
         return ("looks like a torch.distributed.checkpoint (FSDP2) directory but has no .metadata file (its save "

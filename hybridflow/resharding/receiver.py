@@ -160,10 +160,11 @@ class ModuleReceiver(Receiver):
     @torch.no_grad()
     def probe(self, prompt_ids: list[int], new_tokens: int) -> tuple[list[int], torch.Tensor]:
         ids = torch.tensor([prompt_ids], device=next(self.model.parameters()).device)
+        # raw logits, not `scores`: min_new_tokens masks EOS out of the scores, which renormalises them
         out = self.model.generate(ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
-                                  output_scores=True, return_dict_in_generate=True, pad_token_id=self.pad_token_id)
+                                  output_logits=True, return_dict_in_generate=True, pad_token_id=self.pad_token_id)
         tokens = out.sequences[0, len(prompt_ids):].tolist()
-        log_probs = [torch.log_softmax(s[0].double(), -1)[t].cpu() for s, t in zip(out.scores, tokens)]
+        log_probs = [torch.log_softmax(s[0].double(), -1)[t].cpu() for s, t in zip(out.logits, tokens)]
         return tokens, torch.stack(log_probs)
 
 

@@ -107,9 +107,10 @@ class WeightSender:
             elif p.dst == me and p.src != me:
                 recv_sizes[p.src] += p.box.numel
         send_sizes = [sum(t.numel() for t in parts) for parts in send]
+        device = next(iter(local.values())).device  # the shards' device: NCCL exchanges GPU buffers
         flat_send = torch.cat([t for parts in send for t in parts]) if any(send_sizes) else \
-            torch.empty(0, dtype=self.dtype)
-        received = torch.empty(sum(recv_sizes), dtype=self.dtype)
+            torch.empty(0, dtype=self.dtype, device=device)
+        received = torch.empty(sum(recv_sizes), dtype=self.dtype, device=device)
         if self.world > 1:
             try:
                 dist.all_to_all_single(received, flat_send, recv_sizes, send_sizes)
@@ -136,7 +137,7 @@ class WeightSender:
             if need == held == Box.whole(self.shapes[name]):
                 out.append((name, local[name]))  # a single rank: its shard is the whole tensor
                 continue
-            full = torch.empty(self.shapes[name], dtype=self.dtype)  # only the needed box is written
+            full = torch.empty(self.shapes[name], dtype=self.dtype, device=received.device)  # only the box is written
             for p in (p for p in pieces if p.name == name and p.dst == me):
                 if p.src == me:
                     full[p.box.slices()].copy_(local[name][p.box.relative_to(held).slices()])

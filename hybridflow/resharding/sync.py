@@ -21,11 +21,8 @@ from hybridflow.config.schema import WeightSyncConfig
 from hybridflow.controller import WorkerError, WorkerGroup, wait_all
 from hybridflow.resharding.layout import Box, buckets, fsdp_box, layout_minimum, numel
 from hybridflow.resharding.sender import SyncPlan
-from hybridflow.resharding.verify import WeightSyncError
+from hybridflow.resharding.verify import PROBE_NEW_TOKENS, PROBE_PROMPT_IDS, PROBE_TOLERANCE, WeightSyncError
 
-PROBE_PROMPT_IDS = [3, 4, 5, 6, 7, 8]  # any ids below every vocabulary size will do
-PROBE_NEW_TOKENS = 4
-PROBE_TOLERANCE = 1e-2  # float32 kernels differ by ~1e-5; a stale or garbled weight by far more
 
 
 class WeightSync:

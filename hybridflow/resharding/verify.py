@@ -13,6 +13,10 @@ from typing import Iterable
 
 import torch
 
+PROBE_PROMPT_IDS = [3, 4, 5, 6, 7, 8]  # any ids below every vocabulary size will do
+PROBE_NEW_TOKENS = 4
+PROBE_TOLERANCE = 1e-2  # float32 kernels differ by ~1e-5; a stale or garbled weight by far more
+
 
 class WeightSyncError(RuntimeError):
     """The rollout engine's weights do not match the actor's, or the sync itself failed."""

@@ -10,7 +10,6 @@ attention dropout, so every RNG state has to be restored for the results to matc
 
 from __future__ import annotations
 
-import os
 import random
 import socket
 from pathlib import Path
