@@ -17,11 +17,11 @@ TASK="placement.pools.global.devices_per_node=1 placement.pools.global.cpus_per_
 TOOL="rollout.agent=[hybridflow.data.calculator:calc] rollout.max_response_tokens=32 rollout.max_turns=3"
 SFT="recipe=sft trainer.prompts_per_step=64 actor.samples_per_micro_batch=64 actor.optim.lr=3.0e-3
   actor.optim.warmup_steps=5 actor.optim.lr_schedule=constant trainer.val_every_steps=20"
-GRPO="recipe=grpo trainer.total_steps=${GRPO_STEPS:-40} trainer.val_every_steps=5 trainer.prompts_per_step=32
+GRPO="recipe=grpo trainer.total_steps=${GRPO_STEPS:-30} trainer.val_every_steps=5 trainer.prompts_per_step=32
   rollout.samples_per_prompt=8 actor.samples_per_micro_batch=256 actor.optim.lr=${GRPO_LR:-1.0e-4}
   actor.clip_ratio_high=0.28"
 
-$HF $SFT $TASK $TOOL data.synthetic.calculator_demonstrations=true trainer.total_steps=${SFT_STEPS:-200} \
+$HF $SFT $TASK $TOOL data.synthetic.calculator_demonstrations=true trainer.total_steps=${SFT_STEPS:-120} \
   trainer.save_every_steps=20 trainer.keep_last_checkpoints=null logger.run_name=sft_tool
 STEP=$($PY - "$OUT/sft_tool" <<'PY'
 import json, sys
@@ -37,7 +37,8 @@ $HF $GRPO $TASK $TOOL model.path=$START logger.run_name=grpo_tool
 
 $HF $SFT $TASK rollout.max_response_tokens=8 trainer.total_steps=$STEP trainer.save_every_steps=0 \
   logger.run_name=sft_no_tool
-$HF $GRPO $TASK rollout.max_response_tokens=8 model.path=$OUT/sft_no_tool/final_model logger.run_name=grpo_no_tool
+$HF $GRPO $TASK rollout.max_response_tokens=8 model.path=$OUT/sft_no_tool/final_model logger.run_name=grpo_no_tool \
+  trainer.total_steps=${NO_TOOL_GRPO_STEPS:-10}
 
 $PY bench/learning_curves.py "$OUT/agent_calculator.png" "sft (tool)=$OUT/sft_tool" "sft (no tool)=$OUT/sft_no_tool" \
   "grpo (tool)=$OUT/grpo_tool" "grpo (no tool)=$OUT/grpo_no_tool"
