@@ -57,7 +57,15 @@ class VLLMRollout(ReceivingEnd):
         if tp > 1:
             _launcher_environment(self.ctx)
         start = time.perf_counter()
+        extra = {}
+        if self.cfg.agent and self.ctx.device == "cpu":
+            # Agent turns are long token-id prompts; past the default token budget vLLM chunks a
+            # prefill and then rewinds the request's seeded generator, which the CPU backend cannot
+            # do ("CPU Generator does not use offset"). A budget for every sequence at full length
+            # means no prefill is ever chunked.
+            extra["max_num_batched_tokens"] = self.cfg.max_num_seqs * (self.max_prompt_tokens + self.cfg.max_response_tokens)
         self.engine = LLM(
+            **extra,
             model=self.model_path,
             dtype=self.cfg.dtype.value,
             seed=self.cfg.seed + self.ctx.rank // tp,  # the ranks of one TP engine must sample alike
