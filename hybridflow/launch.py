@@ -47,6 +47,10 @@ def prepare_data(config: HybridFlowConfig, run_dir: Path) -> Datasets:
     syn = data.synthetic
     spec = ArithmeticSpec(syn.min_digits, syn.max_digits, tuple(syn.operations))
     train, val = make_arithmetic_split(syn.train_rows, syn.val_rows, spec, seed=data.seed)
+    if syn.calculator_demonstrations:
+        from hybridflow.data.calculator import demonstration
+
+        train = [{**row, "demonstration": demonstration(row["prompt"])} for row in train]
     train_path = write_rows(train, run_dir / "data" / "train.parquet")
     val_path = write_rows(val, run_dir / "data" / "val.parquet")
     return Datasets(train, val, train_path, val_path)

@@ -61,6 +61,7 @@ def check_inputs(config: HybridFlowConfig) -> None:
 def check_run(config: HybridFlowConfig, check_model: bool = True) -> list[str]:
     """The problems of one run's inputs (empty when it can start)."""
     functions, problems = _reward_functions(config)
+    problems += _agent_problems(config)
     model_path = config.model.path if check_model else None
     if model_path is not None:
         problems += check_model_dir(model_path, "model.path")
@@ -139,6 +140,20 @@ def _reward_functions(config: HybridFlowConfig) -> tuple[list, list[str]]:
         except RewardFunctionError as exc:
             problems.append(f"{exc}; fix the function or {key}")
     return functions, problems
+
+
+def _agent_problems(config: HybridFlowConfig) -> list[str]:
+    """rollout.agent's tools and environments load and have the right shape (the rollout role
+    loads them again in its own processes)."""
+    if not config.rollout.agent:
+        return []
+    from hybridflow.agents import AgentError, load_agents
+
+    try:
+        load_agents(config.rollout.agent, config.rollout.agent_column)
+    except AgentError as exc:
+        return [str(exc)]
+    return []
 
 
 def _needed_columns(config: HybridFlowConfig, functions: list) -> dict[str, str]:

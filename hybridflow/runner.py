@@ -40,15 +40,21 @@ class StageTimer:
 
 
 def response_stats(samples: Batch) -> dict[str, float]:
+    """Response lengths (every response token, tool output included), and an agent rollout's
+    turns, tool errors and truncations (hybridflow.agents.agent_metrics)."""
+    from hybridflow.agents import agent_metrics
+
     lengths = samples["response_mask"].sum(dim=1).float()
     return {"response/length_mean": float(lengths.mean()), "response/length_max": float(lengths.max()),
-            "response/tokens": float(lengths.sum())}
+            "response/tokens": float(lengths.sum()), **agent_metrics(samples)}
 
 
 def validate(config: HybridFlowConfig, rollout: WorkerGroup, reward: WorkerGroup, rows: list[dict], tokenizer,
              step: int) -> dict[str, float]:
     """Greedy generation on the validation prompts; `val/accuracy` is the reward's `accuracy`
     extra when it reports one, else the mean reward."""
+    from hybridflow.agents import agent_metrics
+
     rows = rows[: config.trainer.val_prompts]
     prompts = encode_prompts(rows, tokenizer, config.data.max_prompt_tokens, source="validation data")
     samples = rollout.generate(prompts, greedy=True)
@@ -57,6 +63,7 @@ def validate(config: HybridFlowConfig, rollout: WorkerGroup, reward: WorkerGroup
     accuracy = scored.get("reward/accuracy", scored["reward/score"])
     metrics = {"val/accuracy": accuracy, "val/reward_mean": scored["reward/score"],
                "val/response_length_mean": float(samples["response_mask"].sum(1).float().mean()),
+               **agent_metrics(samples, prefix="val/agent/"),
                **accuracy_by_source(rewards, [row.get("data_source") for row in rows])}
     return metrics  # shown on the console by the MetricsLogger that logs it
 

@@ -35,6 +35,7 @@ from hybridflow.runner import (
     validate,
 )
 from hybridflow.tracking import MetricsLogger
+from hybridflow.training.sequences import loss_mask
 from recipes.roles import actor_role, critic_role, reference_role, reward_role, rollout_role
 
 
@@ -113,7 +114,7 @@ def run(config: HybridFlowConfig, run_dir: Path) -> dict:
             metrics["rollout/log_prob_diff"] = actor_metrics["actor/log_prob_diff_from_old"]
         elif not on_policy:
             metrics["rollout/log_prob_diff"] = float(masked_mean(
-                (samples["old_log_probs"] - samples["sampler_log_probs"]).abs(), samples["response_mask"]))
+                (samples["old_log_probs"] - samples["sampler_log_probs"]).abs(), loss_mask(samples)))
         if config.trainer.val_every_steps and step % config.trainer.val_every_steps == 0 \
                 or step == config.trainer.total_steps:
             with weight_sync.generating():
@@ -165,10 +166,11 @@ def add_advantages(samples: Batch, config: HybridFlowConfig, kl_coef: float) -> 
     """Token rewards (sequence reward on the last token, minus the KL penalty), then the
     configured advantage estimator. Adds `token_rewards`, `advantages`, `returns`.
 
-    Reads `sequence_rewards`, `response_mask`, `group_ids`, `old_log_probs` and `ref_log_probs`
+    Reads `sequence_rewards`, `loss_mask` (the sampled tokens: tool output gets no reward or
+    advantage, and the estimators skip over it), `group_ids`, `old_log_probs` and `ref_log_probs`
     (when a reference ran), `values` (with a critic) and `baseline_rewards` (ReMax: the greedy
     response's reward per sample, (B,))."""
-    a, mask = config.algorithm, samples["response_mask"]
+    a, mask = config.algorithm, loss_mask(samples)
     token_rewards = place_sequence_rewards(samples["sequence_rewards"], mask)
     baseline_token_rewards = None
     if "baseline_rewards" in samples:  # summed over the row by the estimator: any one column carries it

@@ -2,7 +2,8 @@
 
 Reuses the actor (FSDP2) and, for validation, the rollout engine: the weights are synced
 into vLLM before each validation, exactly as in RL. The answer is the
-data row's `ground_truth` followed by EOS.
+data row's `ground_truth` followed by EOS, or its multi-turn `demonstration` (tool-use
+demonstrations for an agent; the tools' outputs are attended to but not trained).
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from pathlib import Path
 from transformers import AutoTokenizer
 
 from hybridflow.config.schema import HybridFlowConfig
-from hybridflow.data.answers import encode_answers
+from hybridflow.data.answers import encode_sft_targets
 from hybridflow.data.loader import PromptLoader
 from hybridflow.data.prompts import encode_prompts
 from hybridflow.launch import build_weight_sync, prepare_data, prepare_model, spawn_roles, start_ray, vllm_env
@@ -51,7 +52,7 @@ def run(config: HybridFlowConfig, run_dir: Path) -> dict:
         with timer("update"):
             rows = loader.next_rows()
             batch = encode_prompts(rows, tokenizer, config.data.max_prompt_tokens).union(
-                encode_answers([r["ground_truth"] for r in rows], tokenizer, config.rollout.max_response_tokens))
+                encode_sft_targets(rows, tokenizer, config.rollout.max_response_tokens))
             metrics = actor.train_sft(batch)[0]
         metrics.update(timer.seconds)
         if config.trainer.val_every_steps and step % config.trainer.val_every_steps == 0 \

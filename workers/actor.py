@@ -39,7 +39,7 @@ from hybridflow.training.fsdp import (
     shard_model,
 )
 from hybridflow.training.state import TrainingStateMixin
-from hybridflow.training.sequences import log_probs_and_entropy, micro_batches, mini_batches, response_logits
+from hybridflow.training.sequences import log_probs_and_entropy, loss_mask, micro_batches, mini_batches, response_logits
 
 
 class ActorWorker(TrainingStateMixin):
@@ -74,7 +74,7 @@ class ActorWorker(TrainingStateMixin):
     @register(Dispatch.DP_SPLIT)
     @torch.no_grad()
     def compute_log_probs(self, batch: Batch) -> Batch:
-        """`old_log_probs` and `entropy`, (B, R) each, 0 outside `response_mask`."""
+        """`old_log_probs` and `entropy`, (B, R) each, 0 outside `loss_mask`."""
         return self._log_probs(batch, "old_log_probs")
 
     @register(Dispatch.DP_SPLIT)
@@ -111,7 +111,7 @@ class ActorWorker(TrainingStateMixin):
 
     def _policy_loss(self, micro: Batch, tokens: float, seqs: float) -> tuple[torch.Tensor, dict]:
         logits = response_logits(self.model, micro, self.temperature)
-        mask = micro["response_mask"]
+        mask = loss_mask(micro)  # sampled tokens only: tool output is attended to, never trained
         log_probs = log_probs_from_logits(logits, micro["response_ids"])
         counts = {"global_token_count": tokens, "global_sequence_count": seqs}
         loss, stats = compute_policy_loss(
@@ -136,7 +136,7 @@ class ActorWorker(TrainingStateMixin):
     def _sft_loss(self, micro: Batch, tokens: float, seqs: float) -> tuple[torch.Tensor, dict]:
         logits = response_logits(self.model, micro)
         nll = -log_probs_from_logits(logits, micro["response_ids"])
-        loss = aggregate_loss(nll, micro["response_mask"], "token-mean", global_token_count=tokens)
+        loss = aggregate_loss(nll, loss_mask(micro), "token-mean", global_token_count=tokens)
         return loss, {}  # the mini-batch loss is reported as actor/loss
 
     def _train(self, batch: Batch, loss_fn, epochs: int | None = None, whole_batch: bool = False) -> dict:
@@ -161,7 +161,7 @@ class ActorWorker(TrainingStateMixin):
         return all_reduce_mean_dict(stats)
 
     def _train_mini_batch(self, mini: Batch, loss_fn, world: int) -> dict:
-        mask = mini["response_mask"]
+        mask = loss_mask(mini)
         tokens = all_reduce_sum(int(mask.sum()))
         seqs = all_reduce_sum(int(mask.any(dim=1).sum()))
         if tokens == 0:
@@ -169,12 +169,12 @@ class ActorWorker(TrainingStateMixin):
         self.optimizer.zero_grad(set_to_none=True)
         loss_total, weighted = 0.0, {}
         trained = self._rows_with_gradient(mini)
-        trained_tokens = max(1.0, float(trained["response_mask"].sum()))
+        trained_tokens = max(1.0, float(loss_mask(trained).sum()))
         for micro in micro_batches(trained, self.cfg.samples_per_micro_batch):
             loss, stats = loss_fn(micro, tokens, seqs)
             (loss * world).backward()
             loss_total += float(loss.detach())
-            share = float(micro["response_mask"].sum()) / trained_tokens
+            share = float(loss_mask(micro).sum()) / trained_tokens
             for k, v in stats.items():
                 weighted[k] = weighted.get(k, 0.0) + v * share
         weighted["actor/trained_sample_fraction"] = len(trained) / len(mini)

@@ -25,7 +25,7 @@ from hybridflow.training.fsdp import (
     shard_model,
 )
 from hybridflow.training.state import TrainingStateMixin
-from hybridflow.training.sequences import micro_batches, mini_batches, pad_response_width, trimmed_inputs
+from hybridflow.training.sequences import loss_mask, micro_batches, mini_batches, pad_response_width, trimmed_inputs
 
 
 def _values(model: torch.nn.Module, batch: Batch) -> torch.Tensor:
@@ -58,7 +58,7 @@ class CriticWorker(TrainingStateMixin):
     def compute_values(self, batch: Batch) -> Batch:
         self.model.eval()
         batch = batch.to(self.ctx.device)
-        parts = [_values(self.model, m) * m["response_mask"] for m in micro_batches(batch, self.cfg.samples_per_micro_batch)]
+        parts = [_values(self.model, m) * loss_mask(m) for m in micro_batches(batch, self.cfg.samples_per_micro_batch)]
         return Batch(tensors={"values": torch.cat(parts).cpu()})
 
     @register(Dispatch.DP_SPLIT)
@@ -83,7 +83,7 @@ class CriticWorker(TrainingStateMixin):
         return all_reduce_mean_dict(stats)
 
     def _mini_batch(self, mini: Batch, world: int) -> dict:
-        mask = mini["response_mask"]
+        mask = loss_mask(mini)  # values are learned where the policy acts: on sampled tokens
         counts = {"global_token_count": all_reduce_sum(int(mask.sum())),
                   "global_sequence_count": all_reduce_sum(int(mask.any(1).sum()))}
         self.optimizer.zero_grad(set_to_none=True)
@@ -91,10 +91,10 @@ class CriticWorker(TrainingStateMixin):
         for micro in micro_batches(mini, self.cfg.samples_per_micro_batch):
             loss, stats = clipped_value_loss(
                 values=_values(self.model, micro), old_values=micro["values"], returns=micro["returns"],
-                response_mask=micro["response_mask"], clip_range=self.cfg.value_clip_range,
+                response_mask=loss_mask(micro), clip_range=self.cfg.value_clip_range,
                 aggregation=self.cfg.loss_aggregation, **counts)
             (loss * world).backward()
-            share = float(micro["response_mask"].sum()) / max(1.0, float(mask.sum()))
+            share = float(loss_mask(micro).sum()) / max(1.0, float(mask.sum()))
             for k, v in stats.items():
                 weighted[k] = weighted.get(k, 0.0) + v * share
         weighted["grad_norm"] = clip_gradients(self.model, self.cfg.optim.max_grad_norm)

@@ -17,6 +17,10 @@ from hybridflow.config.schema import TinyModelConfig
 
 SPECIAL_TOKENS = ["<pad>", "<s>", "</s>", "<unk>"]
 CHARACTERS = string.digits + "+-*/=()?., " + string.ascii_letters + ":;!'\"#%&<>[]_"
+# Tool-call markers (hybridflow/agents): one token each, so a call and its result cost few tokens
+# and a turn can stop on the closing tag's token id. Appended after the characters: the ids of
+# every other token are unchanged.
+MARKER_TOKENS = ["<calc>", "</calc>", "<result>", "</result>"]
 # Chat prompts (verl's layout) render as "user: 3+4= assistant: ": only characters in the vocabulary.
 CHAT_TEMPLATE = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }} {% endfor %}"
                  "{% if add_generation_prompt %}assistant: {% endif %}")
@@ -24,13 +28,14 @@ CHAT_TEMPLATE = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }} {% 
 
 def build_char_tokenizer():
     """A transformers fast tokenizer with one token per character and <s>/</s>/<pad>."""
-    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS + list(dict.fromkeys(CHARACTERS)))}
+    vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS + list(dict.fromkeys(CHARACTERS)) + MARKER_TOKENS)}
     core = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
     core.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
     core.decoder = decoders.Fuse()
+    core.add_tokens([AddedToken(m, normalized=False) for m in MARKER_TOKENS])  # matched before the split
     return PreTrainedTokenizerFast(
         tokenizer_object=core,
         bos_token="<s>",

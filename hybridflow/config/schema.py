@@ -181,6 +181,9 @@ class SyntheticTaskConfig:
     operations: List[str] = field(default_factory=lambda: ["add"])
     train_rows: int = 4000
     val_rows: int = 200
+    # Training rows also carry a `demonstration` of the calculator tool (hybridflow/data/calculator.py)
+    # for SFT before agent RL (recipe=agent_pipeline): model turns and tool output, alternating.
+    calculator_demonstrations: bool = False
 
     def __post_init__(self) -> None:
         _require(1 <= self.min_digits <= self.max_digits <= 9, "data.synthetic.min_digits/max_digits",
@@ -225,8 +228,22 @@ class RolloutConfig:
     max_num_seqs: int = 256
     enforce_eager: bool = True
     seed: int = 0
+    # Multi-turn agent rollouts (docs/agents.md): tools (typed functions) and environment classes,
+    # each 'path/to/file.py:Name' or 'package.module:Name'; empty: one response per prompt. Typed Any
+    # so one reference or a list can be given from the command line; __post_init__ makes it a list.
+    agent: Any = None
+    agent_column: str = "agent"  # with several agents: the data column naming each row's agent
+    max_turns: int = 4  # model turns per trajectory; max_response_tokens bounds all its tokens
+    tool_timeout_s: float = 10.0  # per tool call (environment step); past it the model reads an error
 
     def __post_init__(self) -> None:
+        from hybridflow.agents.loading import check_agent_references
+
+        self.agent = check_agent_references(self.agent, "rollout.agent")
+        _require(self.max_turns >= 1, "rollout.max_turns", self.max_turns, "must be >= 1")
+        _require(self.tool_timeout_s > 0, "rollout.tool_timeout_s", self.tool_timeout_s, "must be > 0 seconds")
+        _require(not self.agent or self.backend is RolloutBackend.vllm, "rollout.backend", self.backend.value,
+                 "agent rollouts (rollout.agent) run on rollout=vllm only")
         _require(self.max_response_tokens >= 1, "rollout.max_response_tokens", self.max_response_tokens, "must be >= 1")
         _require(self.temperature >= 0, "rollout.temperature", self.temperature, "must be >= 0 (0 is greedy)")
         _require(0 < self.top_p <= 1, "rollout.top_p", self.top_p, "must be in (0, 1]")

@@ -19,3 +19,36 @@ def encode_answers(answers: list[str], tokenizer, max_response_tokens: int) -> B
         ids[i, : len(tokens)] = torch.tensor(tokens)
         mask[i, : len(tokens)] = True
     return Batch(tensors={"response_ids": ids, "response_mask": mask})
+
+
+def encode_demonstrations(demonstrations: list[list[str]], tokenizer, max_response_tokens: int) -> Batch:
+    """SFT targets of multi-turn demonstrations: each a list of texts alternating model turn,
+    observation, model turn, ... (hybridflow/agents). `response_ids` (B, R): every turn's tokens
+    then EOS; `response_mask` True on all of them (attention); `loss_mask` True on the model
+    turns and EOS only: the model learns to write calls and answers, not the tools' outputs."""
+    ids = torch.full((len(demonstrations), max_response_tokens), tokenizer.pad_token_id, dtype=torch.long)
+    response_mask = torch.zeros((len(demonstrations), max_response_tokens), dtype=torch.bool)
+    loss_mask = torch.zeros_like(response_mask)
+    for i, turns in enumerate(demonstrations):
+        tokens, trained = [], []
+        for k, text in enumerate(turns):
+            part = tokenizer(str(text), add_special_tokens=False)["input_ids"]
+            tokens += part
+            trained += [k % 2 == 0] * len(part)  # even turns are the model's
+        tokens.append(tokenizer.eos_token_id)
+        trained.append(True)
+        if len(tokens) > max_response_tokens:
+            raise ValueError(f"SFT demonstration of sample {i} ({''.join(map(str, turns))[:40]!r}) needs {len(tokens)} "
+                             f"tokens with EOS, more than rollout.max_response_tokens={max_response_tokens}; raise it")
+        ids[i, : len(tokens)] = torch.tensor(tokens)
+        response_mask[i, : len(tokens)] = True
+        loss_mask[i, : len(tokens)] = torch.tensor(trained)
+    return Batch(tensors={"response_ids": ids, "response_mask": response_mask, "loss_mask": loss_mask})
+
+
+def encode_sft_targets(rows: list[dict], tokenizer, max_response_tokens: int) -> Batch:
+    """A row's `demonstration` (multi-turn, tool output left out of the loss) when the rows have
+    one, else its `ground_truth` answer."""
+    if all(row.get("demonstration") is not None for row in rows):
+        return encode_demonstrations([list(row["demonstration"]) for row in rows], tokenizer, max_response_tokens)
+    return encode_answers([row["ground_truth"] for row in rows], tokenizer, max_response_tokens)

@@ -1,9 +1,15 @@
 """Sequences as the model sees them: left-padded prompt + right-padded response.
 
 Every batch that reaches a model has `prompt_ids` (B, P) left-padded with `prompt_mask`, and
-`response_ids` (B, R) right-padded with `response_mask` (True on generated tokens). The model
-input is their concatenation (B, P+R); position ids count real tokens only, so left padding
-does not shift positions. The logits that predict response token t sit at position P-1+t.
+`response_ids` (B, R) right-padded with `response_mask` (True on every real response token).
+The model input is their concatenation (B, P+R); position ids count real tokens only, so left
+padding does not shift positions. The logits that predict response token t sit at position P-1+t.
+
+Two masks, two jobs. `response_mask` is what attention sees: every real token after the prompt.
+`loss_mask` (optional, (B, R)) is what is trained: the tokens the model sampled. They differ in
+multi-turn agent rollouts (hybridflow/agents), where tool output sits between the model's turns:
+the model must attend to it, but it was not sampled, so it has no log-prob, advantage or loss.
+A batch without `loss_mask` (single-turn generation, plain SFT) trains every response token.
 """
 
 from __future__ import annotations
@@ -13,6 +19,12 @@ from typing import Iterator
 import torch
 
 from hybridflow.batch import Batch
+
+
+def loss_mask(batch: Batch) -> torch.Tensor:
+    """(B, R) True on the response tokens that are trained (sampled by the model): the batch's
+    `loss_mask`, or `response_mask` when every response token was sampled (single turn)."""
+    return batch["loss_mask"] if "loss_mask" in batch else batch["response_mask"]
 
 
 def model_inputs(batch: Batch) -> dict[str, torch.Tensor]:
@@ -76,14 +88,15 @@ def mini_batches(batch: Batch, rows_per_mini_batch: int, generator: torch.Genera
 @torch.no_grad()
 def log_probs_and_entropy(model: torch.nn.Module, batch: Batch, rows_per_micro_batch: int,
                           temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
-    """Log-probs of the response tokens and the entropy at each position, (B, R) each, 0 on padding."""
+    """Log-probs of the trained response tokens and the entropy at each position, (B, R) each,
+    0 outside `loss_mask` (padding, and tool output in agent rollouts)."""
     from hybridflow.algos import entropy_from_logits, log_probs_from_logits
 
     model.eval()
     parts_lp, parts_ent = [], []
     for micro in micro_batches(batch, rows_per_micro_batch):
         logits = response_logits(model, micro, temperature)
-        mask = micro["response_mask"]
+        mask = loss_mask(micro)
         parts_lp.append(log_probs_from_logits(logits, micro["response_ids"]) * mask)
         parts_ent.append(entropy_from_logits(logits) * mask)
     return torch.cat(parts_lp), torch.cat(parts_ent)

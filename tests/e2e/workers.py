@@ -27,3 +27,26 @@ class CorruptibleVLLMRollout(VLLMRollout):
 
         {"corrupt": faults.corrupt_bucket, "exit": faults.exit_at_bucket}[kind](bucket)
         return True
+
+
+class RecordingVLLMRollout(VLLMRollout):
+    """Records what the engine was asked and what it sampled, as token ids (agent tests)."""
+
+    @register(Dispatch.ONE_TO_ALL)
+    def start_engine(self) -> float:
+        seconds = super().start_engine()
+        self.records: list[tuple[list[int], list[int]]] = []  # (prompt ids, sampled ids) per request
+        generate = self.engine.generate
+
+        def recording(prompts, params, **kwargs):
+            outputs = generate(prompts, params, **kwargs)
+            self.records += [(list(p["prompt_token_ids"]), list(o.outputs[0].token_ids))
+                             for p, o in zip(prompts, outputs)]
+            return outputs
+
+        self.engine.generate = recording
+        return seconds
+
+    @register(Dispatch.ONE_TO_ALL)
+    def recorded(self) -> list[tuple[list[int], list[int]]]:
+        return self.records

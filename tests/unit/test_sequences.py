@@ -52,3 +52,41 @@ def test_a_row_without_response_tokens_keeps_one_column():
     batch.tensors["response_mask"] = torch.zeros_like(batch["response_mask"])
     _, prompt_len, response_len = trimmed_inputs(batch)
     assert (prompt_len, response_len) == (5, 1)
+
+
+def _agent_batch() -> Batch:
+    # One two-turn trajectory: model tokens 3 2 | tool output 5 6 | model tokens 7 1, then padding.
+    batch = _batch()
+    batch.tensors["response_ids"] = torch.tensor([[3, 2, 5, 6, 7, 1], [9, 8, 7, 2, 0, 0]])
+    batch.tensors["response_mask"] = batch["response_ids"] != 0
+    batch.tensors["loss_mask"] = torch.tensor([[1, 1, 0, 0, 1, 1], [1, 1, 1, 1, 0, 0]], dtype=torch.bool)
+    return batch
+
+
+def test_loss_mask_leaves_tool_tokens_out_of_the_loss_but_attention_sees_them():
+    from hybridflow.training.sequences import log_probs_and_entropy, loss_mask
+
+    model, batch = _model(), _agent_batch()
+    inputs = model_inputs(batch)
+    # attention covers the tool tokens (columns 8 + 2, 8 + 3 of row 0): they are real input
+    assert inputs["attention_mask"][0, 10:12].tolist() == [1, 1]
+    assert inputs["input_ids"][0, 8:].tolist() == [3, 2, 5, 6, 7, 1]
+    # ... while the loss mask, and so the log-probs, leave them out
+    assert loss_mask(batch)[0].tolist() == [True, True, False, False, True, True]
+    log_probs, entropy = log_probs_and_entropy(model, batch, rows_per_micro_batch=2)
+    assert log_probs[0, 2:4].tolist() == [0.0, 0.0] and entropy[0, 2:4].tolist() == [0.0, 0.0]
+    assert torch.all(log_probs[0, [0, 1, 4, 5]] < 0)
+    # the model tokens after the tool output are conditioned on it: changing a tool token changes
+    # the log-prob of the next model token (attention saw it), not that of the tokens before it
+    changed = _agent_batch()
+    changed.tensors["response_ids"][0, 3] = 11
+    changed_lp, _ = log_probs_and_entropy(model, changed, rows_per_micro_batch=2)
+    assert torch.equal(changed_lp[0, :2], log_probs[0, :2])
+    assert not torch.allclose(changed_lp[0, 4], log_probs[0, 4])
+
+
+def test_without_a_loss_mask_every_response_token_is_trained():
+    from hybridflow.training.sequences import loss_mask
+
+    batch = _batch()
+    assert torch.equal(loss_mask(batch), batch["response_mask"])

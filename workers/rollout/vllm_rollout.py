@@ -8,6 +8,11 @@ in-process (VLLM_ENABLE_V1_MULTIPROCESSING=0, set by the controller when it star
 worker), so a colocated actor can hand it new weights without a copy through another process.
 Weights arrive through `hybridflow.resharding`: this worker's weight methods delegate to its
 receiver.
+
+With `rollout.agent` set, `generate` rolls out multi-turn trajectories (hybridflow/agents):
+each round submits the next turn of every live trajectory, as token ids, in one `generate`
+call, so vLLM's continuous batching runs the turns of all of this rank's trajectories together
+while the tools of the previous round have already answered.
 """
 
 from __future__ import annotations
@@ -33,6 +38,7 @@ class VLLMRollout(ReceivingEnd):
         self.verifiable_weights = verifiable_weights  # keep weights readable for checksum checks
         self.engine = self.receiver = None
         self.asleep = False
+        self.agents = None  # hybridflow.agents.AgentSet, loaded by start_engine when rollout.agent is set
 
     @register(Dispatch.ONE_TO_ALL)
     def start_engine(self) -> float:
@@ -51,7 +57,15 @@ class VLLMRollout(ReceivingEnd):
         if tp > 1:
             _launcher_environment(self.ctx)
         start = time.perf_counter()
+        extra = {}
+        if self.cfg.agent and self.ctx.device == "cpu":
+            # Agent turns are long token-id prompts; past the default token budget vLLM chunks a
+            # prefill and then rewinds the request's seeded generator, which the CPU backend cannot
+            # do ("CPU Generator does not use offset"). A budget for every sequence at full length
+            # means no prefill is ever chunked.
+            extra["max_num_batched_tokens"] = self.cfg.max_num_seqs * (self.max_prompt_tokens + self.cfg.max_response_tokens)
         self.engine = LLM(
+            **extra,
             model=self.model_path,
             dtype=self.cfg.dtype.value,
             seed=self.cfg.seed + self.ctx.rank // tp,  # the ranks of one TP engine must sample alike
@@ -66,6 +80,10 @@ class VLLMRollout(ReceivingEnd):
             weight_transfer_config={"backend": ENGINE_NAME},
             trust_remote_code=self.trust_remote_code,
         )
+        if self.cfg.agent:
+            from hybridflow.agents import load_agents
+
+            self.agents = load_agents(self.cfg.agent, self.cfg.agent_column)
         self.receiver = VLLMReceiver(self.engine, self.ctx.rank)
         register_local(self.ctx.group_name, self.receiver)
         return time.perf_counter() - start
@@ -119,9 +137,65 @@ class VLLMRollout(ReceivingEnd):
         # Per-sample seeds (tensor `sample_seed`) make a step's samples independent of the
         # engine's history, so a resumed run draws what the uninterrupted run drew.
         seeds = prompts["sample_seed"].tolist() if "sample_seed" in prompts and not greedy else [None] * len(requests)
+        if self.agents is not None:
+            return self._generate_trajectories(prompts, seeds, greedy)
         params = [sampling(seed) for seed in seeds]
         outputs = self.engine.generate(requests, params, use_tqdm=False)
         return _responses_to_batch(outputs, prompts, self.cfg.max_response_tokens, self.pad_token_id)
+
+    def _generate_trajectories(self, prompts: Batch, seeds: list[int | None], greedy: bool) -> Batch:
+        """Multi-turn rollout of every prompt row with its agent (see hybridflow/agents/trajectory.py).
+        Adds `loss_mask`, the `agent_*` counts and the `trajectory` text to the usual outputs."""
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        from hybridflow.agents import Trajectory, run_trajectories, trajectories_to_batch
+
+        tokenizer = self.engine.get_tokenizer()
+        rows = [{k: prompts.objects[k][i] for k in prompts.objects} for i in range(len(prompts))]
+        trajectories = []
+        for i, (ids, mask, row, seed) in enumerate(zip(prompts["prompt_ids"], prompts["prompt_mask"], rows, seeds)):
+            name, env = self.agents.make(row, i)
+            trajectories.append(Trajectory(ids[mask].tolist(), env, name, seed))
+        stops: dict[tuple[str, ...], tuple[list[int], list[str]]] = {}  # env stop texts -> (token ids, strings)
+
+        def generate(requests):
+            params = []
+            for r in requests:
+                if r.stop not in stops:
+                    stops[r.stop] = _stop_conditions(r.stop, tokenizer, self.eos_token_id)
+                stop_ids, stop_texts = stops[r.stop]
+                params.append(SamplingParams(
+                    temperature=0.0 if greedy else self.cfg.temperature, top_p=1.0 if greedy else self.cfg.top_p,
+                    max_tokens=r.max_tokens, logprobs=0, seed=r.seed, stop_token_ids=stop_ids, stop=stop_texts,
+                    include_stop_str_in_output=True))
+            outputs = self.engine.generate([TokensPrompt(prompt_token_ids=r.prompt_ids) for r in requests], params,
+                                           use_tqdm=False)
+            results = []
+            for out in outputs:
+                sample = out.outputs[0]
+                tokens = list(sample.token_ids)
+                log_probs = [entry[token].logprob for token, entry in zip(tokens, sample.logprobs or [])]
+                results.append((tokens, log_probs, sample.finish_reason == "length"))
+            return results
+
+        run_trajectories(trajectories, rows, generate, tokenizer, max_turns=self.cfg.max_turns,
+                         max_tokens=self.cfg.max_response_tokens, timeout_s=self.cfg.tool_timeout_s)
+        return trajectories_to_batch(trajectories, prompts, self.cfg.max_response_tokens, self.pad_token_id, tokenizer)
+
+
+def _stop_conditions(stop: tuple[str, ...], tokenizer, eos_token_id: int) -> tuple[list[int], list[str]]:
+    """(stop token ids, stop strings) that end a model turn: EOS, and the environment's stop
+    texts. A text that is one token stops on that token id (exact, and the id is in the output);
+    others are matched by vLLM on the text (kept in the output: include_stop_str_in_output)."""
+    ids, texts = [eos_token_id], []
+    for text in stop:
+        encoded = tokenizer.encode(text, add_special_tokens=False)
+        if len(encoded) == 1:
+            ids.append(encoded[0])
+        else:
+            texts.append(text)
+    return ids, texts
 
 
 def _responses_to_batch(outputs, prompts: Batch, width: int, pad_token_id: int) -> Batch:

@@ -1,0 +1,85 @@
+"""`rollout.agent`: references to tools and environment classes, loaded into one AgentSet.
+
+Each reference names a function (a tool), a list of functions (tools), or a class (an
+environment). The tools together form one agent called `tools`; each environment class is an
+agent called by its class name. With one agent every row uses it; with several, the row's
+`rollout.agent_column` column names the agent.
+"""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from hybridflow.agents.environment import AgentError
+from hybridflow.agents.tools import Tool, tool_environment
+
+TOOLS_AGENT = "tools"
+
+
+def check_agent_references(value: Any, key: str) -> list[str]:
+    """`rollout.agent` as a list of references (None: none); a `file.py:Name` path is made
+    absolute, because the rollout loads it inside Ray workers whose working directory differs."""
+    from pathlib import Path
+
+    references = [] if value is None else [value] if isinstance(value, str) else list(value)
+    checked = []
+    for reference in references:
+        target, sep, attr = str(reference).rpartition(":")
+        if not (sep and target and attr):
+            raise ValueError(f"config {key}={value!r} is invalid: each entry is 'path/to/file.py:Name' or "
+                             f"'package.module:Name' (a tool function, a list of them, or an environment class)")
+        if target.endswith(".py"):
+            path = Path(target).expanduser().resolve()
+            if not path.is_file():
+                raise ValueError(f"config {key}={value!r} is invalid: file {path} does not exist")
+            reference = f"{path}:{attr}"
+        checked.append(str(reference))
+    return checked
+
+
+@dataclass
+class AgentSet:
+    factories: dict[str, Callable[[], Any]]  # agent name -> a new environment
+    column: str
+
+    def make(self, row: dict[str, Any], sample: int) -> tuple[str, Any]:
+        """(agent name, a new environment) for one data row."""
+        if len(self.factories) == 1:
+            name = next(iter(self.factories))
+        else:
+            name = row.get(self.column)
+            if name not in self.factories:
+                raise AgentError(f"sample {sample}: column {self.column!r} (rollout.agent_column) is {name!r}; with "
+                                 f"several agents in rollout.agent each row names one of {sorted(self.factories)}")
+        return name, self.factories[name]()
+
+
+def load_agents(references: list[str], column: str = "agent") -> AgentSet:
+    from hybridflow.registry import load_object
+
+    tools: list[Tool] = []
+    factories: dict[str, Callable[[], Any]] = {}
+    for reference in references:
+        try:
+            obj = load_object(reference)
+        except Exception as exc:  # noqa: BLE001 - whatever the import raised, name the reference and key
+            raise AgentError(f"rollout.agent: {reference!r} does not load: {exc}") from exc
+        if inspect.isclass(obj):
+            missing = [m for m in ("reset", "step") if not callable(getattr(obj, m, None))]
+            if missing:
+                raise AgentError(f"rollout.agent: environment {reference!r} has no {missing}; an environment "
+                                 "defines reset(**row) -> str | None and step(response) -> (observation, reward, done)")
+            factories[obj.__name__] = obj
+        else:
+            try:
+                tools += [Tool.of(fn, reference) for fn in (obj if isinstance(obj, (list, tuple)) else [obj])]
+            except TypeError as exc:
+                raise AgentError(f"rollout.agent: {exc}") from None
+    if tools:
+        names = [t.name for t in tools]
+        if len(set(names)) != len(names):
+            raise AgentError(f"rollout.agent: tool names {names} repeat; each tool's function name is its tag")
+        factories[TOOLS_AGENT] = tool_environment(tools)
+    return AgentSet(factories, column)
