@@ -93,6 +93,7 @@ def straight(tmp_path_factory) -> dict[int, dict]:
     return {r["step"]: r for r in metrics(root / "straight")}
 
 
+@pytest.mark.slow  # ~50 s; restart-and-match is covered by the rank-kill test below in the default run
 def test_kill_and_resume_matches_the_uninterrupted_run(tmp_path, straight):
     args = RESUMABLE
     # The second run is killed (SIGKILL, whole process group) once its step-2 checkpoint is complete.
