@@ -49,6 +49,12 @@ def response_stats(samples: Batch) -> dict[str, float]:
             "response/tokens": float(lengths.sum()), **agent_metrics(samples)}
 
 
+def validation_due(config: HybridFlowConfig, step: int) -> bool:
+    """Validate every `trainer.val_every_steps` steps (0: never) and always after the last step."""
+    every = config.trainer.val_every_steps
+    return bool(every) and step % every == 0 or step == config.trainer.total_steps
+
+
 def validate(config: HybridFlowConfig, rollout: WorkerGroup, reward: WorkerGroup, rows: list[dict], tokenizer,
              step: int) -> dict[str, float]:
     """Greedy generation on the validation prompts; `val/accuracy` is the reward's `accuracy`

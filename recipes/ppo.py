@@ -33,6 +33,7 @@ from hybridflow.runner import (
     run_training_hooks,
     sample_seeds,
     validate,
+    validation_due,
 )
 from hybridflow.tracking import MetricsLogger
 from hybridflow.training.sequences import loss_mask
@@ -115,8 +116,7 @@ def run(config: HybridFlowConfig, run_dir: Path) -> dict:
         elif not on_policy:
             metrics["rollout/log_prob_diff"] = float(masked_mean(
                 (samples["old_log_probs"] - samples["sampler_log_probs"]).abs(), loss_mask(samples)))
-        if config.trainer.val_every_steps and step % config.trainer.val_every_steps == 0 \
-                or step == config.trainer.total_steps:
+        if validation_due(config, step):
             with weight_sync.generating():
                 metrics.update(validate(config, rollout, reward, data.val, tokenizer, step))
         logger.log(step, metrics)

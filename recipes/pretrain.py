@@ -22,7 +22,7 @@ from hybridflow.controller import WorkerGroup
 from hybridflow.data.corpus import Corpus, build_corpus, sequence_batch
 from hybridflow.data.loader import PromptLoader
 from hybridflow.launch import prepare_model, spawn_roles, start_ray
-from hybridflow.runner import Checkpointer, StageTimer
+from hybridflow.runner import Checkpointer, StageTimer, validation_due
 from hybridflow.tracking import MetricsLogger
 from hybridflow.training.hooks import build_step_hooks
 from recipes.roles import actor_role
@@ -60,8 +60,7 @@ def run(config: HybridFlowConfig, run_dir: Path) -> dict:
         with timer("hooks"):
             for hook in hooks:
                 metrics.update(hook.after_update(step, metrics, actor))
-        if config.trainer.val_every_steps and step % config.trainer.val_every_steps == 0 \
-                or step == config.trainer.total_steps:
+        if validation_due(config, step):
             with timer("validate"):
                 metrics["val/loss"] = held_out_loss(actor, corpus)
         metrics.update(timer.seconds)

@@ -17,7 +17,7 @@ from hybridflow.data.answers import encode_sft_targets
 from hybridflow.data.loader import PromptLoader
 from hybridflow.data.prompts import encode_prompts
 from hybridflow.launch import build_weight_sync, prepare_data, prepare_model, spawn_roles, start_ray, vllm_env
-from hybridflow.runner import Checkpointer, StageTimer, validate
+from hybridflow.runner import Checkpointer, StageTimer, validate, validation_due
 from hybridflow.tracking import MetricsLogger
 from recipes.roles import actor_role, reward_role, rollout_role
 
@@ -55,8 +55,7 @@ def run(config: HybridFlowConfig, run_dir: Path) -> dict:
                 encode_sft_targets(rows, tokenizer, config.rollout.max_response_tokens))
             metrics = actor.train_sft(batch)[0]
         metrics.update(timer.seconds)
-        if config.trainer.val_every_steps and step % config.trainer.val_every_steps == 0 \
-                or step == config.trainer.total_steps:
+        if validation_due(config, step):
             with timer("weight_sync"):
                 metrics.update(weight_sync.sync(step))
             with weight_sync.generating():  # GPU: vLLM's KV cache is released again for training

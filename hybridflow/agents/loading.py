@@ -21,21 +21,18 @@ TOOLS_AGENT = "tools"
 def check_agent_references(value: Any, key: str) -> list[str]:
     """`rollout.agent` as a list of references (None: none); a `file.py:Name` path is made
     absolute, because the rollout loads it inside Ray workers whose working directory differs."""
-    from pathlib import Path
+    from hybridflow.registry import absolute_reference
 
     references = [] if value is None else [value] if isinstance(value, str) else list(value)
     checked = []
     for reference in references:
-        target, sep, attr = str(reference).rpartition(":")
-        if not (sep and target and attr):
+        try:
+            checked.append(absolute_reference(str(reference)))
+        except ValueError:
             raise ValueError(f"config {key}={value!r} is invalid: each entry is 'path/to/file.py:Name' or "
-                             f"'package.module:Name' (a tool function, a list of them, or an environment class)")
-        if target.endswith(".py"):
-            path = Path(target).expanduser().resolve()
-            if not path.is_file():
-                raise ValueError(f"config {key}={value!r} is invalid: file {path} does not exist")
-            reference = f"{path}:{attr}"
-        checked.append(str(reference))
+                             "'package.module:Name' (a tool function, a list of them, or an environment class)") from None
+        except FileNotFoundError as exc:
+            raise ValueError(f"config {key}={value!r} is invalid: {exc}") from None
     return checked
 
 

@@ -37,6 +37,7 @@ def check_reference(reference: Optional[str], key: str) -> Optional[str]:
     Absolute because the function is loaded inside Ray workers, whose working directory is
     not the driver's. Returns the (possibly rewritten) reference.
     """
+    from hybridflow.registry import absolute_reference
     from hybridflow.rewards.builtin import REWARD_FUNCTIONS
 
     _require(isinstance(reference, str) and reference.strip() != "", key, reference,
@@ -44,15 +45,13 @@ def check_reference(reference: Optional[str], key: str) -> Optional[str]:
              "or 'path/to/file.py:name'")
     if reference in REWARD_FUNCTIONS:
         return reference
-    target, sep, attr = reference.rpartition(":")
-    _require(bool(sep and target and attr), key, reference,
-             f"not a registered reward function ({', '.join(REWARD_FUNCTIONS.names())}); a custom one is "
-             "written 'package.module:name' or 'path/to/file.py:name'")
-    if target.endswith(".py"):
-        path = Path(target).expanduser().resolve()
-        _require(path.is_file(), key, reference, f"file {path} does not exist")
-        return f"{path}:{attr}"
-    return reference
+    try:
+        return absolute_reference(reference)
+    except ValueError:
+        _require(False, key, reference, f"not a registered reward function ({', '.join(REWARD_FUNCTIONS.names())}); "
+                 "a custom one is written 'package.module:name' or 'path/to/file.py:name'")
+    except FileNotFoundError as exc:
+        _require(False, key, reference, str(exc))
 
 
 @dataclass
