@@ -17,7 +17,7 @@ TASK="placement.pools.global.devices_per_node=1 placement.pools.global.cpus_per_
 TOOL="rollout.agent=[hybridflow.data.calculator:calc] rollout.max_response_tokens=32 rollout.max_turns=3"
 SFT="recipe=sft trainer.prompts_per_step=64 actor.samples_per_micro_batch=64 actor.optim.lr=3.0e-3
   actor.optim.warmup_steps=5 actor.optim.lr_schedule=constant trainer.val_every_steps=50"
-GRPO="recipe=grpo trainer.val_every_steps=5 trainer.prompts_per_step=32
+GRPO="recipe=grpo trainer.val_every_steps=25 trainer.prompts_per_step=32
   rollout.samples_per_prompt=8 actor.samples_per_micro_batch=256 actor.optim.lr=${GRPO_LR:-1.0e-4}
   actor.clip_ratio_high=0.28"
 
@@ -33,12 +33,12 @@ PY
 )
 echo "GRPO starts from SFT step $STEP"
 START=$OUT/sft_tool/checkpoints/step_$(printf %08d "$STEP")/hf
-$HF $GRPO $TASK $TOOL model.path=$START trainer.total_steps=${GRPO_STEPS:-60} logger.run_name=grpo_tool
+$HF $GRPO $TASK $TOOL model.path=$START trainer.total_steps=${GRPO_STEPS:-500} logger.run_name=grpo_tool
 
 $HF $SFT $TASK rollout.max_response_tokens=8 trainer.total_steps=$STEP trainer.save_every_steps=0 \
   logger.run_name=sft_no_tool
 $HF $GRPO $TASK rollout.max_response_tokens=8 model.path=$OUT/sft_no_tool/final_model logger.run_name=grpo_no_tool \
-  trainer.total_steps=${NO_TOOL_GRPO_STEPS:-20}
+  trainer.total_steps=${NO_TOOL_GRPO_STEPS:-500}
 
 $PY bench/learning_curves.py "$OUT/agent_calculator.png" "sft (tool)=$OUT/sft_tool" "sft (no tool)=$OUT/sft_no_tool" \
   "grpo (tool)=$OUT/grpo_tool" "grpo (no tool)=$OUT/grpo_no_tool"
