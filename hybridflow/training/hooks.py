@@ -1,4 +1,4 @@
-"""Step hooks: components a training loop calls around each update, named in
+"""Step hooks: components a training loop calls around each actor update, named in
 `trainer.training_hooks` like the reference-model hooks of `hybridflow.merge.hooks`.
 
     trainer.training_hooks=[{name: spike_recovery, params: {last: 4}}]
@@ -9,6 +9,17 @@ typed `Config` dataclass (the entry's `params`, checked before Ray starts), with
 return metrics to log. The names share `trainer.training_hooks` with the reference hooks
 (`reference_ema`, `reference_reset`), which replace the reference model's weights in RL
 recipes; a name may be registered in only one of the two.
+
+Every training recipe (`RECIPES_WITH_STEP_HOOKS`: pretrain, sft, and the RL family grpo / ppo)
+runs them through one object, `StepHooks`: `before_update` just before the actor update,
+`after_update` with the update's metrics (`actor/loss`, `actor/grad_norm`: workers/actor.py
+reports both from `train_sft` and `update_policy`) right after it. In an RL recipe the step's
+weight sync comes after `after_update`, so weights a hook loaded into the actor (spike_recovery's
+merge) are what the rollout engine generates the next step with: `WeightSync.sync` reads the
+actor's parameters afresh at every call (the sender keeps the module, never a copy of its
+tensors, and `load_weights` copies into the same parameters), and its log-prob probe checks that
+the engine then computes with them. The reference hooks run after the step hooks, so a
+`reference_ema` also follows the recovered weights.
 
 - `spike_recovery` (the fourth claim of "Model Merging in Pre-training", arXiv 2505.12082):
   when the loss or the gradient norm is far above its running statistics (`detect_spike`, a
@@ -27,14 +38,17 @@ import math
 from collections import deque
 from dataclasses import dataclass, fields
 from pathlib import Path
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from hybridflow.config.schema import HybridFlowConfig
 
 from hybridflow.registry import Registry
 
 STEP_HOOKS: Registry[type] = Registry(
     "step hook", "a class with a dataclass `Config`, built as cls(config, run_dir), with before_update(step, actor) "
     "-> dict and after_update(step, metrics, actor) -> dict")
-RECIPES_WITH_STEP_HOOKS = ("pretrain",)
+RECIPES_WITH_STEP_HOOKS = ("pretrain", "sft", "grpo", "ppo")
 
 
 # ------------------------------------------------------------------------ the detector (pure)
@@ -241,30 +255,62 @@ def hook_config(name: str, params: Any):
     return cls.Config(**params)
 
 
-def build_step_hooks(hooks: list, run_dir: Path) -> list:
-    """The step hooks among `trainer.training_hooks`, built in order."""
-    return [STEP_HOOKS.get(h.name)(hook_config(h.name, h.params), run_dir) for h in hooks if h.name in STEP_HOOKS]
+class StepHooks:
+    """The run's step hooks, in config order, called like one: the recipes' single place to run them.
+
+        metrics.update(hooks.before_update(step, actor))
+        metrics.update(actor.train_sft(batch)[0])  # or update_policy
+        metrics.update(hooks.after_update(step, metrics, actor))
+    """
+
+    def __init__(self, hooks: list) -> None:
+        self.hooks = hooks
+
+    @classmethod
+    def build(cls, hooks: list, run_dir: Path) -> "StepHooks":
+        """The step hooks among `trainer.training_hooks` (the reference hooks are left to
+        `hybridflow.runner.run_training_hooks`)."""
+        return cls([STEP_HOOKS.get(h.name)(hook_config(h.name, h.params), run_dir)
+                    for h in hooks if h.name in STEP_HOOKS])
+
+    def before_update(self, step: int, actor) -> dict[str, float]:
+        out: dict[str, float] = {}
+        for hook in self.hooks:
+            out.update(hook.before_update(step, actor))
+        return out
+
+    def after_update(self, step: int, metrics: dict[str, float], actor) -> dict[str, float]:
+        """`metrics`: the update's (they must hold `actor/loss` and `actor/grad_norm`)."""
+        out: dict[str, float] = {}
+        for hook in self.hooks:
+            out.update(hook.after_update(step, metrics, actor))
+        return out
 
 
-def check_step_hooks(hooks: list, recipe: str, save_every_steps: int, keep_last_weights: Optional[int],
-                     keep_last_checkpoints: Optional[int]) -> None:
+def check_step_hooks(config: "HybridFlowConfig") -> None:
     """Before Ray starts: each step hook's params, that the recipe runs step hooks, and that
-    spike_recovery will find its checkpoints."""
+    spike_recovery will find its checkpoints and can load their weights into the actor."""
     from hybridflow.merge.hooks import TRAINING_HOOKS
 
-    for hook in hooks:
+    t, recipe = config.trainer, config.recipe.name
+    for hook in t.training_hooks:
         if hook.name not in STEP_HOOKS:
             continue
         _check(hook.name not in TRAINING_HOOKS, "trainer.training_hooks", hook.name,
                "is registered both as a step hook and as a reference hook; rename one")
         _check(recipe in RECIPES_WITH_STEP_HOOKS, "trainer.training_hooks", hook.name,
-               f"step hooks run in the recipes {list(RECIPES_WITH_STEP_HOOKS)}, not in recipe={recipe}")
-        config = hook_config(hook.name, hook.params)
-        if isinstance(config, SpikeRecoveryConfig):
-            _check(save_every_steps > 0, "trainer.save_every_steps", save_every_steps,
+               f"step hooks run around the actor update of the recipes {list(RECIPES_WITH_STEP_HOOKS)}, not in "
+               f"recipe={recipe}: put the hook in the overrides of a training stage (a pipeline's stages[].overrides) "
+               "or drop it")
+        typed = hook_config(hook.name, hook.params)
+        if isinstance(typed, SpikeRecoveryConfig):
+            _check(t.save_every_steps > 0, "trainer.save_every_steps", t.save_every_steps,
                    "spike_recovery merges the checkpoints saved before a spike: save some (e.g. 10)")
-            kept = None if keep_last_weights is None or keep_last_checkpoints is None else \
-                max(keep_last_weights, keep_last_checkpoints)
-            _check(kept is None or kept >= config.last + 1, "trainer.keep_last_weights", keep_last_weights,
-                   f"spike_recovery reads the weights of {config.last} checkpoints saved before the newest one: "
-                   f"keep at least {config.last + 1} (or null: all)")
+            kept = None if t.keep_last_weights is None or t.keep_last_checkpoints is None else \
+                max(t.keep_last_weights, t.keep_last_checkpoints)
+            _check(kept is None or kept >= typed.last + 1, "trainer.keep_last_weights", t.keep_last_weights,
+                   f"spike_recovery reads the weights of {typed.last} checkpoints saved before the newest one: "
+                   f"keep at least {typed.last + 1} (or null: all)")
+            _check(not config.actor.lora.rank, "actor.lora.rank", config.actor.lora.rank,
+                   "spike_recovery loads merged full weights (LoRA folded) into the actor, which a LoRA actor cannot "
+                   "take: set actor.lora.rank=0 or drop the hook")

@@ -1,17 +1,20 @@
 """The spike detector against hand-worked examples, the spike_recovery hook against a fake actor
-(which checkpoints it merges, what it loads, when it gives up), and the step-hook config checks."""
+(which checkpoints it merges, what it loads, when it gives up), the step-hook config checks in
+every training recipe, and `StepHooks`, the one runner the recipes call."""
 
 import json
 import math
 import random
+from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import save_file
 
 from hybridflow.config import ConfigError, compose
+from hybridflow.runner import run_training_hooks
 from hybridflow.training.hooks import (LrBurst, LrBurstConfig, SpikeDetector, SpikeRecovery, SpikeRecoveryConfig,
-                                       checkpoints_before, detect_spike)
+                                       StepHooks, checkpoints_before, detect_spike)
 
 
 def test_detect_spike_by_hand():
@@ -116,12 +119,50 @@ def test_lr_burst_scales_only_its_steps():
     (["trainer.training_hooks=[{name: lr_burst, params: {factor: 0}}]"], "factor"),
     (["trainer.training_hooks=[{name: reference_ema, params: {every_steps: 1, alpha: 0.1}}]",
       "algorithm.kl_penalty_coef=0.1"], "no reference model"),
-    (["recipe=sft", "trainer.training_hooks=[{name: spike_recovery}]"], "not in recipe=sft"),
+    (["recipe=demo", "trainer.training_hooks=[{name: lr_burst}]"], r"not in recipe=demo: put the hook"),
+    (["recipe=grpo", "actor.lora.rank=8", "trainer.save_every_steps=5",
+      "trainer.training_hooks=[{name: spike_recovery}]"], r"actor.lora.rank=8 .*set actor.lora.rank=0"),
+    (["recipe=sft", "algorithm.kl_penalty_coef=0.1",
+      "trainer.training_hooks=[{name: reference_reset, params: {every_steps: 2}}]"], "recipe=sft has no reference"),
     (["actor.optim.decay_steps=0"], "decay_steps"),
 ])
 def test_config_errors_name_the_key_and_fix(overrides, message):
     with pytest.raises(ConfigError, match=message):
         compose(["recipe=pretrain", *overrides])
+
+
+@pytest.mark.parametrize("recipe", ["sft", "grpo", "ppo"])
+def test_every_training_recipe_takes_step_hooks(recipe):
+    hooks = "[{name: lr_burst, params: {at_step: 3}}, {name: spike_recovery, params: {last: 2, watch: [grad_norm]}}]"
+    overrides = [f"recipe={recipe}", "trainer.save_every_steps=5", f"trainer.training_hooks={hooks}"]
+    config = compose(overrides + (["algorithm.use_critic=true"] if recipe == "ppo" else []))
+    built = StepHooks.build(config.trainer.training_hooks, Path("unused"))
+    assert [type(h) for h in built.hooks] == [LrBurst, SpikeRecovery]
+    # the RL recipes' reference-hook runner leaves step hooks alone (no reference role needed, no metric)
+    assert run_training_hooks(config, 5, actor=None, reference=None) == {}
+
+
+class Recorder:
+    def __init__(self, name, calls):
+        self.name, self.calls = name, calls
+
+    def before_update(self, step, actor):
+        self.calls.append((self.name, "before", step))
+        return {f"{self.name}/before": float(step)}
+
+    def after_update(self, step, metrics, actor):
+        self.calls.append((self.name, "after", step, metrics["actor/loss"]))
+        return {f"{self.name}/after": 1.0}
+
+
+def test_step_hooks_run_in_config_order_and_merge_their_metrics():
+    calls = []
+    hooks = StepHooks([Recorder("a", calls), Recorder("b", calls)])
+    assert hooks.before_update(7, actor=None) == {"a/before": 7.0, "b/before": 7.0}
+    assert hooks.after_update(7, {"actor/loss": 2.5, "actor/grad_norm": 1.0}, actor=None) == \
+        {"a/after": 1.0, "b/after": 1.0}
+    assert calls == [("a", "before", 7), ("b", "before", 7), ("a", "after", 7, 2.5), ("b", "after", 7, 2.5)]
+    assert StepHooks([]).before_update(1, None) == {} == StepHooks([]).after_update(1, {}, None)
 
 
 def test_pretrain_config_with_hooks_composes():
