@@ -39,7 +39,7 @@ from hybridflow.runner import (
     validation_due,
 )
 from hybridflow.tracking import MetricsLogger
-from hybridflow.training.hooks import StepHooks
+from hybridflow.training.hooks import StepHooks, batches_to_remember
 from hybridflow.training.sequences import loss_mask
 from recipes.roles import actor_role, critic_role, reference_role, reward_role, rollout_role
 
@@ -57,7 +57,9 @@ def run(config: HybridFlowConfig, run_dir: Path) -> dict:
 
     trainable = {"actor": actor, **({"critic": critic} if critic else {})}
     checkpointer = Checkpointer(config, run_dir, model_dir, trainable)
-    loader = PromptLoader(data.train, config.trainer.prompts_per_step, seed=config.seed)
+    t = config.trainer
+    loader = PromptLoader(data.train, t.prompts_per_step, seed=config.seed,
+                          remember_batches=batches_to_remember(t.training_hooks, t.save_every_steps))
     kl_ctl = build_kl_controller(config.algorithm.kl_controller, **kl_controller_args(config))
     state = checkpointer.resume() or {}
     step = int(state.get("step", 0))
@@ -68,7 +70,7 @@ def run(config: HybridFlowConfig, run_dir: Path) -> dict:
     weight_sync.setup()
     weight_sync.sync(step)
     logger = MetricsLogger(run_dir, config.logger.backends, total_steps=config.trainer.total_steps)
-    hooks = StepHooks.build(config.trainer.training_hooks, run_dir)
+    hooks = StepHooks.build(t.training_hooks, run_dir, loader)
     n = config.rollout.samples_per_prompt
     on_policy = config.trainer.use_sampler_log_probs and config.actor.epochs_per_step == 1 and \
         config.actor.samples_per_mini_batch in (0, config.trainer.prompts_per_step * n)

@@ -21,7 +21,7 @@ from hybridflow.data.prompts import encode_prompts
 from hybridflow.launch import build_weight_sync, prepare_data, prepare_model, spawn_roles, start_ray, vllm_env
 from hybridflow.runner import Checkpointer, StageTimer, validate, validation_due
 from hybridflow.tracking import MetricsLogger
-from hybridflow.training.hooks import StepHooks
+from hybridflow.training.hooks import StepHooks, batches_to_remember
 from recipes.roles import actor_role, reward_role, rollout_role
 
 
@@ -40,7 +40,9 @@ def run(config: HybridFlowConfig, run_dir: Path) -> dict:
         future.get()
 
     checkpointer = Checkpointer(config, run_dir, model_dir, {"actor": actor})
-    loader = PromptLoader(data.train, config.trainer.prompts_per_step, seed=config.seed)
+    t = config.trainer
+    loader = PromptLoader(data.train, t.prompts_per_step, seed=config.seed,
+                          remember_batches=batches_to_remember(t.training_hooks, t.save_every_steps))
     state = checkpointer.resume() or {}
     step = int(state.get("step", 0))
     if state:
@@ -48,7 +50,7 @@ def run(config: HybridFlowConfig, run_dir: Path) -> dict:
     logger = MetricsLogger(run_dir, config.logger.backends, total_steps=config.trainer.total_steps)
     weight_sync = build_weight_sync(config, actor, rollout)
     weight_sync.setup()
-    hooks = StepHooks.build(config.trainer.training_hooks, run_dir)
+    hooks = StepHooks.build(t.training_hooks, run_dir, loader)
 
     while step < config.trainer.total_steps:
         step += 1

@@ -3,10 +3,11 @@
 
     trainer.training_hooks=[{name: spike_recovery, params: {last: 4}}]
 
-One registry, `STEP_HOOKS`, one signature: a class built as `cls(config, run_dir)` from its
-typed `Config` dataclass (the entry's `params`, checked before Ray starts), with
+One registry, `STEP_HOOKS`, one signature: a class built as `cls(config, run_dir, loader)` from
+its typed `Config` dataclass (the entry's `params`, checked before Ray starts), with
 `before_update(step, actor) -> dict` and `after_update(step, metrics, actor) -> dict`; both
-return metrics to log. The names share `trainer.training_hooks` with the reference hooks
+return metrics to log; `loader` is the recipe's `PromptLoader`, for a hook that changes which
+data comes next (spike_recovery's `data: reshuffle`). The names share `trainer.training_hooks` with the reference hooks
 (`reference_ema`, `reference_reset`), which replace the reference model's weights in RL
 recipes; a name may be registered in only one of the two.
 
@@ -26,8 +27,10 @@ the engine then computes with them. The reference hooks run after the step hooks
   pure function), the actor's weights are replaced by the SMA of the last N checkpoints saved
   before the spike (written by `merge_checkpoints`, the same code as `hybridflow-merge`, into
   RUN_DIR/spike_recovery/step_<N>/ with its provenance), the optimizer state is kept or, by
-  explicit choice, reset, and training goes on with the next batch: the offending batch, and
-  those since the newest merged checkpoint, are skipped, not replayed.
+  explicit choice, reset, and training goes on with the next batch. The offending batch, and
+  those since the newest merged checkpoint, are skipped (`data: skip`, the default), or their
+  rows go back into the loader to be drawn again later in a new random order (`data:
+  reshuffle`, `PromptLoader.requeue`).
 - `lr_burst`: multiplies the learning rate for a few steps: the paper's stress test, a
   divergence made on purpose to check a recovery against.
 """
@@ -43,11 +46,12 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from hybridflow.config.schema import HybridFlowConfig
 
+from hybridflow.data.loader import PromptLoader
 from hybridflow.registry import Registry
 
 STEP_HOOKS: Registry[type] = Registry(
-    "step hook", "a class with a dataclass `Config`, built as cls(config, run_dir), with before_update(step, actor) "
-    "-> dict and after_update(step, metrics, actor) -> dict")
+    "step hook", "a class with a dataclass `Config`, built as cls(config, run_dir, loader), with "
+    "before_update(step, actor) -> dict and after_update(step, metrics, actor) -> dict")
 RECIPES_WITH_STEP_HOOKS = ("pretrain", "sft", "grpo", "ppo")
 
 
@@ -111,6 +115,8 @@ class SpikeRecoveryConfig:
     # norm has lone 10x outliers on healthy runs (clipped, harmless; tests/e2e/test_pretrain.py saw one).
     watch: tuple = ("loss",)
     optimizer: str = "keep"  # keep: Adam's moments stay; reset: cleared (moments rebuilt from the next step)
+    # skip: the batches since the newest merged checkpoint are lost; reshuffle: their rows are drawn again later
+    data: str = "skip"
     max_recoveries: int = 3  # more spikes than this stop the run: the cause is not transient
 
     def __post_init__(self) -> None:
@@ -124,6 +130,7 @@ class SpikeRecoveryConfig:
         _check(bool(self.watch) and set(self.watch) <= {"loss", "grad_norm"}, f"{key}.watch", list(self.watch),
                "a non-empty subset of [loss, grad_norm]")
         _check(self.optimizer in ("keep", "reset"), f"{key}.optimizer", self.optimizer, "one of ['keep', 'reset']")
+        _check(self.data in ("skip", "reshuffle"), f"{key}.data", self.data, "one of ['skip', 'reshuffle']")
         _check(self.max_recoveries >= 1, f"{key}.max_recoveries", self.max_recoveries, "must be >= 1")
 
 
@@ -133,8 +140,8 @@ class SpikeRecovery:
 
     Config = SpikeRecoveryConfig
 
-    def __init__(self, config: SpikeRecoveryConfig, run_dir: Path) -> None:
-        self.config, self.run_dir = config, Path(run_dir)
+    def __init__(self, config: SpikeRecoveryConfig, run_dir: Path, loader: PromptLoader) -> None:
+        self.config, self.run_dir, self.loader = config, Path(run_dir), loader
         self.detector = SpikeDetector(config.window, config.warmup, config.sigmas, config.min_ratio)
         self.recoveries = 0
 
@@ -153,11 +160,15 @@ class SpikeRecovery:
                 "(actor.optim.lr) or raise max_recoveries")
         merged, steps = self.recover(step, actor)
         self.recoveries += 1
+        # the draws of steps steps[-1] + 1 .. step trained weights that are now gone
+        requeued = self.loader.requeue(step - steps[-1]) if self.config.data == "reshuffle" else 0
         print(f"spike_recovery: {', '.join(spiking)} spiked at step {step} (loss {metrics[LOSS_KEY]:.4g}, grad norm "
               f"{metrics[GRAD_NORM_KEY]:.4g}); the actor now holds the SMA of the checkpoints of steps {steps} "
-              f"({merged}), optimizer state {'reset' if self.config.optimizer == 'reset' else 'kept'}", flush=True)
+              f"({merged}), optimizer state {'reset' if self.config.optimizer == 'reset' else 'kept'}, the data of "
+              f"steps {steps[-1] + 1}-{step} {f'requeued ({requeued} rows)' if requeued else 'skipped'}", flush=True)
         return {"spike_recovery/fired": 1.0, "spike_recovery/total": float(self.recoveries),
-                "spike_recovery/merged_from_step": float(steps[0]), "spike_recovery/merged_to_step": float(steps[-1])}
+                "spike_recovery/merged_from_step": float(steps[0]), "spike_recovery/merged_to_step": float(steps[-1]),
+                "spike_recovery/requeued_rows": float(requeued)}
 
     def recover(self, step: int, actor) -> tuple[Path, list[int]]:
         """Merge, then load into every actor rank; returns the merged directory and its steps."""
@@ -214,7 +225,7 @@ class LrBurst:
 
     Config = LrBurstConfig
 
-    def __init__(self, config: LrBurstConfig, run_dir: Path) -> None:
+    def __init__(self, config: LrBurstConfig, run_dir: Path, loader: PromptLoader) -> None:
         self.config = config
 
     def before_update(self, step: int, actor) -> dict[str, float]:
@@ -267,10 +278,10 @@ class StepHooks:
         self.hooks = hooks
 
     @classmethod
-    def build(cls, hooks: list, run_dir: Path) -> "StepHooks":
+    def build(cls, hooks: list, run_dir: Path, loader: PromptLoader) -> "StepHooks":
         """The step hooks among `trainer.training_hooks` (the reference hooks are left to
-        `hybridflow.runner.run_training_hooks`)."""
-        return cls([STEP_HOOKS.get(h.name)(hook_config(h.name, h.params), run_dir)
+        `hybridflow.runner.run_training_hooks`); `loader` must remember `batches_to_remember` draws."""
+        return cls([STEP_HOOKS.get(h.name)(hook_config(h.name, h.params), run_dir, loader)
                     for h in hooks if h.name in STEP_HOOKS])
 
     def before_update(self, step: int, actor) -> dict[str, float]:
@@ -285,6 +296,14 @@ class StepHooks:
         for hook in self.hooks:
             out.update(hook.after_update(step, metrics, actor))
         return out
+
+
+def batches_to_remember(hooks: list, save_every_steps: int) -> int:
+    """The draws the recipe's `PromptLoader` must remember (`remember_batches`) for the step hooks.
+    spike_recovery with `data: reshuffle` puts back the draws since the newest checkpoint it merges,
+    the newest saved before step - 1: at most save_every_steps + 1 of them."""
+    reshuffles = any(h.name == "spike_recovery" and hook_config(h.name, h.params).data == "reshuffle" for h in hooks)
+    return save_every_steps + 1 if reshuffles else 0
 
 
 def check_step_hooks(config: "HybridFlowConfig") -> None:

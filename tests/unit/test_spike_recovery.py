@@ -12,9 +12,10 @@ import torch
 from safetensors.torch import save_file
 
 from hybridflow.config import ConfigError, compose
+from hybridflow.data.loader import PromptLoader
 from hybridflow.runner import run_training_hooks
 from hybridflow.training.hooks import (LrBurst, LrBurstConfig, SpikeDetector, SpikeRecovery, SpikeRecoveryConfig,
-                                       StepHooks, checkpoints_before, detect_spike)
+                                       StepHooks, batches_to_remember, checkpoints_before, detect_spike)
 
 
 def test_detect_spike_by_hand():
@@ -89,13 +90,14 @@ def test_checkpoints_before_skips_the_one_the_spike_may_be_in(tmp_path):
 def test_spike_recovery_loads_the_sma_and_counts(tmp_path):
     write_checkpoints(tmp_path, (2, 4, 6, 8))
     hook = SpikeRecovery(SpikeRecoveryConfig(last=3, window=4, warmup=3, optimizer="reset", max_recoveries=1),
-                         tmp_path)
+                         tmp_path, PromptLoader(list(range(8)), 2, seed=0))
     actor = FakeActor()
     for step, loss in enumerate((2.0, 2.1, 1.9), start=6):
         out = hook.after_update(step, {"actor/loss": loss, "actor/grad_norm": 1.0}, actor)
         assert out == {"spike_recovery/fired": 0.0, "spike_recovery/total": 0.0}
     out = hook.after_update(9, {"actor/loss": 20.0, "actor/grad_norm": 1.0}, actor)
     assert out["spike_recovery/fired"] == 1.0 and out["spike_recovery/merged_to_step"] == 6
+    assert out["spike_recovery/requeued_rows"] == 0.0  # data: skip (the default)
     weights, reset = actor.loaded
     assert weights["w"].tolist() == [4.0, 4.0] and reset  # (2 + 4 + 6) / 3
     assert (tmp_path / "spike_recovery" / "step_00000009" / "merge_provenance.json").is_file()
@@ -103,8 +105,32 @@ def test_spike_recovery_loads_the_sma_and_counts(tmp_path):
         hook.after_update(10, {"actor/loss": 20.0, "actor/grad_norm": 1.0}, actor)
 
 
+def test_reshuffle_puts_back_the_rows_drawn_since_the_newest_merged_checkpoint(tmp_path):
+    write_checkpoints(tmp_path, (2, 4, 6, 8))
+    config = SpikeRecoveryConfig(last=3, window=4, warmup=3, data="reshuffle")
+    loader = PromptLoader(list(range(40)), 2, seed=0, remember_batches=5)
+    hook = SpikeRecovery(config, tmp_path, loader)
+    drawn = {step: loader.next_rows() for step in range(1, 10)}  # one draw a step; step 9's spikes
+    for step, loss in enumerate((2.0, 2.1, 1.9), start=6):
+        hook.after_update(step, {"actor/loss": loss, "actor/grad_norm": 1.0}, FakeActor())
+    out = hook.after_update(9, {"actor/loss": 20.0, "actor/grad_norm": 1.0}, FakeActor())
+    # merged: steps 2, 4, 6; the draws of steps 7, 8, 9 trained weights that are gone: 3 x 2 rows back
+    assert out["spike_recovery/merged_to_step"] == 6 and out["spike_recovery/requeued_rows"] == 6
+    back = sorted(drawn[7] + drawn[8] + drawn[9])
+    assert sorted(i for i in loader.queue if i in back) == back
+    assert list(loader.recent) == [[drawn[s][0], drawn[s][1]] for s in (5, 6)]
+
+
+def test_batches_to_remember():
+    def hooks(data):
+        return compose(["recipe=sft", "trainer.save_every_steps=5",
+                        f"trainer.training_hooks=[{{name: spike_recovery, params: {{data: {data}}}}}]"]).trainer
+    assert batches_to_remember(hooks("reshuffle").training_hooks, 5) == 6  # newest merged: at most 6 steps back
+    assert batches_to_remember(hooks("skip").training_hooks, 5) == 0
+
+
 def test_lr_burst_scales_only_its_steps():
-    hook, actor = LrBurst(LrBurstConfig(at_step=3, factor=50.0, steps=2), None), FakeActor()
+    hook, actor = LrBurst(LrBurstConfig(at_step=3, factor=50.0, steps=2), None, None), FakeActor()
     assert hook.before_update(2, actor) == {} and not hasattr(actor, "scaled")
     assert hook.before_update(4, actor) == {"lr_burst/factor": 50.0} and actor.scaled == 50.0
     assert hook.before_update(5, actor) == {}
@@ -117,6 +143,7 @@ def test_lr_burst_scales_only_its_steps():
     (["trainer.training_hooks=[{name: spike_recovery, params: {last: 20}}]"], "keep at least 21"),
     (["trainer.training_hooks=[{name: spike_recovery}]", "trainer.save_every_steps=0"], "save some"),
     (["trainer.training_hooks=[{name: lr_burst, params: {factor: 0}}]"], "factor"),
+    (["trainer.training_hooks=[{name: spike_recovery, params: {data: shuffle}}]"], r"data='shuffle'.*'reshuffle'"),
     (["trainer.training_hooks=[{name: reference_ema, params: {every_steps: 1, alpha: 0.1}}]",
       "algorithm.kl_penalty_coef=0.1"], "no reference model"),
     (["recipe=demo", "trainer.training_hooks=[{name: lr_burst}]"], r"not in recipe=demo: put the hook"),
@@ -136,7 +163,7 @@ def test_every_training_recipe_takes_step_hooks(recipe):
     hooks = "[{name: lr_burst, params: {at_step: 3}}, {name: spike_recovery, params: {last: 2, watch: [grad_norm]}}]"
     overrides = [f"recipe={recipe}", "trainer.save_every_steps=5", f"trainer.training_hooks={hooks}"]
     config = compose(overrides + (["algorithm.use_critic=true"] if recipe == "ppo" else []))
-    built = StepHooks.build(config.trainer.training_hooks, Path("unused"))
+    built = StepHooks.build(config.trainer.training_hooks, Path("unused"), PromptLoader(list(range(8)), 2, seed=0))
     assert [type(h) for h in built.hooks] == [LrBurst, SpikeRecovery]
     # the RL recipes' reference-hook runner leaves step hooks alone (no reference role needed, no metric)
     assert run_training_hooks(config, 5, actor=None, reference=None) == {}
