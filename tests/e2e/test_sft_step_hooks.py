@@ -1,7 +1,8 @@
 """Step hooks in recipe=sft end to end (the `hybridflow` command, real Ray, real vLLM on the CPU):
 an lr burst makes the loss spike, spike_recovery fires once, the actor then holds exactly the SMA
-of the checkpoints saved before the spike, and the weight sync that follows carries those weights
-into vLLM (its per-tensor checksums are compared with the actor's).
+of the checkpoints saved before the spike, the rows of the batches since then go back into the
+loader (`data: reshuffle`), and the weight sync that follows carries the merged weights into vLLM
+(its per-tensor checksums are compared with the actor's).
 """
 
 from __future__ import annotations
@@ -22,9 +23,10 @@ SMALL = ["recipe=sft", "trainer.prompts_per_step=4", "rollout.max_response_token
          "trainer.val_every_steps=0", "trainer.save_every_steps=1", "trainer.keep_last_checkpoints=1",
          "trainer.keep_last_weights=3", "weight_sync.checksum_every_steps=1"]
 # The update of step 6 runs at 300x the lr, so the loss logged at step 7 (of the weights saved at
-# 6) spikes; the hook merges the 2 newest checkpoints saved before step 6: steps 4 and 5.
+# 6) spikes; the hook merges the 2 newest checkpoints saved before step 6: steps 4 and 5, and
+# puts back the 2 x 4 rows drawn at steps 6 and 7.
 HOOKS = ("[{name: lr_burst, params: {at_step: 6, factor: 300}}, "
-         "{name: spike_recovery, params: {last: 2, window: 4, warmup: 3}}]")
+         "{name: spike_recovery, params: {last: 2, window: 4, warmup: 3, data: reshuffle}}]")
 
 
 def weights(directory: Path) -> dict[str, torch.Tensor]:
@@ -44,6 +46,7 @@ def test_spike_recovery_fires_in_sft_and_the_sync_carries_the_merge(tmp_path):
     assert [r["step"] for r in rows if r.get("lr_burst/factor")] == [6]
     assert [r["step"] for r in rows if r["spike_recovery/fired"]] == [7]
     assert rows[-1]["spike_recovery/merged_from_step"] == 4 and rows[-1]["spike_recovery/merged_to_step"] == 5
+    assert rows[-1]["spike_recovery/requeued_rows"] == 8
     assert rows[-1]["actor/loss"] > 1.5 * max(r["actor/loss"] for r in rows[:6])
     # the validation after the last step synced the recovered actor into vLLM and checked every tensor
     assert rows[-1]["weight_sync/verified_tensors"] > 0 and "val/accuracy" in rows[-1]
