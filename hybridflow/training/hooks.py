@@ -7,9 +7,9 @@ One registry, `STEP_HOOKS`, one signature: a class built as `cls(config, run_dir
 its typed `Config` dataclass (the entry's `params`, checked before Ray starts), with
 `before_update(step, actor) -> dict` and `after_update(step, metrics, actor) -> dict`; both
 return metrics to log; `loader` is the recipe's `PromptLoader`, for a hook that changes which
-data comes next (spike_recovery's `data: reshuffle`). The names share `trainer.training_hooks` with the reference hooks
-(`reference_ema`, `reference_reset`), which replace the reference model's weights in RL
-recipes; a name may be registered in only one of the two.
+data comes next (spike_recovery's `data: reshuffle`). The names share `trainer.training_hooks`
+with the reference hooks (`reference_ema`, `reference_reset`), which replace the reference
+model's weights in RL recipes; a name may be registered in only one of the two.
 
 Every training recipe (`RECIPES_WITH_STEP_HOOKS`: pretrain, sft, and the RL family grpo / ppo)
 runs them through one object, `StepHooks`: `before_update` just before the actor update,
@@ -43,11 +43,11 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-if TYPE_CHECKING:
-    from hybridflow.config.schema import HybridFlowConfig
-
 from hybridflow.data.loader import PromptLoader
 from hybridflow.registry import Registry
+
+if TYPE_CHECKING:
+    from hybridflow.config.schema import HybridFlowConfig
 
 STEP_HOOKS: Registry[type] = Registry(
     "step hook", "a class with a dataclass `Config`, built as cls(config, run_dir, loader), with "
@@ -113,6 +113,7 @@ class SpikeRecoveryConfig:
     min_ratio: float = 1.5  # ... and this many times the window's mean
     # Which signals can fire it: loss, grad_norm. Only the loss by default: the tiny model's gradient
     # norm has lone 10x outliers on healthy runs (clipped, harmless; tests/e2e/test_pretrain.py saw one).
+    # In the RL recipes watch grad_norm: the policy loss is centred near 0, where min_ratio means nothing.
     watch: tuple = ("loss",)
     optimizer: str = "keep"  # keep: Adam's moments stay; reset: cleared (moments rebuilt from the next step)
     # skip: the batches since the newest merged checkpoint are lost; reshuffle: their rows are drawn again later
