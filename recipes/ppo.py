@@ -113,7 +113,7 @@ def run(config: HybridFlowConfig, run_dir: Path) -> dict:
             actor_metrics = actor.update_policy(samples)[0] if actor_learns else {}
             critic_metrics = critic_update.get()[0] if critic_update is not None else {}
             if actor_learns:  # step hooks first: a reference EMA then follows weights they loaded
-                hook_metrics.update(hooks.after_update(step, actor_metrics, actor))
+                hook_metrics.update(hooks.after_update(step, {**reward_metrics(samples), **actor_metrics}, actor))
                 hook_metrics.update(run_training_hooks(config, step, actor, reference))
         with timer("weight_sync"):
             sync_metrics = weight_sync.sync(step) if actor_learns else {}

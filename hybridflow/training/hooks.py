@@ -14,7 +14,8 @@ model's weights in RL recipes; a name may be registered in only one of the two.
 Every training recipe (`RECIPES_WITH_STEP_HOOKS`: pretrain, sft, and the RL family grpo / ppo)
 runs them through one object, `StepHooks`: `before_update` just before the actor update,
 `after_update` with the update's metrics (`actor/loss`, `actor/grad_norm`: workers/actor.py
-reports both from `train_sft` and `update_policy`) right after it. In an RL recipe the step's
+reports both from `train_sft` and `update_policy`; the RL recipes add the step's training reward
+`reward/score`) right after it. In an RL recipe the step's
 weight sync comes after `after_update`, so weights a hook loaded into the actor (spike_recovery's
 merge) are what the rollout engine generates the next step with: `WeightSync.sync` reads the
 actor's parameters afresh at every call (the sender keeps the module, never a copy of its
@@ -23,8 +24,8 @@ the engine then computes with them. The reference hooks run after the step hooks
 `reference_ema` also follows the recovered weights.
 
 - `spike_recovery` (the fourth claim of "Model Merging in Pre-training", arXiv 2505.12082):
-  when the loss or the gradient norm is far above its running statistics (`detect_spike`, a
-  pure function), the actor's weights are replaced by the SMA of the last N checkpoints saved
+  when the loss or the gradient norm is far above its running statistics, or (RL) the training
+  reward far below them (`detect_spike`, `detect_drop`: pure functions), the actor's weights are replaced by the SMA of the last N checkpoints saved
   before the spike (written by `merge_checkpoints`, the same code as `hybridflow-merge`, into
   RUN_DIR/spike_recovery/step_<N>/ with its provenance), the optimizer state is kept or, by
   explicit choice, reset, and training goes on with the next batch. The offending batch, and
@@ -78,12 +79,31 @@ def detect_spike(history: list[float], value: float, *, sigmas: float, min_ratio
     return value > mean + sigmas * std and value > min_ratio * mean
 
 
-class SpikeDetector:
-    """Running windows of the loss and the gradient norm; a spiking value stays out of them, so
-    that one spike does not widen the statistics the next one is judged by."""
+def detect_drop(history: list[float], value: float, *, sigmas: float, min_ratio: float) -> bool:
+    """Whether `value` is a collapse against `history`: more than `sigmas` standard deviations
+    below its mean, and below its mean divided by `min_ratio` (a reward that falls; rewards here
+    are >= 0). A non-finite value is always one; an empty history never has one.
+        history [0.5, 0.4, 0.4, 0.5], mean 0.45, std (population) 0.05
+        value 0.008, sigmas 6, min_ratio 1.5: 0.008 < 0.45 - 6 * 0.05 = 0.15 and < 0.3 -> collapse
+        value 0.2: below 0.3 but not below 0.15 -> none
+    """
+    if not math.isfinite(value):
+        return True
+    if not history:
+        return False
+    mean = sum(history) / len(history)
+    std = math.sqrt(sum((v - mean) ** 2 for v in history) / len(history))
+    return value < mean - sigmas * std and value < mean / min_ratio
 
-    def __init__(self, window: int, warmup: int, sigmas: float, min_ratio: float) -> None:
+
+class SpikeDetector:
+    """Running windows of the watched signals; an anomalous value stays out of them, so that one
+    spike does not widen the statistics the next one is judged by. Names in `falls` are anomalous
+    when they drop (`detect_drop`: the reward), the others when they rise (`detect_spike`)."""
+
+    def __init__(self, window: int, warmup: int, sigmas: float, min_ratio: float, falls: tuple = ()) -> None:
         self.window, self.warmup, self.sigmas, self.min_ratio = window, warmup, sigmas, min_ratio
+        self.falls = set(falls)
         self.history: dict[str, deque] = {}
 
     def observe(self, values: dict[str, float]) -> list[str]:
@@ -92,7 +112,8 @@ class SpikeDetector:
         for name, value in values.items():
             history = self.history.setdefault(name, deque(maxlen=self.window))
             ready = len(history) >= self.warmup
-            if ready and detect_spike(list(history), value, sigmas=self.sigmas, min_ratio=self.min_ratio):
+            test = detect_drop if name in self.falls else detect_spike
+            if ready and test(list(history), value, sigmas=self.sigmas, min_ratio=self.min_ratio):
                 spiking.append(name)
             elif math.isfinite(value):
                 history.append(value)
@@ -101,7 +122,9 @@ class SpikeDetector:
 
 # ------------------------------------------------------------------------------ spike recovery
 
-LOSS_KEY, GRAD_NORM_KEY = "actor/loss", "actor/grad_norm"
+LOSS_KEY, GRAD_NORM_KEY, REWARD_KEY = "actor/loss", "actor/grad_norm", "reward/score"
+WATCHED = {"loss": LOSS_KEY, "grad_norm": GRAD_NORM_KEY, "reward": REWARD_KEY}  # reward: a fall
+RECIPES_WITH_REWARD = ("grpo", "ppo")
 
 
 @dataclass
@@ -113,7 +136,8 @@ class SpikeRecoveryConfig:
     min_ratio: float = 1.5  # ... and this many times the window's mean
     # Which signals can fire it: loss, grad_norm. Only the loss by default: the tiny model's gradient
     # norm has lone 10x outliers on healthy runs (clipped, harmless; tests/e2e/test_pretrain.py saw one).
-    # In the RL recipes watch grad_norm: the policy loss is centred near 0, where min_ratio means nothing.
+    # In the RL recipes watch reward (a fall of reward/score): a diverged policy samples no correct answer,
+    # so its advantages, loss and gradient all go to 0 (docs/recipes.md); the policy loss is centred near 0.
     watch: tuple = ("loss",)
     optimizer: str = "keep"  # keep: Adam's moments stay; reset: cleared (moments rebuilt from the next step)
     # skip: the batches since the newest merged checkpoint are lost; reshuffle: their rows are drawn again later
@@ -128,8 +152,8 @@ class SpikeRecoveryConfig:
         _check(self.sigmas > 0 and self.min_ratio >= 1, f"{key}.sigmas/min_ratio", (self.sigmas, self.min_ratio),
                "need sigmas > 0 and min_ratio >= 1")
         self.watch = tuple(self.watch)
-        _check(bool(self.watch) and set(self.watch) <= {"loss", "grad_norm"}, f"{key}.watch", list(self.watch),
-               "a non-empty subset of [loss, grad_norm]")
+        _check(bool(self.watch) and set(self.watch) <= set(WATCHED), f"{key}.watch", list(self.watch),
+               f"a non-empty subset of {list(WATCHED)}")
         _check(self.optimizer in ("keep", "reset"), f"{key}.optimizer", self.optimizer, "one of ['keep', 'reset']")
         _check(self.data in ("skip", "reshuffle"), f"{key}.data", self.data, "one of ['skip', 'reshuffle']")
         _check(self.max_recoveries >= 1, f"{key}.max_recoveries", self.max_recoveries, "must be >= 1")
@@ -143,15 +167,14 @@ class SpikeRecovery:
 
     def __init__(self, config: SpikeRecoveryConfig, run_dir: Path, loader: PromptLoader) -> None:
         self.config, self.run_dir, self.loader = config, Path(run_dir), loader
-        self.detector = SpikeDetector(config.window, config.warmup, config.sigmas, config.min_ratio)
+        self.detector = SpikeDetector(config.window, config.warmup, config.sigmas, config.min_ratio, falls=("reward",))
         self.recoveries = 0
 
     def before_update(self, step: int, actor) -> dict[str, float]:
         return {}
 
     def after_update(self, step: int, metrics: dict[str, float], actor) -> dict[str, float]:
-        keys = {"loss": LOSS_KEY, "grad_norm": GRAD_NORM_KEY}
-        spiking = self.detector.observe({name: metrics[keys[name]] for name in self.config.watch})
+        spiking = self.detector.observe({name: metrics[WATCHED[name]] for name in self.config.watch})
         if not spiking:
             return {"spike_recovery/fired": 0.0, "spike_recovery/total": float(self.recoveries)}
         if self.recoveries >= self.config.max_recoveries:
@@ -292,7 +315,8 @@ class StepHooks:
         return out
 
     def after_update(self, step: int, metrics: dict[str, float], actor) -> dict[str, float]:
-        """`metrics`: the update's (they must hold `actor/loss` and `actor/grad_norm`)."""
+        """`metrics`: the update's (`actor/loss`, `actor/grad_norm`; in the RL recipes also the
+        step's `reward/score`)."""
         out: dict[str, float] = {}
         for hook in self.hooks:
             out.update(hook.after_update(step, metrics, actor))
@@ -331,6 +355,10 @@ def check_step_hooks(config: "HybridFlowConfig") -> None:
             _check(kept is None or kept >= typed.last + 1, "trainer.keep_last_weights", t.keep_last_weights,
                    f"spike_recovery reads the weights of {typed.last} checkpoints saved before the newest one: "
                    f"keep at least {typed.last + 1} (or null: all)")
+            _check("reward" not in typed.watch or recipe in RECIPES_WITH_REWARD,
+                   "trainer.training_hooks[spike_recovery].params.watch", list(typed.watch),
+                   f"recipe={recipe} has no training reward: watch [loss] or [grad_norm] (reward is for "
+                   f"{list(RECIPES_WITH_REWARD)})")
             _check(not config.actor.lora.rank, "actor.lora.rank", config.actor.lora.rank,
                    "spike_recovery loads merged full weights (LoRA folded) into the actor, which a LoRA actor cannot "
                    "take: set actor.lora.rank=0 or drop the hook")

@@ -15,7 +15,8 @@ from hybridflow.config import ConfigError, compose
 from hybridflow.data.loader import PromptLoader
 from hybridflow.runner import run_training_hooks
 from hybridflow.training.hooks import (LrBurst, LrBurstConfig, SpikeDetector, SpikeRecovery, SpikeRecoveryConfig,
-                                       StepHooks, batches_to_remember, checkpoints_before, detect_spike)
+                                       StepHooks, batches_to_remember, checkpoints_before, detect_drop,
+                                       detect_spike)
 
 
 def test_detect_spike_by_hand():
@@ -28,6 +29,26 @@ def test_detect_spike_by_hand():
     assert not detect_spike([1.0, 3.0, 1.0, 3.0], 3.5, sigmas=6, min_ratio=1.5)
     assert detect_spike(history, math.nan, sigmas=6, min_ratio=1.5)
     assert not detect_spike([], 100.0, sigmas=6, min_ratio=1.5)
+
+
+def test_detect_drop_by_hand():
+    # mean 0.45; population std sqrt((4 * 0.0025) / 4) = 0.05; 0.45 - 6 * 0.05 = 0.15; 0.45 / 1.5 = 0.3
+    history = [0.5, 0.4, 0.4, 0.5]
+    assert detect_drop(history, 0.008, sigmas=6, min_ratio=1.5)  # < 0.15 and < 0.3
+    assert not detect_drop(history, 0.2, sigmas=6, min_ratio=1.5)  # < 0.3 but not < 0.15
+    assert not detect_drop(history, 0.9, sigmas=6, min_ratio=1.5)  # a rise is no collapse
+    assert detect_drop(history, math.nan, sigmas=6, min_ratio=1.5)
+    assert not detect_drop([], 0.0, sigmas=6, min_ratio=1.5)
+
+
+def test_detect_drop_matches_torch_statistics():
+    rng = random.Random(1)
+    for _ in range(200):
+        history = [rng.uniform(0.2, 1.0) for _ in range(rng.randint(1, 30))]
+        value = rng.uniform(0, 1)
+        t = torch.tensor(history, dtype=torch.float64)
+        expected = value < float(t.mean()) - 2 * float(t.std(unbiased=False)) and value < float(t.mean()) / 1.2
+        assert detect_drop(history, value, sigmas=2, min_ratio=1.2) == expected
 
 
 def slow_detect(history, value, sigmas, min_ratio):
@@ -57,6 +78,11 @@ def test_detector_warms_up_and_keeps_spikes_out_of_its_window():
     assert detector.observe({"loss": 9.0}) == ["loss"]
     assert detector.observe({"loss": 9.0}) == ["loss"]  # the first 9.0 did not enter the window
     assert list(detector.history["loss"]) == [2.0, 2.1, 1.9]
+    detector = SpikeDetector(window=4, warmup=3, sigmas=3, min_ratio=1.5, falls=("reward",))
+    for loss, reward in ((2.0, 0.40), (2.1, 0.45), (1.9, 0.42)):
+        assert detector.observe({"loss": loss, "reward": reward}) == []
+    assert detector.observe({"loss": 0.0, "reward": 0.0}) == ["reward"]  # a loss at 0 is no spike
+    assert detector.observe({"loss": 9.0, "reward": 0.9}) == ["loss"]  # a reward rise is no collapse
 
 
 class FakeActor:
@@ -129,6 +155,19 @@ def test_batches_to_remember():
     assert batches_to_remember(hooks("skip").training_hooks, 5) == 0
 
 
+def test_spike_recovery_fires_on_a_reward_collapse(tmp_path):
+    # GRPO after a wrecked update: the reward collapses while loss and grad norm go to 0 (docs/recipes.md)
+    write_checkpoints(tmp_path, (2, 4, 6, 8))
+    hook = SpikeRecovery(SpikeRecoveryConfig(last=2, window=4, warmup=3, watch=("grad_norm", "reward")), tmp_path,
+                         PromptLoader(list(range(8)), 2, seed=0))
+    actor = FakeActor()
+    for step, reward in enumerate((0.51, 0.41, 0.42, 0.44), start=5):
+        out = hook.after_update(step, {"actor/loss": 0.0, "actor/grad_norm": 1.2, "reward/score": reward}, actor)
+        assert out["spike_recovery/fired"] == 0.0
+    out = hook.after_update(9, {"actor/loss": 0.0, "actor/grad_norm": 0.27, "reward/score": 0.008}, actor)
+    assert out["spike_recovery/fired"] == 1.0 and actor.loaded[0]["w"].tolist() == [5.0, 5.0]  # (4 + 6) / 2
+
+
 def test_lr_burst_scales_only_its_steps():
     hook, actor = LrBurst(LrBurstConfig(at_step=3, factor=50.0, steps=2), None, None), FakeActor()
     assert hook.before_update(2, actor) == {} and not hasattr(actor, "scaled")
@@ -140,6 +179,8 @@ def test_lr_burst_scales_only_its_steps():
     (["trainer.training_hooks=[{name: spike_recovery, params: {lst: 3}}]"], "unknown key"),
     (["trainer.training_hooks=[{name: spike_recovery, params: {optimizer: restore}}]"], "keep"),
     (["trainer.training_hooks=[{name: spike_recovery, params: {watch: [los]}}]"], "grad_norm"),
+    (["recipe=sft", "trainer.save_every_steps=5", "trainer.training_hooks=[{name: spike_recovery, params: "
+      "{watch: [reward]}}]"], r"recipe=sft has no training reward: watch \[loss\]"),
     (["trainer.training_hooks=[{name: spike_recovery, params: {last: 20}}]"], "keep at least 21"),
     (["trainer.training_hooks=[{name: spike_recovery}]", "trainer.save_every_steps=0"], "save some"),
     (["trainer.training_hooks=[{name: lr_burst, params: {factor: 0}}]"], "factor"),
@@ -160,7 +201,8 @@ def test_config_errors_name_the_key_and_fix(overrides, message):
 
 @pytest.mark.parametrize("recipe", ["sft", "grpo", "ppo"])
 def test_every_training_recipe_takes_step_hooks(recipe):
-    hooks = "[{name: lr_burst, params: {at_step: 3}}, {name: spike_recovery, params: {last: 2, watch: [grad_norm]}}]"
+    watch = "[reward, grad_norm]" if recipe != "sft" else "[grad_norm]"
+    hooks = f"[{{name: lr_burst, params: {{at_step: 3}}}}, {{name: spike_recovery, params: {{last: 2, watch: {watch}}}}}]"
     overrides = [f"recipe={recipe}", "trainer.save_every_steps=5", f"trainer.training_hooks={hooks}"]
     config = compose(overrides + (["algorithm.use_critic=true"] if recipe == "ppo" else []))
     built = StepHooks.build(config.trainer.training_hooks, Path("unused"), PromptLoader(list(range(8)), 2, seed=0))
