@@ -6,8 +6,9 @@
     flock /tmp/hybridflow-heavy.lock .venv/bin/python bench/pma_study.py sft --schedule constant  # ~12 min
     flock /tmp/hybridflow-heavy.lock .venv/bin/python bench/pma_study.py sft --schedule cosine --trajectory  # 1 min
     flock /tmp/hybridflow-heavy.lock .venv/bin/python bench/pma_study.py pmainit    # after constant
+    flock /tmp/hybridflow-heavy.lock .venv/bin/python bench/pma_study.py pmainit_grpo  # after sft --schedule constant
     flock /tmp/hybridflow-heavy.lock .venv/bin/python bench/pma_study.py spike      # ~6 min
-    .venv/bin/python bench/pma_study.py report    # tables (printed) and docs/pma.png, docs/pma_spike.png
+    .venv/bin/python bench/pma_study.py report    # tables (printed), docs/pma.png, pma_spike.png, pma_grpo.png
 
 Every training run is a real recipe (`hybridflow.cli.run`, in this process: Ray starts once) in
 runs/pma_study/<name>; a finished run (its DONE file) is reused. Checkpoints are saved often and
@@ -22,6 +23,10 @@ constant: recipe=pretrain at a constant lr (3e-3 after 20 warmup steps) for T=40
   (alpha 0.2) / WMA of the last N in {3, 6, 10} taken every V in {4, 8, 16} steps, vs the fork.
 sft: the default pipeline's SFT stage (800 steps of a 1500-step cosine, 128 prompts a step,
   a checkpoint every 25 steps), or the same at a constant lr: last vs merges, loss and accuracy.
+pmainit_grpo: the default pipeline's GRPO stage (its first 60 of 250 steps) from the constant-lr
+  SFT run's last checkpoint vs from the SMA of its last 4 checkpoints every 25 steps (the
+  pipeline's pma_sma), same seeds: first steps' policy loss / approx KL / reward, gradient-norm
+  spikes, held-out accuracy every 10 steps.
 spike: the constant run of seed 0 with the lr multiplied by 100 for the update of step 200,
   without and with the spike_recovery hook.
 """
@@ -54,6 +59,17 @@ SFT = ["recipe=sft", "placement.pools.global.devices_per_node=1", "placement.poo
        "actor.optim.lr=3.0e-3", "actor.optim.schedule_steps=1500", "trainer.save_every_steps=25",
        "trainer.val_every_steps=0", "trainer.keep_last_checkpoints=1", "trainer.keep_last_weights=null"]
 SFT_T, SFT_EVERY = 800, 25
+# The default pipeline's GRPO stage (conf/recipe/pipeline.yaml: common and stage overrides), its first
+# GRPO_T steps of the same 250-step cosine, validated every 10 steps.
+GRPO_T = 60
+GRPO = ["recipe=grpo", "placement.pools.global.devices_per_node=1", "placement.pools.global.cpus_per_device=2",
+        "data.synthetic.train_rows=7700", "data.synthetic.val_rows=500", "trainer.val_prompts=500",
+        f"trainer.total_steps={GRPO_T}", "trainer.val_every_steps=10", "trainer.prompts_per_step=64",
+        "rollout.samples_per_prompt=8", "actor.samples_per_micro_batch=512", "actor.samples_per_mini_batch=128",
+        "actor.clip_ratio_high=0.28", "actor.optim.lr=1.0e-4", "actor.optim.warmup_steps=10",
+        "actor.optim.lr_schedule=cosine", "actor.optim.schedule_steps=250", "trainer.save_every_steps=0",
+        "trainer.export_hf=false"]
+SPIKE_RATIO = 3.0  # a gradient-norm spike: above this many times the run's median
 
 
 # ------------------------------------------------------------------------------ running
@@ -249,6 +265,45 @@ def pma_init() -> None:
     _save("pma_init", results)
 
 
+def pma_init_grpo() -> None:
+    """GRPO from the constant-lr SFT run's last checkpoint vs from the SMA of its last 4 (every 25 steps)."""
+    from hybridflow.merge.api import merge_checkpoints
+
+    results = {}
+    for seed in SEEDS:
+        sft_dir = RUNS / f"sft-constant-s{seed}"
+        if not (sft_dir / "DONE").is_file():
+            raise SystemExit(f"{sft_dir} is missing: run `bench/pma_study.py sft --schedule constant` first")
+        start = {"last": hf(sft_dir, SFT_T), "sma4x25": RUNS / f"grpo-init-sma4x25-s{seed}"}
+        if not start["sma4x25"].is_dir():
+            merge_checkpoints([hf(sft_dir, s) for s in window(SFT_T, 25, 4, SFT_EVERY)], start["sma4x25"], "sma")
+        results[seed] = {}
+        for name, model in start.items():
+            run_dir = train([*GRPO, f"seed={seed}", f"model.path={model}"], f"grpo-{name}-s{seed}")
+            results[seed][name] = grpo_summary(metrics(run_dir), float((run_dir / "DONE").read_text()))
+            print(f"seed {seed} {name}: {({k: v for k, v in results[seed][name].items() if not isinstance(v, list)})}",
+                  flush=True)
+    _save("pma_init_grpo", results)
+
+
+def grpo_summary(rows: list[dict], seconds: float) -> dict:
+    """The first 5 steps' policy loss, approx KL (k3, update vs sampling policy) and training reward;
+    gradient-norm spikes (before clipping); the held-out accuracy curve."""
+    norms = [r["actor/grad_norm"] for r in rows]
+    median = statistics.median(norms)
+
+    def first(key: str) -> float:
+        return statistics.mean(r[key] for r in rows[:5])
+
+    return {"loss_first_5": first("actor/loss"), "approx_kl_first_5": first("approx_kl"),
+            "reward_first_5": first("reward/score"), "max_grad_norm": max(norms),
+            "max_grad_norm_first_20": max(norms[:20]), "median_grad_norm": median,
+            "grad_norm_spikes": sum(n > SPIKE_RATIO * median for n in norms),
+            "loss": [r["actor/loss"] for r in rows], "approx_kl": [r["approx_kl"] for r in rows],
+            "grad_norm": norms, "val": {r["step"]: r["val/accuracy"] for r in rows if "val/accuracy" in r},
+            "seconds": seconds}
+
+
 def spike() -> None:
     seeds = ["seed=0", "model.tiny.seed=0"]
     common = [*PRETRAIN, *seeds, "actor.optim.lr_schedule=constant", f"trainer.save_every_steps={EVERY}",
@@ -351,6 +406,8 @@ def report() -> None:
             print(f"| {name} | {_stats([r['first_loss'] for r in runs])} | "
                   f"{_stats([r['max_grad_norm_first_20'] for r in runs])} | "
                   + " | ".join(_stats([r["val"][str(k)] for r in runs]) for k in checkpoints) + " |")
+    if (RUNS / "pma_init_grpo.json").is_file():
+        _report_grpo(json.loads((RUNS / "pma_init_grpo.json").read_text()), plt)
     if (RUNS / "spike.json").is_file():
         res = json.loads((RUNS / "spike.json").read_text())
         fig, ax = plt.subplots(figsize=(7, 4))
@@ -373,6 +430,46 @@ def report() -> None:
             print(f"| {name} | " + " | ".join(f"{run['val'][str(k)]:.4f}" for k in (190, 210, 250, 300, 400)) + " |")
 
 
+def _report_grpo(res: dict, plt) -> None:
+    seeds = list(res)
+    steps = sorted(int(k) for k in res[seeds[0]]["last"]["val"])
+    start = json.loads((RUNS / "sft_constant.json").read_text()) if (RUNS / "sft_constant.json").is_file() else None
+    start_key = {"last": "last", "sma4x25": "sma/N4/V25"}
+    print(f"\n## PMA-init into GRPO ({len(seeds)} seeds): from the last constant-lr SFT checkpoint vs the SMA of "
+          "its last 4\n")
+    print("| start | steps 1-5: policy loss | approx KL | reward | max grad norm | median | spikes > "
+          f"{SPIKE_RATIO:g}x median | " + " | ".join(f"accuracy @{k}" for k in [0, *steps]) + " |")
+    print("| --- |" + " --- |" * (7 + len(steps)))
+    for name in ("last", "sma4x25"):
+        runs = [res[s][name] for s in seeds]
+        at_zero = _stats([start[s][start_key[name]]["accuracy"] for s in seeds]) if start else "n/a"
+        print(f"| {name} | {_stats([r['loss_first_5'] for r in runs])} | {_stats([r['approx_kl_first_5'] for r in runs])}"
+              f" | {_stats([r['reward_first_5'] for r in runs])} | {_stats([r['max_grad_norm'] for r in runs])} | "
+              f"{_stats([r['median_grad_norm'] for r in runs])} | {sum(r['grad_norm_spikes'] for r in runs)} | "
+              f"{at_zero} | " + " | ".join(_stats([r["val"][str(k)] for r in runs]) for k in steps) + " |")
+    print("\nper seed, accuracy at the last step (last / sma4x25):",
+          ", ".join(f"{s}: {res[s]['last']['val'][str(steps[-1])]:.3f} / {res[s]['sma4x25']['val'][str(steps[-1])]:.3f}"
+                    for s in seeds))
+    print("paired, sma4x25 minus last, accuracy at each validation:",
+          " | ".join(f"@{k} {_stats([res[s]['sma4x25']['val'][str(k)] - res[s]['last']['val'][str(k)] for s in seeds])}"
+                     for k in steps))
+    print("run seconds:", {f"{s}/{n}": round(res[s][n]["seconds"]) for s in seeds for n in res[s]})
+    fig, ax = plt.subplots(figsize=(7, 4))  # per seed: the seeds differ far more than the two starts
+    xs = [0, *steps] if start else steps
+    for color, seed in zip(("C0", "C1", "C2"), seeds):
+        for name, style in (("last", "-"), ("sma4x25", "--")):
+            ys = ([start[seed][start_key[name]]["accuracy"]] if start else []) + \
+                [res[seed][name]["val"][str(k)] for k in steps]
+            ax.plot(xs, ys, style, color=color, label=f"seed {seed}, from the {'SMA of the last 4' if name != 'last' else 'last checkpoint'}")
+    ax.set_xlabel("GRPO step")
+    ax.set_ylabel("held-out accuracy (greedy exact match)")
+    ax.set_title("GRPO after constant-lr SFT: last checkpoint (solid) vs SMA (dashed)")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(DOCS / "pma_grpo.png", dpi=100)
+    plt.close(fig)
+
+
 def _merge_table(res: dict, seeds: list[str], intervals, pick, last_key: str) -> None:
     """Rows: method x N; columns: interval V. A cell: the merge's value minus the last checkpoint's,
     per seed (paired: the seeds differ more from each other than a merge from its last checkpoint),
@@ -392,7 +489,7 @@ def _merge_table(res: dict, seeds: list[str], intervals, pick, last_key: str) ->
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("experiment", choices=["constant", "sft", "pmainit", "spike", "report"])
+    parser.add_argument("experiment", choices=["constant", "sft", "pmainit", "pmainit_grpo", "spike", "report"])
     parser.add_argument("--schedule", choices=["cosine", "constant"], default="cosine")
     parser.add_argument("--trajectory", action="store_true", help="sft: score each of the last 11 checkpoints")
     args = parser.parse_args()
@@ -403,6 +500,8 @@ def main() -> None:
         sft(args.schedule, args.trajectory)
     elif args.experiment == "pmainit":
         pma_init()
+    elif args.experiment == "pmainit_grpo":
+        pma_init_grpo()
     elif args.experiment == "spike":
         spike()
     else:

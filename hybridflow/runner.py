@@ -192,12 +192,16 @@ def sample_seeds(seed: int, step: int, count: int) -> torch.Tensor:
 
 def run_training_hooks(config: HybridFlowConfig, step: int, actor: WorkerGroup, reference: WorkerGroup | None
                        ) -> dict[str, float]:
-    """Apply `trainer.training_hooks` after the actor update of `step` (e.g. reference <- EMA of
-    the actor). Full weights pass through the driver, so hooks are meant for every K steps."""
+    """Apply the reference hooks of `trainer.training_hooks` after the actor update of `step` (e.g.
+    reference <- EMA of the actor); the step hooks among them run through
+    `hybridflow.training.hooks.StepHooks`. Full weights pass through the driver, so hooks are
+    meant for every K steps."""
     from hybridflow.merge.hooks import run_training_hook
+    from hybridflow.training.hooks import STEP_HOOKS
 
     applied = 0.0
-    for hook in config.trainer.training_hooks:
+    reference_hooks = [h for h in config.trainer.training_hooks if h.name not in STEP_HOOKS]
+    for hook in reference_hooks:
         every = hook.params.get("every_steps")  # hook params are free-form by design
         if every and step % int(every):
             continue
@@ -208,7 +212,7 @@ def run_training_hooks(config: HybridFlowConfig, step: int, actor: WorkerGroup, 
         if new_state is not None:
             reference.load_state_from(new_state)
             applied += 1
-    return {"hooks/applied": applied} if config.trainer.training_hooks else {}
+    return {"hooks/applied": applied} if reference_hooks else {}
 
 
 def run_with_restarts(recipe, config: HybridFlowConfig, run_dir: Path) -> dict:

@@ -6,7 +6,10 @@ Per step: generate n samples per prompt -> reward -> old and reference log-probs
 each other are issued together (non-blocking), so on different pools they run at the same
 time. An on-policy run with one update per step uses the sampler's log-probs as the old
 log-probs instead of a second forward pass; the update reports how far they are from the
-actor's own (`rollout/log_prob_diff`).
+actor's own (`rollout/log_prob_diff`). Step hooks (`trainer.training_hooks`,
+hybridflow/training/hooks.py, e.g. spike_recovery) run around the actor update, before the
+reference hooks and the weight sync: weights a hook loads into the actor are synced to the
+rollout at the end of the same step, so the next step generates with them.
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ from hybridflow.runner import (
     validation_due,
 )
 from hybridflow.tracking import MetricsLogger
+from hybridflow.training.hooks import StepHooks, batches_to_remember
 from hybridflow.training.sequences import loss_mask
 from recipes.roles import actor_role, critic_role, reference_role, reward_role, rollout_role
 
@@ -53,7 +57,9 @@ def run(config: HybridFlowConfig, run_dir: Path) -> dict:
 
     trainable = {"actor": actor, **({"critic": critic} if critic else {})}
     checkpointer = Checkpointer(config, run_dir, model_dir, trainable)
-    loader = PromptLoader(data.train, config.trainer.prompts_per_step, seed=config.seed)
+    t = config.trainer
+    loader = PromptLoader(data.train, t.prompts_per_step, seed=config.seed,
+                          remember_batches=batches_to_remember(t.training_hooks, t.save_every_steps))
     kl_ctl = build_kl_controller(config.algorithm.kl_controller, **kl_controller_args(config))
     state = checkpointer.resume() or {}
     step = int(state.get("step", 0))
@@ -64,6 +70,7 @@ def run(config: HybridFlowConfig, run_dir: Path) -> dict:
     weight_sync.setup()
     weight_sync.sync(step)
     logger = MetricsLogger(run_dir, config.logger.backends, total_steps=config.trainer.total_steps)
+    hooks = StepHooks.build(t.training_hooks, run_dir, loader)
     n = config.rollout.samples_per_prompt
     on_policy = config.trainer.use_sampler_log_probs and config.actor.epochs_per_step == 1 and \
         config.actor.samples_per_mini_batch in (0, config.trainer.prompts_per_step * n)
@@ -102,9 +109,12 @@ def run(config: HybridFlowConfig, run_dir: Path) -> dict:
         actor_learns = step > config.trainer.critic_warmup_steps
         with timer("update"):
             critic_update = critic.update_critic.remote(samples) if critic is not None else None
+            hook_metrics = hooks.before_update(step, actor) if actor_learns else {}
             actor_metrics = actor.update_policy(samples)[0] if actor_learns else {}
             critic_metrics = critic_update.get()[0] if critic_update is not None else {}
-            hook_metrics = run_training_hooks(config, step, actor, reference) if actor_learns else {}
+            if actor_learns:  # step hooks first: a reference EMA then follows weights they loaded
+                hook_metrics.update(hooks.after_update(step, {**reward_metrics(samples), **actor_metrics}, actor))
+                hook_metrics.update(run_training_hooks(config, step, actor, reference))
         with timer("weight_sync"):
             sync_metrics = weight_sync.sync(step) if actor_learns else {}
 

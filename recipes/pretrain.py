@@ -24,7 +24,7 @@ from hybridflow.data.loader import PromptLoader
 from hybridflow.launch import prepare_model, spawn_roles, start_ray
 from hybridflow.runner import Checkpointer, StageTimer, validation_due
 from hybridflow.tracking import MetricsLogger
-from hybridflow.training.hooks import build_step_hooks
+from hybridflow.training.hooks import StepHooks, batches_to_remember
 from recipes.roles import actor_role
 
 
@@ -32,7 +32,10 @@ def run(config: HybridFlowConfig, run_dir: Path) -> dict:
     model_dir = prepare_model(config, run_dir)
     tokenizer = AutoTokenizer.from_pretrained(model_dir, trust_remote_code=config.model.trust_remote_code)
     corpus = build_corpus(config.pretrain, tokenizer)  # before Ray: a bad file or size fails first
-    hooks = build_step_hooks(config.trainer.training_hooks, run_dir)
+    t = config.trainer
+    loader = PromptLoader(list(range(len(corpus.train))), config.pretrain.sequences_per_step, seed=config.seed,
+                          remember_batches=batches_to_remember(t.training_hooks, t.save_every_steps))
+    hooks = StepHooks.build(t.training_hooks, run_dir, loader)
     start_ray(config)
     # The held-out loss is the model's own log-probs: no sampling temperature applies.
     role = actor_role(config, model_dir)
@@ -41,7 +44,6 @@ def run(config: HybridFlowConfig, run_dir: Path) -> dict:
     actor.start.remote().get()
 
     checkpointer = Checkpointer(config, run_dir, model_dir, {"actor": actor})
-    loader = PromptLoader(list(range(len(corpus.train))), config.pretrain.sequences_per_step, seed=config.seed)
     state = checkpointer.resume() or {}
     step = int(state.get("step", 0))
     if state:
@@ -51,15 +53,13 @@ def run(config: HybridFlowConfig, run_dir: Path) -> dict:
 
     while step < config.trainer.total_steps:
         step += 1
-        timer, metrics = StageTimer(), {}
-        for hook in hooks:
-            metrics.update(hook.before_update(step, actor))
+        timer = StageTimer()
+        metrics = hooks.before_update(step, actor)
         with timer("update"):
             batch = sequence_batch(corpus.train[loader.next_rows()], corpus.start_token_id)
             metrics.update(actor.train_sft(batch)[0])
         with timer("hooks"):
-            for hook in hooks:
-                metrics.update(hook.after_update(step, metrics, actor))
+            metrics.update(hooks.after_update(step, metrics, actor))
         if validation_due(config, step):
             with timer("validate"):
                 metrics["val/loss"] = held_out_loss(actor, corpus)

@@ -4,6 +4,8 @@ Reuses the actor (FSDP2) and, for validation, the rollout engine: the weights ar
 into vLLM before each validation, exactly as in RL. The answer is the
 data row's `ground_truth` followed by EOS, or its multi-turn `demonstration` (tool-use
 demonstrations for an agent; the tools' outputs are attended to but not trained).
+Step hooks (`trainer.training_hooks`, hybridflow/training/hooks.py, e.g. spike_recovery) run
+around each update; weights a hook loads reach vLLM at the next validation's sync.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from hybridflow.data.prompts import encode_prompts
 from hybridflow.launch import build_weight_sync, prepare_data, prepare_model, spawn_roles, start_ray, vllm_env
 from hybridflow.runner import Checkpointer, StageTimer, validate, validation_due
 from hybridflow.tracking import MetricsLogger
+from hybridflow.training.hooks import StepHooks, batches_to_remember
 from recipes.roles import actor_role, reward_role, rollout_role
 
 
@@ -37,7 +40,9 @@ def run(config: HybridFlowConfig, run_dir: Path) -> dict:
         future.get()
 
     checkpointer = Checkpointer(config, run_dir, model_dir, {"actor": actor})
-    loader = PromptLoader(data.train, config.trainer.prompts_per_step, seed=config.seed)
+    t = config.trainer
+    loader = PromptLoader(data.train, t.prompts_per_step, seed=config.seed,
+                          remember_batches=batches_to_remember(t.training_hooks, t.save_every_steps))
     state = checkpointer.resume() or {}
     step = int(state.get("step", 0))
     if state:
@@ -45,15 +50,19 @@ def run(config: HybridFlowConfig, run_dir: Path) -> dict:
     logger = MetricsLogger(run_dir, config.logger.backends, total_steps=config.trainer.total_steps)
     weight_sync = build_weight_sync(config, actor, rollout)
     weight_sync.setup()
+    hooks = StepHooks.build(t.training_hooks, run_dir, loader)
 
     while step < config.trainer.total_steps:
         step += 1
         timer = StageTimer()
+        metrics = hooks.before_update(step, actor)
         with timer("update"):
             rows = loader.next_rows()
             batch = encode_prompts(rows, tokenizer, config.data.max_prompt_tokens).union(
                 encode_sft_targets(rows, tokenizer, config.rollout.max_response_tokens))
-            metrics = actor.train_sft(batch)[0]
+            metrics.update(actor.train_sft(batch)[0])
+        with timer("hooks"):
+            metrics.update(hooks.after_update(step, metrics, actor))
         metrics.update(timer.seconds)
         if validation_due(config, step):
             with timer("weight_sync"):

@@ -567,15 +567,14 @@ class HybridFlowConfig:
         from hybridflow.training.hooks import STEP_HOOKS, check_step_hooks
 
         t = self.trainer
-        check_step_hooks(t.training_hooks, self.recipe.name, t.save_every_steps, t.keep_last_weights,
-                         t.keep_last_checkpoints)
+        check_step_hooks(self)
         reference_hooks = [h.name for h in t.training_hooks if h.name not in STEP_HOOKS]
         _require(not reference_hooks or self.algorithm.kl_penalty_coef > 0 or self.actor.kl_loss_coef > 0,
                  "trainer.training_hooks", reference_hooks,
                  "the hooks update the reference model, which runs only with algorithm.kl_penalty_coef > 0 or "
                  "actor.kl_loss_coef > 0")
-        _require(self.recipe.name != "pretrain" or not reference_hooks, "trainer.training_hooks", reference_hooks,
-                 "recipe=pretrain has no reference model; its hooks are the step hooks "
+        _require(self.recipe.name not in ("pretrain", "sft") or not reference_hooks, "trainer.training_hooks",
+                 reference_hooks, f"recipe={self.recipe.name} has no reference model; its hooks are the step hooks "
                  f"{STEP_HOOKS.names()}")
         _require(self.recipe.name != "pretrain" or self.pretrain.sequences_per_step % world == 0,
                  "pretrain.sequences_per_step", self.pretrain.sequences_per_step,

@@ -1,22 +1,37 @@
-"""Step hooks: components a training loop calls around each update, named in
+"""Step hooks: components a training loop calls around each actor update, named in
 `trainer.training_hooks` like the reference-model hooks of `hybridflow.merge.hooks`.
 
     trainer.training_hooks=[{name: spike_recovery, params: {last: 4}}]
 
-One registry, `STEP_HOOKS`, one signature: a class built as `cls(config, run_dir)` from its
-typed `Config` dataclass (the entry's `params`, checked before Ray starts), with
+One registry, `STEP_HOOKS`, one signature: a class built as `cls(config, run_dir, loader)` from
+its typed `Config` dataclass (the entry's `params`, checked before Ray starts), with
 `before_update(step, actor) -> dict` and `after_update(step, metrics, actor) -> dict`; both
-return metrics to log. The names share `trainer.training_hooks` with the reference hooks
-(`reference_ema`, `reference_reset`), which replace the reference model's weights in RL
-recipes; a name may be registered in only one of the two.
+return metrics to log; `loader` is the recipe's `PromptLoader`, for a hook that changes which
+data comes next (spike_recovery's `data: reshuffle`). The names share `trainer.training_hooks`
+with the reference hooks (`reference_ema`, `reference_reset`), which replace the reference
+model's weights in RL recipes; a name may be registered in only one of the two.
+
+Every training recipe (`RECIPES_WITH_STEP_HOOKS`: pretrain, sft, and the RL family grpo / ppo)
+runs them through one object, `StepHooks`: `before_update` just before the actor update,
+`after_update` with the update's metrics (`actor/loss`, `actor/grad_norm`: workers/actor.py
+reports both from `train_sft` and `update_policy`; the RL recipes add the step's training reward
+`reward/score`) right after it. In an RL recipe the step's
+weight sync comes after `after_update`, so weights a hook loaded into the actor (spike_recovery's
+merge) are what the rollout engine generates the next step with: `WeightSync.sync` reads the
+actor's parameters afresh at every call (the sender keeps the module, never a copy of its
+tensors, and `load_weights` copies into the same parameters), and its log-prob probe checks that
+the engine then computes with them. The reference hooks run after the step hooks, so a
+`reference_ema` also follows the recovered weights.
 
 - `spike_recovery` (the fourth claim of "Model Merging in Pre-training", arXiv 2505.12082):
-  when the loss or the gradient norm is far above its running statistics (`detect_spike`, a
-  pure function), the actor's weights are replaced by the SMA of the last N checkpoints saved
+  when the loss or the gradient norm is far above its running statistics, or (RL) the training
+  reward far below them (`detect_spike`, `detect_drop`: pure functions), the actor's weights are replaced by the SMA of the last N checkpoints saved
   before the spike (written by `merge_checkpoints`, the same code as `hybridflow-merge`, into
   RUN_DIR/spike_recovery/step_<N>/ with its provenance), the optimizer state is kept or, by
-  explicit choice, reset, and training goes on with the next batch: the offending batch, and
-  those since the newest merged checkpoint, are skipped, not replayed.
+  explicit choice, reset, and training goes on with the next batch. The offending batch, and
+  those since the newest merged checkpoint, are skipped (`data: skip`, the default), or their
+  rows go back into the loader to be drawn again later in a new random order (`data:
+  reshuffle`, `PromptLoader.requeue`).
 - `lr_burst`: multiplies the learning rate for a few steps: the paper's stress test, a
   divergence made on purpose to check a recovery against.
 """
@@ -27,14 +42,18 @@ import math
 from collections import deque
 from dataclasses import dataclass, fields
 from pathlib import Path
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any
 
+from hybridflow.data.loader import PromptLoader
 from hybridflow.registry import Registry
 
+if TYPE_CHECKING:
+    from hybridflow.config.schema import HybridFlowConfig
+
 STEP_HOOKS: Registry[type] = Registry(
-    "step hook", "a class with a dataclass `Config`, built as cls(config, run_dir), with before_update(step, actor) "
-    "-> dict and after_update(step, metrics, actor) -> dict")
-RECIPES_WITH_STEP_HOOKS = ("pretrain",)
+    "step hook", "a class with a dataclass `Config`, built as cls(config, run_dir, loader), with "
+    "before_update(step, actor) -> dict and after_update(step, metrics, actor) -> dict")
+RECIPES_WITH_STEP_HOOKS = ("pretrain", "sft", "grpo", "ppo")
 
 
 # ------------------------------------------------------------------------ the detector (pure)
@@ -60,12 +79,31 @@ def detect_spike(history: list[float], value: float, *, sigmas: float, min_ratio
     return value > mean + sigmas * std and value > min_ratio * mean
 
 
-class SpikeDetector:
-    """Running windows of the loss and the gradient norm; a spiking value stays out of them, so
-    that one spike does not widen the statistics the next one is judged by."""
+def detect_drop(history: list[float], value: float, *, sigmas: float, min_ratio: float) -> bool:
+    """Whether `value` is a collapse against `history`: more than `sigmas` standard deviations
+    below its mean, and below its mean divided by `min_ratio` (a reward that falls; rewards here
+    are >= 0). A non-finite value is always one; an empty history never has one.
+        history [0.5, 0.4, 0.4, 0.5], mean 0.45, std (population) 0.05
+        value 0.008, sigmas 6, min_ratio 1.5: 0.008 < 0.45 - 6 * 0.05 = 0.15 and < 0.3 -> collapse
+        value 0.2: below 0.3 but not below 0.15 -> none
+    """
+    if not math.isfinite(value):
+        return True
+    if not history:
+        return False
+    mean = sum(history) / len(history)
+    std = math.sqrt(sum((v - mean) ** 2 for v in history) / len(history))
+    return value < mean - sigmas * std and value < mean / min_ratio
 
-    def __init__(self, window: int, warmup: int, sigmas: float, min_ratio: float) -> None:
+
+class SpikeDetector:
+    """Running windows of the watched signals; an anomalous value stays out of them, so that one
+    spike does not widen the statistics the next one is judged by. Names in `falls` are anomalous
+    when they drop (`detect_drop`: the reward), the others when they rise (`detect_spike`)."""
+
+    def __init__(self, window: int, warmup: int, sigmas: float, min_ratio: float, falls: tuple = ()) -> None:
         self.window, self.warmup, self.sigmas, self.min_ratio = window, warmup, sigmas, min_ratio
+        self.falls = set(falls)
         self.history: dict[str, deque] = {}
 
     def observe(self, values: dict[str, float]) -> list[str]:
@@ -74,7 +112,8 @@ class SpikeDetector:
         for name, value in values.items():
             history = self.history.setdefault(name, deque(maxlen=self.window))
             ready = len(history) >= self.warmup
-            if ready and detect_spike(list(history), value, sigmas=self.sigmas, min_ratio=self.min_ratio):
+            test = detect_drop if name in self.falls else detect_spike
+            if ready and test(list(history), value, sigmas=self.sigmas, min_ratio=self.min_ratio):
                 spiking.append(name)
             elif math.isfinite(value):
                 history.append(value)
@@ -83,7 +122,9 @@ class SpikeDetector:
 
 # ------------------------------------------------------------------------------ spike recovery
 
-LOSS_KEY, GRAD_NORM_KEY = "actor/loss", "actor/grad_norm"
+LOSS_KEY, GRAD_NORM_KEY, REWARD_KEY = "actor/loss", "actor/grad_norm", "reward/score"
+WATCHED = {"loss": LOSS_KEY, "grad_norm": GRAD_NORM_KEY, "reward": REWARD_KEY}  # reward: a fall
+RECIPES_WITH_REWARD = ("grpo", "ppo")
 
 
 @dataclass
@@ -95,8 +136,12 @@ class SpikeRecoveryConfig:
     min_ratio: float = 1.5  # ... and this many times the window's mean
     # Which signals can fire it: loss, grad_norm. Only the loss by default: the tiny model's gradient
     # norm has lone 10x outliers on healthy runs (clipped, harmless; tests/e2e/test_pretrain.py saw one).
+    # In the RL recipes watch reward (a fall of reward/score): a diverged policy samples no correct answer,
+    # so its advantages, loss and gradient all go to 0 (docs/recipes.md); the policy loss is centred near 0.
     watch: tuple = ("loss",)
     optimizer: str = "keep"  # keep: Adam's moments stay; reset: cleared (moments rebuilt from the next step)
+    # skip: the batches since the newest merged checkpoint are lost; reshuffle: their rows are drawn again later
+    data: str = "skip"
     max_recoveries: int = 3  # more spikes than this stop the run: the cause is not transient
 
     def __post_init__(self) -> None:
@@ -107,9 +152,10 @@ class SpikeRecoveryConfig:
         _check(self.sigmas > 0 and self.min_ratio >= 1, f"{key}.sigmas/min_ratio", (self.sigmas, self.min_ratio),
                "need sigmas > 0 and min_ratio >= 1")
         self.watch = tuple(self.watch)
-        _check(bool(self.watch) and set(self.watch) <= {"loss", "grad_norm"}, f"{key}.watch", list(self.watch),
-               "a non-empty subset of [loss, grad_norm]")
+        _check(bool(self.watch) and set(self.watch) <= set(WATCHED), f"{key}.watch", list(self.watch),
+               f"a non-empty subset of {list(WATCHED)}")
         _check(self.optimizer in ("keep", "reset"), f"{key}.optimizer", self.optimizer, "one of ['keep', 'reset']")
+        _check(self.data in ("skip", "reshuffle"), f"{key}.data", self.data, "one of ['skip', 'reshuffle']")
         _check(self.max_recoveries >= 1, f"{key}.max_recoveries", self.max_recoveries, "must be >= 1")
 
 
@@ -119,17 +165,16 @@ class SpikeRecovery:
 
     Config = SpikeRecoveryConfig
 
-    def __init__(self, config: SpikeRecoveryConfig, run_dir: Path) -> None:
-        self.config, self.run_dir = config, Path(run_dir)
-        self.detector = SpikeDetector(config.window, config.warmup, config.sigmas, config.min_ratio)
+    def __init__(self, config: SpikeRecoveryConfig, run_dir: Path, loader: PromptLoader) -> None:
+        self.config, self.run_dir, self.loader = config, Path(run_dir), loader
+        self.detector = SpikeDetector(config.window, config.warmup, config.sigmas, config.min_ratio, falls=("reward",))
         self.recoveries = 0
 
     def before_update(self, step: int, actor) -> dict[str, float]:
         return {}
 
     def after_update(self, step: int, metrics: dict[str, float], actor) -> dict[str, float]:
-        keys = {"loss": LOSS_KEY, "grad_norm": GRAD_NORM_KEY}
-        spiking = self.detector.observe({name: metrics[keys[name]] for name in self.config.watch})
+        spiking = self.detector.observe({name: metrics[WATCHED[name]] for name in self.config.watch})
         if not spiking:
             return {"spike_recovery/fired": 0.0, "spike_recovery/total": float(self.recoveries)}
         if self.recoveries >= self.config.max_recoveries:
@@ -139,11 +184,15 @@ class SpikeRecovery:
                 "(actor.optim.lr) or raise max_recoveries")
         merged, steps = self.recover(step, actor)
         self.recoveries += 1
+        # the draws of steps steps[-1] + 1 .. step trained weights that are now gone
+        requeued = self.loader.requeue(step - steps[-1]) if self.config.data == "reshuffle" else 0
         print(f"spike_recovery: {', '.join(spiking)} spiked at step {step} (loss {metrics[LOSS_KEY]:.4g}, grad norm "
               f"{metrics[GRAD_NORM_KEY]:.4g}); the actor now holds the SMA of the checkpoints of steps {steps} "
-              f"({merged}), optimizer state {'reset' if self.config.optimizer == 'reset' else 'kept'}", flush=True)
+              f"({merged}), optimizer state {'reset' if self.config.optimizer == 'reset' else 'kept'}, the data of "
+              f"steps {steps[-1] + 1}-{step} {f'requeued ({requeued} rows)' if requeued else 'skipped'}", flush=True)
         return {"spike_recovery/fired": 1.0, "spike_recovery/total": float(self.recoveries),
-                "spike_recovery/merged_from_step": float(steps[0]), "spike_recovery/merged_to_step": float(steps[-1])}
+                "spike_recovery/merged_from_step": float(steps[0]), "spike_recovery/merged_to_step": float(steps[-1]),
+                "spike_recovery/requeued_rows": float(requeued)}
 
     def recover(self, step: int, actor) -> tuple[Path, list[int]]:
         """Merge, then load into every actor rank; returns the merged directory and its steps."""
@@ -200,7 +249,7 @@ class LrBurst:
 
     Config = LrBurstConfig
 
-    def __init__(self, config: LrBurstConfig, run_dir: Path) -> None:
+    def __init__(self, config: LrBurstConfig, run_dir: Path, loader: PromptLoader) -> None:
         self.config = config
 
     def before_update(self, step: int, actor) -> dict[str, float]:
@@ -241,30 +290,75 @@ def hook_config(name: str, params: Any):
     return cls.Config(**params)
 
 
-def build_step_hooks(hooks: list, run_dir: Path) -> list:
-    """The step hooks among `trainer.training_hooks`, built in order."""
-    return [STEP_HOOKS.get(h.name)(hook_config(h.name, h.params), run_dir) for h in hooks if h.name in STEP_HOOKS]
+class StepHooks:
+    """The run's step hooks, in config order, called like one: the recipes' single place to run them.
+
+        metrics.update(hooks.before_update(step, actor))
+        metrics.update(actor.train_sft(batch)[0])  # or update_policy
+        metrics.update(hooks.after_update(step, metrics, actor))
+    """
+
+    def __init__(self, hooks: list) -> None:
+        self.hooks = hooks
+
+    @classmethod
+    def build(cls, hooks: list, run_dir: Path, loader: PromptLoader) -> "StepHooks":
+        """The step hooks among `trainer.training_hooks` (the reference hooks are left to
+        `hybridflow.runner.run_training_hooks`); `loader` must remember `batches_to_remember` draws."""
+        return cls([STEP_HOOKS.get(h.name)(hook_config(h.name, h.params), run_dir, loader)
+                    for h in hooks if h.name in STEP_HOOKS])
+
+    def before_update(self, step: int, actor) -> dict[str, float]:
+        out: dict[str, float] = {}
+        for hook in self.hooks:
+            out.update(hook.before_update(step, actor))
+        return out
+
+    def after_update(self, step: int, metrics: dict[str, float], actor) -> dict[str, float]:
+        """`metrics`: the update's (`actor/loss`, `actor/grad_norm`; in the RL recipes also the
+        step's `reward/score`)."""
+        out: dict[str, float] = {}
+        for hook in self.hooks:
+            out.update(hook.after_update(step, metrics, actor))
+        return out
 
 
-def check_step_hooks(hooks: list, recipe: str, save_every_steps: int, keep_last_weights: Optional[int],
-                     keep_last_checkpoints: Optional[int]) -> None:
+def batches_to_remember(hooks: list, save_every_steps: int) -> int:
+    """The draws the recipe's `PromptLoader` must remember (`remember_batches`) for the step hooks.
+    spike_recovery with `data: reshuffle` puts back the draws since the newest checkpoint it merges,
+    the newest saved before step - 1: at most save_every_steps + 1 of them."""
+    reshuffles = any(h.name == "spike_recovery" and hook_config(h.name, h.params).data == "reshuffle" for h in hooks)
+    return save_every_steps + 1 if reshuffles else 0
+
+
+def check_step_hooks(config: "HybridFlowConfig") -> None:
     """Before Ray starts: each step hook's params, that the recipe runs step hooks, and that
-    spike_recovery will find its checkpoints."""
+    spike_recovery will find its checkpoints and can load their weights into the actor."""
     from hybridflow.merge.hooks import TRAINING_HOOKS
 
-    for hook in hooks:
+    t, recipe = config.trainer, config.recipe.name
+    for hook in t.training_hooks:
         if hook.name not in STEP_HOOKS:
             continue
         _check(hook.name not in TRAINING_HOOKS, "trainer.training_hooks", hook.name,
                "is registered both as a step hook and as a reference hook; rename one")
         _check(recipe in RECIPES_WITH_STEP_HOOKS, "trainer.training_hooks", hook.name,
-               f"step hooks run in the recipes {list(RECIPES_WITH_STEP_HOOKS)}, not in recipe={recipe}")
-        config = hook_config(hook.name, hook.params)
-        if isinstance(config, SpikeRecoveryConfig):
-            _check(save_every_steps > 0, "trainer.save_every_steps", save_every_steps,
+               f"step hooks run around the actor update of the recipes {list(RECIPES_WITH_STEP_HOOKS)}, not in "
+               f"recipe={recipe}: put the hook in the overrides of a training stage (a pipeline's stages[].overrides) "
+               "or drop it")
+        typed = hook_config(hook.name, hook.params)
+        if isinstance(typed, SpikeRecoveryConfig):
+            _check(t.save_every_steps > 0, "trainer.save_every_steps", t.save_every_steps,
                    "spike_recovery merges the checkpoints saved before a spike: save some (e.g. 10)")
-            kept = None if keep_last_weights is None or keep_last_checkpoints is None else \
-                max(keep_last_weights, keep_last_checkpoints)
-            _check(kept is None or kept >= config.last + 1, "trainer.keep_last_weights", keep_last_weights,
-                   f"spike_recovery reads the weights of {config.last} checkpoints saved before the newest one: "
-                   f"keep at least {config.last + 1} (or null: all)")
+            kept = None if t.keep_last_weights is None or t.keep_last_checkpoints is None else \
+                max(t.keep_last_weights, t.keep_last_checkpoints)
+            _check(kept is None or kept >= typed.last + 1, "trainer.keep_last_weights", t.keep_last_weights,
+                   f"spike_recovery reads the weights of {typed.last} checkpoints saved before the newest one: "
+                   f"keep at least {typed.last + 1} (or null: all)")
+            _check("reward" not in typed.watch or recipe in RECIPES_WITH_REWARD,
+                   "trainer.training_hooks[spike_recovery].params.watch", list(typed.watch),
+                   f"recipe={recipe} has no training reward: watch [loss] or [grad_norm] (reward is for "
+                   f"{list(RECIPES_WITH_REWARD)})")
+            _check(not config.actor.lora.rank, "actor.lora.rank", config.actor.lora.rank,
+                   "spike_recovery loads merged full weights (LoRA folded) into the actor, which a LoRA actor cannot "
+                   "take: set actor.lora.rank=0 or drop the hook")

@@ -1,6 +1,7 @@
-"""The actor's two methods for step hooks (single process): `load_weights` takes Hugging Face
+"""The actor's side of the step hooks (single process): `load_weights` takes Hugging Face
 named full tensors (the tied lm_head may be absent) and optionally clears Adam's moments;
-`scale_lr` multiplies the lr of the next update only."""
+`scale_lr` multiplies the lr of the next update only; both updates (SFT and policy) report the
+loss and gradient norm the hooks watch."""
 
 from __future__ import annotations
 
@@ -48,3 +49,16 @@ def test_scale_lr_lasts_one_update(tiny_model_dir):
     assert actor.scale_lr(100.0) == pytest.approx(1.0)  # 1e-2 * 100
     stats = actor.train_sft(_batch())
     assert stats["actor/lr"] == pytest.approx(1e-2)  # the scheduler set the next update's lr again
+
+
+def test_both_updates_report_what_the_step_hooks_read(tiny_model_dir):
+    from hybridflow.training.hooks import GRAD_NORM_KEY, LOSS_KEY
+
+    actor = _actor(tiny_model_dir)
+    batch = _batch()
+    sft = actor.train_sft(batch)
+    batch = batch.union(actor.compute_log_probs(batch))  # old_log_probs, (B, T)
+    batch.tensors["advantages"] = torch.randn(batch["old_log_probs"].shape)
+    policy = actor.update_policy(batch)
+    for stats in (sft, policy):  # recipe=pretrain / sft, and the RL recipes
+        assert {LOSS_KEY, GRAD_NORM_KEY} <= set(stats), sorted(stats)
