@@ -7,8 +7,9 @@
     flock /tmp/hybridflow-heavy.lock .venv/bin/python bench/pma_study.py sft --schedule cosine --trajectory  # 1 min
     flock /tmp/hybridflow-heavy.lock .venv/bin/python bench/pma_study.py pmainit    # after constant
     flock /tmp/hybridflow-heavy.lock .venv/bin/python bench/pma_study.py pmainit_grpo  # after sft --schedule constant
+    flock /tmp/hybridflow-heavy.lock .venv/bin/python bench/pma_study.py pmainit_grpo --grpo-steps 250  # ~30 min
     flock /tmp/hybridflow-heavy.lock .venv/bin/python bench/pma_study.py spike      # ~6 min
-    .venv/bin/python bench/pma_study.py report    # tables (printed), docs/pma.png, pma_spike.png, pma_grpo.png
+    .venv/bin/python bench/pma_study.py report    # tables (printed), docs/pma.png, pma_spike.png, pma_grpo*.png
 
 Every training run is a real recipe (`hybridflow.cli.run`, in this process: Ray starts once) in
 runs/pma_study/<name>; a finished run (its DONE file) is reused. Checkpoints are saved often and
@@ -23,10 +24,10 @@ constant: recipe=pretrain at a constant lr (3e-3 after 20 warmup steps) for T=40
   (alpha 0.2) / WMA of the last N in {3, 6, 10} taken every V in {4, 8, 16} steps, vs the fork.
 sft: the default pipeline's SFT stage (800 steps of a 1500-step cosine, 128 prompts a step,
   a checkpoint every 25 steps), or the same at a constant lr: last vs merges, loss and accuracy.
-pmainit_grpo: the default pipeline's GRPO stage (its first 60 of 250 steps) from the constant-lr
-  SFT run's last checkpoint vs from the SMA of its last 4 checkpoints every 25 steps (the
-  pipeline's pma_sma), same seeds: first steps' policy loss / approx KL / reward, gradient-norm
-  spikes, held-out accuracy every 10 steps.
+pmainit_grpo: the default pipeline's GRPO stage (its first 60 of 250 steps, or with
+  --grpo-steps 250 all of it) from the constant-lr SFT run's last checkpoint vs from the SMA of
+  its last 4 checkpoints every 25 steps (the pipeline's pma_sma), same seeds: first steps' policy
+  loss / approx KL / reward, gradient-norm spikes, held-out accuracy every 10 (25) steps.
 spike: the constant run of seed 0 with the lr multiplied by 100 for the update of step 200,
   without and with the spike_recovery hook.
 """
@@ -59,16 +60,27 @@ SFT = ["recipe=sft", "placement.pools.global.devices_per_node=1", "placement.poo
        "actor.optim.lr=3.0e-3", "actor.optim.schedule_steps=1500", "trainer.save_every_steps=25",
        "trainer.val_every_steps=0", "trainer.keep_last_checkpoints=1", "trainer.keep_last_weights=null"]
 SFT_T, SFT_EVERY = 800, 25
-# The default pipeline's GRPO stage (conf/recipe/pipeline.yaml: common and stage overrides), its first
-# GRPO_T steps of the same 250-step cosine, validated every 10 steps.
-GRPO_T = 60
-GRPO = ["recipe=grpo", "placement.pools.global.devices_per_node=1", "placement.pools.global.cpus_per_device=2",
-        "data.synthetic.train_rows=7700", "data.synthetic.val_rows=500", "trainer.val_prompts=500",
-        f"trainer.total_steps={GRPO_T}", "trainer.val_every_steps=10", "trainer.prompts_per_step=64",
-        "rollout.samples_per_prompt=8", "actor.samples_per_micro_batch=512", "actor.samples_per_mini_batch=128",
-        "actor.clip_ratio_high=0.28", "actor.optim.lr=1.0e-4", "actor.optim.warmup_steps=10",
-        "actor.optim.lr_schedule=cosine", "actor.optim.schedule_steps=250", "trainer.save_every_steps=0",
-        "trainer.export_hf=false"]
+# The default pipeline's GRPO stage (conf/recipe/pipeline.yaml: common and stage overrides) on its
+# 250-step cosine: its first 60 steps validated every 10 (`pmainit_grpo`), or all of it validated
+# every 25 (`pmainit_grpo --grpo-steps 250`).
+GRPO_STEPS = {60: 10, 250: 25}  # steps run: validation interval
+
+
+def grpo_overrides(steps: int) -> list[str]:
+    return ["recipe=grpo", "placement.pools.global.devices_per_node=1", "placement.pools.global.cpus_per_device=2",
+            "data.synthetic.train_rows=7700", "data.synthetic.val_rows=500", "trainer.val_prompts=500",
+            f"trainer.total_steps={steps}", f"trainer.val_every_steps={GRPO_STEPS[steps]}",
+            "trainer.prompts_per_step=64", "rollout.samples_per_prompt=8", "actor.samples_per_micro_batch=512",
+            "actor.samples_per_mini_batch=128", "actor.clip_ratio_high=0.28", "actor.optim.lr=1.0e-4",
+            "actor.optim.warmup_steps=10", "actor.optim.lr_schedule=cosine", "actor.optim.schedule_steps=250",
+            "trainer.save_every_steps=0", "trainer.export_hf=false"]
+
+
+def grpo_suffix(steps: int) -> str:
+    """Run and result names: the 60-step runs keep their first names."""
+    return "" if steps == 60 else f"-t{steps}"
+
+
 SPIKE_RATIO = 3.0  # a gradient-norm spike: above this many times the run's median
 
 
@@ -265,8 +277,8 @@ def pma_init() -> None:
     _save("pma_init", results)
 
 
-def pma_init_grpo() -> None:
-    """GRPO from the constant-lr SFT run's last checkpoint vs from the SMA of its last 4 (every 25 steps)."""
+def pma_init_grpo(steps: int) -> None:
+    """`steps` of GRPO from the constant-lr SFT run's last checkpoint vs from the SMA of its last 4 (every 25 steps)."""
     from hybridflow.merge.api import merge_checkpoints
 
     results = {}
@@ -279,11 +291,12 @@ def pma_init_grpo() -> None:
             merge_checkpoints([hf(sft_dir, s) for s in window(SFT_T, 25, 4, SFT_EVERY)], start["sma4x25"], "sma")
         results[seed] = {}
         for name, model in start.items():
-            run_dir = train([*GRPO, f"seed={seed}", f"model.path={model}"], f"grpo-{name}-s{seed}")
+            run_dir = train([*grpo_overrides(steps), f"seed={seed}", f"model.path={model}"],
+                            f"grpo-{name}-s{seed}{grpo_suffix(steps)}")
             results[seed][name] = grpo_summary(metrics(run_dir), float((run_dir / "DONE").read_text()))
             print(f"seed {seed} {name}: {({k: v for k, v in results[seed][name].items() if not isinstance(v, list)})}",
                   flush=True)
-    _save("pma_init_grpo", results)
+    _save(f"pma_init_grpo{grpo_suffix(steps)}".replace("-", "_"), results)
 
 
 def grpo_summary(rows: list[dict], seconds: float) -> dict:
@@ -406,8 +419,10 @@ def report() -> None:
             print(f"| {name} | {_stats([r['first_loss'] for r in runs])} | "
                   f"{_stats([r['max_grad_norm_first_20'] for r in runs])} | "
                   + " | ".join(_stats([r["val"][str(k)] for r in runs]) for k in checkpoints) + " |")
-    if (RUNS / "pma_init_grpo.json").is_file():
-        _report_grpo(json.loads((RUNS / "pma_init_grpo.json").read_text()), plt)
+    for steps in GRPO_STEPS:
+        name = f"pma_init_grpo{grpo_suffix(steps)}".replace("-", "_")
+        if (RUNS / f"{name}.json").is_file():
+            _report_grpo(json.loads((RUNS / f"{name}.json").read_text()), plt, name.replace("pma_init_", "pma_"))
     if (RUNS / "spike.json").is_file():
         res = json.loads((RUNS / "spike.json").read_text())
         fig, ax = plt.subplots(figsize=(7, 4))
@@ -430,7 +445,7 @@ def report() -> None:
             print(f"| {name} | " + " | ".join(f"{run['val'][str(k)]:.4f}" for k in (190, 210, 250, 300, 400)) + " |")
 
 
-def _report_grpo(res: dict, plt) -> None:
+def _report_grpo(res: dict, plt, plot_name: str) -> None:
     seeds = list(res)
     steps = sorted(int(k) for k in res[seeds[0]]["last"]["val"])
     start = json.loads((RUNS / "sft_constant.json").read_text()) if (RUNS / "sft_constant.json").is_file() else None
@@ -466,7 +481,7 @@ def _report_grpo(res: dict, plt) -> None:
     ax.set_title("GRPO after constant-lr SFT: last checkpoint (solid) vs SMA (dashed)")
     ax.legend(fontsize=7)
     fig.tight_layout()
-    fig.savefig(DOCS / "pma_grpo.png", dpi=100)
+    fig.savefig(DOCS / f"{plot_name}.png", dpi=100)
     plt.close(fig)
 
 
@@ -491,6 +506,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("experiment", choices=["constant", "sft", "pmainit", "pmainit_grpo", "spike", "report"])
     parser.add_argument("--schedule", choices=["cosine", "constant"], default="cosine")
+    parser.add_argument("--grpo-steps", type=int, choices=sorted(GRPO_STEPS), default=60,
+                        help="pmainit_grpo: the stage's first 60 steps, or all 250")
     parser.add_argument("--trajectory", action="store_true", help="sft: score each of the last 11 checkpoints")
     args = parser.parse_args()
     torch.set_num_threads(2)
@@ -501,7 +518,7 @@ def main() -> None:
     elif args.experiment == "pmainit":
         pma_init()
     elif args.experiment == "pmainit_grpo":
-        pma_init_grpo()
+        pma_init_grpo(args.grpo_steps)
     elif args.experiment == "spike":
         spike()
     else:
