@@ -25,13 +25,15 @@ the engine then computes with them. The reference hooks run after the step hooks
 
 - `spike_recovery` (the fourth claim of "Model Merging in Pre-training", arXiv 2505.12082):
   when the loss or the gradient norm is far above its running statistics, or (RL) the training
-  reward far below them (`detect_spike`, `detect_drop`: pure functions), the actor's weights are replaced by the SMA of the last N checkpoints saved
-  before the spike (written by `merge_checkpoints`, the same code as `hybridflow-merge`, into
-  RUN_DIR/spike_recovery/step_<N>/ with its provenance), the optimizer state is kept or, by
-  explicit choice, reset, and training goes on with the next batch. The offending batch, and
-  those since the newest merged checkpoint, are skipped (`data: skip`, the default), or their
-  rows go back into the loader to be drawn again later in a new random order (`data:
-  reshuffle`, `PromptLoader.requeue`).
+  reward far below them (`detect_spike`, `detect_drop`: pure functions), the actor's weights are
+  replaced by the SMA of the last N checkpoints saved before the spike (written by
+  `merge_checkpoints`, the same code as `hybridflow-merge`, into RUN_DIR/spike_recovery/step_<N>/
+  with its provenance), the optimizer state is kept or, by explicit choice, reset, and training
+  goes on with the next batch. The offending batch, and those since the newest merged checkpoint,
+  are skipped (`data: skip`, the default), or their rows go back into the loader to be drawn
+  again later in a new random order (`data: reshuffle`, `PromptLoader.requeue`). What it watches
+  is by recipe unless `watch` says: the loss in pretrain / sft, the gradient norm and the reward
+  in grpo / ppo (`WATCH_BY_DEFAULT`).
 - `lr_burst`: multiplies the learning rate for a few steps: the paper's stress test, a
   divergence made on purpose to check a recovery against.
 """
@@ -42,7 +44,7 @@ import math
 from collections import deque
 from dataclasses import dataclass, fields
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Optional
 
 from hybridflow.data.loader import PromptLoader
 from hybridflow.registry import Registry
@@ -124,6 +126,8 @@ class SpikeDetector:
 
 LOSS_KEY, GRAD_NORM_KEY, REWARD_KEY = "actor/loss", "actor/grad_norm", "reward/score"
 WATCHED = {"loss": LOSS_KEY, "grad_norm": GRAD_NORM_KEY, "reward": REWARD_KEY}  # reward: a fall
+# spike_recovery's `watch: null`: the RL recipes pass the step's reward/score with the update's metrics
+WATCH_BY_DEFAULT = {"supervised": ("loss",), "rl": ("grad_norm", "reward")}
 RECIPES_WITH_REWARD = ("grpo", "ppo")
 
 
@@ -134,11 +138,12 @@ class SpikeRecoveryConfig:
     warmup: int = 10  # no detection until this many healthy steps are in the window
     sigmas: float = 6.0
     min_ratio: float = 1.5  # ... and this many times the window's mean
-    # Which signals can fire it: loss, grad_norm. Only the loss by default: the tiny model's gradient
-    # norm has lone 10x outliers on healthy runs (clipped, harmless; tests/e2e/test_pretrain.py saw one).
-    # In the RL recipes watch reward (a fall of reward/score): a diverged policy samples no correct answer,
-    # so its advantages, loss and gradient all go to 0 (docs/recipes.md); the policy loss is centred near 0.
-    watch: tuple = ("loss",)
+    # Which signals can fire it: loss, grad_norm, reward (a fall of reward/score). null: by recipe,
+    # WATCH_BY_DEFAULT. Supervised recipes watch the loss only: the tiny model's gradient norm has lone
+    # 10x outliers on healthy runs (clipped, harmless; tests/e2e/test_pretrain.py saw one). RL recipes
+    # watch the gradient norm and the reward: a diverged policy samples no correct answer, so its
+    # advantages, loss and gradient all go to 0 (docs/recipes.md), and the policy loss is centred near 0.
+    watch: Optional[tuple] = None
     optimizer: str = "keep"  # keep: Adam's moments stay; reset: cleared (moments rebuilt from the next step)
     # skip: the batches since the newest merged checkpoint are lost; reshuffle: their rows are drawn again later
     data: str = "skip"
@@ -151,9 +156,14 @@ class SpikeRecoveryConfig:
                (self.window, self.warmup), "need 2 <= warmup <= window")
         _check(self.sigmas > 0 and self.min_ratio >= 1, f"{key}.sigmas/min_ratio", (self.sigmas, self.min_ratio),
                "need sigmas > 0 and min_ratio >= 1")
+        if self.watch is None:
+            return self._check_rest(key)
         self.watch = tuple(self.watch)
         _check(bool(self.watch) and set(self.watch) <= set(WATCHED), f"{key}.watch", list(self.watch),
-               f"a non-empty subset of {list(WATCHED)}")
+               f"a non-empty subset of {list(WATCHED)}, or null (by recipe)")
+        self._check_rest(key)
+
+    def _check_rest(self, key: str) -> None:
         _check(self.optimizer in ("keep", "reset"), f"{key}.optimizer", self.optimizer, "one of ['keep', 'reset']")
         _check(self.data in ("skip", "reshuffle"), f"{key}.data", self.data, "one of ['skip', 'reshuffle']")
         _check(self.max_recoveries >= 1, f"{key}.max_recoveries", self.max_recoveries, "must be >= 1")
@@ -174,7 +184,8 @@ class SpikeRecovery:
         return {}
 
     def after_update(self, step: int, metrics: dict[str, float], actor) -> dict[str, float]:
-        spiking = self.detector.observe({name: metrics[WATCHED[name]] for name in self.config.watch})
+        watch = self.config.watch or WATCH_BY_DEFAULT["rl" if REWARD_KEY in metrics else "supervised"]
+        spiking = self.detector.observe({name: metrics[WATCHED[name]] for name in watch})
         if not spiking:
             return {"spike_recovery/fired": 0.0, "spike_recovery/total": float(self.recoveries)}
         if self.recoveries >= self.config.max_recoveries:
@@ -355,8 +366,8 @@ def check_step_hooks(config: "HybridFlowConfig") -> None:
             _check(kept is None or kept >= typed.last + 1, "trainer.keep_last_weights", t.keep_last_weights,
                    f"spike_recovery reads the weights of {typed.last} checkpoints saved before the newest one: "
                    f"keep at least {typed.last + 1} (or null: all)")
-            _check("reward" not in typed.watch or recipe in RECIPES_WITH_REWARD,
-                   "trainer.training_hooks[spike_recovery].params.watch", list(typed.watch),
+            _check("reward" not in (typed.watch or ()) or recipe in RECIPES_WITH_REWARD,
+                   "trainer.training_hooks[spike_recovery].params.watch", list(typed.watch or ()),
                    f"recipe={recipe} has no training reward: watch [loss] or [grad_norm] (reward is for "
                    f"{list(RECIPES_WITH_REWARD)})")
             _check(not config.actor.lora.rank, "actor.lora.rank", config.actor.lora.rank,

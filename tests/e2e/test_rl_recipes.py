@@ -133,6 +133,8 @@ def test_an_actor_rank_killed_mid_run_is_restarted_and_the_run_matches_the_unint
     assert time.monotonic() - start < 300
 
 
+@pytest.mark.slow  # ~60 s; the stage deadline naming stage, method and rank is tested in the default run by
+# tests/controller/test_worker_group.py, and restart after a fault by the rank-kill test above
 def test_a_hung_rollout_is_a_named_stage_timeout_then_a_restart(tmp_path):
     result = hybridflow([*RESUMABLE, "trainer.total_steps=2", "trainer.max_restarts=1",
                          "+trainer.stage_timeout_s.generate=15",

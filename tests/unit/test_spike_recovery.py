@@ -168,6 +168,27 @@ def test_spike_recovery_fires_on_a_reward_collapse(tmp_path):
     assert out["spike_recovery/fired"] == 1.0 and actor.loaded[0]["w"].tolist() == [5.0, 5.0]  # (4 + 6) / 2
 
 
+def test_spike_recovery_watches_by_recipe_when_watch_is_null(tmp_path):
+    # watch left null: an RL step (its metrics carry reward/score) watches the reward, a supervised one the loss
+    write_checkpoints(tmp_path, (2, 4, 6, 8))
+    rl = SpikeRecovery(SpikeRecoveryConfig(last=2, window=4, warmup=3), tmp_path, PromptLoader(list(range(8)), 2, 0))
+    supervised = SpikeRecovery(SpikeRecoveryConfig(last=2, window=4, warmup=3), tmp_path,
+                               PromptLoader(list(range(8)), 2, 0))
+    actor = FakeActor()
+    for step, value in enumerate((0.51, 0.41, 0.42, 0.44), start=5):
+        assert rl.after_update(step, {"actor/loss": 0.0, "actor/grad_norm": 1.2, "reward/score": value},
+                               actor)["spike_recovery/fired"] == 0.0
+        assert supervised.after_update(step, {"actor/loss": value, "actor/grad_norm": 1.2},
+                                       actor)["spike_recovery/fired"] == 0.0
+    # a reward collapse fires the RL hook; the same fall of the loss is no spike for the supervised one
+    assert rl.after_update(9, {"actor/loss": 0.0, "actor/grad_norm": 0.27, "reward/score": 0.008},
+                           actor)["spike_recovery/fired"] == 1.0
+    assert supervised.after_update(9, {"actor/loss": 0.008, "actor/grad_norm": 0.27},
+                                   actor)["spike_recovery/fired"] == 0.0
+    assert supervised.after_update(10, {"actor/loss": 9.0, "actor/grad_norm": 1.2},
+                                   actor)["spike_recovery/fired"] == 1.0
+
+
 def test_lr_burst_scales_only_its_steps():
     hook, actor = LrBurst(LrBurstConfig(at_step=3, factor=50.0, steps=2), None, None), FakeActor()
     assert hook.before_update(2, actor) == {} and not hasattr(actor, "scaled")
