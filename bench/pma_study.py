@@ -7,7 +7,9 @@
     flock /tmp/hybridflow-heavy.lock .venv/bin/python bench/pma_study.py sft --schedule cosine --trajectory  # 1 min
     flock /tmp/hybridflow-heavy.lock .venv/bin/python bench/pma_study.py pmainit    # after constant
     flock /tmp/hybridflow-heavy.lock .venv/bin/python bench/pma_study.py pmainit_grpo  # after sft --schedule constant
-    flock /tmp/hybridflow-heavy.lock .venv/bin/python bench/pma_study.py pmainit_grpo --grpo-steps 250  # ~30 min
+    for s in 0 1 2; do  # ~9 min a seed
+      flock /tmp/hybridflow-heavy.lock .venv/bin/python bench/pma_study.py pmainit_grpo --grpo-steps 250 --seeds $s
+    done
     flock /tmp/hybridflow-heavy.lock .venv/bin/python bench/pma_study.py spike      # ~6 min
     .venv/bin/python bench/pma_study.py report    # tables (printed), docs/pma.png, pma_spike.png, pma_grpo*.png
 
@@ -277,12 +279,18 @@ def pma_init() -> None:
     _save("pma_init", results)
 
 
-def pma_init_grpo(steps: int) -> None:
-    """`steps` of GRPO from the constant-lr SFT run's last checkpoint vs from the SMA of its last 4 (every 25 steps)."""
+def pma_init_grpo(steps: int, seeds: tuple[int, ...] = SEEDS) -> None:
+    """`steps` of GRPO from the constant-lr SFT run's last checkpoint vs from the SMA of its last 4
+    (every 25 steps). Only `seeds` are trained now (one seed of the 250-step stage is ~9 min);
+    the results are written once every seed's runs are done."""
     from hybridflow.merge.api import merge_checkpoints
 
     results = {}
     for seed in SEEDS:
+        done = all((RUNS / f"grpo-{name}-s{seed}{grpo_suffix(steps)}" / "DONE").is_file() for name in ("last", "sma4x25"))
+        if seed not in seeds and not done:
+            print(f"seed {seed} not run yet: `bench/pma_study.py pmainit_grpo --grpo-steps {steps} --seeds {seed}`")
+            continue
         sft_dir = RUNS / f"sft-constant-s{seed}"
         if not (sft_dir / "DONE").is_file():
             raise SystemExit(f"{sft_dir} is missing: run `bench/pma_study.py sft --schedule constant` first")
@@ -296,7 +304,8 @@ def pma_init_grpo(steps: int) -> None:
             results[seed][name] = grpo_summary(metrics(run_dir), float((run_dir / "DONE").read_text()))
             print(f"seed {seed} {name}: {({k: v for k, v in results[seed][name].items() if not isinstance(v, list)})}",
                   flush=True)
-    _save(f"pma_init_grpo{grpo_suffix(steps)}".replace("-", "_"), results)
+    if len(results) == len(SEEDS):
+        _save(f"pma_init_grpo{grpo_suffix(steps)}".replace("-", "_"), results)
 
 
 def grpo_summary(rows: list[dict], seconds: float) -> dict:
@@ -508,6 +517,8 @@ def main() -> None:
     parser.add_argument("--schedule", choices=["cosine", "constant"], default="cosine")
     parser.add_argument("--grpo-steps", type=int, choices=sorted(GRPO_STEPS), default=60,
                         help="pmainit_grpo: the stage's first 60 steps, or all 250")
+    parser.add_argument("--seeds", type=int, nargs="+", choices=SEEDS, default=list(SEEDS),
+                        help="pmainit_grpo: train only these seeds now")
     parser.add_argument("--trajectory", action="store_true", help="sft: score each of the last 11 checkpoints")
     args = parser.parse_args()
     torch.set_num_threads(2)
@@ -518,7 +529,7 @@ def main() -> None:
     elif args.experiment == "pmainit":
         pma_init()
     elif args.experiment == "pmainit_grpo":
-        pma_init_grpo(args.grpo_steps)
+        pma_init_grpo(args.grpo_steps, tuple(args.seeds))
     elif args.experiment == "spike":
         spike()
     else:
