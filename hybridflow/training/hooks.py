@@ -156,14 +156,10 @@ class SpikeRecoveryConfig:
                (self.window, self.warmup), "need 2 <= warmup <= window")
         _check(self.sigmas > 0 and self.min_ratio >= 1, f"{key}.sigmas/min_ratio", (self.sigmas, self.min_ratio),
                "need sigmas > 0 and min_ratio >= 1")
-        if self.watch is None:
-            return self._check_rest(key)
-        self.watch = tuple(self.watch)
-        _check(bool(self.watch) and set(self.watch) <= set(WATCHED), f"{key}.watch", list(self.watch),
-               f"a non-empty subset of {list(WATCHED)}, or null (by recipe)")
-        self._check_rest(key)
-
-    def _check_rest(self, key: str) -> None:
+        if self.watch is not None:  # null: by recipe (WATCH_BY_DEFAULT)
+            self.watch = tuple(self.watch)
+            _check(bool(self.watch) and set(self.watch) <= set(WATCHED), f"{key}.watch", list(self.watch),
+                   f"a non-empty subset of {list(WATCHED)}, or null (by recipe)")
         _check(self.optimizer in ("keep", "reset"), f"{key}.optimizer", self.optimizer, "one of ['keep', 'reset']")
         _check(self.data in ("skip", "reshuffle"), f"{key}.data", self.data, "one of ['skip', 'reshuffle']")
         _check(self.max_recoveries >= 1, f"{key}.max_recoveries", self.max_recoveries, "must be >= 1")
@@ -171,7 +167,7 @@ class SpikeRecoveryConfig:
 
 @STEP_HOOKS.register("spike_recovery")
 class SpikeRecovery:
-    """Roll the actor back to the SMA of the checkpoints saved before a loss / grad-norm spike."""
+    """Roll the actor back to the SMA of the checkpoints saved before a spike (or a reward collapse)."""
 
     Config = SpikeRecoveryConfig
 
