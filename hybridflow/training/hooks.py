@@ -76,8 +76,7 @@ def detect_spike(history: list[float], value: float, *, sigmas: float, min_ratio
         return True
     if not history:
         return False
-    mean = sum(history) / len(history)
-    std = math.sqrt(sum((v - mean) ** 2 for v in history) / len(history))
+    mean, std = _mean_std(history)
     return value > mean + sigmas * std and value > min_ratio * mean
 
 
@@ -93,9 +92,14 @@ def detect_drop(history: list[float], value: float, *, sigmas: float, min_ratio:
         return True
     if not history:
         return False
-    mean = sum(history) / len(history)
-    std = math.sqrt(sum((v - mean) ** 2 for v in history) / len(history))
+    mean, std = _mean_std(history)
     return value < mean - sigmas * std and value < mean / min_ratio
+
+
+def _mean_std(values: list[float]) -> tuple[float, float]:
+    """Mean and population standard deviation."""
+    mean = sum(values) / len(values)
+    return mean, math.sqrt(sum((v - mean) ** 2 for v in values) / len(values))
 
 
 class SpikeDetector:
