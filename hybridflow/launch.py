@@ -38,15 +38,21 @@ class Datasets:
     val_path: Path
 
 
-def prepare_data(config: HybridFlowConfig, run_dir: Path) -> Datasets:
-    """Rows from data.train_path / val_path, or the synthetic task written to run_dir/data."""
+def prepare_data(config: HybridFlowConfig, run_dir: Path, tokenizer) -> Datasets:
+    """Rows from data.train_path / val_path, or the synthetic task written to run_dir/data; every
+    row's prompt fitted to data.max_prompt_tokens with the model's `tokenizer` (and SFT's answers
+    checked against rollout.max_response_tokens), before Ray starts (hybridflow/data/prompts.py)."""
     data = config.data
     if data.train_path is not None:
         train_path, val_path = Path(data.train_path), Path(data.val_path)
-        return Datasets(read_rows(train_path), read_rows(val_path), train_path, val_path)
+        train = fit_data(config, read_rows(train_path), tokenizer, f"data file {train_path} (data.train_path)")
+        val = fit_data(config, read_rows(val_path), tokenizer, f"data file {val_path} (data.val_path)")
+        return Datasets(train, val, train_path, val_path)
     syn = data.synthetic
     spec = ArithmeticSpec(syn.min_digits, syn.max_digits, tuple(syn.operations))
     train, val = make_arithmetic_split(syn.train_rows, syn.val_rows, spec, seed=data.seed)
+    train = fit_data(config, train, tokenizer, "the synthetic training rows")
+    val = fit_data(config, val, tokenizer, "the synthetic validation rows")
     if syn.calculator_demonstrations:
         from hybridflow.data.calculator import demonstration
 
@@ -54,6 +60,29 @@ def prepare_data(config: HybridFlowConfig, run_dir: Path) -> Datasets:
     train_path = write_rows(train, run_dir / "data" / "train.parquet")
     val_path = write_rows(val, run_dir / "data" / "val.parquet")
     return Datasets(train, val, train_path, val_path)
+
+
+def fit_data(config: HybridFlowConfig, rows: list[dict], tokenizer, where: str) -> list[dict]:
+    """`rows` with data.prompt_truncation applied to every prompt; an SFT target longer than
+    rollout.max_response_tokens, or (`error`) a prompt longer than data.max_prompt_tokens, raises
+    InputError naming the rows. The console names the chat template that renders chat prompts."""
+    from hybridflow.data.answers import long_sft_targets
+    from hybridflow.data.chat import is_chat
+    from hybridflow.data.checks import InputError
+    from hybridflow.data.prompts import fit_prompt_lengths
+    from hybridflow.data.tokenizer import chat_template_name, say_once
+
+    if any(is_chat(row["prompt"]) for row in rows):
+        say_once(f"hybridflow: chat prompts are rendered with {chat_template_name(tokenizer, tokenizer.name_or_path)}")
+    elif config.data.train_path is not None and getattr(tokenizer, "chat_template", None):
+        say_once("hybridflow: the prompts are text, used as they are (the tokenizer's chat template is not applied; "
+                 "write prompts as chat messages to use it)")
+    rows = fit_prompt_lengths(rows, tokenizer, config.data.max_prompt_tokens, config.data.prompt_truncation, where)
+    if config.recipe.name == "sft":
+        problem = long_sft_targets(rows, tokenizer, config.rollout.max_response_tokens, where)
+        if problem:
+            raise InputError(problem)
+    return rows
 
 
 def slots_needed(placement: PlacementConfig) -> float:

@@ -8,7 +8,8 @@ What the config plus a cheap read of the inputs can show:
   template when the data has chat prompts;
 - every reward function loads, and each argument it requires can be filled from the data's columns;
 - once all of that is right, the prompts of the rows read fit data.max_prompt_tokens with the
-  model's tokenizer (chat prompts rendered with its template).
+  model's tokenizer (chat prompts rendered with its template; unless data.prompt_truncation is
+  left or filter), and SFT's answers fit rollout.max_response_tokens.
 Every problem found is reported at once, each naming the file or key, the row(s), the column, the
 value's type and the fix.
 
@@ -28,6 +29,7 @@ from pathlib import Path
 from typing import Iterator
 
 from hybridflow.config.schema import HybridFlowConfig
+from hybridflow.data.checks import InputError  # raised here, and by the full read of the data (data/prompts.py)
 
 SAMPLE_ROWS = 1000
 TRAINING_RECIPES = ("sft", "grpo", "ppo")
@@ -38,8 +40,6 @@ WEIGHT_INDEXES = ("model.safetensors.index.json", "pytorch_model.bin.index.json"
 MODEL_FIX = "save the model there with model.save_pretrained(dir) and tokenizer.save_pretrained(dir)"
 
 
-class InputError(ValueError):
-    """The run's inputs cannot work; the message lists every problem found, one per line."""
 
 
 def check_inputs(config: HybridFlowConfig) -> None:
@@ -87,12 +87,15 @@ def check_run(config: HybridFlowConfig, check_model: bool = True) -> list[str]:
 
 
 def _prompt_length_problems(config: HybridFlowConfig, files: dict[str, "FileFacts"]) -> list[str]:
-    """Prompts (of the rows read) longer than data.max_prompt_tokens with the model's tokenizer.
+    """Prompts (of the rows read) longer than data.max_prompt_tokens with the model's tokenizer (when
+    data.prompt_truncation=error), and in SFT answers longer than rollout.max_response_tokens. Every
+    row is checked again as the data is loaded (hybridflow.launch.fit_data), still before Ray starts.
 
     Loading the tokenizer imports transformers, which the recipe imports next anyway: a good run
     pays only for reading the tokenizer files once more.
     """
-    from hybridflow.data.chat import render_prompt
+    from hybridflow.data.answers import long_sft_targets
+    from hybridflow.data.prompts import prompt_token_ids
 
     try:
         tokenizer = _load_tokenizer(config)
@@ -103,15 +106,20 @@ def _prompt_length_problems(config: HybridFlowConfig, files: dict[str, "FileFact
     for key, facts in files.items():
         if not facts.prompts:
             continue
-        texts = [render_prompt(prompt, tokenizer) for _, prompt in facts.prompts]
-        lengths = [len(ids) for ids in tokenizer(texts, add_special_tokens=False)["input_ids"]]
-        long = [(row, n) for (row, _), n in zip(facts.prompts, lengths) if n > limit]
-        if long:
+        where = f"data file {facts.path} ({key})"
+        _, token_ids = prompt_token_ids([prompt for _, prompt in facts.prompts], tokenizer)
+        long = [(row, len(ids)) for (row, _), ids in zip(facts.prompts, token_ids) if len(ids) > limit]
+        if long and config.data.prompt_truncation == "error":
             more = f" and {len(long) - 5} more" if len(long) > 5 else ""
             listed = ", ".join(str(row) for row, _ in long[:5]) + more
-            problems.append(f"data file {facts.path} ({key}), column 'prompt', row(s) {listed}: row {long[0][0]} has "
+            problems.append(f"{where}, column 'prompt', row(s) {listed}: row {long[0][0]} has "
                             f"{long[0][1]} tokens, more than data.max_prompt_tokens={limit}; fix: raise "
-                            f"data.max_prompt_tokens to {max(n for _, n in long)}, or shorten the prompts")
+                            f"data.max_prompt_tokens to {max(n for _, n in long)}, shorten the prompts, or set "
+                            "data.prompt_truncation=left|filter")
+        if config.recipe.name == "sft":
+            problem = long_sft_targets(facts.targets, tokenizer, config.rollout.max_response_tokens, where,
+                                       indices=[row for row, _ in facts.prompts])
+            problems += [problem] if problem else []
     return problems
 
 
@@ -120,9 +128,9 @@ def _load_tokenizer(config: HybridFlowConfig):
         from hybridflow.builders.tiny_model import build_char_tokenizer
 
         return build_char_tokenizer()
-    from transformers import AutoTokenizer
+    from hybridflow.data.tokenizer import load_tokenizer
 
-    return AutoTokenizer.from_pretrained(config.model.path, trust_remote_code=config.model.trust_remote_code)
+    return load_tokenizer(config.model.path, config.model.trust_remote_code)
 
 
 # ---- reward functions ---------------------------------------------------------------------------
@@ -203,6 +211,7 @@ class FileFacts:
     problems: list[str] = field(default_factory=list)
     first_chat_row: int | None = None
     prompts: list = field(default_factory=list)  # (row, prompt) of the first rows read, for length checks
+    targets: list = field(default_factory=list)  # their SFT targets (ground_truth, demonstration)
 
 
 def check_data_file(path: str, key: str, needed: dict[str, str], min_rows: tuple[str, int] | None,
@@ -219,7 +228,7 @@ def check_data_file(path: str, key: str, needed: dict[str, str], min_rows: tuple
         message = str(exc) if str(path) in str(exc) else f"{where}: {type(exc).__name__}: {exc}"
         fix = "" if "; " in message else "; fix: give a readable .parquet or .jsonl file"
         return FileFacts(path, [message + fix])
-    facts = FileFacts(path, first_chat_row=checker.first_chat_row, prompts=checker.prompts)
+    facts = FileFacts(path, first_chat_row=checker.first_chat_row, prompts=checker.prompts, targets=checker.targets)
     if total == 0:
         facts.problems.append(f"{where} has no rows; fix: point {key} at a file with rows")
         return facts

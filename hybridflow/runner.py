@@ -62,7 +62,8 @@ def validate(config: HybridFlowConfig, rollout: WorkerGroup, reward: WorkerGroup
     from hybridflow.agents import agent_metrics
 
     rows = rows[: config.trainer.val_prompts]
-    prompts = encode_prompts(rows, tokenizer, config.data.max_prompt_tokens, source="validation data")
+    prompts = encode_prompts(rows, tokenizer, config.data.max_prompt_tokens, source="validation data",
+                             truncation=config.data.prompt_truncation)
     samples = rollout.generate(prompts, greedy=True)
     rewards = reward.compute_rewards(samples.select(list(samples.objects)))
     scored = reward_metrics(rewards)
@@ -102,8 +103,11 @@ class Checkpointer:
                  trainable: dict[str, WorkerGroup]) -> None:
         self.config, self.model_dir, self.trainable = config, model_dir, trainable
         trainer = config.trainer
+        lora = config.actor.lora
         self.manager = CheckpointManager(run_dir, keep_last=trainer.keep_last_checkpoints,
-                                         keep_weights=trainer.keep_last_weights)
+                                         keep_weights=trainer.keep_last_weights,
+                                         required=("hf/adapter_config.json",) if lora.rank and lora.save_adapter_only
+                                         else ("hf/config.json",))
         self.config_hash = config_hash({k: v for k, v in _plain(config).items()
                                         if k in ("model", "data", "algorithm", "actor", "critic", "seed")})
 

@@ -9,12 +9,11 @@ from __future__ import annotations
 
 import time
 
-from transformers import AutoTokenizer
-
 from hybridflow.batch import Batch
 from hybridflow.config.schema import HybridFlowConfig
 from hybridflow.controller import RoleSpec
 from hybridflow.data.prompts import encode_prompts
+from hybridflow.data.tokenizer import load_tokenizer
 from hybridflow.launch import prepare_data, prepare_model, spawn_roles, start_ray, vllm_env
 from hybridflow.rewards import exact_match
 from hybridflow.tracking import MetricsLogger
@@ -23,8 +22,8 @@ from workers.rollout.vllm_rollout import VLLMRollout
 
 def run(config: HybridFlowConfig, run_dir) -> dict:
     model_dir = prepare_model(config, run_dir)
-    data = prepare_data(config, run_dir)
-    tokenizer = AutoTokenizer.from_pretrained(model_dir, trust_remote_code=config.model.trust_remote_code)
+    tokenizer = load_tokenizer(model_dir, config.model.trust_remote_code)
+    data = prepare_data(config, run_dir, tokenizer)
     print(f"ray: {start_ray(config)}", flush=True)
 
     rollout_spec = RoleSpec(VLLMRollout, dict(
@@ -34,7 +33,8 @@ def run(config: HybridFlowConfig, run_dir) -> dict:
     rollout = spawn_roles(config, {"rollout": rollout_spec}, env_vars=vllm_env(config))["rollout"]
     engine_start_s = max(rollout.start_engine())
 
-    prompts = encode_prompts(data.val[: config.recipe.demo_prompts], tokenizer, config.data.max_prompt_tokens)
+    prompts = encode_prompts(data.val[: config.recipe.demo_prompts], tokenizer, config.data.max_prompt_tokens,
+                             truncation=config.data.prompt_truncation)
     start = time.perf_counter()
     samples: Batch = rollout.generate(prompts.repeat_interleave(config.rollout.samples_per_prompt))
     generate_s = time.perf_counter() - start

@@ -4,9 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from transformers import AutoTokenizer
-
 from hybridflow.config.schema import HybridFlowConfig
+from hybridflow.data.tokenizer import load_tokenizer
 from hybridflow.launch import prepare_data, prepare_model, spawn_roles, start_ray, vllm_env
 from hybridflow.runner import validate
 from hybridflow.tracking import MetricsLogger
@@ -15,8 +14,8 @@ from recipes.roles import reward_role, rollout_role
 
 def run(config: HybridFlowConfig, run_dir: Path) -> dict:
     model_dir = prepare_model(config, run_dir)
-    data = prepare_data(config, run_dir)
-    tokenizer = AutoTokenizer.from_pretrained(model_dir, trust_remote_code=config.model.trust_remote_code)
+    tokenizer = load_tokenizer(model_dir, config.model.trust_remote_code)
+    data = prepare_data(config, run_dir, tokenizer)
     start_ray(config)
     groups = spawn_roles(config, {"rollout": rollout_role(config, model_dir, tokenizer),
                                   "reward": reward_role(config)}, env_vars=vllm_env(config))

@@ -17,7 +17,6 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-from transformers import AutoTokenizer
 
 from hybridflow.algos import apply_kl_penalty, build_kl_controller, compute_advantages, masked_mean
 from hybridflow.algos.rewards import place_sequence_rewards
@@ -26,6 +25,7 @@ from hybridflow.config.schema import HybridFlowConfig
 from hybridflow.controller import RoleSpec
 from hybridflow.data.loader import PromptLoader
 from hybridflow.data.prompts import encode_prompts
+from hybridflow.data.tokenizer import load_tokenizer
 from hybridflow.faults import inject_faults
 from hybridflow.launch import build_weight_sync, prepare_data, prepare_model, spawn_roles, start_ray, vllm_env
 from hybridflow.rewards import reward_metrics
@@ -46,8 +46,8 @@ from recipes.roles import actor_role, critic_role, reference_role, reward_role, 
 
 def run(config: HybridFlowConfig, run_dir: Path) -> dict:
     model_dir = prepare_model(config, run_dir)
-    data = prepare_data(config, run_dir)
-    tokenizer = AutoTokenizer.from_pretrained(model_dir, trust_remote_code=config.model.trust_remote_code)
+    tokenizer = load_tokenizer(model_dir, config.model.trust_remote_code)
+    data = prepare_data(config, run_dir, tokenizer)
     start_ray(config)
     groups = spawn_roles(config, build_roles(config, model_dir, tokenizer), env_vars=vllm_env(config))
     actor, rollout, reward = groups["actor"], groups["rollout"], groups["reward"]
@@ -80,7 +80,8 @@ def run(config: HybridFlowConfig, run_dir: Path) -> dict:
         inject_faults(config, step, groups, run_dir)  # trainer.fault_injection: off unless configured
         timer = StageTimer()
         with timer("generate"), weight_sync.generating():  # GPU, colocated: the devices change hands
-            prompts = encode_prompts(loader.next_rows(), tokenizer, config.data.max_prompt_tokens)
+            prompts = encode_prompts(loader.next_rows(), tokenizer, config.data.max_prompt_tokens,
+                                     truncation=config.data.prompt_truncation)
             prompts.tensors["group_ids"] = torch.arange(len(prompts))
             greedy = rollout.generate(prompts, greedy=True) if needs_greedy_baseline(config) else None  # ReMax
             prompts = prompts.repeat_interleave(n)

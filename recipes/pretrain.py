@@ -15,12 +15,11 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
-from transformers import AutoTokenizer
-
 from hybridflow.config.schema import HybridFlowConfig
 from hybridflow.controller import WorkerGroup
 from hybridflow.data.corpus import Corpus, build_corpus, sequence_batch
 from hybridflow.data.loader import PromptLoader
+from hybridflow.data.tokenizer import load_tokenizer
 from hybridflow.launch import prepare_model, spawn_roles, start_ray
 from hybridflow.runner import Checkpointer, StageTimer, validation_due
 from hybridflow.tracking import MetricsLogger
@@ -30,7 +29,7 @@ from recipes.roles import actor_role
 
 def run(config: HybridFlowConfig, run_dir: Path) -> dict:
     model_dir = prepare_model(config, run_dir)
-    tokenizer = AutoTokenizer.from_pretrained(model_dir, trust_remote_code=config.model.trust_remote_code)
+    tokenizer = load_tokenizer(model_dir, config.model.trust_remote_code)
     corpus = build_corpus(config.pretrain, tokenizer)  # before Ray: a bad file or size fails first
     t = config.trainer
     loader = PromptLoader(list(range(len(corpus.train))), config.pretrain.sequences_per_step, seed=config.seed,

@@ -12,12 +12,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from transformers import AutoTokenizer
-
 from hybridflow.config.schema import HybridFlowConfig
 from hybridflow.data.answers import encode_sft_targets
 from hybridflow.data.loader import PromptLoader
 from hybridflow.data.prompts import encode_prompts
+from hybridflow.data.tokenizer import load_tokenizer
 from hybridflow.launch import build_weight_sync, prepare_data, prepare_model, spawn_roles, start_ray, vllm_env
 from hybridflow.runner import Checkpointer, StageTimer, validate, validation_due
 from hybridflow.tracking import MetricsLogger
@@ -27,8 +26,8 @@ from recipes.roles import actor_role, reward_role, rollout_role
 
 def run(config: HybridFlowConfig, run_dir: Path) -> dict:
     model_dir = prepare_model(config, run_dir)
-    data = prepare_data(config, run_dir)
-    tokenizer = AutoTokenizer.from_pretrained(model_dir, trust_remote_code=config.model.trust_remote_code)
+    tokenizer = load_tokenizer(model_dir, config.model.trust_remote_code)
+    data = prepare_data(config, run_dir, tokenizer)
     start_ray(config)
     groups = spawn_roles(config, {
         "actor": actor_role(config, model_dir),
@@ -58,7 +57,8 @@ def run(config: HybridFlowConfig, run_dir: Path) -> dict:
         metrics = hooks.before_update(step, actor)
         with timer("update"):
             rows = loader.next_rows()
-            batch = encode_prompts(rows, tokenizer, config.data.max_prompt_tokens).union(
+            batch = encode_prompts(rows, tokenizer, config.data.max_prompt_tokens,
+                                   truncation=config.data.prompt_truncation).union(
                 encode_sft_targets(rows, tokenizer, config.rollout.max_response_tokens))
             metrics.update(actor.train_sft(batch)[0])
         with timer("hooks"):

@@ -298,11 +298,15 @@ class ActorWorker(TrainingStateMixin):
 
     @register(Dispatch.ONE_TO_ALL)
     def export_hf(self, directory: str, tokenizer_source_dir: str) -> str | None:
-        """Collective: rank 0 writes the actor (LoRA folded) as a Hugging Face model directory."""
-        from hybridflow.checkpoint import export_hf_model
+        """Collective: rank 0 writes the actor (LoRA folded) as a Hugging Face model directory, or
+        with actor.lora.save_adapter_only its LoRA adapter as a peft adapter directory."""
+        from hybridflow.checkpoint import export_hf_model, export_lora_adapter
 
-        path = export_hf_model(directory, model=self.model, tokenizer_source_dir=tokenizer_source_dir,
-                               rank=self.ctx.rank)
+        if self.cfg.lora.rank and self.cfg.lora.save_adapter_only:
+            path = export_lora_adapter(directory, model=self.model, base_model_dir=self.model_path, rank=self.ctx.rank)
+        else:
+            path = export_hf_model(directory, model=self.model, tokenizer_source_dir=tokenizer_source_dir,
+                                   rank=self.ctx.rank)
         return str(path) if path is not None else None
 
     @register(Dispatch.RANK_ZERO)

@@ -4,9 +4,11 @@ Driver side: `CheckpointManager` (begin / commit / abort / latest / resumable / 
 prune to weights-only snapshots) and `read_trainer_state`; every checkpoint records the
 sha256 of its files in `MANIFEST.json` (`hybridflow.checkpoint.integrity`). Worker side, called collectively on every rank of a group:
 `save_training_state` / `load_training_state` (FSDP2 shards via torch.distributed.checkpoint,
-LR scheduler, per-rank RNG; loadable on another rank count) and `export_hf_model`. See docs/checkpoints.md.
+LR scheduler, per-rank RNG; loadable on another rank count), `export_hf_model` and
+`export_lora_adapter` (a LoRA actor's peft adapter, `actor.lora.save_adapter_only`). See docs/checkpoints.md.
 """
 
+from hybridflow.checkpoint.adapter import export_lora_adapter
 from hybridflow.checkpoint.errors import CheckpointCorrupt, CheckpointError
 from hybridflow.checkpoint.hf_export import export_hf_model, hf_state_dict
 from hybridflow.checkpoint.manager import CheckpointManager, config_hash, read_trainer_state, step_dir_name
@@ -21,6 +23,7 @@ __all__ = [
     "capture_rng_state",
     "config_hash",
     "export_hf_model",
+    "export_lora_adapter",
     "hf_state_dict",
     "load_training_state",
     "rank_change_note",

@@ -205,6 +205,9 @@ class DataConfig:
     # each file (every row's prompt is checked again during the one full read, still before Ray);
     # 'all' streams every row first; 'none' checks only files, columns and row counts.
     validate_rows: str = "sample"
+    # A prompt longer than max_prompt_tokens, checked on every row before Ray starts: 'error' names
+    # the rows; 'left' keeps its last tokens; 'filter' leaves the row out (counted on the console).
+    prompt_truncation: str = "error"
 
     def __post_init__(self) -> None:
         _require((self.train_path is None) == (self.val_path is None), "data.train_path/val_path",
@@ -212,6 +215,8 @@ class DataConfig:
         _require(self.max_prompt_tokens >= 1, "data.max_prompt_tokens", self.max_prompt_tokens, "must be >= 1")
         _require(self.validate_rows in ("all", "sample", "none"), "data.validate_rows", self.validate_rows,
                  "one of ['all', 'sample', 'none']")
+        _require(self.prompt_truncation in ("error", "left", "filter"), "data.prompt_truncation",
+                 self.prompt_truncation, "one of ['error', 'left', 'filter']")
 
 
 @dataclass
@@ -349,6 +354,13 @@ class LoraConfig:
     dropout: float = 0.0
     target_modules: List[str] = field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj",
                                                                "gate_proj", "up_proj", "down_proj"])
+    # Checkpoints' hf/ and final_model/ hold the peft adapter (adapter_config.json,
+    # adapter_model.safetensors) instead of the whole model with the adapter folded in.
+    save_adapter_only: bool = False
+
+    def __post_init__(self) -> None:
+        _require(not self.save_adapter_only or self.rank > 0, "actor.lora.save_adapter_only", self.save_adapter_only,
+                 "needs actor.lora.rank > 0 (a full fine-tune has no adapter); set actor.lora.rank or drop the key")
 
 
 @dataclass

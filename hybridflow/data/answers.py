@@ -52,3 +52,30 @@ def encode_sft_targets(rows: list[dict], tokenizer, max_response_tokens: int) ->
     if all(row.get("demonstration") is not None for row in rows):
         return encode_demonstrations([list(row["demonstration"]) for row in rows], tokenizer, max_response_tokens)
     return encode_answers([row["ground_truth"] for row in rows], tokenizer, max_response_tokens)
+
+
+def sft_target_lengths(rows: list[dict], tokenizer) -> list[int]:
+    """Tokens each row's SFT target takes with its EOS (as `encode_sft_targets` writes it)."""
+    if rows and all(row.get("demonstration") is not None for row in rows):
+        texts = [[str(text) for text in row["demonstration"]] for row in rows]
+    else:
+        texts = [[str(row.get("ground_truth"))] for row in rows]
+    flat = [text for turns in texts for text in turns]
+    counts = iter(len(ids) for ids in tokenizer(flat, add_special_tokens=False)["input_ids"]) if flat else iter(())
+    return [sum(next(counts) for _ in turns) + 1 for turns in texts]
+
+
+def long_sft_targets(rows: list[dict], tokenizer, limit: int, where: str,
+                     indices: list[int] | None = None) -> str | None:
+    """The problem, naming `where` (file and key) and the rows (`indices`: the file's row numbers
+    of `rows`, default 0, 1, ...), when SFT targets (answer or demonstration, with EOS) need more
+    than `limit` tokens (rollout.max_response_tokens)."""
+    indices = indices if indices is not None else list(range(len(rows)))
+    long = [(indices[i], n) for i, n in enumerate(sft_target_lengths(rows, tokenizer)) if n > limit]
+    if not long:
+        return None
+    column = "demonstration" if rows and all(row.get("demonstration") is not None for row in rows) else "ground_truth"
+    listed = ", ".join(str(i) for i, _ in long[:5]) + (f" and {len(long) - 5} more" if len(long) > 5 else "")
+    return (f"{where}, column {column!r}, row(s) {listed}: the SFT target of row {long[0][0]} needs {long[0][1]} "
+            f"tokens with EOS, more than rollout.max_response_tokens={limit}; fix: raise rollout.max_response_tokens "
+            f"to {max(n for _, n in long)}, or shorten those answers")

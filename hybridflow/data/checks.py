@@ -13,6 +13,11 @@ from hybridflow.data.chat import CHAT_FIX, is_chat, prompt_problem
 MAX_LISTED_ROWS = 5
 
 
+class InputError(ValueError):
+    """The run's inputs cannot work; the message lists every problem found, one per line. The
+    `hybridflow` command exits with status 2 on it (raised before Ray starts)."""
+
+
 @dataclass
 class _Offenders:
     what: str  # what the first offending row holds, e.g. "int 42"
@@ -33,6 +38,7 @@ class RowChecker:
         self.first_chat_row: int | None = None
         self.keep_prompts = keep_prompts
         self.prompts: list[tuple[int, object]] = []  # (row, prompt): the first `keep_prompts` good ones
+        self.targets: list[dict] = []  # their SFT targets: ground_truth, demonstration
         self._offenders: dict[str, _Offenders] = {}
 
     def check(self, index: int, row: dict) -> None:
@@ -45,6 +51,7 @@ class RowChecker:
                 self.first_chat_row = index
             if len(self.prompts) < self.keep_prompts:
                 self.prompts.append((index, prompt))
+                self.targets.append({k: row.get(k) for k in ("ground_truth", "demonstration")})
         for column in self.required:
             if row.get(column) is None and column != "prompt":
                 self._add(column, index, "null" if column in row else "no such key")

@@ -154,8 +154,10 @@ def test_prompts_longer_than_max_prompt_tokens_with_the_models_tokenizer(tmp_pat
     cfg.data.max_prompt_tokens = 18
     assert check_run(cfg) == [
         f"data file {train} (data.train_path), column 'prompt', row(s) 2, 6: row 2 has 42 tokens, more than "
-        "data.max_prompt_tokens=18; fix: raise data.max_prompt_tokens to 42, or shorten the prompts",
+        "data.max_prompt_tokens=18; fix: raise data.max_prompt_tokens to 42, shorten the prompts, or set "
+        "data.prompt_truncation=left|filter",
         f"data file {val} (data.val_path), column 'prompt', row(s) 0, 1, 2, 3: row 0 has 19 tokens, more than "
-        "data.max_prompt_tokens=18; fix: raise data.max_prompt_tokens to 19, or shorten the prompts"]
+        "data.max_prompt_tokens=18; fix: raise data.max_prompt_tokens to 19, shorten the prompts, or set "
+        "data.prompt_truncation=left|filter"]
     cfg.data.max_prompt_tokens = 42
     assert check_run(cfg) == []
