@@ -1,0 +1,109 @@
+"""GRPO with a LoRA actor end to end: real Ray, FSDP2 on 2 ranks, vLLM on the CPU, colocated.
+
+Each run trains for 2 steps with a reward that varies between samples (so the adapter learns),
+with the weight checksums on at every step: the rollout engine must hold the actor's weights with
+the adapter folded in (W + s * B @ A), or the run stops. The assertions then take the LoRA
+factors from the run's own training state (the DCP checkpoint of step 2), fold them onto the base
+by hand, and compare every tensor with what the run exported: the whole model (TP 1), or the peft
+adapter (`actor.lora.save_adapter_only`, TP 2) folded by hybridflow-merge's LoRA reader.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+VENV_BIN = Path(sys.executable).parent
+RANK, ALPHA = 4, 8.0
+TARGETS = ("q_proj", "v_proj")
+SMALL = ["recipe=grpo", "trainer.total_steps=2", "trainer.prompts_per_step=4", "rollout.samples_per_prompt=4",
+         "rollout.max_response_tokens=4", "trainer.val_prompts=4", "data.synthetic.train_rows=64",
+         "data.synthetic.val_rows=4", "actor.samples_per_micro_batch=8", "actor.optim.lr=1e-2",
+         f"actor.lora.rank={RANK}", f"actor.lora.alpha={ALPHA}", f"actor.lora.target_modules=[{','.join(TARGETS)}]",
+         "weight_sync.checksum_every_steps=1", "trainer.save_every_steps=2"]
+SPREAD_REWARD = "def score(response):\n    return float(sum(map(ord, response)) % 5)\n"
+
+
+def grpo_lora(tmp_path: Path, name: str, *extra: str) -> Path:
+    reward = tmp_path / "spread.py"
+    reward.write_text(SPREAD_REWARD)
+    cmd = [str(VENV_BIN / "hybridflow"), *SMALL, f"reward.fn={reward}:score", *extra,
+           f"logger.output_root={tmp_path}", f"logger.run_name={name}"]
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
+    run_dir = tmp_path / name
+    for row in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines()):
+        assert row["weight_sync/verified_tensors"] > 0  # engine == actor's folded weights, checked each step
+        assert row["rollout/log_prob_diff"] < 1e-3  # vLLM samples from the adapted model the actor trains
+        assert row["actor/grad_norm"] > 0
+    return run_dir
+
+
+def trained_factors(run_dir: Path) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """Module name -> (A (r, in), B (out, r)) from the run's step-2 training state (DCP)."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    saved = run_dir / "actor.pt"
+    dcp_to_torch_save(run_dir / "checkpoints" / "step_00000002" / "actor", saved)
+    model = torch.load(saved)["model"]
+    factors = {}
+    for key, a in model.items():
+        if ".lora_A.default.weight" in key:
+            module = key.removeprefix("base_model.model.").removesuffix(".lora_A.default.weight")
+            factors[module] = (a, model[key.replace(".lora_A.", ".lora_B.")])
+    assert len(factors) == len(TARGETS) * 4  # 4 layers of the tiny model
+    assert all(b.abs().max() > 0 for _, b in factors.values())  # B starts at 0: the adapter learned
+    return factors
+
+
+def folded_by_hand(run_dir: Path) -> dict[str, torch.Tensor]:
+    """The base model's weights with W + (alpha / r) * B @ A on every adapted module, in fp32."""
+    from safetensors.torch import load_file
+
+    weights = load_file(run_dir / "base_model" / "model.safetensors")
+    for module, (a, b) in trained_factors(run_dir).items():
+        weights[f"{module}.weight"] = weights[f"{module}.weight"].float() + (ALPHA / RANK) * (b.float() @ a.float())
+    return weights
+
+
+def test_lora_grpo_at_tp2_saves_the_adapter_that_folds_to_the_trained_model(tmp_path):
+    from safetensors.torch import load_file
+
+    from hybridflow.merge.lora import LoraCheckpoint
+
+    run_dir = grpo_lora(tmp_path, "tp2", "rollout.tensor_parallel_size=2", "actor.lora.save_adapter_only=true")
+    final = run_dir / "final_model"
+    assert sorted(p.name for p in final.iterdir()) == ["adapter_config.json", "adapter_model.safetensors"]
+    assert (run_dir / "checkpoints" / "step_00000002" / "hf" / "adapter_model.safetensors").is_file()
+    saved = load_file(final / "adapter_model.safetensors")
+    for module, (a, b) in trained_factors(run_dir).items():  # peft's names, the trained values
+        torch.testing.assert_close(saved[f"base_model.model.{module}.lora_A.weight"], a, rtol=0, atol=0)
+        torch.testing.assert_close(saved[f"base_model.model.{module}.lora_B.weight"], b, rtol=0, atol=0)
+    expected = folded_by_hand(run_dir)
+    adapter = LoraCheckpoint(final)  # the base from adapter_config.json's base_model_name_or_path
+    try:
+        assert set(adapter.keys()) == set(expected)
+        for key in expected:
+            torch.testing.assert_close(adapter.read(key).float(), expected[key].float(), rtol=0, atol=1e-6)
+    finally:
+        adapter.close()
+
+
+@pytest.mark.slow
+def test_lora_grpo_at_tp1_exports_base_plus_the_folded_adapter(tmp_path):
+    from safetensors.torch import load_file
+
+    run_dir = grpo_lora(tmp_path, "tp1", "rollout.tensor_parallel_size=1")
+    exported = load_file(run_dir / "final_model" / "model.safetensors")
+    expected = folded_by_hand(run_dir)
+    base = load_file(run_dir / "base_model" / "model.safetensors")
+    assert set(exported) == set(expected)
+    changed = [key for key in exported if not torch.equal(exported[key], base[key])]
+    assert changed and all(any(t in key for t in TARGETS) for key in changed)
+    for key in expected:
+        torch.testing.assert_close(exported[key].float(), expected[key].float(), rtol=0, atol=1e-6)
