@@ -38,6 +38,12 @@ def inputs(tmp_path_factory, tiny_model_dir) -> Path:
     write_rows([{"prompt": [{"role": "user", "content": f"{i}+1="}], "ground_truth": str(i + 1)} for i in range(8)],
                root / "chat.parquet")
     write_rows([{"question": "1+1=", "ground_truth": "2"}] * 8, root / "no_prompt.jsonl")
+    long_answer = rows(40)
+    long_answer[3]["ground_truth"] = "123456789012"  # 12 characters + EOS: 13 tokens
+    write_rows(long_answer, root / "long_answer.jsonl")
+    past_sample = rows(1010)  # over-long prompts after the first 1,000 rows, which the check samples
+    past_sample[1003]["prompt"] = past_sample[1007]["prompt"] = "1+" * 30 + "1="
+    write_rows(past_sample, root / "long_after_1000.parquet")
     (root / "broken.jsonl").write_text('{"prompt": "1+1="}\n{"prompt": \n')
     (root / "empty.jsonl").write_text("")
     (root / "needs_answer.py").write_text("def score(response, answer):\n    return float(response == answer)\n")
@@ -115,6 +121,12 @@ CASES = {
         "cannot load reward function reward.fn='{root}/syntax_error.py:score': SyntaxError"]),
     "reward with positional-only parameters": (reward("positional.py"), [
         "'{root}/positional.py:score' (reward.fn) has positional-only parameters ['response']"]),
+    "SFT answer longer than max_response_tokens": (lambda root: [
+        *files("long_answer.jsonl")(root), "recipe=sft", "rollout.max_response_tokens=8"], [
+        "{root}/long_answer.jsonl (data.train_path), column 'ground_truth', row(s) 3: the SFT target of row 3 needs "
+        "13 tokens with EOS, more than rollout.max_response_tokens=8; fix: raise rollout.max_response_tokens to 13"]),
+    "config: unknown prompt truncation": (lambda root: ["recipe=grpo", "data.prompt_truncation=right"], [
+        "data.prompt_truncation='right'", "one of ['error', 'left', 'filter']"]),
     "config: validation larger than the synthetic set": (lambda root: ["recipe=sft", "trainer.val_prompts=300"], [
         "trainer.val_prompts=300 is more than data.synthetic.val_rows=200"]),
     "pipeline whose first stage has no weights": (lambda root: [f"model.path={root / 'no_weights'}"], [
@@ -135,3 +147,20 @@ def test_bad_input_is_refused_before_anything_starts(inputs, tmp_path, case):
         assert name.format(root=inputs) in result.stderr, f"{name!r} not in:\n{result.stderr}"
     assert not output_root.exists() and "run directory" not in result.stdout  # nothing was started
     assert elapsed_s < REFUSED_WITHIN_S, f"refused after {elapsed_s:.1f} s"
+
+
+def test_long_prompt_after_the_sampled_rows_is_refused_before_ray_starts(inputs, tmp_path):
+    """The check reads the first 1,000 rows; every row's prompt is measured as the data is loaded,
+    still before Ray starts: the run stops with status 2 naming the rows, and no worker ran."""
+    output_root = tmp_path / "runs"
+    cmd = [str(VENV_BIN / "hybridflow"), *files("long_after_1000.parquet")(inputs), f"logger.output_root={output_root}",
+           "logger.run_name=long"]
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2, result.stdout[-3000:] + result.stderr[-3000:]
+    assert "checked the first 1000 of 1010 rows" in result.stdout
+    assert (f"data file {inputs / 'long_after_1000.parquet'} (data.train_path), column 'prompt', row(s) 1003, 1007: "
+            "row 1003 has 62 tokens, more than data.max_prompt_tokens=32") in result.stderr, result.stderr
+    assert "data.prompt_truncation=left" in result.stderr
+    logs = output_root / "long" / "logs"
+    assert not (output_root / "long" / "metrics.jsonl").exists()
+    assert not [p for p in logs.iterdir() if p.is_dir()], "a worker process was started"  # logs/<stage>/ per worker
