@@ -78,11 +78,13 @@ def chat_template_name(tokenizer, model_dir: str | Path) -> str:
 
 
 def say_once(text: str) -> None:
-    """A line on the console and in the driver log, once per process."""
+    """A line on the console, once per process (the console is what a run's user reads; inside a
+    run the line also goes to logs/driver.log)."""
     if text in _said:
         return
     _said.add(text)
     from hybridflow import console
 
     console.say(text)
-    _log.info(text)
+    if console.quiet():  # inside a run whose library output goes to logs/: driver.log keeps it too
+        _log.info(text)

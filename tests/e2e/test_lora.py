@@ -1,4 +1,5 @@
-"""GRPO with a LoRA actor end to end: real Ray, FSDP2 on 2 ranks, vLLM on the CPU, colocated.
+"""GRPO with a LoRA actor end to end: real Ray, FSDP2 on 2 ranks, vLLM on the CPU, colocated; at
+TP 2 on a model as checkpoints ship (a byte-level BPE tokenizer with no pad token, chat prompts).
 
 Each run trains for 2 steps with a reward that varies between samples (so the adapter learns),
 with the weight checksums on at every step: the rollout engine must hold the actor's weights with
@@ -29,6 +30,29 @@ SMALL = ["recipe=grpo", "trainer.total_steps=2", "trainer.prompts_per_step=4", "
 SPREAD_REWARD = "def score(response):\n    return float(sum(map(ord, response)) % 5)\n"
 
 
+@pytest.fixture(scope="module")
+def bpe_model_and_chat_data(tmp_path_factory) -> tuple[Path, Path, Path]:
+    """A tiny Qwen2 with a byte-level BPE tokenizer as many checkpoints ship it (no pad token, BOS
+    added to text, a chat template), and chat-message prompts to train on."""
+    from transformers import AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
+
+    from hybridflow.data import write_rows
+    from tests.unit.test_tokenizers_as_they_come import save_bpe_tokenizer
+
+    root = tmp_path_factory.mktemp("bpe")
+    model_dir = save_bpe_tokenizer(root / "model")
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    assert tokenizer.pad_token is None
+    torch.manual_seed(0)
+    Qwen2ForCausalLM(Qwen2Config(
+        vocab_size=448, hidden_size=128, intermediate_size=256, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, tie_word_embeddings=True, bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id)).save_pretrained(model_dir)
+    rows = [{"prompt": [{"role": "user", "content": f"what is the sum {a}+{b}="}], "ground_truth": str(a + b)}
+            for a in range(16) for b in range(4)]
+    return model_dir, write_rows(rows, root / "train.parquet"), write_rows(rows[:4], root / "val.parquet")
+
+
 def grpo_lora(tmp_path: Path, name: str, *extra: str) -> Path:
     reward = tmp_path / "spread.py"
     reward.write_text(SPREAD_REWARD)
@@ -37,6 +61,7 @@ def grpo_lora(tmp_path: Path, name: str, *extra: str) -> Path:
     result = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
     run_dir = tmp_path / name
+    (run_dir / "console.txt").write_text(result.stdout)
     for row in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines()):
         assert row["weight_sync/verified_tensors"] > 0  # engine == actor's folded weights, checked each step
         assert row["rollout/log_prob_diff"] < 1e-3  # vLLM samples from the adapted model the actor trains
@@ -61,22 +86,29 @@ def trained_factors(run_dir: Path) -> dict[str, tuple[torch.Tensor, torch.Tensor
     return factors
 
 
-def folded_by_hand(run_dir: Path) -> dict[str, torch.Tensor]:
+def folded_by_hand(run_dir: Path, base_dir: Path) -> dict[str, torch.Tensor]:
     """The base model's weights with W + (alpha / r) * B @ A on every adapted module, in fp32."""
     from safetensors.torch import load_file
 
-    weights = load_file(run_dir / "base_model" / "model.safetensors")
+    weights = load_file(base_dir / "model.safetensors")
     for module, (a, b) in trained_factors(run_dir).items():
         weights[f"{module}.weight"] = weights[f"{module}.weight"].float() + (ALPHA / RANK) * (b.float() @ a.float())
     return weights
 
 
-def test_lora_grpo_at_tp2_saves_the_adapter_that_folds_to_the_trained_model(tmp_path):
+def test_lora_grpo_at_tp2_saves_the_adapter_that_folds_to_the_trained_model(tmp_path, bpe_model_and_chat_data):
+    """On a checkpoint as they come: a BPE tokenizer without a pad token, chat prompts."""
     from safetensors.torch import load_file
 
     from hybridflow.merge.lora import LoraCheckpoint
 
-    run_dir = grpo_lora(tmp_path, "tp2", "rollout.tensor_parallel_size=2", "actor.lora.save_adapter_only=true")
+    model_dir, train, val = bpe_model_and_chat_data
+    run_dir = grpo_lora(tmp_path, "tp2", "rollout.tensor_parallel_size=2", "actor.lora.save_adapter_only=true",
+                        f"model.path={model_dir}", "data=files", f"data.train_path={train}", f"data.val_path={val}",
+                        "data.max_prompt_tokens=32")
+    console = (run_dir / "console.txt").read_text()
+    assert console.count(f"the tokenizer of {model_dir} has no pad token; its eos token '</s>'") == 1
+    assert f"chat prompts are rendered with chat_template.jinja of {model_dir} (Llama 2 / Mistral" in console
     final = run_dir / "final_model"
     assert sorted(p.name for p in final.iterdir()) == ["adapter_config.json", "adapter_model.safetensors"]
     assert (run_dir / "checkpoints" / "step_00000002" / "hf" / "adapter_model.safetensors").is_file()
@@ -84,7 +116,7 @@ def test_lora_grpo_at_tp2_saves_the_adapter_that_folds_to_the_trained_model(tmp_
     for module, (a, b) in trained_factors(run_dir).items():  # peft's names, the trained values
         torch.testing.assert_close(saved[f"base_model.model.{module}.lora_A.weight"], a, rtol=0, atol=0)
         torch.testing.assert_close(saved[f"base_model.model.{module}.lora_B.weight"], b, rtol=0, atol=0)
-    expected = folded_by_hand(run_dir)
+    expected = folded_by_hand(run_dir, model_dir)
     adapter = LoraCheckpoint(final)  # the base from adapter_config.json's base_model_name_or_path
     try:
         assert set(adapter.keys()) == set(expected)
@@ -100,7 +132,7 @@ def test_lora_grpo_at_tp1_exports_base_plus_the_folded_adapter(tmp_path):
 
     run_dir = grpo_lora(tmp_path, "tp1", "rollout.tensor_parallel_size=1")
     exported = load_file(run_dir / "final_model" / "model.safetensors")
-    expected = folded_by_hand(run_dir)
+    expected = folded_by_hand(run_dir, run_dir / "base_model")
     base = load_file(run_dir / "base_model" / "model.safetensors")
     assert set(exported) == set(expected)
     changed = [key for key in exported if not torch.equal(exported[key], base[key])]

@@ -161,3 +161,7 @@ def test_prompts_longer_than_max_prompt_tokens_with_the_models_tokenizer(tmp_pat
         "data.prompt_truncation=left|filter"]
     cfg.data.max_prompt_tokens = 42
     assert check_run(cfg) == []
+    cfg.data.max_prompt_tokens = 18
+    for truncation in ("left", "filter"):  # over-long prompts are then cut or left out, not refused
+        cfg.data.prompt_truncation = truncation
+        assert check_run(cfg) == []
