@@ -45,13 +45,14 @@ def prepare_data(config: HybridFlowConfig, run_dir: Path, tokenizer) -> Datasets
     data = config.data
     if data.train_path is not None:
         train_path, val_path = Path(data.train_path), Path(data.val_path)
-        train = fit_data(config, read_rows(train_path), tokenizer, f"data file {train_path} (data.train_path)")
+        train = fit_data(config, read_rows(train_path), tokenizer, f"data file {train_path} (data.train_path)",
+                         trained=True)
         val = fit_data(config, read_rows(val_path), tokenizer, f"data file {val_path} (data.val_path)")
         return Datasets(train, val, train_path, val_path)
     syn = data.synthetic
     spec = ArithmeticSpec(syn.min_digits, syn.max_digits, tuple(syn.operations))
     train, val = make_arithmetic_split(syn.train_rows, syn.val_rows, spec, seed=data.seed)
-    train = fit_data(config, train, tokenizer, "the synthetic training rows")
+    train = fit_data(config, train, tokenizer, "the synthetic training rows", trained=True)
     val = fit_data(config, val, tokenizer, "the synthetic validation rows")
     if syn.calculator_demonstrations:
         from hybridflow.data.calculator import demonstration
@@ -62,10 +63,11 @@ def prepare_data(config: HybridFlowConfig, run_dir: Path, tokenizer) -> Datasets
     return Datasets(train, val, train_path, val_path)
 
 
-def fit_data(config: HybridFlowConfig, rows: list[dict], tokenizer, where: str) -> list[dict]:
-    """`rows` with data.prompt_truncation applied to every prompt; an SFT target longer than
-    rollout.max_response_tokens, or (`error`) a prompt longer than data.max_prompt_tokens, raises
-    InputError naming the rows. The console names the chat template that renders chat prompts."""
+def fit_data(config: HybridFlowConfig, rows: list[dict], tokenizer, where: str, trained: bool = False) -> list[dict]:
+    """`rows` with data.prompt_truncation applied to every prompt; a prompt longer than
+    data.max_prompt_tokens (with `error`), or in SFT's `trained` rows a target longer than
+    rollout.max_response_tokens, raises InputError naming the rows. The console names the chat
+    template that renders chat prompts."""
     from hybridflow.data.answers import long_sft_targets
     from hybridflow.data.chat import is_chat
     from hybridflow.data.checks import InputError
@@ -78,7 +80,7 @@ def fit_data(config: HybridFlowConfig, rows: list[dict], tokenizer, where: str) 
         say_once("hybridflow: the prompts are text, used as they are (the tokenizer's chat template is not applied; "
                  "write prompts as chat messages to use it)")
     rows = fit_prompt_lengths(rows, tokenizer, config.data.max_prompt_tokens, config.data.prompt_truncation, where)
-    if config.recipe.name == "sft":
+    if trained and config.recipe.name == "sft":
         problem = long_sft_targets(rows, tokenizer, config.rollout.max_response_tokens, where)
         if problem:
             raise InputError(problem)

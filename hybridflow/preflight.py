@@ -116,7 +116,7 @@ def _prompt_length_problems(config: HybridFlowConfig, files: dict[str, "FileFact
                             f"{long[0][1]} tokens, more than data.max_prompt_tokens={limit}; fix: raise "
                             f"data.max_prompt_tokens to {max(n for _, n in long)}, shorten the prompts, or set "
                             "data.prompt_truncation=left|filter")
-        if config.recipe.name == "sft":
+        if config.recipe.name == "sft" and key == "data.train_path":  # validation only generates
             problem = long_sft_targets(facts.targets, tokenizer, config.rollout.max_response_tokens, where,
                                        indices=[row for row, _ in facts.prompts])
             problems += [problem] if problem else []
