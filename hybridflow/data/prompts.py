@@ -19,15 +19,16 @@ from hybridflow.data.tokenizer import say_once, text_prefix
 TRUNCATIONS = ("error", "left", "filter")
 
 
-def prompt_token_ids(prompts: list, tokenizer) -> tuple[list[str], list[list[int]]]:
+def prompt_token_ids(prompts: list, tokenizer, first_index: int = 0) -> tuple[list[str], list[list[int]]]:
     """(texts, token ids) of prompts as the model sees them: chat messages rendered with the chat
-    template (which writes its own BOS), text with the tokenizer's BOS when it adds one."""
+    template (which writes its own BOS), text with the tokenizer's BOS when it adds one. An error
+    names the sample (numbered from `first_index`)."""
     texts = []
     for i, prompt in enumerate(prompts):
         try:
             texts.append(render_prompt(prompt, tokenizer))
         except ValueError as exc:
-            raise ValueError(f"sample {i}: {exc}") from None
+            raise ValueError(f"sample {first_index + i}: {exc}") from None
     ids = tokenizer(texts, add_special_tokens=False)["input_ids"] if texts else []
     prefix = text_prefix(tokenizer)
     if prefix:
@@ -87,7 +88,7 @@ def over_long_prompts(rows: list[dict], tokenizer, limit: int, chunk_rows: int =
     """(row index, token count) of every row whose prompt has more than `limit` tokens."""
     long = []
     for start in range(0, len(rows), chunk_rows):
-        _, token_ids = prompt_token_ids([row["prompt"] for row in rows[start:start + chunk_rows]], tokenizer)
+        _, token_ids = prompt_token_ids([row["prompt"] for row in rows[start:start + chunk_rows]], tokenizer, start)
         long += [(start + i, len(tokens)) for i, tokens in enumerate(token_ids) if len(tokens) > limit]
     return long
 
