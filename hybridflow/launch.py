@@ -79,7 +79,12 @@ def fit_data(config: HybridFlowConfig, rows: list[dict], tokenizer, where: str, 
     elif config.data.train_path is not None and getattr(tokenizer, "chat_template", None):
         say_once("hybridflow: the prompts are text, used as they are (the tokenizer's chat template is not applied; "
                  "write prompts as chat messages to use it)")
-    rows = fit_prompt_lengths(rows, tokenizer, config.data.max_prompt_tokens, config.data.prompt_truncation, where)
+    kept = fit_prompt_lengths(rows, tokenizer, config.data.max_prompt_tokens, config.data.prompt_truncation, where)
+    if trained and len(kept) < len(rows) and len(kept) < config.trainer.prompts_per_step:
+        raise InputError(f"{where}: {len(kept)} rows are left after data.prompt_truncation=filter, fewer than "
+                         f"trainer.prompts_per_step={config.trainer.prompts_per_step}; fix: raise "
+                         "data.max_prompt_tokens, or lower trainer.prompts_per_step")
+    rows = kept
     if trained and config.recipe.name == "sft":
         problem = long_sft_targets(rows, tokenizer, config.rollout.max_response_tokens, where)
         if problem:

@@ -136,3 +136,16 @@ def test_sft_answers_longer_than_max_response_tokens(char_tokenizer):
     assert long_sft_targets(demos, char_tokenizer, 10, "rows") is None
     assert "column 'demonstration', row(s) 0: the SFT target of row 0 needs 10 tokens" in \
         long_sft_targets(demos, char_tokenizer, 9, "rows")
+
+
+def test_filter_leaving_fewer_rows_than_one_step_is_refused(char_tokenizer):
+    from hybridflow.config import compose
+    from hybridflow.launch import fit_data
+
+    config = compose(["recipe=grpo", "data.prompt_truncation=filter", "data.max_prompt_tokens=16",
+                      "trainer.prompts_per_step=4"])
+    rows = rows_with_long(8, {2, 3, 4, 5, 6})
+    assert len(fit_data(config, rows, char_tokenizer, "validation rows")) == 3  # validation: fewer is fine
+    with pytest.raises(InputError, match=r"^data file t: 3 rows are left after data.prompt_truncation=filter, fewer "
+                                         r"than trainer.prompts_per_step=4; fix: raise data.max_prompt_tokens"):
+        fit_data(config, rows, char_tokenizer, "data file t", trained=True)
