@@ -275,10 +275,7 @@ class ActorWorker(TrainingStateMixin):
     @register(Dispatch.ONE_TO_ALL)
     def send_weights(self) -> dict[str, float]:
         """Collective: move the current weights to the rollout (see hybridflow.resharding.sender)."""
-        from hybridflow.resharding.receiver import local_receiver
-
-        colocated = self.sender.plan.transport == "colocated"
-        return self.sender.send(local_receiver(self.ctx.group_name) if colocated else None)
+        return self.sender.send(self.ctx.group_name)
 
     @register(Dispatch.ONE_TO_ALL)
     def weight_checksums(self) -> list[dict[str, tuple[float, float]]]:
