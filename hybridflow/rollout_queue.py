@@ -30,6 +30,8 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable, Protocol
 
+from hybridflow.controller import deadlines
+
 
 class StalenessError(RuntimeError):
     """A batch would train further from its generating policy than `trainer.max_staleness`."""
@@ -131,7 +133,8 @@ class RolloutQueue:
     def _push(self, step: int) -> dict[str, float]:
         if self.rollout_version == self.actor_version and self.pushed_once:
             return {}
-        metrics = self.weight_sync.sync(step, self.actor_version)
+        with deadlines.stage("weight_sync"):  # also inside `next`: bounded by trainer.stage_timeout_s.weight_sync
+            metrics = self.weight_sync.sync(step, self.actor_version)
         self.rollout_version, self.pushed_once = self.actor_version, True
         return metrics
 

@@ -30,7 +30,7 @@ from hybridflow.algos import apply_kl_penalty, build_kl_controller, compute_adva
 from hybridflow.algos.policy_loss import behavior_weights
 from hybridflow.algos.rewards import place_sequence_rewards
 from hybridflow.batch import Batch, from_json, to_json
-from hybridflow.batch_keys import proximal_key
+from hybridflow.batch_keys import proximal_key, require
 from hybridflow.config.schema import HybridFlowConfig
 from hybridflow.controller import RoleSpec
 from hybridflow.data.loader import PromptLoader
@@ -129,6 +129,7 @@ class Step:
         self.n = config.rollout.samples_per_prompt
         self.clip_against_sampler = clips_against_sampler(config)
         self.proximal = proximal_key(self.clip_against_sampler)
+        self.weighted = uses_behavior_weights(config, self.proximal)
 
 
 def clips_against_sampler(config: HybridFlowConfig) -> bool:
@@ -139,6 +140,12 @@ def clips_against_sampler(config: HybridFlowConfig) -> bool:
         return t.old_log_probs == "sampler"
     return t.use_sampler_log_probs and a.epochs_per_step == 1 and \
         a.samples_per_mini_batch in (0, t.prompts_per_step * config.rollout.samples_per_prompt)
+
+
+def uses_behavior_weights(config: HybridFlowConfig, proximal: str) -> bool:
+    """Whether the step's tokens carry `behavior_weights`: a stale run whose update clips against
+    the actor's recomputed log-probs, with algorithm.behavior_is_cap > 0."""
+    return bool(config.trainer.max_staleness) and proximal == "old_log_probs" and config.algorithm.behavior_is_cap > 0
 
 
 def launch_batch(r: Step, step: int, version: int) -> Pending:
@@ -190,7 +197,11 @@ def update(r: Step, step: int, samples: Batch, actor_learns: bool) -> dict[str, 
     meanwhile), with the step hooks around the actor's."""
     critic_update = r.critic.update_critic.remote(samples) if r.critic is not None else None
     hook_metrics = r.hooks.before_update(step, r.actor) if actor_learns else {}
-    actor_metrics = r.actor.update_policy(samples, old_log_probs_key=r.proximal)[0] if actor_learns else {}
+    actor_metrics = {}
+    if actor_learns:
+        require(samples, [r.proximal, "advantages", *(["ref_log_probs"] if r.config.actor.kl_loss_coef else []),
+                          *(["behavior_weights"] if r.weighted else [])], "actor.update_policy")
+        actor_metrics = r.actor.update_policy(samples, old_log_probs_key=r.proximal, weighted=r.weighted)[0]
     critic_metrics = critic_update.get()[0] if critic_update is not None else {}
     if actor_learns:  # step hooks first: a reference EMA then follows weights they loaded
         hook_metrics.update(r.hooks.after_update(step, {**reward_metrics(samples), **actor_metrics}, r.actor))
@@ -283,7 +294,7 @@ def add_advantages(samples: Batch, config: HybridFlowConfig, kl_coef: float, pro
         values=samples["values"] if a.use_critic else None, group_ids=samples["group_ids"],
         baseline_token_rewards=baseline_token_rewards, gamma=a.gamma, lam=a.lam)
     added = {"token_rewards": token_rewards, "advantages": advantages, "returns": returns}
-    if config.trainer.max_staleness and proximal == "old_log_probs" and a.behavior_is_cap > 0:
+    if uses_behavior_weights(config, proximal):
         added["behavior_weights"], is_stats = behavior_weights(
             old_log_probs=samples["old_log_probs"], sampler_log_probs=samples["sampler_log_probs"],
             response_mask=mask, cap=a.behavior_is_cap)

@@ -97,13 +97,13 @@ class ActorWorker(TrainingStateMixin):
     # ---- training ---------------------------------------------------------------------------
 
     @register(Dispatch.DP_SPLIT)
-    def update_policy(self, batch: Batch, old_log_probs_key: str = "old_log_probs") -> dict:
+    def update_policy(self, batch: Batch, old_log_probs_key: str = "old_log_probs", weighted: bool = False) -> dict:
         """One step's policy update. Needs response tokens, the proximal log-probs (the column
         `old_log_probs_key`: the actor's `old_log_probs` or the `sampler_log_probs`), `advantages`,
-        `ref_log_probs` when kl_loss_coef > 0 and `behavior_weights` when the batch has them
+        `ref_log_probs` when kl_loss_coef > 0 and, when `weighted`, `behavior_weights`
         (hybridflow.batch_keys). Returns metrics averaged over ranks."""
         start = time.perf_counter()
-        stats = self._train(batch, partial(self._policy_loss, old_key=old_log_probs_key))
+        stats = self._train(batch, partial(self._policy_loss, old_key=old_log_probs_key, weighted=weighted))
         stats["timing/actor_update_s"] = time.perf_counter() - start
         return stats
 
@@ -112,15 +112,15 @@ class ActorWorker(TrainingStateMixin):
         """One supervised step: cross-entropy on response (answer) tokens only."""
         return self._train(batch, self._sft_loss, epochs=1, whole_batch=True)
 
-    def _policy_loss(self, micro: Batch, tokens: float, seqs: float, old_key: str = "old_log_probs"
-                     ) -> tuple[torch.Tensor, dict]:
+    def _policy_loss(self, micro: Batch, tokens: float, seqs: float, old_key: str = "old_log_probs",
+                     weighted: bool = False) -> tuple[torch.Tensor, dict]:
         logits = response_logits(self.model, micro, self.temperature)
         mask = loss_mask(micro)  # sampled tokens only: tool output is attended to, never trained
         log_probs = log_probs_from_logits(logits, micro["response_ids"])
         counts = {"global_token_count": tokens, "global_sequence_count": seqs}
         loss, stats = compute_policy_loss(
             self.cfg.policy_loss, log_probs=log_probs, old_log_probs=micro[old_key],
-            behavior_weights=micro.tensors.get("behavior_weights"),  # written only for stale batches
+            behavior_weights=micro["behavior_weights"] if weighted else None,
             advantages=micro["advantages"], response_mask=mask, clip_ratio_low=self.cfg.clip_ratio_low,
             clip_ratio_high=self.cfg.clip_ratio_high, dual_clip_c=self.cfg.dual_clip_c,
             aggregation=self.cfg.loss_aggregation, **counts)

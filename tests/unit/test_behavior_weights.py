@@ -81,3 +81,12 @@ def test_the_step_carries_weights_only_when_stale_and_clipping_against_the_actor
 def test_a_stale_config_without_what_it_needs_is_refused_naming_the_key(overrides, key):
     with pytest.raises(Exception, match=re.escape(key)):
         compose(["recipe=grpo", *overrides])
+
+
+def test_a_missing_key_is_named_with_the_role_that_writes_it():
+    from hybridflow.batch import Batch
+    from hybridflow.batch_keys import STEP_KEYS, require
+
+    with pytest.raises(KeyError, match=r"'behavior_weights' \(written by driver\)"):
+        require(Batch({"advantages": torch.zeros(2, 3)}), ["advantages", "behavior_weights"], "actor.update_policy")
+    assert STEP_KEYS["old_log_probs"].writer == "actor" and STEP_KEYS["sampler_log_probs"].writer == "rollout"
