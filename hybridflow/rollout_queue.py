@@ -81,7 +81,8 @@ class RolloutQueue:
         self._push(step)
         if in_flight is not None:
             result = self.decode(in_flight["result"])
-            self.in_flight = Pending(in_flight["step"], in_flight["version"], lambda: result, relaunch=None)
+            self.in_flight = Pending(in_flight["step"], in_flight["version"], lambda: result,
+                                     relaunch=_restored_cannot_relaunch)
         self._refill(step)
 
     def next(self, step: int) -> tuple[Any, int, dict[str, float]]:
@@ -156,3 +157,9 @@ class RolloutQueue:
             p = self.in_flight
             out["in_flight"] = {"step": p.step, "version": p.version, "result": self.encode(p.wait())}
         return out
+
+
+def _restored_cannot_relaunch(version: int) -> Pending:
+    raise StalenessError("a weight reload with a batch restored from a checkpoint in flight: its prompts are not "
+                         "kept, so it cannot be regenerated (hooks that reload weights are refused with "
+                         "trainer.max_staleness > 0)")
