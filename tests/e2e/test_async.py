@@ -95,3 +95,21 @@ def test_resuming_one_step_off_from_a_checkpoint_with_a_batch_in_flight_trains_o
     for got, want in zip(resumed[2:], whole[2:]):
         got, want = without_timing(got), without_timing(want)
         assert got == want, {k: (got.get(k), want.get(k)) for k in set(got) | set(want) if got.get(k) != want.get(k)}
+
+
+@pytest.mark.slow  # ~60 s; the deadline a call keeps across stages is tested in the default run by
+# tests/controller/test_worker_group.py
+def test_a_rollout_hung_while_the_trainer_trains_is_a_named_timeout_of_the_stage_that_launched_it(tmp_path):
+    """The batch for step 3 is launched in step 2's generate stage, on a rollout hung at the start
+    of step 2; step 2's validation drains it, outside any stage: the wait ends at the deadline the
+    launch was issued under (15 s, not the 3600 s default), names the rank, and the run restarts
+    from its step-1 checkpoint and finishes."""
+    result = hybridflow([*ONE_STEP_OFF[:1], "trainer.total_steps=3", *ONE_STEP_OFF[2:], "trainer.max_restarts=1",
+                         "trainer.save_every_steps=1", "+trainer.stage_timeout_s.generate=15",
+                         "trainer.fault_injection=[{kind:hang,role:rollout,method:generate,step:2}]"], tmp_path, "hung")
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
+    restart = json.loads((tmp_path / "hung" / "restarts.jsonl").read_text().splitlines()[0])
+    assert restart["error"] == "StageTimeoutError" and restart["step"] == 2
+    assert "stage 'generate' did not finish within 15 s" in restart["message"]
+    assert "VLLMRollout.generate rank 0" in restart["message"]
+    assert [r["step"] for r in metrics(tmp_path / "hung")] == [1, 2, 3]
