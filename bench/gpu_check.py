@@ -172,6 +172,7 @@ def check_sync(actor, model_dir: Path, device: str, dtype: str, syncs: int) -> l
     from hybridflow.resharding.layout import Box, buckets, layout_minimum, numel
     from hybridflow.resharding.receiver import register_local
     from hybridflow.resharding.sender import SyncPlan
+    from hybridflow.resharding.transports import Colocated
     from hybridflow.resharding.verify import PROBE_NEW_TOKENS, PROBE_PROMPT_IDS
     from hybridflow.resharding.weights import full_weights
 
@@ -180,7 +181,7 @@ def check_sync(actor, model_dir: Path, device: str, dtype: str, syncs: int) -> l
     out = []
     for mode, receiver in receivers.items():
         need = {n: Box.of(r) for n, r in receiver.needed_boxes(shapes).items()}
-        plan = SyncPlan("colocated", dtype, 64 * 2 ** 20, 60.0, [receiver.needed_boxes(shapes)],
+        plan = SyncPlan(Colocated(), dtype, 64 * 2 ** 20, 60.0, [receiver.needed_boxes(shapes)],
                         buckets=buckets(list(shapes), {n: numel(s) * size for n, s in shapes.items()}, 64 * 2 ** 20),
                         shapes=shapes)
         register_local(actor.ctx.group_name, receiver)

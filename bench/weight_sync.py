@@ -45,6 +45,7 @@ def run_mode(model_dir: Path, actor_ranks: int, rollout_ranks: int | None, tp: i
     from hybridflow.config.schema import HybridFlowConfig, RolloutConfig, WeightSyncConfig
     from hybridflow.controller import PoolSpec, ResourcePool, RoleSpec, spawn_workers
     from hybridflow.resharding.sync import WeightSync
+    from hybridflow.resharding.transports import build_transport
     from recipes.roles import actor_role
     from workers.rollout.vllm_rollout import VLLMRollout
 
@@ -67,7 +68,7 @@ def run_mode(model_dir: Path, actor_ranks: int, rollout_ranks: int | None, tp: i
         for future in [groups["actor"].start.remote(), groups["rollout"].start_engine.remote()]:
             future.get()
         sync = WeightSync(groups["actor"], groups["rollout"], WeightSyncConfig(check="none"),
-                          "colocated" if rollout_ranks is None else "gloo", "float32")
+                          build_transport(rollout_ranks is None), "float32")
         setup = sync.setup()
         sync.sync(step=0)  # warm-up
         runs = [sync.sync(step=i + 1) for i in range(syncs)]

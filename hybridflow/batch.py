@@ -194,6 +194,21 @@ class Batch:
         self.tensors, self.objects, self.meta = state["tensors"], state["objects"], state["meta"]
 
 
+def to_json(batch: Batch) -> dict:
+    """A JSON-serialisable copy of `batch` that `from_json` turns back into equal tensors, bit
+    for bit (floats pass through Python floats, which hold every float32/bfloat16 value
+    exactly); objects and meta must be JSON values. For a checkpoint's trainer state."""
+    tensors = {k: {"dtype": str(v.dtype).removeprefix("torch."), "shape": list(v.shape),
+                   "data": v.detach().cpu().reshape(-1).tolist()} for k, v in batch.tensors.items()}
+    return {"tensors": tensors, "objects": batch.objects, "meta": batch.meta}
+
+
+def from_json(state: dict) -> Batch:
+    tensors = {k: torch.tensor(v["data"], dtype=getattr(torch, v["dtype"])).reshape(v["shape"])
+               for k, v in state["tensors"].items()}
+    return Batch(tensors, state["objects"], state["meta"])
+
+
 def _meta_equal(a: Any, b: Any) -> bool:
     if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
         return isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and torch.equal(a, b)

@@ -161,5 +161,7 @@ def build_weight_sync(config: HybridFlowConfig, actor: WorkerGroup, rollout: Wor
     the two share a pool, over a gloo group spanning the two pools otherwise."""
     from hybridflow.resharding.sync import WeightSync
 
-    transport = "colocated" if config.placement.rollout_colocated else "gloo"
+    from hybridflow.resharding.transports import build_transport
+
+    transport = build_transport(config.placement.rollout_colocated)
     return WeightSync(actor, rollout, config.weight_sync, transport, config.rollout.dtype.value)

@@ -1,26 +1,35 @@
 """The PPO family: PPO with a critic, and the critic-free estimators (GRPO, Dr. GRPO, RLOO,
 REINFORCE++, ReMax) — one loop, the algorithm chosen by config.
 
-Per step: generate n samples per prompt -> reward -> old and reference log-probs -> values
--> advantages -> critic update -> actor update -> weight sync. Stages that do not depend on
-each other are issued together (non-blocking), so on different pools they run at the same
-time. An on-policy run with one update per step uses the sampler's log-probs as the old
-log-probs instead of a second forward pass; the update reports how far they are from the
-actor's own (`rollout/log_prob_diff`). Step hooks (`trainer.training_hooks`,
-hybridflow/training/hooks.py, e.g. spike_recovery) run around the actor update, before the
-reference hooks and the weight sync: weights a hook loads into the actor are synced to the
-rollout at the end of the same step, so the next step generates with them.
-"""
+Per step, each stage a named call: generate n samples per prompt (`rollouts.next`, the
+schedule of hybridflow/rollout_queue.py) -> `score` (reward, old and reference log-probs,
+values) -> `add_advantages` -> `update` (critic, then actor with its step hooks) -> weight sync
+(`rollouts.updated`) -> `step_metrics`. Stages that do not depend on each other are issued
+together (non-blocking), so on different pools they run at the same time. With
+`trainer.max_staleness=1` the same calls run one-step-off: the next batch generates on the
+rollout pool while this one trains (docs/async.md).
 
+The update clips against π_old: the sampler's log-probs when the run is on-policy with one
+update per step (no second forward pass; the update reports how far they are from the actor's
+own, `rollout/log_prob_diff`) or with `trainer.old_log_probs=sampler`, else the actor's
+recomputed `old_log_probs` (hybridflow/batch_keys.py names every key). Step hooks
+(`trainer.training_hooks`, hybridflow/training/hooks.py, e.g. spike_recovery) run around the
+actor update, before the reference hooks and the weight sync: weights a hook loads into the
+actor are synced to the rollout at the end of the same step, so the next step generates with
+them.
+"""
 from __future__ import annotations
 
+from functools import partial
 from pathlib import Path
 
 import torch
 
 from hybridflow.algos import apply_kl_penalty, build_kl_controller, compute_advantages, masked_mean
+from hybridflow.algos.policy_loss import behavior_weights
 from hybridflow.algos.rewards import place_sequence_rewards
-from hybridflow.batch import Batch
+from hybridflow.batch import Batch, from_json, to_json
+from hybridflow.batch_keys import proximal_key, require
 from hybridflow.config.schema import HybridFlowConfig
 from hybridflow.controller import RoleSpec
 from hybridflow.data.loader import PromptLoader
@@ -29,6 +38,7 @@ from hybridflow.data.tokenizer import load_tokenizer
 from hybridflow.faults import inject_faults
 from hybridflow.launch import build_weight_sync, prepare_data, prepare_model, spawn_roles, start_ray, vllm_env
 from hybridflow.rewards import reward_metrics
+from hybridflow.rollout_queue import Pending, RolloutQueue
 from hybridflow.runner import (
     Checkpointer,
     StageTimer,
@@ -50,14 +60,12 @@ def run(config: HybridFlowConfig, run_dir: Path) -> dict:
     data = prepare_data(config, run_dir, tokenizer)
     start_ray(config)
     groups = spawn_roles(config, build_roles(config, model_dir, tokenizer), env_vars=vllm_env(config))
-    actor, rollout, reward = groups["actor"], groups["rollout"], groups["reward"]
-    reference, critic = groups.get("reference"), groups.get("critic")
-    for future in [g.start.remote() for name, g in groups.items() if name != "rollout"] + [rollout.start_engine.remote()]:
+    for future in [g.start.remote() for name, g in groups.items() if name != "rollout"] + \
+            [groups["rollout"].start_engine.remote()]:
         future.get()
-
-    trainable = {"actor": actor, **({"critic": critic} if critic else {})}
-    checkpointer = Checkpointer(config, run_dir, model_dir, trainable)
     t = config.trainer
+    trainable = {"actor": groups["actor"], **({"critic": groups["critic"]} if "critic" in groups else {})}
+    checkpointer = Checkpointer(config, run_dir, model_dir, trainable)
     loader = PromptLoader(data.train, t.prompts_per_step, seed=config.seed,
                           remember_batches=batches_to_remember(t.training_hooks, t.save_every_steps))
     kl_ctl = build_kl_controller(config.algorithm.kl_controller, **kl_controller_args(config))
@@ -66,77 +74,161 @@ def run(config: HybridFlowConfig, run_dir: Path) -> dict:
     if state:
         loader.load_state_dict(state["loader"])
         kl_ctl.coef = float(state["kl_coef"])
-    weight_sync = build_weight_sync(config, actor, rollout)
+    weight_sync = build_weight_sync(config, groups["actor"], groups["rollout"])
     weight_sync.setup()
-    weight_sync.sync(step)
-    logger = MetricsLogger(run_dir, config.logger.backends, total_steps=config.trainer.total_steps)
-    hooks = StepHooks.build(t.training_hooks, run_dir, loader)
-    n = config.rollout.samples_per_prompt
-    on_policy = config.trainer.use_sampler_log_probs and config.actor.epochs_per_step == 1 and \
-        config.actor.samples_per_mini_batch in (0, config.trainer.prompts_per_step * n)
+    r = Step(config, groups, tokenizer, loader, StepHooks.build(t.training_hooks, run_dir, loader))
+    rollouts = RolloutQueue(partial(launch_batch, r), weight_sync, depth=t.max_staleness, last_step=t.total_steps,
+                            encode=lambda out: [None if b is None else to_json(b) for b in out],
+                            decode=lambda out: tuple(None if b is None else from_json(b) for b in out))
+    rollouts.start(step, **state.get("rollouts", {}))
+    logger = MetricsLogger(run_dir, config.logger.backends, total_steps=t.total_steps)
 
-    while step < config.trainer.total_steps:
+    while step < t.total_steps:
         step += 1
         inject_faults(config, step, groups, run_dir)  # trainer.fault_injection: off unless configured
         timer = StageTimer()
         with timer("generate"), weight_sync.generating():  # GPU, colocated: the devices change hands
-            prompts = encode_prompts(loader.next_rows(), tokenizer, config.data.max_prompt_tokens,
-                                     truncation=config.data.prompt_truncation)
-            prompts.tensors["group_ids"] = torch.arange(len(prompts))
-            greedy = rollout.generate(prompts, greedy=True) if needs_greedy_baseline(config) else None  # ReMax
-            prompts = prompts.repeat_interleave(n)
-            prompts.tensors["sample_seed"] = sample_seeds(config.seed, step, len(prompts))
-            samples = rollout.generate(prompts)
+            (samples, greedy), trained_version, queue_metrics = rollouts.next(step)
         with timer("score"):  # independent: on separate pools these run at the same time
-            pending = [reward.compute_rewards.remote(text_only(samples))]
-            baseline = reward.compute_rewards.remote(text_only(greedy)) if greedy is not None else None
-            if not on_policy:
-                pending.append(actor.compute_log_probs.remote(samples))
-            if reference is not None:
-                pending.append(reference.compute_ref_log_probs.remote(samples))
-            elif config.actor.lora.rank and needs_reference(config):
-                pending.append(actor.compute_ref_log_probs.remote(samples))
-            if critic is not None:
-                pending.append(critic.compute_values.remote(samples))
-            for future in pending:
-                samples = samples.union(future.get())
-            if baseline is not None:  # each prompt's greedy reward, beside each of its n samples
-                samples.tensors["baseline_rewards"] = baseline.get()["sequence_rewards"].repeat_interleave(n)
-        if on_policy:
-            samples.tensors["old_log_probs"] = samples["sampler_log_probs"]
+            samples = score(r, samples, greedy)
         with timer("advantages"):
-            samples, algo_metrics = add_advantages(samples, config, kl_ctl.coef)
+            samples, algo_metrics = add_advantages(samples, config, kl_ctl.coef, r.proximal)
             kl_ctl.update(algo_metrics.get("kl/penalty_mean", 0.0), n_steps=len(samples))
-        actor_learns = step > config.trainer.critic_warmup_steps
+        actor_learns = step > t.critic_warmup_steps
         with timer("update"):
-            critic_update = critic.update_critic.remote(samples) if critic is not None else None
-            hook_metrics = hooks.before_update(step, actor) if actor_learns else {}
-            actor_metrics = actor.update_policy(samples)[0] if actor_learns else {}
-            critic_metrics = critic_update.get()[0] if critic_update is not None else {}
-            if actor_learns:  # step hooks first: a reference EMA then follows weights they loaded
-                hook_metrics.update(hooks.after_update(step, {**reward_metrics(samples), **actor_metrics}, actor))
-                hook_metrics.update(run_training_hooks(config, step, actor, reference))
+            update_metrics = update(r, step, samples, actor_learns)
         with timer("weight_sync"):
-            sync_metrics = weight_sync.sync(step) if actor_learns else {}
-
-        metrics = {**reward_metrics(samples), **algo_metrics, **actor_metrics, **critic_metrics, **hook_metrics,
-                   **sync_metrics, **response_stats(samples), **timer.seconds, "kl/coef": kl_ctl.coef}
-        metrics["perf/tokens_per_s"] = metrics["response/tokens"] / metrics["timing/generate_s"]
-        if on_policy and actor_learns:  # the update's first forward pass is the actor's log-prob of the sampled tokens
-            metrics["rollout/log_prob_diff"] = actor_metrics["actor/log_prob_diff_from_old"]
-        elif not on_policy:
-            metrics["rollout/log_prob_diff"] = float(masked_mean(
-                (samples["old_log_probs"] - samples["sampler_log_probs"]).abs(), loss_mask(samples)))
+            sync_metrics = rollouts.updated(step, learned=actor_learns,
+                                            reloaded=update_metrics.get("spike_recovery/fired") == 1.0)
+        metrics = step_metrics(r, samples, trained_version, rollouts.depth, actor_learns, {
+            **algo_metrics, **update_metrics, **sync_metrics, **queue_metrics, **timer.seconds, "kl/coef": kl_ctl.coef})
         if validation_due(config, step):
+            metrics.update(rollouts.drain(step))  # validate the newest weights (depth 0: pushed already)
             with weight_sync.generating():
-                metrics.update(validate(config, rollout, reward, data.val, tokenizer, step))
+                metrics.update(validate(config, r.rollout, r.reward, data.val, tokenizer, step))
         logger.log(step, metrics)
         if checkpointer.due(step):
-            checkpointer.save(step, {"loader": loader.state_dict(), "kl_coef": kl_ctl.coef, "metrics": metrics})
+            rollouts.drain(step)
+            checkpointer.save(step, {"loader": loader.state_dict(), "kl_coef": kl_ctl.coef, "metrics": metrics,
+                                     "rollouts": rollouts.state()})
 
-    final_model = checkpointer.export_final(run_dir) if config.trainer.export_hf else None
+    final_model = checkpointer.export_final(run_dir) if t.export_hf else None
     logger.close()
     return {"final_model": final_model, "steps": step}
+
+
+class Step:
+    """What the stages of a step read: the config, the role groups, the data, the hooks, and
+    which log-probs the update clips against (`proximal`, hybridflow.batch_keys)."""
+
+    def __init__(self, config: HybridFlowConfig, groups: dict, tokenizer, loader: PromptLoader,
+                 hooks: StepHooks) -> None:
+        self.config, self.tokenizer, self.loader, self.hooks = config, tokenizer, loader, hooks
+        self.actor, self.rollout, self.reward = groups["actor"], groups["rollout"], groups["reward"]
+        self.reference, self.critic = groups.get("reference"), groups.get("critic")
+        self.n = config.rollout.samples_per_prompt
+        self.clip_against_sampler = clips_against_sampler(config)
+        self.proximal = proximal_key(self.clip_against_sampler)
+        self.weighted = uses_behavior_weights(config, self.proximal)
+
+
+def clips_against_sampler(config: HybridFlowConfig) -> bool:
+    """Whether the update's π_old is the sampler's log-probs (no actor forward pass): chosen with
+    trainer.old_log_probs, or, on 'auto', when the run is on-policy with one update per step."""
+    t, a = config.trainer, config.actor
+    if t.old_log_probs != "auto":
+        return t.old_log_probs == "sampler"
+    return t.use_sampler_log_probs and a.epochs_per_step == 1 and \
+        a.samples_per_mini_batch in (0, t.prompts_per_step * config.rollout.samples_per_prompt)
+
+
+def uses_behavior_weights(config: HybridFlowConfig, proximal: str) -> bool:
+    """Whether the step's tokens carry `behavior_weights`: a stale run whose update clips against
+    the actor's recomputed log-probs, with algorithm.behavior_is_cap > 0."""
+    return bool(config.trainer.max_staleness) and proximal == "old_log_probs" and config.algorithm.behavior_is_cap > 0
+
+
+def launch_batch(r: Step, step: int, version: int) -> Pending:
+    """Draw the step's prompts and submit their generation (and ReMax's greedy pass) to the
+    rollout, without waiting; per-sample seeds depend only on the step."""
+    prompts = encode_prompts(r.loader.next_rows(), r.tokenizer, r.config.data.max_prompt_tokens,
+                             truncation=r.config.data.prompt_truncation)
+    prompts.tensors["group_ids"] = torch.arange(len(prompts))
+    return submit_generation(r, step, prompts, version)
+
+
+def submit_generation(r: Step, step: int, prompts: Batch, version: int) -> Pending:
+    greedy = r.rollout.generate.remote(prompts, greedy=True) if needs_greedy_baseline(r.config) else None  # ReMax
+    samples_in = prompts.repeat_interleave(r.n)
+    samples_in.tensors["sample_seed"] = sample_seeds(r.config.seed, step, len(samples_in))
+    samples = r.rollout.generate.remote(samples_in)
+
+    def collect() -> tuple[Batch, Batch | None]:
+        greedy_out = greedy.get() if greedy is not None else None
+        out = samples.get()
+        out.tensors["behavior_version"] = torch.full((len(out),), version, dtype=torch.long)
+        return out, greedy_out
+
+    return Pending(step, version, collect, relaunch=partial(submit_generation, r, step, prompts))
+
+
+def score(r: Step, samples: Batch, greedy: Batch | None) -> Batch:
+    """Rewards, π_old (unless the update clips against the sampler), reference log-probs and
+    values, issued together."""
+    config = r.config
+    pending = [r.reward.compute_rewards.remote(text_only(samples))]
+    baseline = r.reward.compute_rewards.remote(text_only(greedy)) if greedy is not None else None
+    if not r.clip_against_sampler:
+        pending.append(r.actor.compute_log_probs.remote(samples))
+    if r.reference is not None:
+        pending.append(r.reference.compute_ref_log_probs.remote(samples))
+    elif config.actor.lora.rank and needs_reference(config):
+        pending.append(r.actor.compute_ref_log_probs.remote(samples))
+    if r.critic is not None:
+        pending.append(r.critic.compute_values.remote(samples))
+    for future in pending:
+        samples = samples.union(future.get())
+    if baseline is not None:  # each prompt's greedy reward, beside each of its n samples
+        samples.tensors["baseline_rewards"] = baseline.get()["sequence_rewards"].repeat_interleave(r.n)
+    return samples
+
+
+def update(r: Step, step: int, samples: Batch, actor_learns: bool) -> dict[str, float]:
+    """Critic and actor updates (the critic's issued first, so on its own pool it trains
+    meanwhile), with the step hooks around the actor's."""
+    critic_update = r.critic.update_critic.remote(samples) if r.critic is not None else None
+    hook_metrics = r.hooks.before_update(step, r.actor) if actor_learns else {}
+    actor_metrics = {}
+    if actor_learns:
+        require(samples, [r.proximal, "advantages", *(["ref_log_probs"] if r.config.actor.kl_loss_coef else []),
+                          *(["behavior_weights"] if r.weighted else [])], "actor.update_policy")
+        actor_metrics = r.actor.update_policy(samples, old_log_probs_key=r.proximal, weighted=r.weighted)[0]
+    critic_metrics = critic_update.get()[0] if critic_update is not None else {}
+    if actor_learns:  # step hooks first: a reference EMA then follows weights they loaded
+        hook_metrics.update(r.hooks.after_update(step, {**reward_metrics(samples), **actor_metrics}, r.actor))
+        hook_metrics.update(run_training_hooks(r.config, step, r.actor, r.reference))
+    return {**actor_metrics, **critic_metrics, **hook_metrics}
+
+
+def step_metrics(r: Step, samples: Batch, trained_version: int, depth: int, actor_learns: bool,
+                 stage_metrics: dict[str, float]) -> dict[str, float]:
+    """The step's row of metrics.jsonl: rewards, the stages', responses, throughput, how far the
+    sampler's log-probs are from the actor's at the same version, and (async) staleness: the
+    version the batch trained on minus each sample's `behavior_version`."""
+    metrics = {**reward_metrics(samples), **stage_metrics, **response_stats(samples)}
+    metrics["perf/tokens_per_s"] = metrics["response/tokens"] / metrics["timing/generate_s"]
+    staleness = trained_version - samples["behavior_version"]  # (B,)
+    if r.clip_against_sampler and actor_learns and not staleness.any():  # the update's first forward pass
+        metrics["rollout/log_prob_diff"] = metrics["actor/log_prob_diff_from_old"]
+    elif not r.clip_against_sampler and not staleness.any():
+        metrics["rollout/log_prob_diff"] = float(masked_mean(
+            (samples["old_log_probs"] - samples["sampler_log_probs"]).abs(), loss_mask(samples)))
+    if depth:
+        metrics.update({"async/staleness_mean": float(staleness.float().mean()),
+                        "async/staleness_max": float(staleness.max()),
+                        "async/behavior_version_min": float(samples["behavior_version"].min()),
+                        "async/trained_version": float(trained_version)})
+    return metrics
 
 
 def needs_reference(config: HybridFlowConfig) -> bool:
@@ -173,30 +265,41 @@ def kl_controller_args(config: HybridFlowConfig) -> dict:
     return {"coef": a.kl_penalty_coef}
 
 
-def add_advantages(samples: Batch, config: HybridFlowConfig, kl_coef: float) -> tuple[Batch, dict[str, float]]:
+def add_advantages(samples: Batch, config: HybridFlowConfig, kl_coef: float, proximal: str = "old_log_probs"
+                   ) -> tuple[Batch, dict[str, float]]:
     """Token rewards (sequence reward on the last token, minus the KL penalty), then the
-    configured advantage estimator. Adds `token_rewards`, `advantages`, `returns`.
+    configured advantage estimator. Adds `token_rewards`, `advantages`, `returns`, and when the
+    update clips against the actor's `old_log_probs` of a batch from an older policy
+    (trainer.max_staleness > 0, algorithm.behavior_is_cap > 0) `behavior_weights`.
 
     Reads `sequence_rewards`, `loss_mask` (the sampled tokens: tool output gets no reward or
-    advantage, and the estimators skip over it), `group_ids`, `old_log_probs` and `ref_log_probs`
-    (when a reference ran), `values` (with a critic) and `baseline_rewards` (ReMax: the greedy
-    response's reward per sample, (B,))."""
+    advantage, and the estimators skip over it), `group_ids`, the `proximal` log-probs and
+    `ref_log_probs` (when a reference runs), `values` (with a critic) and `baseline_rewards`
+    (ReMax: the greedy response's reward per sample, (B,)); hybridflow.batch_keys says who
+    writes each."""
     a, mask = config.algorithm, loss_mask(samples)
     token_rewards = place_sequence_rewards(samples["sequence_rewards"], mask)
     baseline_token_rewards = None
-    if "baseline_rewards" in samples:  # summed over the row by the estimator: any one column carries it
+    if needs_greedy_baseline(config):  # summed over the row by the estimator: any one column carries it
         baseline_token_rewards = torch.zeros_like(token_rewards)
         baseline_token_rewards[:, 0] = samples["baseline_rewards"].float()
     metrics: dict[str, float] = {}
-    if "ref_log_probs" in samples:
+    if needs_reference(config):
         token_rewards, kl_stats = apply_kl_penalty(
-            token_rewards=token_rewards, log_probs=samples["old_log_probs"], ref_log_probs=samples["ref_log_probs"],
+            token_rewards=token_rewards, log_probs=samples[proximal], ref_log_probs=samples["ref_log_probs"],
             response_mask=mask, kl_coef=kl_coef if a.kl_penalty_coef > 0 else 0.0, estimator=a.kl_penalty_estimator)
         metrics["kl/penalty_mean"] = kl_stats["kl_per_sequence"]
         metrics["kl/token_mean"] = kl_stats["kl"]
     advantages, returns, stats = compute_advantages(
-        a.advantage_estimator, token_rewards=token_rewards, response_mask=mask, values=samples.tensors.get("values"),
-        group_ids=samples["group_ids"], baseline_token_rewards=baseline_token_rewards, gamma=a.gamma, lam=a.lam)
-    samples = samples.union(Batch({"token_rewards": token_rewards, "advantages": advantages, "returns": returns}))
+        a.advantage_estimator, token_rewards=token_rewards, response_mask=mask,
+        values=samples["values"] if a.use_critic else None, group_ids=samples["group_ids"],
+        baseline_token_rewards=baseline_token_rewards, gamma=a.gamma, lam=a.lam)
+    added = {"token_rewards": token_rewards, "advantages": advantages, "returns": returns}
+    if uses_behavior_weights(config, proximal):
+        added["behavior_weights"], is_stats = behavior_weights(
+            old_log_probs=samples["old_log_probs"], sampler_log_probs=samples["sampler_log_probs"],
+            response_mask=mask, cap=a.behavior_is_cap)
+        metrics.update({f"async/{k}": v for k, v in is_stats.items()})
+    samples = samples.union(Batch(added))
     metrics.update({f"advantages/{k}": v for k, v in stats.items()})
     return samples, metrics

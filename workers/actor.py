@@ -13,6 +13,7 @@ four give the same gradients.
 from __future__ import annotations
 
 import time
+from functools import partial
 
 import torch
 
@@ -96,11 +97,13 @@ class ActorWorker(TrainingStateMixin):
     # ---- training ---------------------------------------------------------------------------
 
     @register(Dispatch.DP_SPLIT)
-    def update_policy(self, batch: Batch) -> dict:
-        """One step's policy update. Needs response tokens, `old_log_probs`, `advantages`
-        (and `ref_log_probs` when kl_loss_coef > 0). Returns metrics averaged over ranks."""
+    def update_policy(self, batch: Batch, old_log_probs_key: str = "old_log_probs", weighted: bool = False) -> dict:
+        """One step's policy update. Needs response tokens, the proximal log-probs (the column
+        `old_log_probs_key`: the actor's `old_log_probs` or the `sampler_log_probs`), `advantages`,
+        `ref_log_probs` when kl_loss_coef > 0 and, when `weighted`, `behavior_weights`
+        (hybridflow.batch_keys). Returns metrics averaged over ranks."""
         start = time.perf_counter()
-        stats = self._train(batch, self._policy_loss)
+        stats = self._train(batch, partial(self._policy_loss, old_key=old_log_probs_key, weighted=weighted))
         stats["timing/actor_update_s"] = time.perf_counter() - start
         return stats
 
@@ -109,13 +112,15 @@ class ActorWorker(TrainingStateMixin):
         """One supervised step: cross-entropy on response (answer) tokens only."""
         return self._train(batch, self._sft_loss, epochs=1, whole_batch=True)
 
-    def _policy_loss(self, micro: Batch, tokens: float, seqs: float) -> tuple[torch.Tensor, dict]:
+    def _policy_loss(self, micro: Batch, tokens: float, seqs: float, old_key: str = "old_log_probs",
+                     weighted: bool = False) -> tuple[torch.Tensor, dict]:
         logits = response_logits(self.model, micro, self.temperature)
         mask = loss_mask(micro)  # sampled tokens only: tool output is attended to, never trained
         log_probs = log_probs_from_logits(logits, micro["response_ids"])
         counts = {"global_token_count": tokens, "global_sequence_count": seqs}
         loss, stats = compute_policy_loss(
-            self.cfg.policy_loss, log_probs=log_probs, old_log_probs=micro["old_log_probs"],
+            self.cfg.policy_loss, log_probs=log_probs, old_log_probs=micro[old_key],
+            behavior_weights=micro["behavior_weights"] if weighted else None,
             advantages=micro["advantages"], response_mask=mask, clip_ratio_low=self.cfg.clip_ratio_low,
             clip_ratio_high=self.cfg.clip_ratio_high, dual_clip_c=self.cfg.dual_clip_c,
             aggregation=self.cfg.loss_aggregation, **counts)
@@ -125,7 +130,7 @@ class ActorWorker(TrainingStateMixin):
                                      aggregation=self.cfg.loss_aggregation, **counts)
             loss = loss - bonus
         stats["actor/entropy"] = float(masked_mean(entropy.detach(), mask))
-        stats["actor/log_prob_diff_from_old"] = float(masked_mean((log_probs.detach() - micro["old_log_probs"]).abs(), mask))
+        stats["actor/log_prob_diff_from_old"] = float(masked_mean((log_probs.detach() - micro[old_key]).abs(), mask))
         if self.cfg.kl_loss_coef:
             kl, kl_stats = kl_loss(log_probs=log_probs, ref_log_probs=micro["ref_log_probs"], response_mask=mask,
                                    estimator=self.cfg.kl_loss_estimator, aggregation=self.cfg.loss_aggregation, **counts)
@@ -275,10 +280,7 @@ class ActorWorker(TrainingStateMixin):
     @register(Dispatch.ONE_TO_ALL)
     def send_weights(self) -> dict[str, float]:
         """Collective: move the current weights to the rollout (see hybridflow.resharding.sender)."""
-        from hybridflow.resharding.receiver import local_receiver
-
-        colocated = self.sender.plan.transport == "colocated"
-        return self.sender.send(local_receiver(self.ctx.group_name) if colocated else None)
+        return self.sender.send(self.ctx.group_name)
 
     @register(Dispatch.ONE_TO_ALL)
     def weight_checksums(self) -> list[dict[str, tuple[float, float]]]:

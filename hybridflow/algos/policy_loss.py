@@ -13,6 +13,12 @@ Every entry of `POLICY_LOSSES` has one keyword-only signature (see the registry)
             s_i ∇log π_t. The paper's objective averages over sequences: use it with
             aggregation="seq-mean-token-mean" (and its small clip ranges, ~3e-4 / 4e-4).
 
+Off-policy correction (trainer.max_staleness > 0, docs/async.md): when π_old is the actor's
+recomputed log-probs but the samples came from an older sampler policy μ, each token's clipped
+loss is multiplied by the truncated importance weight w_t = min(π_old(y_t)/μ(y_t), C)
+(`behavior_weights`; truncated IS as in Espeholt et al. 2018's V-trace and the decoupled PPO
+objective of Hilton et al. 2022). Without weights the losses are unchanged, bit for bit.
+
 Departure for stability: log-ratios are clamped to ±LOG_RATIO_BOUND before `exp`.
 """
 
@@ -30,8 +36,8 @@ POLICY_LOSSES: Registry = Registry(
     "policy loss",
     signature=(
         "fn(*, log_probs, old_log_probs, advantages, response_mask, clip_ratio_low=0.2, clip_ratio_high=0.2, "
-        "dual_clip_c=None, aggregation='token-mean', global_token_count=None, global_sequence_count=None) "
-        "-> (loss scalar, stats: dict[str, float])"
+        "dual_clip_c=None, aggregation='token-mean', global_token_count=None, global_sequence_count=None, "
+        "behavior_weights=None) -> (loss scalar, stats: dict[str, float])"
     ),
 )
 
@@ -69,8 +75,29 @@ def clipped_surrogate(
     return loss, clipped, dual_clipped
 
 
+def behavior_weights(*, old_log_probs: torch.Tensor, sampler_log_probs: torch.Tensor, response_mask: torch.Tensor,
+                     cap: float) -> tuple[torch.Tensor, dict[str, float]]:
+    """w = min(exp(old - sampler), cap) per token, 0 where `response_mask` is False; detached.
+
+    (B, T) in and out; `response_mask` True on trained tokens. `old` is the proximal policy π_old
+    (the actor before this update), `sampler` the behaviour policy μ that generated the tokens,
+    so w = π_old/μ corrects the clipped objective's expectation from μ to π_old, truncated at
+    `cap` against variance. Stats: the mean weight and the fraction of tokens at the cap."""
+    check_mask(response_mask, old_log_probs)
+    log_ratio = (old_log_probs - sampler_log_probs).detach().clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND)
+    ratio = torch.exp(log_ratio)
+    weights = torch.where(response_mask, ratio.clamp(max=cap), torch.zeros_like(ratio))
+    stats = {"is_weight_mean": float(masked_mean(weights, response_mask)),
+             "is_clipped_frac": float(masked_mean((ratio > cap).float(), response_mask)),
+             # KL(μ || π_old) per token with the k3 estimator, samples from μ: (r - 1) - log r
+             "behavior_kl": float(masked_mean(torch.expm1(log_ratio) - log_ratio, response_mask))}
+    return weights, stats
+
+
 def _finish(loss_mat, log_ratio, clipped, dual_clipped, mask, aggregation, global_token_count,
-            global_sequence_count):
+            global_sequence_count, behavior_weights=None):
+    if behavior_weights is not None:
+        loss_mat = loss_mat * behavior_weights.detach()
     loss = aggregate_loss(
         loss_mat, mask, aggregation, global_token_count=global_token_count, global_sequence_count=global_sequence_count
     )
@@ -95,7 +122,8 @@ def _check_inputs(log_probs, old_log_probs, advantages, response_mask) -> None:
 
 @POLICY_LOSSES.register("ppo_clip")
 def ppo_clip(*, log_probs, old_log_probs, advantages, response_mask, clip_ratio_low=0.2, clip_ratio_high=0.2,
-             dual_clip_c=None, aggregation="token-mean", global_token_count=None, global_sequence_count=None):
+             dual_clip_c=None, aggregation="token-mean", global_token_count=None, global_sequence_count=None,
+             behavior_weights=None):
     """L = agg_t max(-Â_t ρ_t, -Â_t clip(ρ_t, 1-low, 1+high)) [dual clip], ρ_t = π(y_t)/π_old(y_t). (B, T) in."""
     _check_inputs(log_probs, old_log_probs, advantages, response_mask)
     _check_clip(clip_ratio_low, clip_ratio_high, dual_clip_c)
@@ -104,12 +132,13 @@ def ppo_clip(*, log_probs, old_log_probs, advantages, response_mask, clip_ratio_
         torch.exp(log_ratio), advantages.detach(), clip_ratio_low, clip_ratio_high, dual_clip_c
     )
     return _finish(loss_mat, log_ratio, clipped, dual, response_mask, aggregation, global_token_count,
-                   global_sequence_count)
+                   global_sequence_count, behavior_weights)
 
 
 @POLICY_LOSSES.register("gspo")
 def gspo(*, log_probs, old_log_probs, advantages, response_mask, clip_ratio_low=0.2, clip_ratio_high=0.2,
-         dual_clip_c=None, aggregation="token-mean", global_token_count=None, global_sequence_count=None):
+         dual_clip_c=None, aggregation="token-mean", global_token_count=None, global_sequence_count=None,
+             behavior_weights=None):
     """GSPO-token: s_it = exp(sg[mean_t log ρ_t] + log π_t - sg[log π_t]), clipped as in PPO. (B, T) in."""
     _check_inputs(log_probs, old_log_probs, advantages, response_mask)
     _check_clip(clip_ratio_low, clip_ratio_high, dual_clip_c)
@@ -121,7 +150,7 @@ def gspo(*, log_probs, old_log_probs, advantages, response_mask, clip_ratio_low=
         torch.exp(token_log_ratio), advantages.detach(), clip_ratio_low, clip_ratio_high, dual_clip_c
     )
     return _finish(loss_mat, log_ratio, clipped, dual, response_mask, aggregation, global_token_count,
-                   global_sequence_count)
+                   global_sequence_count, behavior_weights)
 
 
 # A policy loss whose per-token loss is 0, with no gradient, wherever the advantage is 0 says so;
@@ -135,6 +164,9 @@ def vanishes_at_zero_advantage(name: str) -> bool:
     return bool(getattr(POLICY_LOSSES.get(name), "zero_at_zero_advantage", False))
 
 
-def compute_policy_loss(name: str, **kwargs):
-    """`POLICY_LOSSES.get(name)(**kwargs)`: the one place the actor picks a policy loss by name."""
-    return POLICY_LOSSES.get(name)(**kwargs)
+def compute_policy_loss(name: str, behavior_weights=None, **kwargs):
+    """`POLICY_LOSSES.get(name)(**kwargs)`: the one place the actor picks a policy loss by name.
+    `behavior_weights` is passed only when given, so a loss registered before it existed still
+    runs synchronously."""
+    extra = {} if behavior_weights is None else {"behavior_weights": behavior_weights}
+    return POLICY_LOSSES.get(name)(**kwargs, **extra)

@@ -287,6 +287,9 @@ class AlgorithmConfig:
     kl_controller: str = "fixed"  # fixed | adaptive (starts at kl_penalty_coef, which must then be > 0)
     kl_target: float = 0.1  # adaptive controller's target KL per sequence
     kl_horizon: int = 10000  # adaptive controller's horizon, in samples
+    # Off-policy correction when trainer.old_log_probs=actor: the clipped loss of each token is
+    # weighted by min(π_old / π_sampler, C) (truncated importance sampling); 0: no weight.
+    behavior_is_cap: float = 2.0
 
     def __post_init__(self) -> None:
         from hybridflow.algos import ADVANTAGE_ESTIMATORS, KL_CONTROLLERS, KL_ESTIMATORS, check_estimator
@@ -452,6 +455,14 @@ class TrainerConfig:
     on_corrupt_checkpoint: str = "previous"
     resume: bool = False  # continue from the latest complete checkpoint of logger.run_name
     use_sampler_log_probs: bool = True  # on-policy single update: skip the old-log-prob forward pass
+    # Asynchronous RL (docs/async.md): how many policy versions a batch may lag the weights it
+    # trains on. 0: generate, then train (the default); 1: the next batch generates while this
+    # one trains (needs the rollout on a pool of its own, rollout=vllm and trainer.old_log_probs).
+    max_staleness: int = 0
+    # What the update clips against (π_old): 'auto' (at max_staleness 0: the sampler's log-probs
+    # when on-policy, see use_sampler_log_probs, else the actor's), 'actor' (recomputed by the
+    # actor, with algorithm.behavior_is_cap correcting for the sampler) or 'sampler'.
+    old_log_probs: str = "auto"
     export_hf: bool = True  # save the final actor as a Hugging Face directory
     # Run after each actor update (only at multiples of params.every_steps when given), e.g.
     # {name: reference_ema, params: {every_steps: 10, alpha: 0.1}}; they need a reference role.
@@ -485,6 +496,15 @@ class TrainerConfig:
         _require(self.on_corrupt_checkpoint in ("previous", "stop"), "trainer.on_corrupt_checkpoint",
                  self.on_corrupt_checkpoint, "one of ['previous', 'stop']")
         _require(self.max_restarts >= 0, "trainer.max_restarts", self.max_restarts, "must be >= 0")
+        _require(self.max_staleness in (0, 1), "trainer.max_staleness", self.max_staleness,
+                 "0 (synchronous) or 1 (one-step-off); 2 and more need weights received while generating, "
+                 "not built yet (docs/async.md)")
+        _require(self.old_log_probs in ("auto", "actor", "sampler"), "trainer.old_log_probs", self.old_log_probs,
+                 "one of ['auto', 'actor', 'sampler']")
+        _require(not self.max_staleness or self.old_log_probs != "auto", "trainer.old_log_probs", self.old_log_probs,
+                 f"trainer.max_staleness={self.max_staleness} trains on samples from an older policy: choose the "
+                 "correction, trainer.old_log_probs=actor (recomputed, with algorithm.behavior_is_cap) or "
+                 "trainer.old_log_probs=sampler (clip against the sampler)")
         _require(self.default_stage_timeout_s > 0, "trainer.default_stage_timeout_s", self.default_stage_timeout_s,
                  "must be > 0 seconds")
         bad = {k: v for k, v in self.stage_timeout_s.items()
@@ -598,3 +618,22 @@ class HybridFlowConfig:
                  "set it to 0")
         _require(self.recipe.name != "ppo" or self.algorithm.use_critic, "algorithm.use_critic",
                  self.algorithm.use_critic, "recipe=ppo trains a critic: set algorithm.use_critic=true")
+        self._check_async()
+
+    def _check_async(self) -> None:
+        """trainer.max_staleness > 0 (docs/async.md): what overlapping generation with training needs."""
+        d = self.trainer.max_staleness
+        _require(self.algorithm.behavior_is_cap >= 0, "algorithm.behavior_is_cap", self.algorithm.behavior_is_cap,
+                 "must be >= 0 (0: no importance weight)")
+        if not d:
+            return
+        _require(self.recipe.name in ("grpo", "ppo"), "trainer.max_staleness", d,
+                 f"only the RL recipes (grpo, ppo) generate while training, not recipe={self.recipe.name}")
+        _require(not self.placement.rollout_colocated, "placement.roles.rollout", self.placement.roles["rollout"],
+                 f"trainer.max_staleness={d} overlaps generation with training, which needs the rollout on a pool of "
+                 "its own (placement=disaggregated); colocated roles share one process")
+        # rollout=hf on a pool of its own is refused by PlacementConfig.check_rollout (it loads in-process)
+        hooks = [h.name for h in self.trainer.training_hooks if h.name == "spike_recovery"]
+        _require(not hooks, "trainer.training_hooks", hooks,
+                 f"spike_recovery reloads weights and reshuffles data while a batch is in flight; use "
+                 f"trainer.max_staleness=0 with it, not {d}")

@@ -5,8 +5,13 @@ blocking call on a worker group waits at most until the stage's deadline
 (`trainer.stage_timeout_s.<stage>`, else `trainer.default_stage_timeout_s`). A stage that
 overruns raises `StageTimeoutError` naming the stage, the key that set its deadline, and each
 worker class, method and rank that gave no answer. Outside any stage each wait is bounded
-by `trainer.default_stage_timeout_s` (set-up, validation, checkpoints), unless the caller
-gives its own.
+by `trainer.default_stage_timeout_s` (set-up, validation, checkpoints).
+
+A wait ends at the earliest of three deadlines: the caller's own `timeout_s` (e.g.
+`weight_sync.timeout_s`), the deadline of the stage the wait runs in, and the deadline of the
+stage each awaited call was *submitted* in (a call issued in one stage and awaited in a later
+one, as an asynchronous rollout's generation is, keeps the deadline it was issued under). The
+error names whichever deadline ended the wait, and its key.
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ from __future__ import annotations
 import time
 from contextlib import contextmanager
 from contextvars import ContextVar
+from dataclasses import dataclass
 from typing import Iterator
 
 _TIMEOUTS: dict[str, float] = {}
@@ -55,6 +61,35 @@ def remaining() -> tuple[str, float, float] | None:
         return None if _DEFAULT[0] is None else (OUTSIDE, _DEFAULT[0], _DEFAULT[0])
     name, deadline, timeout_s = current
     return name, max(0.0, deadline - time.monotonic()), timeout_s
+
+
+@dataclass(frozen=True)
+class Deadline:
+    """When a wait must end (`time.monotonic()` seconds), and who set it: a stage's name, or
+    `by_caller` for a caller's own `timeout_s`."""
+
+    stage: str
+    at: float
+    timeout_s: float
+    by_caller: bool = False
+
+    def left(self) -> float:
+        return max(0.0, self.at - time.monotonic())
+
+
+def current() -> Deadline | None:
+    """The deadline of the stage running now (outside any stage: the default, from now)."""
+    found = remaining()
+    return None if found is None else Deadline(found[0], time.monotonic() + found[1], found[2])
+
+
+def caller(timeout_s: float) -> Deadline:
+    return Deadline("(caller's timeout_s)", time.monotonic() + timeout_s, timeout_s, by_caller=True)
+
+
+def earliest(candidates: list[Deadline | None]) -> Deadline | None:
+    found = [d for d in candidates if d is not None]
+    return min(found, key=lambda d: d.at) if found else None
 
 
 def overrun(name: str, timeout_s: float, detail: str) -> StageTimeoutError:

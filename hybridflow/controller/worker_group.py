@@ -140,6 +140,7 @@ class GroupFuture:
                  ranks: list[int], pad: int | ray.ObjectRef) -> None:
         self.group, self.method, self.spec = group, method, spec
         self.refs, self.ranks, self.pad = refs, ranks, pad
+        self.deadline = deadlines.current()  # the submitting stage's: kept when awaited in a later stage
 
     def get(self, timeout_s: float | None = None) -> Any:
         return wait_all([self], timeout_s)[0]
@@ -352,18 +353,21 @@ def wait_all(futures: list[GroupFuture], timeout_s: float | None = None) -> list
     """The results of several calls issued together (on one group or several), in order.
 
     The first failure on any rank of any of them raises at once, naming its group, method and
-    rank, even while the others are blocked waiting for the failed peer; past `timeout_s` a
-    `GetTimeoutError` names every rank that has not answered. Without `timeout_s`, inside a stage
-    (`hybridflow.controller.deadlines.stage`) the wait ends by the stage's deadline.
+    rank, even while the others are blocked waiting for the failed peer. The wait ends at the
+    earliest of: `timeout_s` (a `GetTimeoutError` naming every rank that has not answered), the
+    deadline of the stage it runs in, and each call's own deadline (that of the stage it was
+    submitted in), the last two raising `StageTimeoutError` naming the stage and its key
+    (`hybridflow.controller.deadlines`).
     """
     calls = [(f.group, f.method, ref, rank) for f in futures for ref, rank in zip(f.refs, f.ranks)]
-    current = deadlines.remaining() if timeout_s is None else None
+    bound = deadlines.earliest([deadlines.caller(timeout_s) if timeout_s is not None else None,
+                                deadlines.current(), *(f.deadline for f in futures)])
     try:
-        results = _await(calls, current[1] if current else timeout_s)
+        results = _await(calls, None if bound is None else bound.left(), None if bound is None else bound.timeout_s)
     except GetTimeoutError as exc:
-        if current is None:
+        if bound is None or bound.by_caller:
             raise
-        raise deadlines.overrun(current[0], current[2], str(exc)) from None
+        raise deadlines.overrun(bound.stage, bound.timeout_s, str(exc)) from None
     out, start = [], 0
     for f in futures:
         out.append(f.collect(results[start:start + len(f.refs)]))
@@ -371,8 +375,10 @@ def wait_all(futures: list[GroupFuture], timeout_s: float | None = None) -> list
     return out
 
 
-def _await(calls: list[tuple[WorkerGroup, str, ray.ObjectRef, int]], timeout_s: float | None) -> list:
-    """Each (group, method, ref, rank)'s result, in order; the first failure raises at once."""
+def _await(calls: list[tuple[WorkerGroup, str, ray.ObjectRef, int]], timeout_s: float | None,
+           named_s: float | None = None) -> list:
+    """Each (group, method, ref, rank)'s result, in order; the first failure raises at once.
+    Past `timeout_s` the error says `named_s` (the whole deadline, when part of it has passed)."""
     position = {ref: i for i, (_, _, ref, _) in enumerate(calls)}
     results: list[Any] = [None] * len(calls)
     pending = list(position)
@@ -383,7 +389,7 @@ def _await(calls: list[tuple[WorkerGroup, str, ray.ObjectRef, int]], timeout_s: 
         if not ready:
             silent = [f"{g.worker_cls.__name__}.{m} rank {rank} (worker group {g.name!r})"
                       for g, m, _, rank in (calls[position[r]] for r in pending)]
-            raise GetTimeoutError(f"no result within {timeout_s} s from: {', '.join(silent)}")
+            raise GetTimeoutError(f"no result within {named_s or timeout_s} s from: {', '.join(silent)}")
         for ref in ready:
             group, method, _, rank = calls[position[ref]]
             results[position[ref]] = group._get_one(method, ref, rank)

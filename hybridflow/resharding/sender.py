@@ -1,6 +1,7 @@
 """The training side of a weight sync: what the actor delegates `send_weights` to.
 
-Two transports, one plan (`hybridflow.resharding.layout`):
+Two transports (transports.py: what differs between them is there), one plan
+(`hybridflow.resharding.layout`):
 
 - colocated: the generation ranks are the training ranks (same processes). Per bucket, each
   rank sends every peer the pieces of its FSDP2 shard that the peer's generation slice needs
@@ -24,13 +25,14 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from hybridflow.resharding import faults
 from hybridflow.resharding.layout import Box, fsdp_box, numel, plan_pieces
-from hybridflow.resharding.transport import TransferError, join_group, pack, send_flat
+from hybridflow.resharding.transport import TransferError, pack, send_flat
 from hybridflow.resharding.verify import WeightSyncError
 from hybridflow.resharding.weights import checkpoint_shapes, full_weights, is_peft, local_shard
 
@@ -39,7 +41,7 @@ from hybridflow.resharding.weights import checkpoint_shapes, full_weights, is_pe
 class SyncPlan:
     """What the controller tells every training rank about the sync (built from config and placement)."""
 
-    transport: str  # "colocated" | "gloo"
+    transport: Any  # a hybridflow.resharding.transports.Transport
     dtype: str  # the rollout's weight dtype: tensors are cast before they travel
     bucket_bytes: int
     timeout_s: float
@@ -57,7 +59,7 @@ class WeightSender:
         self.shapes = checkpoint_shapes(model)
         self.needs = [{n: Box.of(ranges) for n, ranges in need.items()} for need in plan.needs]
         self.held = [{n: fsdp_box(s, world_size, r) for n, s in self.shapes.items()} for r in range(world_size)]
-        self.gathers = is_peft(model) or plan.transport == "gloo"  # whole tensors are built on every rank
+        self.gathers = is_peft(model) or plan.transport.gathers_whole  # whole tensors are built on every rank
         self.buckets = plan.buckets
         self.group = None
         self._check_plan()
@@ -68,15 +70,11 @@ class WeightSender:
         if missing:
             raise WeightSyncError(f"the rollout engine did not say which part of {missing[:3]} it needs: "
                                   "the actor's and the rollout's models differ (check model.path)")
-        if self.plan.transport == "colocated" and len(self.needs) != self.world:
-            raise WeightSyncError(f"colocated weight sync: {len(self.needs)} generation ranks for {self.world} "
-                                  "training ranks; they must be the same processes")
+        self.plan.transport.check_plan(self)
 
     def connect(self) -> None:
-        """Gloo transport: training rank 0 opens the transfer group (rollout ranks join from their side)."""
-        if self.plan.transport == "gloo" and self.rank == 0:
-            self.group = join_group(self.plan.master_addr, self.plan.master_port, 0, 1 + len(self.needs),
-                                    self.plan.timeout_s)
+        """Open this rank's end of the transport's route, if it has one."""
+        self.plan.transport.connect(self)
 
     # ---- colocated ------------------------------------------------------------------------------
 
@@ -171,15 +169,12 @@ class WeightSender:
                 flat = pack(tensors, [need[n] for n in names], self.dtype)
                 send_flat(self.group, flat, dst + 1, what=f"bucket {index + 1}/{len(self.buckets)}")
 
-    def send(self, receiver=None) -> dict[str, float]:
-        """One sync. Colocated: into `receiver` (this process's); gloo: to the rollout pool."""
+    def send(self, group_name: str) -> dict[str, float]:
+        """One sync, by the plan's transport (`group_name`: this process's worker group, where a
+        colocated receiver is found)."""
         start = time.perf_counter()
         stats = {"received_bytes": 0, "exchange_seconds": 0.0, "assemble_seconds": 0.0}
-        if self.plan.transport == "colocated":
-            loaded = receiver.load(self.colocated_buckets(stats))
-            stats["load_seconds"] = loaded["load_seconds"]
-        else:
-            self.send_gloo()
+        self.plan.transport.send(self, stats, group_name)
         stats["seconds"] = time.perf_counter() - start
         return {k: float(v) for k, v in stats.items()}
 

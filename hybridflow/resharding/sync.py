@@ -6,7 +6,10 @@ ranks which part of each checkpoint tensor they need, plans the buckets, opens t
 group when the rollout has a pool of its own, and measures the copy floor; at `sync(step)` it
 drives the sender and (disaggregated) the receiver together, waits on both with the configured
 deadline, checks the result, and returns the step's `weight_sync/*` metrics. The recipe never
-sees a bucket, and the actor never sees the rollout worker.
+sees a bucket, and the actor never sees the rollout worker. How the bytes travel is the
+`Transport`'s business (transports.py); `WeightSync` keeps the plan, the checks, the metrics and
+the policy version (`version`: how many times the rollout has been given the actor's weights
+since the run, or this process, started; the first push at start-up is version 0).
 """
 
 from __future__ import annotations
@@ -18,19 +21,21 @@ from typing import Iterator
 import torch
 
 from hybridflow.config.schema import WeightSyncConfig
-from hybridflow.controller import WorkerError, WorkerGroup, wait_all
-from hybridflow.resharding.layout import Box, buckets, fsdp_box, layout_minimum, numel
+from hybridflow.controller import WorkerError, WorkerGroup, deadlines, wait_all
+from hybridflow.resharding.layout import Box, buckets, layout_minimum, numel
 from hybridflow.resharding.sender import SyncPlan
+from hybridflow.resharding.transports import Transport
 from hybridflow.resharding.verify import PROBE_NEW_TOKENS, PROBE_PROMPT_IDS, PROBE_TOLERANCE, WeightSyncError
 
 
 
 class WeightSync:
-    def __init__(self, actor: WorkerGroup, rollout: WorkerGroup, config: WeightSyncConfig, transport: str,
+    def __init__(self, actor: WorkerGroup, rollout: WorkerGroup, config: WeightSyncConfig, transport: Transport,
                  dtype: str) -> None:
         self.actor, self.rollout, self.cfg = actor, rollout, config
         self.transport, self.dtype = transport, dtype
         self.syncs = 0
+        self.version = -1  # the policy version the rollout holds (-1: none pushed yet)
         self.floor_seconds = 0.0
         self.min_bytes = self.engine_bytes = 0
 
@@ -41,20 +46,12 @@ class WeightSync:
         size = torch.empty((), dtype=getattr(torch, self.dtype)).element_size()
         plan_buckets = buckets(list(shapes), {n: numel(s) * size for n, s in shapes.items()},
                                int(self.cfg.bucket_mb * 2 ** 20))
-        addr, port = ("", 0)
-        if self.transport == "gloo":
-            addr, port = _rendezvous(self.actor)
+        addr, port = self.transport.rendezvous(self.actor)
         plan = SyncPlan(self.transport, self.dtype, int(self.cfg.bucket_mb * 2 ** 20), self.cfg.timeout_s, needs,
                         addr, port, plan_buckets, shapes)
-        futures = [self.actor.setup_weight_sender.remote(plan)]
-        if self.transport == "gloo":
-            futures.append(self.rollout.join_weight_sync.remote(plan))
-        self._wait(futures, "setup")
+        self._wait(self.transport.setup_calls(self.actor, self.rollout, plan), "setup")
         boxes = [{n: Box.of(need[n]) for n in shapes} for need in needs]
-        held = None
-        if self.transport == "colocated":
-            world = self.actor.world_size
-            held = [{n: fsdp_box(s, world, r) for n, s in shapes.items()} for r in range(world)]
+        held = self.transport.held(shapes, self.actor.world_size)
         self.min_bytes = max(layout_minimum(shapes, boxes, held, size))
         self.engine_bytes = max(layout_minimum(shapes, boxes, None, size))
         self.floor_seconds = max(self.rollout.copy_floor_seconds(self.engine_bytes))
@@ -63,30 +60,18 @@ class WeightSync:
 
     @contextmanager
     def generating(self) -> Iterator[None]:
-        """Around generation, the device memory steps of a colocated run on GPUs: the actor's
-        training state goes to host memory while vLLM generates, then vLLM releases its KV cache
-        and the training state comes back (`sync` wakes vLLM up again). No-ops on the CPU and
-        when the rollout has devices of its own."""
-        colocated = self.transport == "colocated"
-        if colocated:
-            self.rollout.wake_up()  # a step without a sync (critic warm-up) left it asleep
-            self.actor.offload()
-        yield
-        if colocated:
-            self.rollout.sleep()
-            self.actor.reload()
+        """Around generation: the transport's device memory steps (colocated on GPUs)."""
+        with self.transport.generating(self.actor, self.rollout):
+            yield
 
-    def sync(self, step: int) -> dict[str, float]:
-        """Move the actor's current weights into the rollout engines, check them, and measure."""
+    def sync(self, step: int, version: int | None = None) -> dict[str, float]:
+        """Move the actor's current weights into the rollout engines, check them, and measure.
+        The rollout then holds policy `version` (default: one more than before), counted only
+        once the checks pass."""
         start = time.perf_counter()
-        if self.transport == "colocated":
-            self.rollout.wake_up()
-        futures = [self.actor.send_weights.remote()]
-        if self.transport == "gloo":
-            futures.append(self.rollout.receive_weights.remote())
-        results = self._wait(futures, f"step {step}")
+        results = self._wait(self.transport.sync_calls(self.actor, self.rollout), f"step {step}")
         seconds = time.perf_counter() - start
-        per_rank = results[1] if self.transport == "gloo" else results[0]
+        per_rank = self.transport.per_rank(results)
         self.syncs += 1
         metrics = {
             "weight_sync/bytes_received_per_rank": max(r["received_bytes"] for r in per_rank),
@@ -97,9 +82,9 @@ class WeightSync:
             # inside it, bucket by bucket) and, colocated, the exchange between training ranks
             "weight_sync/load_s": max(r.get("load_seconds", 0.0) for r in per_rank),
         }
-        if self.transport == "colocated":
-            metrics["weight_sync/exchange_s"] = max(r["exchange_seconds"] for r in per_rank)
+        metrics.update(self.transport.metrics(per_rank))
         metrics.update(self.check(step))
+        self.version = self.version + 1 if version is None else version
         return metrics
 
     def check(self, step: int) -> dict[str, float]:
@@ -142,6 +127,8 @@ class WeightSync:
             raise WeightSyncError(f"weight sync ({self.transport}) failed at {when} in {exc.worker_class}.{exc.method} "
                                   f"on rank {exc.rank} of worker group {exc.group!r} (stage weight_sync):\n"
                                   f"{exc.detail}{detail}") from None
+        except deadlines.StageTimeoutError as exc:  # the stage's deadline came first: it names its key
+            raise WeightSyncError(f"weight sync ({self.transport}) at {when}: {exc}") from None
         except TimeoutError as exc:
             raise WeightSyncError(f"weight sync ({self.transport}) at {when} did not finish within "
                                   f"weight_sync.timeout_s={self.cfg.timeout_s} (stage weight_sync): {exc}") from None
@@ -160,9 +147,3 @@ def _other_errors(futures: list, first: WorkerError, grace_s: float = 5.0) -> li
         except Exception:  # still blocked, or already reported: the first error stands
             pass
     return found
-
-
-def _rendezvous(group: WorkerGroup) -> tuple[str, int]:
-    import ray
-
-    return tuple(ray.get(group.hosts[0].rendezvous_address.remote()))

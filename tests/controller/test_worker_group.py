@@ -159,3 +159,26 @@ def test_a_wait_inside_a_stage_ends_at_its_deadline_naming_stage_method_and_rank
         two.sleep(3.0)  # outside the stage, and with no default: no deadline
     finally:
         deadlines.configure({}, default_s=None)
+
+
+def test_a_callers_timeout_does_not_lift_the_stage_deadline_and_a_call_keeps_its_own(pair):
+    """`weight_sync.timeout_s` is longer than `trainer.stage_timeout_s.weight_sync`: the stage
+    still ends the wait. A call issued under one stage and awaited in a later one (an
+    asynchronous rollout's generation) ends by the deadline it was issued under."""
+    from hybridflow.controller import deadlines, wait_all
+
+    two, _ = pair
+    deadlines.configure({"weight_sync": 0.5, "generate": 0.5, "score": 60.0}, default_s=None)
+    try:
+        start = time.monotonic()
+        with deadlines.stage("weight_sync"), pytest.raises(deadlines.StageTimeoutError, match="stage_timeout_s.weight_sync"):
+            wait_all([two.sleep.remote(3.0)], timeout_s=60.0)
+        assert time.monotonic() - start < 2.5
+        with deadlines.stage("generate"):
+            issued = two.sleep.remote(3.0)
+        start = time.monotonic()
+        with deadlines.stage("score"), pytest.raises(deadlines.StageTimeoutError, match="stage 'generate'"):
+            issued.get()
+        assert time.monotonic() - start < 2.5
+    finally:
+        deadlines.configure({}, default_s=None)

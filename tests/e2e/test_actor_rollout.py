@@ -11,6 +11,7 @@ from hybridflow.config.schema import ActorConfig, HybridFlowConfig, OptimConfig,
 from hybridflow.controller import PoolSpec, ResourcePool, RoleSpec, spawn_workers
 from hybridflow.resharding import WeightSyncError
 from hybridflow.resharding.sync import WeightSync
+from hybridflow.resharding.transports import Colocated
 from hybridflow.data import ArithmeticSpec, make_arithmetic_rows
 from hybridflow.data.prompts import encode_prompts
 from tests.e2e.workers import CorruptibleVLLMRollout
@@ -32,7 +33,7 @@ def groups(ray_local, tiny_model_dir):
                         {"actor": actor, "rollout": rollout, "reference": reference}, env_vars=VLLM_ENV)
     for future in [out["actor"].start.remote(), out["reference"].start.remote(), out["rollout"].start_engine.remote()]:
         future.get()
-    out["sync"] = WeightSync(out["actor"], out["rollout"], WeightSyncConfig(checksum_every_steps=1), "colocated",
+    out["sync"] = WeightSync(out["actor"], out["rollout"], WeightSyncConfig(checksum_every_steps=1), Colocated(),
                              "float32")
     out["sync"].setup()
     return out, tok

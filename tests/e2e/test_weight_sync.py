@@ -23,6 +23,7 @@ from hybridflow.data import ArithmeticSpec, make_arithmetic_rows
 from hybridflow.data.prompts import encode_prompts
 from hybridflow.resharding import WeightSyncError
 from hybridflow.resharding.sync import WeightSync
+from hybridflow.resharding.transports import build_transport
 from recipes.roles import actor_role
 from tests.e2e.workers import CorruptibleVLLMRollout
 
@@ -53,7 +54,7 @@ def _spawn(tiny_model_dir, actor_ranks: int, rollout_ranks: int | None, tp: int,
         future.get()
     config = WeightSyncConfig(bucket_mb=bucket_mb, timeout_s=timeout_s, checksum_every_steps=checksum_every)
     sync = WeightSync(groups["actor"], groups["rollout"], config,
-                      "colocated" if rollout_ranks is None else "gloo", "float32")
+                      build_transport(rollout_ranks is None), "float32")
     setup = sync.setup()
     return groups, sync, tok, setup
 

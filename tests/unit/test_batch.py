@@ -82,3 +82,17 @@ def test_pickles_without_copying_views():
     restored = pickle.loads(pickle.dumps(view, protocol=5))
     assert torch.equal(restored["ids"], b["ids"][1:3]) and restored["prompt"] == ["p1", "p2"]
     assert restored["ids"].is_contiguous()
+
+
+def test_a_batch_through_json_comes_back_bit_for_bit():
+    import json
+
+    from hybridflow.batch import from_json, to_json
+
+    torch.manual_seed(0)
+    batch = Batch({"lp": torch.randn(3, 4), "ids": torch.randint(0, 9, (3, 4)), "mask": torch.rand(3, 4) > 0.5,
+                   "bf": torch.randn(3).bfloat16()}, {"prompt": ["a", "b", "c"]}, {"step": 2})
+    back = from_json(json.loads(json.dumps(to_json(batch))))
+    for k, v in batch.tensors.items():
+        assert back[k].dtype == v.dtype and torch.equal(back[k], v), k
+    assert back.objects == batch.objects and back.meta == batch.meta

@@ -1,0 +1,67 @@
+"""What a PPO-family step's Batch carries: every key, the one role that writes it, who reads it,
+and its shape (B samples, P prompt tokens, R response tokens).
+
+Log-probs are named for the policy that produced them:
+- `sampler_log_probs`: the behaviour policy, the rollout engine's weights when it sampled
+  (the policy version in `behavior_version`);
+- `old_log_probs`: the proximal policy π_old, the actor's weights before this step's update,
+  computed by the actor; absent when the recipe clips against the sampler instead (on-policy
+  with one update per step, or `trainer.old_log_probs=sampler`): `proximal_key` says which of
+  the two the update and the KL penalty read, so no key is ever copied under another's name;
+- the current policy's log-probs exist only inside the update (workers/actor.py).
+
+Per-sample stamps (group, seed, policy version) are tensors, never `Batch.meta`, which
+`Batch.concat` keeps from the first batch only.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from hybridflow.batch import Batch
+
+
+@dataclass(frozen=True)
+class Key:
+    writer: str
+    readers: tuple[str, ...]
+    shape: str
+    what: str
+
+
+DRIVER, ROLLOUT, REWARD, ACTOR, REFERENCE, CRITIC = "driver", "rollout", "reward", "actor", "reference", "critic"
+
+STEP_KEYS: dict[str, Key] = {
+    "prompt_ids": Key(DRIVER, (ROLLOUT, ACTOR, REFERENCE, CRITIC), "(B, P)", "prompt token ids, left-padded"),
+    "prompt_mask": Key(DRIVER, (ROLLOUT, ACTOR, REFERENCE, CRITIC), "(B, P)", "True on prompt tokens"),
+    "group_ids": Key(DRIVER, (DRIVER,), "(B,)", "the prompt a sample answers (the estimators' groups)"),
+    "sample_seed": Key(DRIVER, (ROLLOUT,), "(B,)", "the sampler's seed, from (seed, step, index) only"),
+    "behavior_version": Key(DRIVER, (DRIVER,), "(B,)", "the policy version that generated the sample"),
+    "response_ids": Key(ROLLOUT, (ACTOR, REFERENCE, CRITIC), "(B, R)", "sampled tokens, right-padded"),
+    "response_mask": Key(ROLLOUT, (ACTOR, REFERENCE, CRITIC, DRIVER), "(B, R)", "True on response tokens"),
+    "loss_mask": Key(ROLLOUT, (ACTOR, CRITIC, DRIVER), "(B, R)", "True on sampled tokens (agents: not tool output)"),
+    "sampler_log_probs": Key(ROLLOUT, (ACTOR, DRIVER), "(B, R)", "behaviour policy log-probs"),
+    "sequence_rewards": Key(REWARD, (DRIVER,), "(B,)", "the reward function's score"),
+    "old_log_probs": Key(ACTOR, (ACTOR, DRIVER), "(B, R)", "proximal policy log-probs (actor.compute_log_probs)"),
+    "entropy": Key(ACTOR, (), "(B, R)", "the proximal policy's entropy"),
+    "ref_log_probs": Key(REFERENCE, (ACTOR, DRIVER), "(B, R)", "reference policy log-probs (LoRA: the actor's)"),
+    "values": Key(CRITIC, (CRITIC, DRIVER), "(B, R)", "the critic's value estimates before its update"),
+    "baseline_rewards": Key(REWARD, (DRIVER,), "(B,)", "ReMax: the greedy response's reward, per sample"),
+    "token_rewards": Key(DRIVER, (), "(B, R)", "sequence reward on the last token minus the KL penalty"),
+    "advantages": Key(DRIVER, (ACTOR,), "(B, R)", "the estimator's advantages"),
+    "returns": Key(DRIVER, (CRITIC,), "(B, R)", "the critic's targets"),
+    "behavior_weights": Key(DRIVER, (ACTOR,), "(B, R)", "min(exp(old - sampler), C), 0 outside loss_mask"),
+}
+
+
+def proximal_key(clip_against_sampler: bool) -> str:
+    """The column the update clips against (π_old) and the KL penalty reads."""
+    return "sampler_log_probs" if clip_against_sampler else "old_log_probs"
+
+
+def require(batch: Batch, keys: list[str], reader: str) -> None:
+    """Raise naming each key `reader` needs that `batch` lacks, and the role that writes it."""
+    missing = [k for k in keys if k not in batch]
+    if missing:
+        raise KeyError(f"{reader} needs {', '.join(f'{k!r} (written by {STEP_KEYS[k].writer})' for k in missing)}; "
+                       f"the batch has {batch.keys()}")
