@@ -59,6 +59,9 @@ class PoolConfig:
     nodes: int = 1
     devices_per_node: int = 1  # GPUs per node, or CPU slots per node without GPUs
     cpus_per_device: float = 1.0
+    # docs/cluster.md: only nodes with this Ray label ('tier=gen') or custom resource ('gen_node')
+    node_affinity: Optional[str] = None
+    exclusive_nodes: bool = False  # no other pool on this pool's nodes
 
     def __post_init__(self) -> None:
         _require(self.nodes >= 1, "placement.pools.<name>.nodes", self.nodes, "must be >= 1")
@@ -85,6 +88,10 @@ class PlacementConfig:
     # role -> pool name; roles on the same pool are fused into one process per device
     roles: Dict[str, str] = field(default_factory=lambda: {role: "global" for role in ROLES})
     collective_timeout_s: float = 600.0
+    # A node lost mid-run (docs/cluster.md): before a restart, wait at most this long for the plan to fit again.
+    node_wait_s: float = 300.0
+    # Before any pool is reserved, every node the plan uses reads the model, data and code files and writes the run dir.
+    check_storage: bool = True
 
     def __post_init__(self) -> None:
         _require(bool(self.pools), "placement.pools", self.pools, "define at least one pool")
@@ -93,6 +100,7 @@ class PlacementConfig:
             _require(role in ROLES, f"placement.roles.{role}", pool, f"roles are {list(ROLES)}")
             _require(pool in self.pools, f"placement.roles.{role}", pool, f"must name a pool in placement.pools: {sorted(self.pools)}")
         _require(self.collective_timeout_s > 0, "placement.collective_timeout_s", self.collective_timeout_s, "must be > 0")
+        _require(self.node_wait_s >= 0, "placement.node_wait_s", self.node_wait_s, "must be >= 0")
 
     def world_size(self, role: str) -> int:
         pool = self.pools[self.roles[role]]
