@@ -121,7 +121,7 @@ def check_storage(nodes: dict[str, str], reads: dict[str, str], code_files: dict
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
     token = None
-    if run_dir is not None:
+    if run_dir is not None and Path(run_dir).is_dir():  # what each node must read back from the same directory
         token = secrets.token_hex(16)
         (Path(run_dir) / TOKEN_FILE).write_text(token)
     task = ray.remote(num_cpus=0, max_retries=0)(probe)
