@@ -44,7 +44,7 @@ class PoolSpec:
         return self.nodes * self.devices_per_node
 
     def bundle(self) -> dict[str, float]:
-        bundle = {"CPU": self.cpus_per_device}
+        bundle = {"CPU": float(self.cpus_per_device)}
         if self.use_gpu:
             bundle["GPU"] = 1.0
         return bundle
