@@ -264,7 +264,7 @@ def _node_lost(error: BaseException, will_restart: bool):
     described = lost_nodes(error)
     if described is None:
         return None
-    lost = NodeLostError(f"{described}. The first error it caused: {str(error).splitlines()[0]}")
+    lost = NodeLostError(f"{described}. The first error it caused: {str(error).splitlines()[0].rstrip(':')}")
     console.end_progress_lines()
     if not will_restart:
         raise lost from error
