@@ -22,7 +22,7 @@ from hybridflow.controller.pools import PoolSpec, ResourcePool
 
 PLAN_FILE = "placement_plan.json"
 _STATE: dict = {"run_dir": None, "plan": None, "storage_checked": set()}
-_REPORT_LAG_S = 3.0  # Ray's per-node free resources trail a release by up to about a second
+_REPORT_LAG_S = 5.0  # Ray's per-node free resources trail a release by up to about a second
 
 
 class NodeLostError(RuntimeError):
