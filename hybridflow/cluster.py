@@ -40,19 +40,34 @@ def pool_spec(placement: PlacementConfig, name: str, gpu: bool) -> PoolSpec:
 
 
 def make_plan(config: HybridFlowConfig, pool_roles: dict[str, list[str]], gpu: bool) -> PlacementPlan:
-    """The plan for these pools from the cluster's free resources now; retried for a moment so a
-    release that Ray has not reported yet does not refuse it."""
+    """The plan for these pools from the cluster's free resources now. A plan that would fit the
+    nodes' totals is retried for a moment, so a release that Ray has not reported yet does not
+    refuse it; one that cannot fit even an empty cluster is refused at once."""
+    import dataclasses
+
     from hybridflow.controller.placement import cluster_nodes, plan_placement
 
     specs = [pool_spec(config.placement, name, gpu) for name in pool_roles]
     deadline = time.monotonic() + _REPORT_LAG_S
     while True:
+        nodes = cluster_nodes()
         try:
-            return plan_placement(specs, cluster_nodes(), pool_roles)
+            return plan_placement(specs, nodes, pool_roles)
         except PlacementError:
-            if time.monotonic() > deadline:
+            empty = [dataclasses.replace(n, free=dict(n.total)) for n in nodes]
+            if time.monotonic() > deadline or not _fits(specs, empty):
                 raise
             time.sleep(0.5)
+
+
+def _fits(specs: list[PoolSpec], nodes) -> bool:
+    from hybridflow.controller.placement import plan_placement
+
+    try:
+        plan_placement(specs, nodes)
+        return True
+    except PlacementError:
+        return False
 
 
 def reserve_pools(config: HybridFlowConfig, pool_roles: dict[str, list[str]], gpu: bool) -> dict[str, ResourcePool]:

@@ -113,3 +113,25 @@ def test_plan_json_and_console_lines():
     (line,) = plan.lines()
     assert line.startswith("  pool 'global' (actor+rollout): 2 node(s) x 2 x {CPU: 1} -> ")
     assert "ranks 0-1" in line and "ranks 2-3" in line
+
+
+def test_make_plan_refuses_at_once_what_no_node_could_hold_and_waits_out_a_stale_release(monkeypatch):
+    """hybridflow.cluster.make_plan reads Ray's per-node free view, which trails a release: a plan
+    that fits the nodes' totals is retried for a moment; one that cannot fit them is refused at once."""
+    import time
+
+    from hybridflow import cluster
+    from hybridflow.config import compose
+    from hybridflow.controller import placement
+
+    config = compose(["placement.pools.global.devices_per_node=1", "placement.pools.global.cpus_per_device=2"])
+    views = [[node("n1", 2, free={"CPU": 0})], [node("n1", 2)]]  # a release not yet reported, then reported
+    monkeypatch.setattr(placement, "cluster_nodes", lambda: views.pop(0) if len(views) > 1 else views[0])
+    plan = cluster.make_plan(config, {"global": ["actor"]}, gpu=False)
+    assert nodes_of(plan, "global") == ["n1"] and not views[1:]
+
+    monkeypatch.setattr(placement, "cluster_nodes", lambda: [node("n1", 1)])
+    start = time.monotonic()
+    with pytest.raises(PlacementError, match="needs 1 node"):
+        cluster.make_plan(config, {"global": ["actor"]}, gpu=False)
+    assert time.monotonic() - start < 0.5
