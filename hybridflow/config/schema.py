@@ -67,6 +67,8 @@ class PoolConfig:
         _require(self.nodes >= 1, "placement.pools.<name>.nodes", self.nodes, "must be >= 1")
         _require(self.devices_per_node >= 1, "placement.pools.<name>.devices_per_node", self.devices_per_node, "must be >= 1")
         _require(self.cpus_per_device > 0, "placement.pools.<name>.cpus_per_device", self.cpus_per_device, "must be > 0")
+        _require(self.node_affinity is None or bool(self.node_affinity.strip()), "placement.pools.<name>.node_affinity",
+                 self.node_affinity, "a Ray node label 'key=value', a custom resource name, or null")
 
 
 def _pool(name: str, value: Any) -> PoolConfig:
