@@ -74,11 +74,13 @@ def _hydra_main(cfg: DictConfig) -> None:
     except ConfigError as exc:
         print(f"hybridflow: configuration error: {exc}", file=sys.stderr)
         sys.exit(2)
+    from hybridflow.controller.placement import PlacementError
+    from hybridflow.controller.storage import StorageError
     from hybridflow.preflight import InputError
 
     try:
         run(config)
-    except InputError as exc:
+    except (InputError, PlacementError, StorageError) as exc:  # the cluster cannot hold or read the run
         print(f"hybridflow: {exc}", file=sys.stderr)
         sys.exit(2)
 

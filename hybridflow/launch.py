@@ -15,7 +15,8 @@ from pathlib import Path
 from hybridflow import console
 from hybridflow.builders import build_tiny_model
 from hybridflow.config.schema import DeviceKind, HybridFlowConfig, PlacementConfig
-from hybridflow.controller import PoolSpec, ResourcePool, RoleSpec, WorkerGroup, spawn_workers
+from hybridflow.cluster import code_files, reserve_pools
+from hybridflow.controller import RoleSpec, WorkerGroup, spawn_workers
 from hybridflow.controller.runtime import connect
 from hybridflow.data import ArithmeticSpec, make_arithmetic_split, read_rows, write_rows
 
@@ -101,7 +102,8 @@ def start_ray(config: HybridFlowConfig) -> str:
     r = config.ray
     num_cpus = r.num_cpus or max(1, math.ceil(slots_needed(config.placement)) + 1)
     return connect(address=r.address, num_cpus=num_cpus, dashboard=r.dashboard,
-                   dashboard_host=r.dashboard_host, namespace=r.namespace, log_to_driver=not console.quiet())
+                   dashboard_host=r.dashboard_host, namespace=r.namespace, log_to_driver=not console.quiet(),
+                   code_files=code_files(config))
 
 
 def use_gpu(placement: PlacementConfig) -> bool:
@@ -123,10 +125,9 @@ def spawn_roles(config: HybridFlowConfig, roles: dict[str, RoleSpec], env_vars: 
             raise KeyError(f"role {role!r} has no pool: add placement.roles.{role}=<pool name>")
         by_pool.setdefault(placement.roles[role], {})[role] = spec
     groups: dict[str, WorkerGroup] = {}
+    pools = reserve_pools(config, {name: list(pool_roles) for name, pool_roles in by_pool.items()}, gpu)
     for pool_name, pool_roles in by_pool.items():
-        p = placement.pools[pool_name]
-        pool = ResourcePool(PoolSpec(pool_name, p.nodes, p.devices_per_node, gpu, p.cpus_per_device))
-        groups.update(spawn_workers(pool, pool_roles, env_vars=env_vars,
+        groups.update(spawn_workers(pools[pool_name], pool_roles, env_vars=env_vars,
                                     collective_timeout_s=placement.collective_timeout_s,
                                     log_dir=console.worker_log_dir()))
     _SPAWNED.extend(groups.values())

@@ -103,6 +103,10 @@ def load_object(reference: str) -> Any:
     if target.endswith(".py"):
         path = Path(target).expanduser().resolve()
         if not path.is_file():
+            from hybridflow.controller.storage import shipped_copy  # the copy a cluster job ships
+
+            path = shipped_copy(path) or path
+        if not path.is_file():
             raise FileNotFoundError(f"{reference!r}: file {path} does not exist")
         module_name = f"_hybridflow_user_{abs(hash(str(path)))}"
         module = sys.modules.get(module_name)

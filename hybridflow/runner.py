@@ -227,21 +227,26 @@ def run_with_restarts(recipe, config: HybridFlowConfig, run_dir: Path) -> dict:
     import dataclasses
     import json
 
+    from hybridflow import cluster
     from hybridflow.controller import WorkerError, WorkerGroupBroken
     from hybridflow.launch import release_all
     from hybridflow.resharding import WeightSyncError
     from hybridflow.tracking import last_logged_step
 
+    cluster.use_run_dir(run_dir)
     restarts = 0
     while True:
         try:
             return recipe(config, run_dir)
         except (WorkerError, WorkerGroupBroken, WeightSyncError, TimeoutError) as exc:
+            lost = _node_lost(exc, restarts < config.trainer.max_restarts)
             if restarts >= config.trainer.max_restarts:
                 raise
             restarts += 1
             step = last_logged_step(run_dir) + 1
             console.end_progress_lines()
+            if lost is not None:
+                exc = lost
             print(f"hybridflow: step {step}: {type(exc).__name__}: {str(exc).splitlines()[0]}\n"
                   f"hybridflow: restart {restarts} of "
                   f"{config.trainer.max_restarts} (trainer.max_restarts): tearing the worker groups down and resuming "
@@ -250,5 +255,22 @@ def run_with_restarts(recipe, config: HybridFlowConfig, run_dir: Path) -> dict:
                 f.write(json.dumps({"restart": restarts, "step": step, "error": type(exc).__name__, "message": str(exc)[:2000],
                                     "time": time.time()}) + "\n")
             release_all()
+            cluster.wait_until_plan_fits(config, config.placement.node_wait_s)
             config = dataclasses.replace(config, trainer=dataclasses.replace(config.trainer, resume=True))
+
+
+def _node_lost(error: BaseException, will_restart: bool):
+    """A `NodeLostError` naming the planned nodes that left the cluster and the pools and ranks they
+    hosted, when that is what `error` came from (None otherwise); raised at once when no restart
+    is left, so the run's last word names the node rather than a rank's dead process."""
+    from hybridflow.cluster import NodeLostError, lost_nodes
+
+    described = lost_nodes(error)
+    if described is None:
+        return None
+    lost = NodeLostError(f"{described}. The first error it caused: {str(error).splitlines()[0].rstrip(':')}")
+    console.end_progress_lines()
+    if not will_restart:
+        raise lost from error
+    return lost
 

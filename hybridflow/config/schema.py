@@ -59,11 +59,16 @@ class PoolConfig:
     nodes: int = 1
     devices_per_node: int = 1  # GPUs per node, or CPU slots per node without GPUs
     cpus_per_device: float = 1.0
+    # docs/cluster.md: only nodes with this Ray label ('tier=gen') or custom resource ('gen_node')
+    node_affinity: Optional[str] = None
+    exclusive_nodes: bool = False  # no other pool on this pool's nodes
 
     def __post_init__(self) -> None:
         _require(self.nodes >= 1, "placement.pools.<name>.nodes", self.nodes, "must be >= 1")
         _require(self.devices_per_node >= 1, "placement.pools.<name>.devices_per_node", self.devices_per_node, "must be >= 1")
         _require(self.cpus_per_device > 0, "placement.pools.<name>.cpus_per_device", self.cpus_per_device, "must be > 0")
+        _require(self.node_affinity is None or bool(self.node_affinity.strip()), "placement.pools.<name>.node_affinity",
+                 self.node_affinity, "a Ray node label 'key=value', a custom resource name, or null")
 
 
 def _pool(name: str, value: Any) -> PoolConfig:
@@ -85,6 +90,10 @@ class PlacementConfig:
     # role -> pool name; roles on the same pool are fused into one process per device
     roles: Dict[str, str] = field(default_factory=lambda: {role: "global" for role in ROLES})
     collective_timeout_s: float = 600.0
+    # A node lost mid-run (docs/cluster.md): before a restart, wait at most this long for the plan to fit again.
+    node_wait_s: float = 300.0
+    # Before any pool is reserved, every node the plan uses reads the model, data and code files and writes the run dir.
+    check_storage: bool = True
 
     def __post_init__(self) -> None:
         _require(bool(self.pools), "placement.pools", self.pools, "define at least one pool")
@@ -93,6 +102,7 @@ class PlacementConfig:
             _require(role in ROLES, f"placement.roles.{role}", pool, f"roles are {list(ROLES)}")
             _require(pool in self.pools, f"placement.roles.{role}", pool, f"must name a pool in placement.pools: {sorted(self.pools)}")
         _require(self.collective_timeout_s > 0, "placement.collective_timeout_s", self.collective_timeout_s, "must be > 0")
+        _require(self.node_wait_s >= 0, "placement.node_wait_s", self.node_wait_s, "must be >= 0")
 
     def world_size(self, role: str) -> int:
         pool = self.pools[self.roles[role]]

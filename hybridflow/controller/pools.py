@@ -4,6 +4,10 @@ A pool reserves one bundle per device: one GPU (plus a few CPUs) on a GPU cluste
 CPU slot on a machine without GPUs. Each node's bundles form one STRICT_PACK placement
 group pinned to a distinct node, so rank r of a pool always lives on node r // devices_per_node
 and a pool of two nodes really spans two nodes. Ranks are numbered node-major.
+
+Which nodes: those a placement plan gave the pool (hybridflow.controller.placement, one plan for
+all pools of a run, from each node's free resources); a pool created without a plan plans for
+itself alone, from what is free now.
 """
 
 from __future__ import annotations
@@ -23,6 +27,8 @@ class PoolSpec:
     devices_per_node: int = 1
     use_gpu: bool = False
     cpus_per_device: float = 1.0
+    node_affinity: str | None = None  # 'label=value' (a Ray node label) or a custom resource name
+    exclusive_nodes: bool = False  # no other pool on this pool's nodes
 
     def __post_init__(self) -> None:
         if self.nodes < 1 or self.devices_per_node < 1:
@@ -38,7 +44,7 @@ class PoolSpec:
         return self.nodes * self.devices_per_node
 
     def bundle(self) -> dict[str, float]:
-        bundle = {"CPU": self.cpus_per_device}
+        bundle = {"CPU": float(self.cpus_per_device)}
         if self.use_gpu:
             bundle["GPU"] = 1.0
         return bundle
@@ -55,8 +61,10 @@ class Slot:
 
 
 class ResourcePool:
-    def __init__(self, spec: PoolSpec) -> None:
-        self.spec = spec
+    def __init__(self, spec: PoolSpec, node_ids: list[str] | None = None) -> None:
+        if node_ids is not None and len(node_ids) != spec.nodes:
+            raise ValueError(f"pool {spec.name!r}: {len(node_ids)} node(s) given for nodes={spec.nodes}")
+        self.spec, self.node_ids = spec, node_ids
         self._groups: list[tuple[PlacementGroup, str]] = []
 
     @property
@@ -67,7 +75,7 @@ class ResourcePool:
         """Reserve the pool's bundles; raises naming the pool if the cluster cannot hold it."""
         if self._groups:
             return self
-        nodes = self._pick_nodes()
+        nodes = self.node_ids or self._pick_nodes()
         for i, node_id in enumerate(nodes):
             bundles = [self.spec.bundle() for _ in range(self.spec.devices_per_node)]
             pg = placement_group(
@@ -90,24 +98,10 @@ class ResourcePool:
         return self
 
     def _pick_nodes(self) -> list[str]:
-        """Distinct alive nodes that each fit one node's worth of bundles, most free first."""
-        need = {k: v * self.spec.devices_per_node for k, v in self.spec.bundle().items()}
-        candidates = []
-        for node in ray.nodes():
-            if not node.get("Alive"):
-                continue
-            total = node.get("Resources", {})
-            if all(total.get(k, 0.0) >= v for k, v in need.items()):
-                candidates.append((total.get("CPU", 0.0), node["NodeID"]))
-        free = ray.available_resources()
-        if len(candidates) < self.spec.nodes:
-            raise RuntimeError(
-                f"resource pool {self.spec.name!r} needs {self.spec.nodes} node(s) with {need} each, "
-                f"but only {len(candidates)} node(s) of the cluster are that large (available now: {free}). "
-                "Lower placement.pools.<name>.nodes or devices_per_node, or start more Ray nodes."
-            )
-        candidates.sort(key=lambda c: -c[0])
-        return [node_id for _, node_id in candidates[: self.spec.nodes]]
+        """A plan for this pool alone, from what each alive node has free now."""
+        from hybridflow.controller.placement import cluster_nodes, plan_placement
+
+        return list(plan_placement([self.spec], cluster_nodes()).pools[self.spec.name].node_ids)
 
     def slots(self) -> list[Slot]:
         if not self._groups:

@@ -4,6 +4,10 @@ Without an address the controller starts a local Ray instance (the embedded defa
 `ray.address` set, or when the driver runs under `ray job submit` (which exports RAY_ADDRESS
 to the job), it joins that cluster. The dashboard, when started, binds to loopback unless
 `ray.dashboard_host` says otherwise.
+
+Joining a cluster, the job's runtime environment also carries the code files the config names
+(reward functions, agent tools and environments; hybridflow.controller.storage), so they need
+not be on every node's disk.
 """
 
 from __future__ import annotations
@@ -17,7 +21,8 @@ log = logging.getLogger(__name__)
 
 
 def connect(*, address: str | None, num_cpus: int | None, dashboard: bool, dashboard_host: str,
-            namespace: str, env_vars: dict[str, str] | None = None, log_to_driver: bool = True) -> str:
+            namespace: str, env_vars: dict[str, str] | None = None, log_to_driver: bool = True,
+            code_files: list[str] | None = None) -> str:
     """Initialise Ray once for this driver; returns 'joined <address>' or 'local'.
 
     `log_to_driver=False` (hybridflow.console, a quiet run): Ray neither forwards the workers'
@@ -34,6 +39,9 @@ def connect(*, address: str | None, num_cpus: int | None, dashboard: bool, dashb
     # The driver reads RAY_ADDRESS here, at the edge, so workers never need to.
     target = address or os.environ.get("RAY_ADDRESS")
     if target:
+        shipped = _ship(code_files or [])
+        if shipped:
+            runtime_env["py_modules"] = [str(shipped)]
         ray.init(address=target, namespace=namespace, runtime_env=runtime_env, log_to_driver=log_to_driver, **quiet)
         log.info("joined Ray cluster at %s", target)
         return f"joined {target}"
@@ -52,3 +60,17 @@ def connect(*, address: str | None, num_cpus: int | None, dashboard: bool, dashb
     )
     log.info("started a local Ray instance with %s CPU slot(s)", ray.cluster_resources().get("CPU"))
     return "local"
+
+
+def _ship(code_files: list[str]):
+    """The package of code files for the job's py_modules (None: nothing to ship)."""
+    import tempfile
+    from pathlib import Path
+
+    from hybridflow.controller.storage import stage_code_files
+
+    if not code_files:
+        return None
+    package = stage_code_files(code_files, Path(tempfile.mkdtemp(prefix="hybridflow-code-")))
+    log.info("shipping %d code file(s) to every node with the job: %s", len(code_files), ", ".join(code_files))
+    return package
