@@ -48,6 +48,16 @@ def copy_floor_seconds(nbytes: int, repeats: int = 3) -> float:
     return best
 
 
+def reset_prefix_cache(engine) -> None:
+    """Drop vLLM's cached prefixes after a weight load. vLLM keeps the KV of full prompt blocks
+    (128 tokens on the CPU, 16 on GPUs) across `update_weights`, and a later prompt that starts
+    with a cached block would read keys and values the old weights computed (docs/resharding.md,
+    "The prefix cache after a load")."""
+    if not engine.reset_prefix_cache():
+        raise WeightSyncError("vLLM refused to reset its prefix cache after a weight load (requests were still "
+                              "running): the next prompts would read keys and values of the old weights")
+
+
 class Receiver:
     """Interface every rollout engine's receiver implements."""
 
@@ -114,6 +124,7 @@ class VLLMReceiver(Receiver):
             self.engine.collective_rpc("update_weights", args=(update,))  # vLLM ends the session on an error
         self.engine.collective_rpc("finish_weight_update")
         self.engine.collective_rpc(refresh_cpu_kernels)
+        reset_prefix_cache(self.engine)
         return {"received_bytes": float(self.engine.collective_rpc(received_bytes)[0]),
                 "load_seconds": time.perf_counter() - start}
 
