@@ -43,14 +43,16 @@ from hybridflow.training.sequences import log_probs_and_entropy, loss_mask, micr
 
 
 class ActorWorker(TrainingStateMixin):
-    def __init__(self, ctx: WorkerContext, actor: ActorConfig, *, model_path: str, dtype: str, temperature: float,
-                 total_steps: int, trust_remote_code: bool, seed: int) -> None:
+    def __init__(self, ctx: WorkerContext, actor: ActorConfig, *, model_path: str, dtype: str, master_dtype: str,
+                 keep_dropout: bool, temperature: float, total_steps: int, trust_remote_code: bool, seed: int) -> None:
         """`actor`: the `actor` config node; the rest come from elsewhere in the config (built by
-        recipes/roles.py): `model.dtype`, `rollout.temperature` (log-probs at the sampler's
-        temperature), `trainer.total_steps` (the lr schedule's span unless actor.optim.schedule_steps),
+        recipes/roles.py): `model.dtype` (compute), `model.master_dtype` (parameters and optimizer
+        state), `model.keep_dropout`, `rollout.temperature` (log-probs at the sampler's temperature),
+        `trainer.total_steps` (the lr schedule's span unless actor.optim.schedule_steps),
         `model.trust_remote_code`, `seed`."""
         self.ctx, self.cfg = ctx, actor
         self.model_path, self.dtype, self.temperature = model_path, dtype, temperature
+        self.master_dtype, self.keep_dropout = master_dtype, keep_dropout
         self.total_steps, self.trust_remote_code, self.seed = total_steps, trust_remote_code, seed
         self.model = self.optimizer = self.scheduler = None
         self.sender = None  # built by setup_weight_sender
@@ -61,10 +63,10 @@ class ActorWorker(TrainingStateMixin):
     @register(Dispatch.ONE_TO_ALL)
     def start(self) -> dict:
         torch.manual_seed(self.seed)
-        model = load_model(self.model_path, self.dtype, lora=self.cfg.lora,
+        model = load_model(self.model_path, self.master_dtype, lora=self.cfg.lora,
                            gradient_checkpointing=self.cfg.gradient_checkpointing,
-                           trust_remote_code=self.trust_remote_code)
-        self.model = shard_model(model, self.ctx.device)
+                           trust_remote_code=self.trust_remote_code, keep_dropout=self.keep_dropout)
+        self.model = shard_model(model, self.ctx.device, compute_dtype=self.dtype)
         self.optimizer, self.scheduler = build_optimizer(self.model, self.cfg.optim, self.total_steps)
         trainable = sum(p.numel() for p in self.model.parameters() if p.requires_grad)
         return {"trainable_parameters_on_rank": trainable}
@@ -298,11 +300,12 @@ class ActorWorker(TrainingStateMixin):
 
     @register(Dispatch.ONE_TO_ALL)
     def export_hf(self, directory: str, tokenizer_source_dir: str) -> str | None:
-        """Collective: rank 0 writes the actor (LoRA folded) as a Hugging Face model directory."""
+        """Collective: rank 0 writes the actor (LoRA folded) as a Hugging Face model directory, in the
+        compute dtype (`model.dtype`: what the model was loaded and is served in), not the master's."""
         from hybridflow.checkpoint import export_hf_model
 
         path = export_hf_model(directory, model=self.model, tokenizer_source_dir=tokenizer_source_dir,
-                               rank=self.ctx.rank)
+                               rank=self.ctx.rank, dtype=getattr(torch, self.dtype))
         return str(path) if path is not None else None
 
     @register(Dispatch.RANK_ZERO)

@@ -168,10 +168,23 @@ class TinyModelConfig:
 class ModelConfig:
     path: Optional[str] = None  # a Hugging Face model directory; null builds the tiny model offline
     tiny: TinyModelConfig = field(default_factory=TinyModelConfig)
-    dtype: Dtype = Dtype.float32  # training parameter dtype
+    # Precision (docs/recipes.md#precision). dtype: what the actor, critic and reference compute in.
+    # master_dtype: what the actor's and critic's parameters, gradient reduction and optimizer state
+    # are kept in; float32 with a 16-bit dtype is mixed precision (FSDP2's MixedPrecisionPolicy),
+    # master_dtype=dtype trains purely in it (less memory; an Adam step below half an ulp rounds away).
+    dtype: Dtype = Dtype.float32
+    master_dtype: Dtype = Dtype.float32
+    # false: every dropout probability of the model is set to 0 when a role loads it (RL needs
+    # log-probs that are a function of the weights); true: keep the config's dropout.
+    keep_dropout: bool = False
     # Run the model directory's own Python code (its config.json `auto_map`): passed to the actor,
     # critic and reference model loaders and to the tokenizers of the preflight check and the RL driver.
     trust_remote_code: bool = False
+
+    def __post_init__(self) -> None:
+        _require(self.master_dtype in (Dtype.float32, self.dtype), "model.master_dtype", self.master_dtype.value,
+                 f"float32 (mixed precision: compute in model.dtype={self.dtype.value}) or model.dtype itself "
+                 f"({self.dtype.value}: pure {self.dtype.value} training)")
 
 
 @dataclass
@@ -440,6 +453,11 @@ class TrainerConfig:
     on_corrupt_checkpoint: str = "previous"
     resume: bool = False  # continue from the latest complete checkpoint of logger.run_name
     use_sampler_log_probs: bool = True  # on-policy single update: skip the old-log-prob forward pass
+    # Engine parity (docs/recipes.md#engine-parity): on the first batch, before any update, the
+    # sampler's and the actor's log-probs of the same tokens (`rollout/log_prob_diff`) must agree
+    # within this, or the run stops naming the gap. null: 1e-3 when actor and rollout compute in
+    # float32, 5e-2 when either computes in 16 bits. Raise it to accept a known difference.
+    engine_parity_tolerance: Optional[float] = None
     export_hf: bool = True  # save the final actor as a Hugging Face directory
     # Run after each actor update (only at multiples of params.every_steps when given), e.g.
     # {name: reference_ema, params: {every_steps: 10, alpha: 0.1}}; they need a reference role.
@@ -473,6 +491,8 @@ class TrainerConfig:
         _require(self.on_corrupt_checkpoint in ("previous", "stop"), "trainer.on_corrupt_checkpoint",
                  self.on_corrupt_checkpoint, "one of ['previous', 'stop']")
         _require(self.max_restarts >= 0, "trainer.max_restarts", self.max_restarts, "must be >= 0")
+        _require(self.engine_parity_tolerance is None or self.engine_parity_tolerance > 0,
+                 "trainer.engine_parity_tolerance", self.engine_parity_tolerance, "must be > 0, or null for the default")
         _require(self.default_stage_timeout_s > 0, "trainer.default_stage_timeout_s", self.default_stage_timeout_s,
                  "must be > 0 seconds")
         bad = {k: v for k, v in self.stage_timeout_s.items()
