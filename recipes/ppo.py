@@ -28,6 +28,7 @@ from hybridflow.data.loader import PromptLoader
 from hybridflow.data.prompts import encode_prompts
 from hybridflow.faults import inject_faults
 from hybridflow.launch import build_weight_sync, prepare_data, prepare_model, spawn_roles, start_ray, vllm_env
+from hybridflow.resharding.parity import FirstBatchParity
 from hybridflow.rewards import reward_metrics
 from hybridflow.runner import (
     Checkpointer,
@@ -71,6 +72,7 @@ def run(config: HybridFlowConfig, run_dir: Path) -> dict:
     weight_sync.sync(step)
     logger = MetricsLogger(run_dir, config.logger.backends, total_steps=config.trainer.total_steps)
     hooks = StepHooks.build(t.training_hooks, run_dir, loader)
+    parity = FirstBatchParity.from_config(config, model_dir)  # the first batch's sampler-vs-actor gap
     n = config.rollout.samples_per_prompt
     on_policy = config.trainer.use_sampler_log_probs and config.actor.epochs_per_step == 1 and \
         config.actor.samples_per_mini_batch in (0, config.trainer.prompts_per_step * n)
@@ -130,6 +132,7 @@ def run(config: HybridFlowConfig, run_dir: Path) -> dict:
             with weight_sync.generating():
                 metrics.update(validate(config, rollout, reward, data.val, tokenizer, step))
         logger.log(step, metrics)
+        parity.check(metrics)
         if checkpointer.due(step):
             checkpointer.save(step, {"loader": loader.state_dict(), "kl_coef": kl_ctl.coef, "metrics": metrics})
 

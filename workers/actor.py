@@ -289,12 +289,14 @@ class ActorWorker(TrainingStateMixin):
 
     @register(Dispatch.ONE_TO_ALL)
     @torch.no_grad()
-    def probe_log_probs(self, prompt_ids: list[int], tokens: list[int]) -> torch.Tensor:
-        """Collective: the actor's log-prob of each of `tokens` after `prompt_ids` (float64)."""
-        full = torch.tensor([prompt_ids + tokens], device=self.ctx.device)
-        self.model.eval()
-        logits = self.model(input_ids=full, use_cache=False).logits[0, len(prompt_ids) - 1 : -1].float()
-        return torch.log_softmax(logits, -1).gather(-1, full[0, len(prompt_ids):, None])[:, 0].double().cpu()
+    def probe_log_probs(self, prompts: list[list[int]], tokens: list[list[int]]) -> torch.Tensor:
+        """Collective: the actor's log-prob of each of `tokens[i]` after `prompts[i]`, concatenated
+        (float64), computed as one left-padded batch the way compute_log_probs reads samples."""
+        from hybridflow.resharding.verify import probe_batch
+
+        batch = probe_batch(prompts, tokens)
+        log_probs, _ = log_probs_and_entropy(self.model, batch.to(self.ctx.device), len(batch))
+        return log_probs[batch["response_mask"].to(log_probs.device)].double().cpu()
 
     # ---- checkpoints (save/load: TrainingStateMixin) ----------------------------------------
 
