@@ -274,6 +274,9 @@ class WeightSyncConfig:
     timeout_s: float = 300.0  # every transfer and the whole sync; past it, an error naming who did not answer
     check: str = "probe"  # after every sync: probe (rollout vs actor log-probs on a probe prompt) | none
     checksum_every_steps: int = 0  # also compare per-tensor checksums every N syncs (0: never)
+    # The probe's largest allowed log-prob gap; null: 1e-2 when model.dtype and rollout.dtype are
+    # float32, 0.1 when either is 16-bit (set from them when the config is read).
+    probe_tolerance: Optional[float] = None
 
     def __post_init__(self) -> None:
         _require(self.bucket_mb > 0, "weight_sync.bucket_mb", self.bucket_mb, "must be > 0")
@@ -281,6 +284,8 @@ class WeightSyncConfig:
         _require(self.check in ("probe", "none"), "weight_sync.check", self.check, "one of ['probe', 'none']")
         _require(self.checksum_every_steps >= 0, "weight_sync.checksum_every_steps", self.checksum_every_steps,
                  "must be >= 0 (0: never)")
+        _require(self.probe_tolerance is None or self.probe_tolerance > 0, "weight_sync.probe_tolerance",
+                 self.probe_tolerance, "must be > 0, or null for the default of the dtypes")
 
 
 @dataclass
@@ -575,6 +580,10 @@ class HybridFlowConfig:
 
     def __post_init__(self) -> None:
         self.placement.check_rollout(self.rollout, self.model)
+        if self.weight_sync.probe_tolerance is None:
+            from hybridflow.resharding.verify import probe_tolerance
+
+            self.weight_sync.probe_tolerance = probe_tolerance(self.model.dtype.value, self.rollout.dtype.value)
         world = self.placement.pools[self.placement.roles["actor"]].nodes * \
             self.placement.pools[self.placement.roles["actor"]].devices_per_node
         samples = self.trainer.prompts_per_step * self.rollout.samples_per_prompt

@@ -26,6 +26,12 @@ import torch
 PROBE_PROMPTS = [[3 + (7 * i) % 47 for i in range(n)] for n in (6, 23, 61, 200)]
 PROBE_NEW_TOKENS = 4
 PROBE_TOLERANCE = 1e-2  # float32 kernels differ by ~1e-5; a stale or garbled weight by far more
+HALF_PROBE_TOLERANCE = 0.1  # either side in bfloat16/float16: 0.015 seen on the tiny model
+
+
+def probe_tolerance(model_dtype: str, rollout_dtype: str) -> float:
+    """The probe's default tolerance (largest log-prob gap) for the actor's and the rollout's dtypes."""
+    return PROBE_TOLERANCE if model_dtype == rollout_dtype == "float32" else HALF_PROBE_TOLERANCE
 
 
 class WeightSyncError(RuntimeError):
