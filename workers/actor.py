@@ -312,7 +312,10 @@ class ActorWorker(TrainingStateMixin):
 
     @register(Dispatch.RANK_ZERO)
     def full_state_dict(self) -> dict:
-        """Collective: the full (unsharded) weights on the CPU; rank 0's copy is returned."""
+        """Collective: the full (unsharded) weights on the CPU, in the compute dtype (`model.dtype`, what
+        the reference holds: the reference hooks merge the two); rank 0's copy is returned."""
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-        return get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        state = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        dtype = getattr(torch, self.dtype)
+        return {k: v.to(dtype) if v.is_floating_point() else v for k, v in state.items()}
