@@ -11,7 +11,7 @@ actor scores the same tokens. The prompts differ in length and the actor reads t
 left-padded batch through the path its training forward takes (`probe_batch`: trimmed inputs,
 position ids that count real tokens), so a model whose padding or positions the two engines
 treat differently shows here, not only stale weights; the longest prompt is past one vLLM
-prefix-cache block (128 tokens on the CPU), so KV cached under the previous weights shows too.
+prefix-cache block (128 tokens on the CPU), so it also reads any KV cached under the old weights.
 A prompt the engine cannot hold with the new tokens (its `max_model_len`) is skipped: its
 continuation comes back empty and the actor leaves it out.
 """
