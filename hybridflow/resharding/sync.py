@@ -103,13 +103,14 @@ class WeightSync:
         return metrics
 
     def check(self, step: int) -> dict[str, float]:
-        """The cheap check every sync (a log-prob probe), the per-tensor checksums every N syncs."""
+        """The cheap check every sync (a log-prob probe), the per-tensor checksums every N syncs
+        (first when due: their error names the tensor)."""
         out = {}
-        if self.cfg.check == "probe":
-            out.update(self.probe())
         every = self.cfg.checksum_every_steps
         if every and self.syncs % every == 0:
             out.update(self.verify_checksums())
+        if self.cfg.check == "probe":
+            out.update(self.probe())
         return out
 
     def probe(self) -> dict[str, float]:
