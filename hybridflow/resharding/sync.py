@@ -114,7 +114,7 @@ class WeightSync:
         return out
 
     def probe(self) -> dict[str, float]:
-        """Every rollout rank's greedy log-probs on a probe prompt against the actor's own."""
+        """Every rollout rank's greedy log-probs on the probe prompts against the actor's own."""
         probes = self._wait([self.rollout.probe_log_probs.remote(PROBE_PROMPTS, PROBE_NEW_TOKENS)], "the probe")[0]
         gap, actor_lp = 0.0, {}
         tolerance = self.cfg.probe_tolerance or PROBE_TOLERANCE
@@ -126,8 +126,9 @@ class WeightSync:
             if rank_gap > tolerance:
                 raise WeightSyncError(
                     f"after the weight sync, rollout rank {rank}'s log-probs differ from the actor's by up to "
-                    f"{rank_gap:.3g} on the probe prompts (tolerance {tolerance}, weight_sync.probe_tolerance): the engine is not computing "
-                    "with the actor's weights. Set weight_sync.checksum_every_steps=1 to find the tensor")
+                    f"{rank_gap:.3g} on the probe prompts (tolerance {tolerance}, weight_sync.probe_tolerance): the "
+                    "engine is not computing with the actor's weights. Set weight_sync.checksum_every_steps=1 to find "
+                    "the tensor")
             gap = max(gap, rank_gap)
         return {"weight_sync/probe_log_prob_gap": gap}
 
