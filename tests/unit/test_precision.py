@@ -28,7 +28,7 @@ from hybridflow.training.fsdp import load_model
 from hybridflow.training.sequences import log_probs_and_entropy, response_logits
 from recipes.roles import actor_role, critic_role
 
-STEPS = 30
+STEPS = 20
 
 
 @pytest.fixture(scope="module", autouse=True)
