@@ -173,7 +173,7 @@ def check_sync(actor, model_dir: Path, device: str, dtype: str, syncs: int) -> l
     from hybridflow.resharding.receiver import register_local
     from hybridflow.resharding.sender import SyncPlan
     from hybridflow.resharding.transports import Colocated
-    from hybridflow.resharding.verify import PROBE_NEW_TOKENS, PROBE_PROMPT_IDS
+    from hybridflow.resharding.verify import PROBE_NEW_TOKENS, PROBE_PROMPTS
     from hybridflow.resharding.weights import full_weights
 
     receivers, shapes = make_receivers(model_dir, device, dtype)
@@ -202,8 +202,8 @@ def check_sync(actor, model_dir: Path, device: str, dtype: str, syncs: int) -> l
                   "copy_floor_s": floor, "tensors_checked": len(shapes), "tensors_mismatched": mismatched[:5]}
         result["copy_floor_ratio"] = result["seconds"] / floor
         if mode.startswith("TP1") and dtype == "float32":
-            tokens, engine_lp = receiver.probe(PROBE_PROMPT_IDS, PROBE_NEW_TOKENS)
-            actor_lp = actor.probe_log_probs(PROBE_PROMPT_IDS, tokens)
+            tokens, engine_lp = receiver.probe(PROBE_PROMPTS, PROBE_NEW_TOKENS)
+            actor_lp = actor.probe_log_probs(PROBE_PROMPTS, tokens)
             result["probe_log_prob_gap"] = float((engine_lp - actor_lp).abs().max())
         out.append(result)
     return out

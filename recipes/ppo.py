@@ -37,6 +37,7 @@ from hybridflow.data.prompts import encode_prompts
 from hybridflow.data.tokenizer import load_tokenizer
 from hybridflow.faults import inject_faults
 from hybridflow.launch import build_weight_sync, prepare_data, prepare_model, spawn_roles, start_ray, vllm_env
+from hybridflow.resharding.parity import FirstBatchParity
 from hybridflow.rewards import reward_metrics
 from hybridflow.rollout_queue import Pending, RolloutQueue
 from hybridflow.runner import (
@@ -81,6 +82,7 @@ def run(config: HybridFlowConfig, run_dir: Path) -> dict:
                             encode=lambda out: [None if b is None else to_json(b) for b in out],
                             decode=lambda out: tuple(None if b is None else from_json(b) for b in out))
     rollouts.start(step, **state.get("rollouts", {}))
+    parity = FirstBatchParity.from_config(config, model_dir)  # the first batch's sampler-vs-actor gap
     logger = MetricsLogger(run_dir, config.logger.backends, total_steps=t.total_steps)
 
     while step < t.total_steps:
@@ -107,6 +109,7 @@ def run(config: HybridFlowConfig, run_dir: Path) -> dict:
             with weight_sync.generating():
                 metrics.update(validate(config, r.rollout, r.reward, data.val, tokenizer, step))
         logger.log(step, metrics)
+        parity.check(metrics)
         if checkpointer.due(step):
             rollouts.drain(step)
             checkpointer.save(step, {"loader": loader.state_dict(), "kl_coef": kl_ctl.coef, "metrics": metrics,

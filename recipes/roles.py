@@ -21,6 +21,7 @@ from workers.reward import RewardWorker
 def actor_role(config: HybridFlowConfig, model_dir: str | Path) -> RoleSpec:
     return RoleSpec(ActorWorker, dict(
         actor=config.actor, model_path=str(model_dir), dtype=config.model.dtype.value,
+        master_dtype=config.model.master_dtype.value, keep_dropout=config.model.keep_dropout,
         temperature=config.rollout.temperature, total_steps=config.trainer.total_steps,
         trust_remote_code=config.model.trust_remote_code, seed=config.seed))
 
@@ -28,12 +29,13 @@ def actor_role(config: HybridFlowConfig, model_dir: str | Path) -> RoleSpec:
 def critic_role(config: HybridFlowConfig, model_dir: str | Path) -> RoleSpec:
     return RoleSpec(CriticWorker, dict(
         critic=config.critic, model_path=str(model_dir), dtype=config.model.dtype.value,
+        master_dtype=config.model.master_dtype.value, keep_dropout=config.model.keep_dropout,
         total_steps=config.trainer.total_steps, trust_remote_code=config.model.trust_remote_code, seed=config.seed))
 
 
 def reference_role(config: HybridFlowConfig, model_dir: str | Path) -> RoleSpec:
     return RoleSpec(ReferenceWorker, dict(
-        model_path=str(model_dir), dtype=config.model.dtype.value,
+        model_path=str(model_dir), dtype=config.model.dtype.value, keep_dropout=config.model.keep_dropout,
         samples_per_micro_batch=config.actor.samples_per_micro_batch, temperature=config.rollout.temperature,
         trust_remote_code=config.model.trust_remote_code))
 

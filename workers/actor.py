@@ -44,14 +44,16 @@ from hybridflow.training.sequences import log_probs_and_entropy, loss_mask, micr
 
 
 class ActorWorker(TrainingStateMixin):
-    def __init__(self, ctx: WorkerContext, actor: ActorConfig, *, model_path: str, dtype: str, temperature: float,
-                 total_steps: int, trust_remote_code: bool, seed: int) -> None:
+    def __init__(self, ctx: WorkerContext, actor: ActorConfig, *, model_path: str, dtype: str, master_dtype: str,
+                 keep_dropout: bool, temperature: float, total_steps: int, trust_remote_code: bool, seed: int) -> None:
         """`actor`: the `actor` config node; the rest come from elsewhere in the config (built by
-        recipes/roles.py): `model.dtype`, `rollout.temperature` (log-probs at the sampler's
-        temperature), `trainer.total_steps` (the lr schedule's span unless actor.optim.schedule_steps),
+        recipes/roles.py): `model.dtype` (compute), `model.master_dtype` (parameters and optimizer
+        state), `model.keep_dropout`, `rollout.temperature` (log-probs at the sampler's temperature),
+        `trainer.total_steps` (the lr schedule's span unless actor.optim.schedule_steps),
         `model.trust_remote_code`, `seed`."""
         self.ctx, self.cfg = ctx, actor
         self.model_path, self.dtype, self.temperature = model_path, dtype, temperature
+        self.master_dtype, self.keep_dropout = master_dtype, keep_dropout
         self.total_steps, self.trust_remote_code, self.seed = total_steps, trust_remote_code, seed
         self.model = self.optimizer = self.scheduler = None
         self.sender = None  # built by setup_weight_sender
@@ -62,10 +64,10 @@ class ActorWorker(TrainingStateMixin):
     @register(Dispatch.ONE_TO_ALL)
     def start(self) -> dict:
         torch.manual_seed(self.seed)
-        model = load_model(self.model_path, self.dtype, lora=self.cfg.lora,
+        model = load_model(self.model_path, self.master_dtype, lora=self.cfg.lora,
                            gradient_checkpointing=self.cfg.gradient_checkpointing,
-                           trust_remote_code=self.trust_remote_code)
-        self.model = shard_model(model, self.ctx.device)
+                           trust_remote_code=self.trust_remote_code, keep_dropout=self.keep_dropout)
+        self.model = shard_model(model, self.ctx.device, compute_dtype=self.dtype)
         self.optimizer, self.scheduler = build_optimizer(self.model, self.cfg.optim, self.total_steps)
         trainable = sum(p.numel() for p in self.model.parameters() if p.requires_grad)
         return {"trainable_parameters_on_rank": trainable}
@@ -289,31 +291,37 @@ class ActorWorker(TrainingStateMixin):
 
     @register(Dispatch.ONE_TO_ALL)
     @torch.no_grad()
-    def probe_log_probs(self, prompt_ids: list[int], tokens: list[int]) -> torch.Tensor:
-        """Collective: the actor's log-prob of each of `tokens` after `prompt_ids` (float64)."""
-        full = torch.tensor([prompt_ids + tokens], device=self.ctx.device)
-        self.model.eval()
-        logits = self.model(input_ids=full, use_cache=False).logits[0, len(prompt_ids) - 1 : -1].float()
-        return torch.log_softmax(logits, -1).gather(-1, full[0, len(prompt_ids):, None])[:, 0].double().cpu()
+    def probe_log_probs(self, prompts: list[list[int]], tokens: list[list[int]]) -> torch.Tensor:
+        """Collective: the actor's log-prob of each of `tokens[i]` after `prompts[i]`, concatenated
+        (float64), computed as one left-padded batch the way compute_log_probs reads samples."""
+        from hybridflow.resharding.verify import probe_batch
+
+        batch = probe_batch(prompts, tokens)
+        log_probs, _ = log_probs_and_entropy(self.model, batch.to(self.ctx.device), len(batch))
+        return log_probs[batch["response_mask"].to(log_probs.device)].double().cpu()
 
     # ---- checkpoints (save/load: TrainingStateMixin) ----------------------------------------
 
     @register(Dispatch.ONE_TO_ALL)
     def export_hf(self, directory: str, tokenizer_source_dir: str) -> str | None:
-        """Collective: rank 0 writes the actor (LoRA folded) as a Hugging Face model directory, or
-        with actor.lora.save_adapter_only its LoRA adapter as a peft adapter directory."""
+        """Collective: rank 0 writes the actor (LoRA folded) as a Hugging Face model directory in the
+        compute dtype (`model.dtype`: what the model was loaded and is served in), not the master's;
+        or, with actor.lora.save_adapter_only, its LoRA adapter as a peft adapter directory."""
         from hybridflow.checkpoint import export_hf_model, export_lora_adapter
 
         if self.cfg.lora.rank and self.cfg.lora.save_adapter_only:
             path = export_lora_adapter(directory, model=self.model, base_model_dir=self.model_path, rank=self.ctx.rank)
         else:
             path = export_hf_model(directory, model=self.model, tokenizer_source_dir=tokenizer_source_dir,
-                                   rank=self.ctx.rank)
+                                   rank=self.ctx.rank, dtype=getattr(torch, self.dtype))
         return str(path) if path is not None else None
 
     @register(Dispatch.RANK_ZERO)
     def full_state_dict(self) -> dict:
-        """Collective: the full (unsharded) weights on the CPU; rank 0's copy is returned."""
+        """Collective: the full (unsharded) weights on the CPU, in the compute dtype (`model.dtype`, what
+        the reference holds: the reference hooks merge the two); rank 0's copy is returned."""
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-        return get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        state = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        dtype = getattr(torch, self.dtype)
+        return {k: v.to(dtype) if v.is_floating_point() else v for k, v in state.items()}

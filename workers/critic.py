@@ -37,11 +37,12 @@ def _values(model: torch.nn.Module, batch: Batch) -> torch.Tensor:
 
 
 class CriticWorker(TrainingStateMixin):
-    def __init__(self, ctx: WorkerContext, critic: CriticConfig, *, model_path: str, dtype: str, total_steps: int,
-                 trust_remote_code: bool, seed: int) -> None:
+    def __init__(self, ctx: WorkerContext, critic: CriticConfig, *, model_path: str, dtype: str, master_dtype: str,
+                 keep_dropout: bool, total_steps: int, trust_remote_code: bool, seed: int) -> None:
         """`critic`: the `critic` config node; the rest as for the actor (recipes/roles.py)."""
         self.ctx, self.cfg = ctx, critic
         self.model_path, self.dtype, self.total_steps = model_path, dtype, total_steps
+        self.master_dtype, self.keep_dropout = master_dtype, keep_dropout
         self.trust_remote_code, self.seed = trust_remote_code, seed
         self.model = self.optimizer = self.scheduler = None
         self.updates = 0
@@ -49,8 +50,9 @@ class CriticWorker(TrainingStateMixin):
     @register(Dispatch.ONE_TO_ALL)
     def start(self) -> None:
         torch.manual_seed(self.seed + 1)
-        model = load_model(self.model_path, self.dtype, value_head=True, trust_remote_code=self.trust_remote_code)
-        self.model = shard_model(model, self.ctx.device)
+        model = load_model(self.model_path, self.master_dtype, value_head=True, trust_remote_code=self.trust_remote_code,
+                           keep_dropout=self.keep_dropout)
+        self.model = shard_model(model, self.ctx.device, compute_dtype=self.dtype)
         self.optimizer, self.scheduler = build_optimizer(self.model, self.cfg.optim, self.total_steps)
 
     @register(Dispatch.DP_SPLIT)

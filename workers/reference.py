@@ -16,18 +16,20 @@ from hybridflow.training.sequences import log_probs_and_entropy
 
 
 class ReferenceWorker:
-    def __init__(self, ctx: WorkerContext, *, model_path: str, dtype: str, samples_per_micro_batch: int,
-                 temperature: float, trust_remote_code: bool) -> None:
-        """Values from the config, built by recipes/roles.py: `model.dtype`,
+    def __init__(self, ctx: WorkerContext, *, model_path: str, dtype: str, keep_dropout: bool,
+                 samples_per_micro_batch: int, temperature: float, trust_remote_code: bool) -> None:
+        """Values from the config, built by recipes/roles.py: `model.dtype` (frozen, so the parameters
+        are held in the compute dtype: no master copy), `model.keep_dropout`,
         `actor.samples_per_micro_batch`, `rollout.temperature`, `model.trust_remote_code`."""
-        self.ctx, self.model_path, self.dtype = ctx, model_path, dtype
+        self.ctx, self.model_path, self.dtype, self.keep_dropout = ctx, model_path, dtype, keep_dropout
         self.samples_per_micro_batch, self.temperature = samples_per_micro_batch, temperature
         self.trust_remote_code = trust_remote_code
         self.model = None
 
     @register(Dispatch.ONE_TO_ALL)
     def start(self) -> None:
-        model = load_model(self.model_path, self.dtype, trust_remote_code=self.trust_remote_code)
+        model = load_model(self.model_path, self.dtype, trust_remote_code=self.trust_remote_code,
+                           keep_dropout=self.keep_dropout)
         model.requires_grad_(False)
         self.model = shard_model(model, self.ctx.device)
 

@@ -178,10 +178,23 @@ class TinyModelConfig:
 class ModelConfig:
     path: Optional[str] = None  # a Hugging Face model directory; null builds the tiny model offline
     tiny: TinyModelConfig = field(default_factory=TinyModelConfig)
-    dtype: Dtype = Dtype.float32  # training parameter dtype
+    # Precision (docs/recipes.md#precision). dtype: what the actor, critic and reference compute in.
+    # master_dtype: what the actor's and critic's parameters, gradient reduction and optimizer state
+    # are kept in; float32 with a 16-bit dtype is mixed precision (FSDP2's MixedPrecisionPolicy),
+    # master_dtype=dtype trains purely in it (less memory; an Adam step below half an ulp rounds away).
+    dtype: Dtype = Dtype.float32
+    master_dtype: Dtype = Dtype.float32
+    # false: every dropout probability of the model is set to 0 when a role loads it (RL needs
+    # log-probs that are a function of the weights); true: keep the config's dropout.
+    keep_dropout: bool = False
     # Run the model directory's own Python code (its config.json `auto_map`): passed to the actor,
     # critic and reference model loaders and to the tokenizers of the preflight check and the RL driver.
     trust_remote_code: bool = False
+
+    def __post_init__(self) -> None:
+        _require(self.master_dtype in (Dtype.float32, self.dtype), "model.master_dtype", self.master_dtype.value,
+                 f"float32 (mixed precision: compute in model.dtype={self.dtype.value}) or model.dtype itself "
+                 f"({self.dtype.value}: pure {self.dtype.value} training)")
 
 
 @dataclass
@@ -276,6 +289,9 @@ class WeightSyncConfig:
     timeout_s: float = 300.0  # every transfer and the whole sync; past it, an error naming who did not answer
     check: str = "probe"  # after every sync: probe (rollout vs actor log-probs on a probe prompt) | none
     checksum_every_steps: int = 0  # also compare per-tensor checksums every N syncs (0: never)
+    # The probe's largest allowed log-prob gap; null: 1e-2 when model.dtype and rollout.dtype are
+    # float32, 0.1 when either is 16-bit (set from them when the config is read).
+    probe_tolerance: Optional[float] = None
 
     def __post_init__(self) -> None:
         _require(self.bucket_mb > 0, "weight_sync.bucket_mb", self.bucket_mb, "must be > 0")
@@ -283,6 +299,8 @@ class WeightSyncConfig:
         _require(self.check in ("probe", "none"), "weight_sync.check", self.check, "one of ['probe', 'none']")
         _require(self.checksum_every_steps >= 0, "weight_sync.checksum_every_steps", self.checksum_every_steps,
                  "must be >= 0 (0: never)")
+        _require(self.probe_tolerance is None or self.probe_tolerance > 0, "weight_sync.probe_tolerance",
+                 self.probe_tolerance, "must be > 0, or null for the default of the dtypes")
 
 
 @dataclass
@@ -473,6 +491,11 @@ class TrainerConfig:
     # when on-policy, see use_sampler_log_probs, else the actor's), 'actor' (recomputed by the
     # actor, with algorithm.behavior_is_cap correcting for the sampler) or 'sampler'.
     old_log_probs: str = "auto"
+    # Engine parity (docs/recipes.md#engine-parity): on the first batch, before any update, the
+    # sampler's and the actor's log-probs of the same tokens (`rollout/log_prob_diff`) must agree
+    # within this, or the run stops naming the gap. null: 1e-3 when actor and rollout compute in
+    # float32, 5e-2 when either computes in 16 bits. Raise it to accept a known difference.
+    engine_parity_tolerance: Optional[float] = None
     export_hf: bool = True  # save the final actor as a Hugging Face directory
     # Run after each actor update (only at multiples of params.every_steps when given), e.g.
     # {name: reference_ema, params: {every_steps: 10, alpha: 0.1}}; they need a reference role.
@@ -515,6 +538,8 @@ class TrainerConfig:
                  f"trainer.max_staleness={self.max_staleness} trains on samples from an older policy: choose the "
                  "correction, trainer.old_log_probs=actor (recomputed, with algorithm.behavior_is_cap) or "
                  "trainer.old_log_probs=sampler (clip against the sampler)")
+        _require(self.engine_parity_tolerance is None or self.engine_parity_tolerance > 0,
+                 "trainer.engine_parity_tolerance", self.engine_parity_tolerance, "must be > 0, or null for the default")
         _require(self.default_stage_timeout_s > 0, "trainer.default_stage_timeout_s", self.default_stage_timeout_s,
                  "must be > 0 seconds")
         bad = {k: v for k, v in self.stage_timeout_s.items()
@@ -597,6 +622,10 @@ class HybridFlowConfig:
 
     def __post_init__(self) -> None:
         self.placement.check_rollout(self.rollout, self.model)
+        if self.weight_sync.probe_tolerance is None:
+            from hybridflow.resharding.verify import probe_tolerance
+
+            self.weight_sync.probe_tolerance = probe_tolerance(self.model.dtype.value, self.rollout.dtype.value)
         world = self.placement.pools[self.placement.roles["actor"]].nodes * \
             self.placement.pools[self.placement.roles["actor"]].devices_per_node
         samples = self.trainer.prompts_per_step * self.rollout.samples_per_prompt

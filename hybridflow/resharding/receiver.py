@@ -48,6 +48,16 @@ def copy_floor_seconds(nbytes: int, repeats: int = 3) -> float:
     return best
 
 
+def reset_prefix_cache(engine) -> None:
+    """Drop vLLM's cached prefixes after a weight load. vLLM keeps the KV of full prompt blocks
+    (128 tokens on the CPU, 16 on GPUs) across `update_weights`, and a later prompt that starts
+    with a cached block would read keys and values the old weights computed (docs/resharding.md,
+    "The prefix cache after a load")."""
+    if not engine.reset_prefix_cache():
+        raise WeightSyncError("vLLM refused to reset its prefix cache after a weight load (requests were still "
+                              "running): the next prompts would read keys and values of the old weights")
+
+
 class Receiver:
     """Interface every rollout engine's receiver implements."""
 
@@ -67,7 +77,9 @@ class Receiver:
     def checksums(self) -> dict:
         raise NotImplementedError
 
-    def probe(self, prompt_ids: list[int], new_tokens: int) -> tuple[list[int], torch.Tensor]:
+    def probe(self, prompts: list[list[int]], new_tokens: int) -> tuple[list[list[int]], torch.Tensor]:
+        """Greedy continuations of `prompts` ([] for a prompt the engine cannot hold) and the
+        log-probs of their tokens, concatenated in order (float64)."""
         raise NotImplementedError
 
 
@@ -114,6 +126,7 @@ class VLLMReceiver(Receiver):
             self.engine.collective_rpc("update_weights", args=(update,))  # vLLM ends the session on an error
         self.engine.collective_rpc("finish_weight_update")
         self.engine.collective_rpc(refresh_cpu_kernels)
+        reset_prefix_cache(self.engine)
         return {"received_bytes": float(self.engine.collective_rpc(received_bytes)[0]),
                 "load_seconds": time.perf_counter() - start}
 
@@ -122,15 +135,22 @@ class VLLMReceiver(Receiver):
 
         return self.engine.collective_rpc(param_checksums)[0]
 
-    def probe(self, prompt_ids: list[int], new_tokens: int) -> tuple[list[int], torch.Tensor]:
-        """A short greedy continuation and vLLM's log-prob of each token (float64)."""
+    def probe(self, prompts: list[list[int]], new_tokens: int) -> tuple[list[list[int]], torch.Tensor]:
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
+        from hybridflow.resharding.verify import probe_fits
+
+        fits = [probe_fits(p, self.engine.model_config.max_model_len, new_tokens) for p in prompts]
         params = SamplingParams(temperature=0.0, max_tokens=new_tokens, logprobs=0, ignore_eos=True)
-        out = self.engine.generate([TokensPrompt(prompt_token_ids=prompt_ids)], params, use_tqdm=False)[0].outputs[0]
-        tokens = list(out.token_ids)
-        return tokens, torch.tensor([entry[t].logprob for t, entry in zip(tokens, out.logprobs)], dtype=torch.float64)
+        outs = iter(self.engine.generate([TokensPrompt(prompt_token_ids=p) for p, ok in zip(prompts, fits) if ok],
+                                         params, use_tqdm=False))
+        tokens, log_probs = [], []
+        for ok in fits:
+            out = next(outs).outputs[0] if ok else None
+            tokens.append(list(out.token_ids) if ok else [])
+            log_probs += [entry[t].logprob for t, entry in zip(tokens[-1], out.logprobs)] if ok else []
+        return tokens, torch.tensor(log_probs, dtype=torch.float64)
 
 
 class ModuleReceiver(Receiver):
@@ -158,13 +178,21 @@ class ModuleReceiver(Receiver):
         return {"sums": {n: checksum(p) for n, p in self.model.named_parameters()}, "packed": {}, "empty": []}
 
     @torch.no_grad()
-    def probe(self, prompt_ids: list[int], new_tokens: int) -> tuple[list[int], torch.Tensor]:
-        ids = torch.tensor([prompt_ids], device=next(self.model.parameters()).device)
-        # raw logits, not `scores`: min_new_tokens masks EOS out of the scores, which renormalises them
-        out = self.model.generate(ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
-                                  output_logits=True, return_dict_in_generate=True, pad_token_id=self.pad_token_id)
-        tokens = out.sequences[0, len(prompt_ids):].tolist()
-        log_probs = [torch.log_softmax(s[0].double(), -1)[t].cpu() for s, t in zip(out.logits, tokens)]
+    def probe(self, prompts: list[list[int]], new_tokens: int) -> tuple[list[list[int]], torch.Tensor]:
+        from hybridflow.resharding.verify import probe_fits
+
+        max_len = getattr(self.model.config, "max_position_embeddings", None)
+        tokens, log_probs = [], []
+        for prompt_ids in prompts:
+            if not probe_fits(prompt_ids, max_len, new_tokens):
+                tokens.append([])
+                continue
+            ids = torch.tensor([prompt_ids], device=next(self.model.parameters()).device)
+            # raw logits, not `scores`: min_new_tokens masks EOS out of the scores, which renormalises them
+            out = self.model.generate(ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
+                                      output_logits=True, return_dict_in_generate=True, pad_token_id=self.pad_token_id)
+            tokens.append(out.sequences[0, len(prompt_ids):].tolist())
+            log_probs += [torch.log_softmax(s[0].double(), -1)[t].cpu() for s, t in zip(out.logits, tokens[-1])]
         return tokens, torch.stack(log_probs)
 
 

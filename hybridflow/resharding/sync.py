@@ -25,7 +25,7 @@ from hybridflow.controller import WorkerError, WorkerGroup, deadlines, wait_all
 from hybridflow.resharding.layout import Box, buckets, layout_minimum, numel
 from hybridflow.resharding.sender import SyncPlan
 from hybridflow.resharding.transports import Transport
-from hybridflow.resharding.verify import PROBE_NEW_TOKENS, PROBE_PROMPT_IDS, PROBE_TOLERANCE, WeightSyncError
+from hybridflow.resharding.verify import PROBE_NEW_TOKENS, PROBE_PROMPTS, PROBE_TOLERANCE, WeightSyncError
 
 
 
@@ -88,29 +88,32 @@ class WeightSync:
         return metrics
 
     def check(self, step: int) -> dict[str, float]:
-        """The cheap check every sync (a log-prob probe), the per-tensor checksums every N syncs."""
+        """The cheap check every sync (a log-prob probe), the per-tensor checksums every N syncs
+        (first when due: their error names the tensor)."""
         out = {}
-        if self.cfg.check == "probe":
-            out.update(self.probe())
         every = self.cfg.checksum_every_steps
         if every and self.syncs % every == 0:
             out.update(self.verify_checksums())
+        if self.cfg.check == "probe":
+            out.update(self.probe())
         return out
 
     def probe(self) -> dict[str, float]:
-        """Every rollout rank's greedy log-probs on a probe prompt against the actor's own."""
-        probes = self._wait([self.rollout.probe_log_probs.remote(PROBE_PROMPT_IDS, PROBE_NEW_TOKENS)], "the probe")[0]
+        """Every rollout rank's greedy log-probs on the probe prompts against the actor's own."""
+        probes = self._wait([self.rollout.probe_log_probs.remote(PROBE_PROMPTS, PROBE_NEW_TOKENS)], "the probe")[0]
         gap, actor_lp = 0.0, {}
+        tolerance = self.cfg.probe_tolerance or PROBE_TOLERANCE
         for rank, (tokens, rollout_lp) in enumerate(probes):
-            key = tuple(tokens)
+            key = tuple(map(tuple, tokens))
             if key not in actor_lp:
-                actor_lp[key] = self.actor.probe_log_probs(PROBE_PROMPT_IDS, list(tokens))[0]
+                actor_lp[key] = self.actor.probe_log_probs(PROBE_PROMPTS, [list(t) for t in tokens])[0]
             rank_gap = float((rollout_lp - actor_lp[key]).abs().max())
-            if rank_gap > PROBE_TOLERANCE:
+            if rank_gap > tolerance:
                 raise WeightSyncError(
                     f"after the weight sync, rollout rank {rank}'s log-probs differ from the actor's by up to "
-                    f"{rank_gap:.3g} on a probe prompt (tolerance {PROBE_TOLERANCE}): the engine is not computing "
-                    "with the actor's weights. Set weight_sync.checksum_every_steps=1 to find the tensor")
+                    f"{rank_gap:.3g} on the probe prompts (tolerance {tolerance}, weight_sync.probe_tolerance): the "
+                    "engine is not computing with the actor's weights. Set weight_sync.checksum_every_steps=1 to find "
+                    "the tensor")
             gap = max(gap, rank_gap)
         return {"weight_sync/probe_log_prob_gap": gap}
 

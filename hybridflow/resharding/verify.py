@@ -1,10 +1,19 @@
-"""Checking a sync: per-tensor checksums, compared across the two layouts.
+"""Checking a sync: per-tensor checksums, compared across the two layouts, and a log-prob probe.
 
 A checksum is (sum, sum of squares) in float64. Both are additive over the pieces of a
 tensor, so the training side can compute, for each generation rank, the checksum of exactly
 the box that rank needs, and vLLM's stacked parameters (q/k/v into qkv_proj, gate/up into
 gate_up_proj) compare with the sum over their parts through the model's
 `packed_modules_mapping`. A sync that silently skipped or garbled a tensor cannot pass.
+
+The probe: each rollout rank continues `PROBE_PROMPTS` greedily and reports its log-probs; the
+actor scores the same tokens. The prompts differ in length and the actor reads them as one
+left-padded batch through the path its training forward takes (`probe_batch`: trimmed inputs,
+position ids that count real tokens), so a model whose padding or positions the two engines
+treat differently shows here, not only stale weights; the longest prompt is past one vLLM
+prefix-cache block (128 tokens on the CPU), so it also reads any KV cached under the old weights.
+A prompt the engine cannot hold with the new tokens (its `max_model_len`) is skipped: its
+continuation comes back empty and the actor leaves it out.
 """
 
 from __future__ import annotations
@@ -13,9 +22,16 @@ from typing import Iterable
 
 import torch
 
-PROBE_PROMPT_IDS = [3, 4, 5, 6, 7, 8]  # any ids below every vocabulary size will do
+# Any ids below every vocabulary size will do; lengths differ so that the actor's batch is padded.
+PROBE_PROMPTS = [[3 + (7 * i) % 47 for i in range(n)] for n in (6, 23, 61, 200)]
 PROBE_NEW_TOKENS = 4
 PROBE_TOLERANCE = 1e-2  # float32 kernels differ by ~1e-5; a stale or garbled weight by far more
+HALF_PROBE_TOLERANCE = 0.1  # either side in bfloat16/float16: 0.015 seen on the tiny model
+
+
+def probe_tolerance(model_dtype: str, rollout_dtype: str) -> float:
+    """The probe's default tolerance (largest log-prob gap) for the actor's and the rollout's dtypes."""
+    return PROBE_TOLERANCE if model_dtype == rollout_dtype == "float32" else HALF_PROBE_TOLERANCE
 
 
 class WeightSyncError(RuntimeError):
@@ -72,3 +88,29 @@ def _checkpoint_names(vllm_name: str, packed: dict[str, list[str]], expected: di
             if all(n in expected for n in names):
                 return names
     return []
+
+
+def probe_fits(prompt: list[int], max_len: int | None, new_tokens: int) -> bool:
+    """Whether an engine holding at most `max_len` tokens per sequence (None: no limit) can run it."""
+    return max_len is None or len(prompt) + new_tokens <= max_len
+
+
+def probe_batch(prompts: list[list[int]], continuations: list[list[int]]):
+    """The probe as the actor's training path reads it: a Batch with `prompt_ids` (B, P) left-padded,
+    `response_ids` (B, R) right-padded and their masks, one row per prompt with a non-empty
+    continuation. Padding ids are 0 (masked out)."""
+    from hybridflow.batch import Batch
+
+    rows = [(p, c) for p, c in zip(prompts, continuations) if c]
+    width_p, width_r = max(len(p) for p, _ in rows), max(len(c) for _, c in rows)
+    prompt_ids = torch.zeros((len(rows), width_p), dtype=torch.long)
+    response_ids = torch.zeros((len(rows), width_r), dtype=torch.long)
+    prompt_mask = torch.zeros_like(prompt_ids, dtype=torch.bool)
+    response_mask = torch.zeros_like(response_ids, dtype=torch.bool)
+    for i, (prompt, tokens) in enumerate(rows):
+        prompt_ids[i, width_p - len(prompt):] = torch.tensor(prompt)
+        prompt_mask[i, width_p - len(prompt):] = True
+        response_ids[i, :len(tokens)] = torch.tensor(tokens)
+        response_mask[i, :len(tokens)] = True
+    return Batch({"prompt_ids": prompt_ids, "prompt_mask": prompt_mask, "response_ids": response_ids,
+                  "response_mask": response_mask})

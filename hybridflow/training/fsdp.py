@@ -3,16 +3,33 @@
 The framework does not know the architecture: the decoder blocks to shard are the classes the
 model itself lists in `_no_split_modules` (every transformers model declares them). Each block
 becomes one FSDP2 unit and the root gets the rest (embeddings, final norm, head).
+
+Precision. A trained role keeps its parameters, gradients' reduction and optimizer state in
+`model.master_dtype` (float32 by default) and computes in `model.dtype` through FSDP2's
+`MixedPrecisionPolicy`: each unit's parameters are cast to the compute dtype as they are
+gathered for forward and backward, gradients are reduced in float32 into the float32 shards,
+and AdamW steps those. An Adam step of about lr is below half a bfloat16 ulp of a typical
+weight, so with bfloat16 parameters most updates would round away (docs/recipes.md). With one
+CPU rank FSDP2 is skipped when there is nothing to cast (a plain module is identical and
+faster); under mixed precision it is kept there too, so every rank count computes the same way.
+
+Dropout. RL needs the policy's log-probs to be a function of the weights: the sampler has no
+dropout, so an actor forward with dropout gives a noisy PPO ratio, and a reference or critic
+with it noisy targets. `load_model` zeroes every dropout probability of the model (config
+fields before the modules are built, and `nn.Dropout` modules after) unless told to keep them.
+Putting the model in eval mode instead would also switch off what `training` gates besides
+dropout, such as transformers' gradient checkpointing.
 """
 
 from __future__ import annotations
 
+import re
 from functools import partial
 from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
-from torch.distributed.fsdp import fully_shard
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 from hybridflow.training.schedules import lr_factor
 
@@ -21,17 +38,27 @@ if TYPE_CHECKING:
 
 
 def load_model(path: str, dtype: str, *, value_head: bool = False, lora: LoraConfig | None = None,
-               gradient_checkpointing: bool = False, trust_remote_code: bool = False) -> torch.nn.Module:
+               gradient_checkpointing: bool = False, trust_remote_code: bool = False,
+               keep_dropout: bool = False) -> torch.nn.Module:
     """A causal LM (or, with `value_head`, a token-classification model with one output per token),
-    with a LoRA adapter when `lora` (the `actor.lora` config node) has a rank > 0."""
-    from transformers import AutoModelForCausalLM, AutoModelForTokenClassification
+    with a LoRA adapter when `lora` (the `actor.lora` config node) has a rank > 0. Parameters are
+    in `dtype` (a trained role's master dtype; the compute dtype is `shard_model`'s). Dropout is
+    off unless `keep_dropout` (see the module docstring)."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForTokenClassification
 
     torch_dtype = getattr(torch, dtype)
+    config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
+    if not keep_dropout:
+        zero_dropout_config(config)
     if value_head:
+        config.num_labels = 1
         model = AutoModelForTokenClassification.from_pretrained(
-            path, num_labels=1, dtype=torch_dtype, trust_remote_code=trust_remote_code)
+            path, config=config, dtype=torch_dtype, trust_remote_code=trust_remote_code)
     else:
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype, trust_remote_code=trust_remote_code)
+        model = AutoModelForCausalLM.from_pretrained(path, config=config, dtype=torch_dtype,
+                                                     trust_remote_code=trust_remote_code)
+    if not keep_dropout:
+        zero_dropout_modules(model)
     if gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     if lora is not None and lora.rank > 0:
@@ -44,19 +71,61 @@ def load_model(path: str, dtype: str, *, value_head: bool = False, lora: LoraCon
     return model
 
 
-def shard_model(model: torch.nn.Module, device: str) -> torch.nn.Module:
-    """FSDP2-shard every decoder block and the root over the default process group."""
+DROPOUT_FIELD = re.compile(r"(dropout|pdrop|layerdrop)", re.IGNORECASE)
+
+
+def zero_dropout_config(config) -> list[str]:
+    """Set every dropout probability of a transformers config (and its sub-configs, e.g. a
+    multimodal model's `text_config`) to 0, before the model is built; returns the fields changed.
+    Attention modules copy these floats at construction (`attention_dropout`), so zeroing the
+    modules afterwards would miss them."""
+    from transformers import PretrainedConfig
+
+    changed = []
+    for name, value in vars(config).items():
+        if isinstance(value, PretrainedConfig):  # a nested one, e.g. text_config
+            changed += [f"{name}.{c}" for c in zero_dropout_config(value)]
+        elif DROPOUT_FIELD.search(name) and isinstance(value, float) and value > 0:
+            setattr(config, name, 0.0)
+            changed.append(name)
+    return changed
+
+
+def zero_dropout_modules(model: torch.nn.Module) -> int:
+    """p = 0 in every dropout module (some heads default to 0.1 when the config says nothing, e.g.
+    GPT-2's token-classification head); returns how many were changed."""
+    changed = 0
+    for module in model.modules():
+        if isinstance(module, torch.nn.modules.dropout._DropoutNd) and module.p > 0:
+            module.p = 0.0
+            changed += 1
+    return changed
+
+
+def shard_model(model: torch.nn.Module, device: str, compute_dtype: str | None = None) -> torch.nn.Module:
+    """FSDP2-shard every decoder block and the root over the default process group.
+
+    `compute_dtype` (`model.dtype`) different from the parameters' dtype turns on FSDP2's mixed
+    precision: forward and backward in `compute_dtype`, gradients reduced in float32 into the
+    parameters' (master) dtype. That needs FSDP2 even on one rank; a worker built in-process
+    without a process group (a test) gets a one-rank gloo group of its own."""
     model.to(device)
-    if not dist.is_initialized() or (dist.get_world_size() == 1 and device == "cpu"):
+    param_dtype = next(model.parameters()).dtype
+    compute = getattr(torch, compute_dtype) if compute_dtype else param_dtype
+    mixed = compute != param_dtype
+    if not mixed and (not dist.is_initialized() or (dist.get_world_size() == 1 and device == "cpu")):
         return model  # one CPU rank: nothing to shard, plain module is identical and faster
+    if not dist.is_initialized():
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     block_names = set(getattr(_unwrap(model), "_no_split_modules", None) or [])
     blocks = [m for m in model.modules() if type(m).__name__ in block_names]
     if not blocks:
         raise ValueError(
             f"{type(_unwrap(model)).__name__} lists no _no_split_modules; cannot find its decoder blocks to shard")
+    policy = MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=torch.float32) if mixed else MixedPrecisionPolicy()
     for block in blocks:
-        fully_shard(block)
-    fully_shard(model)
+        fully_shard(block, mp_policy=policy)
+    fully_shard(model, mp_policy=policy)
     return model
 
 

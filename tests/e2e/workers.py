@@ -50,3 +50,35 @@ class RecordingVLLMRollout(VLLMRollout):
     @register(Dispatch.ONE_TO_ALL)
     def recorded(self) -> list[tuple[list[int], list[int]]]:
         return self.records
+
+
+class PrefixCacheVLLMRollout(VLLMRollout):
+    """Greedy probes that report vLLM's prefix-cache hits, and a weight load of the model's own
+    weights scaled (the prefix-cache test)."""
+
+    @register(Dispatch.ONE_TO_ALL)
+    def greedy(self, prompt_ids: list[int], new_tokens: int) -> tuple[list[int], list[float], int]:
+        """(tokens, their log-probs, prompt tokens read from the prefix cache)."""
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        params = SamplingParams(temperature=0.0, max_tokens=new_tokens, logprobs=0, ignore_eos=True)
+        out = self.engine.generate([TokensPrompt(prompt_token_ids=prompt_ids)], params, use_tqdm=False)[0]
+        tokens = list(out.outputs[0].token_ids)
+        return tokens, [e[t].logprob for t, e in zip(tokens, out.outputs[0].logprobs)], out.num_cached_tokens
+
+    @register(Dispatch.ONE_TO_ALL)
+    def load_scaled(self, scale: float, reset_prefix_cache: bool) -> None:
+        """Load the starting weights times `scale` through the receiver's load session; without
+        `reset_prefix_cache` the session skips the reset (to show what it prevents)."""
+        from unittest import mock
+
+        from transformers import AutoModelForCausalLM
+
+        model = AutoModelForCausalLM.from_pretrained(self.model_path)
+        bucket = [(name, p.detach() * scale) for name, p in model.named_parameters()]
+        if reset_prefix_cache:
+            self.receiver.load([bucket])
+            return
+        with mock.patch("hybridflow.resharding.receiver.reset_prefix_cache"):
+            self.receiver.load([bucket])

@@ -46,5 +46,5 @@ class ReceivingEnd:
         return verify(self.receiver, expected_per_rank[self.ctx.rank])
 
     @register(Dispatch.ONE_TO_ALL)
-    def probe_log_probs(self, prompt_ids: list[int], new_tokens: int) -> tuple[list[int], torch.Tensor]:
-        return self.receiver.probe(prompt_ids, new_tokens)
+    def probe_log_probs(self, prompts: list[list[int]], new_tokens: int) -> tuple[list[list[int]], torch.Tensor]:
+        return self.receiver.probe(prompts, new_tokens)
