@@ -21,23 +21,15 @@ from omegaconf import DictConfig
 from hybridflow import console
 from hybridflow.config import CONF_DIR, ConfigError, to_config
 from hybridflow.config.schema import HybridFlowConfig
-from hybridflow.registry import Registry
+from hybridflow.config.recipes import recipe_spec
 from hybridflow.tracking import make_run_dir, save_config
-
-RECIPES: Registry[str] = Registry("recipe", signature="run(config: HybridFlowConfig, run_dir: Path) -> dict")
-RECIPES.add("demo", "recipes.demo:run")
-RECIPES.add("sft", "recipes.sft:run")
-RECIPES.add("grpo", "recipes.ppo:run")
-RECIPES.add("ppo", "recipes.ppo:run")
-RECIPES.add("evaluate", "recipes.evaluate:run")
-RECIPES.add("pipeline", "recipes.pipeline:run")
-RECIPES.add("pretrain", "recipes.pretrain:run")
 
 
 def recipe_function(name: str) -> Callable:
+    """The run function of a built-in recipe (hybridflow/config/recipes.py) or of 'module:function'."""
     from hybridflow.registry import load_object
 
-    return load_object(RECIPES.get(name) if name in RECIPES else name)
+    return load_object(recipe_spec(name).function)
 
 
 def run(config: HybridFlowConfig) -> dict:

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
 
 from hybridflow.data.corpus import PretrainConfig  # the pretrain.* schema lives beside the corpus
+from hybridflow.config.recipes import RECIPE_SPECS, recipe_spec, stage_recipes
 from hybridflow.merge.hooks import HookConfig  # the hook schema lives beside the hooks
 from hybridflow.rewards.config import RewardConfig  # noqa: F401 - the reward.* schema lives beside its code
 
@@ -496,13 +497,13 @@ class LoggerConfig:
         _require(not bad, "logger.backends", self.backends, f"each must be one of {list(allowed)}")
 
 
-RECIPE_NAMES = ("demo", "sft", "grpo", "ppo", "evaluate", "pipeline", "pretrain")
+RECIPE_NAMES = tuple(RECIPE_SPECS.names())
 
 
 @dataclass
 class StageConfig:
     name: str = "stage"
-    recipe: str = "sft"  # pretrain | sft | grpo | ppo
+    recipe: str = "sft"  # a recipe that can be a stage: pretrain | sft | grpo | ppo
     overrides: List[str] = field(default_factory=list)  # Hydra overrides for this stage only
     # How this stage's starting model is made from the previous stage (ignored for the first).
     # A registered stage hook (pma_sma, pma_ema, pma_wma, last_checkpoint, final_model) or 'module:fn'.
@@ -519,8 +520,8 @@ class PipelineConfig:
         names = [s.name for s in self.stages]
         _require(len(set(names)) == len(names), "pipeline.stages[*].name", names, "stage names must be unique")
         for i, stage in enumerate(self.stages):
-            _require(stage.recipe in ("pretrain", "sft", "grpo", "ppo"), f"pipeline.stages[{i}].recipe",
-                     stage.recipe, "one of ['pretrain', 'sft', 'grpo', 'ppo']")
+            _require(stage.recipe in stage_recipes(), f"pipeline.stages[{i}].recipe", stage.recipe,
+                     f"one of {stage_recipes()}")
 
 
 @dataclass
@@ -566,17 +567,17 @@ class HybridFlowConfig:
                  f"must divide the step's {samples} samples and be a multiple of the {world} actor ranks")
         from hybridflow.training.hooks import STEP_HOOKS, check_step_hooks
 
-        t = self.trainer
+        t, spec = self.trainer, recipe_spec(self.recipe.name)
         check_step_hooks(self)
         reference_hooks = [h.name for h in t.training_hooks if h.name not in STEP_HOOKS]
         _require(not reference_hooks or self.algorithm.kl_penalty_coef > 0 or self.actor.kl_loss_coef > 0,
                  "trainer.training_hooks", reference_hooks,
                  "the hooks update the reference model, which runs only with algorithm.kl_penalty_coef > 0 or "
                  "actor.kl_loss_coef > 0")
-        _require(self.recipe.name not in ("pretrain", "sft") or not reference_hooks, "trainer.training_hooks",
+        _require(not (spec.step_hooks and not spec.reference) or not reference_hooks, "trainer.training_hooks",
                  reference_hooks, f"recipe={self.recipe.name} has no reference model; its hooks are the step hooks "
                  f"{STEP_HOOKS.names()}")
-        _require(self.recipe.name != "pretrain" or self.pretrain.sequences_per_step % world == 0,
+        _require(not spec.packs_sequences or self.pretrain.sequences_per_step % world == 0,
                  "pretrain.sequences_per_step", self.pretrain.sequences_per_step,
                  f"must divide evenly over the {world} actor ranks")
         _require(not reference_hooks or not self.actor.lora.rank, "trainer.training_hooks", reference_hooks,
@@ -584,5 +585,5 @@ class HybridFlowConfig:
         _require(not self.trainer.critic_warmup_steps or self.algorithm.use_critic, "trainer.critic_warmup_steps",
                  self.trainer.critic_warmup_steps, "only a run with a critic (algorithm.use_critic=true) can warm one up; "
                  "set it to 0")
-        _require(self.recipe.name != "ppo" or self.algorithm.use_critic, "algorithm.use_critic",
-                 self.algorithm.use_critic, "recipe=ppo trains a critic: set algorithm.use_critic=true")
+        _require(not spec.needs_critic or self.algorithm.use_critic, "algorithm.use_critic",
+                 self.algorithm.use_critic, f"recipe={self.recipe.name} trains a critic: set algorithm.use_critic=true")
