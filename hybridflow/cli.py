@@ -8,18 +8,23 @@ The config is composed and validated before Ray starts: an unknown key or a bad 
 with status 2 and a message naming the key, the value and what is allowed. The inputs it names
 (data files, model directory, reward functions) are then checked (hybridflow/preflight.py), also
 before anything starts; a problem there exits with status 2 too, naming file, row and column.
+
+On a pipeline (the default), what the command line sets reaches every stage that reads it, and
+`stages.<stage>.<key>=value` reaches one stage only; a key no stage reads is refused
+(hybridflow/config/stages.py has the precedence). The first console lines say which stage got what.
 """
 
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 from typing import Callable
 
 import hydra
 from omegaconf import DictConfig
 
 from hybridflow import console
-from hybridflow.config import CONF_DIR, ConfigError, to_config
+from hybridflow.config import CONF_DIR, ConfigError, compose, to_config
 from hybridflow.config.schema import HybridFlowConfig
 from hybridflow.config.recipes import recipe_spec
 from hybridflow.tracking import make_run_dir, save_config
@@ -59,10 +64,42 @@ def run(config: HybridFlowConfig) -> dict:
             console.say(f"hybridflow: run directory {run_dir}")
 
 
+def with_command(config: HybridFlowConfig, overrides: list[str]) -> HybridFlowConfig:
+    """`config` (composed from `overrides` less the stage-scoped ones) told what the command line said:
+    a pipeline gets them as `pipeline.command_overrides`, and every stage's config is composed and
+    checked now, so that an override that reaches no stage, or breaks one, fails before anything starts."""
+    from hybridflow.config.stages import split_stage_scoped
+
+    _, scoped = split_stage_scoped(overrides)
+    if not recipe_spec(config.recipe.name).pipeline:
+        if scoped:
+            raise ConfigError(f"{scoped[0]!r}: stages.<stage>.<key>=value sets a key for one stage of a pipeline; "
+                              f"recipe={config.recipe.name} has no stages: give it as {scoped[0].split('.', 2)[2]}")
+        return config
+    config.pipeline.command_overrides = [*config.pipeline.command_overrides, *overrides]
+    from recipes.pipeline import check_stages
+
+    check_stages(config, Path(config.logger.output_root) / (config.logger.run_name or "pipeline"))
+    return config
+
+
+def compose_command(args: list[str]) -> HybridFlowConfig:
+    """The config `hybridflow *args` runs (what the command composes and checks before anything starts)."""
+    from hybridflow.config.stages import split_stage_scoped
+
+    plain, _ = split_stage_scoped(args)
+    return with_command(compose(plain), list(args))
+
+
+_STAGE_SCOPED: list[str] = []  # main() takes them out of sys.argv: Hydra cannot compose keys of no schema
+
+
 @hydra.main(config_path=str(CONF_DIR), config_name="config", version_base="1.3")
 def _hydra_main(cfg: DictConfig) -> None:
+    from hydra.core.hydra_config import HydraConfig
+
     try:
-        config = to_config(cfg)
+        config = with_command(to_config(cfg), [*HydraConfig.get().overrides.task, *_STAGE_SCOPED])
     except ConfigError as exc:
         print(f"hybridflow: configuration error: {exc}", file=sys.stderr)
         sys.exit(2)
@@ -76,6 +113,9 @@ def _hydra_main(cfg: DictConfig) -> None:
 
 
 def main() -> None:
+    from hybridflow.config.stages import split_stage_scoped
+
+    sys.argv[1:], _STAGE_SCOPED[:] = split_stage_scoped(sys.argv[1:])
     _hydra_main()
 
 

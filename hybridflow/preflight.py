@@ -344,13 +344,13 @@ def _pipeline_stages(config: HybridFlowConfig) -> Iterator[tuple[str, HybridFlow
     """(label, config, is_first) per stage, composed as the pipeline recipe composes them. A stage
     whose overrides do not compose is left to the pipeline's own stage check, which names it."""
     from hybridflow.config import compose
+    from hybridflow.config.stages import stage_overrides
 
     for index, stage in enumerate(config.pipeline.stages):
-        overrides = [*config.pipeline.common_overrides, f"recipe={stage.recipe}", *stage.overrides]
-        if index == 0 and config.model.path is not None:
-            overrides.append(f"model.path={config.model.path}")
+        model_path = config.model.path if index == 0 else None
         try:
-            stage_config = compose(overrides)
+            stage_config = compose(stage_overrides(config, index, model_path, Path(config.logger.output_root),
+                                                   stage.name))
         except Exception:  # noqa: BLE001 - reported by recipes.pipeline.check_stages with the stage named
             continue
         yield f"pipeline.stages[{index}] ({stage.name})", stage_config, index == 0

@@ -20,6 +20,7 @@ from pathlib import Path
 
 from hybridflow import console
 from hybridflow.config import compose
+from hybridflow.config.stages import route, routing_lines, stage_overrides
 from hybridflow.config.schema import HybridFlowConfig, StageConfig
 from hybridflow.console import say
 from hybridflow.launch import release_all
@@ -31,6 +32,8 @@ def run(config: HybridFlowConfig, run_dir: Path) -> dict:
     if not config.pipeline.stages:
         raise ValueError("recipe=pipeline needs pipeline.stages; see conf/recipe/pipeline.yaml")
     check_stages(config, run_dir)
+    for line in routing_lines(config):
+        say(line)
     model_path, previous_dir, results = config.model.path, None, []
     for index, stage in enumerate(config.pipeline.stages):
         stage_dir = run_dir / f"{index:02d}-{stage.name}"
@@ -60,8 +63,8 @@ def _run_stage(config: HybridFlowConfig, run_dir: Path, index: int, model_path: 
         model_path = str(run_stage_hook(stage.init, previous_dir, stage_dir / "init_model"))
         result["init_model"] = model_path
         if stage.evaluate_init:
-            result["init_accuracy"] = _evaluate(config, stage, model_path, run_dir, index)
-    stage_config = _stage_config(config, stage, model_path, run_dir, stage_dir.name,
+            result["init_accuracy"] = _evaluate(config, model_path, run_dir, index)
+    stage_config = _stage_config(config, index, model_path, run_dir, stage_dir.name,
                                  retention=_retention(config, index))
     say(f"pipeline: stage {index} {stage.name} ({stage.recipe}) starts from {model_path or 'the tiny model'}")
     stage_result = recipe_function(stage.recipe)(stage_config, stage_dir)
@@ -72,20 +75,25 @@ def _run_stage(config: HybridFlowConfig, run_dir: Path, index: int, model_path: 
     return result
 
 
-def check_stages(config: HybridFlowConfig, run_dir: Path) -> None:
+def check_stages(config: HybridFlowConfig, run_dir: Path) -> list[HybridFlowConfig]:
     """Compose every stage's config before the first stage runs, so a bad override in a late
-    stage fails now, naming the stage, not after the stages before it have trained."""
+    stage fails now, naming the stage, not after the stages before it have trained. Returns them."""
     from hybridflow.config import ConfigError
 
+    route(config)  # the command line's overrides each reach a stage, or the run stops here naming them
+    composed = []
     for index, stage in enumerate(config.pipeline.stages):
         model_path = config.model.path if index == 0 else str(run_dir / f"{index:02d}-{stage.name}" / "init_model")
         try:
-            stage_config = _stage_config(config, stage, model_path, run_dir, f"{index:02d}-{stage.name}",
+            stage_config = _stage_config(config, index, model_path, run_dir, f"{index:02d}-{stage.name}",
                                          retention=_retention(config, index))
         except Exception as error:  # Hydra's composition errors and the schema's rule errors alike
             raise ConfigError(f"pipeline.stages[{index}] ({stage.name}, recipe={stage.recipe}) has an invalid "
-                              f"config: {error}. Fix the stage's overrides or pipeline.common_overrides") from error
+                              f"config: {error}. Fix the stage's overrides, pipeline.common_overrides or the "
+                              "command line's overrides") from error
         _check_retention(config, index, stage_config)
+        composed.append(stage_config)
+    return composed
 
 
 def _retention(config: HybridFlowConfig, index: int) -> list[str]:
@@ -117,21 +125,20 @@ def _check_retention(config: HybridFlowConfig, index: int, stage_config: HybridF
                           f"override or set trainer.keep_last_weights={needed}")
 
 
-def _stage_config(config: HybridFlowConfig, stage: StageConfig, model_path: str | None, run_dir: Path,
+def _stage_config(config: HybridFlowConfig, index: int, model_path: str | None, run_dir: Path,
                   name: str, extra: list[str] = (), retention: list[str] = ()) -> HybridFlowConfig:
-    overrides = [*config.pipeline.common_overrides, f"recipe={stage.recipe}", *retention, *stage.overrides,
-                 f"logger.output_root={run_dir}", f"logger.run_name={name}", "trainer.resume=true", *extra]
-    if model_path is not None:
-        overrides.append(f"model.path={model_path}")
-    return compose(overrides)
+    """Stage `index`'s config: its recipe, the pipeline's and its own overrides, then the command line's
+    (hybridflow/config/stages.py gives the order)."""
+    return compose(stage_overrides(config, index, model_path, run_dir, name, retention=retention, extra=extra))
 
 
-def _evaluate(config: HybridFlowConfig, stage: StageConfig, model_path: str, run_dir: Path, index: int) -> float:
+def _evaluate(config: HybridFlowConfig, model_path: str, run_dir: Path, index: int) -> float:
     from recipes.evaluate import run as evaluate
 
+    stage = config.pipeline.stages[index]
     eval_dir = run_dir / f"{index:02d}-{stage.name}" / "init_eval"
     eval_dir.mkdir(parents=True, exist_ok=True)
-    eval_config = _stage_config(config, stage, model_path, run_dir, eval_dir.name, extra=["recipe.name=evaluate"])
+    eval_config = _stage_config(config, index, model_path, run_dir, eval_dir.name, extra=["recipe.name=evaluate"])
     with console.stage(f"{stage.name}-init"):  # "grpo-init: held-out accuracy ..."; logs/grpo-init/
         result = evaluate(eval_config, eval_dir)
     release_all()

@@ -515,6 +515,9 @@ class StageConfig:
 class PipelineConfig:
     stages: List[StageConfig] = field(default_factory=list)
     common_overrides: List[str] = field(default_factory=list)  # applied to every stage first
+    # Set by the `hybridflow` command to what was typed on it: each override goes to the stages whose
+    # recipe reads its key, `stages.<name>.<key>=value` to that stage only (hybridflow/config/stages.py).
+    command_overrides: List[str] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         names = [s.name for s in self.stages]
@@ -555,6 +558,8 @@ class HybridFlowConfig:
     seed: int = 0
 
     def __post_init__(self) -> None:
+        if recipe_spec(self.recipe.name).pipeline:
+            return  # its stages compose their own configs, each checked by these rules (recipes/pipeline.py)
         self.placement.check_rollout(self.rollout, self.model)
         world = self.placement.pools[self.placement.roles["actor"]].nodes * \
             self.placement.pools[self.placement.roles["actor"]].devices_per_node
