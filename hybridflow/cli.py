@@ -64,10 +64,11 @@ def run(config: HybridFlowConfig) -> dict:
             console.say(f"hybridflow: run directory {run_dir}")
 
 
-def with_command(config: HybridFlowConfig, overrides: list[str]) -> HybridFlowConfig:
-    """`config` (composed from `overrides` less the stage-scoped ones) told what the command line said:
-    a pipeline gets them as `pipeline.command_overrides`, and every stage's config is composed and
-    checked now, so that an override that reaches no stage, or breaks one, fails before anything starts."""
+def with_command(config: HybridFlowConfig, overrides: list[str]) -> tuple[HybridFlowConfig, dict]:
+    """`config` (composed from `overrides` less the stage-scoped ones) told what the command line said,
+    and the config of each stage by name ({} for a recipe without stages): a pipeline gets the overrides
+    as `pipeline.command_overrides`, and every stage's config is composed and checked now, so that an
+    override that reaches no stage, or breaks one, fails before anything starts."""
     from hybridflow.config.stages import split_stage_scoped
 
     _, scoped = split_stage_scoped(overrides)
@@ -75,20 +76,22 @@ def with_command(config: HybridFlowConfig, overrides: list[str]) -> HybridFlowCo
         if scoped:
             raise ConfigError(f"{scoped[0]!r}: stages.<stage>.<key>=value sets a key for one stage of a pipeline; "
                               f"recipe={config.recipe.name} has no stages: give it as {scoped[0].split('.', 2)[2]}")
-        return config
+        return config, {}
     config.pipeline.command_overrides = [*config.pipeline.command_overrides, *overrides]
     from recipes.pipeline import check_stages
 
-    check_stages(config, Path(config.logger.output_root) / (config.logger.run_name or "pipeline"))
-    return config
+    composed = check_stages(config, Path(config.logger.output_root) / (config.logger.run_name or "pipeline"))
+    return config, {stage.name: c for stage, c in zip(config.pipeline.stages, composed)}
 
 
-def compose_command(args: list[str]) -> HybridFlowConfig:
-    """The config `hybridflow *args` runs (what the command composes and checks before anything starts)."""
+def compose_command(args: list[str], with_stages: bool = False):
+    """The config `hybridflow *args` runs, composed and checked as the command does before anything
+    starts; with `with_stages`, also each stage's config by name."""
     from hybridflow.config.stages import split_stage_scoped
 
     plain, _ = split_stage_scoped(args)
-    return with_command(compose(plain), list(args))
+    config, stages = with_command(compose(plain), list(args))
+    return (config, stages) if with_stages else config
 
 
 _STAGE_SCOPED: list[str] = []  # main() takes them out of sys.argv: Hydra cannot compose keys of no schema
@@ -99,7 +102,7 @@ def _hydra_main(cfg: DictConfig) -> None:
     from hydra.core.hydra_config import HydraConfig
 
     try:
-        config = with_command(to_config(cfg), [*HydraConfig.get().overrides.task, *_STAGE_SCOPED])
+        config, _ = with_command(to_config(cfg), [*HydraConfig.get().overrides.task, *_STAGE_SCOPED])
     except ConfigError as exc:
         print(f"hybridflow: configuration error: {exc}", file=sys.stderr)
         sys.exit(2)
