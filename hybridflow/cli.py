@@ -42,6 +42,7 @@ def run(config: HybridFlowConfig) -> dict:
     inputs pass `check_inputs` (which raises InputError before anything is created)."""
     from hybridflow.preflight import check_inputs
 
+    check_backends(config)
     check_inputs(config)  # first: a refused run never pays for importing the recipe's torch and vLLM
     recipe = recipe_function(config.recipe.name)
     name = config.recipe.name.split(":")[-1]
@@ -95,6 +96,22 @@ def compose_command(args: list[str], with_stages: bool = False):
 
 
 _STAGE_SCOPED: list[str] = []  # main() takes them out of sys.argv: Hydra cannot compose keys of no schema
+
+
+def check_backends(config: HybridFlowConfig) -> None:
+    """Raise InputError when a logging backend of the run (of any stage of a pipeline) is not installed."""
+    from hybridflow.preflight import InputError
+    from hybridflow.tracking import missing_backends
+
+    backends = set(config.logger.backends)
+    if recipe_spec(config.recipe.name).pipeline:
+        from recipes.pipeline import check_stages
+
+        stages = check_stages(config, Path(config.logger.output_root) / (config.logger.run_name or "pipeline"))
+        backends |= {b for stage in stages for b in stage.logger.backends}
+    problems = missing_backends(sorted(backends))
+    if problems:
+        raise InputError("\n".join(problems))
 
 
 @hydra.main(config_path=str(CONF_DIR), config_name="config", version_base="1.3")

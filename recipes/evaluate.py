@@ -23,7 +23,7 @@ def run(config: HybridFlowConfig, run_dir: Path) -> dict:
     for future in [groups["reward"].start.remote(), groups["rollout"].start_engine.remote()]:
         future.get()
     metrics = validate(config, groups["rollout"], groups["reward"], data.val, tokenizer, step=0)
-    logger = MetricsLogger(run_dir, config.logger.backends)
+    logger = MetricsLogger(run_dir, config.logger)
     logger.log(0, metrics)
     logger.close()
     return {"final_model": str(model_dir), **metrics}

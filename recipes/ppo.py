@@ -69,7 +69,7 @@ def run(config: HybridFlowConfig, run_dir: Path) -> dict:
     weight_sync = build_weight_sync(config, actor, rollout)
     weight_sync.setup()
     weight_sync.sync(step)
-    logger = MetricsLogger(run_dir, config.logger.backends, total_steps=config.trainer.total_steps)
+    logger = MetricsLogger(run_dir, config.logger, total_steps=config.trainer.total_steps)
     hooks = StepHooks.build(t.training_hooks, run_dir, loader)
     n = config.rollout.samples_per_prompt
     on_policy = config.trainer.use_sampler_log_probs and config.actor.epochs_per_step == 1 and \

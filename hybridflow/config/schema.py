@@ -490,6 +490,12 @@ class LoggerConfig:
     # transformers and torch print goes to <run_dir>/logs/ (hybridflow/console.py). true: all of it
     # reaches the console too, as the libraries print it.
     verbose: bool = False
+    # How the tracking backends file the run (hybridflow/tracking.py): the W&B project and the MLflow
+    # experiment (unless logger.experiment); tags on the run in both (TensorBoard: a text summary).
+    project: str = "hybridflow"
+    tags: List[str] = field(default_factory=list)
+    entity: Optional[str] = None  # W&B entity (team or user); null: the account's default
+    experiment: Optional[str] = None  # MLflow experiment; null: logger.project
 
     def __post_init__(self) -> None:
         allowed = ("console", "jsonl", "tensorboard", "wandb", "mlflow")
