@@ -121,6 +121,7 @@ MEANINGS = {
     "trainer.fault_injection.kind": "kill, hang or corrupt",
     "trainer.fault_injection.role": "the role whose rank the fault hits",
     "trainer.fault_injection.rank": "the rank of that role",
+    "logger.tags": "tags on the run in W&B and MLflow (TensorBoard: in its text summary)",
     "logger.backends": "console, jsonl, tensorboard, wandb, mlflow",
     "pipeline.stages": "the stages, run in order",
     "pipeline.stages.name": "the stage's name: its directory <index>-<name>, and stages.<name>.<key>= on the command line",
