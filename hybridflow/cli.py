@@ -42,6 +42,13 @@ def run(config: HybridFlowConfig) -> dict:
     inputs pass `check_inputs` (which raises InputError before anything is created)."""
     from hybridflow.preflight import check_inputs
 
+    from hybridflow.tracking import reused_run_dir
+
+    reused = reused_run_dir(config.logger.output_root, config.logger.run_name, config.trainer.resume)
+    if reused:
+        from hybridflow.preflight import InputError
+
+        raise InputError(reused)
     check_backends(config)
     check_inputs(config)  # first: a refused run never pays for importing the recipe's torch and vLLM
     recipe = recipe_function(config.recipe.name)

@@ -15,6 +15,21 @@ from pathlib import Path
 from typing import Any
 
 
+def reused_run_dir(output_root: str, run_name: str | None, resume: bool) -> str | None:
+    """The problem with starting a new run in `output_root/run_name` when it already holds a run and
+    `trainer.resume` is off (the new run would append to its metrics and mix its checkpoints); None if none."""
+    if run_name is None or resume:
+        return None
+    run_dir = Path(output_root).expanduser().resolve() / run_name
+    if not run_dir.is_dir() or not any(run_dir.iterdir()):
+        return None
+    rows = len(read_metrics(run_dir)) if (run_dir / "metrics.jsonl").exists() else 0
+    return (f"logger.run_name={run_name!r}: {run_dir} already holds a run ({rows} metrics rows); a new run there would "
+            "mix its metrics and checkpoints with the old one's. Fix: add trainer.resume=true to continue that run "
+            "from its latest checkpoint (a pipeline: skip its finished stages), or pick another logger.run_name "
+            "(or leave it unset for a fresh <recipe>-<time> directory)")
+
+
 def make_run_dir(output_root: str, run_name: str | None, recipe: str) -> Path:
     name = run_name or f"{recipe}-{time.strftime('%Y%m%d-%H%M%S')}"
     run_dir = Path(output_root).expanduser().resolve() / name

@@ -76,3 +76,18 @@ def test_the_command_refuses_it_before_anything_starts(tmp_path):
 def test_routing_keeps_the_pipelines_own_keys():
     config = compose_command(["logger.run_name=r", "trainer.resume=true", "model.path=/m"])
     assert route(config) == {"sft": [], "grpo": []}
+
+
+def test_an_existing_run_name_without_resume_is_refused_before_anything_starts(tmp_path):
+    from hybridflow.cli import run
+    from hybridflow.config import compose
+    from hybridflow.preflight import InputError
+
+    (tmp_path / "sft").mkdir()
+    (tmp_path / "sft" / "metrics.jsonl").write_text('{"step": 1}\n')
+    config = compose(["recipe=sft", f"logger.output_root={tmp_path}", "logger.run_name=sft"])
+    with pytest.raises(InputError, match=r"already holds a run \(1 metrics rows\).*trainer.resume=true.*another "
+                                         r"logger.run_name"):
+        run(config)
+    assert (tmp_path / "sft" / "metrics.jsonl").read_text() == '{"step": 1}\n'
+    assert sorted(p.name for p in (tmp_path / "sft").iterdir()) == ["metrics.jsonl"]
