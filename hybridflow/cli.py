@@ -55,17 +55,17 @@ def run(config: HybridFlowConfig) -> dict:
     name = config.recipe.name.split(":")[-1]
     run_dir = make_run_dir(config.logger.output_root, config.logger.run_name, name)
     save_config(config, run_dir)
-    from hybridflow.controller import deadlines
     from hybridflow.launch import release_all
-    from hybridflow.runner import run_with_restarts
+    from hybridflow.runner import run_stage
 
-    deadlines.configure(dict(config.trainer.stage_timeout_s), config.trainer.default_stage_timeout_s)
+    # A pipeline runs each stage through run_stage itself, with that stage's deadlines and restarts.
+    runner = _run_pipeline if recipe_spec(config.recipe.name).pipeline else run_stage
     with console.session(run_dir, config.logger.verbose) as log_dir:
         where = "" if config.logger.verbose else f" (library and worker output: {log_dir})"
         console.say(f"hybridflow: run directory {run_dir}{where}")
         try:
             with console.stage(name):
-                return run_with_restarts(recipe, config, run_dir)
+                return runner(recipe, config, run_dir)
         finally:
             console.end_progress_lines()  # an error's traceback starts on a line of its own
             release_all()
@@ -103,6 +103,10 @@ def compose_command(args: list[str], with_stages: bool = False):
 
 
 _STAGE_SCOPED: list[str] = []  # main() takes them out of sys.argv: Hydra cannot compose keys of no schema
+
+
+def _run_pipeline(recipe: Callable, config: HybridFlowConfig, run_dir: Path) -> dict:
+    return recipe(config, run_dir)
 
 
 def check_backends(config: HybridFlowConfig) -> None:

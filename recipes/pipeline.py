@@ -55,6 +55,7 @@ def _run_stage(config: HybridFlowConfig, run_dir: Path, index: int, model_path: 
                previous_dir: Path | None) -> dict:
     """Stage `index`: its starting model (the init hook over the previous stage), then its recipe."""
     from hybridflow.cli import recipe_function
+    from hybridflow.runner import run_stage  # torch: not needed to compose and check the stages
 
     stage = config.pipeline.stages[index]
     stage_dir = run_dir / f"{index:02d}-{stage.name}"
@@ -67,7 +68,7 @@ def _run_stage(config: HybridFlowConfig, run_dir: Path, index: int, model_path: 
     stage_config = _stage_config(config, index, model_path, run_dir, stage_dir.name,
                                  retention=_retention(config, index))
     say(f"pipeline: stage {index} {stage.name} ({stage.recipe}) starts from {model_path or 'the tiny model'}")
-    stage_result = recipe_function(stage.recipe)(stage_config, stage_dir)
+    stage_result = run_stage(recipe_function(stage.recipe), stage_config, stage_dir)  # its own restarts, deadlines
     release_all()
     validations = [m for m in read_metrics(stage_dir) if "val/accuracy" in m]
     result.update(final_model=stage_result["final_model"],

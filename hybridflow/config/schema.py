@@ -538,10 +538,13 @@ class RecipeConfig:
     # A built-in recipe, or 'package.module:function' / 'path/to/file.py:function' taking the config.
     name: str = "demo"
     demo_prompts: int = 8  # demo recipe: how many validation prompts to generate for
+    # evaluate recipe: sampled answers per prompt for val/pass@k and val/sampled_reward_mean (0: greedy only)
+    eval_samples: int = 0
 
     def __post_init__(self) -> None:
         _require(self.name in RECIPE_NAMES or ":" in self.name, "recipe.name", self.name,
                  f"built-in recipes are {list(RECIPE_NAMES)}, or give 'module:function'")
+        _require(self.eval_samples >= 0, "recipe.eval_samples", self.eval_samples, "must be >= 0 (0: greedy only)")
 
 
 @dataclass
