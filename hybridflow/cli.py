@@ -86,7 +86,7 @@ def with_command(config: HybridFlowConfig, overrides: list[str]) -> tuple[Hybrid
                               f"recipe={config.recipe.name} has no stages: give it as {scoped[0].split('.', 2)[2]}")
         return config, {}
     config.pipeline.command_overrides = [*config.pipeline.command_overrides, *overrides]
-    from recipes.pipeline import check_stages
+    from hybridflow.config.stages import check_stages
 
     composed = check_stages(config, Path(config.logger.output_root) / (config.logger.run_name or "pipeline"))
     return config, {stage.name: c for stage, c in zip(config.pipeline.stages, composed)}
@@ -116,7 +116,7 @@ def check_backends(config: HybridFlowConfig) -> None:
 
     backends = set(config.logger.backends)
     if recipe_spec(config.recipe.name).pipeline:
-        from recipes.pipeline import check_stages
+        from hybridflow.config.stages import check_stages
 
         stages = check_stages(config, Path(config.logger.output_root) / (config.logger.run_name or "pipeline"))
         backends |= {b for stage in stages for b in stage.logger.backends}

@@ -18,8 +18,13 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from hybridflow.config.recipes import RECIPE_SPECS, recipe_spec
+from hybridflow.merge.hooks import checkpoints_needed
+
+if TYPE_CHECKING:
+    from hybridflow.config.schema import HybridFlowConfig
 
 # Keys the pipeline itself reads or sets for every stage: never handed on as typed.
 PIPELINE_KEYS = ("hydra", "recipe.name", "pipeline", "logger.output_root", "logger.run_name", "trainer.resume",
@@ -104,3 +109,62 @@ def stage_overrides(config, index: int, model_path: str | None, run_dir: Path, r
     if model_path is not None:
         overrides.append(f"model.path={model_path}")
     return overrides
+
+
+def check_stages(config: HybridFlowConfig, run_dir: Path) -> list[HybridFlowConfig]:
+    """Compose every stage's config before the first stage runs, so a bad override in a late
+    stage fails now, naming the stage, not after the stages before it have trained. Returns them."""
+    from hybridflow.config import ConfigError
+
+    route(config)  # the command line's overrides each reach a stage, or the run stops here naming them
+    composed = []
+    for index, stage in enumerate(config.pipeline.stages):
+        model_path = config.model.path if index == 0 else str(run_dir / f"{index:02d}-{stage.name}" / "init_model")
+        try:
+            stage_config = _stage_config(config, index, model_path, run_dir, f"{index:02d}-{stage.name}",
+                                         retention=_retention(config, index))
+        except Exception as error:  # Hydra's composition errors and the schema's rule errors alike
+            raise ConfigError(f"pipeline.stages[{index}] ({stage.name}, recipe={stage.recipe}) has an invalid "
+                              f"config: {error}. Fix the stage's overrides, pipeline.common_overrides or the "
+                              "command line's overrides") from error
+        _check_retention(config, index, stage_config)
+        composed.append(stage_config)
+    return composed
+
+
+def _retention(config: HybridFlowConfig, index: int) -> list[str]:
+    """`trainer.keep_last_weights` for stage `index`: the checkpoints the next stage's init hook
+    reads (null when the hook does not say, or for the last stage: a user may merge them later)."""
+    needed = _window(config, index)
+    return [f"trainer.keep_last_weights={'null' if needed is None else needed}"]
+
+
+def _window(config: HybridFlowConfig, index: int) -> int | None:
+    """How many of stage `index`'s newest checkpoints the next stage's init hook reads."""
+    stages = config.pipeline.stages
+    return checkpoints_needed(stages[index + 1].init) if index + 1 < len(stages) else None
+
+
+def _check_retention(config: HybridFlowConfig, index: int, stage_config: HybridFlowConfig) -> None:
+    """A stage's own overrides may keep more snapshots than the next hook reads, never fewer."""
+    from hybridflow.config import ConfigError
+
+    stages, needed = config.pipeline.stages, _window(config, index)
+    trainer = stage_config.trainer
+    if needed is None or trainer.keep_last_weights is None or trainer.keep_last_checkpoints is None:
+        return  # the hook reads any number, or every checkpoint keeps its weights
+    kept = max(trainer.keep_last_weights, trainer.keep_last_checkpoints)
+    if kept < needed:
+        raise ConfigError(f"pipeline.stages[{index}] ({stages[index].name}) keeps the weights of its last "
+                          f"{kept} checkpoints (trainer.keep_last_weights={trainer.keep_last_weights}) but the "
+                          f"next stage's init hook {stages[index + 1].init.name!r} reads {needed}; remove that "
+                          f"override or set trainer.keep_last_weights={needed}")
+
+
+def _stage_config(config: HybridFlowConfig, index: int, model_path: str | None, run_dir: Path,
+                  name: str, extra: list[str] = (), retention: list[str] = ()) -> HybridFlowConfig:
+    """Stage `index`'s config: its recipe, the pipeline's and its own overrides, then the command line's
+    (hybridflow/config/stages.py gives the order)."""
+    from hybridflow.config import compose
+
+    return compose(stage_overrides(config, index, model_path, run_dir, name, retention=retention, extra=extra))
