@@ -91,3 +91,17 @@ def test_an_existing_run_name_without_resume_is_refused_before_anything_starts(t
         run(config)
     assert (tmp_path / "sft" / "metrics.jsonl").read_text() == '{"step": 1}\n'
     assert sorted(p.name for p in (tmp_path / "sft").iterdir()) == ["metrics.jsonl"]
+
+
+def test_a_reward_function_typed_on_the_default_pipeline_is_checked_in_every_stage_that_scores(tmp_path,
+                                                                                                 monkeypatch):
+    from hybridflow.preflight import InputError, check_inputs
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "my_rewards.py").write_text("def score(response, difficulty, **_):\n    return 1.0\n")
+    config = compose_command(["reward.fn=my_rewards.py:score"])
+    with pytest.raises(InputError) as refused:
+        check_inputs(config)
+    message = str(refused.value)
+    for stage in ("pipeline.stages[0] (sft)", "pipeline.stages[1] (grpo)"):
+        assert f"{stage}: data: the synthetic task has no column 'difficulty'" in message
