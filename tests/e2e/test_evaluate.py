@@ -13,7 +13,6 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 
 
-@pytest.mark.slow  # ~40 s: Ray, vLLM and one greedy plus one sampled pass
 def test_recipe_evaluate_writes_val_metrics_and_a_report_line(tmp_path):
     done = subprocess.run([str(Path(sys.executable).parent / "hybridflow"), "recipe=evaluate", "recipe.eval_samples=4",
                            "trainer.val_prompts=8", "data.synthetic.val_rows=16", "rollout.max_response_tokens=4",

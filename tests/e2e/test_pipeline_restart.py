@@ -32,7 +32,7 @@ def pipeline(args: list[str], root: Path, name: str) -> dict[int, dict]:
     return {row["step"]: row for row in map(json.loads, lines)}
 
 
-@pytest.mark.slow  # two short pipelines: ~4 min on 2 cores
+@pytest.mark.slow  # two short pipelines: 126 s on 2 cores
 def test_a_rank_killed_in_the_grpo_stage_restarts_that_stage_and_the_pipeline_finishes(tmp_path):
     straight = pipeline([], tmp_path, "straight")
     restarted = pipeline(FAULT, tmp_path, "restarted")
