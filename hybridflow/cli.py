@@ -8,36 +8,33 @@ The config is composed and validated before Ray starts: an unknown key or a bad 
 with status 2 and a message naming the key, the value and what is allowed. The inputs it names
 (data files, model directory, reward functions) are then checked (hybridflow/preflight.py), also
 before anything starts; a problem there exits with status 2 too, naming file, row and column.
+
+On a pipeline (the default), what the command line sets reaches every stage that reads it, and
+`stages.<stage>.<key>=value` reaches one stage only; a key no stage reads is refused
+(hybridflow/config/stages.py has the precedence). The first console lines say which stage got what.
 """
 
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 from typing import Callable
 
 import hydra
 from omegaconf import DictConfig
 
 from hybridflow import console
-from hybridflow.config import CONF_DIR, ConfigError, to_config
+from hybridflow.config import CONF_DIR, ConfigError, compose, to_config
 from hybridflow.config.schema import HybridFlowConfig
-from hybridflow.registry import Registry
+from hybridflow.config.recipes import recipe_spec
 from hybridflow.tracking import make_run_dir, save_config
-
-RECIPES: Registry[str] = Registry("recipe", signature="run(config: HybridFlowConfig, run_dir: Path) -> dict")
-RECIPES.add("demo", "recipes.demo:run")
-RECIPES.add("sft", "recipes.sft:run")
-RECIPES.add("grpo", "recipes.ppo:run")
-RECIPES.add("ppo", "recipes.ppo:run")
-RECIPES.add("evaluate", "recipes.evaluate:run")
-RECIPES.add("pipeline", "recipes.pipeline:run")
-RECIPES.add("pretrain", "recipes.pretrain:run")
 
 
 def recipe_function(name: str) -> Callable:
+    """The run function of a built-in recipe (hybridflow/config/recipes.py) or of 'module:function'."""
     from hybridflow.registry import load_object
 
-    return load_object(RECIPES.get(name) if name in RECIPES else name)
+    return load_object(recipe_spec(name).function)
 
 
 def run(config: HybridFlowConfig) -> dict:
@@ -45,32 +42,95 @@ def run(config: HybridFlowConfig) -> dict:
     inputs pass `check_inputs` (which raises InputError before anything is created)."""
     from hybridflow.preflight import check_inputs
 
+    from hybridflow.tracking import reused_run_dir
+
+    reused = reused_run_dir(config.logger.output_root, config.logger.run_name, config.trainer.resume)
+    if reused:
+        from hybridflow.preflight import InputError
+
+        raise InputError(reused)
+    check_backends(config)
     check_inputs(config)  # first: a refused run never pays for importing the recipe's torch and vLLM
     recipe = recipe_function(config.recipe.name)
     name = config.recipe.name.split(":")[-1]
     run_dir = make_run_dir(config.logger.output_root, config.logger.run_name, name)
     save_config(config, run_dir)
-    from hybridflow.controller import deadlines
     from hybridflow.launch import release_all
-    from hybridflow.runner import run_with_restarts
+    from hybridflow.runner import run_stage
 
-    deadlines.configure(dict(config.trainer.stage_timeout_s), config.trainer.default_stage_timeout_s)
+    # A pipeline runs each stage through run_stage itself, with that stage's deadlines and restarts.
+    runner = _run_pipeline if recipe_spec(config.recipe.name).pipeline else run_stage
     with console.session(run_dir, config.logger.verbose) as log_dir:
         where = "" if config.logger.verbose else f" (library and worker output: {log_dir})"
         console.say(f"hybridflow: run directory {run_dir}{where}")
         try:
             with console.stage(name):
-                return run_with_restarts(recipe, config, run_dir)
+                return runner(recipe, config, run_dir)
         finally:
             console.end_progress_lines()  # an error's traceback starts on a line of its own
             release_all()
             console.say(f"hybridflow: run directory {run_dir}")
 
 
+def with_command(config: HybridFlowConfig, overrides: list[str]) -> tuple[HybridFlowConfig, dict]:
+    """`config` (composed from `overrides` less the stage-scoped ones) told what the command line said,
+    and the config of each stage by name ({} for a recipe without stages): a pipeline gets the overrides
+    as `pipeline.command_overrides`, and every stage's config is composed and checked now, so that an
+    override that reaches no stage, or breaks one, fails before anything starts."""
+    from hybridflow.config.stages import split_stage_scoped
+
+    _, scoped = split_stage_scoped(overrides)
+    if not recipe_spec(config.recipe.name).pipeline:
+        if scoped:
+            raise ConfigError(f"{scoped[0]!r}: stages.<stage>.<key>=value sets a key for one stage of a pipeline; "
+                              f"recipe={config.recipe.name} has no stages: give it as {scoped[0].split('.', 2)[2]}")
+        return config, {}
+    config.pipeline.command_overrides = [*config.pipeline.command_overrides, *overrides]
+    from hybridflow.config.stages import check_stages
+
+    composed = check_stages(config, Path(config.logger.output_root) / (config.logger.run_name or "pipeline"))
+    return config, {stage.name: c for stage, c in zip(config.pipeline.stages, composed)}
+
+
+def compose_command(args: list[str], with_stages: bool = False):
+    """The config `hybridflow *args` runs, composed and checked as the command does before anything
+    starts; with `with_stages`, also each stage's config by name."""
+    from hybridflow.config.stages import split_stage_scoped
+
+    plain, _ = split_stage_scoped(args)
+    config, stages = with_command(compose(plain), list(args))
+    return (config, stages) if with_stages else config
+
+
+_STAGE_SCOPED: list[str] = []  # main() takes them out of sys.argv: Hydra cannot compose keys of no schema
+
+
+def _run_pipeline(recipe: Callable, config: HybridFlowConfig, run_dir: Path) -> dict:
+    return recipe(config, run_dir)
+
+
+def check_backends(config: HybridFlowConfig) -> None:
+    """Raise InputError when a logging backend of the run (of any stage of a pipeline) is not installed."""
+    from hybridflow.preflight import InputError
+    from hybridflow.tracking import missing_backends
+
+    backends = set(config.logger.backends)
+    if recipe_spec(config.recipe.name).pipeline:
+        from hybridflow.config.stages import check_stages
+
+        stages = check_stages(config, Path(config.logger.output_root) / (config.logger.run_name or "pipeline"))
+        backends |= {b for stage in stages for b in stage.logger.backends}
+    problems = missing_backends(sorted(backends))
+    if problems:
+        raise InputError("\n".join(problems))
+
+
 @hydra.main(config_path=str(CONF_DIR), config_name="config", version_base="1.3")
 def _hydra_main(cfg: DictConfig) -> None:
+    from hydra.core.hydra_config import HydraConfig
+
     try:
-        config = to_config(cfg)
+        config, _ = with_command(to_config(cfg), [*HydraConfig.get().overrides.task, *_STAGE_SCOPED])
     except ConfigError as exc:
         print(f"hybridflow: configuration error: {exc}", file=sys.stderr)
         sys.exit(2)
@@ -86,6 +146,9 @@ def _hydra_main(cfg: DictConfig) -> None:
 
 
 def main() -> None:
+    from hybridflow.config.stages import split_stage_scoped
+
+    sys.argv[1:], _STAGE_SCOPED[:] = split_stage_scoped(sys.argv[1:])
     _hydra_main()
 
 

@@ -28,12 +28,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator
 
+from hybridflow.config.recipes import recipe_spec
 from hybridflow.config.schema import HybridFlowConfig
 from hybridflow.data.checks import InputError  # raised here, and by the full read of the data (data/prompts.py)
 
 SAMPLE_ROWS = 1000
-TRAINING_RECIPES = ("sft", "grpo", "ppo")
-VALIDATING_RECIPES = ("sft", "grpo", "ppo", "evaluate")
 SYNTHETIC_COLUMNS = ("prompt", "ground_truth", "data_source")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt", "spiece.model")
 WEIGHT_INDEXES = ("model.safetensors.index.json", "pytorch_model.bin.index.json")
@@ -48,7 +47,7 @@ def check_inputs(config: HybridFlowConfig) -> None:
     A pipeline is checked stage by stage (each stage composes its own config); a later stage's
     model is made by the stage before it, so only the first stage's model directory is checked.
     """
-    if config.recipe.name == "pipeline":
+    if recipe_spec(config.recipe.name).pipeline:
         problems = [f"{label}: {problem}" for label, stage, first in _pipeline_stages(config)
                     for problem in check_run(stage, check_model=first)]
     else:
@@ -170,8 +169,8 @@ def _needed_columns(config: HybridFlowConfig, functions: list) -> dict[str, str]
     for fn in functions:
         for name in fn.data_arguments():
             needed.setdefault(name, f"reward function {fn.reference!r} ({fn.key}) requires the argument {name!r}")
-    if config.recipe.name == "sft":
-        needed.setdefault("ground_truth", "recipe=sft trains on it as each prompt's answer")
+    if recipe_spec(config.recipe.name).answers:
+        needed.setdefault("ground_truth", f"recipe={config.recipe.name} trains on it as each prompt's answer")
     return needed
 
 
@@ -185,9 +184,9 @@ def _argument_fix(column: str) -> str:
 
 def _row_needs(config: HybridFlowConfig) -> tuple[tuple[str, int] | None, tuple[str, int] | None]:
     """(key, rows) the training and the validation file must have at least, if the recipe needs them."""
-    recipe, trainer = config.recipe.name, config.trainer
-    train = ("trainer.prompts_per_step", trainer.prompts_per_step) if recipe in TRAINING_RECIPES else None
-    val = ("trainer.val_prompts", trainer.val_prompts) if recipe in VALIDATING_RECIPES else None
+    spec, trainer = recipe_spec(config.recipe.name), config.trainer
+    train = ("trainer.prompts_per_step", trainer.prompts_per_step) if spec.trains else None
+    val = ("trainer.val_prompts", trainer.val_prompts) if spec.validates else None
     return train, val
 
 
@@ -354,13 +353,13 @@ def _pipeline_stages(config: HybridFlowConfig) -> Iterator[tuple[str, HybridFlow
     """(label, config, is_first) per stage, composed as the pipeline recipe composes them. A stage
     whose overrides do not compose is left to the pipeline's own stage check, which names it."""
     from hybridflow.config import compose
+    from hybridflow.config.stages import stage_overrides
 
     for index, stage in enumerate(config.pipeline.stages):
-        overrides = [*config.pipeline.common_overrides, f"recipe={stage.recipe}", *stage.overrides]
-        if index == 0 and config.model.path is not None:
-            overrides.append(f"model.path={config.model.path}")
+        model_path = config.model.path if index == 0 else None
         try:
-            stage_config = compose(overrides)
+            stage_config = compose(stage_overrides(config, index, model_path, Path(config.logger.output_root),
+                                                   stage.name))
         except Exception:  # noqa: BLE001 - reported by recipes.pipeline.check_stages with the stage named
             continue
         yield f"pipeline.stages[{index}] ({stage.name})", stage_config, index == 0

@@ -219,6 +219,14 @@ def run_training_hooks(config: HybridFlowConfig, step: int, actor: WorkerGroup, 
     return {"hooks/applied": applied} if reference_hooks else {}
 
 
+def run_stage(recipe, config: HybridFlowConfig, run_dir: Path) -> dict:
+    """Run one recipe in `run_dir` (a run, or one stage of a pipeline) under its own deadlines
+    (`trainer.stage_timeout_s`, `trainer.default_stage_timeout_s`) and restarts (`trainer.max_restarts`):
+    a restart resumes it from its own last complete checkpoint."""
+    deadlines.configure(dict(config.trainer.stage_timeout_s), config.trainer.default_stage_timeout_s)
+    return run_with_restarts(recipe, config, run_dir)
+
+
 def run_with_restarts(recipe, config: HybridFlowConfig, run_dir: Path) -> dict:
     """Run `recipe`; when a worker dies or raises, or a stage overruns its deadline, report it,
     tear the worker groups down and resume from the last complete checkpoint, at most

@@ -15,6 +15,21 @@ from pathlib import Path
 from typing import Any
 
 
+def reused_run_dir(output_root: str, run_name: str | None, resume: bool) -> str | None:
+    """The problem with starting a new run in `output_root/run_name` when it already holds a run and
+    `trainer.resume` is off (the new run would append to its metrics and mix its checkpoints); None if none."""
+    if run_name is None or resume:
+        return None
+    run_dir = Path(output_root).expanduser().resolve() / run_name
+    if not run_dir.is_dir() or not any(run_dir.iterdir()):
+        return None
+    rows = len(read_metrics(run_dir)) if (run_dir / "metrics.jsonl").exists() else 0
+    return (f"logger.run_name={run_name!r}: {run_dir} already holds a run ({rows} metrics rows); a new run there would "
+            "mix its metrics and checkpoints with the old one's. Fix: add trainer.resume=true to continue that run "
+            "from its latest checkpoint (a pipeline: skip its finished stages), or pick another logger.run_name "
+            "(or leave it unset for a fresh <recipe>-<time> directory)")
+
+
 def make_run_dir(output_root: str, run_name: str | None, recipe: str) -> Path:
     name = run_name or f"{recipe}-{time.strftime('%Y%m%d-%H%M%S')}"
     run_dir = Path(output_root).expanduser().resolve() / name
@@ -49,7 +64,11 @@ class MetricsLogger:
     Each JSON line also carries `time/elapsed_s`: wall-clock seconds since this logger was made (the
     step loop of this process, validation included; a resumed run counts from its restart)."""
 
-    def __init__(self, run_dir: Path, backends: list[str], total_steps: int | None = None) -> None:
+    def __init__(self, run_dir: Path, backends, total_steps: int | None = None) -> None:
+        """`backends`: the run's `config.logger` (its project, tags, entity and experiment reach the
+        tracking backends), or only a list of backend names."""
+        logger = None if isinstance(backends, (list, tuple)) else backends
+        backends = list(backends if logger is None else logger.backends)
         self.started = time.monotonic()
         self.run_dir = run_dir
         self.path = run_dir / "metrics.jsonl"
@@ -62,27 +81,13 @@ class MetricsLogger:
 
             self.progress = Progress(stage_name(run_dir.name), total_steps, initial_step=last_logged_step(run_dir))
         self.jsonl = "jsonl" in backends
-        self.tensorboard = None
-        if "tensorboard" in backends:
-            try:
-                from torch.utils.tensorboard import SummaryWriter
-            except ImportError as exc:
-                raise ImportError("logger.backends has 'tensorboard': pip install tensorboard") from exc
-            self.tensorboard = SummaryWriter(str(run_dir / "tensorboard"))
-        self.wandb = self.mlflow = None
-        if "wandb" in backends:
-            try:
-                import wandb
-            except ImportError as exc:
-                raise ImportError("logger.backends has 'wandb': pip install wandb") from exc
-            self.wandb = wandb.init(dir=str(run_dir), name=run_dir.name)
-        if "mlflow" in backends:
-            try:
-                import mlflow
-            except ImportError as exc:
-                raise ImportError("logger.backends has 'mlflow': pip install mlflow") from exc
-            mlflow.start_run(run_name=run_dir.name)
-            self.mlflow = mlflow
+        missing = missing_backends(backends)
+        if missing:
+            raise ImportError(missing[0])
+        where = tracking_names(run_dir, logger)
+        self.tensorboard = _tensorboard(run_dir, where) if "tensorboard" in backends else None
+        self.wandb = _wandb(run_dir, where) if "wandb" in backends else None
+        self.mlflow = _mlflow(where) if "mlflow" in backends else None
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
         bad = {k: v for k, v in metrics.items() if isinstance(v, float) and not math.isfinite(v)}
@@ -129,6 +134,60 @@ class MetricsLogger:
             self.wandb.finish()
         if self.mlflow is not None:
             self.mlflow.end_run()
+
+
+# backend -> (the module it imports, the pyproject extra that installs it)
+BACKEND_PACKAGES = {"tensorboard": ("tensorboard", "tensorboard"), "wandb": ("wandb", "wandb"),
+                    "mlflow": ("mlflow", "mlflow")}
+
+
+def missing_backends(backends: list[str]) -> list[str]:
+    """One message per backend whose package is not installed, with the command that installs it
+    (found without importing it: the check runs before anything starts and takes milliseconds)."""
+    import importlib.util
+
+    out = []
+    for backend in backends:
+        module, extra = BACKEND_PACKAGES.get(backend, (None, None))
+        if module is not None and importlib.util.find_spec(module) is None:
+            out.append(f"logger.backends has {backend!r}, but the {module} package is not installed; fix: "
+                       f"pip install -e '.[{extra}]' (or pip install {module}), or drop {backend!r} from logger.backends")
+    return out
+
+
+def tracking_names(run_dir: Path, logger=None) -> dict:
+    """How the run is filed in W&B / MLflow / TensorBoard: `logger.project` (W&B project, MLflow
+    experiment unless `logger.experiment`), `logger.entity` (W&B), `logger.tags`; the run is named
+    after its directory, a pipeline stage as `<pipeline run>/<stage>` and grouped by the pipeline."""
+    stage = (run_dir.parent / "config.json").is_file()  # inside a pipeline's run directory
+    name = f"{run_dir.parent.name}/{run_dir.name}" if stage else run_dir.name
+    return {"project": getattr(logger, "project", "hybridflow"), "entity": getattr(logger, "entity", None),
+            "experiment": getattr(logger, "experiment", None) or getattr(logger, "project", "hybridflow"),
+            "tags": list(getattr(logger, "tags", []) or []), "name": name,
+            "group": run_dir.parent.name if stage else None}
+
+
+def _tensorboard(run_dir: Path, where: dict):
+    from torch.utils.tensorboard import SummaryWriter
+
+    writer = SummaryWriter(str(run_dir / "tensorboard"))
+    writer.add_text("run", f"project: {where['project']}; run: {where['name']}; tags: {', '.join(where['tags'])}")
+    return writer
+
+
+def _wandb(run_dir: Path, where: dict):
+    import wandb
+
+    return wandb.init(dir=str(run_dir), project=where["project"], entity=where["entity"], name=where["name"],
+                      group=where["group"], tags=where["tags"] or None)
+
+
+def _mlflow(where: dict):
+    import mlflow
+
+    mlflow.set_experiment(where["experiment"])
+    mlflow.start_run(run_name=where["name"], tags={"project": where["project"], **{t: "true" for t in where["tags"]}})
+    return mlflow
 
 
 def last_logged_step(run_dir: Path) -> int:

@@ -50,7 +50,7 @@ def run(config: HybridFlowConfig, run_dir) -> dict:
         "timing/generate_s": generate_s,
         "perf/tokens_per_s": response_tokens / generate_s,
     }
-    logger = MetricsLogger(run_dir, config.logger.backends)
+    logger = MetricsLogger(run_dir, config.logger)
     logger.log(0, metrics)
     logger.close()
     for prompt, response, truth in list(zip(samples["prompt"], samples["response"], samples["ground_truth"]))[:4]:

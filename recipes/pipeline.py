@@ -19,11 +19,11 @@ import os
 from pathlib import Path
 
 from hybridflow import console
-from hybridflow.config import compose
+from hybridflow.config.stages import _retention, _stage_config, check_stages, routing_lines  # noqa: F401 - re-exported
 from hybridflow.config.schema import HybridFlowConfig, StageConfig
 from hybridflow.console import say
 from hybridflow.launch import release_all
-from hybridflow.merge.hooks import checkpoints_needed, run_stage_hook
+from hybridflow.merge.hooks import run_stage_hook
 from hybridflow.tracking import read_metrics
 
 
@@ -31,6 +31,8 @@ def run(config: HybridFlowConfig, run_dir: Path) -> dict:
     if not config.pipeline.stages:
         raise ValueError("recipe=pipeline needs pipeline.stages; see conf/recipe/pipeline.yaml")
     check_stages(config, run_dir)
+    for line in routing_lines(config):
+        say(line)
     model_path, previous_dir, results = config.model.path, None, []
     for index, stage in enumerate(config.pipeline.stages):
         stage_dir = run_dir / f"{index:02d}-{stage.name}"
@@ -52,6 +54,7 @@ def _run_stage(config: HybridFlowConfig, run_dir: Path, index: int, model_path: 
                previous_dir: Path | None) -> dict:
     """Stage `index`: its starting model (the init hook over the previous stage), then its recipe."""
     from hybridflow.cli import recipe_function
+    from hybridflow.runner import run_stage  # torch: not needed to compose and check the stages
 
     stage = config.pipeline.stages[index]
     stage_dir = run_dir / f"{index:02d}-{stage.name}"
@@ -60,11 +63,11 @@ def _run_stage(config: HybridFlowConfig, run_dir: Path, index: int, model_path: 
         model_path = str(run_stage_hook(stage.init, previous_dir, stage_dir / "init_model"))
         result["init_model"] = model_path
         if stage.evaluate_init:
-            result["init_accuracy"] = _evaluate(config, stage, model_path, run_dir, index)
-    stage_config = _stage_config(config, stage, model_path, run_dir, stage_dir.name,
+            result["init_accuracy"] = _evaluate(config, model_path, run_dir, index)
+    stage_config = _stage_config(config, index, model_path, run_dir, stage_dir.name,
                                  retention=_retention(config, index))
     say(f"pipeline: stage {index} {stage.name} ({stage.recipe}) starts from {model_path or 'the tiny model'}")
-    stage_result = recipe_function(stage.recipe)(stage_config, stage_dir)
+    stage_result = run_stage(recipe_function(stage.recipe), stage_config, stage_dir)  # its own restarts, deadlines
     release_all()
     validations = [m for m in read_metrics(stage_dir) if "val/accuracy" in m]
     result.update(final_model=stage_result["final_model"],
@@ -72,66 +75,13 @@ def _run_stage(config: HybridFlowConfig, run_dir: Path, index: int, model_path: 
     return result
 
 
-def check_stages(config: HybridFlowConfig, run_dir: Path) -> None:
-    """Compose every stage's config before the first stage runs, so a bad override in a late
-    stage fails now, naming the stage, not after the stages before it have trained."""
-    from hybridflow.config import ConfigError
-
-    for index, stage in enumerate(config.pipeline.stages):
-        model_path = config.model.path if index == 0 else str(run_dir / f"{index:02d}-{stage.name}" / "init_model")
-        try:
-            stage_config = _stage_config(config, stage, model_path, run_dir, f"{index:02d}-{stage.name}",
-                                         retention=_retention(config, index))
-        except Exception as error:  # Hydra's composition errors and the schema's rule errors alike
-            raise ConfigError(f"pipeline.stages[{index}] ({stage.name}, recipe={stage.recipe}) has an invalid "
-                              f"config: {error}. Fix the stage's overrides or pipeline.common_overrides") from error
-        _check_retention(config, index, stage_config)
-
-
-def _retention(config: HybridFlowConfig, index: int) -> list[str]:
-    """`trainer.keep_last_weights` for stage `index`: the checkpoints the next stage's init hook
-    reads (null when the hook does not say, or for the last stage: a user may merge them later)."""
-    needed = _window(config, index)
-    return [f"trainer.keep_last_weights={'null' if needed is None else needed}"]
-
-
-def _window(config: HybridFlowConfig, index: int) -> int | None:
-    """How many of stage `index`'s newest checkpoints the next stage's init hook reads."""
-    stages = config.pipeline.stages
-    return checkpoints_needed(stages[index + 1].init) if index + 1 < len(stages) else None
-
-
-def _check_retention(config: HybridFlowConfig, index: int, stage_config: HybridFlowConfig) -> None:
-    """A stage's own overrides may keep more snapshots than the next hook reads, never fewer."""
-    from hybridflow.config import ConfigError
-
-    stages, needed = config.pipeline.stages, _window(config, index)
-    trainer = stage_config.trainer
-    if needed is None or trainer.keep_last_weights is None or trainer.keep_last_checkpoints is None:
-        return  # the hook reads any number, or every checkpoint keeps its weights
-    kept = max(trainer.keep_last_weights, trainer.keep_last_checkpoints)
-    if kept < needed:
-        raise ConfigError(f"pipeline.stages[{index}] ({stages[index].name}) keeps the weights of its last "
-                          f"{kept} checkpoints (trainer.keep_last_weights={trainer.keep_last_weights}) but the "
-                          f"next stage's init hook {stages[index + 1].init.name!r} reads {needed}; remove that "
-                          f"override or set trainer.keep_last_weights={needed}")
-
-
-def _stage_config(config: HybridFlowConfig, stage: StageConfig, model_path: str | None, run_dir: Path,
-                  name: str, extra: list[str] = (), retention: list[str] = ()) -> HybridFlowConfig:
-    overrides = [*config.pipeline.common_overrides, f"recipe={stage.recipe}", *retention, *stage.overrides,
-                 f"logger.output_root={run_dir}", f"logger.run_name={name}", "trainer.resume=true", *extra]
-    if model_path is not None:
-        overrides.append(f"model.path={model_path}")
-    return compose(overrides)
-
-
-def _evaluate(config: HybridFlowConfig, stage: StageConfig, model_path: str, run_dir: Path, index: int) -> float:
+def _evaluate(config: HybridFlowConfig, model_path: str, run_dir: Path, index: int) -> float:
     from recipes.evaluate import run as evaluate
 
+    stage = config.pipeline.stages[index]
     eval_dir = run_dir / f"{index:02d}-{stage.name}" / "init_eval"
     eval_dir.mkdir(parents=True, exist_ok=True)
-    eval_config = _stage_config(config, stage, model_path, run_dir, eval_dir.name, extra=["recipe.name=evaluate"])
+    eval_config = _stage_config(config, index, model_path, run_dir, eval_dir.name, extra=["recipe.name=evaluate"])
     with console.stage(f"{stage.name}-init"):  # "grpo-init: held-out accuracy ..."; logs/grpo-init/
         result = evaluate(eval_config, eval_dir)
     release_all()

@@ -83,7 +83,7 @@ def run(config: HybridFlowConfig, run_dir: Path) -> dict:
                             decode=lambda out: tuple(None if b is None else from_json(b) for b in out))
     rollouts.start(step, **state.get("rollouts", {}))
     parity = FirstBatchParity.from_config(config, model_dir)  # the first batch's sampler-vs-actor gap
-    logger = MetricsLogger(run_dir, config.logger.backends, total_steps=t.total_steps)
+    logger = MetricsLogger(run_dir, config.logger, total_steps=t.total_steps)
 
     while step < t.total_steps:
         step += 1

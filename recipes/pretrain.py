@@ -47,7 +47,7 @@ def run(config: HybridFlowConfig, run_dir: Path) -> dict:
     step = int(state.get("step", 0))
     if state:
         loader.load_state_dict(state["loader"])
-    logger = MetricsLogger(run_dir, config.logger.backends, total_steps=config.trainer.total_steps)
+    logger = MetricsLogger(run_dir, config.logger, total_steps=config.trainer.total_steps)
     tokens_per_step = config.pretrain.sequences_per_step * config.pretrain.tokens_per_sequence
 
     while step < config.trainer.total_steps:

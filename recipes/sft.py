@@ -46,7 +46,7 @@ def run(config: HybridFlowConfig, run_dir: Path) -> dict:
     step = int(state.get("step", 0))
     if state:
         loader.load_state_dict(state["loader"])
-    logger = MetricsLogger(run_dir, config.logger.backends, total_steps=config.trainer.total_steps)
+    logger = MetricsLogger(run_dir, config.logger, total_steps=config.trainer.total_steps)
     weight_sync = build_weight_sync(config, actor, rollout)
     weight_sync.setup()
     hooks = StepHooks.build(t.training_hooks, run_dir, loader)

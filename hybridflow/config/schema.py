@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
 
 from hybridflow.data.corpus import PretrainConfig  # the pretrain.* schema lives beside the corpus
+from hybridflow.config.recipes import RECIPE_SPECS, recipe_spec, stage_recipes
 from hybridflow.merge.hooks import HookConfig  # the hook schema lives beside the hooks
 from hybridflow.rewards.config import RewardConfig  # noqa: F401 - the reward.* schema lives beside its code
 
@@ -556,6 +557,12 @@ class LoggerConfig:
     # transformers and torch print goes to <run_dir>/logs/ (hybridflow/console.py). true: all of it
     # reaches the console too, as the libraries print it.
     verbose: bool = False
+    # How the tracking backends file the run (hybridflow/tracking.py): the W&B project and the MLflow
+    # experiment (unless logger.experiment); tags on the run in both (TensorBoard: a text summary).
+    project: str = "hybridflow"
+    tags: List[str] = field(default_factory=list)
+    entity: Optional[str] = None  # W&B entity (team or user); null: the account's default
+    experiment: Optional[str] = None  # MLflow experiment; null: logger.project
 
     def __post_init__(self) -> None:
         allowed = ("console", "jsonl", "tensorboard", "wandb", "mlflow")
@@ -563,13 +570,13 @@ class LoggerConfig:
         _require(not bad, "logger.backends", self.backends, f"each must be one of {list(allowed)}")
 
 
-RECIPE_NAMES = ("demo", "sft", "grpo", "ppo", "evaluate", "pipeline", "pretrain")
+RECIPE_NAMES = tuple(RECIPE_SPECS.names())
 
 
 @dataclass
 class StageConfig:
     name: str = "stage"
-    recipe: str = "sft"  # pretrain | sft | grpo | ppo
+    recipe: str = "sft"  # a recipe that can be a stage: pretrain | sft | grpo | ppo
     overrides: List[str] = field(default_factory=list)  # Hydra overrides for this stage only
     # How this stage's starting model is made from the previous stage (ignored for the first).
     # A registered stage hook (pma_sma, pma_ema, pma_wma, last_checkpoint, final_model) or 'module:fn'.
@@ -581,13 +588,16 @@ class StageConfig:
 class PipelineConfig:
     stages: List[StageConfig] = field(default_factory=list)
     common_overrides: List[str] = field(default_factory=list)  # applied to every stage first
+    # Set by the `hybridflow` command to what was typed on it: each override goes to the stages whose
+    # recipe reads its key, `stages.<name>.<key>=value` to that stage only (hybridflow/config/stages.py).
+    command_overrides: List[str] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         names = [s.name for s in self.stages]
         _require(len(set(names)) == len(names), "pipeline.stages[*].name", names, "stage names must be unique")
         for i, stage in enumerate(self.stages):
-            _require(stage.recipe in ("pretrain", "sft", "grpo", "ppo"), f"pipeline.stages[{i}].recipe",
-                     stage.recipe, "one of ['pretrain', 'sft', 'grpo', 'ppo']")
+            _require(stage.recipe in stage_recipes(), f"pipeline.stages[{i}].recipe", stage.recipe,
+                     f"one of {stage_recipes()}")
 
 
 @dataclass
@@ -595,10 +605,13 @@ class RecipeConfig:
     # A built-in recipe, or 'package.module:function' / 'path/to/file.py:function' taking the config.
     name: str = "demo"
     demo_prompts: int = 8  # demo recipe: how many validation prompts to generate for
+    # evaluate recipe: sampled answers per prompt for val/pass@k and val/sampled_reward_mean (0: greedy only)
+    eval_samples: int = 0
 
     def __post_init__(self) -> None:
         _require(self.name in RECIPE_NAMES or ":" in self.name, "recipe.name", self.name,
                  f"built-in recipes are {list(RECIPE_NAMES)}, or give 'module:function'")
+        _require(self.eval_samples >= 0, "recipe.eval_samples", self.eval_samples, "must be >= 0 (0: greedy only)")
 
 
 @dataclass
@@ -621,6 +634,8 @@ class HybridFlowConfig:
     seed: int = 0
 
     def __post_init__(self) -> None:
+        if recipe_spec(self.recipe.name).pipeline:
+            return  # its stages compose their own configs, each checked by these rules (recipes/pipeline.py)
         self.placement.check_rollout(self.rollout, self.model)
         if self.weight_sync.probe_tolerance is None:
             from hybridflow.resharding.verify import probe_tolerance
@@ -637,17 +652,17 @@ class HybridFlowConfig:
                  f"must divide the step's {samples} samples and be a multiple of the {world} actor ranks")
         from hybridflow.training.hooks import STEP_HOOKS, check_step_hooks
 
-        t = self.trainer
+        t, spec = self.trainer, recipe_spec(self.recipe.name)
         check_step_hooks(self)
         reference_hooks = [h.name for h in t.training_hooks if h.name not in STEP_HOOKS]
         _require(not reference_hooks or self.algorithm.kl_penalty_coef > 0 or self.actor.kl_loss_coef > 0,
                  "trainer.training_hooks", reference_hooks,
                  "the hooks update the reference model, which runs only with algorithm.kl_penalty_coef > 0 or "
                  "actor.kl_loss_coef > 0")
-        _require(self.recipe.name not in ("pretrain", "sft") or not reference_hooks, "trainer.training_hooks",
+        _require(not (spec.step_hooks and not spec.reference) or not reference_hooks, "trainer.training_hooks",
                  reference_hooks, f"recipe={self.recipe.name} has no reference model; its hooks are the step hooks "
                  f"{STEP_HOOKS.names()}")
-        _require(self.recipe.name != "pretrain" or self.pretrain.sequences_per_step % world == 0,
+        _require(not spec.packs_sequences or self.pretrain.sequences_per_step % world == 0,
                  "pretrain.sequences_per_step", self.pretrain.sequences_per_step,
                  f"must divide evenly over the {world} actor ranks")
         _require(not reference_hooks or not self.actor.lora.rank, "trainer.training_hooks", reference_hooks,
@@ -655,8 +670,8 @@ class HybridFlowConfig:
         _require(not self.trainer.critic_warmup_steps or self.algorithm.use_critic, "trainer.critic_warmup_steps",
                  self.trainer.critic_warmup_steps, "only a run with a critic (algorithm.use_critic=true) can warm one up; "
                  "set it to 0")
-        _require(self.recipe.name != "ppo" or self.algorithm.use_critic, "algorithm.use_critic",
-                 self.algorithm.use_critic, "recipe=ppo trains a critic: set algorithm.use_critic=true")
+        _require(not spec.needs_critic or self.algorithm.use_critic, "algorithm.use_critic",
+                 self.algorithm.use_critic, f"recipe={self.recipe.name} trains a critic: set algorithm.use_critic=true")
         self._check_async()
 
     def _check_async(self) -> None:
@@ -666,7 +681,7 @@ class HybridFlowConfig:
                  "must be >= 0 (0: no importance weight)")
         if not d:
             return
-        _require(self.recipe.name in ("grpo", "ppo"), "trainer.max_staleness", d,
+        _require(recipe_spec(self.recipe.name).overlaps_generation, "trainer.max_staleness", d,
                  f"only the RL recipes (grpo, ppo) generate while training, not recipe={self.recipe.name}")
         _require(not self.placement.rollout_colocated, "placement.roles.rollout", self.placement.roles["rollout"],
                  f"trainer.max_staleness={d} overlaps generation with training, which needs the rollout on a pool of "

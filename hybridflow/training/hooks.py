@@ -11,7 +11,7 @@ data comes next (spike_recovery's `data: reshuffle`). The names share `trainer.t
 with the reference hooks (`reference_ema`, `reference_reset`), which replace the reference
 model's weights in RL recipes; a name may be registered in only one of the two.
 
-Every training recipe (`RECIPES_WITH_STEP_HOOKS`: pretrain, sft, and the RL family grpo / ppo)
+Every training recipe (`RecipeSpec.step_hooks`: pretrain, sft, and the RL family grpo / ppo)
 runs them through one object, `StepHooks`: `before_update` just before the actor update,
 `after_update` with the update's metrics (`actor/loss`, `actor/grad_norm`: workers/actor.py
 reports both from `train_sft` and `update_policy`; the RL recipes add the step's training reward
@@ -55,7 +55,6 @@ if TYPE_CHECKING:
 STEP_HOOKS: Registry[type] = Registry(
     "step hook", "a class with a dataclass `Config`, built as cls(config, run_dir, loader), with "
     "before_update(step, actor) -> dict and after_update(step, metrics, actor) -> dict")
-RECIPES_WITH_STEP_HOOKS = ("pretrain", "sft", "grpo", "ppo")
 
 
 # ------------------------------------------------------------------------ the detector (pure)
@@ -132,7 +131,6 @@ LOSS_KEY, GRAD_NORM_KEY, REWARD_KEY = "actor/loss", "actor/grad_norm", "reward/s
 WATCHED = {"loss": LOSS_KEY, "grad_norm": GRAD_NORM_KEY, "reward": REWARD_KEY}  # reward: a fall
 # spike_recovery's `watch: null`: the RL recipes pass the step's reward/score with the update's metrics
 WATCH_BY_DEFAULT = {"supervised": ("loss",), "rl": ("grad_norm", "reward")}
-RECIPES_WITH_REWARD = ("grpo", "ppo")
 
 
 @dataclass
@@ -347,14 +345,18 @@ def check_step_hooks(config: "HybridFlowConfig") -> None:
     spike_recovery will find its checkpoints and can load their weights into the actor."""
     from hybridflow.merge.hooks import TRAINING_HOOKS
 
-    t, recipe = config.trainer, config.recipe.name
+    from hybridflow.config.recipes import RECIPE_SPECS, recipe_spec
+
+    t, recipe, spec = config.trainer, config.recipe.name, recipe_spec(config.recipe.name)
+    with_step_hooks = [n for n in RECIPE_SPECS.names() if RECIPE_SPECS.get(n).step_hooks]
+    with_reward = [n for n in RECIPE_SPECS.names() if RECIPE_SPECS.get(n).rl_reward]
     for hook in t.training_hooks:
         if hook.name not in STEP_HOOKS:
             continue
         _check(hook.name not in TRAINING_HOOKS, "trainer.training_hooks", hook.name,
                "is registered both as a step hook and as a reference hook; rename one")
-        _check(recipe in RECIPES_WITH_STEP_HOOKS, "trainer.training_hooks", hook.name,
-               f"step hooks run around the actor update of the recipes {list(RECIPES_WITH_STEP_HOOKS)}, not in "
+        _check(spec.step_hooks, "trainer.training_hooks", hook.name,
+               f"step hooks run around the actor update of the recipes {with_step_hooks}, not in "
                f"recipe={recipe}: put the hook in the overrides of a training stage (a pipeline's stages[].overrides) "
                "or drop it")
         typed = hook_config(hook.name, hook.params)
@@ -366,10 +368,10 @@ def check_step_hooks(config: "HybridFlowConfig") -> None:
             _check(kept is None or kept >= typed.last + 1, "trainer.keep_last_weights", t.keep_last_weights,
                    f"spike_recovery reads the weights of {typed.last} checkpoints saved before the newest one: "
                    f"keep at least {typed.last + 1} (or null: all)")
-            _check("reward" not in (typed.watch or ()) or recipe in RECIPES_WITH_REWARD,
+            _check("reward" not in (typed.watch or ()) or spec.rl_reward,
                    "trainer.training_hooks[spike_recovery].params.watch", list(typed.watch or ()),
                    f"recipe={recipe} has no training reward: watch [loss] or [grad_norm] (reward is for "
-                   f"{list(RECIPES_WITH_REWARD)})")
+                   f"{with_reward})")
             _check(not config.actor.lora.rank, "actor.lora.rank", config.actor.lora.rank,
                    "spike_recovery loads merged full weights (LoRA folded) into the actor, which a LoRA actor cannot "
                    "take: set actor.lora.rank=0 or drop the hook")

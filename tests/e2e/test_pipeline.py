@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from hybridflow.config import compose
 from hybridflow.config.schema import StageConfig
 from hybridflow.merge.hooks import HookConfig
@@ -17,6 +19,7 @@ def test_sft_merge_grpo_pipeline_runs_reports_and_skips_finished_stages(tmp_path
     import ray
 
     from hybridflow.cli import run
+    from hybridflow.preflight import InputError
 
     config = compose(["recipe=pipeline", f"logger.output_root={tmp_path}", "logger.run_name=pipe"])
     config.pipeline.common_overrides = COMMON
@@ -37,6 +40,9 @@ def test_sft_merge_grpo_pipeline_runs_reports_and_skips_finished_stages(tmp_path
         assert "the last checkpoint of stage sft" in report and (run_dir / "report.png").stat().st_size > 0
         assert result["final_model"].endswith("01-grpo/final_model")
 
+        with pytest.raises(InputError, match="already holds a run"):
+            run(config)  # the same run name again without trainer.resume: refused, nothing appended
+        config.trainer.resume = True
         again = run(config)  # every stage is complete: nothing is re-run
         assert again["final_model"] == result["final_model"]
     finally:

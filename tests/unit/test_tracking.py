@@ -1,5 +1,7 @@
 import json
 
+from pathlib import Path
+
 import pytest
 
 from hybridflow.tracking import MetricsLogger, read_metrics
@@ -18,15 +20,66 @@ def test_metrics_are_one_json_object_per_step(tmp_path, capsys):
     assert json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[0])["step"] == 1
 
 
-def test_a_backend_that_is_not_installed_says_what_to_install(tmp_path):
-    pytest.importorskip("torch")
-    try:
-        import wandb  # noqa: F401
-    except ImportError:
-        with pytest.raises(ImportError, match="pip install wandb"):
-            MetricsLogger(tmp_path, ["wandb"])
-    else:
-        pytest.skip("wandb is installed")
+def test_a_backend_that_is_not_installed_says_what_to_install(tmp_path, monkeypatch):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "wandb" else real(name, *a))
+    with pytest.raises(ImportError, match=r"the wandb package is not installed; fix: pip install -e '.\[wandb\]'"):
+        MetricsLogger(tmp_path, ["console", "wandb"])
+    assert not (tmp_path / "metrics.jsonl").exists()
+
+
+def test_the_command_refuses_a_missing_backend_before_anything_starts(tmp_path):
+    import importlib.util
+    import subprocess
+    import sys
+    import time
+
+    absent = [b for b in ("mlflow", "wandb", "tensorboard") if importlib.util.find_spec(b) is None]
+    if not absent:
+        pytest.skip("every logging backend is installed here")
+    start = time.monotonic()
+    done = subprocess.run([sys.executable, "-m", "hybridflow.cli", f"logger.backends=[console,jsonl,{absent[0]}]",
+                           f"logger.output_root={tmp_path}"], capture_output=True, text=True, timeout=120,
+                          cwd=Path(__file__).resolve().parents[2])
+    assert done.returncode == 2 and f"pip install -e '.[{absent[0]}]'" in done.stderr, done.stderr
+    assert time.monotonic() - start < 20 and not any(tmp_path.iterdir())  # (<= 5 s on an idle machine)
+
+
+def test_project_and_tags_reach_wandb_offline(tmp_path, monkeypatch):
+    pytest.importorskip("wandb", reason="wandb is not installed (pip install -e '.[wandb]')")
+    from hybridflow.config import compose
+
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    logger_config = compose(["recipe=grpo", "logger.backends=[jsonl,wandb]", "logger.project=hf-test",
+                             "logger.tags=[smoke,cpu]", "logger.entity=team"]).logger
+    (tmp_path / "run1").mkdir()
+    logger = MetricsLogger(tmp_path / "run1", logger_config)
+    run = logger.wandb
+    assert (run.project, tuple(run.tags), run.name) == ("hf-test", ("smoke", "cpu"), "run1")
+    logger.log(1, {"reward/score": 0.5})
+    logger.close()
+    assert list((tmp_path / "run1" / "wandb").glob("offline-run-*/run-*.wandb"))
+
+
+def test_project_and_tags_reach_tensorboard(tmp_path):
+    pytest.importorskip("tensorboard", reason="tensorboard is not installed (pip install -e '.[tensorboard]')")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from hybridflow.config import compose
+
+    logger_config = compose(["recipe=sft", "logger.backends=[tensorboard]", "logger.project=hf-test",
+                             "logger.tags=[smoke]"]).logger
+    logger = MetricsLogger(tmp_path, logger_config)
+    logger.log(1, {"actor/loss": 2.0})
+    logger.close()
+    events = EventAccumulator(str(tmp_path / "tensorboard"), size_guidance={"tensors": 0})
+    events.Reload()
+    assert [e.value for e in events.Scalars("actor/loss")] == [2.0]
+    text = events.Tensors("run/text_summary")[0].tensor_proto.string_val[0].decode()
+    assert "project: hf-test" in text and "tags: smoke" in text
 
 
 def test_validation_accuracy_is_split_by_data_source():

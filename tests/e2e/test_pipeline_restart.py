@@ -1,0 +1,46 @@
+"""A pipeline honours each stage's own trainer.max_restarts: an actor rank killed in the GRPO stage
+is restarted from that stage's last checkpoint, the pipeline finishes, and the stage's metrics match
+an uninterrupted pipeline's. Both runs go through the `hybridflow` command, with the stage-scoped
+overrides (`stages.grpo.<key>=...`) that put the fault and the restarts in the GRPO stage only."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+PIPELINE = ["trainer.prompts_per_step=4", "rollout.max_response_tokens=4", "trainer.val_prompts=8",
+            "data.synthetic.train_rows=200", "data.synthetic.val_rows=16", "actor.samples_per_micro_batch=8",
+            "actor.samples_per_mini_batch=0", "trainer.save_every_steps=1", "trainer.val_every_steps=0",
+            "stages.sft.trainer.total_steps=4", "stages.grpo.trainer.total_steps=3",
+            "stages.grpo.rollout.samples_per_prompt=4"]
+FAULT = ["stages.grpo.trainer.max_restarts=1", "stages.grpo.trainer.fault_injection=[{kind:kill,role:actor,rank:0,step:2}]"]
+COMPARED = ["reward/score", "actor/loss", "actor/grad_norm", "actor/entropy", "response/length_mean"]
+
+
+def pipeline(args: list[str], root: Path, name: str) -> dict[int, dict]:
+    done = subprocess.run([str(Path(sys.executable).parent / "hybridflow"), *PIPELINE, *args,
+                           f"logger.output_root={root}", f"logger.run_name={name}"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
+    assert "pipeline: stage grpo gets" in done.stdout
+    lines = (root / name / "01-grpo" / "metrics.jsonl").read_text().splitlines()
+    return {row["step"]: row for row in map(json.loads, lines)}
+
+
+@pytest.mark.slow  # two short pipelines: 126 s on 2 cores
+def test_a_rank_killed_in_the_grpo_stage_restarts_that_stage_and_the_pipeline_finishes(tmp_path):
+    straight = pipeline([], tmp_path, "straight")
+    restarted = pipeline(FAULT, tmp_path, "restarted")
+    restart = json.loads((tmp_path / "restarted" / "01-grpo" / "restarts.jsonl").read_text().splitlines()[0])
+    assert restart["step"] == 2 and "died" in restart["message"]
+    assert not (tmp_path / "restarted" / "00-sft" / "restarts.jsonl").exists()  # the SFT stage had no fault
+    assert restarted[3]["trainer/restarts"] == 1
+    for step in (2, 3):
+        for key in COMPARED:
+            assert restarted[step][key] == pytest.approx(straight[step][key], rel=1e-5, abs=1e-6), (step, key)
+    assert (tmp_path / "restarted" / "report.md").is_file()
