@@ -179,11 +179,11 @@ class TinyModelConfig:
 class ModelConfig:
     path: Optional[str] = None  # a Hugging Face model directory; null builds the tiny model offline
     tiny: TinyModelConfig = field(default_factory=TinyModelConfig)
-    # Precision (docs/recipes.md#precision). dtype: what the actor, critic and reference compute in.
-    # master_dtype: what the actor's and critic's parameters, gradient reduction and optimizer state
-    # are kept in; float32 with a 16-bit dtype is mixed precision (FSDP2's MixedPrecisionPolicy),
-    # master_dtype=dtype trains purely in it (less memory; an Adam step below half an ulp rounds away).
+    # Precision (docs/recipes.md#precision). What the actor, critic and reference compute in.
     dtype: Dtype = Dtype.float32
+    # What the actor's and critic's parameters, gradient reduction and optimizer state are kept in;
+    # float32 with a 16-bit dtype is mixed precision (FSDP2's MixedPrecisionPolicy), master_dtype=dtype
+    # trains purely in it (less memory; an Adam step below half an ulp rounds away).
     master_dtype: Dtype = Dtype.float32
     # false: every dropout probability of the model is set to 0 when a role loads it (RL needs
     # log-probs that are a function of the weights); true: keep the config's dropout.
