@@ -128,6 +128,7 @@ def check_stages(config: HybridFlowConfig, run_dir: Path) -> list[HybridFlowConf
                               f"config: {error}. Fix the stage's overrides, pipeline.common_overrides or the "
                               "command line's overrides") from error
         _check_retention(config, index, stage_config)
+        _check_hands_on_a_model(config, index, stage_config)
         composed.append(stage_config)
     return composed
 
@@ -159,6 +160,18 @@ def _check_retention(config: HybridFlowConfig, index: int, stage_config: HybridF
                           f"{kept} checkpoints (trainer.keep_last_weights={trainer.keep_last_weights}) but the "
                           f"next stage's init hook {stages[index + 1].init.name!r} reads {needed}; remove that "
                           f"override or set trainer.keep_last_weights={needed}")
+
+
+def _check_hands_on_a_model(config: HybridFlowConfig, index: int, stage_config: HybridFlowConfig) -> None:
+    """A stage followed by another hands it a whole model (its final_model/ or merged checkpoints),
+    which an adapter-only export (actor.lora.save_adapter_only) does not write."""
+    from hybridflow.config import ConfigError
+
+    stages, lora = config.pipeline.stages, stage_config.actor.lora
+    if index + 1 < len(stages) and lora.rank and lora.save_adapter_only:
+        raise ConfigError(f"pipeline.stages[{index}] ({stages[index].name}) sets actor.lora.save_adapter_only=true, "
+                          f"but stage {stages[index + 1].name} starts from its whole model; leave it off in every "
+                          "stage but the last (the last stage's adapter folds later with hybridflow-merge)")
 
 
 def _stage_config(config: HybridFlowConfig, index: int, model_path: str | None, run_dir: Path,

@@ -58,6 +58,8 @@ def test_the_console_says_which_stage_got_what():
     (["stages.sft.logger.run_name=x"], r"the pipeline sets logger.run_name for each stage itself"),
     (["recipe=grpo", "stages.grpo.trainer.total_steps=3"], r"recipe=grpo has no stages: give it as trainer"),
     (["stages.grpo.actor.optim.lr=-1"], r"pipeline.stages\[1\] \(grpo, recipe=grpo\).*optim.lr=-1"),
+    (["stages.sft.actor.lora.rank=4", "stages.sft.actor.lora.save_adapter_only=true"],
+     r"pipeline.stages\[0\] \(sft\) sets actor.lora.save_adapter_only=true, but stage grpo starts from"),
 ])
 def test_an_override_that_would_change_nothing_is_refused(args, message):
     with pytest.raises(ConfigError, match=message):
