@@ -186,6 +186,9 @@ def refresh_cpu_kernels(worker) -> int:
     """
     refreshed = 0
     for module in worker.model_runner.get_model().modules():
+        if _repack_cpu_experts(module):
+            refreshed += 1
+            continue
         weight = getattr(module, "weight", None)
         method = getattr(module, "quant_method", None)
         if hasattr(module, "cpu_linear") and weight is not None and weight.numel() and method is not None:
@@ -194,15 +197,40 @@ def refresh_cpu_kernels(worker) -> int:
     return refreshed
 
 
+def _repack_cpu_experts(module: torch.nn.Module) -> bool:
+    """Put a reloaded MoE layer's expert weights back in the CPU kernel's packed layout.
+
+    vLLM 0.32's unquantized MoE method, on a weight update (its kernel already built), copies the
+    reloaded checkpoint-layout weights into the layer's storage but does not run the CPU experts'
+    prepack again (it does only on the first load): the CPU grouped GEMM then reads unpacked
+    weights as packed ones and computes another model (Qwen3-MoE's probe gap after a sync of
+    unchanged weights: 0.018). Running the experts' own `process_weights_after_loading` again
+    repacks them. No-op on other layers and on GPUs."""
+    experts = getattr(getattr(getattr(module, "quant_method", None), "moe_kernel", None), "fused_experts", None)
+    if experts is None or not any(c.__name__ == "CPUUnquantizedExperts" for c in type(experts).__mro__):
+        return False
+    experts.process_weights_after_loading(module)
+    return True
+
+
 def param_checksums(worker) -> dict:
-    """Checksums (sum, sum of squares in float64) of every readable vLLM parameter."""
+    """Checksums (sum, sum of squares in float64) of every readable vLLM parameter.
+
+    MoE expert weights are left out (listed under `unchecked`): vLLM stacks every expert of a
+    layer into one parameter (`w13_weight`, `w2_weight`) with no name-for-name map back to the
+    checkpoint's per-expert tensors; the log-prob probe covers them."""
     model = worker.model_runner.get_model()
     packed = dict(getattr(model, "packed_modules_mapping", {}) or {})
-    sums, empty = {}, []
+    experts = {id(p) for m in model.modules() if getattr(getattr(m, "quant_method", None), "moe_kernel", None)
+               is not None for p in m.parameters(recurse=False)}
+    sums, empty, unchecked = {}, [], []
     for name, param in model.named_parameters():
+        if id(param) in experts:
+            unchecked.append(name)
+            continue
         if param.numel() == 0:
             empty.append(name)
             continue
         t64 = param.detach().to(torch.float64)
         sums[name] = (float(t64.sum()), float((t64 * t64).sum()))
-    return {"sums": sums, "packed": packed, "empty": empty}
+    return {"sums": sums, "packed": packed, "empty": empty, "unchecked": unchecked}
