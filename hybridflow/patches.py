@@ -85,3 +85,36 @@ def unique_vllm_cpu_shm_names() -> None:
     cls._init_cpu_shm = init_then_unlink
     assert cls._init_cpu_shm is init_then_unlink
     _applied.add("unique_vllm_cpu_shm_names")
+
+
+def transformers_backend_classes_stay_callable(engine) -> list[str]:
+    """Keep a colocated actor's model callable after vLLM's Transformers backend wrapped its class.
+
+    vLLM 0.32 serves some architectures (OLMo2, ...) through its Transformers backend, which
+    decorates the *transformers* model class in place with `support_torch_compile`: the class's
+    `__call__` then reads `self.do_not_compile`, an attribute only instances built after the
+    decoration have. An actor in the same process built its model before the engine started, so
+    its forward raised `AttributeError: 'Olmo2Model' object has no attribute 'do_not_compile'`.
+    A class-level `do_not_compile = True` makes such older instances run their plain `forward`;
+    vLLM's own instance sets the attribute itself and is unaffected. Returns the classes patched.
+    """
+    from vllm.compilation import decorators
+
+    _check_vllm_version("transformers_backend_classes_stay_callable", "vllm.compilation.decorators")
+    if not hasattr(decorators, "support_torch_compile"):
+        raise RuntimeError("vllm.compilation.decorators.support_torch_compile moved; update "
+                           "hybridflow.patches.transformers_backend_classes_stay_callable")
+
+    def patch(worker) -> list[str]:
+        import torch
+
+        patched = []
+        for module in worker.model_runner.get_model().modules():
+            cls = type(module)  # a transformers class whose __call__ vLLM replaced
+            if cls.__module__.startswith("transformers.") and cls.__call__ is not torch.nn.Module.__call__ \
+                    and "do_not_compile" not in cls.__dict__:
+                cls.do_not_compile = True
+                patched.append(cls.__name__)
+        return patched
+
+    return engine.collective_rpc(patch)[0]

@@ -31,6 +31,7 @@ from typing import Iterator
 from hybridflow.config.recipes import recipe_spec
 from hybridflow.config.schema import HybridFlowConfig
 from hybridflow.data.checks import InputError  # raised here, and by the full read of the data (data/prompts.py)
+from hybridflow.model_checks import vllm_problems
 
 SAMPLE_ROWS = 1000
 SYNTHETIC_COLUMNS = ("prompt", "ground_truth", "data_source")
@@ -63,7 +64,7 @@ def check_run(config: HybridFlowConfig, check_model: bool = True) -> list[str]:
     problems += _agent_problems(config)
     model_path = config.model.path if check_model else None
     if model_path is not None:
-        problems += check_model_dir(model_path, "model.path")
+        problems += check_model_dir(model_path, "model.path") + vllm_problems(config, model_path)
     if config.reward.reward_model.path is not None:
         problems += check_model_dir(config.reward.reward_model.path, "reward.reward_model.path")
     needed = _needed_columns(config, functions)

