@@ -3,6 +3,7 @@ multi-turn tool rollouts, through the same entry point as the command line."""
 
 from __future__ import annotations
 
+import pytest
 import json
 
 from hybridflow.config import compose
@@ -12,6 +13,7 @@ SMALL = ["trainer.prompts_per_step=4", "trainer.val_prompts=8", "data.synthetic.
          "data.synthetic.val_rows=16", "actor.samples_per_micro_batch=8"]
 
 
+@pytest.mark.slow  # ~36 s; agent rollouts run end to end in test_agent_rollout.py
 def test_agent_pipeline_runs_sft_then_grpo_with_the_calculator(tmp_path):
     import ray
 

@@ -3,6 +3,7 @@ console; everything vLLM, Ray, transformers and torch print under <run_dir>/logs
 
 from __future__ import annotations
 
+import pytest
 import subprocess
 import sys
 from pathlib import Path
@@ -42,6 +43,7 @@ def test_a_short_run_prints_a_few_lines_and_keeps_the_library_output_in_its_logs
         assert "Failed to load weights" not in worker
 
 
+@pytest.mark.slow  # ~60 s; the quiet console and a named dead worker are covered by the default run's other tests
 def test_verbose_shows_the_library_output_and_a_dead_worker_is_named_with_its_last_output(tmp_path):
     verbose = hybridflow(["trainer.total_steps=1", "logger.verbose=true"], tmp_path, "verbose")
     assert verbose.returncode == 0, verbose.stdout[-4000:] + verbose.stderr[-4000:]

@@ -13,6 +13,9 @@ SYNC_KEYS = ["weight_sync/bytes_received_per_rank", "weight_sync/min_bytes_per_r
              "weight_sync/copy_floor_ratio", "weight_sync/probe_log_prob_gap", "weight_sync/verified_tensors"]
 
 
+# slow (~30 s each): GRPO with a checked sync at colocated TP 2 runs in test_lora.py and
+# test_architectures.py, disaggregated in test_async.py and tests/controller/test_cluster.py
+@pytest.mark.slow
 @pytest.mark.parametrize("placement", [["rollout.tensor_parallel_size=2"], ["placement=disaggregated"]],
                          ids=["colocated-tp2", "disaggregated"])
 def test_grpo_runs_with_a_checked_sync_in_each_placement(tmp_path, placement):

@@ -3,6 +3,8 @@ prompt, scores it, and uses that reward as the baseline of the prompt's samples.
 
 from __future__ import annotations
 
+import pytest
+
 from tests.e2e.test_rl_recipes import hybridflow, metrics
 
 # A reward with a spread on the untrained tiny model (exact match is almost always 0 there, which
@@ -13,6 +15,7 @@ def score(response, **_):
 '''
 
 
+@pytest.mark.slow  # ~31 s; the ReMax estimator has hand-worked unit tests (test_algos_advantages)
 def test_remax_trains_for_3_steps_with_the_greedy_baseline(tmp_path):
     reward_file = tmp_path / "length_reward.py"
     reward_file.write_text(LENGTH_REWARD)
