@@ -101,7 +101,7 @@ def run(config: HybridFlowConfig, run_dir: Path) -> dict:
             update_metrics = update(r, step, samples, actor_learns)
         with timer("weight_sync"):
             sync_metrics = rollouts.updated(step, learned=actor_learns,
-                                            reloaded=update_metrics.get("spike_recovery/fired") == 1.0)
+                                            reloaded=r.hooks.reloaded_weights(step))
         metrics = step_metrics(r, samples, trained_version, rollouts.depth, actor_learns, {
             **algo_metrics, **update_metrics, **sync_metrics, **queue_metrics, **timer.seconds, "kl/coef": kl_ctl.coef})
         if validation_due(config, step):

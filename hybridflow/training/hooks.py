@@ -171,6 +171,8 @@ class SpikeRecoveryConfig:
 class SpikeRecovery:
     """Roll the actor back to the SMA of the checkpoints saved before a spike (or a reward collapse)."""
 
+    reloaded_at: int | None = None  # the last step whose after_update loaded other weights into the actor
+
     Config = SpikeRecoveryConfig
 
     def __init__(self, config: SpikeRecoveryConfig, run_dir: Path, loader: PromptLoader) -> None:
@@ -193,6 +195,7 @@ class SpikeRecovery:
                 "(actor.optim.lr) or raise max_recoveries")
         merged, steps = self.recover(step, actor)
         self.recoveries += 1
+        self.reloaded_at = step
         # the draws of steps steps[-1] + 1 .. step trained weights that are now gone
         requeued = self.loader.requeue(step - steps[-1]) if self.config.data == "reshuffle" else 0
         print(f"spike_recovery: {', '.join(spiking)} spiked at step {step} (loss {metrics[LOSS_KEY]:.4g}, grad norm "
@@ -255,6 +258,8 @@ class LrBurstConfig:
 @STEP_HOOKS.register("lr_burst")
 class LrBurst:
     """The updates of steps at_step .. at_step + steps - 1 use `factor` times the scheduled lr."""
+
+    reloaded_at: int | None = None  # never loads weights
 
     Config = LrBurstConfig
 
@@ -322,6 +327,10 @@ class StepHooks:
         for hook in self.hooks:
             out.update(hook.before_update(step, actor))
         return out
+
+    def reloaded_weights(self, step: int) -> bool:
+        """Whether a hook loaded other weights into the actor at `step` (a new policy version)."""
+        return any(hook.reloaded_at == step for hook in self.hooks)
 
     def after_update(self, step: int, metrics: dict[str, float], actor) -> dict[str, float]:
         """`metrics`: the update's (`actor/loss`, `actor/grad_norm`; in the RL recipes also the
