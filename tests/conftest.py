@@ -32,3 +32,30 @@ def tiny_model_dir(tmp_path_factory) -> Path:
     from hybridflow.builders import build_tiny_model
 
     return build_tiny_model(tmp_path_factory.mktemp("tiny") / "model")
+
+
+# ---- leaving the test process ------------------------------------------------------------------
+# Once pytest has reported, this process leaves with its exit status without running the
+# interpreter's teardown. The test process imports torch, vLLM's extensions, Ray's core worker
+# and tensorboard's writer threads in one interpreter, and their C++ destructors racing at
+# shutdown crashed it once in CI (exit 139 after "850 passed", nothing failing); every program
+# the tests check (the `hybridflow` command, Ray workers) runs in a process of its own and has
+# its own exit status asserted, so skipping this process's teardown hides nothing they do.
+# HYBRIDFLOW_TEST_TEARDOWN=1 runs the normal teardown (to hunt such a crash).
+_SESSION: list = []
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_sessionfinish(session) -> None:
+    _SESSION.append(session)
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_unconfigure(config) -> None:
+    import os
+    import sys
+
+    if _SESSION and os.environ.get("HYBRIDFLOW_TEST_TEARDOWN") != "1":
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(int(_SESSION[-1].exitstatus))
