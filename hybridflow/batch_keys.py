@@ -36,7 +36,10 @@ STEP_KEYS: dict[str, Key] = {
     "prompt_mask": Key(DRIVER, (ROLLOUT, ACTOR, REFERENCE, CRITIC), "(B, P)", "True on prompt tokens"),
     "group_ids": Key(DRIVER, (DRIVER,), "(B,)", "the prompt a sample answers (the estimators' groups)"),
     "sample_seed": Key(DRIVER, (ROLLOUT,), "(B,)", "the sampler's seed, from (seed, step, index) only"),
-    "behavior_version": Key(DRIVER, (DRIVER,), "(B,)", "the policy version that generated the sample"),
+    "behavior_version": Key(ROLLOUT, (DRIVER,), "(B,)", "the policy version that generated the sample (the "
+                            "engine's label, set after each checked load)"),
+    "weights_wait_s": Key(ROLLOUT, (DRIVER,), "(B,)", "max_staleness >= 2: how long the rollout waited for the "
+                          "staged weights the batch needed"),
     "response_ids": Key(ROLLOUT, (ACTOR, REFERENCE, CRITIC), "(B, R)", "sampled tokens, right-padded"),
     "response_mask": Key(ROLLOUT, (ACTOR, REFERENCE, CRITIC, DRIVER), "(B, R)", "True on response tokens"),
     "loss_mask": Key(ROLLOUT, (ACTOR, CRITIC, DRIVER), "(B, R)", "True on sampled tokens (agents: not tool output)"),

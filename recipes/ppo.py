@@ -80,7 +80,8 @@ def run(config: HybridFlowConfig, run_dir: Path) -> dict:
     r = Step(config, groups, tokenizer, loader, StepHooks.build(t.training_hooks, run_dir, loader))
     rollouts = RolloutQueue(partial(launch_batch, r), weight_sync, depth=t.max_staleness, last_step=t.total_steps,
                             encode=lambda out: [None if b is None else to_json(b) for b in out],
-                            decode=lambda out: tuple(None if b is None else from_json(b) for b in out))
+                            decode=lambda out: tuple(None if b is None else from_json(b) for b in out),
+                            version_of=lambda out: int(out[0]["behavior_version"].min()))
     rollouts.start(step, **state.get("rollouts", {}))
     parity = FirstBatchParity.from_config(config, model_dir)  # the first batch's sampler-vs-actor gap
     logger = MetricsLogger(run_dir, config.logger, total_steps=t.total_steps)
@@ -161,16 +162,19 @@ def launch_batch(r: Step, step: int, version: int) -> Pending:
 
 
 def submit_generation(r: Step, step: int, prompts: Batch, version: int) -> Pending:
-    greedy = r.rollout.generate.remote(prompts, greedy=True) if needs_greedy_baseline(r.config) else None  # ReMax
+    """`version`: the policy version the rollout holds (max_staleness <= 1), or the oldest it may
+    generate with, loading staged weights first and waiting for them if needed (>= 2); the
+    rollout stamps each sample with the version it used (`behavior_version`)."""
+    staged = {"min_version": version, "weights_timeout_s": r.config.weight_sync.timeout_s} \
+        if r.config.trainer.max_staleness >= 2 else {}
+    greedy = r.rollout.generate.remote(prompts, greedy=True, **staged) if needs_greedy_baseline(r.config) else None
     samples_in = prompts.repeat_interleave(r.n)
     samples_in.tensors["sample_seed"] = sample_seeds(r.config.seed, step, len(samples_in))
-    samples = r.rollout.generate.remote(samples_in)
+    samples = r.rollout.generate.remote(samples_in, **staged)
 
     def collect() -> tuple[Batch, Batch | None]:
-        greedy_out = greedy.get() if greedy is not None else None
-        out = samples.get()
-        out.tensors["behavior_version"] = torch.full((len(out),), version, dtype=torch.long)
-        return out, greedy_out
+        greedy_out = greedy.get() if greedy is not None else None  # ReMax's baseline
+        return samples.get(), greedy_out
 
     return Pending(step, version, collect, relaunch=partial(submit_generation, r, step, prompts))
 
@@ -226,6 +230,8 @@ def step_metrics(r: Step, samples: Batch, trained_version: int, depth: int, acto
     elif not r.clip_against_sampler and not staleness.any():
         metrics["rollout/log_prob_diff"] = float(masked_mean(
             (samples["old_log_probs"] - samples["sampler_log_probs"]).abs(), loss_mask(samples)))
+    if "weights_wait_s" in samples:  # staged pushes: how long the rollout waited for the weights it needed
+        metrics["async/rollout_weights_wait_s"] = float(samples["weights_wait_s"].max())
     if depth:
         metrics.update({"async/staleness_mean": float(staleness.float().mean()),
                         "async/staleness_max": float(staleness.max()),

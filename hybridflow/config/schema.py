@@ -486,7 +486,8 @@ class TrainerConfig:
     use_sampler_log_probs: bool = True  # on-policy single update: skip the old-log-prob forward pass
     # Asynchronous RL (docs/async.md): how many policy versions a batch may lag the weights it
     # trains on. 0: generate, then train (the default); 1: the next batch generates while this
-    # one trains (needs the rollout on a pool of its own, rollout=vllm and trainer.old_log_probs).
+    # one trains (needs the rollout on a pool of its own, rollout=vllm and trainer.old_log_probs);
+    # N >= 2: up to N batches in flight, new weights received while the rollout generates.
     max_staleness: int = 0
     # What the update clips against (π_old): 'auto' (at max_staleness 0: the sampler's log-probs
     # when on-policy, see use_sampler_log_probs, else the actor's), 'actor' (recomputed by the
@@ -530,9 +531,8 @@ class TrainerConfig:
         _require(self.on_corrupt_checkpoint in ("previous", "stop"), "trainer.on_corrupt_checkpoint",
                  self.on_corrupt_checkpoint, "one of ['previous', 'stop']")
         _require(self.max_restarts >= 0, "trainer.max_restarts", self.max_restarts, "must be >= 0")
-        _require(self.max_staleness in (0, 1), "trainer.max_staleness", self.max_staleness,
-                 "0 (synchronous) or 1 (one-step-off); 2 and more need weights received while generating, "
-                 "not built yet (docs/async.md)")
+        _require(self.max_staleness >= 0, "trainer.max_staleness", self.max_staleness,
+                 "must be >= 0: 0 (synchronous), 1 (one-step-off), N (up to N batches in flight)")
         _require(self.old_log_probs in ("auto", "actor", "sampler"), "trainer.old_log_probs", self.old_log_probs,
                  "one of ['auto', 'actor', 'sampler']")
         _require(not self.max_staleness or self.old_log_probs != "auto", "trainer.old_log_probs", self.old_log_probs,
@@ -687,6 +687,11 @@ class HybridFlowConfig:
                  f"trainer.max_staleness={d} overlaps generation with training, which needs the rollout on a pool of "
                  "its own (placement=disaggregated); colocated roles share one process")
         # rollout=hf on a pool of its own is refused by PlacementConfig.check_rollout (it loads in-process)
+        _require(d < 2 or self.rollout.tensor_parallel_size == 1, "rollout.tensor_parallel_size",
+                 self.rollout.tensor_parallel_size,
+                 f"trainer.max_staleness={d} loads weights each rank received on its own, and the ranks of one "
+                 "tensor-parallel engine would not agree on which: use rollout.tensor_parallel_size=1 (several "
+                 "rollout ranks generate data-parallel) or trainer.max_staleness <= 1")
         hooks = [h.name for h in self.trainer.training_hooks if h.name == "spike_recovery"]
         _require(not hooks, "trainer.training_hooks", hooks,
                  f"spike_recovery reloads weights and reshuffles data while a batch is in flight; use "

@@ -2,8 +2,9 @@
 
 A worker is a plain class. `@register(...)` on one of its methods records how the
 controller turns one call into per-rank calls (the dispatch mode), which ranks run it (the
-execute mode), and whether the controller's call waits for the result. Nothing here imports
-Ray: the metadata is read by `hybridflow.controller.worker_group` when it wraps the class.
+execute mode), whether the controller's call waits for the result, and in which lane of its
+process it runs. Nothing here imports Ray: the metadata is read by
+`hybridflow.controller.worker_group` when it wraps the class.
 """
 
 from __future__ import annotations
@@ -34,23 +35,28 @@ class MethodSpec:
     dispatch: Dispatch
     execute: Execute
     blocking: bool
+    lane: str | None = None
 
 
 def register(
     dispatch: Dispatch = Dispatch.ONE_TO_ALL,
     execute: Execute = Execute.ALL,
     blocking: bool = True,
+    lane: str | None = None,
 ) -> Callable[[F], F]:
     """Mark a worker method as callable from the controller.
 
     `blocking=False` makes the controller's plain call return a `GroupFuture`; every method
     can also be called non-blocking explicitly with `group.method.remote(...)`.
+    `lane`: the method runs on a thread of its own named lane, one call at a time, beside the
+    methods without a lane (which run one at a time on the default lane): a rollout receives
+    weights on lane "weights" while it generates. The worker guards what the lanes share.
     """
     if execute is Execute.RANK_ZERO and dispatch in (Dispatch.DP_SPLIT, Dispatch.ALL_TO_ALL):
         raise ValueError(f"dispatch {dispatch.value} needs every rank; it cannot run with execute=rank_zero")
 
     def mark(fn: F) -> F:
-        setattr(fn, METHOD_SPEC_ATTR, MethodSpec(dispatch, execute, blocking))
+        setattr(fn, METHOD_SPEC_ATTR, MethodSpec(dispatch, execute, blocking, lane))
         return fn
 
     return mark
@@ -64,3 +70,8 @@ def registered_methods(cls: type) -> dict[str, MethodSpec]:
         if isinstance(spec, MethodSpec):
             specs[name] = spec
     return specs
+
+
+def lanes(classes) -> set[str]:
+    """The lanes the registered methods of `classes` run on, besides the default one."""
+    return {spec.lane for cls in classes for spec in registered_methods(cls).values() if spec.lane}

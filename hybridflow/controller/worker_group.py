@@ -32,7 +32,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from hybridflow.batch import Batch
 from hybridflow.controller import deadlines
 from hybridflow.controller.context import RoleSpec, WorkerContext
-from hybridflow.controller.decorators import Dispatch, Execute, MethodSpec, registered_methods
+from hybridflow.controller.decorators import Dispatch, Execute, MethodSpec, lanes, registered_methods
 from hybridflow.controller.errors import WorkerError, WorkerGroupBroken
 from hybridflow.controller.pools import ResourcePool
 
@@ -220,7 +220,8 @@ class WorkerGroup:
             raise WorkerGroupBroken(f"worker group {self.name!r} failed earlier ({self._broken}); start a new one")
         ranks = [0] if spec.execute is Execute.RANK_ZERO else list(range(self.world_size))
         per_rank, pad = _split_arguments(spec.dispatch, self.world_size, args, kwargs, self.replica_size)
-        refs = [self.hosts[r].call.remote(self.role, method, *per_rank[r][0], **per_rank[r][1]) for r in ranks]
+        call = (lambda h: h.call.options(concurrency_group=spec.lane)) if spec.lane else (lambda h: h.call)
+        refs = [call(self.hosts[r]).remote(self.role, method, *per_rank[r][0], **per_rank[r][1]) for r in ranks]
         return GroupFuture(self, method, spec, refs, ranks, pad)
 
     def _wait(self, method: str, refs: list[ray.ObjectRef], ranks: list[int], timeout_s: float | None) -> list:
@@ -330,7 +331,9 @@ def spawn_workers(
     name = name or f"{pool.spec.name}:{'+'.join(roles)}"
     slots = pool.create().slots()
     spec = pool.spec
-    host_cls = ray.remote(WorkerHost)
+    extra_lanes = lanes(rs.cls for rs in roles.values())  # a lane is a Ray concurrency group of one thread
+    host_cls = ray.remote(concurrency_groups={lane: 1 for lane in sorted(extra_lanes)})(WorkerHost) \
+        if extra_lanes else ray.remote(WorkerHost)
     hosts = []
     for slot in slots:
         options = dict(

@@ -10,6 +10,7 @@ rollout worker: the two meet only here.
 
 from __future__ import annotations
 
+import threading
 import time
 from dataclasses import asdict
 from typing import Iterable
@@ -61,6 +62,11 @@ def reset_prefix_cache(engine) -> None:
 class Receiver:
     """Interface every rollout engine's receiver implements."""
 
+    version = -1  # the policy version of the weights the engine computes with (-1: none given yet)
+
+    def set_version(self, version: int) -> None:
+        self.version = version
+
     def join(self, plan) -> None:
         raise WeightSyncError(f"{type(self).__name__} receives weights only from a colocated actor: put "
                               "placement.roles.rollout on the actor's pool, or use rollout=vllm")
@@ -89,6 +95,13 @@ class VLLMReceiver(Receiver):
     def __init__(self, engine, rank: int) -> None:
         self.engine, self.rank = engine, rank
         self.buckets: list[dict] = []  # disaggregated: what each bucket holds for this rank
+        self._staged: tuple | None = None  # (version, buckets, expected checksums) received, not loaded
+        self._arrived = threading.Condition()
+
+    def set_version(self, version: int) -> None:
+        """Label the engine's weights (vLLM stamps every step's outputs with the label)."""
+        self.version = version
+        self.engine.llm_engine.set_weight_version(str(version))
 
     def needed_boxes(self, shapes: dict[str, list[int]]) -> dict[str, tuple]:
         from hybridflow.resharding.vllm_side import needed_boxes
@@ -112,10 +125,59 @@ class VLLMReceiver(Receiver):
         return self._session({"bucket": i, "weights": weights} for i, weights in enumerate(buckets))
 
     def receive(self) -> dict[str, float]:
-        """Disaggregated: every bucket of the plan, over the transfer group."""
-        if not self.buckets:
-            raise WeightSyncError("VLLMReceiver.receive before join(): the transfer group was never set up")
+        """Disaggregated: every bucket of the plan, over the transfer group, loaded at once."""
+        self._joined("receive")
+        with self._arrived:
+            self._staged = None  # older than what arrives now
         return self._session(self.buckets)
+
+    def stage(self, version: int, expected: dict | None = None) -> dict[str, float]:
+        """Disaggregated, on the rollout's "weights" lane while the engine may be generating:
+        receive every bucket of policy `version` into host memory, without touching the engine.
+        `load_staged`, on the generating lane between two batches, loads them (and compares the
+        per-tensor `expected` checksums, when given, before labelling the engine with the version)."""
+        from hybridflow.resharding.vllm_side import stage_bucket
+
+        self._joined("stage")
+        start = time.perf_counter()
+        received = [self.engine.collective_rpc(stage_bucket, args=(bucket,))[0] for bucket in self.buckets]
+        size = torch.empty((), dtype=getattr(torch, self.buckets[0]["dtype"])).element_size() if self.buckets else 0
+        nbytes = sum(Box.of(box).numel for bucket in self.buckets for box in bucket["boxes"]) * size
+        with self._arrived:
+            self._staged = (version, received, expected)  # replaces an older one not yet loaded
+            self._arrived.notify_all()
+        return {"received_bytes": float(nbytes), "receive_seconds": time.perf_counter() - start}
+
+    def load_staged(self, min_version: int, timeout_s: float) -> dict[str, float]:
+        """Before a batch, on the generating lane (no request is running: the load is atomic
+        between two engine steps): wait until weights of policy `min_version` or newer have
+        arrived, then load the newest staged ones. Returns the wait and load seconds."""
+        start = time.perf_counter()
+        with self._arrived:
+            arrived = self._arrived.wait_for(
+                lambda: max(self.version, self._staged[0] if self._staged else -1) >= min_version, timeout_s)
+            staged, self._staged = self._staged, None
+        out = {"weights_wait_s": time.perf_counter() - start, "load_seconds": 0.0}
+        if not arrived:
+            raise WeightSyncError(
+                f"the rollout waited {timeout_s:g} s (weight_sync.timeout_s) for the weights of policy version "
+                f"{min_version} and holds version {self.version}"
+                f"{f' (version {staged[0]} staged)' if staged else ''}: the actor's send never arrived")
+        if staged is not None and staged[0] > self.version:
+            version, buckets, expected = staged
+            out["load_seconds"] = self._session({"bucket": i, "weights": w} for i, w in enumerate(buckets))[
+                "load_seconds"]
+            if expected is not None:
+                try:
+                    verify(self, expected)
+                except WeightSyncError as exc:
+                    raise WeightSyncError(f"policy version {version}, loaded from staging: {exc}") from None
+            self.set_version(version)
+        return out
+
+    def _joined(self, what: str) -> None:
+        if not self.buckets:
+            raise WeightSyncError(f"VLLMReceiver.{what} before join(): the transfer group was never set up")
 
     def _session(self, updates: Iterable[dict]) -> dict[str, float]:
         from hybridflow.resharding.vllm_side import received_bytes, refresh_cpu_kernels

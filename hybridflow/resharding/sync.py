@@ -5,7 +5,10 @@ training layout to the rollout group's generation layout: at `setup()` it asks t
 ranks which part of each checkpoint tensor they need, plans the buckets, opens the transfer
 group when the rollout has a pool of its own, and measures the copy floor; at `sync(step)` it
 drives the sender and (disaggregated) the receiver together, waits on both with the configured
-deadline, checks the result, and returns the step's `weight_sync/*` metrics. The recipe never
+deadline, checks the result, and returns the step's `weight_sync/*` metrics; with the rollout on
+a pool of its own, `stage(step, version)` instead starts a push the rollout receives while it
+generates (trainer.max_staleness >= 2, docs/async.md) and `load_staged` loads and probes it when
+both sides are idle. The recipe never
 sees a bucket, and the actor never sees the rollout worker. How the bytes travel is the
 `Transport`'s business (transports.py); `WeightSync` keeps the plan, the checks, the metrics and
 the policy version (`version`: how many times the rollout has been given the actor's weights
@@ -24,7 +27,7 @@ from hybridflow.config.schema import WeightSyncConfig
 from hybridflow.controller import WorkerError, WorkerGroup, deadlines, wait_all
 from hybridflow.resharding.layout import Box, buckets, layout_minimum, numel
 from hybridflow.resharding.sender import SyncPlan
-from hybridflow.resharding.transports import Transport
+from hybridflow.resharding.transports import Gloo, Transport
 from hybridflow.resharding.verify import PROBE_NEW_TOKENS, PROBE_PROMPTS, PROBE_TOLERANCE, WeightSyncError
 
 
@@ -85,6 +88,31 @@ class WeightSync:
         metrics.update(self.transport.metrics(per_rank))
         metrics.update(self.check(step))
         self.version = self.version + 1 if version is None else version
+        self._wait([self.rollout.set_weight_version.remote(self.version)], "labelling the engine")
+        return metrics
+
+    def stage(self, step: int, version: int) -> "StagedPush":
+        """Start moving the actor's current weights (policy `version`) to the rollout's host memory
+        while the rollout keeps generating (its "weights" lane); the rollout loads them before its
+        next batch that needs them. The actor is busy only for its send. Returns at once; the
+        push's `finish()` waits for it. Per-tensor checksums (every weight_sync.checksum_every_steps
+        pushes) are taken from the actor now and compared by the rollout right after its load; the
+        probe, which needs both sides holding the same weights, runs at `load_staged` (drains)."""
+        if not isinstance(self.transport, Gloo):
+            raise WeightSyncError(f"a staged weight push needs the rollout on a pool of its own; this run's "
+                                  f"transport is {self.transport}")
+        self.syncs += 1
+        every = self.cfg.checksum_every_steps
+        expected = self.actor.weight_checksums()[0] if every and self.syncs % every == 0 else None
+        futures = [self.actor.send_weights.remote(), self.rollout.stage_weights.remote(version, expected)]
+        return StagedPush(self, step, version, futures, time.perf_counter())
+
+    def load_staged(self, step: int, version: int) -> dict[str, float]:
+        """Both sides idle (a drain): the rollout loads the staged policy `version` now, and the
+        probe compares it with the actor, which holds the same weights."""
+        self._wait([self.rollout.load_staged_weights.remote(version, self.cfg.timeout_s)], f"step {step}")
+        metrics = self.probe() if self.cfg.check == "probe" else {}
+        self.version = version
         return metrics
 
     def check(self, step: int) -> dict[str, float]:
@@ -135,6 +163,23 @@ class WeightSync:
         except TimeoutError as exc:
             raise WeightSyncError(f"weight sync ({self.transport}) at {when} did not finish within "
                                   f"weight_sync.timeout_s={self.cfg.timeout_s} (stage weight_sync): {exc}") from None
+
+
+class StagedPush:
+    """One weight push in flight (`WeightSync.stage`): `finish()` waits for the actor's send and
+    the rollout's receive (within weight_sync.timeout_s, and the deadline of the stage that
+    started it) and returns the push's `weight_sync/*` metrics."""
+
+    def __init__(self, sync: WeightSync, step: int, version: int, futures: list, started: float) -> None:
+        self.sync, self.step, self.version, self.futures, self.started = sync, step, version, futures, started
+
+    def finish(self) -> dict[str, float]:
+        per_rank = self.sync._wait(self.futures, f"step {self.step} (policy version {self.version}, staged)")[1]
+        seconds = max(r["receive_seconds"] for r in per_rank)
+        return {"weight_sync/bytes_received_per_rank": max(r["received_bytes"] for r in per_rank),
+                "weight_sync/min_bytes_per_rank": float(self.sync.min_bytes),
+                "weight_sync/seconds": seconds,
+                "weight_sync/copy_floor_ratio": seconds / max(self.sync.floor_seconds, 1e-9)}
 
 
 def _other_errors(futures: list, first: WorkerError, grace_s: float = 5.0) -> list[WorkerError]:

@@ -167,6 +167,13 @@ def received_bytes(worker) -> int:
     return worker.weight_transfer_engine.received_bytes
 
 
+def stage_bucket(worker, update: dict) -> list[tuple[str, torch.Tensor]]:
+    """Receive one bucket over the transfer group into host memory, as full-shape tensors with
+    this rank's boxes filled, without touching the model (it may be generating meanwhile)."""
+    engine = worker.weight_transfer_engine
+    return engine._receive(engine.parse_update_info(update))
+
+
 def needed_boxes(worker, shapes: dict[str, list[int]]) -> dict[str, tuple]:
     """Per checkpoint tensor, the ranges this tensor-parallel rank's loaders read from it: found by
     running the model's own loaders on placeholders (`hybridflow.resharding.regions`)."""

@@ -12,6 +12,8 @@
   the non-timing keys.
 - Depth 1 (one-step-off) on a rollout pool of its own: the metrics show the trainer did not
   wait for generation, and every batch's policy version is within the bound.
+- Depth 2: two batches in flight, the weights pushed after every update and received while the
+  rollout generates (staged): every batch within the bound, versions as the rollout stamped them.
 """
 
 from __future__ import annotations
@@ -104,7 +106,7 @@ def test_resuming_one_step_off_from_a_checkpoint_with_a_batch_in_flight_trains_o
     lines = (run_dir / "metrics.jsonl").read_text().splitlines()
     (run_dir / "metrics.jsonl").write_text("\n".join(lines[:2]) + "\n")
     state = json.loads((run_dir / "checkpoints" / "step_00000002" / "trainer_state.json").read_text())
-    assert state["rollouts"]["in_flight"]["step"] == 3  # the drained batch is in the checkpoint
+    assert [b["step"] for b in state["rollouts"]["in_flight"]] == [3]  # the drained batch is in the checkpoint
     result = hybridflow([*ONE_STEP_OFF, "trainer.resume=true"], tmp_path, "run")
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
     resumed, whole = metrics(run_dir), metrics(one_step_off)
@@ -112,6 +114,26 @@ def test_resuming_one_step_off_from_a_checkpoint_with_a_batch_in_flight_trains_o
     for got, want in zip(resumed[2:], whole[2:]):
         got, want = without_timing(got), without_timing(want)
         assert got == want, {k: (got.get(k), want.get(k)) for k in set(got) | set(want) if got.get(k) != want.get(k)}
+
+
+def test_two_batches_in_flight_with_weights_received_while_generating_stay_within_the_bound(tmp_path):
+    steps = 5
+    result = hybridflow([*GUARD_ARGS[:1], f"trainer.total_steps={steps}", *GUARD_ARGS[2:], "placement=disaggregated",
+                         "trainer.max_staleness=2", "trainer.old_log_probs=actor", "trainer.val_every_steps=3",
+                         "weight_sync.checksum_every_steps=1"], tmp_path, "d2")
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
+    rows = metrics(tmp_path / "d2")
+    assert [r["step"] for r in rows] == list(range(1, steps + 1))
+    for row in rows:
+        trained = row["async/trained_version"]
+        assert trained == row["step"] - 1
+        assert trained - 2 <= row["async/behavior_version_min"] <= trained and row["async/staleness_max"] <= 2
+        assert row["async/rollout_weights_wait_s"] >= 0 and math.isfinite(row["actor/loss"])
+        if "weight_sync/bytes_received_per_rank" in row:  # the push this step finished: the layout minimum
+            assert row["weight_sync/bytes_received_per_rank"] == row["weight_sync/min_bytes_per_rank"]
+    assert max(r["async/staleness_max"] for r in rows) >= 1
+    assert rows[2]["weight_sync/probe_log_prob_gap"] < 1e-3 and "val/accuracy" in rows[2]  # drained, loaded, probed
+    assert sum("weight_sync/seconds" in r for r in rows) >= 3  # pushes finished beside generation
 
 
 @pytest.mark.slow  # ~60 s; the deadline a call keeps across stages is tested in the default run by

@@ -5,7 +5,9 @@
 - disaggregated, the rollout on its own pool: 1 -> 1, 2 -> 1, 1 -> 2 (TP 2: about half the
   model per rollout rank);
 - faults: a corrupted bucket is caught by the checksum check; a rollout process killed mid-
-  transfer gives a named error within the configured timeout.
+  transfer gives a named error within the configured timeout;
+- staged pushes (trainer.max_staleness >= 2): the rollout receives new weights on its "weights"
+  lane while its generating lane is busy, and loads them before the batch that needs them.
 """
 
 from __future__ import annotations
@@ -176,5 +178,51 @@ def test_a_receiver_killed_mid_transfer_is_named_within_the_timeout(ray, tiny_mo
         message = str(error.value)
         assert "receive_weights" in message and "died" in message
         assert "bucket" in message  # the sender's side: which bucket it was sending when the peer went away
+    finally:
+        _shutdown(groups)
+
+
+def test_a_staged_push_is_received_beside_a_busy_generate_and_loaded_before_its_batch(ray, tiny_model_dir):
+    """A generate that needs policy version 1 blocks the rollout's default lane, waiting for it;
+    the push of version 1 is then received on the "weights" lane (it could not be, were the lanes
+    one), loaded before the batch, checked against the actor's checksums, and stamped on every
+    sample. A corrupted staged push is caught at its load, naming the version; a version never
+    pushed ends the wait at its timeout."""
+    groups, sync, tok, _ = _spawn(tiny_model_dir, 1, 1, tp=1, name="staged", checksum_every=1, bucket_mb=0.05)
+    try:
+        sync.sync(step=0, version=0)
+        _train_one_step(groups, tok, seed=1)  # the actor now holds version 1
+        prompts = encode_prompts(make_arithmetic_rows(8, ArithmeticSpec(), seed=2), tok, MAX_PROMPT_TOKENS)
+        waiting = groups["rollout"].generate.remote(prompts, min_version=1, weights_timeout_s=60.0)
+        time.sleep(1.0)  # the generate lane is now blocked on version 1
+        push = sync.stage(step=1, version=1)
+        metrics = push.finish()  # returns only if the weights lane received it beside the blocked generate
+        assert metrics["weight_sync/bytes_received_per_rank"] == metrics["weight_sync/min_bytes_per_rank"] > 0
+        samples = waiting.get(timeout_s=60)
+        assert samples["behavior_version"].tolist() == [1] * len(samples)
+        assert samples["weights_wait_s"].min() > 0.5
+        actor_lp = groups["actor"].compute_log_probs(samples)["old_log_probs"]
+        mask = samples["response_mask"]
+        assert float((actor_lp - samples["sampler_log_probs"]).abs()[mask].max()) < 1e-3  # it computes with v1
+
+        _train_one_step(groups, tok, seed=3)
+        groups["rollout"].inject_weight_sync_fault("corrupt", 0)
+        sync.stage(step=2, version=2).finish()
+        with pytest.raises(Exception, match=r"(?s)policy version 2, loaded from staging.*verification failed"):
+            groups["rollout"].generate(prompts, min_version=2, weights_timeout_s=60.0)
+    finally:
+        _shutdown(groups)
+
+
+def test_a_rollout_waiting_for_weights_never_pushed_stops_at_its_timeout(ray, tiny_model_dir):
+    groups, sync, tok, _ = _spawn(tiny_model_dir, 1, 1, tp=1, name="unpushed")
+    try:
+        sync.sync(step=0, version=0)
+        prompts = encode_prompts(make_arithmetic_rows(4, ArithmeticSpec(), seed=2), tok, MAX_PROMPT_TOKENS)
+        start = time.monotonic()
+        with pytest.raises(Exception, match=r"waited 2 s \(weight_sync.timeout_s\) for the weights of policy version 5 "
+                                            r"and holds version 0"):
+            groups["rollout"].generate(prompts, min_version=5, weights_timeout_s=2.0)
+        assert time.monotonic() - start < 10
     finally:
         _shutdown(groups)

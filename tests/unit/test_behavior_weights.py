@@ -75,7 +75,10 @@ def test_the_step_carries_weights_only_when_stale_and_clipping_against_the_actor
     (["trainer.max_staleness=1", "trainer.old_log_probs=actor"], "placement.roles.rollout"),
     (["trainer.max_staleness=1", "trainer.old_log_probs=actor", "placement=disaggregated", "rollout=hf"],
      "rollout=hf receives weights only in the actor's processes"),
-    (["trainer.max_staleness=2", "trainer.old_log_probs=actor", "placement=disaggregated"], "trainer.max_staleness"),
+    (["trainer.max_staleness=-1"], "trainer.max_staleness"),
+    (["trainer.max_staleness=2", "trainer.old_log_probs=actor", "placement=disaggregated",
+      "placement.pools.gen.devices_per_node=2", "rollout.tensor_parallel_size=2"],
+     "rollout.tensor_parallel_size=2 is invalid: trainer.max_staleness=2 loads weights each rank received"),
     (["algorithm.behavior_is_cap=-1"], "algorithm.behavior_is_cap"),
 ])
 def test_a_stale_config_without_what_it_needs_is_refused_naming_the_key(overrides, key):

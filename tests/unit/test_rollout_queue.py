@@ -2,7 +2,10 @@
 and a stub weight sync, no Ray or vLLM: over random step patterns (steps without an update,
 hook reloads, validation and checkpoint drains), each batch trains within the staleness bound
 on the version the schedule promises, syncs run in version order and never while the rollout
-generates, and every step's prompts are drawn once."""
+generates (depth <= 1), and every step's prompts are drawn once. At depth >= 2 pushes arrive
+while the rollout generates, after random delays, and each batch loads the newest weights that
+have arrived when it starts: the bound holds, no batch waits for weights never pushed, and a
+checkpoint taken with batches in flight resumes onto the same schedule."""
 
 from __future__ import annotations
 
@@ -151,8 +154,8 @@ def test_a_lost_batch_and_a_deeper_queue_are_refused_by_name():
     queue.start(0)
     with pytest.raises(StalenessError, match="step 2: the batch in flight is for step 1"):
         queue.next(2)
-    with pytest.raises(ValueError, match="trainer.max_staleness=2"):
-        RolloutQueue(rollout.launch, StubSync(rollout), depth=2, last_step=3)
+    with pytest.raises(ValueError, match="trainer.max_staleness=-1"):
+        RolloutQueue(rollout.launch, StubSync(rollout), depth=-1, last_step=3)
 
 
 def test_a_batch_over_the_bound_raises_naming_step_and_versions():
@@ -185,7 +188,134 @@ def test_a_checkpoint_drains_the_batch_in_flight_and_a_resumed_queue_trains_on_i
         return taken, saved, rollout.drawn
 
     whole, saved, _ = schedule()
-    assert saved["in_flight"]["step"] == 3 and saved["actor_version"] == 2
+    assert [b["step"] for b in saved["in_flight"]] == [3] and saved["actor_version"] == 2
     resumed, _, drawn = schedule(resume_from=saved)
     assert resumed == whole[2:]
     assert drawn == [4, 5]  # step 3's prompts are not drawn again
+
+
+# ---- depth >= 2: staged pushes ------------------------------------------------------------------
+
+
+class StagingStub:
+    """A rollout generating one batch at a time, and a weight sync whose pushes (`stage`) arrive
+    after a random delay while it generates. A batch starts when the one before it is done, loads
+    the newest version that has arrived by then, and, when that is older than its `min_version`,
+    waits for the push of that version (the real rollout's `load_staged`)."""
+
+    def __init__(self, clock: Clock, rng: random.Random) -> None:
+        self.clock, self.rng = clock, rng
+        self.free_at = 0.0
+        self.pushes: list[tuple[float, int]] = []  # (arrives at, version)
+        self.loaded = -1
+        self.drawn: list[int] = []
+        self.batches: list[tuple[int, int, int]] = []  # (step, min_version, version used)
+
+    def launch(self, step: int, min_version: int) -> Pending:
+        self.drawn.append(step)
+        launched_at, seconds = self.clock.now, self.rng.uniform(0.1, 2.0)
+
+        def collect():
+            start = max(launched_at, self.free_at)
+            if self.loaded < min_version:
+                needed = [t for t, v in self.pushes if v >= min_version]
+                assert needed, f"step {step} needs policy version {min_version}, which was never pushed: a hang"
+                start = max(start, min(needed))
+            self.loaded = max([self.loaded] + [v for t, v in self.pushes if t <= start])
+            self.free_at = start + seconds
+            self.clock.now = max(self.clock.now, self.free_at)
+            self.batches.append((step, min_version, self.loaded))
+            return {"step": step, "version": self.loaded}
+
+        return Pending(step, min_version, collect, relaunch=None)
+
+    def sync(self, step: int, version: int | None = None) -> dict[str, float]:
+        assert self.clock.now >= self.free_at, "a blocking sync ran while the rollout was generating"
+        self.pushes.append((self.clock.now, version))
+        self.loaded = version
+        return {}
+
+    def stage(self, step: int, version: int):
+        arrives = self.clock.now + self.rng.uniform(0.05, 1.5)
+        self.pushes.append((arrives, version))
+        clock = self.clock
+
+        class Push:
+            def finish(self) -> dict[str, float]:
+                clock.now = max(clock.now, arrives)
+                return {"weight_sync/seconds": 0.01}
+
+        return Push()
+
+    def load_staged(self, step: int, version: int) -> dict[str, float]:
+        assert self.clock.now >= self.free_at, "a drain loaded weights while the rollout was generating"
+        assert any(v == version for _, v in self.pushes)
+        self.loaded = version
+        return {"weight_sync/probe_log_prob_gap": 0.0}
+
+
+def run_staged(depth: int, steps: int, seed: int, learn_p: float = 0.8, resume_from: dict | None = None,
+               save_at: int | None = None):
+    rng = random.Random(seed)
+    clock = Clock()
+    stub = StagingStub(clock, rng)
+    queue = RolloutQueue(stub.launch, stub, depth=depth, last_step=steps, clock=clock,
+                         version_of=lambda batch: batch["version"])
+    first = 1 if resume_from is None else save_at + 1
+    queue.start(first - 1, **(resume_from or {}))
+    taken, saved = [], None
+    for step in range(first, steps + 1):
+        batch, trained_version, metrics = queue.next(step)
+        assert batch["step"] == step and 0 <= metrics["timing/overlap_fraction"] <= 1
+        assert 1 <= len(queue.in_flight) + 1 <= depth + 1  # this batch and at most depth more in flight
+        taken.append((step, batch["version"], trained_version))
+        clock.now += rng.uniform(0.1, 3.0)  # score and update
+        queue.updated(step, learned=rng.random() < learn_p)
+        if step == save_at:
+            queue.drain(step)
+            saved = json.loads(json.dumps(queue.state()))
+        elif rng.random() < 0.2:
+            queue.drain(step)
+            assert stub.loaded == queue.actor_version == queue.rollout_version
+    return taken, stub, saved
+
+
+@pytest.mark.parametrize("seed", range(20))
+@pytest.mark.parametrize("depth", [2, 3])
+def test_staged_pushes_keep_every_batch_within_the_bound_and_never_wait_for_unpushed_weights(depth, seed):
+    taken, stub, _ = run_staged(depth, steps=14, seed=seed)
+    assert [s for s, _, _ in taken] == list(range(1, 15)) and stub.drawn == list(range(1, 15))
+    for step, version, trained in taken:
+        assert 0 <= trained - version <= depth, (step, version, trained)
+    used = [v for _, _, v in stub.batches]
+    assert used == sorted(used)  # versions only move forward
+    assert all(v >= m for _, m, v in stub.batches)
+
+
+def test_when_generation_outpaces_training_staleness_reaches_the_bound_and_no_further():
+    """Every step learns and the rollout is never the bottleneck: from step depth+1 on, each batch
+    was generated exactly `depth` versions before the one it trains on (the pacing's promise)."""
+    for depth in (2, 3):
+        taken, _, _ = run_staged(depth, steps=10, seed=3, learn_p=1.0)
+        for step, version, trained in taken:
+            assert trained == step - 1 and trained - version <= depth
+        assert max(t - v for _, v, t in taken) == depth
+
+
+def test_a_checkpoint_with_batches_in_flight_resumes_onto_the_same_schedule():
+    whole, _, saved = run_staged(2, steps=8, seed=7, learn_p=1.0, save_at=3)
+    assert [b["step"] for b in saved["in_flight"]] == [4, 5] and saved["actor_version"] == 3
+    resumed, stub, _ = run_staged(2, steps=8, seed=7, learn_p=1.0, resume_from=saved, save_at=3)
+    assert [s for s, _, _ in resumed] == list(range(4, 9))
+    assert [(s, v) for s, v, _ in resumed[:2]] == [(s, v) for s, v, _ in whole[3:5]]  # the drained batches
+    assert stub.drawn == [6, 7, 8]  # steps 4 and 5 were drawn by the saving run
+
+
+def test_a_weight_reload_at_depth_2_is_refused_by_name():
+    clock = Clock()
+    stub = StagingStub(clock, random.Random(0))
+    queue = RolloutQueue(stub.launch, stub, depth=2, last_step=5, clock=clock, version_of=lambda b: b["version"])
+    queue.start(0)
+    queue.next(1)
+    with pytest.raises(StalenessError, match="step 1: a hook reloaded the actor's weights with trainer.max_staleness=2"):
+        queue.updated(1, learned=True, reloaded=True)

@@ -31,6 +31,24 @@ class ReceivingEnd:
         """Disaggregated: receive every bucket of one sync and load it."""
         return self.receiver.receive()
 
+    @register(Dispatch.ONE_TO_ALL, lane="weights")
+    def stage_weights(self, version: int, expected_per_rank: list[dict] | None = None) -> dict[str, float]:
+        """Disaggregated, beside generation (lane "weights"): receive policy `version` into host
+        memory; the next `generate(min_version=...)` loads it between two batches, comparing
+        this rank's `expected_per_rank` checksums when given."""
+        return self.receiver.stage(version, None if expected_per_rank is None else expected_per_rank[self.ctx.rank])
+
+    @register(Dispatch.ONE_TO_ALL)
+    def load_staged_weights(self, min_version: int, timeout_s: float) -> dict[str, float]:
+        """Load the newest staged weights now (at least policy `min_version`): a drain's."""
+        return self.receiver.load_staged(min_version, timeout_s)
+
+    @register(Dispatch.ONE_TO_ALL)
+    def set_weight_version(self, version: int) -> bool:
+        """After a checked sync: label the engine's weights with their policy version."""
+        self.receiver.set_version(version)
+        return True
+
     @register(Dispatch.ONE_TO_ALL)
     def copy_floor_seconds(self, nbytes: int) -> float:
         from hybridflow.resharding.receiver import copy_floor_seconds

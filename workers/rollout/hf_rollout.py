@@ -51,7 +51,7 @@ class HFRollout(ReceivingEnd):
     @register(Dispatch.DP_SPLIT)
     @torch.no_grad()
     def generate(self, prompts: Batch, greedy: bool = False) -> Batch:
-        """Same contract as VLLMRollout.generate: response ids, mask, sampler log-probs, text."""
+        """Same contract as VLLMRollout.generate: response ids, mask, sampler log-probs, version, text."""
         width = self.cfg.max_response_tokens
         sample = not greedy and self.cfg.temperature > 0
         if sample and "sample_seed" in prompts:
@@ -74,8 +74,10 @@ class HFRollout(ReceivingEnd):
         response_mask[:, :n] = mask
         sampler[:, :n] = torch.where(mask, log_probs, torch.zeros_like(log_probs))
         texts = self._decode(ids, response_mask)
+        version = torch.full((len(prompts),), self.receiver.version, dtype=torch.long)
         return prompts.union(Batch(tensors={"response_ids": ids, "response_mask": response_mask,
-                                            "sampler_log_probs": sampler}, objects={"response": texts}))
+                                            "sampler_log_probs": sampler, "behavior_version": version},
+                                   objects={"response": texts}))
 
     def _decode(self, ids: torch.Tensor, mask: torch.Tensor) -> list[str]:
         if not hasattr(self, "_tokenizer"):

@@ -112,14 +112,29 @@ class VLLMRollout(ReceivingEnd):
     # ---- generation ---------------------------------------------------------------------------
 
     @register(Dispatch.DP_SPLIT)
-    def generate(self, prompts: Batch, greedy: bool = False) -> Batch:
+    def generate(self, prompts: Batch, greedy: bool = False, min_version: int | None = None,
+                 weights_timeout_s: float = 0.0) -> Batch:
         """One response per prompt row.
 
         In: `prompt_ids` (B, P) left-padded, `prompt_mask` (B, P).
         Out: `response_ids` (B, R) right-padded with pad, `response_mask` (B, R) True on generated
         tokens (the EOS token included), `sampler_log_probs` (B, R) 0 on padding, and the
         decoded `response` text per row. R is `rollout.max_response_tokens`.
+
+        Every row carries `behavior_version` (B,): the policy version of the weights that generated
+        it (the engine's label, set after each checked sync). With `min_version`
+        (trainer.max_staleness >= 2, weights staged on lane "weights"), the newest staged weights
+        are loaded first, waiting up to `weights_timeout_s` for policy `min_version` to arrive;
+        the rows then also carry `weights_wait_s` (B,), this rank's wait.
         """
+        staged = None if min_version is None else self.receiver.load_staged(min_version, weights_timeout_s)
+        out = self._generate(prompts, greedy)
+        out.tensors["behavior_version"] = torch.full((len(out),), self.receiver.version, dtype=torch.long)
+        if staged is not None:
+            out.tensors["weights_wait_s"] = torch.full((len(out),), staged["weights_wait_s"], dtype=torch.float64)
+        return out
+
+    def _generate(self, prompts: Batch, greedy: bool) -> Batch:
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
