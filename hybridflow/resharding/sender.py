@@ -165,6 +165,7 @@ class WeightSender:
             if self.rank != 0:
                 continue
             tensors = [t for _, t in bucket]
+            faults.before_sending(index)
             for dst, need in enumerate(self.needs):
                 flat = pack(tensors, [need[n] for n in names], self.dtype)
                 send_flat(self.group, flat, dst + 1, what=f"bucket {index + 1}/{len(self.buckets)}")

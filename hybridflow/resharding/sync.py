@@ -154,10 +154,13 @@ class WeightSync:
         try:
             return wait_all(futures, self.cfg.timeout_s)
         except WorkerError as exc:
-            detail = "".join(f"\n{e}" for e in _other_errors(futures, exc))  # the peer's side: which bucket
+            others = _other_errors(futures, exc)  # the peer's side: which bucket, or that it died
+            peers = "".join(f"; and {e.worker_class}.{e.method} on rank {e.rank} of worker group {e.group!r}: "
+                            f"{_last_line(e.detail)}" for e in others)
+            detail = "".join(f"\n{e}" for e in others)
             raise WeightSyncError(f"weight sync ({self.transport}) failed at {when} in {exc.worker_class}.{exc.method} "
-                                  f"on rank {exc.rank} of worker group {exc.group!r} (stage weight_sync):\n"
-                                  f"{exc.detail}{detail}") from None
+                                  f"on rank {exc.rank} of worker group {exc.group!r} (stage weight_sync): "
+                                  f"{_last_line(exc.detail)}{peers}\n{exc.detail}{detail}") from None
         except deadlines.StageTimeoutError as exc:  # the stage's deadline came first: it names its key
             raise WeightSyncError(f"weight sync ({self.transport}) at {when}: {exc}") from None
         except TimeoutError as exc:
@@ -180,6 +183,15 @@ class StagedPush:
                 "weight_sync/min_bytes_per_rank": float(self.sync.min_bytes),
                 "weight_sync/seconds": seconds,
                 "weight_sync/copy_floor_ratio": seconds / max(self.sync.floor_seconds, 1e-9)}
+
+
+def _last_line(detail: str) -> str:
+    """What a worker error comes to: the last line of its traceback (the exception), or the first
+    line of a message without one (a dead process's)."""
+    lines = [line for line in detail.strip().splitlines() if line.strip()]
+    if not lines:
+        return ""
+    return (lines[-1] if lines[0].startswith("Traceback") else lines[0])[:300]
 
 
 def _other_errors(futures: list, first: WorkerError, grace_s: float = 5.0) -> list[WorkerError]:

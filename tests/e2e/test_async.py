@@ -21,6 +21,7 @@ from __future__ import annotations
 import json
 import math
 import shutil
+import time
 from pathlib import Path
 
 import pytest
@@ -116,24 +117,53 @@ def test_resuming_one_step_off_from_a_checkpoint_with_a_batch_in_flight_trains_o
         assert got == want, {k: (got.get(k), want.get(k)) for k in set(got) | set(want) if got.get(k) != want.get(k)}
 
 
-def test_two_batches_in_flight_with_weights_received_while_generating_stay_within_the_bound(tmp_path):
+def test_two_batches_in_flight_stay_within_the_bound_and_a_rollout_killed_meanwhile_is_named(tmp_path):
+    """Depth 2, checksums on every push; the rollout is killed at the start of step 4, with
+    batches in flight and a push beside them: the first wait that reaches the dead process
+    names it (step 4's, or step 5's finishing of the push step 4 started, when the tiny model
+    had already generated the batches in flight), the run restarts from its last checkpoint
+    (the drained batches in it) and finishes within the bound."""
     steps = 5
     result = hybridflow([*GUARD_ARGS[:1], f"trainer.total_steps={steps}", *GUARD_ARGS[2:], "placement=disaggregated",
                          "trainer.max_staleness=2", "trainer.old_log_probs=actor", "trainer.val_every_steps=3",
-                         "weight_sync.checksum_every_steps=1"], tmp_path, "d2")
+                         "weight_sync.checksum_every_steps=1", "trainer.save_every_steps=2", "trainer.max_restarts=1",
+                         "trainer.fault_injection=[{kind:kill,role:rollout,rank:0,step:4}]"], tmp_path, "d2")
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
-    rows = metrics(tmp_path / "d2")
-    assert [r["step"] for r in rows] == list(range(1, steps + 1))
-    for row in rows:
+    rows = {r["step"]: r for r in metrics(tmp_path / "d2")}  # a step run again after the restart: its last row
+    assert sorted(rows) == list(range(1, steps + 1)) and rows[steps]["trainer/restarts"] == 1
+    for row in rows.values():
         trained = row["async/trained_version"]
         assert trained == row["step"] - 1
         assert trained - 2 <= row["async/behavior_version_min"] <= trained and row["async/staleness_max"] <= 2
         assert row["async/rollout_weights_wait_s"] >= 0 and math.isfinite(row["actor/loss"])
         if "weight_sync/bytes_received_per_rank" in row:  # the push this step finished: the layout minimum
             assert row["weight_sync/bytes_received_per_rank"] == row["weight_sync/min_bytes_per_rank"]
-    assert max(r["async/staleness_max"] for r in rows) >= 1
-    assert rows[2]["weight_sync/probe_log_prob_gap"] < 1e-3 and "val/accuracy" in rows[2]  # drained, loaded, probed
-    assert sum("weight_sync/seconds" in r for r in rows) >= 3  # pushes finished beside generation
+    assert max(r["async/staleness_max"] for r in rows.values()) >= 1
+    assert rows[3]["weight_sync/probe_log_prob_gap"] < 1e-3 and "val/accuracy" in rows[3]  # drained, loaded, probed
+    assert sum("weight_sync/seconds" in r for r in rows.values()) >= 2  # pushes finished beside generation
+    restart = json.loads((tmp_path / "d2" / "restarts.jsonl").read_text().splitlines()[0])
+    head = "\n".join(restart["message"].splitlines()[:2])
+    assert restart["step"] in (4, 5) and "the worker process died" in head and "'gen:rollout'" in head, restart
+
+
+@pytest.mark.slow  # ~40 s; a role killed during the overlap is also named in the default run (the depth-2
+# test above, and tests/e2e/test_weight_sync.py's actor killed mid-push)
+def test_an_actor_killed_one_step_off_is_named_and_the_run_restarts_and_finishes(tmp_path):
+    """Killed at the start of step 3 while batch 4 generates: the first call that reaches its
+    process (which also hosts the reward) names the group; the run restarts and finishes."""
+    start = time.monotonic()
+    result = hybridflow([*GUARD_ARGS[:1], "trainer.total_steps=4", *GUARD_ARGS[2:], "placement=disaggregated",
+                         "trainer.max_staleness=1", "trainer.old_log_probs=actor", "trainer.save_every_steps=2",
+                         "trainer.max_restarts=1", "trainer.fault_injection=[{kind:kill,role:actor,rank:0,step:3}]"],
+                        tmp_path, "killed")
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
+    restart = json.loads((tmp_path / "killed" / "restarts.jsonl").read_text().splitlines()[0])
+    head = "\n".join(restart["message"].splitlines()[:2])
+    assert restart["step"] == 3 and "the worker process died" in head and "'train:actor+reward'" in head, restart
+    rows = {r["step"]: r for r in metrics(tmp_path / "killed")}
+    assert sorted(rows) == [1, 2, 3, 4] and rows[4]["trainer/restarts"] == 1
+    assert all(r["async/staleness_max"] <= 1 for r in rows.values())
+    assert time.monotonic() - start < 300
 
 
 @pytest.mark.slow  # ~60 s; the deadline a call keeps across stages is tested in the default run by

@@ -27,7 +27,7 @@ from hybridflow.resharding import WeightSyncError
 from hybridflow.resharding.sync import WeightSync
 from hybridflow.resharding.transports import build_transport
 from recipes.roles import actor_role
-from tests.e2e.workers import CorruptibleVLLMRollout
+from tests.e2e.workers import CorruptibleVLLMRollout, FaultyActor
 
 MAX_PROMPT_TOKENS = 8
 VLLM_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1"}
@@ -35,7 +35,7 @@ FLOAT32 = 4
 
 
 def _spawn(tiny_model_dir, actor_ranks: int, rollout_ranks: int | None, tp: int, name: str,
-           checksum_every: int = 0, bucket_mb: float = 64.0, timeout_s: float = 60.0):
+           checksum_every: int = 0, bucket_mb: float = 64.0, timeout_s: float = 60.0, actor_cls: type | None = None):
     """Actor and rollout groups (one pool when rollout_ranks is None) and their WeightSync."""
     tok = AutoTokenizer.from_pretrained(tiny_model_dir)
     rollout = RoleSpec(CorruptibleVLLMRollout, dict(
@@ -44,6 +44,8 @@ def _spawn(tiny_model_dir, actor_ranks: int, rollout_ranks: int | None, tp: int,
         verifiable_weights=checksum_every > 0), replica_size=tp)
     actor = actor_role(HybridFlowConfig(actor=ActorConfig(optim=OptimConfig(lr=1e-3), samples_per_micro_batch=4)),
                        tiny_model_dir)
+    if actor_cls is not None:
+        actor = RoleSpec(actor_cls, actor.kwargs)
     if rollout_ranks is None:
         groups = spawn_workers(ResourcePool(PoolSpec(name, devices_per_node=actor_ranks)),
                                {"actor": actor, "rollout": rollout}, env_vars=VLLM_ENV)
@@ -214,15 +216,25 @@ def test_a_staged_push_is_received_beside_a_busy_generate_and_loaded_before_its_
         _shutdown(groups)
 
 
-def test_a_rollout_waiting_for_weights_never_pushed_stops_at_its_timeout(ray, tiny_model_dir):
-    groups, sync, tok, _ = _spawn(tiny_model_dir, 1, 1, tp=1, name="unpushed")
+def test_an_actor_killed_mid_push_is_named_and_the_rollout_waiting_for_it_stops_at_its_timeout(
+        ray, tiny_model_dir):
+    """At max_staleness >= 2: the actor dies sending bucket 3 of a staged push while the rollout
+    waits, in generate, for that version. Finishing the push names the actor's death (and the
+    rollout's receive that lost its peer); the waiting generate ends at its timeout naming the
+    version it waited for and the one it holds: no hang on either side."""
+    groups, sync, tok, _ = _spawn(tiny_model_dir, 1, 1, tp=1, name="actor-dies", bucket_mb=0.05, timeout_s=20.0,
+                                  actor_cls=FaultyActor)
     try:
         sync.sync(step=0, version=0)
         prompts = encode_prompts(make_arithmetic_rows(4, ArithmeticSpec(), seed=2), tok, MAX_PROMPT_TOKENS)
+        waiting = groups["rollout"].generate.remote(prompts, min_version=1, weights_timeout_s=8.0)
+        groups["actor"].exit_sending_bucket(2)
         start = time.monotonic()
-        with pytest.raises(Exception, match=r"waited 2 s \(weight_sync.timeout_s\) for the weights of policy version 5 "
+        with pytest.raises(WeightSyncError, match=r"(?s)step 1 \(policy version 1, staged\).*send_weights.*died"):
+            sync.stage(step=1, version=1).finish()
+        with pytest.raises(Exception, match=r"waited 8 s \(weight_sync.timeout_s\) for the weights of policy version 1 "
                                             r"and holds version 0"):
-            groups["rollout"].generate(prompts, min_version=5, weights_timeout_s=2.0)
-        assert time.monotonic() - start < 10
+            waiting.get(timeout_s=60)
+        assert time.monotonic() - start < 30
     finally:
         _shutdown(groups)

@@ -3,7 +3,18 @@
 from __future__ import annotations
 
 from hybridflow.controller import Dispatch, register
+from workers.actor import ActorWorker
 from workers.rollout.vllm_rollout import VLLMRollout
+
+
+class FaultyActor(ActorWorker):
+    @register(Dispatch.ONE_TO_ALL)
+    def exit_sending_bucket(self, bucket: int) -> bool:
+        """This process dies when its weight sender is about to send bucket `bucket`."""
+        from hybridflow.resharding import faults
+
+        faults.exit_sending_bucket(bucket)
+        return True
 
 
 class CorruptibleVLLMRollout(VLLMRollout):
