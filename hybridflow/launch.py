@@ -17,6 +17,7 @@ from hybridflow.builders import build_tiny_model
 from hybridflow.config.schema import DeviceKind, HybridFlowConfig, PlacementConfig
 from hybridflow.cluster import code_files, reserve_pools
 from hybridflow.controller import RoleSpec, WorkerGroup, spawn_workers
+from hybridflow.controller.pools import CoreLedger
 from hybridflow.controller.runtime import connect
 from hybridflow.data import ArithmeticSpec, make_arithmetic_split, read_rows, write_rows
 
@@ -126,10 +127,12 @@ def spawn_roles(config: HybridFlowConfig, roles: dict[str, RoleSpec], env_vars: 
         by_pool.setdefault(placement.roles[role], {})[role] = spec
     groups: dict[str, WorkerGroup] = {}
     pools = reserve_pools(config, {name: list(pool_roles) for name, pool_roles in by_pool.items()}, gpu)
+    pin = placement.pin_cpus if placement.pin_cpus is not None else config.trainer.max_staleness > 0
+    cores = CoreLedger() if pin else None  # one ledger: the pools on a node get disjoint cores
     for pool_name, pool_roles in by_pool.items():
         groups.update(spawn_workers(pools[pool_name], pool_roles, env_vars=env_vars,
                                     collective_timeout_s=placement.collective_timeout_s,
-                                    log_dir=console.worker_log_dir()))
+                                    log_dir=console.worker_log_dir(), cores=cores))
     _SPAWNED.extend(groups.values())
     return groups
 

@@ -95,6 +95,11 @@ class PlacementConfig:
     node_wait_s: float = 300.0
     # Before any pool is reserved, every node the plan uses reads the model, data and code files and writes the run dir.
     check_storage: bool = True
+    # CPU pools: pin each process's threads to cores of its own (cpus_per_device of them, rounded
+    # up, handed out in order per node), so pools on one node do not fight over the cores.
+    # A process whose cores would run past the node's is left unpinned. null: pin when the pools
+    # run at the same time (trainer.max_staleness > 0); a synchronous run's pools take turns.
+    pin_cpus: Optional[bool] = None
 
     def __post_init__(self) -> None:
         _require(bool(self.pools), "placement.pools", self.pools, "define at least one pool")

@@ -116,3 +116,17 @@ class ResourcePool:
         for pg, _ in self._groups:
             remove_placement_group(pg)
         self._groups = []
+
+
+class CoreLedger:
+    """Hands out CPU cores per node, in order, to the processes of one run's pools: a process
+    asking for `count` cores on a node gets the next `count` core indices there (an index into
+    that node's cores, which only the process itself can read). Pure bookkeeping, no Ray."""
+
+    def __init__(self) -> None:
+        self.next: dict[str, int] = {}
+
+    def take(self, node_id: str, count: int) -> tuple[int, int]:
+        start = self.next.get(node_id, 0)
+        self.next[node_id] = start + count
+        return start, count

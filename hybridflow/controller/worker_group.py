@@ -16,6 +16,7 @@ traceback, even while the other ranks are still blocked in a collective waiting 
 
 from __future__ import annotations
 
+import math
 import os
 import socket
 import sys
@@ -34,7 +35,7 @@ from hybridflow.controller import deadlines
 from hybridflow.controller.context import RoleSpec, WorkerContext
 from hybridflow.controller.decorators import Dispatch, Execute, MethodSpec, lanes, registered_methods
 from hybridflow.controller.errors import WorkerError, WorkerGroupBroken
-from hybridflow.controller.pools import ResourcePool
+from hybridflow.controller.pools import CoreLedger, ResourcePool
 
 
 class WorkerHost:
@@ -66,9 +67,12 @@ class WorkerHost:
             port = s.getsockname()[1]
         return ray.util.get_node_ip_address(), port
 
-    def setup(self, master_addr: str, master_port: int, collective_timeout_s: float) -> dict:
+    def setup(self, master_addr: str, master_port: int, collective_timeout_s: float,
+              cores: tuple[int, int] | None = None) -> dict:
         import torch
         import torch.distributed as dist
+
+        pinned = pin_threads(*cores) if cores is not None else None
 
         device = "cuda" if self.use_gpu else "cpu"
         backend = "nccl" if self.use_gpu else "gloo"
@@ -89,7 +93,8 @@ class WorkerHost:
                 self.workers[role] = spec.build(ctx)
             except BaseException as exc:
                 raise self._error(spec.cls.__name__, "__init__", exc) from None
-        return {"rank": self.rank, "node_id": self.node_id, "pid": os.getpid(), "log_file": self.log_file}
+        return {"rank": self.rank, "node_id": self.node_id, "pid": os.getpid(), "log_file": self.log_file,
+                "cores": pinned}
 
     def call(self, role: str, method: str, *args: Any, **kwargs: Any) -> Any:
         if (role, method) in self.hanging:
@@ -321,11 +326,14 @@ def spawn_workers(
     collective_timeout_s: float = 600.0,
     setup_timeout_s: float = 600.0,
     log_dir: str | Path | None = None,
+    cores: CoreLedger | None = None,
 ) -> dict[str, WorkerGroup]:
     """Start one process per slot of `pool` hosting every role in `roles`; one group per role.
 
     With `log_dir`, each process writes its stdout and stderr (everything the libraries in it
-    print) to `<log_dir>/<pool>-rank<r>.log` instead of Ray's session logs (hybridflow.console)."""
+    print) to `<log_dir>/<pool>-rank<r>.log` instead of Ray's session logs (hybridflow.console).
+    With `cores` (CPU pools), each process pins its threads to the cores the ledger hands it
+    (`pin_threads`)."""
     if not roles:
         raise ValueError("spawn_workers needs at least one role")
     name = name or f"{pool.spec.name}:{'+'.join(roles)}"
@@ -347,9 +355,35 @@ def spawn_workers(
             name, slot.rank, len(slots), slot.bundle_index, slot.node_id, spec.use_gpu, roles, log_file))
     probe = WorkerGroup(name, "host", WorkerHost, hosts, [])
     addr, port = probe._get_one("rendezvous_address", hosts[0].rendezvous_address.remote(), 0)
-    refs = [h.setup.remote(addr, port, collective_timeout_s) for h in hosts]
+    per_process = max(1, math.ceil(spec.cpus_per_device))
+    shares = [cores.take(slot.node_id, per_process) if cores is not None and not spec.use_gpu else None
+              for slot in slots]
+    refs = [h.setup.remote(addr, port, collective_timeout_s, share) for h, share in zip(hosts, shares)]
     infos = probe._wait("setup", refs, list(range(len(hosts))), setup_timeout_s)
     return {role: WorkerGroup(name, role, rs.cls, hosts, infos, pool, rs.replica_size) for role, rs in roles.items()}
+
+
+def pin_threads(start: int, count: int) -> list[int] | None:
+    """Pin every thread of this process (threads it starts later inherit it) to `count` of the
+    cores it may run on, from index `start`, and size torch's pool to them; returns the cores, or
+    None (nothing changed) when they would run past this machine's: more processes than cores
+    then share them as the OS schedules. On Linux; elsewhere a no-op."""
+    import torch
+
+    if not hasattr(os, "sched_setaffinity"):
+        return None
+    allowed = sorted(os.sched_getaffinity(0))
+    if start + count > len(allowed):
+        return None
+    mine = allowed[start:start + count]
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            os.sched_setaffinity(int(tid), mine)
+        except OSError:  # a thread that ended meanwhile
+            pass
+    torch.set_num_threads(count)
+    os.environ["OMP_NUM_THREADS"] = str(count)
+    return mine
 
 
 def wait_all(futures: list[GroupFuture], timeout_s: float | None = None) -> list:

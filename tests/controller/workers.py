@@ -23,6 +23,21 @@ class EchoWorker:
                 "node_id": self.ctx.node_id, "backend": dist.get_backend()}
 
     @register(Dispatch.ONE_TO_ALL)
+    def affinity(self) -> tuple[list[list[int]], int]:
+        """The cores every thread of this process may run on, and torch's thread count."""
+        import os
+
+        import torch
+
+        per_thread = []
+        for tid in os.listdir("/proc/self/task"):
+            try:
+                per_thread.append(sorted(os.sched_getaffinity(int(tid))))
+            except OSError:
+                pass
+        return per_thread, torch.get_num_threads()
+
+    @register(Dispatch.ONE_TO_ALL)
     def sleep(self, seconds: float) -> float:
         time.sleep(seconds)
         return time.time()
