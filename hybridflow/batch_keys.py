@@ -38,6 +38,8 @@ STEP_KEYS: dict[str, Key] = {
     "sample_seed": Key(DRIVER, (ROLLOUT,), "(B,)", "the sampler's seed, from (seed, step, index) only"),
     "behavior_version": Key(ROLLOUT, (DRIVER,), "(B,)", "the policy version that generated the sample (the "
                             "engine's label, set after each checked load)"),
+    "token_versions": Key(ROLLOUT, (DRIVER,), "(B, R)", "rollout.on_update=recompute: the policy version that "
+                          "sampled each token, -1 on padding"),
     "weights_wait_s": Key(ROLLOUT, (DRIVER,), "(B,)", "max_staleness >= 2: how long the rollout waited for the "
                           "staged weights the batch needed"),
     "response_ids": Key(ROLLOUT, (ACTOR, REFERENCE, CRITIC), "(B, R)", "sampled tokens, right-padded"),

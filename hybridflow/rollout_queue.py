@@ -78,7 +78,8 @@ class Pending:
 
 
 class RolloutQueue:
-    def __init__(self, launch: Callable[[int, int], Pending], weight_sync: Sync, depth: int, last_step: int,
+    def __init__(self, launch: Callable[[int, int], Pending], weight_sync: Sync | StagingSync, depth: int,
+                 last_step: int,
                  clock: Callable[[], float] = time.monotonic, encode: Callable[[Any], Any] = lambda x: x,
                  decode: Callable[[Any], Any] = lambda x: x,
                  version_of: Callable[[Any], int] | None = None) -> None:
@@ -91,7 +92,6 @@ class RolloutQueue:
         self.in_flight: list[Pending] = []  # oldest first
         self.pushed_once = False
         self.push = None  # depth >= 2: the staged push in flight
-        self.pushed_version = 0
 
     # ---- the step loop's calls ---------------------------------------------------------------
     def start(self, step: int, actor_version: int = 0, in_flight: list | dict | None = None) -> None:
@@ -150,7 +150,6 @@ class RolloutQueue:
             metrics = self._finish_push()
             with deadlines.stage("weight_sync"):  # the push keeps this deadline wherever it is awaited
                 self.push = self.weight_sync.stage(step, self.actor_version)
-            self.pushed_version = self.actor_version
             return metrics
         return {}
 

@@ -232,6 +232,10 @@ def step_metrics(r: Step, samples: Batch, trained_version: int, depth: int, acto
             (samples["old_log_probs"] - samples["sampler_log_probs"]).abs(), loss_mask(samples)))
     if "weights_wait_s" in samples:  # staged pushes: how long the rollout waited for the weights it needed
         metrics["async/rollout_weights_wait_s"] = float(samples["weights_wait_s"].max())
+    if "token_versions" in samples:  # rollout.on_update=recompute: versions a sample's tokens span
+        versions, mask = samples["token_versions"], samples["response_mask"]
+        newest = versions.masked_fill(~mask, -1).max(dim=1).values
+        metrics["async/version_span_max"] = float((newest - samples["behavior_version"]).clamp(min=0).max())
     if depth:
         metrics.update({"async/staleness_mean": float(staleness.float().mean()),
                         "async/staleness_max": float(staleness.max()),

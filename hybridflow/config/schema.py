@@ -269,12 +269,20 @@ class RolloutConfig:
     agent_column: str = "agent"  # with several agents: the data column naming each row's agent
     max_turns: int = 4  # model turns per trajectory; max_response_tokens bounds all its tokens
     tool_timeout_s: float = 10.0  # per tool call (environment step); past it the model reads an error
+    # trainer.max_staleness >= 2 (docs/async.md): what requests running when new weights arrive do.
+    # 'finish': they finish on the weights they started with, and the load waits for the batch;
+    # 'recompute': the load lands between two engine steps, and running requests keep their tokens
+    # and log-probs and continue on the new weights (their keys and values recomputed); every
+    # token records the policy version that sampled it.
+    on_update: str = "finish"
 
     def __post_init__(self) -> None:
         from hybridflow.agents.loading import check_agent_references
 
         self.agent = check_agent_references(self.agent, "rollout.agent")
         _require(self.max_turns >= 1, "rollout.max_turns", self.max_turns, "must be >= 1")
+        _require(self.on_update in ("finish", "recompute"), "rollout.on_update", self.on_update,
+                 "one of ['finish', 'recompute']")
         _require(self.tool_timeout_s > 0, "rollout.tool_timeout_s", self.tool_timeout_s, "must be > 0 seconds")
         _require(not self.agent or self.backend is RolloutBackend.vllm, "rollout.backend", self.backend.value,
                  "agent rollouts (rollout.agent) run on rollout=vllm only")
@@ -684,6 +692,12 @@ class HybridFlowConfig:
         d = self.trainer.max_staleness
         _require(self.algorithm.behavior_is_cap >= 0, "algorithm.behavior_is_cap", self.algorithm.behavior_is_cap,
                  "must be >= 0 (0: no importance weight)")
+        _require(self.rollout.on_update == "finish" or d >= 2, "rollout.on_update", self.rollout.on_update,
+                 f"weights land while requests run only with trainer.max_staleness >= 2 (it is {d}): use "
+                 "rollout.on_update=finish, or raise trainer.max_staleness")
+        _require(self.rollout.on_update == "finish" or not self.rollout.agent, "rollout.on_update",
+                 self.rollout.on_update, "multi-turn agent rollouts (rollout.agent) load new weights between "
+                 "batches only: use rollout.on_update=finish")
         if not d:
             return
         _require(recipe_spec(self.recipe.name).overlaps_generation, "trainer.max_staleness", d,

@@ -49,12 +49,14 @@ def copy_floor_seconds(nbytes: int, repeats: int = 3) -> float:
     return best
 
 
-def reset_prefix_cache(engine) -> None:
+def reset_prefix_cache(engine, running: bool = False) -> None:
     """Drop vLLM's cached prefixes after a weight load. vLLM keeps the KV of full prompt blocks
     (128 tokens on the CPU, 16 on GPUs) across `update_weights`, and a later prompt that starts
     with a cached block would read keys and values the old weights computed (docs/resharding.md,
-    "The prefix cache after a load")."""
-    if not engine.reset_prefix_cache():
+    "The prefix cache after a load"). `running`: requests are running (a load between two engine
+    steps, rollout.on_update=recompute): vLLM preempts them, keeping their tokens, and recomputes
+    their keys and values with the new weights when they are scheduled again."""
+    if not engine.reset_prefix_cache(reset_running_requests=running):
         raise WeightSyncError("vLLM refused to reset its prefix cache after a weight load (requests were still "
                               "running): the next prompts would read keys and values of the old weights")
 
@@ -156,30 +158,45 @@ class VLLMReceiver(Receiver):
         with self._arrived:
             arrived = self._arrived.wait_for(
                 lambda: max(self.version, self._staged[0] if self._staged else -1) >= min_version, timeout_s)
-            staged, self._staged = self._staged, None
         out = {"weights_wait_s": time.perf_counter() - start, "load_seconds": 0.0}
         if not arrived:
+            staged = self._staged
             raise WeightSyncError(
                 f"the rollout waited {timeout_s:g} s (weight_sync.timeout_s) for the weights of policy version "
                 f"{min_version} and holds version {self.version}"
                 f"{f' (version {staged[0]} staged)' if staged else ''}: the actor's send never arrived")
-        if staged is not None and staged[0] > self.version:
-            version, buckets, expected = staged
-            out["load_seconds"] = self._session({"bucket": i, "weights": w} for i, w in enumerate(buckets))[
-                "load_seconds"]
-            if expected is not None:
-                try:
-                    verify(self, expected)
-                except WeightSyncError as exc:
-                    raise WeightSyncError(f"policy version {version}, loaded from staging: {exc}") from None
-            self.set_version(version)
+        out["load_seconds"] = self.load_newer()
         return out
+
+    def load_newer(self, running: bool = False) -> float:
+        """Load the staged weights if they are newer than the engine's (checksums compared when the
+        push carried them), between two engine steps; `running`: requests are running, and they
+        continue on the new weights (`reset_prefix_cache`). Returns the load's seconds (0: none)."""
+        with self._arrived:
+            staged, self._staged = self._staged, None
+        if staged is None or staged[0] <= self.version:
+            return 0.0
+        version, buckets, expected = staged
+        seconds = self._session(({"bucket": i, "weights": w} for i, w in enumerate(buckets)),
+                                running=running)["load_seconds"]
+        if expected is not None:
+            try:
+                verify(self, expected)
+            except WeightSyncError as exc:
+                raise WeightSyncError(f"policy version {version}, loaded from staging: {exc}") from None
+        self.set_version(version)
+        return seconds
+
+    def has_newer(self) -> bool:
+        """Whether staged weights newer than the engine's have arrived."""
+        staged = self._staged
+        return staged is not None and staged[0] > self.version
 
     def _joined(self, what: str) -> None:
         if not self.buckets:
             raise WeightSyncError(f"VLLMReceiver.{what} before join(): the transfer group was never set up")
 
-    def _session(self, updates: Iterable[dict]) -> dict[str, float]:
+    def _session(self, updates: Iterable[dict], running: bool = False) -> dict[str, float]:
         from hybridflow.resharding.vllm_side import received_bytes, refresh_cpu_kernels
 
         start = time.perf_counter()
@@ -188,7 +205,7 @@ class VLLMReceiver(Receiver):
             self.engine.collective_rpc("update_weights", args=(update,))  # vLLM ends the session on an error
         self.engine.collective_rpc("finish_weight_update")
         self.engine.collective_rpc(refresh_cpu_kernels)
-        reset_prefix_cache(self.engine)
+        reset_prefix_cache(self.engine, running)
         return {"received_bytes": float(self.engine.collective_rpc(received_bytes)[0]),
                 "load_seconds": time.perf_counter() - start}
 

@@ -13,7 +13,8 @@
 - Depth 1 (one-step-off) on a rollout pool of its own: the metrics show the trainer did not
   wait for generation, and every batch's policy version is within the bound.
 - Depth 2: two batches in flight, the weights pushed after every update and received while the
-  rollout generates (staged): every batch within the bound, versions as the rollout stamped them.
+  rollout generates (staged), loaded mid-batch (rollout.on_update=recompute): every batch within
+  the bound, versions as the rollout stamped them.
 """
 
 from __future__ import annotations
@@ -118,7 +119,8 @@ def test_resuming_one_step_off_from_a_checkpoint_with_a_batch_in_flight_trains_o
 
 
 def test_two_batches_in_flight_stay_within_the_bound_and_a_rollout_killed_meanwhile_is_named(tmp_path):
-    """Depth 2, checksums on every push; the rollout is killed at the start of step 4, with
+    """Depth 2 with partial rollouts (rollout.on_update=recompute: weights that arrive mid-batch are
+    loaded between two engine steps), checksums on every push; the rollout is killed at the start of step 4, with
     batches in flight and a push beside them: the first wait that reaches the dead process
     names it (step 4's, or step 5's finishing of the push step 4 started, when the tiny model
     had already generated the batches in flight), the run restarts from its last checkpoint
@@ -126,7 +128,8 @@ def test_two_batches_in_flight_stay_within_the_bound_and_a_rollout_killed_meanwh
     steps = 5
     result = hybridflow([*GUARD_ARGS[:1], f"trainer.total_steps={steps}", *GUARD_ARGS[2:], "placement=disaggregated",
                          "trainer.max_staleness=2", "trainer.old_log_probs=actor", "trainer.val_every_steps=3",
-                         "weight_sync.checksum_every_steps=1", "trainer.save_every_steps=2", "trainer.max_restarts=1",
+                         "rollout.on_update=recompute", "weight_sync.checksum_every_steps=1",
+                         "trainer.save_every_steps=2", "trainer.max_restarts=1",
                          "trainer.fault_injection=[{kind:kill,role:rollout,rank:0,step:4}]"], tmp_path, "d2")
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
     rows = {r["step"]: r for r in metrics(tmp_path / "d2")}  # a step run again after the restart: its last row
@@ -136,6 +139,7 @@ def test_two_batches_in_flight_stay_within_the_bound_and_a_rollout_killed_meanwh
         assert trained == row["step"] - 1
         assert trained - 2 <= row["async/behavior_version_min"] <= trained and row["async/staleness_max"] <= 2
         assert row["async/rollout_weights_wait_s"] >= 0 and math.isfinite(row["actor/loss"])
+        assert 0 <= row["async/version_span_max"] <= 2  # a sample's tokens: versions within the bound
         if "weight_sync/bytes_received_per_rank" in row:  # the push this step finished: the layout minimum
             assert row["weight_sync/bytes_received_per_rank"] == row["weight_sync/min_bytes_per_rank"]
     assert max(r["async/staleness_max"] for r in rows.values()) >= 1

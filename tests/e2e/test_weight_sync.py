@@ -7,7 +7,9 @@
 - faults: a corrupted bucket is caught by the checksum check; a rollout process killed mid-
   transfer gives a named error within the configured timeout;
 - staged pushes (trainer.max_staleness >= 2): the rollout receives new weights on its "weights"
-  lane while its generating lane is busy, and loads them before the batch that needs them.
+  lane while its generating lane is busy, and loads them before the batch that needs them; with
+  rollout.on_update=recompute, weights landing mid-batch are loaded between two engine steps and
+  the running requests continue on them, each token stamped with its version.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ from hybridflow.resharding import WeightSyncError
 from hybridflow.resharding.sync import WeightSync
 from hybridflow.resharding.transports import build_transport
 from recipes.roles import actor_role
-from tests.e2e.workers import CorruptibleVLLMRollout, FaultyActor
+from tests.e2e.workers import CorruptibleVLLMRollout, FaultyActor, PausingVLLMRollout
 
 MAX_PROMPT_TOKENS = 8
 VLLM_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1"}
@@ -35,11 +37,13 @@ FLOAT32 = 4
 
 
 def _spawn(tiny_model_dir, actor_ranks: int, rollout_ranks: int | None, tp: int, name: str,
-           checksum_every: int = 0, bucket_mb: float = 64.0, timeout_s: float = 60.0, actor_cls: type | None = None):
+           checksum_every: int = 0, bucket_mb: float = 64.0, timeout_s: float = 60.0, actor_cls: type | None = None,
+           rollout_cls: type = CorruptibleVLLMRollout, on_update: str = "finish"):
     """Actor and rollout groups (one pool when rollout_ranks is None) and their WeightSync."""
     tok = AutoTokenizer.from_pretrained(tiny_model_dir)
-    rollout = RoleSpec(CorruptibleVLLMRollout, dict(
-        model_path=str(tiny_model_dir), rollout=RolloutConfig(max_response_tokens=6, tensor_parallel_size=tp),
+    rollout = RoleSpec(rollout_cls, dict(
+        model_path=str(tiny_model_dir), rollout=RolloutConfig(max_response_tokens=6, tensor_parallel_size=tp,
+                                                              on_update=on_update),
         max_prompt_tokens=MAX_PROMPT_TOKENS, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
         verifiable_weights=checksum_every > 0), replica_size=tp)
     actor = actor_role(HybridFlowConfig(actor=ActorConfig(optim=OptimConfig(lr=1e-3), samples_per_micro_batch=4)),
@@ -236,5 +240,34 @@ def test_an_actor_killed_mid_push_is_named_and_the_rollout_waiting_for_it_stops_
                                             r"and holds version 0"):
             waiting.get(timeout_s=60)
         assert time.monotonic() - start < 30
+    finally:
+        _shutdown(groups)
+
+
+def test_weights_landing_mid_batch_are_loaded_between_two_engine_steps_and_running_requests_continue(
+        ray, tiny_model_dir):
+    """rollout.on_update=recompute: a seeded batch on version 0 pauses before its third engine step
+    until the push of version 1 has arrived (the test worker's seam); the load lands there. Every
+    request keeps its first two tokens (version 0) and samples the rest with version 1 on keys and
+    values recomputed from the new weights: those tokens' log-probs are the actor's (version 1),
+    the first two are not."""
+    groups, sync, tok, _ = _spawn(tiny_model_dir, 1, 1, tp=1, name="recompute", rollout_cls=PausingVLLMRollout,
+                                  on_update="recompute")
+    try:
+        sync.sync(step=0, version=0)
+        _train_one_step(groups, tok, seed=1)  # the actor now holds version 1
+        prompts = encode_prompts(make_arithmetic_rows(8, ArithmeticSpec(), seed=2), tok, MAX_PROMPT_TOKENS)
+        prompts.tensors["sample_seed"] = torch.arange(100, 108)  # seeded, as the recipe samples
+        running = groups["rollout"].generate.remote(prompts, min_version=0, weights_timeout_s=60.0)
+        time.sleep(1.0)
+        sync.stage(step=1, version=1).finish()
+        samples = running.get(timeout_s=120)
+        versions, mask = samples["token_versions"], samples["response_mask"]
+        assert (versions[:, :2] == 0).all() and mask[:, 2:].any()
+        assert (versions[:, 2:][mask[:, 2:]] == 1).all() and (versions[~mask] == -1).all()
+        assert samples["behavior_version"].tolist() == [0] * len(samples)
+        gap = (groups["actor"].compute_log_probs(samples)["old_log_probs"] - samples["sampler_log_probs"]).abs()
+        assert float(gap[:, 2:][mask[:, 2:]].max()) < 1e-3  # sampled by version 1, on recomputed keys/values
+        assert float(gap[:, :2].max()) > 1e-3  # sampled by version 0: the actor has moved since
     finally:
         _shutdown(groups)

@@ -40,6 +40,20 @@ class CorruptibleVLLMRollout(VLLMRollout):
         return True
 
 
+class PausingVLLMRollout(CorruptibleVLLMRollout):
+    """A stepwise batch (rollout.on_update=recompute) waits before its third engine step until newer
+    staged weights have arrived: a load lands mid-batch on purpose, after each request has
+    sampled two tokens."""
+
+    def between_steps(self, steps: int) -> None:
+        import time
+
+        if steps == 2:
+            deadline = time.monotonic() + 60
+            while not self.receiver.has_newer() and time.monotonic() < deadline:
+                time.sleep(0.01)
+
+
 class RecordingVLLMRollout(VLLMRollout):
     """Records what the engine was asked and what it sampled, as token ids (agent tests)."""
 

@@ -80,6 +80,9 @@ def test_the_step_carries_weights_only_when_stale_and_clipping_against_the_actor
       "placement.pools.gen.devices_per_node=2", "rollout.tensor_parallel_size=2"],
      "rollout.tensor_parallel_size=2 is invalid: trainer.max_staleness=2 loads weights each rank received"),
     (["algorithm.behavior_is_cap=-1"], "algorithm.behavior_is_cap"),
+    (["rollout.on_update=recompute", "trainer.max_staleness=1", "trainer.old_log_probs=actor",
+      "placement=disaggregated"], "rollout.on_update='recompute' is invalid: weights land while requests run only"),
+    (["rollout.on_update=keep"], "rollout.on_update"),
 ])
 def test_a_stale_config_without_what_it_needs_is_refused_naming_the_key(overrides, key):
     with pytest.raises(Exception, match=re.escape(key)):

@@ -58,11 +58,12 @@ class VLLMRollout(ReceivingEnd):
             _launcher_environment(self.ctx)
         start = time.perf_counter()
         extra = {}
-        if self.cfg.agent and self.ctx.device == "cpu":
+        if (self.cfg.agent or self.cfg.on_update == "recompute") and self.ctx.device == "cpu":
             # Agent turns are long token-id prompts; past the default token budget vLLM chunks a
             # prefill and then rewinds the request's seeded generator, which the CPU backend cannot
             # do ("CPU Generator does not use offset"). A budget for every sequence at full length
-            # means no prefill is ever chunked.
+            # means no prefill is ever chunked. Requests that continue on new weights
+            # (rollout.on_update=recompute) are prefilled again with their tokens: the same holds.
             extra["max_num_batched_tokens"] = self.cfg.max_num_seqs * (self.max_prompt_tokens + self.cfg.max_response_tokens)
         self.engine = LLM(
             **extra,
@@ -125,16 +126,21 @@ class VLLMRollout(ReceivingEnd):
         it (the engine's label, set after each checked sync). With `min_version`
         (trainer.max_staleness >= 2, weights staged on lane "weights"), the newest staged weights
         are loaded first, waiting up to `weights_timeout_s` for policy `min_version` to arrive;
-        the rows then also carry `weights_wait_s` (B,), this rank's wait.
+        the rows then also carry `weights_wait_s` (B,), this rank's wait. With
+        rollout.on_update=recompute, weights that arrive while the batch runs are loaded between
+        two engine steps and its running requests continue on them: `token_versions` (B, R) gives
+        the version that sampled each token (-1 on padding), and `behavior_version` the oldest.
         """
         staged = None if min_version is None else self.receiver.load_staged(min_version, weights_timeout_s)
-        out = self._generate(prompts, greedy)
-        out.tensors["behavior_version"] = torch.full((len(out),), self.receiver.version, dtype=torch.long)
+        stepwise = staged is not None and self.cfg.on_update == "recompute" and self.agents is None
+        out = self._generate(prompts, greedy, stepwise)
+        if "token_versions" not in out:
+            out.tensors["behavior_version"] = torch.full((len(out),), self.receiver.version, dtype=torch.long)
         if staged is not None:
             out.tensors["weights_wait_s"] = torch.full((len(out),), staged["weights_wait_s"], dtype=torch.float64)
         return out
 
-    def _generate(self, prompts: Batch, greedy: bool) -> Batch:
+    def _generate(self, prompts: Batch, greedy: bool, stepwise: bool = False) -> Batch:
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
@@ -158,8 +164,38 @@ class VLLMRollout(ReceivingEnd):
         if self.agents is not None:
             return self._generate_trajectories(prompts, seeds, greedy)
         params = [sampling(seed) for seed in seeds]
+        if stepwise:
+            outputs = self._generate_stepwise(requests, params)
+            out = _responses_to_batch(outputs, prompts, self.cfg.max_response_tokens, self.pad_token_id)
+            out.tensors["token_versions"] = _token_versions(outputs, self.cfg.max_response_tokens)
+            masked = out["token_versions"].masked_fill(~out["response_mask"], torch.iinfo(torch.long).max)
+            out.tensors["behavior_version"] = masked.min(dim=1).values.clamp(max=self.receiver.version)
+            return out
         outputs = self.engine.generate(requests, params, use_tqdm=False)
         return _responses_to_batch(outputs, prompts, self.cfg.max_response_tokens, self.pad_token_id)
+
+    def _generate_stepwise(self, requests: list, params: list) -> list:
+        """Generation as an engine step loop (rollout.on_update=recompute): between two steps, staged
+        weights newer than the engine's are loaded, and the requests running then are preempted
+        and continue on them, keeping their tokens and log-probs. The outputs, in request order."""
+        engine = self.engine.llm_engine
+        self.batches_stepped = getattr(self, "batches_stepped", 0) + 1
+        ids = [f"stepwise-{self.batches_stepped}-{i}" for i in range(len(requests))]
+        for request_id, request, p in zip(ids, requests, params):
+            engine.add_request(request_id, request, p)  # outputs carry this id (vLLM adds a suffix inside)
+        done, steps = {}, 0
+        while engine.has_unfinished_requests():
+            self.between_steps(steps)
+            if self.receiver.has_newer():
+                self.receiver.load_newer(running=True)
+            for output in engine.step():
+                if output.finished:
+                    done[output.request_id] = output
+            steps += 1
+        return [done[i] for i in ids]
+
+    def between_steps(self, steps: int) -> None:
+        """Called before each engine step of a stepwise batch (`steps` done so far): a seam for tests."""
 
     def _generate_trajectories(self, prompts: Batch, seeds: list[int | None], greedy: bool) -> Batch:
         """Multi-turn rollout of every prompt row with its agent (see hybridflow/agents/trajectory.py).
@@ -233,6 +269,16 @@ def _responses_to_batch(outputs, prompts: Batch, width: int, pad_token_id: int) 
     generated = Batch(tensors={"response_ids": ids, "response_mask": mask, "sampler_log_probs": log_probs},
                       objects={"response": texts})
     return prompts.union(generated)
+
+
+def _token_versions(outputs, width: int) -> torch.Tensor:
+    """(B, R): the policy version that sampled each output token (vLLM's `weight_versions` spans of
+    the engine's labels), -1 on padding."""
+    versions = torch.full((len(outputs), width), -1, dtype=torch.long)
+    for i, out in enumerate(outputs):
+        for span in out.outputs[0].weight_versions or []:
+            versions[i, span.start:min(span.end, width)] = int(span.version)
+    return versions
 
 
 def _launcher_environment(ctx: WorkerContext) -> None:
