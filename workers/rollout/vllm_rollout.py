@@ -39,6 +39,7 @@ class VLLMRollout(ReceivingEnd):
         self.engine = self.receiver = None
         self.asleep = False
         self.agents = None  # hybridflow.agents.AgentSet, loaded by start_engine when rollout.agent is set
+        self.batches_stepped = 0  # stepwise batches so far (their request ids)
 
     @register(Dispatch.ONE_TO_ALL)
     def start_engine(self) -> float:
@@ -179,7 +180,7 @@ class VLLMRollout(ReceivingEnd):
         weights newer than the engine's are loaded, and the requests running then are preempted
         and continue on them, keeping their tokens and log-probs. The outputs, in request order."""
         engine = self.engine.llm_engine
-        self.batches_stepped = getattr(self, "batches_stepped", 0) + 1
+        self.batches_stepped += 1
         ids = [f"stepwise-{self.batches_stepped}-{i}" for i in range(len(requests))]
         for request_id, request, p in zip(ids, requests, params):
             engine.add_request(request_id, request, p)  # outputs carry this id (vLLM adds a suffix inside)
