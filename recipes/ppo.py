@@ -225,8 +225,10 @@ def step_metrics(r: Step, samples: Batch, trained_version: int, depth: int, acto
     metrics = {**reward_metrics(samples), **stage_metrics, **response_stats(samples)}
     metrics["perf/tokens_per_s"] = metrics["response/tokens"] / metrics["timing/generate_s"]
     staleness = trained_version - samples["behavior_version"]  # (B,)
-    if r.clip_against_sampler and actor_learns and not staleness.any():  # the update's first forward pass
-        metrics["rollout/log_prob_diff"] = metrics["actor/log_prob_diff_from_old"]
+    before_update = metrics.pop("actor/log_prob_diff_before_update", None)
+    if r.clip_against_sampler and actor_learns and not staleness.any():
+        # the update's first mini-batch, before its optimizer step: later ones see moved weights
+        metrics["rollout/log_prob_diff"] = before_update
     elif not r.clip_against_sampler and not staleness.any():
         metrics["rollout/log_prob_diff"] = float(masked_mean(
             (samples["old_log_probs"] - samples["sampler_log_probs"]).abs(), loss_mask(samples)))

@@ -154,16 +154,19 @@ class ActorWorker(TrainingStateMixin):
             self.cfg.samples_per_mini_batch // world
         generator = torch.Generator().manual_seed(self.seed * 100003 + self.updates)
         totals: dict[str, float] = {}
-        n_mini = 0
+        n_mini, first = 0, {}
         for _ in range(epochs or self.cfg.epochs_per_step):
             for mini in mini_batches(batch, rows_per_mini, generator):
                 mini_stats = self._train_mini_batch(mini, loss_fn, world)
                 for k, v in mini_stats.items():
                     totals[k] = totals.get(k, 0.0) + v
+                first = first or mini_stats
                 n_mini += 1
         self.scheduler.step()
         self.updates += 1
         stats = {k: v / n_mini for k, v in totals.items()}
+        if "actor/log_prob_diff_from_old" in first:  # the first mini-batch's, before any optimizer step
+            stats["actor/log_prob_diff_before_update"] = first["actor/log_prob_diff_from_old"]
         stats["actor/lr"] = self.scheduler.get_last_lr()[0]
         return all_reduce_mean_dict(stats)
 

@@ -146,3 +146,19 @@ def test_a_hung_rollout_is_a_named_stage_timeout_then_a_restart(tmp_path):
     # rank 0 hangs; rank 1's engine is independent at TP 1 and answered
     assert "VLLMRollout.generate rank 0" in restart["message"] and "rank 1" not in restart["message"]
     assert [r["step"] for r in metrics(tmp_path / "hung")][-1] == 2
+
+
+def test_clipping_against_the_sampler_over_mini_batches_passes_the_engine_parity_guard(tmp_path):
+    """trainer.old_log_probs=sampler with four mini-batches: the gap the parity guard reads is
+    the first mini-batch's, before the update moved the weights (averaged over all four it was
+    0.17 here and stopped the run as an engine mismatch)."""
+    result = hybridflow(["recipe=grpo", "trainer.total_steps=1", "trainer.export_hf=false",
+                         "trainer.old_log_probs=sampler", "actor.samples_per_mini_batch=4", "actor.optim.lr=1e-3",
+                         f"reward.fn={Path(__file__).parent / 'fixtures' / 'varied_reward.py'}:score"],
+                        tmp_path, "run")
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
+    row = metrics(tmp_path / "run")[0]
+    assert row["actor/trained_sample_fraction"] == 1.0  # every group's rewards vary: all four updates ran
+    assert row["actor/log_prob_diff_from_old"] > 0.01  # the later mini-batches saw moved weights
+    assert row["rollout/log_prob_diff"] < 1e-3
+    assert "actor/log_prob_diff_before_update" not in row  # read into rollout/log_prob_diff, not logged twice
