@@ -225,7 +225,7 @@ def step_metrics(r: Step, samples: Batch, trained_version: int, depth: int, acto
     metrics = {**reward_metrics(samples), **stage_metrics, **response_stats(samples)}
     metrics["perf/tokens_per_s"] = metrics["response/tokens"] / metrics["timing/generate_s"]
     staleness = trained_version - samples["behavior_version"]  # (B,)
-    before_update = metrics.pop("actor/log_prob_diff_before_update", None)
+    before_update = metrics.pop("log_prob_diff_before_update", None)  # the actor's, not a metric of its own
     if r.clip_against_sampler and actor_learns and not staleness.any():
         # the update's first mini-batch, before its optimizer step: later ones see moved weights
         metrics["rollout/log_prob_diff"] = before_update

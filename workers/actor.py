@@ -165,8 +165,8 @@ class ActorWorker(TrainingStateMixin):
         self.scheduler.step()
         self.updates += 1
         stats = {k: v / n_mini for k, v in totals.items()}
-        if "actor/log_prob_diff_from_old" in first:  # the first mini-batch's, before any optimizer step
-            stats["actor/log_prob_diff_before_update"] = first["actor/log_prob_diff_from_old"]
+        if "actor/log_prob_diff_from_old" in first:  # the first mini-batch's, before any optimizer step:
+            stats["log_prob_diff_before_update"] = first["actor/log_prob_diff_from_old"]  # the recipe's, no metric
         stats["actor/lr"] = self.scheduler.get_last_lr()[0]
         return all_reduce_mean_dict(stats)
 
