@@ -706,11 +706,6 @@ class HybridFlowConfig:
                  f"trainer.max_staleness={d} overlaps generation with training, which needs the rollout on a pool of "
                  "its own (placement=disaggregated); colocated roles share one process")
         # rollout=hf on a pool of its own is refused by PlacementConfig.check_rollout (it loads in-process)
-        _require(d < 2 or self.rollout.tensor_parallel_size == 1, "rollout.tensor_parallel_size",
-                 self.rollout.tensor_parallel_size,
-                 f"trainer.max_staleness={d} loads weights each rank received on its own, and the ranks of one "
-                 "tensor-parallel engine would not agree on which: use rollout.tensor_parallel_size=1 (several "
-                 "rollout ranks generate data-parallel) or trainer.max_staleness <= 1")
         hooks = [h.name for h in self.trainer.training_hooks if h.name == "spike_recovery"]
         _require(not hooks, "trainer.training_hooks", hooks,
                  f"spike_recovery reloads weights and reshuffles data while a batch is in flight; use "

@@ -1,5 +1,5 @@
-"""Fault injection for the weight sync, per process: corrupt a received bucket on purpose, or
-end the receiving or the sending process at a bucket.
+"""Fault injection for the weight sync, per process: corrupt a received bucket on purpose, end
+the receiving or the sending process at a bucket, or hold a staged push back after it arrived.
 
 Used by tests, and by users checking that the sync check catches a bad transfer on their
 cluster. Nothing is injected unless `corrupt_bucket` was called in this process.
@@ -12,6 +12,7 @@ import torch
 _CORRUPT: set[int] = set()
 _EXIT: set[int] = set()
 _EXIT_SENDING: set[int] = set()
+_HOLD_STAGED: dict[int, float] = {}
 
 
 def corrupt_bucket(index: int) -> None:
@@ -27,6 +28,20 @@ def exit_at_bucket(index: int) -> None:
 def exit_sending_bucket(index: int) -> None:
     """The sending process dies (exit status 1, no clean-up) when it is about to send this bucket."""
     _EXIT_SENDING.add(index)
+
+
+def hold_staged(version: int, seconds: float) -> None:
+    """A staged push of this policy version, once received, is registered `seconds` later (the
+    rank lags the other ranks of its engine, as a slow link would make it)."""
+    _HOLD_STAGED[version] = seconds
+
+
+def before_registering_staged(version: int) -> None:
+    seconds = _HOLD_STAGED.pop(version, 0.0)
+    if seconds:
+        import time
+
+        time.sleep(seconds)
 
 
 def before_sending(index: int) -> None:

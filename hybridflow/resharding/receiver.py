@@ -17,6 +17,7 @@ from typing import Iterable
 
 import torch
 
+from hybridflow.resharding import faults
 from hybridflow.resharding.layout import Box
 from hybridflow.resharding.verify import WeightSyncError, verify_against
 
@@ -94,10 +95,13 @@ class Receiver:
 class VLLMReceiver(Receiver):
     """Receiver for an in-process vLLM engine built with `weight_transfer_config={"backend": "hybridflow"}`."""
 
-    def __init__(self, engine, rank: int) -> None:
-        self.engine, self.rank = engine, rank
+    def __init__(self, engine, rank: int, tp_size: int = 1) -> None:
+        self.engine, self.rank, self.tp_size = engine, rank, tp_size
         self.buckets: list[dict] = []  # disaggregated: what each bucket holds for this rank
-        self._staged: tuple | None = None  # (version, buckets, expected checksums) received, not loaded
+        # version -> (buckets, expected checksums): received, not loaded. At TP 1 only the newest
+        # is kept; at TP > 1 every version newer than the engine's, until the engine's ranks agree
+        # on one (a rank may hold a version another is still receiving)
+        self._staged: dict[int, tuple] = {}
         self._arrived = threading.Condition()
 
     def set_version(self, version: int) -> None:
@@ -130,7 +134,7 @@ class VLLMReceiver(Receiver):
         """Disaggregated: every bucket of the plan, over the transfer group, loaded at once."""
         self._joined("receive")
         with self._arrived:
-            self._staged = None  # older than what arrives now
+            self._staged.clear()  # older than what arrives now
         return self._session(self.buckets)
 
     def stage(self, version: int, expected: dict | None = None) -> dict[str, float]:
@@ -145,38 +149,68 @@ class VLLMReceiver(Receiver):
         received = [self.engine.collective_rpc(stage_bucket, args=(bucket,))[0] for bucket in self.buckets]
         size = torch.empty((), dtype=getattr(torch, self.buckets[0]["dtype"])).element_size() if self.buckets else 0
         nbytes = sum(Box.of(box).numel for bucket in self.buckets for box in bucket["boxes"]) * size
+        faults.before_registering_staged(version)
         with self._arrived:
-            self._staged = (version, received, expected)  # replaces an older one not yet loaded
+            if self.tp_size == 1:
+                self._staged.clear()  # replaced by the newer version, not yet loaded
+            self._staged[version] = (received, expected)
             self._arrived.notify_all()
         return {"received_bytes": float(nbytes), "receive_seconds": time.perf_counter() - start}
 
     def load_staged(self, min_version: int, timeout_s: float) -> dict[str, float]:
         """Before a batch, on the generating lane (no request is running: the load is atomic
         between two engine steps): wait until weights of policy `min_version` or newer have
-        arrived, then load the newest staged ones. Returns the wait and load seconds."""
+        arrived, then load the newest staged ones (at TP > 1: the newest every rank of the engine
+        holds; every rank waits its timeout before they compare, so all of them load or all
+        raise). Returns the wait and load seconds."""
         start = time.perf_counter()
         with self._arrived:
-            arrived = self._arrived.wait_for(
-                lambda: max(self.version, self._staged[0] if self._staged else -1) >= min_version, timeout_s)
+            self._arrived.wait_for(lambda: self._newest() >= min_version, timeout_s)
         out = {"weights_wait_s": time.perf_counter() - start, "load_seconds": 0.0}
-        if not arrived:
-            staged = self._staged
+        agreed = self._agreed_newest()
+        if agreed < min_version:
+            staged = sorted(self._staged)
             raise WeightSyncError(
                 f"the rollout waited {timeout_s:g} s (weight_sync.timeout_s) for the weights of policy version "
                 f"{min_version} and holds version {self.version}"
-                f"{f' (version {staged[0]} staged)' if staged else ''}: the actor's send never arrived")
-        out["load_seconds"] = self.load_newer()
+                f"{f' (staged: {staged})' if staged else ''}"
+                f"{f', the newest every rank of its engine holds: {agreed}' if self.tp_size > 1 else ''}"
+                ": the actor's send never arrived")
+        out["load_seconds"] = self._load(agreed)
         return out
 
     def load_newer(self, running: bool = False) -> float:
-        """Load the staged weights if they are newer than the engine's (checksums compared when the
-        push carried them), between two engine steps; `running`: requests are running, and they
-        continue on the new weights (`reset_prefix_cache`). Returns the load's seconds (0: none)."""
+        """Load the newest staged weights if newer than the engine's (at TP > 1 the newest every
+        rank of the engine holds: every rank calls this at the same point), between two engine
+        steps; checksums compared when the push carried them. `running`: requests are running,
+        and they continue on the new weights (`reset_prefix_cache`). Returns the load's seconds
+        (0: none)."""
+        return self._load(self._agreed_newest(), running)
+
+    def _newest(self) -> int:
+        return max([self.version, *self._staged])
+
+    def _agreed_newest(self) -> int:
+        """The newest version this rank holds, staged or loaded; at TP > 1 the smallest of that over
+        the engine's ranks (one all-reduce over vLLM's tensor-parallel group), which every rank
+        holds: each receives every push, in order, and keeps all it has not loaded."""
         with self._arrived:
-            staged, self._staged = self._staged, None
-        if staged is None or staged[0] <= self.version:
+            newest = self._newest()
+        if self.tp_size == 1:
+            return newest
+        from vllm.distributed.parallel_state import get_tp_group
+
+        value = torch.tensor([newest], dtype=torch.long)
+        torch.distributed.all_reduce(value, op=torch.distributed.ReduceOp.MIN, group=get_tp_group().cpu_group)
+        return int(value)
+
+    def _load(self, version: int, running: bool = False) -> float:
+        if version <= self.version:
             return 0.0
-        version, buckets, expected = staged
+        with self._arrived:
+            buckets, expected = self._staged[version]
+            for older in [v for v in self._staged if v <= version]:
+                del self._staged[older]
         seconds = self._session(({"bucket": i, "weights": w} for i, w in enumerate(buckets)),
                                 running=running)["load_seconds"]
         if expected is not None:
@@ -189,8 +223,8 @@ class VLLMReceiver(Receiver):
 
     def has_newer(self) -> bool:
         """Whether staged weights newer than the engine's have arrived."""
-        staged = self._staged
-        return staged is not None and staged[0] > self.version
+        with self._arrived:
+            return self._newest() > self.version
 
     def _joined(self, what: str) -> None:
         if not self.buckets:

@@ -150,6 +150,29 @@ def test_two_batches_in_flight_stay_within_the_bound_and_a_rollout_killed_meanwh
     assert restart["step"] in (4, 5) and "the worker process died" in head and "'gen:rollout'" in head, restart
 
 
+@pytest.mark.slow  # ~35 s; the TP-2 engine's agreement on a version is tested in the default run
+# (tests/e2e/test_weight_sync.py, a rank that lags on purpose)
+def test_two_batches_in_flight_on_a_tensor_parallel_rollout(tmp_path):
+    """Depth 2 with recompute on a TP-2 engine: its two ranks agree, at every load (before a batch
+    and between engine steps), on the newest version both hold; every push is checked against the
+    checksums, each rank received the layout minimum, and the validation drains' probes find the
+    engine computing the actor's model."""
+    result = hybridflow([*GUARD_ARGS[:1], "trainer.total_steps=5", *GUARD_ARGS[2:], "placement=disaggregated",
+                         "placement.pools.gen.devices_per_node=2", "rollout.tensor_parallel_size=2",
+                         "trainer.max_staleness=2", "trainer.old_log_probs=actor", "trainer.val_every_steps=3",
+                         "rollout.on_update=recompute", "weight_sync.checksum_every_steps=1"], tmp_path, "tp2")
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
+    rows = {r["step"]: r for r in metrics(tmp_path / "tp2")}
+    assert sorted(rows) == [1, 2, 3, 4, 5]
+    for row in rows.values():
+        trained = row["async/trained_version"]
+        assert trained - 2 <= row["async/behavior_version_min"] <= trained == row["step"] - 1
+        if "weight_sync/bytes_received_per_rank" in row:
+            assert row["weight_sync/bytes_received_per_rank"] == row["weight_sync/min_bytes_per_rank"]
+    assert rows[3]["weight_sync/probe_log_prob_gap"] < 1e-3 and rows[5]["weight_sync/probe_log_prob_gap"] < 1e-3
+    assert max(r["async/staleness_max"] for r in rows.values()) >= 1
+
+
 @pytest.mark.slow  # ~40 s; a role killed during the overlap is also named in the default run (the depth-2
 # test above, and tests/e2e/test_weight_sync.py's actor killed mid-push)
 def test_an_actor_killed_one_step_off_is_named_and_the_run_restarts_and_finishes(tmp_path):

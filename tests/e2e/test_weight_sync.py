@@ -220,6 +220,37 @@ def test_a_staged_push_is_received_beside_a_busy_generate_and_loaded_before_its_
         _shutdown(groups)
 
 
+def test_the_ranks_of_a_tp2_engine_load_the_newest_staged_version_they_all_hold(ray, tiny_model_dir):
+    """max_staleness >= 2 with a tensor-parallel rollout: rank 1 of the TP-2 engine registers the
+    push of version 2 six seconds after it arrived (faults.hold_staged), while rank 0 has it. A
+    batch that may use version 1 then runs on version 1 on both ranks, the newest both hold (not
+    version 2 on rank 0 and 1 on rank 1: a model no policy ever was), each rank's load checked
+    against its checksums; the next batch, needing version 2, waits for rank 1 and loads version 2
+    on both, and the engine computes the actor's log-probs."""
+    groups, sync, tok, _ = _spawn(tiny_model_dir, 1, 2, tp=2, name="tp2-staged", checksum_every=1, bucket_mb=0.25)
+    try:
+        sync.sync(step=0, version=0)
+        prompts = encode_prompts(make_arithmetic_rows(8, ArithmeticSpec(), seed=2), tok, MAX_PROMPT_TOKENS)
+        _train_one_step(groups, tok, seed=1)
+        sync.stage(step=1, version=1).finish()  # staged on both ranks, not loaded
+        _train_one_step(groups, tok, seed=3)  # the actor now holds version 2
+        groups["rollout"].hold_staged(2, 6.0, 1)
+        push = sync.stage(step=2, version=2)
+        time.sleep(2.0)  # rank 0 holds versions 1 and 2 staged, rank 1 only version 1
+        start = time.monotonic()
+        samples = groups["rollout"].generate(prompts, min_version=1, weights_timeout_s=60.0)
+        assert samples["behavior_version"].tolist() == [1] * len(samples)
+        assert time.monotonic() - start < 3.0  # it did not wait for rank 1's version 2
+        push.finish()
+        samples = groups["rollout"].generate(prompts, min_version=2, weights_timeout_s=60.0)
+        assert samples["behavior_version"].tolist() == [2] * len(samples)
+        actor_lp = groups["actor"].compute_log_probs(samples)["old_log_probs"]
+        mask = samples["response_mask"]
+        assert float((actor_lp - samples["sampler_log_probs"]).abs()[mask].max()) < 1e-3
+    finally:
+        _shutdown(groups)
+
+
 def test_an_actor_killed_mid_push_is_named_and_the_rollout_waiting_for_it_stops_at_its_timeout(
         ray, tiny_model_dir):
     """At max_staleness >= 2: the actor dies sending bucket 3 of a staged push while the rollout

@@ -39,6 +39,15 @@ class CorruptibleVLLMRollout(VLLMRollout):
         {"corrupt": faults.corrupt_bucket, "exit": faults.exit_at_bucket}[kind](bucket)
         return True
 
+    @register(Dispatch.ONE_TO_ALL)
+    def hold_staged(self, version: int, seconds: float, rank: int) -> bool:
+        """Rank `rank` registers the staged push of policy `version` `seconds` after it arrived."""
+        from hybridflow.resharding import faults
+
+        if self.ctx.rank == rank:
+            faults.hold_staged(version, seconds)
+        return True
+
 
 class PausingVLLMRollout(CorruptibleVLLMRollout):
     """A stepwise batch (rollout.on_update=recompute) waits before its third engine step until newer

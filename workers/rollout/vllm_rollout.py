@@ -89,7 +89,7 @@ class VLLMRollout(ReceivingEnd):
         from hybridflow.patches import transformers_backend_classes_stay_callable
 
         transformers_backend_classes_stay_callable(self.engine)  # a colocated actor's model of that class
-        self.receiver = VLLMReceiver(self.engine, self.ctx.rank)
+        self.receiver = VLLMReceiver(self.engine, self.ctx.rank, tp_size=tp)
         register_local(self.ctx.group_name, self.receiver)
         return time.perf_counter() - start
 
@@ -187,8 +187,7 @@ class VLLMRollout(ReceivingEnd):
         done, steps = {}, 0
         while engine.has_unfinished_requests():
             self.between_steps(steps)
-            if self.receiver.has_newer():
-                self.receiver.load_newer(running=True)
+            self.receiver.load_newer(running=True)  # at TP > 1 every rank of the engine, at this same step
             for output in engine.step():
                 if output.finished:
                     done[output.request_id] = output
