@@ -68,7 +68,7 @@ def run(config: HybridFlowConfig, run_dir: Path) -> dict:
     trainable = {"actor": groups["actor"], **({"critic": groups["critic"]} if "critic" in groups else {})}
     checkpointer = Checkpointer(config, run_dir, model_dir, trainable)
     loader = PromptLoader(data.train, t.prompts_per_step, seed=config.seed,
-                          remember_batches=batches_to_remember(t.training_hooks, t.save_every_steps))
+                          remember_batches=batches_to_remember(t.training_hooks, t.save_every_steps, t.max_staleness))
     kl_ctl = build_kl_controller(config.algorithm.kl_controller, **kl_controller_args(config))
     state = checkpointer.resume() or {}
     step = int(state.get("step", 0))
@@ -155,7 +155,7 @@ def uses_behavior_weights(config: HybridFlowConfig, proximal: str) -> bool:
 def launch_batch(r: Step, step: int, version: int) -> Pending:
     """Draw the step's prompts and submit their generation (and ReMax's greedy pass) to the
     rollout, without waiting; per-sample seeds depend only on the step."""
-    prompts = encode_prompts(r.loader.next_rows(), r.tokenizer, r.config.data.max_prompt_tokens,
+    prompts = encode_prompts(r.loader.next_rows(step), r.tokenizer, r.config.data.max_prompt_tokens,
                              truncation=r.config.data.prompt_truncation)
     prompts.tensors["group_ids"] = torch.arange(len(prompts))
     return submit_generation(r, step, prompts, version)

@@ -197,7 +197,9 @@ class SpikeRecovery:
         self.recoveries += 1
         self.reloaded_at = step
         # the draws of steps steps[-1] + 1 .. step trained weights that are now gone
-        requeued = self.loader.requeue(step - steps[-1]) if self.config.data == "reshuffle" else 0
+        # (batches drawn ahead for later steps, in flight in an asynchronous run, stay drawn: their
+        # prompts are generated again with the recovered weights)
+        requeued = self.loader.requeue(step - steps[-1], through_step=step) if self.config.data == "reshuffle" else 0
         print(f"spike_recovery: {', '.join(spiking)} spiked at step {step} (loss {metrics[LOSS_KEY]:.4g}, grad norm "
               f"{metrics[GRAD_NORM_KEY]:.4g}); the actor now holds the SMA of the checkpoints of steps {steps} "
               f"({merged}), optimizer state {'reset' if self.config.optimizer == 'reset' else 'kept'}, the data of "
@@ -341,12 +343,13 @@ class StepHooks:
         return out
 
 
-def batches_to_remember(hooks: list, save_every_steps: int) -> int:
+def batches_to_remember(hooks: list, save_every_steps: int, drawn_ahead: int = 0) -> int:
     """The draws the recipe's `PromptLoader` must remember (`remember_batches`) for the step hooks.
     spike_recovery with `data: reshuffle` puts back the draws since the newest checkpoint it merges,
-    the newest saved before step - 1: at most save_every_steps + 1 of them."""
+    the newest saved before step - 1: at most save_every_steps + 1 of them, behind the
+    `drawn_ahead` draws of batches in flight (trainer.max_staleness)."""
     reshuffles = any(h.name == "spike_recovery" and hook_config(h.name, h.params).data == "reshuffle" for h in hooks)
-    return save_every_steps + 1 if reshuffles else 0
+    return save_every_steps + 1 + drawn_ahead if reshuffles else 0
 
 
 def check_step_hooks(config: "HybridFlowConfig") -> None:

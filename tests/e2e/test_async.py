@@ -118,6 +118,51 @@ def test_resuming_one_step_off_from_a_checkpoint_with_a_batch_in_flight_trains_o
         assert got == want, {k: (got.get(k), want.get(k)) for k in set(got) | set(want) if got.get(k) != want.get(k)}
 
 
+COLLAPSE_AT_STEP_5 = '''
+import itertools
+
+CALLS = itertools.count()  # one call per sample, 16 samples a step, no validation before the end
+
+
+def score(response, ground_truth, data_source):
+    """The distinct characters of the response, except on step 5's samples: a reward collapse."""
+    step = next(CALLS) // 16 + 1
+    return {"score": -10.0 if step == 5 else len(set(response)) / 8.0}
+'''
+
+
+def test_spike_recovery_one_step_off_generates_the_batch_in_flight_again_with_the_recovered_weights(tmp_path):
+    """max_staleness=1: step 5's reward collapses (the reward function says so) while batch 6
+    generates. spike_recovery fires at step 5, loads the SMA of the checkpoints of steps 2 and 3,
+    and puts the prompts of steps 4 and 5 back; batch 6 keeps its prompts (drawn ahead, not put
+    back) and is generated again by the recovered weights, so step 6 trains on a batch of the
+    version it trains on; the run finishes."""
+    reward = tmp_path / "collapse.py"
+    reward.write_text(COLLAPSE_AT_STEP_5)
+    hook = "{name: spike_recovery, params: {last: 2, window: 3, warmup: 2, data: reshuffle}}"
+    result = hybridflow(["recipe=grpo", "trainer.total_steps=7", "trainer.export_hf=false", "actor.optim.lr=1e-3",
+                         f"reward.fn={reward}:score", "placement=disaggregated", "trainer.max_staleness=1",
+                         "trainer.old_log_probs=actor", "trainer.save_every_steps=1", "trainer.val_every_steps=0",
+                         f"trainer.training_hooks=[{hook}]"], tmp_path, "spike")
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
+    rows = {r["step"]: r for r in metrics(tmp_path / "spike")}
+    assert [s for s, r in rows.items() if r["spike_recovery/fired"]] == [5]
+    assert rows[5]["spike_recovery/merged_from_step"] == 2 and rows[5]["spike_recovery/merged_to_step"] == 3
+    assert rows[5]["spike_recovery/requeued_rows"] == 8  # steps 4 and 5, 4 prompts each
+    # version 5 = the update of step 5, version 6 = the recovered weights that replaced it
+    assert rows[5]["async/trained_version"] == 4 and rows[6]["async/trained_version"] == 6
+    assert rows[6]["async/behavior_version_min"] == 6 and rows[6]["async/staleness_max"] == 0
+    assert rows[7]["async/behavior_version_min"] == 6 and rows[7]["async/staleness_max"] == 1
+    assert "steps 4-5 requeued (8 rows)" in result.stdout
+    checkpoints = tmp_path / "spike" / "checkpoints"
+    before = json.loads((checkpoints / "step_00000004" / "trainer_state.json").read_text())["loader"]
+    after = json.loads((checkpoints / "step_00000005" / "trainer_state.json").read_text())["loader"]
+    drawn = {d["step"]: d["rows"] for d in before["recent"] + after["recent"]}
+    assert [d["step"] for d in after["recent"]] == [6]  # in flight: drawn, not put back
+    assert set(drawn[4] + drawn[5]) <= set(after["queue"]) and not set(drawn[6]) & set(after["queue"])
+    assert len(after["queue"]) == 200 - 6 * 4 + 8  # the epoch's undrawn rows and the 8 put back, once each
+
+
 def test_two_batches_in_flight_stay_within_the_bound_and_a_rollout_killed_meanwhile_is_named(tmp_path):
     """Depth 2 with partial rollouts (rollout.on_update=recompute: weights that arrive mid-batch are
     loaded between two engine steps), checksums on every push; the rollout is killed at the start of step 4, with

@@ -75,3 +75,14 @@ def test_reshuffle_is_a_seeded_permutation():
     out = reshuffle(list(range(10)), seed=5, salt=1)
     assert sorted(out) == list(range(10)) and out == reshuffle(list(range(10)), seed=5, salt=1)
     assert out != reshuffle(list(range(10)), seed=5, salt=2)
+
+
+def test_draws_remembered_before_they_carried_steps_still_requeue():
+    loader = PromptLoader(ROWS, 4, seed=0, remember_batches=3)
+    drawn = draws(loader, 2)
+    state = loader.state_dict()
+    state["recent"] = [rows for rows in (d["rows"] for d in state["recent"])]  # the older checkpoint format
+    resumed = PromptLoader(ROWS, 4, seed=0, remember_batches=3)
+    resumed.load_state_dict(state)
+    assert list(resumed.recent) == [(None, d) for d in drawn]
+    assert resumed.requeue(1, through_step=5) == 4  # a draw without a step is never taken for one drawn ahead

@@ -144,7 +144,28 @@ def test_reshuffle_puts_back_the_rows_drawn_since_the_newest_merged_checkpoint(t
     assert out["spike_recovery/merged_to_step"] == 6 and out["spike_recovery/requeued_rows"] == 6
     back = sorted(drawn[7] + drawn[8] + drawn[9])
     assert sorted(i for i in loader.queue if i in back) == back
-    assert list(loader.recent) == [[drawn[s][0], drawn[s][1]] for s in (5, 6)]
+    assert [rows for _, rows in loader.recent] == [[drawn[s][0], drawn[s][1]] for s in (5, 6)]
+
+
+def test_reshuffle_one_step_off_keeps_the_batch_drawn_ahead(tmp_path):
+    """trainer.max_staleness=1: step 10's prompts were drawn (and are generating) when step 9's
+    update spikes. The draws of steps 7-9 go back; step 10's stay drawn (the rollout queue
+    generates them again with the recovered weights), so no row is trained twice or lost."""
+    write_checkpoints(tmp_path, (2, 4, 6, 8))
+    config = SpikeRecoveryConfig(last=3, window=4, warmup=3, data="reshuffle")
+    loader = PromptLoader(list(range(40)), 2, seed=0, remember_batches=batches_to_remember(
+        compose(["recipe=grpo", "trainer.save_every_steps=2",
+                 "trainer.training_hooks=[{name: spike_recovery, params: {data: reshuffle}}]"]).trainer.training_hooks,
+        save_every_steps=2, drawn_ahead=1))
+    hook = SpikeRecovery(config, tmp_path, loader)
+    drawn = {step: loader.next_rows(step) for step in range(1, 11)}  # one step ahead of training
+    for step, loss in enumerate((2.0, 2.1, 1.9), start=6):
+        hook.after_update(step, {"actor/loss": loss, "actor/grad_norm": 1.0}, FakeActor())
+    out = hook.after_update(9, {"actor/loss": 20.0, "actor/grad_norm": 1.0}, FakeActor())
+    assert out["spike_recovery/requeued_rows"] == 6
+    back = sorted(drawn[7] + drawn[8] + drawn[9])
+    assert sorted(loader.queue) == sorted(set(range(40)) - {r for s in range(1, 11) for r in drawn[s]} | set(back))
+    assert loader.recent[-1] == (10, drawn[10])  # in flight: still drawn, and remembered
 
 
 def test_batches_to_remember():
@@ -153,6 +174,7 @@ def test_batches_to_remember():
                         f"trainer.training_hooks=[{{name: spike_recovery, params: {{data: {data}}}}}]"]).trainer
     assert batches_to_remember(hooks("reshuffle").training_hooks, 5) == 6  # newest merged: at most 6 steps back
     assert batches_to_remember(hooks("skip").training_hooks, 5) == 0
+    assert batches_to_remember(hooks("reshuffle").training_hooks, 5, drawn_ahead=1) == 7  # one-step-off
 
 
 def test_spike_recovery_fires_on_a_reward_collapse(tmp_path):
