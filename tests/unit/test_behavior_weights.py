@@ -77,6 +77,9 @@ def test_the_step_carries_weights_only_when_stale_and_clipping_against_the_actor
      "rollout=hf receives weights only in the actor's processes"),
     (["trainer.max_staleness=-1"], "trainer.max_staleness"),
     (["algorithm.behavior_is_cap=-1"], "algorithm.behavior_is_cap"),
+    (["trainer.max_staleness=2", "trainer.old_log_probs=actor", "placement=disaggregated",
+      "trainer.save_every_steps=1", "trainer.training_hooks=[{name: spike_recovery}]"],
+     "trainer.training_hooks=['spike_recovery'] is invalid: spike_recovery reloads the actor's weights"),
     (["rollout.on_update=recompute", "trainer.max_staleness=1", "trainer.old_log_probs=actor",
       "placement=disaggregated"], "rollout.on_update='recompute' is invalid: weights land while requests run only"),
     (["rollout.on_update=keep"], "rollout.on_update"),
@@ -93,3 +96,9 @@ def test_a_missing_key_is_named_with_the_role_that_writes_it():
     with pytest.raises(KeyError, match=r"'behavior_weights' \(written by driver\)"):
         require(Batch({"advantages": torch.zeros(2, 3)}), ["advantages", "behavior_weights"], "actor.update_policy")
     assert STEP_KEYS["old_log_probs"].writer == "actor" and STEP_KEYS["sampler_log_probs"].writer == "rollout"
+
+
+def test_spike_recovery_one_step_off_is_accepted():
+    config = compose(["recipe=grpo", "trainer.max_staleness=1", "trainer.old_log_probs=actor", "placement=disaggregated",
+                      "trainer.save_every_steps=1", "trainer.training_hooks=[{name: spike_recovery}]"])
+    assert config.trainer.max_staleness == 1 and config.trainer.training_hooks[0].name == "spike_recovery"
