@@ -168,7 +168,7 @@ def _needed_columns(config: HybridFlowConfig, functions: list) -> dict[str, str]
     """Data column -> why the run needs it in every row."""
     needed: dict[str, str] = {}
     for fn in functions:
-        for name in fn.data_arguments():
+        for name in fn.data_arguments(agent_rollout=bool(config.rollout.agent)):
             needed.setdefault(name, f"reward function {fn.reference!r} ({fn.key}) requires the argument {name!r}")
     if recipe_spec(config.recipe.name).answers:
         needed.setdefault("ground_truth", f"recipe={config.recipe.name} trains on it as each prompt's answer")
@@ -176,6 +176,11 @@ def _needed_columns(config: HybridFlowConfig, functions: list) -> dict[str, str]
 
 
 def _argument_fix(column: str) -> str:
+    from hybridflow.rewards.functions import AGENT_ARGUMENTS
+
+    if column in AGENT_ARGUMENTS:
+        return (f"{column!r} is filled by an agent rollout: set rollout.agent (docs/agents.md), or give the "
+                "function's parameter a default")
     return (f"add a {column!r} column to the data, give the function's parameter a default, or set it as a fixed "
             f"argument (reward.functions=[{{fn: ..., kwargs: {{{column}: ...}}}}])")
 

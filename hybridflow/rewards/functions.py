@@ -23,6 +23,9 @@ from typing import Any, Callable
 from hybridflow.rewards.calls import Outcome, run_async, run_sync
 
 SAMPLE_ARGUMENTS = ("prompt", "response")  # filled for every sample by the reward role
+# Filled for every sample of an agent rollout (rollout.agent; hybridflow/agents/trajectory.py), and
+# for no other sample: the response text of all turns, and the environment's summed step rewards.
+AGENT_ARGUMENTS = ("trajectory", "agent_reward")
 # Other frameworks' argument names -> the sample field they mean. Filled only for a function that
 # names them and only when the data has no column of that name (a column always wins).
 ARGUMENT_ALIASES = {"solution_str": "response", "completions": "response", "prompts": "prompt"}
@@ -130,10 +133,11 @@ class RewardFunction:
             return available
         return {k: v for k, v in available.items() if k in self._accepted}
 
-    def data_arguments(self) -> list[str]:
+    def data_arguments(self, agent_rollout: bool = False) -> list[str]:
         """The required arguments that only a data column can fill: not the sample's prompt or
-        response (or an alias of them), and not a fixed argument of the config entry."""
-        filled = {*SAMPLE_ARGUMENTS, *ARGUMENT_ALIASES, *self.kwargs}
+        response (or an alias of them), not what an agent rollout fills when there is one, and not a
+        fixed argument of the config entry."""
+        filled = {*SAMPLE_ARGUMENTS, *ARGUMENT_ALIASES, *self.kwargs, *(AGENT_ARGUMENTS if agent_rollout else ())}
         return [name for name in self._required if name not in filled]
 
     def clashing_columns(self, columns) -> list[str]:

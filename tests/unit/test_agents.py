@@ -16,7 +16,11 @@ from hybridflow.agents.tools import Tool, ToolEnvironment
 from hybridflow.agents.trajectory import trajectories_to_batch
 from hybridflow.batch import Batch
 from hybridflow.builders import build_char_tokenizer
+from hybridflow.config.schema import HybridFlowConfig, RolloutConfig
 from hybridflow.data.calculator import calc, demonstration
+from hybridflow.preflight import check_run
+from hybridflow.rewards import RewardConfig
+from hybridflow.rewards.functions import AGENT_ARGUMENTS
 
 TOK = build_char_tokenizer()
 EOS = TOK.eos_token_id
@@ -102,6 +106,9 @@ def test_three_turn_trajectory_is_the_sampled_ids_plus_the_tool_ids_byte_for_byt
     sampled = batch["sampler_log_probs"][0]
     assert torch.all(sampled[:n][~batch["loss_mask"][0, :n]] == 0) and torch.all(sampled[:n][batch["loss_mask"][0, :n]] < 0)
     assert batch["response"] == ["56088"] and batch["agent_turns"].tolist() == [3.0]
+    # what a reward function may name beside the data columns (preflight lets them through)
+    assert {name: batch[name] for name in AGENT_ARGUMENTS} == {"trajectory": [TOK.decode(t.response_ids, skip_special_tokens=True)],
+                                                               "agent_reward": [t.reward]}
 
 
 def test_the_calculator_answers_and_its_demonstration_matches_the_call_syntax():
@@ -177,6 +184,20 @@ def test_an_environment_class_gets_its_row_and_its_rewards_are_summed():
     t = trajectories[0]
     assert TOK.decode(t.response_ids) == "guess?3?higher 6?lower 5?"
     assert t.loss_mask[:6] == [False] * 6 and t.reward == pytest.approx(0.8) and t.turns == 3
+
+
+def test_a_reward_on_agent_reward_passes_preflight_with_an_agent_and_names_rollout_agent_without(tmp_path):
+    # docs/agents.md's example: an environment, and a reward function scoring its summed rewards
+    (tmp_path / "guess.py").write_text("class Guess:\n    stop = ('?',)\n    def reset(self, ground_truth):\n"
+                                       "        return 'guess?'\n    def step(self, response):\n"
+                                       "        return None, 1.0, True\n")
+    (tmp_path / "my_reward.py").write_text("def score(agent_reward, **_):\n    return agent_reward\n")
+    reward = RewardConfig(fn=f"{tmp_path / 'my_reward.py'}:score")
+    agent = RolloutConfig(agent=[f"{tmp_path / 'guess.py'}:Guess"], max_response_tokens=64)
+    assert check_run(HybridFlowConfig(rollout=agent, reward=reward), check_model=False) == []
+    (problem,) = check_run(HybridFlowConfig(reward=reward), check_model=False)
+    assert "requires the argument 'agent_reward'; fix: 'agent_reward' is filled by an agent rollout: set " \
+           "rollout.agent" in problem
 
 
 def test_load_agents_by_reference_and_choose_per_row(tmp_path):
