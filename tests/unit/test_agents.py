@@ -107,8 +107,8 @@ def test_three_turn_trajectory_is_the_sampled_ids_plus_the_tool_ids_byte_for_byt
     assert torch.all(sampled[:n][~batch["loss_mask"][0, :n]] == 0) and torch.all(sampled[:n][batch["loss_mask"][0, :n]] < 0)
     assert batch["response"] == ["56088"] and batch["agent_turns"].tolist() == [3.0]
     # what a reward function may name beside the data columns (preflight lets them through)
-    assert {name: batch[name] for name in AGENT_ARGUMENTS} == {"trajectory": [TOK.decode(t.response_ids, skip_special_tokens=True)],
-                                                               "agent_reward": [t.reward]}
+    text = TOK.decode(t.response_ids, skip_special_tokens=True)
+    assert {name: batch[name] for name in AGENT_ARGUMENTS} == {"trajectory": [text], "agent_reward": [t.reward]}
 
 
 def test_the_calculator_answers_and_its_demonstration_matches_the_call_syntax():
