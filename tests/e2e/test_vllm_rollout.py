@@ -12,7 +12,7 @@ from hybridflow.data import ArithmeticSpec, make_arithmetic_rows
 from hybridflow.data.prompts import encode_prompts
 from workers.rollout.vllm_rollout import VLLMRollout
 
-MAX_PROMPT_TOKENS = 8
+MAX_PROMPT_TOKENS = 64  # the arithmetic prompts are ~6 tokens, left-padded; the long-prompt test fills it
 VLLM_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1"}
 
 
@@ -57,3 +57,23 @@ def test_vllm_response_padding_is_masked(rollout):
     assert torch.all(out["response_ids"][pad_positions] == tok.pad_token_id)
     assert torch.all(out["sampler_log_probs"][pad_positions] == 0)
     assert torch.all(out["sampler_log_probs"][out["response_mask"]] <= 0)
+
+
+def test_seeded_requests_past_the_token_budget_never_chunk_a_prefill(ray_local, tiny_model_dir):
+    """128 sampled requests with seeds and 60 prompt tokens each are 7,680 prompt tokens in one
+    engine call, past the CPU's 4,096-token budget. vLLM used to chunk a prefill there and then crash
+    rewinding the request's seeded generator ("CPU Generator does not use offset"); now a request
+    that does not fit waits for a step with room (real-model shape: tests/e2e/test_real_model.py)."""
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    spec = RoleSpec(VLLMRollout, dict(model_path=str(tiny_model_dir), rollout=RolloutConfig(max_response_tokens=2),
+                                      max_prompt_tokens=MAX_PROMPT_TOKENS, eos_token_id=tok.eos_token_id,
+                                      pad_token_id=tok.pad_token_id))
+    group = spawn_workers(ResourcePool(PoolSpec("sampling", devices_per_node=1)), {"rollout": spec},
+                          env_vars=VLLM_ENV)["rollout"]
+    group.start_engine()
+    rows = [{"prompt": f"{i:03d}" + "1+2+3+4+5+6+7+8+9=" * 3 + "444", "ground_truth": "0"} for i in range(128)]
+    prompts = encode_prompts(rows, tok, MAX_PROMPT_TOKENS)
+    assert int(prompts["prompt_mask"].sum()) == 128 * 60
+    prompts.tensors["sample_seed"] = torch.arange(128)
+    out = group.generate(prompts)
+    assert out["response_mask"].any(dim=1).all() and (out["sampler_log_probs"][out["response_mask"]] < 0).any()

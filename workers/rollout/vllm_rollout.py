@@ -58,14 +58,8 @@ class VLLMRollout(ReceivingEnd):
         if tp > 1:
             _launcher_environment(self.ctx)
         start = time.perf_counter()
-        extra = {}
-        if (self.cfg.agent or self.cfg.on_update == "recompute") and self.ctx.device == "cpu":
-            # Agent turns are long token-id prompts; past the default token budget vLLM chunks a
-            # prefill and then rewinds the request's seeded generator, which the CPU backend cannot
-            # do ("CPU Generator does not use offset"). A budget for every sequence at full length
-            # means no prefill is ever chunked. Requests that continue on new weights
-            # (rollout.on_update=recompute) are prefilled again with their tokens: the same holds.
-            extra["max_num_batched_tokens"] = self.cfg.max_num_seqs * (self.max_prompt_tokens + self.cfg.max_response_tokens)
+        extra = _scheduler_limits(self.ctx.device, self.max_prompt_tokens + self.cfg.max_response_tokens,
+                                  self.cfg.max_num_seqs)
         self.engine = LLM(
             **extra,
             model=self.model_path,
@@ -236,6 +230,26 @@ class VLLMRollout(ReceivingEnd):
         run_trajectories(trajectories, rows, generate, tokenizer, max_turns=self.cfg.max_turns,
                          max_tokens=self.cfg.max_response_tokens, timeout_s=self.cfg.tool_timeout_s)
         return trajectories_to_batch(trajectories, prompts, self.cfg.max_response_tokens, self.pad_token_id, tokenizer)
+
+
+CPU_TOKEN_BUDGET = 4096  # vLLM's own max_num_batched_tokens on the CPU (its engine arguments' default there)
+
+
+def _scheduler_limits(device: str, max_model_len: int, max_num_seqs: int) -> dict:
+    """vLLM engine arguments that keep its scheduler within what the device's sampler can do.
+
+    On the CPU no prefill is ever chunked. vLLM chunks a prefill once a step's prompt tokens pass
+    its token budget (`max_num_batched_tokens`), samples a token for the partial request, throws
+    it away and rewinds the request's seeded generator by its offset, which a CPU generator does
+    not have ("CPU Generator does not use offset"): any batch of seeded requests whose prompts
+    add up past the budget crashed (256 chat prompts of 46 tokens; an agent's long turns; a
+    request re-prefilled on new weights). With chunking off, a request that does not fit in this
+    step's budget waits for the next step whole, and a budget of at least one full sequence means
+    every request fits in some step (vLLM does the same for MLA models on the CPU)."""
+    if device != "cpu":
+        return {}
+    return {"enable_chunked_prefill": False,
+            "max_num_batched_tokens": max(CPU_TOKEN_BUDGET, max_model_len, max_num_seqs)}
 
 
 def _stop_conditions(stop: tuple[str, ...], tokenizer, eos_token_id: int) -> tuple[list[int], list[str]]:
