@@ -140,22 +140,35 @@ class PlacementConfig:
                      f"{kv_heads} key/value heads")
 
 
+def _text_config(model: "ModelConfig") -> dict:
+    """model.path's config.json (its `text_config` for a multimodal model); {} when unreadable."""
+    import json
+    from pathlib import Path
+
+    try:
+        config = json.loads((Path(model.path).expanduser() / "config.json").read_text())
+    except (OSError, ValueError):
+        return {}
+    return config.get("text_config", config)
+
+
 def model_heads(model: "ModelConfig") -> tuple[int, int]:
     """(attention heads, key/value heads) from the tiny model config or model.path's config.json;
     (0, 0) when the directory cannot tell (checked again when the model loads)."""
     if model.path is None:
         return model.tiny.num_attention_heads, model.tiny.num_key_value_heads
-    import json
-    from pathlib import Path
-
-    config_file = Path(model.path).expanduser() / "config.json"
-    try:
-        config = json.loads(config_file.read_text())
-    except (OSError, ValueError):
-        return 0, 0
-    text = config.get("text_config", config)
+    text = _text_config(model)
     heads = int(text.get("num_attention_heads", 0) or 0)
     return heads, int(text.get("num_key_value_heads", heads) or heads)
+
+
+def model_layers(model: "ModelConfig") -> int:
+    """Decoder layers of the tiny model or model.path's config.json (`num_hidden_layers`, GPT-2's
+    `n_layer`); 1 when the directory cannot tell. Precision tolerances grow with it."""
+    if model.path is None:
+        return model.tiny.num_hidden_layers
+    text = _text_config(model)
+    return int(text.get("num_hidden_layers") or text.get("n_layer") or 1)
 
 
 @dataclass
@@ -303,8 +316,9 @@ class WeightSyncConfig:
     timeout_s: float = 300.0  # every transfer and the whole sync; past it, an error naming who did not answer
     check: str = "probe"  # after every sync: probe (rollout vs actor log-probs on a probe prompt) | none
     checksum_every_steps: int = 0  # also compare per-tensor checksums every N syncs (0: never)
-    # The probe's largest allowed log-prob gap; null: 1e-2 when model.dtype and rollout.dtype are
-    # float32, 0.1 when either is 16-bit (set from them when the config is read).
+    # The probe's largest allowed mean log-prob gap per token (its 90th percentile may reach 4x this);
+    # null: 1e-3 when model.dtype and rollout.dtype are float32, max(1e-2, 2e-3 x decoder layers) when
+    # either is 16-bit (set from them when the config is read; hybridflow/resharding/parity.py).
     probe_tolerance: Optional[float] = None
 
     def __post_init__(self) -> None:
@@ -509,7 +523,8 @@ class TrainerConfig:
     # Engine parity (docs/recipes.md#engine-parity): on the first batch, before any update, the
     # sampler's and the actor's log-probs of the same tokens (`rollout/log_prob_diff`) must agree
     # within this, or the run stops naming the gap. null: 1e-3 when actor and rollout compute in
-    # float32, 5e-2 when either computes in 16 bits. Raise it to accept a known difference.
+    # float32, max(1e-2, 2e-3 x decoder layers) when either computes in 16 bits. Raise it to accept a
+    # known difference.
     engine_parity_tolerance: Optional[float] = None
     export_hf: bool = True  # save the final actor as a Hugging Face directory
     # Run after each actor update (only at multiples of params.every_steps when given), e.g.
@@ -653,7 +668,8 @@ class HybridFlowConfig:
         if self.weight_sync.probe_tolerance is None:
             from hybridflow.resharding.verify import probe_tolerance
 
-            self.weight_sync.probe_tolerance = probe_tolerance(self.model.dtype.value, self.rollout.dtype.value)
+            self.weight_sync.probe_tolerance = probe_tolerance(self.model.dtype.value, self.rollout.dtype.value,
+                                                               model_layers(self.model))
         world = self.placement.pools[self.placement.roles["actor"]].nodes * \
             self.placement.pools[self.placement.roles["actor"]].devices_per_node
         samples = self.trainer.prompts_per_step * self.rollout.samples_per_prompt

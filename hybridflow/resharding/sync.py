@@ -28,7 +28,15 @@ from hybridflow.controller import WorkerError, WorkerGroup, deadlines, wait_all
 from hybridflow.resharding.layout import Box, buckets, layout_minimum, numel
 from hybridflow.resharding.sender import SyncPlan
 from hybridflow.resharding.transports import Gloo, Transport
-from hybridflow.resharding.verify import PROBE_NEW_TOKENS, PROBE_PROMPTS, PROBE_TOLERANCE, WeightSyncError
+from hybridflow.resharding.verify import (
+    PROBE_NEW_TOKENS,
+    PROBE_PROMPTS,
+    PROBE_TOLERANCE,
+    QUANTILE_FACTOR,
+    WeightSyncError,
+    gap_statistics,
+    probe_passes,
+)
 
 
 
@@ -127,23 +135,41 @@ class WeightSync:
         return out
 
     def probe(self) -> dict[str, float]:
-        """Every rollout rank's greedy log-probs on the probe prompts against the actor's own."""
+        """Every rollout rank's greedy log-probs on the probe prompts against the actor's own: the
+        mean, 90th percentile and largest gap per token of the worst rank (verify.py)."""
         probes = self._wait([self.rollout.probe_log_probs.remote(PROBE_PROMPTS, PROBE_NEW_TOKENS)], "the probe")[0]
-        gap, actor_lp = 0.0, {}
+        worst, actor_lp = None, {}
         tolerance = self.cfg.probe_tolerance or PROBE_TOLERANCE
         for rank, (tokens, rollout_lp) in enumerate(probes):
             key = tuple(map(tuple, tokens))
             if key not in actor_lp:
                 actor_lp[key] = self.actor.probe_log_probs(PROBE_PROMPTS, [list(t) for t in tokens])[0]
-            rank_gap = float((rollout_lp - actor_lp[key]).abs().max())
-            if rank_gap > tolerance:
-                raise WeightSyncError(
-                    f"after the weight sync, rollout rank {rank}'s log-probs differ from the actor's by up to "
-                    f"{rank_gap:.3g} on the probe prompts (tolerance {tolerance}, weight_sync.probe_tolerance): the "
-                    "engine is not computing with the actor's weights. Set weight_sync.checksum_every_steps=1 to find "
-                    "the tensor")
-            gap = max(gap, rank_gap)
-        return {"weight_sync/probe_log_prob_gap": gap}
+            stats = gap_statistics(rollout_lp - actor_lp[key])
+            if not probe_passes(stats, tolerance):
+                self._probe_failed(rank, stats, tolerance, len(rollout_lp))
+            worst = stats if worst is None or stats["mean"] > worst["mean"] else worst
+        return {"weight_sync/probe_log_prob_gap": worst["max"], "weight_sync/probe_log_prob_gap_mean": worst["mean"],
+                "weight_sync/probe_log_prob_gap_q90": worst["q90"]}
+
+    def _probe_failed(self, rank: int, stats: dict[str, float], tolerance: float, tokens: int) -> None:
+        """Raise, saying which question failed: does the engine hold the actor's weights (exact,
+        the checksums, run now when the engine can show its weights), or do the two engines compute
+        the same model (the probe's statistic, which rounding in 16 bits moves)."""
+        found = (f"after the weight sync, rollout rank {rank}'s log-probs differ from the actor's by "
+                 f"{stats['mean']:.3g} on average, {stats['q90']:.3g} at the 90th percentile and {stats['max']:.3g} "
+                 f"at most over {tokens} probe tokens (tolerance {tolerance:g} on average and "
+                 f"{QUANTILE_FACTOR * tolerance:g} at the 90th percentile, weight_sync.probe_tolerance)")
+        if not self.cfg.checksum_every_steps:
+            raise WeightSyncError(
+                f"{found}. Either the engine does not hold the actor's weights, or the two engines compute "
+                "different models at this precision. Set weight_sync.checksum_every_steps=1 to compare every "
+                "tensor exactly: if they match, the gap is the engines' arithmetic (raise weight_sync.probe_tolerance "
+                f"above {stats['mean']:.3g}, or compute in float32: model.dtype=float32 rollout.dtype=float32)")
+        self.verify_checksums()  # raises naming the tensors when the weights differ
+        raise WeightSyncError(
+            f"{found}, although the engine holds exactly the actor's weights (every tensor's checksum matches): "
+            "the two engines compute different models at this precision. Raise weight_sync.probe_tolerance above "
+            f"{stats['mean']:.3g} to accept it, or compute in float32 (model.dtype=float32 rollout.dtype=float32)")
 
     def verify_checksums(self) -> dict[str, float]:
         expected = self.actor.weight_checksums()[0]  # per rollout rank: checksums of the box it needs

@@ -36,7 +36,7 @@ TIMING_PREFIXES = ("timing/", "time/", "perf/")
 TIMING_KEYS = {"weight_sync/seconds", "weight_sync/copy_floor_ratio", "weight_sync/load_s", "weight_sync/exchange_s"}
 # The sync's probe scores its own prompts, not the step's data; they changed on purpose after a387e58
 # (a left-padded batch of four lengths, docs/resharding.md), so its gap is no number of the loop's.
-PROBE_KEYS = {"weight_sync/probe_log_prob_gap"}
+PROBE_KEYS = {"weight_sync/probe_log_prob_gap", "weight_sync/probe_log_prob_gap_mean", "weight_sync/probe_log_prob_gap_q90"}
 
 
 def without_timing(row: dict) -> dict:

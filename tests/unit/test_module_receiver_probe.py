@@ -35,7 +35,8 @@ def test_a_prompt_the_engine_cannot_hold_is_skipped(tiny_model_dir):
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval()
     model.config.max_position_embeddings = 64
     tokens, log_probs = ModuleReceiver(model, pad_token_id=0).probe(PROBE_PROMPTS, PROBE_NEW_TOKENS)
-    assert [len(t) for t in tokens] == [4, 4, 0, 0] and len(log_probs) == 8  # 61 + 4 and 200 + 4 > 64
+    n = PROBE_NEW_TOKENS
+    assert [len(t) for t in tokens] == [n, n, 0, 0] and len(log_probs) == 2 * n  # 61 + n and 200 + n > 64
     assert not probe_fits([1] * 61, 64, 4) and probe_fits([1] * 60, 64, 4) and probe_fits([1] * 999, None, 4)
 
 
