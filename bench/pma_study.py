@@ -157,12 +157,11 @@ class Scorer:
     @torch.no_grad()
     def loss(self, batch) -> float:
         """Mean per-token NLL of the response tokens (every token for a pretraining sequence)."""
-        from hybridflow.algos import log_probs_from_logits
-        from hybridflow.training.sequences import response_logits
+        from hybridflow.training.sequences import response_log_probs
 
         total, tokens = 0.0, 0
         for micro in batch.split(128):
-            log_probs = log_probs_from_logits(response_logits(self.model, micro), micro["response_ids"])
+            log_probs, _ = response_log_probs(self.model, micro)
             mask = micro["response_mask"]
             total += float(-(log_probs * mask).sum())
             tokens += int(mask.sum())

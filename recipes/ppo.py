@@ -37,6 +37,7 @@ from hybridflow.data.prompts import encode_prompts
 from hybridflow.data.tokenizer import load_tokenizer
 from hybridflow.faults import inject_faults
 from hybridflow.launch import build_weight_sync, prepare_data, prepare_model, spawn_roles, start_ray, vllm_env
+from hybridflow.controller.memory import pool_memory_metrics
 from hybridflow.resharding.parity import FirstBatchParity
 from hybridflow.rewards import reward_metrics
 from hybridflow.rollout_queue import Pending, RolloutQueue
@@ -109,6 +110,7 @@ def run(config: HybridFlowConfig, run_dir: Path) -> dict:
             metrics.update(rollouts.drain(step))  # validate the newest weights (depth 0: pushed already)
             with weight_sync.generating():
                 metrics.update(validate(config, r.rollout, r.reward, data.val, tokenizer, step))
+        metrics.update(pool_memory_metrics(groups))  # each pool's peak since the last step's read
         logger.log(step, metrics)
         parity.check(metrics)
         if checkpointer.due(step):

@@ -13,6 +13,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from hybridflow.config.schema import HybridFlowConfig
+from hybridflow.controller.memory import pool_memory_metrics
 from hybridflow.data.answers import encode_sft_targets
 from hybridflow.data.loader import PromptLoader
 from hybridflow.data.prompts import encode_prompts
@@ -69,6 +70,7 @@ def run(config: HybridFlowConfig, run_dir: Path) -> dict:
                 metrics.update(weight_sync.sync(step))
             with weight_sync.generating():  # GPU: vLLM's KV cache is released again for training
                 metrics.update(validate(config, rollout, reward, data.val, tokenizer, step))
+        metrics.update(pool_memory_metrics(groups))  # each pool's peak since the last step's read
         logger.log(step, metrics)
         if checkpointer.due(step):
             checkpointer.save(step, {"loader": loader.state_dict(), "metrics": metrics})

@@ -22,11 +22,9 @@ from hybridflow.algos import (
     compute_policy_loss,
     entropy_bonus,
     kl_loss,
-    log_probs_from_logits,
     masked_mean,
     vanishes_at_zero_advantage,
 )
-from hybridflow.algos.entropy import entropy_from_logits
 from hybridflow.batch import Batch
 from hybridflow.config.schema import ActorConfig
 from hybridflow.controller import Dispatch, WorkerContext, register
@@ -40,7 +38,13 @@ from hybridflow.training.fsdp import (
     shard_model,
 )
 from hybridflow.training.state import TrainingStateMixin
-from hybridflow.training.sequences import log_probs_and_entropy, loss_mask, micro_batches, mini_batches, response_logits
+from hybridflow.training.sequences import (
+    log_probs_and_entropy,
+    loss_mask,
+    micro_batches,
+    mini_batches,
+    response_log_probs,
+)
 
 
 class ActorWorker(TrainingStateMixin):
@@ -116,9 +120,8 @@ class ActorWorker(TrainingStateMixin):
 
     def _policy_loss(self, micro: Batch, tokens: float, seqs: float, old_key: str = "old_log_probs",
                      weighted: bool = False) -> tuple[torch.Tensor, dict]:
-        logits = response_logits(self.model, micro, self.temperature)
+        log_probs, entropy = response_log_probs(self.model, micro, self.temperature)
         mask = loss_mask(micro)  # sampled tokens only: tool output is attended to, never trained
-        log_probs = log_probs_from_logits(logits, micro["response_ids"])
         counts = {"global_token_count": tokens, "global_sequence_count": seqs}
         loss, stats = compute_policy_loss(
             self.cfg.policy_loss, log_probs=log_probs, old_log_probs=micro[old_key],
@@ -126,7 +129,6 @@ class ActorWorker(TrainingStateMixin):
             advantages=micro["advantages"], response_mask=mask, clip_ratio_low=self.cfg.clip_ratio_low,
             clip_ratio_high=self.cfg.clip_ratio_high, dual_clip_c=self.cfg.dual_clip_c,
             aggregation=self.cfg.loss_aggregation, **counts)
-        entropy = entropy_from_logits(logits)
         if self.cfg.entropy_coef:
             bonus, _ = entropy_bonus(entropy=entropy, response_mask=mask, coef=self.cfg.entropy_coef,
                                      aggregation=self.cfg.loss_aggregation, **counts)
@@ -141,8 +143,8 @@ class ActorWorker(TrainingStateMixin):
         return loss, stats
 
     def _sft_loss(self, micro: Batch, tokens: float, seqs: float) -> tuple[torch.Tensor, dict]:
-        logits = response_logits(self.model, micro)
-        nll = -log_probs_from_logits(logits, micro["response_ids"])
+        log_probs, _ = response_log_probs(self.model, micro)
+        nll = -log_probs
         loss = aggregate_loss(nll, loss_mask(micro), "token-mean", global_token_count=tokens)
         return loss, {}  # the mini-batch loss is reported as actor/loss
 

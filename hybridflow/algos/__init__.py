@@ -15,7 +15,12 @@ from hybridflow.algos.advantages import (
     group_statistics,
 )
 from hybridflow.algos.aggregation import LOSS_AGGREGATIONS, aggregate_loss
-from hybridflow.algos.entropy import entropy_bonus, entropy_from_logits, log_probs_from_logits
+from hybridflow.algos.entropy import (
+    entropy_bonus,
+    entropy_from_logits,
+    log_probs_from_logits,
+    token_log_probs_and_entropy,
+)
 from hybridflow.algos.kl import (
     KL_CONTROLLERS,
     KL_ESTIMATORS,
@@ -35,6 +40,7 @@ from hybridflow.algos.policy_loss import (
 from hybridflow.algos.value_loss import clipped_value_loss
 
 __all__ = [
+    "token_log_probs_and_entropy",
     "ADVANTAGE_ESTIMATORS",
     "KL_CONTROLLERS",
     "KL_ESTIMATORS",

@@ -31,6 +31,7 @@ from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from hybridflow.batch import Batch
+from hybridflow.controller.memory import MONITOR_LANE
 from hybridflow.controller import deadlines
 from hybridflow.controller.context import RoleSpec, WorkerContext
 from hybridflow.controller.decorators import Dispatch, Execute, MethodSpec, lanes, registered_methods
@@ -111,6 +112,13 @@ class WorkerHost:
 
     def info(self) -> dict:
         return {"rank": self.rank, "node_id": self.node_id, "pid": os.getpid(), "roles": list(self.workers)}
+
+    def memory(self) -> dict[str, int]:
+        """This process's peak memory since the last call, and now (hybridflow.controller.memory;
+        called on lane "monitor", so it answers while the process works)."""
+        from hybridflow.controller.memory import read_and_reset
+
+        return read_and_reset(self.use_gpu)
 
 
 # ---- moving futures between groups without the controller ------------------------------------
@@ -339,9 +347,9 @@ def spawn_workers(
     name = name or f"{pool.spec.name}:{'+'.join(roles)}"
     slots = pool.create().slots()
     spec = pool.spec
-    extra_lanes = lanes(rs.cls for rs in roles.values())  # a lane is a Ray concurrency group of one thread
-    host_cls = ray.remote(concurrency_groups={lane: 1 for lane in sorted(extra_lanes)})(WorkerHost) \
-        if extra_lanes else ray.remote(WorkerHost)
+    # a lane is a Ray concurrency group of one thread; "monitor" reads the process's memory (memory.py)
+    extra_lanes = lanes(rs.cls for rs in roles.values()) | {MONITOR_LANE}
+    host_cls = ray.remote(concurrency_groups={lane: 1 for lane in sorted(extra_lanes)})(WorkerHost)
     hosts = []
     for slot in slots:
         options = dict(

@@ -64,15 +64,40 @@ def pad_response_width(values: torch.Tensor, width: int) -> torch.Tensor:
     return torch.cat([values, values.new_zeros((values.shape[0], missing, *values.shape[2:]))], dim=1)
 
 
-def response_logits(model: torch.nn.Module, batch: Batch, temperature: float = 1.0) -> torch.Tensor:
-    """Logits (B, R, V) predicting each response token, divided by the sampling temperature.
-    Positions past every row's response hold zeros (they are outside `response_mask`)."""
+def response_log_probs(model: torch.nn.Module, batch: Batch, temperature: float = 1.0
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Log-probs of the response tokens and the entropy at each response position, (B, R) float32
+    each, at the sampling temperature; 0 past every row's response (outside `response_mask`).
+
+    Memory: the model computes logits at the response positions only (transformers'
+    `logits_to_keep`, where the model takes it) and the vocabulary is reduced one row at a time,
+    recomputed in the backward pass (`algos.token_log_probs_and_entropy`), so the micro-batch's
+    (B, r, V) logits exist once, in the compute dtype."""
+    from hybridflow.algos import token_log_probs_and_entropy
+
     inputs, prompt_len, width = trimmed_inputs(batch)
-    logits = model(**inputs, use_cache=False).logits  # (B, p+r, V)
-    logits = logits[:, prompt_len - 1 : prompt_len - 1 + width].float()
-    if temperature > 0 and temperature != 1.0:
-        logits = logits / temperature
-    return pad_response_width(logits, batch["response_ids"].shape[1])
+    if _takes_logits_to_keep(model):  # the last width + 1 positions: prompt_len - 1 ... prompt_len + width - 1
+        logits = model(**inputs, use_cache=False, logits_to_keep=width + 1).logits[:, :width]  # (B, r, V)
+    else:
+        logits = model(**inputs, use_cache=False).logits[:, prompt_len - 1: prompt_len - 1 + width]
+    log_probs, entropy = token_log_probs_and_entropy(logits, batch["response_ids"][:, :width].contiguous(),
+                                                     temperature=temperature)
+    width_out = batch["response_ids"].shape[1]
+    return pad_response_width(log_probs, width_out), pad_response_width(entropy, width_out)
+
+
+def _takes_logits_to_keep(model: torch.nn.Module) -> bool:
+    """Whether the causal LM under any wrapper (peft) names `logits_to_keep` in its forward."""
+    import inspect
+
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    cls = type(base)
+    if cls not in _LOGITS_TO_KEEP:
+        _LOGITS_TO_KEEP[cls] = "logits_to_keep" in inspect.signature(cls.forward).parameters
+    return _LOGITS_TO_KEEP[cls]
+
+
+_LOGITS_TO_KEEP: dict[type, bool] = {}
 
 
 def micro_batches(batch: Batch, rows_per_micro_batch: int) -> Iterator[Batch]:
@@ -90,13 +115,11 @@ def log_probs_and_entropy(model: torch.nn.Module, batch: Batch, rows_per_micro_b
                           temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
     """Log-probs of the trained response tokens and the entropy at each position, (B, R) each,
     0 outside `loss_mask` (padding, and tool output in agent rollouts)."""
-    from hybridflow.algos import entropy_from_logits, log_probs_from_logits
-
     model.eval()
     parts_lp, parts_ent = [], []
     for micro in micro_batches(batch, rows_per_micro_batch):
-        logits = response_logits(model, micro, temperature)
+        log_probs, entropy = response_log_probs(model, micro, temperature)
         mask = loss_mask(micro)
-        parts_lp.append(log_probs_from_logits(logits, micro["response_ids"]) * mask)
-        parts_ent.append(entropy_from_logits(logits) * mask)
+        parts_lp.append(log_probs * mask)
+        parts_ent.append(entropy * mask)
     return torch.cat(parts_lp), torch.cat(parts_ent)

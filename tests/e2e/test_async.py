@@ -32,7 +32,7 @@ from tests.e2e.test_rl_recipes import hybridflow, metrics
 FIXTURES = Path(__file__).parent / "fixtures"
 GUARD_ARGS = ["recipe=grpo", "trainer.total_steps=3", "trainer.export_hf=false", "actor.optim.lr=1e-3",
               f"reward.fn={FIXTURES / 'varied_reward.py'}:score"]
-TIMING_PREFIXES = ("timing/", "time/", "perf/")
+TIMING_PREFIXES = ("timing/", "time/", "perf/", "memory/")  # measurements, not numbers of the loop
 TIMING_KEYS = {"weight_sync/seconds", "weight_sync/copy_floor_ratio", "weight_sync/load_s", "weight_sync/exchange_s"}
 # The sync's probe scores its own prompts, not the step's data; they changed on purpose after a387e58
 # (a left-padded batch of four lengths, docs/resharding.md), so its gap is no number of the loop's.

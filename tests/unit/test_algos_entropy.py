@@ -66,3 +66,39 @@ def test_log_probs_errors():
         log_probs_from_logits(logits, torch.zeros(2, 4, dtype=torch.long))
     with pytest.raises(TypeError, match="long"):
         log_probs_from_logits(logits, torch.zeros(2, 3, dtype=torch.int32))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("temperature", [1.0, 0.6])
+def test_fused_row_by_row_log_probs_and_entropy_match_the_separate_functions(dtype, temperature):
+    """token_log_probs_and_entropy (one row at a time, recomputed in backward) gives the values and
+    the gradients of log_probs_from_logits and entropy_from_logits on logits / temperature."""
+    from hybridflow.algos import entropy_from_logits, log_probs_from_logits, token_log_probs_and_entropy
+
+    g = torch.Generator().manual_seed(0)
+    base = (torch.randn(3, 5, 11, generator=g) * 3).to(dtype)
+    ids = torch.randint(0, 11, (3, 5), generator=g)
+    weights = torch.randn(3, 5, generator=g)
+    fused_in = base.clone().requires_grad_(True)
+    lp, ent = token_log_probs_and_entropy(fused_in, ids, temperature=temperature)
+    ((lp * weights).sum() + (ent * weights).sum()).backward()
+    plain_in = base.clone().requires_grad_(True)
+    scaled = plain_in.float() / temperature
+    lp_ref, ent_ref = log_probs_from_logits(scaled, ids), entropy_from_logits(scaled)
+    ((lp_ref * weights).sum() + (ent_ref * weights).sum()).backward()
+    assert lp.dtype == ent.dtype == torch.float32
+    torch.testing.assert_close(lp, lp_ref, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(ent, ent_ref, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(fused_in.grad, plain_in.grad)
+    with torch.no_grad():  # without autograd: the same numbers, nothing kept
+        again, _ = token_log_probs_and_entropy(base, ids, temperature=temperature, rows_per_chunk=2)
+    torch.testing.assert_close(again, lp.detach())
+
+
+def test_fused_log_probs_refuse_mismatched_token_ids():
+    from hybridflow.algos import token_log_probs_and_entropy
+
+    with pytest.raises(ValueError, match="token_ids has shape"):
+        token_log_probs_and_entropy(torch.zeros(2, 3, 5), torch.zeros(2, 4, dtype=torch.long))
+    with pytest.raises(TypeError, match="pass token_ids.long"):
+        token_log_probs_and_entropy(torch.zeros(2, 3, 5), torch.zeros(2, 3, dtype=torch.int32))

@@ -25,7 +25,7 @@ from hybridflow.controller import WorkerContext
 from hybridflow.data import ArithmeticSpec, make_arithmetic_rows
 from hybridflow.data.prompts import encode_prompts
 from hybridflow.training.fsdp import load_model
-from hybridflow.training.sequences import log_probs_and_entropy, response_logits
+from hybridflow.training.sequences import log_probs_and_entropy, response_log_probs
 from recipes.roles import actor_role, critic_role
 
 STEPS = 20
@@ -67,7 +67,7 @@ def test_mixed_precision_computes_in_bf16_keeps_float32_state_and_exports_bf16(t
     actor = _actor(tiny_model_dir, "bfloat16", "float32", lr=1e-3)
     batch = _batch(tiny_model_dir)
     actor.model.train()
-    assert response_logits(actor.model, batch).dtype == torch.float32  # read out in float32 ...
+    assert response_log_probs(actor.model, batch)[0].dtype == torch.float32  # read out in float32 ...
     seen = []
     hook = actor.model.lm_head.register_forward_hook(lambda m, i, o: seen.append((i[0].dtype, o.dtype)))
     actor.train_sft(batch)
@@ -114,7 +114,7 @@ def test_dropout_is_off_unless_kept(tmp_path, keep_dropout):
     eval_lp, _ = log_probs_and_entropy(model, batch, 4)
     model.train()
     with torch.no_grad():
-        train_lp = torch.log_softmax(response_logits(model, batch), -1).gather(-1, ids[:, 6:, None])[..., 0]
+        train_lp, _ = response_log_probs(model, batch)
     gap = float((train_lp - eval_lp).abs().mean())
     assert (gap > 1e-2) if keep_dropout else (gap < 1e-6), gap
 

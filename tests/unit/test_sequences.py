@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from hybridflow.batch import Batch
-from hybridflow.training.sequences import model_inputs, response_logits, trimmed_inputs
+from hybridflow.training.sequences import model_inputs, response_log_probs, trimmed_inputs
 
 
 def _batch() -> Batch:
@@ -36,15 +37,33 @@ def test_trimmed_inputs_drop_only_all_padding_columns():
     assert inputs["position_ids"][0, 2:7].tolist() == [0, 1, 2, 3, 4]
 
 
-def test_response_logits_equal_the_untrimmed_forward():
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_response_log_probs_equal_the_untrimmed_forward(temperature):
+    """Trimmed columns, logits at the response positions only, one row at a time: the same numbers
+    as log-softmax over the whole untrimmed forward's logits."""
     model, batch = _model(), _batch()
     with torch.no_grad():
-        full = model(**model_inputs(batch), use_cache=False).logits[:, 7:13]  # P - 1 = 7, R = 6
-        trimmed = response_logits(model, batch)
+        full = model(**model_inputs(batch), use_cache=False).logits[:, 7:13] / temperature  # P - 1 = 7, R = 6
+        log_probs, entropy = response_log_probs(model, batch, temperature)
+    expected_lp = torch.log_softmax(full, -1).gather(-1, batch["response_ids"][..., None])[..., 0]
+    expected_ent = -(torch.softmax(full, -1) * torch.log_softmax(full, -1)).sum(-1)
     mask = batch["response_mask"]
-    assert trimmed.shape == full.shape == (2, 6, 16)
-    torch.testing.assert_close(trimmed[mask], full[mask], rtol=1e-5, atol=1e-5)
-    assert torch.all(trimmed[:, 4:] == 0)  # past every response: zeros, outside the mask
+    assert log_probs.shape == entropy.shape == (2, 6)
+    torch.testing.assert_close(log_probs[mask], expected_lp[mask], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(entropy[mask], expected_ent[mask], rtol=1e-5, atol=1e-5)
+    assert torch.all(log_probs[:, 4:] == 0) and torch.all(entropy[:, 4:] == 0)  # past every response
+
+
+def test_response_log_probs_without_logits_to_keep_are_the_same(monkeypatch):
+    """A model whose forward does not take `logits_to_keep` (remote code) is sliced after the forward."""
+    from hybridflow.training import sequences
+
+    model, batch = _model(), _batch()
+    with torch.no_grad():
+        kept = response_log_probs(model, batch)
+        monkeypatch.setitem(sequences._LOGITS_TO_KEEP, type(model), False)
+        sliced = response_log_probs(model, batch)
+    torch.testing.assert_close(kept, sliced, rtol=1e-5, atol=1e-6)
 
 
 def test_a_row_without_response_tokens_keeps_one_column():

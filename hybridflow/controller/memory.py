@@ -1,0 +1,82 @@
+"""Each worker process's memory: its peak since the last read, read per step.
+
+A step's peak is what decides whether a run fits, and the current size after a step is what
+shows growth; the operating system keeps the first for us. Linux's `VmHWM` (/proc/self/status)
+is a process's peak resident set, and writing "5" to /proc/self/clear_refs resets it, so each
+read covers the time since the previous one. On a GPU, torch's allocator peak is read and reset
+the same way.
+
+Before reading, the process hands glibc's free heap back to the system (`malloc_trim(0)`). The
+processes here allocate from many threads (torch's intra-op pool, vLLM, gloo), and glibc's
+per-thread arenas keep freed memory mapped: the resident set of a long run then grows with no
+object behind it. Trimming once per step keeps the resident set at what is in use.
+
+The read runs on a lane of its own ("monitor", a Ray concurrency group of one thread), so it
+answers while the process generates or trains (trainer.max_staleness >= 1 keeps the rollout busy
+across the end of a step).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import re
+
+MONITOR_LANE = "monitor"
+GIB = 2 ** 30
+
+
+def _status_kib(field: str) -> int:
+    try:
+        text = open("/proc/self/status").read()
+    except OSError:  # not Linux: no numbers rather than wrong ones
+        return 0
+    found = re.search(rf"^{field}:\s+(\d+) kB", text, re.MULTILINE)
+    return int(found.group(1)) if found else 0
+
+
+def trim_heap() -> bool:
+    """Return glibc's free heap pages to the system; False where there is no glibc."""
+    try:
+        return bool(ctypes.CDLL("libc.so.6").malloc_trim(0))
+    except (OSError, AttributeError):
+        return False
+
+
+def read_and_reset(use_gpu: bool) -> dict[str, int]:
+    """This process's peak resident bytes since the last call (then reset), its resident bytes now
+    (after trimming the heap) and, on a GPU, the allocator's peak bytes (then reset)."""
+    trim_heap()
+    out = {"rss_peak_bytes": _status_kib("VmHWM") * 1024, "rss_bytes": _status_kib("VmRSS") * 1024}
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        pass
+    if use_gpu:
+        import torch
+
+        out["device_peak_bytes"] = int(torch.cuda.max_memory_allocated())
+        torch.cuda.reset_peak_memory_stats()
+    return out
+
+
+def pool_memory_metrics(groups: dict) -> dict[str, float]:
+    """`memory/<pool>_peak_gib` (the largest peak of the pool's processes since the last call),
+    `memory/<pool>_rss_gib` (the largest resident set now) and, on GPUs, `memory/<pool>_device_peak_gib`,
+    for every pool of `groups` (role -> WorkerGroup; roles sharing a pool share its processes)."""
+    import ray
+
+    pools: dict[str, object] = {}
+    for group in groups.values():
+        if group is not None and group.pool is not None:
+            pools.setdefault(group.pool.spec.name, group)
+    calls = {name: [h.memory.options(concurrency_group=MONITOR_LANE).remote() for h in group.hosts]
+             for name, group in pools.items()}
+    out = {}
+    for name, refs in calls.items():
+        reads = ray.get(refs)
+        out[f"memory/{name}_peak_gib"] = max(r["rss_peak_bytes"] for r in reads) / GIB
+        out[f"memory/{name}_rss_gib"] = max(r["rss_bytes"] for r in reads) / GIB
+        if all("device_peak_bytes" in r for r in reads):
+            out[f"memory/{name}_device_peak_gib"] = max(r["device_peak_bytes"] for r in reads) / GIB
+    return out
