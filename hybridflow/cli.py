@@ -63,6 +63,11 @@ def run(config: HybridFlowConfig) -> dict:
     with console.session(run_dir, config.logger.verbose) as log_dir:
         where = "" if config.logger.verbose else f" (library and worker output: {log_dir})"
         console.say(f"hybridflow: run directory {run_dir}{where}")
+        from hybridflow.model_checks import half_precision_note
+
+        note = half_precision_note(config)
+        if note:
+            console.say(note)
         try:
             with console.stage(name):
                 return runner(recipe, config, run_dir)

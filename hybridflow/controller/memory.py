@@ -80,3 +80,19 @@ def pool_memory_metrics(groups: dict) -> dict[str, float]:
         if all("device_peak_bytes" in r for r in reads):
             out[f"memory/{name}_device_peak_gib"] = max(r["device_peak_bytes"] for r in reads) / GIB
     return out
+
+
+def memory_kill(error_text: str) -> str | None:
+    """What a dead worker's error says about memory: Ray's memory monitor kills a worker when the
+    node passes its memory threshold ("... running low on memory ... memory usage threshold ..."),
+    and the kernel's out-of-memory killer sends SIGKILL. None when the text names neither."""
+    text = error_text.lower()
+    if "low on memory" in text or "memory usage threshold" in text or "outofmemoryerror" in text:
+        return ("killed for memory: Ray's memory monitor stopped this worker because the node ran out of memory; "
+                "the memory/<pool>_peak_gib metrics of the steps before show what each pool held (docs/performance.md, "
+                "\"Memory\"): lower actor.samples_per_micro_batch, turn on actor.gradient_checkpointing, or lower "
+                "rollout.kv_cache_space_gib / rollout.max_num_seqs")
+    if "sigkill" in text:
+        return ("killed by SIGKILL, most often the kernel's out-of-memory killer (dmesg shows it); see the "
+                "memory/<pool>_peak_gib metrics of the steps before")
+    return None

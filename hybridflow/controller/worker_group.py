@@ -31,7 +31,7 @@ from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from hybridflow.batch import Batch
-from hybridflow.controller.memory import MONITOR_LANE
+from hybridflow.controller.memory import MONITOR_LANE, memory_kill
 from hybridflow.controller import deadlines
 from hybridflow.controller.context import RoleSpec, WorkerContext
 from hybridflow.controller.decorators import Dispatch, Execute, MethodSpec, lanes, registered_methods
@@ -249,8 +249,9 @@ class WorkerGroup:
             error = cause or WorkerError(self.name, self.worker_cls.__name__, method, rank, self.world_size, str(exc))
         except RayActorError as exc:
             log_file = self.infos[rank].get("log_file") if rank < len(self.infos) else None
+            why = memory_kill(str(exc))
             error = WorkerError(self.name, self.worker_cls.__name__, method, rank, self.world_size,
-                                f"the worker process died: {exc}{output_tail(log_file)}")
+                                f"the worker process died{f' ({why})' if why else ''}: {exc}{output_tail(log_file)}")
         self._broken = f"{error.worker_class}.{error.method} on rank {error.rank}"
         raise WorkerError(error.group, error.worker_class, error.method, error.rank, error.world_size,
                           error.detail) from None

@@ -34,3 +34,16 @@ def test_fault_config_is_checked_before_anything_starts():
         compose(["trainer.fault_injection=[{kind:melt,step:2}]"])
     with pytest.raises(ValueError, match="kind=hang needs the worker method"):
         compose(["trainer.fault_injection=[{kind:hang,role:rollout,step:2}]"])
+
+
+def test_a_worker_killed_for_memory_is_named_as_such():
+    from hybridflow.controller.memory import memory_kill
+
+    ray_text = ("The actor is dead because its worker process has died. Worker exit type: SYSTEM_ERROR Worker exit "
+                "detail: Task was killed due to the node running low on memory. Memory on the node (IP: 10.0.0.2) "
+                "where the task was running was 22.80GB / 23.50GB (0.97), which exceeds the memory usage threshold "
+                "of 0.95.")
+    assert memory_kill(ray_text).startswith("killed for memory: Ray's memory monitor")
+    assert "actor.gradient_checkpointing" in memory_kill(ray_text)
+    assert "out-of-memory killer" in memory_kill("Worker exit detail: the process was killed by SIGKILL")
+    assert memory_kill("the actor died because of an error raised in its creation task") is None

@@ -1,0 +1,155 @@
+"""What one training process of the actor's pool holds, from the model and the config alone.
+
+The floor a run cannot go below, term by term, per process of the actor's pool (the roles
+colocated with it share the process): the actor's parameters, gradients and AdamW moments in
+`model.master_dtype`, sharded over the pool's ranks by FSDP2; a reference model in
+`model.dtype`, sharded the same way; a critic as an actor; the rollout engine's weights in
+`rollout.dtype` (its tensor-parallel share) and its KV cache (`rollout.kv_cache_space_gib` on a
+CPU); and one micro-batch's activations and logits. The activation estimate per token and decoder
+layer is 10 x hidden + 4 x intermediate + 2 x heads x sequence floats (the saved inputs of the
+norms, projections, MLP and eager attention's probabilities), or one hidden vector per layer
+with `actor.gradient_checkpointing`; on SmolLM2-135M in float32, 16 rows of 110 tokens, it gives
+2.7 GiB against 3.1 GiB measured (bench/logprob_memory.py, docs/performance.md "Memory").
+
+`memory_problems` refuses before anything starts a run whose floor, summed over the processes
+one node holds, is above the node's memory (CPU pools on the local machine; on GPUs vLLM's own
+`gpu_memory_utilization` budget decides). The terms are lower bounds, so a refused run cannot
+fit; one that passes may still need more (allocator slack, Python, Ray).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+GIB = 2 ** 30
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+NODE_MEMORY_SHARE = 0.95  # Ray's memory monitor kills a worker past this share of the node's memory
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    parameters: int
+    layers: int
+    hidden: int
+    intermediate: int
+    heads: int
+    vocab: int
+
+    @classmethod
+    def from_dir(cls, path: str | Path) -> "ModelShape | None":
+        """From config.json and the safetensors headers (exact parameter count); None when the
+        directory cannot tell (the model's own loading reports it)."""
+        root = Path(path).expanduser()
+        try:
+            config = json.loads((root / "config.json").read_text())
+            parameters = sum(_safetensors_numel(f) for f in root.glob("*.safetensors"))
+        except (OSError, ValueError):
+            return None
+        text = config.get("text_config", config)
+        hidden = int(text.get("hidden_size") or text.get("n_embd") or 0)
+        if not parameters or not hidden:
+            return None
+        return cls(parameters=parameters, layers=int(text.get("num_hidden_layers") or text.get("n_layer") or 1),
+                   hidden=hidden, intermediate=int(text.get("intermediate_size") or 4 * hidden),
+                   heads=int(text.get("num_attention_heads") or text.get("n_head") or 1),
+                   vocab=int(text.get("vocab_size") or 0))
+
+
+def _safetensors_numel(path: Path) -> int:
+    with open(path, "rb") as f:
+        header = json.loads(f.read(int.from_bytes(f.read(8), "little")))
+    total = 0
+    for name, entry in header.items():
+        if name != "__metadata__":
+            count = 1
+            for d in entry["shape"]:
+                count *= d
+            total += count
+    return total
+
+
+def process_terms(config, shape: ModelShape, roles: set[str]) -> dict[str, float]:
+    """Bytes per process of the actor's pool, term by term; `roles`: the roles placed on that pool."""
+    ranks = config.placement.world_size("actor")
+    master, compute = DTYPE_BYTES[config.model.master_dtype.value], DTYPE_BYTES[config.model.dtype.value]
+    p = shape.parameters
+    trained = p if not config.actor.lora.rank else 0  # LoRA's adapter is small next to the rest
+    terms = {"actor parameters (model.master_dtype, FSDP shard)": p * master / ranks,
+             "actor gradients (FSDP shard)": trained * master / ranks,
+             "actor AdamW moments (2 per parameter, FSDP shard)": 2 * trained * master / ranks}
+    if "reference" in roles:
+        terms["reference weights (model.dtype, FSDP shard)"] = p * compute / ranks
+    if "critic" in roles:
+        terms["critic parameters, gradients and AdamW moments (FSDP shard)"] = 4 * p * master / ranks
+    if "rollout" in roles and config.rollout.backend.value == "vllm":
+        tp = config.rollout.tensor_parallel_size
+        terms[f"vLLM weights (rollout.dtype, 1/{tp} of the model)"] = p * DTYPE_BYTES[config.rollout.dtype.value] / tp
+        terms["vLLM KV cache (rollout.kv_cache_space_gib)"] = config.rollout.kv_cache_space_gib * GIB
+    terms.update(micro_batch_terms(config, shape))
+    return terms
+
+
+def micro_batch_terms(config, shape: ModelShape) -> dict[str, float]:
+    """One actor micro-batch's activations (kept for the backward pass) and logits, in bytes."""
+    rows = config.actor.samples_per_micro_batch
+    tokens = config.data.max_prompt_tokens + config.rollout.max_response_tokens
+    compute = DTYPE_BYTES[config.model.dtype.value]
+    if config.actor.gradient_checkpointing:  # one hidden vector per layer, and one layer's worth recomputed
+        per_token = shape.hidden * shape.layers + _layer_floats(shape, tokens)
+    else:
+        per_token = _layer_floats(shape, tokens) * shape.layers
+    logits = rows * config.rollout.max_response_tokens * shape.vocab
+    return {f"activations of one micro-batch ({rows} rows x {tokens} tokens, actor.samples_per_micro_batch)":
+            rows * tokens * per_token * compute,
+            "its logits and their gradient (response positions x vocabulary)": 2 * logits * compute}
+
+
+def _layer_floats(shape: ModelShape, tokens: int) -> int:
+    return 10 * shape.hidden + 4 * shape.intermediate + 2 * shape.heads * tokens
+
+
+def node_memory_bytes() -> int:
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def actor_pool_roles(config) -> set[str]:
+    """The roles that share the actor's processes in this run (a reference only when a KL term needs
+    one and LoRA does not stand in for it; a critic only with algorithm.use_critic)."""
+    pool = config.placement.roles["actor"]
+    roles = {role for role, p in config.placement.roles.items() if p == pool}
+    kl = config.algorithm.kl_penalty_coef > 0 or config.actor.kl_loss_coef > 0
+    if not kl or config.actor.lora.rank:
+        roles.discard("reference")
+    if not config.algorithm.use_critic:
+        roles.discard("critic")
+    return roles
+
+
+def memory_problems(config, roles: set[str] | None = None, node_bytes: int | None = None) -> list[str]:
+    """The refusal, with its arithmetic, of a run whose actor pool cannot fit on a node of this
+    machine's memory (`node_bytes`); empty when it may fit or the check does not apply."""
+    from hybridflow.model_checks import on_cpu
+
+    if config.model.path is None or not on_cpu(config):
+        return []
+    shape = ModelShape.from_dir(config.model.path)
+    if shape is None:
+        return []
+    pool = config.placement.pools[config.placement.roles["actor"]]
+    terms = process_terms(config, shape, actor_pool_roles(config) if roles is None else roles)
+    per_process = sum(terms.values())
+    node = pool.devices_per_node * per_process
+    available = NODE_MEMORY_SHARE * (node_bytes or node_memory_bytes())
+    if node <= available:
+        return []
+    lines = "".join(f"\n      {v / GIB:7.2f} GiB  {k}" for k, v in terms.items())
+    return [f"model.path={config.model.path!r} ({shape.parameters / 1e6:.0f}M parameters, {shape.layers} layers) does "
+            f"not fit: each of the {pool.devices_per_node} processes of the actor's pool on a node holds at least "
+            f"{per_process / GIB:.2f} GiB:{lines}\n    = {node / GIB:.2f} GiB per node, above the "
+            f"{available / GIB:.2f} GiB Ray lets a node use ({NODE_MEMORY_SHARE:.0%} of {available / NODE_MEMORY_SHARE / GIB:.1f} "
+            "GiB). Fix: actor.gradient_checkpointing=true, a smaller actor.samples_per_micro_batch, "
+            "model.dtype=bfloat16 with model.master_dtype=bfloat16, fewer ranks per node "
+            "(placement.pools.<pool>.devices_per_node), or rollout.kv_cache_space_gib=1"]

@@ -1,0 +1,106 @@
+"""The memory floor of a run's actor processes, and the refusal of a run that cannot fit
+(hybridflow/memory_budget.py)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import struct
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from hybridflow.config import compose
+from hybridflow.memory_budget import GIB, ModelShape, memory_problems, process_terms
+
+ROOT = Path(__file__).resolve().parents[2]
+# Qwen2.5-0.5B's shapes (tied embeddings): 494,032,768 parameters
+QWEN05 = {"vocab_size": 151936, "hidden_size": 896, "intermediate_size": 4864, "num_hidden_layers": 24,
+          "num_attention_heads": 14, "num_key_value_heads": 2}
+
+
+def qwen05_shapes() -> dict[str, list[int]]:
+    h, i, v, kv = 896, 4864, 151936, 128
+    shapes = {"model.embed_tokens.weight": [v, h], "model.norm.weight": [h]}
+    for layer in range(24):
+        p = f"model.layers.{layer}."
+        shapes.update({p + "self_attn.q_proj.weight": [h, h], p + "self_attn.q_proj.bias": [h],
+                       p + "self_attn.k_proj.weight": [kv, h], p + "self_attn.k_proj.bias": [kv],
+                       p + "self_attn.v_proj.weight": [kv, h], p + "self_attn.v_proj.bias": [kv],
+                       p + "self_attn.o_proj.weight": [h, h], p + "mlp.gate_proj.weight": [i, h],
+                       p + "mlp.up_proj.weight": [i, h], p + "mlp.down_proj.weight": [h, i],
+                       p + "input_layernorm.weight": [h], p + "post_attention_layernorm.weight": [h]})
+    return shapes
+
+
+def header_only_model(directory: Path, tokenizer_dir: Path) -> Path:
+    """A model directory whose safetensors file has Qwen2.5-0.5B's header and no data: enough for
+    every check before start (which reads headers only), 2 GB smaller than the real thing."""
+    directory.mkdir(parents=True)
+    (directory / "config.json").write_text(json.dumps({"model_type": "qwen2", "architectures": ["Qwen2ForCausalLM"],
+                                                       "tie_word_embeddings": True, **QWEN05}))
+    header = json.dumps({n: {"dtype": "F32", "shape": s, "data_offsets": [0, 0]}
+                         for n, s in qwen05_shapes().items()}).encode()
+    (directory / "model.safetensors").write_bytes(struct.pack("<Q", len(header)) + header)
+    for f in tokenizer_dir.iterdir():
+        if f.name.startswith(("tokenizer", "special_tokens", "chat_template")):
+            shutil.copy(f, directory / f.name)
+    return directory
+
+
+def test_model_shape_reads_the_exact_parameter_count_from_the_headers(tmp_path, tiny_model_dir):
+    shape = ModelShape.from_dir(header_only_model(tmp_path / "m", tiny_model_dir))
+    assert shape == ModelShape(parameters=494_032_768, layers=24, hidden=896, intermediate=4864, heads=14, vocab=151936)
+    assert ModelShape.from_dir(tmp_path / "missing") is None
+
+
+def test_process_terms_worked_example():
+    """SmolLM2-135M (134,515,008 parameters), float32 masters over 2 ranks, float32 engine, 16 rows of
+    64 + 64 tokens: parameters 134.5M x 4 B / 2 = 0.25 GiB, gradients the same, AdamW twice that,
+    the engine's full copy 0.50 GiB, the KV cache 1 GiB; activations 16 x 128 tokens x 30 layers x
+    (10 x 576 + 4 x 1536 + 2 x 9 x 128 = 14,208 floats) x 4 B = 3.25 GiB; logits and their gradient
+    2 x 16 x 64 x 49,152 x 4 B = 0.375 GiB."""
+    shape = ModelShape(parameters=134_515_008, layers=30, hidden=576, intermediate=1536, heads=9, vocab=49152)
+    config = compose(["model=local_hf", "model.path=/m", "model.dtype=float32", "data.max_prompt_tokens=64",
+                      "rollout.max_response_tokens=64"])
+    terms = {k.split(" (")[0]: v / GIB for k, v in process_terms(config, shape, {"actor", "rollout"}).items()}
+    assert terms["actor parameters"] == pytest.approx(134_515_008 * 4 / 2 / GIB)
+    assert terms["actor AdamW moments"] == pytest.approx(2 * terms["actor gradients"])
+    assert terms["vLLM weights"] == pytest.approx(134_515_008 * 4 / GIB) and terms["vLLM KV cache"] == 1.0
+    assert terms["activations of one micro-batch"] == pytest.approx(16 * 128 * 30 * 14208 * 4 / GIB)
+    assert terms["its logits and their gradient"] == pytest.approx(0.375)
+    checkpointed = compose(["model=local_hf", "model.path=/m", "model.dtype=float32", "rollout.max_response_tokens=64",
+                            "actor.gradient_checkpointing=true"])
+    activations = [v for k, v in process_terms(checkpointed, shape, {"actor"}).items() if k.startswith("activations")]
+    assert activations[0] < 0.2 * GIB  # one hidden vector per layer, and one layer recomputed
+
+
+def test_a_run_that_cannot_fit_is_refused_with_the_arithmetic(tmp_path, tiny_model_dir):
+    model = header_only_model(tmp_path / "qwen05", tiny_model_dir)
+    base = ["model=local_hf", f"model.path={model}", "placement.device=cpu"]
+    assert memory_problems(compose(base), node_bytes=24 * GIB) == []  # 2 processes of ~7 GiB fit in 24 GiB
+    # 8 processes on the node: each still holds the engine's full copy (1.84 GiB) and a 1 GiB KV cache
+    refused = memory_problems(compose([*base, "placement.pools.global.devices_per_node=8"]), node_bytes=24 * GIB)
+    assert len(refused) == 1
+    text = refused[0]
+    assert "494M parameters, 24 layers" in text and "each of the 8 processes" in text
+    assert "actor AdamW moments" in text and "vLLM KV cache" in text and "GiB per node, above the 22.80 GiB" in text
+    assert "actor.gradient_checkpointing=true" in text
+
+
+def test_the_command_refuses_it_before_anything_starts(tmp_path, tiny_model_dir):
+    """The same refusal from the `hybridflow` command, exit status 2, within 10 s: no Ray, no model."""
+    model = header_only_model(tmp_path / "qwen05", tiny_model_dir)
+    start = time.perf_counter()
+    done = subprocess.run([str(Path(sys.executable).parent / "hybridflow"), "recipe=grpo", "model=local_hf",
+                           f"model.path={model}", "placement.device=cpu", "placement.pools.global.devices_per_node=8",
+                           f"logger.output_root={tmp_path / 'runs'}"], cwd=ROOT, capture_output=True, text=True,
+                          timeout=60)
+    seconds = time.perf_counter() - start
+    assert done.returncode == 2, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "does not fit" in done.stderr + done.stdout and "actor AdamW moments" in done.stderr + done.stdout
+    assert seconds <= 10.0, seconds
+    assert not (tmp_path / "runs").exists()  # nothing was made
