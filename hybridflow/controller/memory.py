@@ -74,12 +74,30 @@ def pool_memory_metrics(groups: dict) -> dict[str, float]:
              for name, group in pools.items()}
     out = {}
     for name, refs in calls.items():
-        reads = ray.get(refs)
+        reads = _answers(refs)
+        if not reads:
+            continue
         out[f"memory/{name}_peak_gib"] = max(r["rss_peak_bytes"] for r in reads) / GIB
         out[f"memory/{name}_rss_gib"] = max(r["rss_bytes"] for r in reads) / GIB
         if all("device_peak_bytes" in r for r in reads):
             out[f"memory/{name}_device_peak_gib"] = max(r["device_peak_bytes"] for r in reads) / GIB
     return out
+
+
+def _answers(refs: list, timeout_s: float = 10.0) -> list[dict]:
+    """The reads that came back. A read never fails a run: a dead or unresponsive process is left
+    out (the next stage call to it names it and the restarts handle it), and a pool none of whose
+    processes answered reports nothing this step."""
+    import ray
+    from ray.exceptions import GetTimeoutError, RayActorError
+
+    reads = []
+    for ref in refs:
+        try:
+            reads.append(ray.get(ref, timeout=timeout_s))
+        except (RayActorError, GetTimeoutError):
+            continue
+    return reads
 
 
 def memory_kill(error_text: str) -> str | None:
