@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import time
 from dataclasses import asdict, is_dataclass
 from enum import Enum
@@ -58,6 +59,11 @@ def save_config(config: Any, run_dir: Path) -> Path:
 class MetricsLogger:
     """Appends one JSON line per `log` call to run_dir/metrics.jsonl and shows it on the console.
 
+    One row per step: a run that resumes (trainer.resume, a restart) logs again the steps after its
+    checkpoint, which the run before may have logged already. The first `log` of a logger therefore
+    drops the rows at or past its step (rewriting the file atomically), so every reader sees each
+    step once, with the numbers of the run that continued.
+
     On the console (backend `console`), a step loop of `total_steps` is one live progress line
     with the watched numbers, plus a line per validation and a summary at `close`
     (hybridflow.console); without `total_steps` each `log` is one line.
@@ -81,6 +87,7 @@ class MetricsLogger:
 
             self.progress = Progress(stage_name(run_dir.name), total_steps, initial_step=last_logged_step(run_dir))
         self.jsonl = "jsonl" in backends
+        self.first_log = True
         missing = missing_backends(backends)
         if missing:
             raise ImportError(missing[0])
@@ -96,6 +103,9 @@ class MetricsLogger:
             metrics["trainer/restarts"] = self.restarts
         record = {"step": step, **{k: _jsonable(v) for k, v in metrics.items()}}
         if self.jsonl:
+            if self.first_log:
+                drop_rows_from(self.path, step)
+            self.first_log = False
             with open(self.path, "a") as f:
                 f.write(json.dumps(record) + "\n")
         numeric = {k: float(v) for k, v in metrics.items() if isinstance(v, (int, float))}
@@ -188,6 +198,21 @@ def _mlflow(where: dict):
     mlflow.set_experiment(where["experiment"])
     mlflow.start_run(run_name=where["name"], tags={"project": where["project"], **{t: "true" for t in where["tags"]}})
     return mlflow
+
+
+def drop_rows_from(path: Path, step: int) -> int:
+    """Remove the rows of metrics file `path` whose step is `step` or later (atomically: a new file
+    renamed over the old); returns how many were removed."""
+    if not path.exists():
+        return 0
+    lines = [line for line in path.read_text().splitlines() if line.strip()]
+    kept = [line for line in lines if int(json.loads(line)["step"]) < step]
+    if len(kept) == len(lines):
+        return 0
+    partial = path.with_name(path.name + ".partial")
+    partial.write_text("".join(line + "\n" for line in kept))
+    os.replace(partial, path)
+    return len(lines) - len(kept)
 
 
 def last_logged_step(run_dir: Path) -> int:

@@ -120,6 +120,8 @@ def test_kill_and_resume_matches_the_uninterrupted_run(tmp_path, straight):
     resumed = hybridflow([*args, "trainer.resume=true"], tmp_path, "killed")
     assert resumed.returncode == 0, resumed.stdout[-4000:] + resumed.stderr[-4000:]
     assert "resumed from" in resumed.stdout
+    steps = [r["step"] for r in metrics(tmp_path / "killed")]
+    assert steps == [1, 2, 3], steps  # each step once: the killed run's rows past its checkpoint were rewritten
     got = {r["step"]: r for r in metrics(tmp_path / "killed")}[3]
     for key in COMPARED:
         assert got[key] == pytest.approx(straight[3][key], rel=1e-5, abs=1e-6), key
@@ -134,6 +136,8 @@ def test_an_actor_rank_killed_mid_run_is_restarted_and_the_run_matches_the_unint
     # the first call that reaches the dead process names it: the group (actor+rollout+reward), rank, method, step
     restart = json.loads((tmp_path / "restarted" / "restarts.jsonl").read_text().splitlines()[0])
     assert restart["step"] == 2 and "failed on rank 1 of 2" in restart["message"] and "died" in restart["message"]
+    steps = [r["step"] for r in metrics(tmp_path / "restarted")]
+    assert steps == sorted(set(steps)), steps  # each step once, though steps after the checkpoint ran twice
     rows = {r["step"]: r for r in metrics(tmp_path / "restarted")}
     assert rows[3]["trainer/restarts"] == 1 and "trainer/restarts" not in rows[1]
     for step in (2, 3):

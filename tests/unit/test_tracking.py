@@ -130,3 +130,23 @@ def test_a_resumed_step_loop_counts_from_the_last_logged_step(tmp_path, capsys):
     logger.close()
     out = capsys.readouterr().out
     assert f"{tmp_path.name}: 2 steps in" in out and "loss=0.250" in out
+
+
+def test_a_resumed_run_rewrites_the_steps_it_logs_again(tmp_path):
+    """A run killed after logging steps 1-5 resumes from its step-3 checkpoint: steps 4 and 5 are
+    logged again, and the file holds each step once, the new numbers for 4 and 5."""
+    first = MetricsLogger(tmp_path, ["jsonl"])
+    for step in range(1, 6):
+        first.log(step, {"reward/score": float(step)})
+    first.close()
+    resumed = MetricsLogger(tmp_path, ["jsonl"])
+    resumed.log(4, {"reward/score": 40.0})
+    resumed.log(5, {"reward/score": 50.0})
+    resumed.close()
+    rows = read_metrics(tmp_path)
+    assert [r["step"] for r in rows] == [1, 2, 3, 4, 5]
+    assert [r["reward/score"] for r in rows] == [1.0, 2.0, 3.0, 40.0, 50.0]
+    assert not (tmp_path / "metrics.jsonl.partial").exists()
+    later = MetricsLogger(tmp_path, ["jsonl"])  # continuing past the end drops nothing
+    later.log(6, {"reward/score": 6.0})
+    assert [r["step"] for r in read_metrics(tmp_path)] == [1, 2, 3, 4, 5, 6]
