@@ -2,7 +2,7 @@
 
 Every entry follows the custom-function contract (see docs/rewards.md): keyword arguments
 taken by name from the sample (`prompt`, `response`, data columns), a float or a dict with
-`score` returned.
+`score` returned. `reasoning_gym` lives in its own module (it needs an optional package).
 """
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ import math
 import re
 
 from hybridflow.registry import Registry
+from hybridflow.rewards.reasoning_gym import score_reasoning_gym
 
 REWARD_FUNCTIONS: Registry = Registry(
     "reward function",
@@ -83,3 +84,6 @@ def digit_match(response: str, ground_truth: str, **_) -> dict:
     matches = sum(a == b for a, b in zip(got.rjust(width), want.rjust(width)))
     exact = 1.0 if got == want else 0.0
     return {"score": matches / width, "accuracy": exact}
+
+
+REWARD_FUNCTIONS.add("reasoning_gym", score_reasoning_gym)

@@ -139,6 +139,7 @@ def build_reward_function(spec: RewardFunctionConfig, key: str) -> RewardFunctio
     """Load the function `spec.fn` names (registered, module or file) and wrap it."""
     try:
         fn = REWARD_FUNCTIONS.get(spec.fn)
+        getattr(fn, "reward_requires", lambda: None)()  # a missing optional package: ImportError naming the fix
     except Exception as exc:
         raise RewardFunctionError(f"cannot load reward function {key}={spec.fn!r}: {type(exc).__name__}: {exc}",
                                   function=spec.fn, kind="load") from exc
