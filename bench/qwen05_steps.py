@@ -60,7 +60,7 @@ def main() -> None:
     command = [str(Path(sys.executable).parent / "hybridflow"), "recipe=grpo", "model=local_hf", f"model.path={model}",
                "data=files", f"data.train_path={train}", f"data.val_path={val}", "data.max_prompt_tokens=64",
                f"reward.fn={ROOT / 'tests/e2e/fixtures/varied_reward.py'}:score", "rollout.max_response_tokens=16",
-               "trainer.prompts_per_step=2", "rollout.samples_per_prompt=2", "actor.samples_per_micro_batch=2",
+               "trainer.prompts_per_step=2", "rollout.samples_per_prompt=2",
                f"trainer.total_steps={args.steps}", "trainer.val_every_steps=0", "trainer.val_prompts=4",
                "trainer.export_hf=false", f"logger.output_root={args.work / 'runs'}", f"logger.run_name={run_name}",
                *extra]

@@ -7,6 +7,12 @@ are prepared by grpo_vs_trl.py and handed over as files.
     bench/.trl-venv/bin/python bench/trl_grpo_steps.py --model DIR --prompts FILE.jsonl --out FILE.json \
         [--steps 7] [--prompts-per-step 16] [--samples-per-prompt 8] [--max-response-tokens 8]
 
+With `--val FILE --val-every N` it also measures learning: held-out accuracy, greedy, on the
+validation prompts before the first step and after every N steps (bench/real_learning_vs_trl.py).
+`--reward math_answer` scores with HybridFlow's own `math_answer`, loaded from its file (the one
+function both sides use); `--dtype bfloat16` computes in bfloat16 over float32 weights (TRL's
+`bf16=True`), HybridFlow's `model.dtype=bfloat16` with float32 masters.
+
 TRL generates with plain transformers `generate` (`use_vllm=False`), or with `--vllm-colocate`
 TRL's colocated vLLM mode, which needs vLLM in TRL's environment (`bench/trl_env.sh --vllm`).
 One step is one optimizer step: one generation of prompts x samples completions, then a
@@ -30,6 +36,52 @@ def exact_match(completions: list[str], ground_truth: list[str], **_) -> list[fl
     return [1.0 if str(c).strip() == str(g).strip() else 0.0 for c, g in zip(completions, ground_truth)]
 
 
+def hybridflow_reward(name: str):
+    """HybridFlow's built-in reward `name` (hybridflow/rewards/builtin.py, loaded from its file: this
+    environment has none of HybridFlow's dependencies) in TRL's batched convention. Chat completions
+    arrive as message lists; the assistant's text is scored."""
+    import importlib.util
+    import sys
+
+    root = Path(__file__).resolve().parents[1]
+    sys.path.insert(0, str(root))  # hybridflow/registry.py, which builtin.py imports (standard library only)
+    spec = importlib.util.spec_from_file_location("hybridflow_builtin_rewards", root / "hybridflow/rewards/builtin.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    fn = module.REWARD_FUNCTIONS.get(name)
+
+    def reward(completions: list, ground_truth: list[str], **_) -> list[float]:
+        return [float(fn(response=completion_text(c), ground_truth=g)["score"]) for c, g in zip(completions, ground_truth)]
+    reward.__name__ = name
+    return reward
+
+
+def completion_text(completion) -> str:
+    return completion if isinstance(completion, str) else "".join(m["content"] for m in completion)
+
+
+def held_out_accuracy(model, tokenizer, rows: list[dict], reward, max_new_tokens: int, dtype, rows_per_batch: int = 50
+                      ) -> float:
+    """Greedy answers to `rows`' chat prompts (the model's chat template), scored by `reward`: the
+    same measure as HybridFlow's `val/accuracy`."""
+    import torch
+
+    tokenizer.padding_side = "left"
+    was_training, scores = model.training, []
+    model.eval()
+    for i in range(0, len(rows), rows_per_batch):
+        batch = rows[i:i + rows_per_batch]
+        texts = [tokenizer.apply_chat_template(r["prompt"], tokenize=False, add_generation_prompt=True) for r in batch]
+        inputs = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False)
+        with torch.no_grad(), torch.autocast("cpu", dtype=dtype, enabled=dtype != torch.float32):
+            out = model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False,
+                                 pad_token_id=tokenizer.pad_token_id)
+        answers = tokenizer.batch_decode(out[:, inputs["input_ids"].shape[1]:], skip_special_tokens=True)
+        scores += reward(answers, [r["ground_truth"] for r in batch])
+    model.train(was_training)
+    return sum(scores) / len(scores)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--model", required=True)
@@ -42,6 +94,11 @@ def main() -> None:
     p.add_argument("--max-response-tokens", type=int, default=8)
     p.add_argument("--lr", type=float, default=2e-5)
     p.add_argument("--threads", type=int, default=2, help="torch threads per process")
+    p.add_argument("--reward", default="exact_match", help="exact_match, or a HybridFlow built-in reward name")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="compute dtype")
+    p.add_argument("--max-prompt-tokens", type=int, default=64, help="vLLM's model length is this + the response")
+    p.add_argument("--val", help="JSON lines of held-out prompts: held-out accuracy is measured (greedy)")
+    p.add_argument("--val-every", type=int, default=0, help="steps between held-out measurements (0: none)")
     p.add_argument("--vllm-colocate", action="store_true",
                    help="TRL's vLLM generation in the training process (needs vLLM in TRL's environment)")
     args = p.parse_args()
@@ -67,6 +124,9 @@ def main() -> None:
         raise SystemExit(f"--samples-per-micro-batch {args.samples_per_micro_batch} over {world} process(es) must "
                          f"divide prompts x samples = {samples_per_step}")
     times = StepTimes()
+    reward = exact_match if args.reward == "exact_match" else hybridflow_reward(args.reward)
+    dtype = torch.bfloat16 if args.dtype == "bfloat16" else torch.float32
+    val_rows = [json.loads(line) for line in Path(args.val).read_text().splitlines() if line.strip()] if args.val else []
 
     class TimedGRPOTrainer(GRPOTrainer):
         """Records the seconds of generation, and of generation + scoring, inside each step."""
@@ -93,11 +153,20 @@ def main() -> None:
             return out
 
     class StepClock(TrainerCallback):
+        def on_train_begin(self, _args, state, _control, model=None, **__):
+            times.start()
+            if val_rows and args.val_every:
+                times.validation(0, held_out_accuracy(model, tokenizer, val_rows, reward, args.max_response_tokens,
+                                                      dtype))
+
         def on_step_begin(self, *_, **__):
             times.begin()
 
-        def on_step_end(self, *_, **__):
+        def on_step_end(self, _args, state, _control, model=None, **__):
             times.end()
+            if val_rows and args.val_every and state.global_step % args.val_every == 0:
+                times.validation(state.global_step, held_out_accuracy(model, tokenizer, val_rows, reward,
+                                                                      args.max_response_tokens, dtype))
 
     with tempfile.TemporaryDirectory(prefix="trl-grpo-bench-") as output_dir:
         config = GRPOConfig(
@@ -119,12 +188,12 @@ def main() -> None:
             num_iterations=1,
             loss_type="dapo",  # token-mean over the step, HybridFlow's default aggregation
             scale_rewards="group",
-            bf16=False,  # float32 everywhere, as HybridFlow's tiny model
+            bf16=args.dtype == "bfloat16",  # autocast over float32 weights; float32: everywhere
             use_cpu=True,
             use_vllm=args.vllm_colocate,
             vllm_mode="colocate",
             vllm_gpu_memory_utilization=0.3,
-            vllm_max_model_length=64,
+            vllm_max_model_length=args.max_prompt_tokens + args.max_response_tokens,
             shuffle_dataset=False,  # the prompts in the order HybridFlow's loader drew them
             seed=0,
             logging_steps=1,
@@ -135,7 +204,7 @@ def main() -> None:
         )
         tokenizer = AutoTokenizer.from_pretrained(args.model)
         model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32)
-        trainer = TimedGRPOTrainer(model=model, reward_funcs=exact_match, args=config, train_dataset=dataset,
+        trainer = TimedGRPOTrainer(model=model, reward_funcs=reward, args=config, train_dataset=dataset,
                                    processing_class=tokenizer, callbacks=[StepClock()])
         trainer.train()
 
@@ -143,6 +212,7 @@ def main() -> None:
         return
     result = {
         "steps": times.steps,
+        "validation": times.validations,
         "versions": {"torch": torch.__version__, "transformers": transformers.__version__, "trl": trl.__version__},
         "threads": torch.get_num_threads(),
         "processes": world,
@@ -159,8 +229,17 @@ class StepTimes:
 
     def __init__(self) -> None:
         self.steps: list[dict] = []
+        self.validations: list[dict] = []  # step, held-out accuracy, seconds since training began
         self._current: dict | None = None
-        self._start = 0.0
+        self._start = self._train_start = 0.0
+
+    def start(self) -> None:
+        self._train_start = time.perf_counter()
+
+    def validation(self, step: int, accuracy: float) -> None:
+        self.validations.append({"step": step, "accuracy": accuracy,
+                                 "elapsed_s": time.perf_counter() - self._train_start})
+        print(f"TRL step {step}: held-out accuracy {accuracy:.3f}", flush=True)
 
     def begin(self) -> None:
         self._current, self._start = {}, time.perf_counter()
@@ -171,6 +250,7 @@ class StepTimes:
 
     def end(self) -> None:
         self._current["step_s"] = time.perf_counter() - self._start
+        self._current["elapsed_s"] = time.perf_counter() - self._train_start
         self.steps.append(self._current)
         self._current = None
 

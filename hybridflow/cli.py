@@ -53,8 +53,13 @@ def run(config: HybridFlowConfig) -> dict:
     check_inputs(config)  # first: a refused run never pays for importing the recipe's torch and vLLM
     recipe = recipe_function(config.recipe.name)
     name = config.recipe.name.split(":")[-1]
+    chosen = None
+    if not recipe_spec(config.recipe.name).pipeline:  # each stage of a pipeline chooses its own (run_stage)
+        from hybridflow.memory_budget import resolve_micro_batches
+
+        config, chosen = resolve_micro_batches(config)
     run_dir = make_run_dir(config.logger.output_root, config.logger.run_name, name)
-    save_config(config, run_dir)
+    save_config(config, run_dir)  # with the micro-batch sizes chosen, as the run uses them
     from hybridflow.launch import release_all
     from hybridflow.runner import run_stage
 
@@ -65,9 +70,9 @@ def run(config: HybridFlowConfig) -> dict:
         console.say(f"hybridflow: run directory {run_dir}{where}")
         from hybridflow.model_checks import half_precision_note
 
-        note = half_precision_note(config)
-        if note:
-            console.say(note)
+        for note in (chosen, half_precision_note(config)):
+            if note:
+                console.say(note)
         try:
             with console.stage(name):
                 return runner(recipe, config, run_dir)

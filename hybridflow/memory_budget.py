@@ -71,8 +71,10 @@ def _safetensors_numel(path: Path) -> int:
     return total
 
 
-def process_terms(config, shape: ModelShape, roles: set[str]) -> dict[str, float]:
-    """Bytes per process of the actor's pool, term by term; `roles`: the roles placed on that pool."""
+def process_terms(config, shape: ModelShape, roles: set[str], rows: int | None = None,
+                  checkpointing: bool | None = None) -> dict[str, float]:
+    """Bytes per process of the actor's pool, term by term; `roles`: the roles placed on that pool;
+    `rows`, `checkpointing`: the micro-batch's, where not the config's."""
     ranks = config.placement.world_size("actor")
     master, compute = DTYPE_BYTES[config.model.master_dtype.value], DTYPE_BYTES[config.model.dtype.value]
     p = shape.parameters
@@ -88,16 +90,19 @@ def process_terms(config, shape: ModelShape, roles: set[str]) -> dict[str, float
         tp = config.rollout.tensor_parallel_size
         terms[f"vLLM weights (rollout.dtype, 1/{tp} of the model)"] = p * DTYPE_BYTES[config.rollout.dtype.value] / tp
         terms["vLLM KV cache (rollout.kv_cache_space_gib)"] = config.rollout.kv_cache_space_gib * GIB
-    terms.update(micro_batch_terms(config, shape))
+    terms.update(micro_batch_terms(config, shape, rows, checkpointing))
     return terms
 
 
-def micro_batch_terms(config, shape: ModelShape) -> dict[str, float]:
-    """One actor micro-batch's activations (kept for the backward pass) and logits, in bytes."""
-    rows = config.actor.samples_per_micro_batch
+def micro_batch_terms(config, shape: ModelShape, rows: int | None = None,
+                      checkpointing: bool | None = None) -> dict[str, float]:
+    """One actor micro-batch's activations (kept for the backward pass) and logits, in bytes; `rows`
+    and `checkpointing` default to the config's (resolved by `resolve_micro_batches`)."""
+    rows = config.actor.samples_per_micro_batch if rows is None else rows
+    checkpointing = config.actor.gradient_checkpointing if checkpointing is None else checkpointing
     tokens = config.data.max_prompt_tokens + config.rollout.max_response_tokens
     compute = DTYPE_BYTES[config.model.dtype.value]
-    if config.actor.gradient_checkpointing:  # one hidden vector per layer, and one layer's worth recomputed
+    if checkpointing:  # one hidden vector per layer, and one layer's worth recomputed
         per_token = shape.hidden * shape.layers + _layer_floats(shape, tokens)
     else:
         per_token = _layer_floats(shape, tokens) * shape.layers
@@ -105,6 +110,85 @@ def micro_batch_terms(config, shape: ModelShape) -> dict[str, float]:
     return {f"activations of one micro-batch ({rows} rows x {tokens} tokens, actor.samples_per_micro_batch)":
             rows * tokens * per_token * compute,
             "its logits and their gradient (response positions x vocabulary)": 2 * logits * compute}
+
+
+# actor/critic.samples_per_micro_batch and actor.gradient_checkpointing left null are chosen before
+# start: the most rows (at most AUTO_MAX_ROWS) whose floor stays within AUTO_SHARE of what one process
+# of the actor's pool may use. The floor is a lower bound (measured peaks were 1.0-1.43x it on
+# SmolLM2, docs/performance.md), hence the share; beyond 64 rows a micro-batch gains little on a CPU.
+AUTO_MAX_ROWS = 64
+AUTO_SHARE = 0.6
+AUTO_MIN_ROWS_WITHOUT_CHECKPOINTING = 8  # fewer rows fit: recompute activations instead (about 1.3x compute)
+GPU_DEFAULT_ROWS = 16  # on GPUs vLLM's gpu_memory_utilization sets the budget; the schema's old default
+
+
+@dataclass(frozen=True)
+class MicroBatchChoice:
+    rows: int
+    gradient_checkpointing: bool
+    why: str  # one console line
+
+
+def choose_micro_batch(config, shape: ModelShape | None, node_bytes: int | None = None) -> MicroBatchChoice:
+    """The actor's rows per micro-batch and activation checkpointing: the config's where set, else
+    the most rows whose floor (`process_terms`) fits AUTO_SHARE of a process's share of the node,
+    without checkpointing when that fits AUTO_MIN_ROWS_WITHOUT_CHECKPOINTING rows, else with it."""
+    from hybridflow.model_checks import on_cpu
+
+    rows_set, ckpt_set = config.actor.samples_per_micro_batch, config.actor.gradient_checkpointing
+    if shape is None or not on_cpu(config):
+        rows = rows_set or (GPU_DEFAULT_ROWS if not on_cpu(config) else AUTO_MAX_ROWS)
+        return MicroBatchChoice(rows, bool(ckpt_set), "the model's size is unknown before start (the tiny model, "
+                                "or GPUs)" if shape is None else "on GPUs")
+    pool = config.placement.pools[config.placement.roles["actor"]]
+    budget = AUTO_SHARE * NODE_MEMORY_SHARE * (node_bytes or node_memory_bytes()) / pool.devices_per_node
+    fixed = {k: v for k, v in process_terms(config, shape, actor_pool_roles(config), rows=1, checkpointing=False).items()
+             if k not in micro_batch_terms(config, shape, 1, False)}
+
+    def fits(rows: int, ckpt: bool) -> bool:
+        return sum(fixed.values()) + sum(micro_batch_terms(config, shape, rows, ckpt).values()) <= budget
+
+    def most_rows(ckpt: bool) -> int:
+        candidates = [rows_set] if rows_set else range(AUTO_MAX_ROWS, 0, -1)
+        return next((r for r in candidates if fits(r, ckpt)), 0)
+
+    plain = most_rows(False) if ckpt_set is not True else 0
+    enough = min(rows_set or AUTO_MAX_ROWS, AUTO_MIN_ROWS_WITHOUT_CHECKPOINTING)
+    if ckpt_set is False or (ckpt_set is None and plain >= enough):
+        rows, ckpt = plain, False
+    else:
+        rows, ckpt = most_rows(True), True
+    if rows == 0:  # nothing fits: the smallest, which memory_problems refuses with its arithmetic
+        rows, ckpt = rows_set or 1, ckpt_set if ckpt_set is not None else True
+    return MicroBatchChoice(rows, ckpt, f"the floor at that size fits {AUTO_SHARE:.0%} of the "
+                            f"{budget / AUTO_SHARE / GIB:.1f} GiB one process of the actor's pool may use")
+
+
+def resolve_micro_batches(config, node_bytes: int | None = None, model_dir: str | Path | None = None):
+    """`config` with actor/critic.samples_per_micro_batch and actor.gradient_checkpointing filled in
+    where null (`choose_micro_batch`, for the model in `model_dir`, default `model.path`), and the
+    console line that says what was chosen (None when everything was set)."""
+    import dataclasses
+
+    actor, critic = config.actor, config.critic
+    if actor.samples_per_micro_batch and actor.gradient_checkpointing is not None and critic.samples_per_micro_batch:
+        return config, None
+    model_dir = model_dir or config.model.path
+    shape = ModelShape.from_dir(model_dir) if model_dir else None
+    choice = choose_micro_batch(config, shape, node_bytes)
+    chosen = {}
+    if not actor.samples_per_micro_batch:
+        chosen["actor.samples_per_micro_batch"] = choice.rows
+    if actor.gradient_checkpointing is None:
+        chosen["actor.gradient_checkpointing"] = choice.gradient_checkpointing
+    if not critic.samples_per_micro_batch:  # the same model's activations, at another time in the step
+        chosen["critic.samples_per_micro_batch"] = choice.rows
+    config = dataclasses.replace(
+        config, actor=dataclasses.replace(actor, samples_per_micro_batch=choice.rows,
+                                          gradient_checkpointing=choice.gradient_checkpointing),
+        critic=dataclasses.replace(critic, samples_per_micro_batch=critic.samples_per_micro_batch or choice.rows))
+    said = ", ".join(f"{k}={str(v).lower()}" for k, v in chosen.items())
+    return config, f"hybridflow: chose {said} ({choice.why}; docs/performance.md, \"Memory\")"
 
 
 def _layer_floats(shape: ModelShape, tokens: int) -> int:
@@ -138,6 +222,7 @@ def memory_problems(config, roles: set[str] | None = None, node_bytes: int | Non
     shape = ModelShape.from_dir(config.model.path)
     if shape is None:
         return []
+    config, _ = resolve_micro_batches(config, node_bytes)  # null sizes: the choice the run would make
     pool = config.placement.pools[config.placement.roles["actor"]]
     terms = process_terms(config, shape, actor_pool_roles(config) if roles is None else roles)
     per_process = sum(terms.values())

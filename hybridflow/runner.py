@@ -223,6 +223,11 @@ def run_stage(recipe, config: HybridFlowConfig, run_dir: Path) -> dict:
     """Run one recipe in `run_dir` (a run, or one stage of a pipeline) under its own deadlines
     (`trainer.stage_timeout_s`, `trainer.default_stage_timeout_s`) and restarts (`trainer.max_restarts`):
     a restart resumes it from its own last complete checkpoint."""
+    from hybridflow.memory_budget import resolve_micro_batches
+
+    config, chosen = resolve_micro_batches(config)  # a no-op when cli.run chose already (single runs)
+    if chosen:
+        console.say(chosen)
     deadlines.configure(dict(config.trainer.stage_timeout_s), config.trainer.default_stage_timeout_s)
     return run_with_restarts(recipe, config, run_dir)
 

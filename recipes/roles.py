@@ -12,13 +12,22 @@ from pathlib import Path
 
 from hybridflow.config.schema import HybridFlowConfig, RolloutBackend
 from hybridflow.controller import RoleSpec
+from hybridflow.memory_budget import resolve_micro_batches
 from workers.actor import ActorWorker
 from workers.critic import CriticWorker
 from workers.reference import ReferenceWorker
 from workers.reward import RewardWorker
 
 
+def sized(config: HybridFlowConfig, model_dir: str | Path) -> HybridFlowConfig:
+    """`config` with the micro-batch sizes left null chosen for the model in `model_dir` (a run has
+    chosen them before start, so this changes nothing there; a worker built on its own, as in tests,
+    gets the same choice)."""
+    return resolve_micro_batches(config, model_dir=model_dir)[0]
+
+
 def actor_role(config: HybridFlowConfig, model_dir: str | Path) -> RoleSpec:
+    config = sized(config, model_dir)
     return RoleSpec(ActorWorker, dict(
         actor=config.actor, model_path=str(model_dir), dtype=config.model.dtype.value,
         master_dtype=config.model.master_dtype.value, keep_dropout=config.model.keep_dropout,
@@ -27,6 +36,7 @@ def actor_role(config: HybridFlowConfig, model_dir: str | Path) -> RoleSpec:
 
 
 def critic_role(config: HybridFlowConfig, model_dir: str | Path) -> RoleSpec:
+    config = sized(config, model_dir)
     return RoleSpec(CriticWorker, dict(
         critic=config.critic, model_path=str(model_dir), dtype=config.model.dtype.value,
         master_dtype=config.model.master_dtype.value, keep_dropout=config.model.keep_dropout,
@@ -34,6 +44,7 @@ def critic_role(config: HybridFlowConfig, model_dir: str | Path) -> RoleSpec:
 
 
 def reference_role(config: HybridFlowConfig, model_dir: str | Path) -> RoleSpec:
+    config = sized(config, model_dir)
     return RoleSpec(ReferenceWorker, dict(
         model_path=str(model_dir), dtype=config.model.dtype.value, keep_dropout=config.model.keep_dropout,
         samples_per_micro_batch=config.actor.samples_per_micro_batch, temperature=config.rollout.temperature,

@@ -98,7 +98,9 @@ MEANINGS = {
     "actor.lora.alpha": "LoRA scaling alpha",
     "actor.lora.dropout": "LoRA dropout",
     "actor.lora.target_modules": "module names that get adapters",
-    "actor.samples_per_micro_batch": "samples per forward/backward on a rank (gradient accumulation inside a mini-batch)",
+    "actor.samples_per_micro_batch": "samples per forward/backward on a rank (gradient accumulation inside a "
+                                     "mini-batch); null: the most (up to 64) that fit the memory available, chosen "
+                                     "before start and printed (docs/performance.md, Memory)",
     "actor.epochs_per_step": "passes over the step's samples",
     "actor.policy_loss": "ppo_clip, gspo, ... (docs/algorithms.md)",
     "actor.clip_ratio_low": "PPO clip below: ratio >= 1 - clip_ratio_low",
@@ -107,11 +109,12 @@ MEANINGS = {
     "actor.loss_aggregation": "token-mean, seq-mean-token-mean, seq-mean-token-sum",
     "actor.entropy_coef": "entropy bonus in the policy loss (0: off)",
     "actor.kl_loss_estimator": "estimator of the KL loss (k1, k2, k3 / low_var_kl)",
-    "actor.gradient_checkpointing": "recompute activations in backward (less memory, more compute)",
+    "actor.gradient_checkpointing": "recompute activations in backward (less memory, more compute); null: on only "
+                                    "when fewer than 8 rows of a micro-batch fit without it",
     "critic": "the critic (PPO with algorithm.use_critic=true): a value head on the model",
     "critic.optim": "the critic's optimizer and schedule (as actor.optim)",
     "critic.samples_per_mini_batch": "samples per critic update (0: the whole step)",
-    "critic.samples_per_micro_batch": "samples per forward/backward on a rank",
+    "critic.samples_per_micro_batch": "samples per forward/backward on a rank; null: the actor's choice",
     "critic.epochs_per_step": "passes over the step's samples",
     "critic.value_clip_range": "clip of the value update around the old values",
     "critic.loss_aggregation": "how the value loss is averaged over tokens and sequences",

@@ -427,7 +427,9 @@ class ActorConfig:
     optim: OptimConfig = field(default_factory=OptimConfig)
     lora: LoraConfig = field(default_factory=LoraConfig)
     samples_per_mini_batch: int = 0  # global; 0: the step's whole batch is one mini-batch (on-policy)
-    samples_per_micro_batch: int = 16  # per rank
+    # per rank; null: the most rows (up to 64) that fit the memory available, chosen before start
+    # (hybridflow/memory_budget.py, docs/performance.md "Memory")
+    samples_per_micro_batch: Optional[int] = None
     epochs_per_step: int = 1
     policy_loss: str = "ppo_clip"
     clip_ratio_low: float = 0.2
@@ -440,13 +442,15 @@ class ActorConfig:
     # Leave samples whose advantages are all 0 out of the update's forward/backward when that
     # changes no gradient (a loss that declares it, no entropy or KL term): same update, less compute.
     skip_zero_advantage_samples: bool = True
-    gradient_checkpointing: bool = False
+    # null: on only when fewer than 8 rows of a micro-batch would fit without it (chosen before start)
+    gradient_checkpointing: Optional[bool] = None
 
     def __post_init__(self) -> None:
         from hybridflow.algos import KL_ESTIMATORS, LOSS_AGGREGATIONS, POLICY_LOSSES
 
         _require(self.samples_per_mini_batch >= 0, "actor.samples_per_mini_batch", self.samples_per_mini_batch, "must be >= 0")
-        _require(self.samples_per_micro_batch >= 1, "actor.samples_per_micro_batch", self.samples_per_micro_batch, "must be >= 1")
+        _require(self.samples_per_micro_batch is None or self.samples_per_micro_batch >= 1, "actor.samples_per_micro_batch",
+                 self.samples_per_micro_batch, "must be >= 1, or null to choose from the memory available")
         _require(self.epochs_per_step >= 1, "actor.epochs_per_step", self.epochs_per_step, "must be >= 1")
         _require(self.policy_loss in POLICY_LOSSES.names(), "actor.policy_loss", self.policy_loss, f"one of {POLICY_LOSSES.names()}")
         _require(self.loss_aggregation in LOSS_AGGREGATIONS.names(), "actor.loss_aggregation", self.loss_aggregation,
@@ -464,7 +468,7 @@ class ActorConfig:
 class CriticConfig:
     optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-4))
     samples_per_mini_batch: int = 0
-    samples_per_micro_batch: int = 16
+    samples_per_micro_batch: Optional[int] = None  # null: the actor's choice (memory available)
     epochs_per_step: int = 1
     value_clip_range: float = 0.2
     loss_aggregation: str = "token-mean"

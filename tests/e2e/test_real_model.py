@@ -82,3 +82,93 @@ def test_grpo_in_bfloat16_on_the_real_model_passes_the_parity_checks(tmp_path, r
     row = metrics(tmp_path / "bf16")[0]
     assert 1e-4 < row["weight_sync/probe_log_prob_gap_mean"] < 0.06  # rounding, within the 30-layer tolerance
     assert row["weight_sync/verified_tensors"] > 0 and row["rollout/log_prob_diff"] < 0.06
+
+
+# The rest of a user's first day on the real model, each a few steps at real shapes (chat prompts of
+# ~46 tokens, 64-token answers) in the model's own bfloat16 compute over float32 master weights.
+BF16_SMALL = ["trainer.prompts_per_step=4", "rollout.samples_per_prompt=4", "trainer.val_prompts=16",
+              "actor.samples_per_micro_batch=8", "actor.optim.lr=1e-5", "trainer.export_hf=false",
+              "model.dtype=bfloat16", "rollout.dtype=bfloat16"]
+
+
+def finite_steps(rows: list[dict], steps: int) -> None:
+    import math
+
+    assert [r["step"] for r in rows if "actor/loss" in r] == list(range(1, steps + 1))
+    for row in rows:
+        if "actor/loss" in row:
+            assert math.isfinite(row["actor/loss"]) and row["actor/grad_norm"] > 0, row
+            assert 0.5 < row["memory/global_peak_gib"] < 20.0
+
+
+@pytest.mark.slow
+def test_sft_on_the_real_model_lowers_the_answer_loss(tmp_path, real_model_dir, chat_addition):
+    """SFT on the chat prompts' answers ("80"): the loss on them falls over 4 steps of lr 1e-4."""
+    run_hybridflow([*real_overrides(real_model_dir, *chat_addition), "recipe=sft", *BF16_SMALL,
+                    "trainer.total_steps=4", "actor.optim.lr=1e-4", "actor.optim.warmup_steps=0",
+                    "actor.optim.lr_schedule=constant", "trainer.val_every_steps=4", "trainer.save_every_steps=4",
+                    "trainer.prompts_per_step=16", f"logger.output_root={tmp_path}", "logger.run_name=sft"])
+    rows = metrics(tmp_path / "sft")
+    finite_steps(rows, 4)
+    losses = [r["actor/loss"] for r in rows if "actor/loss" in r]
+    assert losses[-1] < losses[0], losses
+    assert 0.0 <= rows[-1]["val/accuracy"] <= 1.0 and (tmp_path / "sft" / "checkpoints" / "step_00000004").is_dir()
+
+
+@pytest.mark.slow
+def test_grpo_one_step_off_on_the_real_model(tmp_path, real_model_dir, chat_addition):
+    """trainer.max_staleness=1: batch s+1 generates while step s trains, at real shapes."""
+    run_hybridflow([*real_overrides(real_model_dir, *chat_addition), "recipe=grpo", *BF16_SMALL,
+                    "trainer.total_steps=3", "trainer.val_every_steps=0", "trainer.max_staleness=1",
+                    f"logger.output_root={tmp_path}", "logger.run_name=async"], timeout_s=1500)
+    rows = metrics(tmp_path / "async")
+    finite_steps(rows, 3)
+    assert [r["async/trained_version"] for r in rows] == [0, 1, 2]
+    assert rows[2]["async/staleness_max"] == 1 and rows[0]["response/length_mean"] > 8
+
+
+@pytest.mark.slow
+def test_lora_grpo_on_the_real_model_keeps_the_engine_on_the_adapted_weights(tmp_path, real_model_dir, chat_addition):
+    """LoRA (rank 8 on the attention projections): the engine generates with the folded weights, which
+    the checksums and the first-batch check confirm every step."""
+    run_hybridflow([*real_overrides(real_model_dir, *chat_addition), "recipe=grpo", *BF16_SMALL,
+                    "trainer.total_steps=2", "trainer.val_every_steps=0", "actor.lora.rank=8", "actor.lora.alpha=16",
+                    "actor.lora.target_modules=[q_proj,k_proj,v_proj,o_proj]", "actor.optim.lr=1e-4",
+                    "weight_sync.checksum_every_steps=1", f"logger.output_root={tmp_path}", "logger.run_name=lora"],
+                   timeout_s=1500)
+    rows = metrics(tmp_path / "lora")
+    finite_steps(rows, 2)
+    for row in rows:
+        assert row["weight_sync/verified_tensors"] > 0 and row["weight_sync/probe_log_prob_gap_mean"] < 0.06
+
+
+@pytest.mark.slow
+def test_the_default_pipelines_stages_on_the_real_model(tmp_path, real_model_dir, chat_addition):
+    """SFT -> PMA merge (SMA of the last 2 SFT checkpoints) -> GRPO from the merge, on the real model."""
+    import ray
+
+    from hybridflow.cli import run
+    from hybridflow.config import compose
+    from hybridflow.config.schema import StageConfig
+    from hybridflow.merge.hooks import HookConfig
+
+    config = compose(["recipe=pipeline", f"logger.output_root={tmp_path}", "logger.run_name=pipe"])
+    # the stages hand on Hugging Face exports (the merge reads the SFT stage's), so export_hf stays on
+    config.pipeline.common_overrides = [*real_overrides(real_model_dir, *chat_addition),
+                                        *[o for o in BF16_SMALL if not o.startswith("trainer.export_hf")]]
+    config.pipeline.stages = [
+        StageConfig(name="sft", recipe="sft", overrides=["trainer.total_steps=2", "trainer.save_every_steps=1",
+                                                         "actor.optim.lr=1e-4"]),
+        StageConfig(name="grpo", recipe="grpo", init=HookConfig("pma_sma", {"last": 2}), evaluate_init=True,
+                    overrides=["trainer.total_steps=1"]),
+    ]
+    try:
+        result = run(config)
+    finally:
+        ray.shutdown()
+    run_dir = tmp_path / "pipe"
+    grpo = json.loads((run_dir / "01-grpo" / "STAGE_COMPLETE").read_text())
+    assert 0.0 <= grpo["init_accuracy"] <= 1.0 and grpo["final_accuracy"] is not None
+    provenance = json.loads((run_dir / "01-grpo" / "init_model" / "merge_provenance.json").read_text())
+    assert provenance["method"] == "sma" and len(provenance["inputs"]) == 2
+    assert result["final_model"].endswith("01-grpo/final_model")

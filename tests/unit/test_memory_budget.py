@@ -14,7 +14,8 @@ from pathlib import Path
 import pytest
 
 from hybridflow.config import compose
-from hybridflow.memory_budget import GIB, ModelShape, memory_problems, process_terms
+from hybridflow.memory_budget import (GIB, ModelShape, choose_micro_batch, memory_problems, process_terms,
+                                      resolve_micro_batches)
 
 ROOT = Path(__file__).resolve().parents[2]
 # Qwen2.5-0.5B's shapes (tied embeddings): 494,032,768 parameters
@@ -65,7 +66,7 @@ def test_process_terms_worked_example():
     2 x 16 x 64 x 49,152 x 4 B = 0.375 GiB."""
     shape = ModelShape(parameters=134_515_008, layers=30, hidden=576, intermediate=1536, heads=9, vocab=49152)
     config = compose(["model=local_hf", "model.path=/m", "model.dtype=float32", "data.max_prompt_tokens=64",
-                      "rollout.max_response_tokens=64"])
+                      "rollout.max_response_tokens=64", "actor.samples_per_micro_batch=16"])
     terms = {k.split(" (")[0]: v / GIB for k, v in process_terms(config, shape, {"actor", "rollout"}).items()}
     assert terms["actor parameters"] == pytest.approx(134_515_008 * 4 / 2 / GIB)
     assert terms["actor AdamW moments"] == pytest.approx(2 * terms["actor gradients"])
@@ -73,7 +74,7 @@ def test_process_terms_worked_example():
     assert terms["activations of one micro-batch"] == pytest.approx(16 * 128 * 30 * 14208 * 4 / GIB)
     assert terms["its logits and their gradient"] == pytest.approx(0.375)
     checkpointed = compose(["model=local_hf", "model.path=/m", "model.dtype=float32", "rollout.max_response_tokens=64",
-                            "actor.gradient_checkpointing=true"])
+                            "actor.gradient_checkpointing=true", "actor.samples_per_micro_batch=16"])
     activations = [v for k, v in process_terms(checkpointed, shape, {"actor"}).items() if k.startswith("activations")]
     assert activations[0] < 0.2 * GIB  # one hidden vector per layer, and one layer recomputed
 
@@ -104,3 +105,55 @@ def test_the_command_refuses_it_before_anything_starts(tmp_path, tiny_model_dir)
     assert "does not fit" in done.stderr + done.stdout and "actor AdamW moments" in done.stderr + done.stdout
     assert seconds <= 10.0, seconds
     assert not (tmp_path / "runs").exists()  # nothing was made
+
+
+SMOLLM2 = ModelShape(parameters=134_515_008, layers=30, hidden=576, intermediate=1536, heads=9, vocab=49152)
+QWEN05_SHAPE = ModelShape(parameters=494_032_768, layers=24, hidden=896, intermediate=4864, heads=14, vocab=151936)
+REAL = ["model=local_hf", "model.path=/m", "placement.device=cpu", "data.max_prompt_tokens=64",
+        "rollout.max_response_tokens=64"]
+
+
+def test_left_unset_the_micro_batch_is_the_most_rows_whose_floor_fits_the_memory_available():
+    """SmolLM2 in float32 on 2 ranks of a 24 GiB node: a process may use 0.6 x 0.95 x 24 / 2 = 6.84 GiB.
+    Fixed terms 2.50 GiB (parameters 0.25, gradients 0.25, AdamW 0.50, engine 0.50, KV cache 1.0); a row
+    costs 128 x 30 x 14,208 x 4 B = 0.2032 GiB of activations and 2 x 64 x 49,152 x 4 B = 0.0234 GiB of
+    logits: (6.84 - 2.50) / 0.2267 = 19.1, so 19 rows, without checkpointing (19 >= 8)."""
+    choice = choose_micro_batch(compose([*REAL, "model.dtype=float32"]), SMOLLM2, node_bytes=24 * GIB)
+    assert (choice.rows, choice.gradient_checkpointing) == (19, False)
+    # a 0.5B model leaves room for no row without checkpointing: recompute, and fit 3 rows
+    qwen = choose_micro_batch(compose([*REAL, "model.dtype=float32"]), QWEN05_SHAPE, node_bytes=24 * GIB)
+    assert (qwen.rows, qwen.gradient_checkpointing) == (3, True)
+    # on a large node the cap: 64 rows
+    assert choose_micro_batch(compose([*REAL, "model.dtype=float32"]), SMOLLM2, node_bytes=512 * GIB).rows == 64
+
+
+def test_the_choice_is_the_largest_that_fits_and_respects_what_the_user_set():
+    from hybridflow.memory_budget import AUTO_SHARE, NODE_MEMORY_SHARE, actor_pool_roles
+
+    for extra in ([], ["model.dtype=float32"], ["rollout.max_response_tokens=512"],
+                  ["placement.pools.global.devices_per_node=1"]):
+        config = compose([*REAL, *extra])
+        choice = choose_micro_batch(config, SMOLLM2, node_bytes=24 * GIB)
+        budget = AUTO_SHARE * NODE_MEMORY_SHARE * 24 * GIB / config.placement.pools["global"].devices_per_node
+
+        def floor(rows: int) -> float:
+            return sum(process_terms(config, SMOLLM2, actor_pool_roles(config), rows,
+                                     choice.gradient_checkpointing).values())
+        assert floor(choice.rows) <= budget and (choice.rows == 64 or floor(choice.rows + 1) > budget), extra
+    set_rows = choose_micro_batch(compose([*REAL, "actor.samples_per_micro_batch=4"]), SMOLLM2, node_bytes=24 * GIB)
+    assert (set_rows.rows, set_rows.gradient_checkpointing) == (4, False)
+    forced = choose_micro_batch(compose([*REAL, "actor.gradient_checkpointing=true"]), SMOLLM2, node_bytes=24 * GIB)
+    assert forced.gradient_checkpointing and forced.rows == 64  # checkpointed rows are cheap
+
+
+def test_resolve_fills_in_only_the_null_keys_and_says_what_it_chose(tmp_path, tiny_model_dir):
+    model = header_only_model(tmp_path / "qwen05", tiny_model_dir)
+    config, said = resolve_micro_batches(compose(["model=local_hf", f"model.path={model}", "placement.device=cpu",
+                                                  "model.dtype=float32"]), node_bytes=24 * GIB)
+    assert config.actor.samples_per_micro_batch == config.critic.samples_per_micro_batch >= 1
+    assert config.actor.gradient_checkpointing is True
+    assert "actor.samples_per_micro_batch=" in said and "actor.gradient_checkpointing=true" in said
+    again, nothing = resolve_micro_batches(config, node_bytes=24 * GIB)
+    assert again == config and nothing is None
+    tiny, _ = resolve_micro_batches(compose(["recipe=grpo"]))  # the tiny model: its size is known only at start
+    assert tiny.actor.samples_per_micro_batch == 64 and tiny.actor.gradient_checkpointing is False

