@@ -37,6 +37,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
+from doc_markers import write_between  # noqa: E402
 from flop_floor import StepTokens, floor_seconds, grpo_step_flops, matmul_flops_per_s  # noqa: E402
 
 STAGES = ("generate", "score", "advantages", "update", "weight_sync")  # the recipe's StageTimer names
@@ -257,11 +258,7 @@ def breakdown(sides: dict) -> list[str]:
 
 
 def write_doc(doc: Path, text: str) -> None:
-    body = doc.read_text() if doc.exists() else f"{BEGIN}\n{END}\n"
-    if BEGIN not in body or END not in body:
-        raise SystemExit(f"{doc} lacks the markers {BEGIN} / {END} that the results go between")
-    head, rest = body.split(BEGIN, 1)
-    doc.write_text(f"{head}{BEGIN}\n{text}\n{END}{rest.split(END, 1)[1]}")
+    write_between(doc, BEGIN, END, text)
 
 
 def main() -> None:

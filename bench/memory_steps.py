@@ -24,6 +24,10 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
+
+from doc_markers import write_between  # noqa: E402
+
 BEGIN, END = "<!-- memory_steps:begin -->", "<!-- memory_steps:end -->"
 
 
@@ -109,11 +113,7 @@ def main() -> None:
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     floor, terms = floor_gib(run_dir)
     text = render(rows, floor, terms, command, args, run_dir)
-    body = args.doc.read_text()
-    if BEGIN not in body or END not in body:
-        raise SystemExit(f"{args.doc} lacks the markers {BEGIN} / {END}")
-    head, rest = body.split(BEGIN, 1)
-    args.doc.write_text(f"{head}{BEGIN}\n{text}\n{END}{rest.split(END, 1)[1]}")
+    write_between(args.doc, BEGIN, END, text)
     print(text)
 
 

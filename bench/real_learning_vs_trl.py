@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -31,6 +32,10 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
+
+from doc_markers import write_between  # noqa: E402
+
 BEGIN, END = "<!-- real_vs_trl:begin -->", "<!-- real_vs_trl:end -->"
 
 
@@ -59,6 +64,7 @@ def run_hybridflow(args, inputs: dict, work: Path) -> dict:
                  f"seed={args.seed}", f"logger.output_root={work / 'runs'}", "logger.run_name=hybridflow",
                  "logger.backends=[jsonl]", *args.hybridflow_override]
     command = [str(Path(sys.executable).parent / "hybridflow"), *overrides]
+    shutil.rmtree(work / "runs" / "hybridflow", ignore_errors=True)  # a fresh run each time
     log = work / "hybridflow.log"
     print(f"HybridFlow: {' '.join(command)}\n  log: {log}", flush=True)
     with open(log, "w") as out:
@@ -71,6 +77,24 @@ def run_hybridflow(args, inputs: dict, work: Path) -> dict:
     return {"command": ["hybridflow", *overrides], "validation": curve,
             "step_s": [r["time/step_s"] for r in steps if "time/step_s" in r],
             "elapsed_s": steps[-1]["time/elapsed_s"] if steps else None}
+
+
+def hybridflow_initial_accuracy(args, inputs: dict, work: Path) -> dict:
+    """Step 0 for HybridFlow: `recipe=evaluate` (greedy, the same engine settings and held-out
+    prompts as the run's validations) on the model before training."""
+    from tests.real_model import real_overrides
+
+    run_dir = work / "runs" / "initial"
+    shutil.rmtree(run_dir, ignore_errors=True)
+    overrides = [*real_overrides(inputs["model"], inputs["train"], inputs["val"]), "recipe=evaluate",
+                 "recipe.eval_samples=0", f"trainer.val_prompts={args.val_rows}", "model.dtype=bfloat16",
+                 "rollout.dtype=bfloat16", f"logger.output_root={run_dir.parent}", "logger.run_name=initial",
+                 "logger.backends=[jsonl]"]
+    with open(work / "initial.log", "w") as out:
+        subprocess.run([str(Path(sys.executable).parent / "hybridflow"), *overrides], cwd=ROOT, stdout=out,
+                       stderr=subprocess.STDOUT, check=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    row = json.loads((run_dir / "metrics.jsonl").read_text().splitlines()[0])
+    return {"step": 0, "accuracy": row["val/accuracy"], "elapsed_s": 0.0}
 
 
 def run_trl(args, inputs: dict, work: Path) -> dict:
@@ -146,17 +170,9 @@ def render(results: dict) -> str:
     return "\n".join(lines).rstrip()
 
 
-def write_doc(doc: Path, text: str) -> None:
-    body = doc.read_text()
-    if BEGIN not in body or END not in body:
-        raise SystemExit(f"{doc} lacks the markers {BEGIN} / {END} that the results go between")
-    head, rest = body.split(BEGIN, 1)
-    doc.write_text(f"{head}{BEGIN}\n{text}\n{END}{rest.split(END, 1)[1]}")
-
-
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--sides", default="hybridflow,trl")
+    p.add_argument("--sides", default="hybridflow,trl", help="comma-separated; empty: run none, finish the results")
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--val-every", type=int, default=5)
     p.add_argument("--val-rows", type=int, default=100)
@@ -184,13 +200,17 @@ def main() -> None:
                     if line.startswith("model name")), "?")
         results = {"args": vars(args), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "cpu": cpu,
                    "sides": old}
-        for side in args.sides.split(","):
+        for side in filter(None, args.sides.split(",")):
             results["sides"][side] = run_hybridflow(args, inputs, work) if side == "hybridflow" else \
                 run_trl(args, inputs, work)
             results_path.write_text(json.dumps(results, indent=1))
+        ours = results["sides"].get("hybridflow")
+        if ours and ours["validation"][0]["step"] != 0:  # the recipe validates after steps, not before
+            ours["validation"].insert(0, hybridflow_initial_accuracy(args, inputs, work))
+            results_path.write_text(json.dumps(results, indent=1))
     results = json.loads(results_path.read_text())
     plot(results, ROOT / "docs" / "learning_real_vs_trl.png")
-    write_doc(Path(args.doc), render(results))
+    write_between(Path(args.doc), BEGIN, END, render(results))
     print(render(results))
 
 

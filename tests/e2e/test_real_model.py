@@ -139,7 +139,7 @@ def test_lora_grpo_on_the_real_model_keeps_the_engine_on_the_adapted_weights(tmp
     rows = metrics(tmp_path / "lora")
     finite_steps(rows, 2)
     for row in rows:
-        assert row["weight_sync/verified_tensors"] > 0 and row["weight_sync/probe_log_prob_gap_mean"] < 0.06
+        assert row["weight_sync/verified_tensors"] > 0 and row["weight_sync/probe_log_prob_gap_mean"] < 0.12
 
 
 @pytest.mark.slow
