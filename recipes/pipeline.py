@@ -66,7 +66,10 @@ def _run_stage(config: HybridFlowConfig, run_dir: Path, index: int, model_path: 
             result["init_accuracy"] = _evaluate(config, model_path, run_dir, index)
     stage_config = _stage_config(config, index, model_path, run_dir, stage_dir.name,
                                  retention=_retention(config, index))
-    say(f"pipeline: stage {index} {stage.name} ({stage.recipe}) starts from {model_path or 'the tiny model'}")
+    # the first stage's model may come from the stage's own overrides (pipeline.common_overrides), not model.path
+    say(f"pipeline: stage {index} {stage.name} ({stage.recipe}) starts from "
+        f"{stage_config.model.path or 'the tiny model'}")
+    stage_dir.mkdir(parents=True, exist_ok=True)  # a stage that builds no model and merges none writes here first
     stage_result = run_stage(recipe_function(stage.recipe), stage_config, stage_dir)  # its own restarts, deadlines
     release_all()
     validations = [m for m in read_metrics(stage_dir) if "val/accuracy" in m]

@@ -1,9 +1,10 @@
 """The real pretrained model (SmolLM2-135M-Instruct, tests/real_model.py) at the shapes users run:
 chat prompts of ~46 tokens, hundreds of seeded requests in one engine call, 64-token answers.
 
-These run the `hybridflow` command as a user would. On these 2-core machines without AVX-512 a
-bfloat16 forward of this model is ~6x and a backward ~20x slower than float32 (docs/performance.md,
-"Real model"), so the training runs here compute in float32 unless a test is about bfloat16."""
+These run the `hybridflow` command as a user would. On a CPU without bfloat16 arithmetic (an AMD
+EPYC without AVX-512 ran some of these sessions) a bfloat16 forward of this model is ~6x and a backward
+~20x slower than float32 (docs/performance.md, "Real model"), so the first GRPO and PPO tests compute in
+float32 and the rest in bfloat16 at a few samples per step."""
 
 from __future__ import annotations
 
@@ -92,13 +93,17 @@ BF16_SMALL = ["trainer.prompts_per_step=4", "rollout.samples_per_prompt=4", "tra
 
 
 def finite_steps(rows: list[dict], steps: int) -> None:
+    """Every step trained, with finite numbers; a gradient wherever some group's samples scored apart (a
+    GRPO step whose every group scored alike has no advantage to follow: `advantages/zero_std_fraction` 1)."""
     import math
 
     assert [r["step"] for r in rows if "actor/loss" in r] == list(range(1, steps + 1))
     for row in rows:
         if "actor/loss" in row:
-            assert math.isfinite(row["actor/loss"]) and row["actor/grad_norm"] > 0, row
-            assert 0.5 < row["memory/global_peak_gib"] < 20.0
+            assert math.isfinite(row["actor/loss"]) and math.isfinite(row["actor/grad_norm"]), row
+            assert row["actor/grad_norm"] > 0 or row.get("advantages/zero_std_fraction", 0.0) == 1.0, row
+            peaks = [v for k, v in row.items() if k.startswith("memory/") and k.endswith("_peak_gib")]
+            assert peaks and all(0.05 < v < 20.0 for v in peaks), row  # each pool's own peak
 
 
 @pytest.mark.slow
@@ -120,6 +125,7 @@ def test_grpo_one_step_off_on_the_real_model(tmp_path, real_model_dir, chat_addi
     """trainer.max_staleness=1: batch s+1 generates while step s trains, at real shapes."""
     run_hybridflow([*real_overrides(real_model_dir, *chat_addition), "recipe=grpo", *BF16_SMALL,
                     "trainer.total_steps=3", "trainer.val_every_steps=0", "trainer.max_staleness=1",
+                    "trainer.old_log_probs=actor", "placement=disaggregated",
                     f"logger.output_root={tmp_path}", "logger.run_name=async"], timeout_s=1500)
     rows = metrics(tmp_path / "async")
     finite_steps(rows, 3)
