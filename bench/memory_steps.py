@@ -51,16 +51,21 @@ def run(args, extra: list[str]) -> tuple[list[str], Path]:
 
 
 def floor_gib(run_dir: Path) -> tuple[float, dict]:
-    """The floor per process of the configuration the run saved (its chosen micro-batch included)."""
+    """The floor per process of the configuration the run saved, at the micro-batch it formed (the
+    chosen size, or the rows a rank holds when fewer)."""
     from hybridflow.config import compose
     from hybridflow.memory_budget import GIB, ModelShape, actor_pool_roles, process_terms
 
     saved = json.loads((run_dir / "config.json").read_text())
+    pool = saved["placement"]["pools"][saved["placement"]["roles"]["actor"]]
+    per_rank = saved["trainer"]["prompts_per_step"] * saved["rollout"]["samples_per_prompt"] // (
+        pool["nodes"] * pool["devices_per_node"])
+    rows = min(saved["actor"]["samples_per_micro_batch"], per_rank)  # the micro-batch the run really formed
     config = compose(["model=local_hf", f"model.path={saved['model']['path']}",
                       f"model.dtype={saved['model']['dtype']}", f"rollout.dtype={saved['rollout']['dtype']}",
                       f"data.max_prompt_tokens={saved['data']['max_prompt_tokens']}",
                       f"rollout.max_response_tokens={saved['rollout']['max_response_tokens']}",
-                      f"actor.samples_per_micro_batch={saved['actor']['samples_per_micro_batch']}",
+                      f"actor.samples_per_micro_batch={rows}",
                       f"actor.gradient_checkpointing={str(saved['actor']['gradient_checkpointing']).lower()}"])
     terms = process_terms(config, ModelShape.from_dir(saved["model"]["path"]), actor_pool_roles(config))
     return sum(terms.values()) / GIB, {k: v / GIB for k, v in terms.items()}
@@ -97,7 +102,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--steps", type=int, default=200)
     p.add_argument("--prompts-per-step", type=int, default=4)
-    p.add_argument("--samples", type=int, default=8)
+    p.add_argument("--samples", type=int, default=4)
     p.add_argument("--val-every", type=int, default=50)
     p.add_argument("--val-prompts", type=int, default=100)
     p.add_argument("--work", type=Path, default=Path("/tmp/memory_steps"))
