@@ -187,6 +187,8 @@ def resolve_micro_batches(config, node_bytes: int | None = None, model_dir: str 
         config, actor=dataclasses.replace(actor, samples_per_micro_batch=choice.rows,
                                           gradient_checkpointing=choice.gradient_checkpointing),
         critic=dataclasses.replace(critic, samples_per_micro_batch=critic.samples_per_micro_batch or choice.rows))
+    if shape is None:  # the tiny model (always fits) or a size unknown before start: nothing worth a line
+        return config, None
     said = ", ".join(f"{k}={str(v).lower()}" for k, v in chosen.items())
     return config, f"hybridflow: chose {said} ({choice.why}; docs/performance.md, \"Memory\")"
 
