@@ -7,7 +7,10 @@ below the vocabulary size), then runs `hybridflow recipe=grpo` in the model's bf
 with float32 master weights on 2 ranks, and prints each step's memory beside the floor
 (hybridflow/memory_budget.py; docs/performance.md, "Memory").
 
-    PYTHONPATH=. .venv/bin/python bench/qwen05_steps.py --work /tmp/qwen05
+    PYTHONPATH=. .venv/bin/python bench/qwen05_steps.py --work /tmp/qwen05 rollout.dtype=bfloat16
+
+(extra arguments are Hydra overrides; with the default float32 engine this machine runs out of memory,
+docs/performance.md "A 0.5B-parameter model")
 """
 
 from __future__ import annotations
