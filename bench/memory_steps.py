@@ -89,7 +89,11 @@ def render(rows: list[dict], floor: float, terms: dict, command: list[str], args
         lines.append(f"| {step} | {r['memory/global_peak_gib']:.2f} | {r['memory/global_rss_gib']:.2f} | "
                      f"{r['memory/global_peak_gib'] / floor:.2f} | {acc} |")
     rss = [r["memory/global_rss_gib"] for r in rows]
-    lines += ["", f"Last step's peak / step 10's: **{last / at10:.2f}** (target <= 1.1); largest peak / floor: "
+    early, late = statistics.median(peaks[5:15]), statistics.median(peaks[-10:])
+    lines += ["", f"Last step's peak / step 10's: **{last / at10:.2f}** (target <= 1.1); median peak of the last 10 "
+              f"steps / of steps 6-15: **{late / early:.2f}** (a step's peak follows the rows it trains, so one "
+              f"step against another is noisy); resident set at the end of steps 6-15 / the last 10: "
+              f"{statistics.median(rss[5:15]):.2f} / {statistics.median(rss[-10:]):.2f} GiB; largest peak / floor: "
               f"**{max(peaks) / floor:.2f}** (target <= 1.5); median peak {statistics.median(peaks):.2f} GiB; resident "
               f"set at the end of a step from {min(rss):.2f} to {max(rss):.2f} GiB; "
               f"{rows[-1]['time/elapsed_s'] / 60:.0f} minutes in all.", "", "```",
