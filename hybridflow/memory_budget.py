@@ -114,7 +114,7 @@ def micro_batch_terms(config, shape: ModelShape, rows: int | None = None,
 
 # actor/critic.samples_per_micro_batch and actor.gradient_checkpointing left null are chosen before
 # start: the most rows (at most AUTO_MAX_ROWS) whose floor stays within AUTO_SHARE of what one process
-# of the actor's pool may use. The floor is a lower bound (measured peaks were 1.0-1.43x it on
+# of the actor's pool may use. The floor is a lower bound (measured peaks were 1.0-1.65x it on
 # SmolLM2, docs/performance.md), hence the share; beyond 64 rows a micro-batch gains little on a CPU.
 AUTO_MAX_ROWS = 64
 AUTO_SHARE = 0.6
