@@ -136,17 +136,18 @@ def choose_micro_batch(config, shape: ModelShape | None, node_bytes: int | None 
     from hybridflow.model_checks import on_cpu
 
     rows_set, ckpt_set = config.actor.samples_per_micro_batch, config.actor.gradient_checkpointing
-    if shape is None or not on_cpu(config):
-        rows = rows_set or (GPU_DEFAULT_ROWS if not on_cpu(config) else AUTO_MAX_ROWS)
-        return MicroBatchChoice(rows, bool(ckpt_set), "the model's size is unknown before start (the tiny model, "
-                                "or GPUs)" if shape is None else "on GPUs")
+    cpu = on_cpu(config)
+    if shape is None or not cpu:
+        return MicroBatchChoice(rows_set or (AUTO_MAX_ROWS if cpu else GPU_DEFAULT_ROWS), bool(ckpt_set),
+                                "on GPUs" if shape is not None else "the model's size is unknown before start")
     pool = config.placement.pools[config.placement.roles["actor"]]
     budget = AUTO_SHARE * NODE_MEMORY_SHARE * (node_bytes or node_memory_bytes()) / pool.devices_per_node
-    fixed = {k: v for k, v in process_terms(config, shape, actor_pool_roles(config), rows=1, checkpointing=False).items()
-             if k not in micro_batch_terms(config, shape, 1, False)}
+    # every term but the micro-batch's: the whole floor at one row, less that row's terms
+    fixed = (sum(process_terms(config, shape, actor_pool_roles(config), rows=1, checkpointing=False).values())
+             - sum(micro_batch_terms(config, shape, 1, False).values()))
 
     def fits(rows: int, ckpt: bool) -> bool:
-        return sum(fixed.values()) + sum(micro_batch_terms(config, shape, rows, ckpt).values()) <= budget
+        return fixed + sum(micro_batch_terms(config, shape, rows, ckpt).values()) <= budget
 
     def most_rows(ckpt: bool) -> int:
         candidates = [rows_set] if rows_set else range(AUTO_MAX_ROWS, 0, -1)

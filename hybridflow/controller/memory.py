@@ -64,7 +64,6 @@ def pool_memory_metrics(groups: dict) -> dict[str, float]:
     """`memory/<pool>_peak_gib` (the largest peak of the pool's processes since the last call),
     `memory/<pool>_rss_gib` (the largest resident set now) and, on GPUs, `memory/<pool>_device_peak_gib`,
     for every pool of `groups` (role -> WorkerGroup; roles sharing a pool share its processes)."""
-
     pools: dict[str, object] = {}
     for group in groups.values():
         if group is not None and group.pool is not None:
