@@ -5,7 +5,9 @@ colocated with it share the process): the actor's parameters, gradients and Adam
 `model.master_dtype`, sharded over the pool's ranks by FSDP2; a reference model in
 `model.dtype`, sharded the same way; a critic as an actor; the rollout engine's weights in
 `rollout.dtype` (its tensor-parallel share) and its KV cache (`rollout.kv_cache_space_gib` on a
-CPU); and one micro-batch's activations and logits. The activation estimate per token and decoder
+CPU); the process's own runtime (measured); the actor's embeddings, which FSDP2 keeps gathered (the
+root module is not resharded after forward) with their whole gradient, while a micro-batch trains;
+and one micro-batch's activations and logits. The activation estimate per token and decoder
 layer is 10 x hidden + 4 x intermediate + 2 x heads x sequence floats (the saved inputs of the
 norms, projections, MLP and eager attention's probabilities), or one hidden vector per layer
 with `actor.gradient_checkpointing`; on SmolLM2-135M in float32, 16 rows of 110 tokens, it gives
@@ -27,6 +29,11 @@ from pathlib import Path
 GIB = 2 ** 30
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 NODE_MEMORY_SHARE = 0.95  # Ray's memory monitor kills a worker past this share of the node's memory
+# What a worker process holds besides the model: the interpreter, torch, Ray's core worker and, with an
+# engine, vLLM; the resident set of the tiny model's workers at the end of a step, 0.56 GiB without an
+# engine and 0.77 GiB with one (less its KV cache), rounded down (bench/runtime_memory.py)
+RUNTIME_BYTES = int(0.5 * GIB)
+RUNTIME_BYTES_WITH_VLLM = int(0.75 * GIB)
 
 
 @dataclass(frozen=True)
@@ -37,6 +44,7 @@ class ModelShape:
     intermediate: int
     heads: int
     vocab: int
+    tied_embeddings: bool = True  # one vocabulary x hidden matrix for input and output, or two
 
     @classmethod
     def from_dir(cls, path: str | Path) -> "ModelShape | None":
@@ -55,7 +63,9 @@ class ModelShape:
         return cls(parameters=parameters, layers=int(text.get("num_hidden_layers") or text.get("n_layer") or 1),
                    hidden=hidden, intermediate=int(text.get("intermediate_size") or 4 * hidden),
                    heads=int(text.get("num_attention_heads") or text.get("n_head") or 1),
-                   vocab=int(text.get("vocab_size") or 0))
+                   vocab=int(text.get("vocab_size") or 0),
+                   # unsaid, the smaller (tied) is the lower bound
+                   tied_embeddings=bool(text.get("tie_word_embeddings", config.get("tie_word_embeddings", True))))
 
 
 def _safetensors_numel(path: Path) -> int:
@@ -90,6 +100,11 @@ def process_terms(config, shape: ModelShape, roles: set[str], rows: int | None =
         tp = config.rollout.tensor_parallel_size
         terms[f"vLLM weights (rollout.dtype, 1/{tp} of the model)"] = p * DTYPE_BYTES[config.rollout.dtype.value] / tp
         terms["vLLM KV cache (rollout.kv_cache_space_gib)"] = config.rollout.kv_cache_space_gib * GIB
+    terms["the process's own runtime (Python, torch, Ray, vLLM; measured)"] = (
+        RUNTIME_BYTES_WITH_VLLM if "rollout" in roles else RUNTIME_BYTES)
+    if ranks > 1 or compute != master:  # FSDP2: the root's parameters stay gathered from forward to backward
+        embeddings = shape.vocab * shape.hidden * (1 if shape.tied_embeddings else 2)
+        terms["actor embeddings gathered, and their gradient (model.dtype, whole)"] = 2 * embeddings * compute
     terms.update(micro_batch_terms(config, shape, rows, checkpointing))
     return terms
 
@@ -114,10 +129,11 @@ def micro_batch_terms(config, shape: ModelShape, rows: int | None = None,
 
 # actor/critic.samples_per_micro_batch and actor.gradient_checkpointing left null are chosen before
 # start: the most rows (at most AUTO_MAX_ROWS) whose floor stays within AUTO_SHARE of what one process
-# of the actor's pool may use. The floor is a lower bound (measured peaks were 1.0-1.65x it on
-# SmolLM2, docs/performance.md), hence the share; beyond 64 rows a micro-batch gains little on a CPU.
+# of the actor's pool may use. The floor is a lower bound (measured peaks were at most 1.5x it, on
+# SmolLM2 and a 0.5B model, docs/performance.md), hence the share; beyond 64 rows a micro-batch gains
+# little on a CPU.
 AUTO_MAX_ROWS = 64
-AUTO_SHARE = 0.6
+AUTO_SHARE = 2 / 3
 AUTO_MIN_ROWS_WITHOUT_CHECKPOINTING = 8  # fewer rows fit: recompute activations instead (about 1.3x compute)
 GPU_DEFAULT_ROWS = 16  # on GPUs vLLM's gpu_memory_utilization sets the budget; the schema's old default
 
@@ -159,10 +175,14 @@ def choose_micro_batch(config, shape: ModelShape | None, node_bytes: int | None 
         rows, ckpt = plain, False
     else:
         rows, ckpt = most_rows(True), True
-    if rows == 0:  # nothing fits: the smallest, which memory_problems refuses with its arithmetic
+    share = f"{AUTO_SHARE:.0%} of the {budget / AUTO_SHARE / GIB:.1f} GiB one process of the actor's pool may use"
+    if rows == 0:  # the smallest; memory_problems refuses it when even its floor cannot fit
         rows, ckpt = rows_set or 1, ckpt_set if ckpt_set is not None else True
-    return MicroBatchChoice(rows, ckpt, f"the floor at that size fits {AUTO_SHARE:.0%} of the "
-                            f"{budget / AUTO_SHARE / GIB:.1f} GiB one process of the actor's pool may use")
+        floor = fixed + sum(micro_batch_terms(config, shape, rows, ckpt).values())
+        return MicroBatchChoice(rows, ckpt, f"WARNING: even this floor, {floor / GIB:.2f} GiB, is above {share}; "
+                                "peaks reach 1.5x the floor, so Ray may kill a worker for memory. Lower "
+                                "rollout.dtype or model.master_dtype to bfloat16, or rollout.kv_cache_space_gib")
+    return MicroBatchChoice(rows, ckpt, f"the floor at that size fits {share}")
 
 
 def resolve_micro_batches(config, node_bytes: int | None = None, model_dir: str | Path | None = None):

@@ -31,7 +31,7 @@ from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from hybridflow.batch import Batch
-from hybridflow.controller.memory import MONITOR_LANE, memory_kill
+from hybridflow.controller.memory import MONITOR_LANE, cpu_kernel_cache_env, memory_kill
 from hybridflow.controller import deadlines
 from hybridflow.controller.context import RoleSpec, WorkerContext
 from hybridflow.controller.decorators import Dispatch, Execute, MethodSpec, lanes, registered_methods
@@ -357,7 +357,7 @@ def spawn_workers(
             num_cpus=spec.cpus_per_device,
             num_gpus=1 if spec.use_gpu else 0,
             scheduling_strategy=PlacementGroupSchedulingStrategy(slot.placement_group, slot.bundle_index),
-            runtime_env={"env_vars": dict(env_vars or {})},
+            runtime_env={"env_vars": {**({} if spec.use_gpu else cpu_kernel_cache_env()), **(env_vars or {})}},
         )
         log_file = None if log_dir is None else str(Path(log_dir) / f"{spec.name}-rank{slot.rank}.log")
         hosts.append(host_cls.options(**options).remote(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import time
 
 import pytest
@@ -27,6 +28,19 @@ def test_ranks_get_rank_world_size_and_gloo(pair):
     assert {i["world_size"] for i in infos} == {2}
     assert {i["backend"] for i in infos} == {"gloo"}
     assert infos[0]["pid"] != infos[1]["pid"]
+
+
+def test_cpu_workers_start_with_onednns_kernel_caches_bounded(pair, monkeypatch):
+    """Left at 1,024 entries, the caches grew by ~12 MB a step over a long CPU run (controller/memory.py);
+    the driver's own setting wins."""
+    from hybridflow.controller.memory import CPU_KERNEL_CACHE_ENTRIES, cpu_kernel_cache_env
+
+    expected = {k: os.environ.get(k, str(CPU_KERNEL_CACHE_ENTRIES)) for k in ("LRU_CACHE_CAPACITY",
+                                                                              "ONEDNN_PRIMITIVE_CACHE_CAPACITY")}
+    two, _ = pair
+    assert [i["kernel_caches"] for i in two.whoami()] == [expected, expected]
+    monkeypatch.setenv("LRU_CACHE_CAPACITY", "7")
+    assert cpu_kernel_cache_env()["LRU_CACHE_CAPACITY"] == "7"
 
 
 def test_all_reduce_through_group_process_group(pair):

@@ -20,7 +20,8 @@ class EchoWorker:
     @register(Dispatch.ONE_TO_ALL)
     def whoami(self) -> dict:
         return {"rank": self.ctx.rank, "world_size": self.ctx.world_size, "pid": os.getpid(),
-                "node_id": self.ctx.node_id, "backend": dist.get_backend()}
+                "node_id": self.ctx.node_id, "backend": dist.get_backend(),
+                "kernel_caches": {k: os.environ.get(k) for k in ("LRU_CACHE_CAPACITY", "ONEDNN_PRIMITIVE_CACHE_CAPACITY")}}
 
     @register(Dispatch.ONE_TO_ALL)
     def affinity(self) -> tuple[list[list[int]], int]:

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 import struct
@@ -63,7 +64,9 @@ def test_process_terms_worked_example():
     64 + 64 tokens: parameters 134.5M x 4 B / 2 = 0.25 GiB, gradients the same, AdamW twice that,
     the engine's full copy 0.50 GiB, the KV cache 1 GiB; activations 16 x 128 tokens x 30 layers x
     (10 x 576 + 4 x 1536 + 2 x 9 x 128 = 14,208 floats) x 4 B = 3.25 GiB; logits and their gradient
-    2 x 16 x 64 x 49,152 x 4 B = 0.375 GiB."""
+    2 x 16 x 64 x 49,152 x 4 B = 0.375 GiB; the process's runtime 0.75 GiB with an engine (0.5 without);
+    the embeddings FSDP2 keeps gathered through the micro-batch, and their gradient, 2 x 49,152 x 576 x 4 B
+    (tied; twice that untied, none on one rank without mixed precision)."""
     shape = ModelShape(parameters=134_515_008, layers=30, hidden=576, intermediate=1536, heads=9, vocab=49152)
     config = compose(["model=local_hf", "model.path=/m", "model.dtype=float32", "data.max_prompt_tokens=64",
                       "rollout.max_response_tokens=64", "actor.samples_per_micro_batch=16"])
@@ -73,6 +76,14 @@ def test_process_terms_worked_example():
     assert terms["vLLM weights"] == pytest.approx(134_515_008 * 4 / GIB) and terms["vLLM KV cache"] == 1.0
     assert terms["activations of one micro-batch"] == pytest.approx(16 * 128 * 30 * 14208 * 4 / GIB)
     assert terms["its logits and their gradient"] == pytest.approx(0.375)
+    assert terms["the process's own runtime"] == 0.75
+    assert terms["actor embeddings gathered, and their gradient"] == pytest.approx(2 * 49152 * 576 * 4 / GIB)
+    untied = dataclasses.replace(shape, tied_embeddings=False)
+    alone = {k.split(" (")[0]: v / GIB for k, v in process_terms(config, untied, {"actor"}).items()}
+    assert alone["actor embeddings gathered, and their gradient"] == pytest.approx(4 * 49152 * 576 * 4 / GIB)
+    assert alone["the process's own runtime"] == 0.5 and "vLLM weights" not in alone
+    one_rank = compose(["model=local_hf", "model.path=/m", "model.dtype=float32", "placement.pools.global.devices_per_node=1"])
+    assert not any(k.startswith("actor embeddings") for k in process_terms(one_rank, shape, {"actor"}, rows=1))
     checkpointed = compose(["model=local_hf", "model.path=/m", "model.dtype=float32", "rollout.max_response_tokens=64",
                             "actor.gradient_checkpointing=true", "actor.samples_per_micro_batch=16"])
     activations = [v for k, v in process_terms(checkpointed, shape, {"actor"}).items() if k.startswith("activations")]
@@ -114,15 +125,20 @@ REAL = ["model=local_hf", "model.path=/m", "placement.device=cpu", "data.max_pro
 
 
 def test_left_unset_the_micro_batch_is_the_most_rows_whose_floor_fits_the_memory_available():
-    """SmolLM2 in float32 on 2 ranks of a 24 GiB node: a process may use 0.6 x 0.95 x 24 / 2 = 6.84 GiB.
-    Fixed terms 2.50 GiB (parameters 0.25, gradients 0.25, AdamW 0.50, engine 0.50, KV cache 1.0); a row
-    costs 128 x 30 x 14,208 x 4 B = 0.2032 GiB of activations and 2 x 64 x 49,152 x 4 B = 0.0234 GiB of
-    logits: (6.84 - 2.50) / 0.2267 = 19.1, so 19 rows, without checkpointing (19 >= 8)."""
+    """SmolLM2 in float32 on 2 ranks of a 24 GiB node: a process may use 2/3 x 0.95 x 24 / 2 = 7.6 GiB.
+    Fixed terms 3.46 GiB (parameters 0.25, gradients 0.25, AdamW 0.50, engine 0.50, KV cache 1.0,
+    runtime 0.75, the gathered embeddings and their gradient 2 x 49,152 x 576 x 4 B = 0.21); a row costs
+    128 x 30 x 14,208 x 4 B = 0.2032 GiB of activations and 2 x 64 x 49,152 x 4 B = 0.0234 GiB of logits:
+    (7.6 - 3.46) / 0.2267 = 18.3, so 18 rows, without checkpointing (18 >= 8)."""
     choice = choose_micro_batch(compose([*REAL, "model.dtype=float32"]), SMOLLM2, node_bytes=24 * GIB)
-    assert (choice.rows, choice.gradient_checkpointing) == (19, False)
-    # a 0.5B model leaves room for no row without checkpointing: recompute, and fit 3 rows
-    qwen = choose_micro_batch(compose([*REAL, "model.dtype=float32"]), QWEN05_SHAPE, node_bytes=24 * GIB)
-    assert (qwen.rows, qwen.gradient_checkpointing) == (3, True)
+    assert (choice.rows, choice.gradient_checkpointing) == (18, False)
+    # a 0.5B model with a bfloat16 engine leaves room for no row without checkpointing: recompute, 15 rows
+    qwen = choose_micro_batch(compose([*REAL, "rollout.dtype=bfloat16"]), QWEN05_SHAPE, node_bytes=24 * GIB)
+    assert (qwen.rows, qwen.gradient_checkpointing) == (15, True)
+    # with a float32 engine even its fixed terms (8.3 GiB) pass the share: the smallest, and a warning
+    fp32 = choose_micro_batch(compose([*REAL, "model.dtype=float32"]), QWEN05_SHAPE, node_bytes=24 * GIB)
+    assert (fp32.rows, fp32.gradient_checkpointing) == (1, True)
+    assert fp32.why.startswith("WARNING") and "rollout.dtype" in fp32.why
     # on a large node the cap: 64 rows
     assert choose_micro_batch(compose([*REAL, "model.dtype=float32"]), SMOLLM2, node_bytes=512 * GIB).rows == 64
 
