@@ -1,11 +1,14 @@
 """The CUDA paths of the colocated engine, run on one GPU in one process, without Ray or vLLM.
 
-    python bench/gpu_check.py [--model 100m] [--device cuda] [--out result.json]
+    python bench/gpu_check.py [--model 100m] [--device cuda] [--dtype bfloat16] [--out result.json]
 
 Run by hand where a GPU is lent (CI never does; `--device cpu` is a dry run over gloo). The GPU
 machines here have torch and transformers but neither Ray nor vLLM, so the worker classes are
 built in-process (they import neither) and a plain transformers module on the GPU stands in for
 the vLLM engine at the receiving end. In order:
+
+`--dtype` is the compute dtype (`model.dtype`; the master weights stay float32, so bfloat16 runs
+FSDP2's mixed precision, which needs FSDP2 even on one rank: float32 on one rank is a plain module).
 
 1. the actor under FSDP2 on NCCL: start, log-probs, a policy update, an SFT step; the reference
    worker's log-probs equal the actor's before the update; the critic's values and update;
@@ -209,18 +212,26 @@ def check_sync(actor, model_dir: Path, device: str, dtype: str, syncs: int) -> l
     return out
 
 
+def _fsdp_policy(model):
+    """FSDP2's mixed-precision policy of the model's root (None for a plain module)."""
+    state = getattr(model, "_get_fsdp_state", None)
+    return state()._mp_policy if state is not None else None
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", choices=sorted(MODELS), default="100m")
     parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
     parser.add_argument("--syncs", type=int, default=5)
+    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="bfloat16",
+                        help="model.dtype, the compute dtype over float32 master weights")
     parser.add_argument("--out", default="")
     args = parser.parse_args()
 
     import torch.distributed as dist
 
     from hybridflow.builders.tiny_model import build_tiny_model
-    from hybridflow.config.schema import ActorConfig, HybridFlowConfig, OptimConfig, TinyModelConfig
+    from hybridflow.config.schema import ActorConfig, Dtype, HybridFlowConfig, ModelConfig, OptimConfig, TinyModelConfig
     from hybridflow.controller import WorkerContext
     from recipes.roles import actor_role
 
@@ -231,13 +242,18 @@ def main() -> None:
         torch.cuda.set_device(0)
     dist.init_process_group(backend, rank=0, world_size=1)
     report = {"device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu", "backend": backend,
-              "torch": torch.__version__, "model": args.model}
+              "torch": torch.__version__, "model": args.model, "compute_dtype": args.dtype, "master_dtype": "float32"}
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = build_tiny_model(Path(tmp) / args.model, TinyModelConfig(**MODELS[args.model]))
         ctx = WorkerContext(device=args.device, backend=backend)
-        actor = actor_role(HybridFlowConfig(actor=ActorConfig(optim=OptimConfig(lr=1e-4))), model_dir).build(ctx)
+        config = HybridFlowConfig(model=ModelConfig(dtype=Dtype(args.dtype), master_dtype=Dtype.float32),
+                                  actor=ActorConfig(optim=OptimConfig(lr=1e-4), samples_per_micro_batch=8,
+                                                    gradient_checkpointing=False))
+        actor = actor_role(config, model_dir).build(ctx)
         actor.start()
         report["parameters"] = sum(p.numel() for p in actor.model.parameters())
+        report["parameter_dtypes"] = sorted({str(p.dtype) for p in actor.model.parameters()})  # the masters'
+        report["fsdp_mixed_precision"] = str(getattr(_fsdp_policy(actor.model), "param_dtype", None))
         batch = batch_for(model_dir, rows=8)
         report["reference_and_critic"] = check_reference_and_critic(model_dir, ctx, actor, batch)
         report["training"] = check_training(actor, batch, args.device)

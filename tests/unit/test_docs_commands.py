@@ -158,11 +158,19 @@ def test_the_docs_have_commands():
 
 @pytest.mark.parametrize("command", ALL, ids=[c.where for c in ALL])
 def test_every_documented_command_runs_as_written(command, tmp_path, monkeypatch):
-    monkeypatch.chdir(tmp_path)  # the user's own files a command names (my_rewards.py:score) exist there
-    for name in re.findall(r"([\w./-]+\.py):", " ".join(command.args)):
-        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
-        (tmp_path / name).touch()
-    assert problems_of(command) == [], f"{command.where}: {command.program} {' '.join(command.args)}"
+    """The user's own files a command names (my_rewards.py:score) are made under tmp_path, an
+    absolute one (/shared/code/my_reward.py) at the same path below it, and the command is checked
+    with that path: nothing is written outside the test's directory."""
+    monkeypatch.chdir(tmp_path)
+    args = list(command.args)
+    for name in set(re.findall(r"([\w./-]+\.py):", " ".join(args))):
+        made = tmp_path / name.lstrip("/")
+        made.parent.mkdir(parents=True, exist_ok=True)
+        made.touch()
+        if name.startswith("/"):
+            args = [a.replace(name, str(made)) for a in args]
+    moved = Command(command.where, command.program, args)
+    assert problems_of(moved) == [], f"{command.where}: {command.program} {' '.join(command.args)}"
 
 
 def test_a_planted_mismatch_is_caught(tmp_path, monkeypatch):
@@ -183,3 +191,23 @@ def test_a_planted_mismatch_is_caught(tmp_path, monkeypatch):
     assert sorted(problems_of(planted[0])) == [
         "reward.fn=math_answer: grpo has reward.fn='exact_match'", "reward.fn=math_answer: sft has reward.fn='exact_match'",
         "stages.grpo.trainer.total_steps=9: grpo has trainer.total_steps=250"]
+
+
+def test_the_cluster_pages_command_composes_to_what_the_page_says(tmp_path, monkeypatch):
+    """docs/cluster.md's two-node run: the dtypes and lengths its prose states, and a rollout TP
+    equal to its pool's ranks (the one TP besides 1 that starts)."""
+    page = (ROOT / "docs" / "cluster.md").read_text()
+    [command] = [c for c in commands_in(ROOT / "docs" / "cluster.md") if "rollout.tensor_parallel_size=2" in c.args]
+    monkeypatch.chdir(tmp_path)
+    from hybridflow.cli import compose_command
+
+    (tmp_path / "my_reward.py").touch()
+    config = compose_command([a.replace("/shared/code/", f"{tmp_path}/") for a in command.args])
+    stated = re.search(r"compute in (\w+)\s+over (\w+) master weights, the rollout in (\w+), prompts of up to "
+                       r"(\d+) tokens and answers of\s+up to (\d+) tokens", page)
+    assert stated, "docs/cluster.md no longer states the run's dtypes and lengths"
+    assert (config.model.dtype.value, config.model.master_dtype.value, config.rollout.dtype.value) == stated.groups()[:3]
+    assert (config.data.max_prompt_tokens, config.rollout.max_response_tokens) == tuple(map(int, stated.groups()[3:]))
+    gen = config.placement.pools[config.placement.roles["rollout"]]
+    assert config.rollout.tensor_parallel_size == gen.nodes * gen.devices_per_node == 2
+    assert config.placement.device.value == "cuda"

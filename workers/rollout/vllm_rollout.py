@@ -73,6 +73,8 @@ class VLLMRollout(ReceivingEnd):
             distributed_executor_backend="external_launcher" if tp > 1 else None,
             logprobs_mode="processed_logprobs",  # after temperature: what the actor's ratio needs
             enable_sleep_mode=self.ctx.device == "cuda",
+            # its CUDA IPC needs every GPU of the engine visible in each process; Ray shows each one GPU
+            disable_custom_all_reduce=self.ctx.device == "cuda" and tp > 1,
             weight_transfer_config={"backend": ENGINE_NAME},
             trust_remote_code=self.trust_remote_code,
         )
@@ -295,16 +297,42 @@ def _token_versions(outputs, width: int) -> torch.Tensor:
     return versions
 
 
+def launcher_variables(ctx: WorkerContext, visible_devices: str | None = None,
+                       own_device: str | None = None) -> dict[str, str]:
+    """The torchrun variables vLLM's external_launcher reads, for this worker's rank.
+
+    LOCAL_RANK is the device index vLLM's GPU worker opens (`cuda:<LOCAL_RANK>`, after asserting
+    it is below the number of devices the process sees). On a GPU it is therefore the position of
+    this worker's own GPU (`own_device`, Ray's id for it) among the devices the process sees
+    (`visible_devices`, CUDA_VISIBLE_DEVICES): 0 when Ray leaves one visible (`num_gpus=1`, the
+    default), its index when a node's GPUs are all visible (RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES).
+    The rank's position in its pool (`ctx.local_rank`) is not a device index there. On a CPU it is
+    only a label, the position in the pool."""
+    local = ctx.local_rank
+    if ctx.device == "cuda":
+        visible = [d.strip() for d in (visible_devices or "").split(",") if d.strip()]
+        if own_device is None or own_device not in visible:
+            raise RuntimeError(f"rollout rank {ctx.rank}: its GPU {own_device!r} is not among the visible devices "
+                               f"CUDA_VISIBLE_DEVICES={visible_devices!r}; start workers through spawn_workers "
+                               "(one GPU each) or leave CUDA_VISIBLE_DEVICES to Ray")
+        local = visible.index(own_device)
+    return {"RANK": str(ctx.rank), "LOCAL_RANK": str(local), "WORLD_SIZE": str(ctx.world_size),
+            "MASTER_ADDR": ctx.master_addr, "MASTER_PORT": str(ctx.master_port)}
+
+
 def _launcher_environment(ctx: WorkerContext) -> None:
-    """vLLM's external_launcher reads the torchrun variables: write them from the rank the
-    controller gave this worker (the process group they describe is already initialised), and
-    name this engine's shared-memory segments on the CPU (hybridflow.patches)."""
+    """Write `launcher_variables` (the process group they describe is already initialised) and name
+    this engine's shared-memory segments on the CPU (hybridflow.patches)."""
     import os
 
     from hybridflow.patches import SHM_IDENT_VAR, unique_vllm_cpu_shm_names
 
-    os.environ.update({"RANK": str(ctx.rank), "LOCAL_RANK": str(ctx.local_rank), "WORLD_SIZE": str(ctx.world_size),
-                       "MASTER_ADDR": ctx.master_addr, "MASTER_PORT": str(ctx.master_port),
+    own = None
+    if ctx.device == "cuda":
+        import ray
+
+        own = str(ray.get_gpu_ids()[0])
+    os.environ.update({**launcher_variables(ctx, os.environ.get("CUDA_VISIBLE_DEVICES"), own),
                        SHM_IDENT_VAR: f"hybridflow{ctx.master_port}"})
     if ctx.device == "cpu":
         unique_vllm_cpu_shm_names()
