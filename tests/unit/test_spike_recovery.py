@@ -291,4 +291,6 @@ def test_a_pipeline_stage_may_pretrain_and_the_next_start_from_its_merge(tmp_pat
     config.pipeline.stages = [StageConfig(name="pretrain", recipe="pretrain", overrides=["trainer.total_steps=20"]),
                               StageConfig(name="sft", recipe="sft", init=HookConfig("pma_sma", {"last": 3}))]
     config.pipeline.__post_init__()
-    check_stages(config, tmp_path)  # composes both stages, with the pretrain stage keeping 3 snapshots
+    pretrain, sft = check_stages(config, tmp_path)  # composes both stages
+    assert (pretrain.recipe.name, pretrain.trainer.total_steps, pretrain.trainer.keep_last_weights) == ("pretrain", 20, 3)
+    assert sft.recipe.name == "sft" and sft.model.path == str(tmp_path / "01-sft" / "init_model")  # the merge's output

@@ -44,15 +44,17 @@ def test_the_command_refuses_a_missing_backend_before_anything_starts(tmp_path):
                            f"logger.output_root={tmp_path}"], capture_output=True, text=True, timeout=120,
                           cwd=Path(__file__).resolve().parents[2])
     assert done.returncode == 2 and f"pip install -e '.[{absent[0]}]'" in done.stderr, done.stderr
-    assert time.monotonic() - start < 20 and not any(tmp_path.iterdir())  # (<= 5 s on an idle machine)
+    assert time.monotonic() - start <= 10 and not any(tmp_path.iterdir())  # docs/recipes.md: within 10 s (3 s here)
 
 
 def test_project_and_tags_reach_wandb_offline(tmp_path, monkeypatch):
-    pytest.importorskip("wandb", reason="wandb is not installed (pip install -e '.[wandb]')")
+    import wandb  # noqa: F401 - in the test extra: this runs wherever the tests do
     from hybridflow.config import compose
 
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_SILENT", "true")
+    for where in ("WANDB_CACHE_DIR", "WANDB_CONFIG_DIR", "WANDB_DATA_DIR", "WANDB_ARTIFACT_DIR"):
+        monkeypatch.setenv(where, str(tmp_path / where.lower()))  # nothing written outside the test's directory
     logger_config = compose(["recipe=grpo", "logger.backends=[jsonl,wandb]", "logger.project=hf-test",
                              "logger.tags=[smoke,cpu]", "logger.entity=team"]).logger
     (tmp_path / "run1").mkdir()
