@@ -97,7 +97,8 @@ def render(rows: list[dict], floor: float, terms: dict, command: list[str], args
               f"**{max(peaks) / floor:.2f}** (target <= 1.5); median peak {statistics.median(peaks):.2f} GiB; resident "
               f"set at the end of a step from {min(rss):.2f} to {max(rss):.2f} GiB; "
               f"{rows[-1]['time/elapsed_s'] / 60:.0f} minutes in all.", "", "```",
-              "PYTHONPATH=. .venv/bin/python bench/memory_steps.py --steps " + str(args.steps), "```", "",
+              f"PYTHONPATH=. .venv/bin/python bench/memory_steps.py --steps {args.steps} --val-every {args.val_every} "
+              f"--val-prompts {args.val_prompts}", "```", "",
               "which ran:", "", "```", " ".join(command).replace(str(ROOT) + "/", ""), "```"]
     return "\n".join(lines)
 

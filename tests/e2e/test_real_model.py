@@ -31,7 +31,8 @@ def metrics(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
-@pytest.mark.slow  # 135 s here; the same failure at the tiny model's cost: tests/e2e/test_vllm_rollout.py
+# in the default run: the real model at real shapes, cheapest (62 s on a 2-core Xeon, 135 s on a 2-core
+# EPYC; float32 engine); the rest of this module is slow
 def test_evaluate_samples_256_seeded_chat_requests_in_one_engine_call(tmp_path, real_model_dir, chat_addition):
     """recipe=evaluate with its default 8 samples per prompt: 32 prompts x 8 = 256 seeded requests of
     ~46 tokens in one engine call (11,800 prompt tokens, past vLLM's 4,096-token budget on the CPU).
