@@ -70,6 +70,23 @@ def test_grpo_with_a_reward_function_from_a_file(tmp_path):
     AutoModelForCausalLM.from_pretrained(run_dir / "final_model")
 
 
+def test_grpo_learns_what_its_reward_asks_for(tmp_path):
+    """Learning, read from the recipe's own metrics: the default GRPO on the tiny model, rewarded for
+    the distinct characters of its answer (tests/e2e/fixtures/varied_reward.py), raises its mean
+    reward within 10 steps (0.78 -> 1.41 here, 30 s). Held-out accuracy on the arithmetic task takes
+    minutes (docs/learning.md)."""
+    reward = Path(__file__).parent / "fixtures" / "varied_reward.py"
+    done = subprocess.run([str(VENV_BIN / "hybridflow"), "recipe=grpo", "trainer.total_steps=10", "actor.optim.lr=1e-3",
+                           f"reward.fn={reward}:score", "trainer.export_hf=false", "trainer.val_every_steps=0",
+                           "trainer.save_every_steps=0", f"logger.output_root={tmp_path}", "logger.run_name=learn"],
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
+    scores = [r["reward/score"] for r in metrics(tmp_path / "learn")]
+    assert len(scores) == 10
+    first, last = sum(scores[:3]) / 3, sum(scores[-3:]) / 3
+    assert last > first + 0.25, scores  # +0.45 measured; at lr 1e-9 the same run drifts +0.03
+
+
 def test_ppo_with_critic_warmup_kl_penalty_and_a_reference_reset_hook(tmp_path):
     result = hybridflow(["recipe=ppo", "trainer.total_steps=4", "trainer.critic_warmup_steps=1",
                          "algorithm.kl_penalty_coef=0.05", "trainer.export_hf=false", "actor.optim.lr=1e-3",
