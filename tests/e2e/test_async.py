@@ -21,13 +21,12 @@ from __future__ import annotations
 
 import json
 import math
-import shutil
 import time
 from pathlib import Path
 
 import pytest
 
-from tests.e2e.test_rl_recipes import hybridflow, metrics
+from tests.e2e.test_rl_recipes import hybridflow, kill_once_checkpointed, metrics
 
 FIXTURES = Path(__file__).parent / "fixtures"
 GUARD_ARGS = ["recipe=grpo", "trainer.total_steps=3", "trainer.export_hf=false", "actor.optim.lr=1e-3",
@@ -99,18 +98,17 @@ def test_one_step_off_overlaps_generation_with_training_within_the_staleness_bou
     assert "val/accuracy" in rows[1] and "val/accuracy" in rows[3]
 
 
-def test_resuming_one_step_off_from_a_checkpoint_with_a_batch_in_flight_trains_on_the_same_batches(
-        one_step_off, tmp_path):
-    """As if killed right after the step-2 checkpoint: the copy keeps that checkpoint and the first
-    two rows; resumed, steps 3 and 4 train on the drained batch and give the same numbers."""
+def test_a_one_step_off_driver_killed_after_a_checkpoint_resumes_on_the_same_batches(one_step_off, tmp_path):
+    """The driver is killed (SIGKILL, its whole process group) once the step-2 checkpoint is complete,
+    with step 3's batch in flight; resumed, steps 3 and 4 train on the drained batch and give the
+    uninterrupted run's numbers, each step logged once."""
+    kill_once_checkpointed(ONE_STEP_OFF, tmp_path, "run", step=2)
     run_dir = tmp_path / "run"
-    shutil.copytree(one_step_off, run_dir, ignore=shutil.ignore_patterns("step_00000004", "logs"))
-    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
-    (run_dir / "metrics.jsonl").write_text("\n".join(lines[:2]) + "\n")
     state = json.loads((run_dir / "checkpoints" / "step_00000002" / "trainer_state.json").read_text())
     assert [b["step"] for b in state["rollouts"]["in_flight"]] == [3]  # the drained batch is in the checkpoint
     result = hybridflow([*ONE_STEP_OFF, "trainer.resume=true"], tmp_path, "run")
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
+    assert "resumed from" in result.stdout
     resumed, whole = metrics(run_dir), metrics(one_step_off)
     assert [r["step"] for r in resumed] == [1, 2, 3, 4]
     for got, want in zip(resumed[2:], whole[2:]):

@@ -42,6 +42,21 @@ def metrics(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
+def kill_once_checkpointed(args: list[str], output_root: Path, run_name: str, step: int) -> None:
+    """Start the run and SIGKILL it (the driver's whole process group: driver, Ray, workers) as soon
+    as its step-`step` checkpoint is complete."""
+    cmd = [str(VENV_BIN / "hybridflow"), *args, *SMALL, f"logger.output_root={output_root}", f"logger.run_name={run_name}"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    marker = output_root / run_name / "checkpoints" / f"step_{step:08d}" / "COMPLETE"
+    deadline = time.monotonic() + 400
+    while not marker.exists() and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.2)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    assert marker.exists(), f"the run never wrote its step-{step} checkpoint"
+    time.sleep(2)  # let the killed run's Ray processes notice their driver is gone
+
+
 def test_grpo_with_a_reward_function_from_a_file(tmp_path):
     reward_file = tmp_path / "my_reward.py"
     reward_file.write_text(REWARD_FILE)
@@ -122,18 +137,7 @@ def straight(tmp_path_factory) -> dict[int, dict]:
 @pytest.mark.slow  # ~50 s; restart-and-match is covered by the rank-kill test below in the default run
 def test_kill_and_resume_matches_the_uninterrupted_run(tmp_path, straight):
     args = RESUMABLE
-    # The second run is killed (SIGKILL, whole process group) once its step-2 checkpoint is complete.
-    cmd = [str(VENV_BIN / "hybridflow"), *args, *SMALL, f"logger.output_root={tmp_path}", "logger.run_name=killed"]
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
-    marker = tmp_path / "killed" / "checkpoints" / "step_00000002" / "COMPLETE"
-    deadline = time.monotonic() + 400
-    while not marker.exists() and proc.poll() is None and time.monotonic() < deadline:
-        time.sleep(0.2)
-    os.killpg(proc.pid, signal.SIGKILL)
-    proc.wait()
-    assert marker.exists(), "the run never wrote its step-2 checkpoint"
-    time.sleep(2)  # let the killed run's Ray processes notice their driver is gone
-
+    kill_once_checkpointed(args, tmp_path, "killed", step=2)
     resumed = hybridflow([*args, "trainer.resume=true"], tmp_path, "killed")
     assert resumed.returncode == 0, resumed.stdout[-4000:] + resumed.stderr[-4000:]
     assert "resumed from" in resumed.stdout
