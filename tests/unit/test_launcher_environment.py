@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 
 from hybridflow.controller.context import WorkerContext
-from workers.rollout.vllm_rollout import launcher_variables
+from workers.rollout.vllm_rollout import launcher_variables, parallel_arguments
 
 GPUS_PER_NODE = 8
 
@@ -70,3 +70,14 @@ def test_on_a_cpu_local_rank_is_the_position_in_the_pool():
     ctx = WorkerContext(rank=3, world_size=4, local_rank=1, master_addr="127.0.0.1", master_port=1234)
     assert launcher_variables(ctx) == {"RANK": "3", "LOCAL_RANK": "1", "WORLD_SIZE": "4",
                                        "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1234"}
+
+
+def test_a_cuda_tp_engine_turns_custom_all_reduce_off_and_a_cpu_engine_never_sleeps():
+    """vLLM's custom all-reduce opens the other ranks' buffers by CUDA IPC, which needs their GPUs
+    visible in this process; Ray shows each worker one."""
+    assert parallel_arguments("cuda", 4) == {"tensor_parallel_size": 4, "distributed_executor_backend": "external_launcher",
+                                             "enable_sleep_mode": True, "disable_custom_all_reduce": True}
+    assert parallel_arguments("cuda", 1)["disable_custom_all_reduce"] is False  # one GPU: no all-reduce at all
+    cpu = parallel_arguments("cpu", 2)
+    assert cpu["distributed_executor_backend"] == "external_launcher" and not cpu["enable_sleep_mode"]
+    assert not cpu["disable_custom_all_reduce"] and parallel_arguments("cpu", 1)["distributed_executor_backend"] is None

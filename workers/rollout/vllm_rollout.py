@@ -69,12 +69,8 @@ class VLLMRollout(ReceivingEnd):
             max_model_len=self.max_prompt_tokens + self.cfg.max_response_tokens,
             max_num_seqs=self.cfg.max_num_seqs,
             gpu_memory_utilization=self.cfg.gpu_memory_utilization,
-            tensor_parallel_size=tp,
-            distributed_executor_backend="external_launcher" if tp > 1 else None,
+            **parallel_arguments(self.ctx.device, tp),
             logprobs_mode="processed_logprobs",  # after temperature: what the actor's ratio needs
-            enable_sleep_mode=self.ctx.device == "cuda",
-            # its CUDA IPC needs every GPU of the engine visible in each process; Ray shows each one GPU
-            disable_custom_all_reduce=self.ctx.device == "cuda" and tp > 1,
             weight_transfer_config={"backend": ENGINE_NAME},
             trust_remote_code=self.trust_remote_code,
         )
@@ -295,6 +291,17 @@ def _token_versions(outputs, width: int) -> torch.Tensor:
         for span in out.outputs[0].weight_versions or []:
             versions[i, span.start:min(span.end, width)] = int(span.version)
     return versions
+
+
+def parallel_arguments(device: str, tp: int) -> dict:
+    """The engine's arguments that follow from the device and the tensor-parallel size: at TP > 1
+    each rank's process holds one slice (vLLM's `external_launcher`); on CUDA the engine can sleep
+    around a reload, and its custom all-reduce is off, because its CUDA IPC needs every GPU of the
+    engine visible in each process and Ray shows each worker one."""
+    return {"tensor_parallel_size": tp,
+            "distributed_executor_backend": "external_launcher" if tp > 1 else None,
+            "enable_sleep_mode": device == "cuda",
+            "disable_custom_all_reduce": device == "cuda" and tp > 1}
 
 
 def launcher_variables(ctx: WorkerContext, visible_devices: str | None = None,
