@@ -33,11 +33,17 @@ def test_sft_merge_grpo_pipeline_runs_reports_and_skips_finished_stages(tmp_path
         run_dir = tmp_path / "pipe"
         sft, grpo = (json.loads((run_dir / d / "STAGE_COMPLETE").read_text()) for d in ("00-sft", "01-grpo"))
         assert sft["final_accuracy"] is not None and grpo["final_accuracy"] is not None
-        assert 0.0 <= grpo["init_accuracy"] <= 1.0
+        # the numbers reported are the ones measured: the merged start's evaluation, each stage's last validation
+        init_eval = [json.loads(line) for line in (run_dir / "01-grpo" / "init_eval" / "metrics.jsonl").read_text().splitlines()]
+        assert grpo["init_accuracy"] == init_eval[0]["val/accuracy"]
+        for name, stage in (("00-sft", sft), ("01-grpo", grpo)):
+            rows = [json.loads(line) for line in (run_dir / name / "metrics.jsonl").read_text().splitlines()]
+            assert stage["final_accuracy"] == [r["val/accuracy"] for r in rows if "val/accuracy" in r][-1]
         provenance = json.loads((run_dir / "01-grpo" / "init_model" / "merge_provenance.json").read_text())
         assert provenance["method"] == "sma" and len(provenance["inputs"]) == 2
         report = (run_dir / "report.md").read_text()
         assert "the last checkpoint of stage sft" in report and (run_dir / "report.png").stat().st_size > 0
+        assert f"| grpo | grpo | {grpo['init_accuracy']:.3f} | {grpo['final_accuracy']:.3f} |" in report
         assert result["final_model"].endswith("01-grpo/final_model")
 
         with pytest.raises(InputError, match="already holds a run"):
