@@ -180,8 +180,9 @@ def choose_micro_batch(config, shape: ModelShape | None, node_bytes: int | None 
         rows, ckpt = rows_set or 1, ckpt_set if ckpt_set is not None else True
         floor = fixed + sum(micro_batch_terms(config, shape, rows, ckpt).values())
         return MicroBatchChoice(rows, ckpt, f"WARNING: even this floor, {floor / GIB:.2f} GiB, is above {share}; "
-                                "peaks reach 1.5x the floor, so Ray may kill a worker for memory. Lower "
-                                "rollout.dtype or model.master_dtype to bfloat16, or rollout.kv_cache_space_gib")
+                                "peaks reach 1.5x the floor, so Ray may kill a worker for memory. Set "
+                                "rollout.dtype=bfloat16 (or model.master_dtype=bfloat16), or lower "
+                                "rollout.kv_cache_space_gib")
     return MicroBatchChoice(rows, ckpt, f"the floor at that size fits {share}")
 
 
