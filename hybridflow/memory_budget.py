@@ -16,7 +16,8 @@ with `actor.gradient_checkpointing`; on SmolLM2-135M in float32, 16 rows of 110 
 `memory_problems` refuses before anything starts a run whose floor, summed over the processes
 one node holds, is above the node's memory (CPU pools on the local machine; on GPUs vLLM's own
 `gpu_memory_utilization` budget decides). The terms are lower bounds, so a refused run cannot
-fit; one that passes may still need more (allocator slack, Python, Ray).
+fit; one that passes may still need more (the update's and the weight sync's transient buffers,
+allocator slack).
 """
 
 from __future__ import annotations
@@ -96,12 +97,13 @@ def process_terms(config, shape: ModelShape, roles: set[str], rows: int | None =
         terms["reference weights (model.dtype, FSDP shard)"] = p * compute / ranks
     if "critic" in roles:
         terms["critic parameters, gradients and AdamW moments (FSDP shard)"] = 4 * p * master / ranks
-    if "rollout" in roles and config.rollout.backend.value == "vllm":
+    engine = "rollout" in roles and config.rollout.backend.value == "vllm"
+    if engine:
         tp = config.rollout.tensor_parallel_size
         terms[f"vLLM weights (rollout.dtype, 1/{tp} of the model)"] = p * DTYPE_BYTES[config.rollout.dtype.value] / tp
         terms["vLLM KV cache (rollout.kv_cache_space_gib)"] = config.rollout.kv_cache_space_gib * GIB
-    terms["the process's own runtime (Python, torch, Ray, vLLM; measured)"] = (
-        RUNTIME_BYTES_WITH_VLLM if "rollout" in roles else RUNTIME_BYTES)
+    terms[f"the process's own runtime (Python, torch, Ray{', vLLM' if engine else ''}; measured)"] = (
+        RUNTIME_BYTES_WITH_VLLM if engine else RUNTIME_BYTES)
     if ranks > 1 or compute != master:  # FSDP2: the root's parameters stay gathered from forward to backward
         embeddings = shape.vocab * shape.hidden * (1 if shape.tied_embeddings else 2)
         terms["actor embeddings gathered, and their gradient (model.dtype, whole)"] = 2 * embeddings * compute
