@@ -161,11 +161,10 @@ def vllm_env(config: HybridFlowConfig) -> dict[str, str]:
 
 
 def build_weight_sync(config: HybridFlowConfig, actor: WorkerGroup, rollout: WorkerGroup):
-    """The one object that moves the actor's weights into the rollout each step: in-process when
-    the two share a pool, over a gloo group spanning the two pools otherwise."""
+    """The one object that moves the actor's weights into the rollout each step, by the registered
+    transport that serves the placement and the device (hybridflow.resharding.transports)."""
     from hybridflow.resharding.sync import WeightSync
-
     from hybridflow.resharding.transports import build_transport
 
-    transport = build_transport(config.placement.rollout_colocated)
+    transport = build_transport(config.placement.rollout_colocated, "cuda" if use_gpu(config.placement) else "cpu")
     return WeightSync(actor, rollout, config.weight_sync, transport, config.rollout.dtype.value)

@@ -1,9 +1,12 @@
 """Moving the actor's weights from the training layout to the generation layout.
 
 - `layout`: which part of each tensor a rank holds and needs, the plan, the layout minimum.
-- `sender` / `receiver`: the training and generation ends, which workers delegate to.
-- `vllm_side`: our engine in vLLM's weight-transfer framework, and what vLLM's loaders read.
-- `transport`: the cross-pool gloo group and flat-buffer packing.
+- `sender` / `receiver`: the training and generation ends, which workers delegate to: the sender
+  produces the buckets, the receiver loads them into the engine.
+- `transports/`: how the bytes move, one module per transport with both ends (`colocated`,
+  `gloo`), the registry `build_transport` chooses from, and flat-buffer packing (`flat`).
+- `vllm_side`: our engine in vLLM's weight-transfer framework (it delegates to the route each
+  update names), and what vLLM's loaders read.
 - `sync`: `WeightSync`, the controller's one object and one call per step.
 - `verify`: checksums compared across layouts.
 

@@ -2,8 +2,8 @@
 
 A receiver wraps one rollout engine in one process. It says which region of each checkpoint
 tensor its rank needs (`needed_boxes`), takes buckets — handed over in-process by a colocated
-sender, or received over the cross-pool group — inside one vLLM update session, and answers
-the checks: per-parameter checksums and a log-prob probe. Colocated senders find the receiver
+sender, or received by the plan's transport's receiving route (transports/) — inside one vLLM
+update session, and answers the checks: per-parameter checksums and a log-prob probe. Colocated senders find the receiver
 of their own process through `register_local` / `local_receiver`, so the actor never holds the
 rollout worker: the two meet only here.
 """
@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import threading
 import time
-from dataclasses import asdict
 from typing import Iterable
 
 import torch
@@ -80,7 +79,9 @@ class Receiver:
     def needed_boxes(self, shapes: dict[str, list[int]]) -> dict[str, tuple]:
         raise NotImplementedError
 
-    def load(self, buckets: Iterable[list[tuple[str, torch.Tensor]]]) -> dict[str, float]:
+    def load(self, buckets: Iterable[list[tuple[str, torch.Tensor]]], route=None) -> dict[str, float]:
+        """Full-shape tensors handed over in this process, one bucket at a time (`route`: the
+        transport that handed them over)."""
         raise NotImplementedError
 
     def checksums(self) -> dict:
@@ -97,7 +98,8 @@ class VLLMReceiver(Receiver):
 
     def __init__(self, engine, rank: int, tp_size: int = 1) -> None:
         self.engine, self.rank, self.tp_size = engine, rank, tp_size
-        self.buckets: list[dict] = []  # disaggregated: what each bucket holds for this rank
+        self.route = None  # the transport this rank receives by (join)
+        self.updates: list[dict] = []  # what each bucket holds for this rank, on that route
         # version -> (buckets, expected checksums): received, not loaded. At TP 1 only the newest
         # is kept; at TP > 1 every version newer than the engine's, until the engine's ranks agree
         # on one (a rank may hold a version another is still receiving)
@@ -115,27 +117,24 @@ class VLLMReceiver(Receiver):
         return self.engine.collective_rpc(needed_boxes, args=(shapes,))[0]
 
     def join(self, plan) -> None:
-        """Join the cross-pool transfer group of `plan` (a SyncPlan) as rank `self.rank + 1`, and
-        keep what each bucket holds for this rank."""
-        from hybridflow.resharding.vllm_side import InitInfo
+        """Open this rank's end of `plan`'s (a SyncPlan) transport route inside the engine, and keep
+        what each bucket holds for this rank."""
+        route = plan.transport
+        init = {**route.receiving_init(plan, self.rank), "route": route}
+        self.engine.collective_rpc("init_weight_transfer_engine", args=(init,))
+        self.route, self.updates = route, route.receiving_updates(plan, self.rank)
 
-        info = InitInfo(plan.master_addr, plan.master_port, self.rank + 1, 1 + len(plan.needs), plan.timeout_s)
-        self.engine.collective_rpc("init_weight_transfer_engine", args=(asdict(info),))
-        need = plan.needs[self.rank]
-        self.buckets = [{"bucket": i, "names": names, "shapes": [plan.shapes[n] for n in names],
-                         "boxes": [need[n] for n in names], "dtype": plan.dtype}
-                        for i, names in enumerate(plan.buckets)]
-
-    def load(self, buckets: Iterable[list[tuple[str, torch.Tensor]]]) -> dict[str, float]:
-        """Colocated: full-shape tensors (this rank's box filled), one bucket at a time."""
-        return self._session({"bucket": i, "weights": weights} for i, weights in enumerate(buckets))
+    def load(self, buckets: Iterable[list[tuple[str, torch.Tensor]]], route=None) -> dict[str, float]:
+        """Full-shape tensors (this rank's box filled) handed over in this process by `route`, one
+        bucket at a time."""
+        return self._session({"bucket": i, "weights": weights, "route": route} for i, weights in enumerate(buckets))
 
     def receive(self) -> dict[str, float]:
-        """Disaggregated: every bucket of the plan, over the transfer group, loaded at once."""
+        """Every bucket of the plan, by the transport's route, loaded at once."""
         self._joined("receive")
         with self._arrived:
             self._staged.clear()  # older than what arrives now
-        return self._session(self.buckets)
+        return self._session(self.updates)
 
     def stage(self, version: int, expected: dict | None = None) -> dict[str, float]:
         """Disaggregated, on the rollout's "weights" lane while the engine may be generating:
@@ -146,9 +145,8 @@ class VLLMReceiver(Receiver):
 
         self._joined("stage")
         start = time.perf_counter()
-        received = [self.engine.collective_rpc(stage_bucket, args=(bucket,))[0] for bucket in self.buckets]
-        size = torch.empty((), dtype=getattr(torch, self.buckets[0]["dtype"])).element_size() if self.buckets else 0
-        nbytes = sum(Box.of(box).numel for bucket in self.buckets for box in bucket["boxes"]) * size
+        received = [self.engine.collective_rpc(stage_bucket, args=(update,))[0] for update in self.updates]
+        nbytes = sum(self.route.update_bytes(update) for update in self.updates)
         faults.before_registering_staged(version)
         with self._arrived:
             if self.tp_size == 1:
@@ -211,7 +209,7 @@ class VLLMReceiver(Receiver):
             buckets, expected = self._staged[version]
             for older in [v for v in self._staged if v <= version]:
                 del self._staged[older]
-        seconds = self._session(({"bucket": i, "weights": w} for i, w in enumerate(buckets)),
+        seconds = self._session(({"bucket": i, "weights": w, "route": self.route} for i, w in enumerate(buckets)),
                                 running=running)["load_seconds"]
         if expected is not None:
             try:
@@ -227,8 +225,8 @@ class VLLMReceiver(Receiver):
             return self._newest() > self.version
 
     def _joined(self, what: str) -> None:
-        if not self.buckets:
-            raise WeightSyncError(f"VLLMReceiver.{what} before join(): the transfer group was never set up")
+        if self.route is None:
+            raise WeightSyncError(f"VLLMReceiver.{what} before join(): the transport's route was never opened")
 
     def _session(self, updates: Iterable[dict], running: bool = False) -> dict[str, float]:
         from hybridflow.resharding.vllm_side import received_bytes, refresh_cpu_kernels
@@ -275,7 +273,7 @@ class ModuleReceiver(Receiver):
     def needed_boxes(self, shapes: dict[str, list[int]]) -> dict[str, tuple]:
         return {name: Box.whole(shape).ranges for name, shape in shapes.items()}
 
-    def load(self, buckets: Iterable[list[tuple[str, torch.Tensor]]]) -> dict[str, float]:
+    def load(self, buckets: Iterable[list[tuple[str, torch.Tensor]]], route=None) -> dict[str, float]:
         start = time.perf_counter()
         params = dict(self.model.named_parameters())
         for bucket in buckets:

@@ -10,7 +10,7 @@ a pool of its own, `stage(step, version)` instead starts a push the rollout rece
 generates (trainer.max_staleness >= 2, docs/async.md) and `load_staged` loads and probes it when
 both sides are idle. The recipe never
 sees a bucket, and the actor never sees the rollout worker. How the bytes travel is the
-`Transport`'s business (transports.py); `WeightSync` keeps the plan, the checks, the metrics and
+`Transport`'s business (transports/); `WeightSync` keeps the plan, the checks, the metrics and
 the policy version (`version`: how many times the rollout has been given the actor's weights
 since the run, or this process, started; the first push at start-up is version 0).
 """
@@ -27,7 +27,7 @@ from hybridflow.config.schema import WeightSyncConfig
 from hybridflow.controller import WorkerError, WorkerGroup, deadlines, wait_all
 from hybridflow.resharding.layout import Box, buckets, layout_minimum, numel
 from hybridflow.resharding.sender import SyncPlan
-from hybridflow.resharding.transports import Gloo, Transport
+from hybridflow.resharding.transports import Transport
 from hybridflow.resharding.verify import (
     PROBE_NEW_TOKENS,
     PROBE_PROMPTS,
@@ -106,9 +106,10 @@ class WeightSync:
         push's `finish()` waits for it. Per-tensor checksums (every weight_sync.checksum_every_steps
         pushes) are taken from the actor now and compared by the rollout right after its load; the
         probe, which needs both sides holding the same weights, runs at `load_staged` (drains)."""
-        if not isinstance(self.transport, Gloo):
-            raise WeightSyncError(f"a staged weight push needs the rollout on a pool of its own; this run's "
-                                  f"transport is {self.transport}")
+        if not self.transport.supports_staging:
+            raise WeightSyncError(f"a staged weight push needs a transport that receives while the engine generates; "
+                                  f"this run's transport, {self.transport}, does not (supports_staging): set "
+                                  "trainer.max_staleness to 0 or 1, or give the rollout a pool of its own")
         self.syncs += 1
         every = self.cfg.checksum_every_steps
         expected = self.actor.weight_checksums()[0] if every and self.syncs % every == 0 else None

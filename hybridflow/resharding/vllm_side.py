@@ -3,11 +3,13 @@
 `HybridFlowTransferEngine` is a vLLM weight-transfer engine (`vllm/distributed/weight_transfer`)
 registered under the name `hybridflow`. vLLM builds it in each worker when the engine is
 created with `weight_transfer_config={"backend": "hybridflow"}`, and drives it through its own
-lifecycle: `init_weight_transfer_engine` (join the cross-pool gloo group, disaggregated only),
-`start_weight_update` (vLLM's layerwise reload), `update_weights` once per bucket,
-`finish_weight_update` (process the loaded layers). A bucket arrives either as tensors
-handed over in the same process (colocated) or as one flat buffer over the gloo group from
-the training side's sender (disaggregated), holding only this rank's slice of each tensor.
+lifecycle: `init_weight_transfer_engine` (open this rank's end of the transport's route, for a
+rollout on a pool of its own), `start_weight_update` (vLLM's layerwise reload), `update_weights`
+once per bucket, `finish_weight_update` (process the loaded layers). Each init and update names
+its `route` (a transport, hybridflow.resharding.transports), and the engine delegates to it: the
+route opens its link and turns an update into tensors — handed over in the same process
+(colocated, or weights staged earlier) or received from the training side's sender (gloo: one
+flat buffer holding only this rank's slice of each tensor).
 
 vLLM's own engines (`nccl`, `ipc`, ...) broadcast full tensors from one trainer rank to every
 worker, which cannot express "each generation rank receives only the part of its slice its
@@ -26,14 +28,12 @@ from typing import Any
 
 import torch
 
-from hybridflow.resharding import faults
-from hybridflow.resharding.layout import Box
-
 ENGINE_NAME = "hybridflow"
 
 
 @dataclass
 class InitInfo:
+    route: Any = None  # the transport whose receiving end this opens
     master_addr: str = "127.0.0.1"
     master_port: int = 0
     rank: int = 1  # this worker's rank in the transfer group (the sender is 0)
@@ -43,8 +43,10 @@ class InitInfo:
 
 @dataclass
 class UpdateInfo:
-    """One bucket: `weights` in-process, or `names`/`shapes`/`boxes`/`dtype` to receive."""
+    """One bucket for `route` (a transport): `weights` in-process, or `names`/`shapes`/`boxes`/`dtype`
+    for the route to receive."""
 
+    route: Any = None
     bucket: int = 0
     weights: Any = None  # iterable of (checkpoint name, full-shape tensor) (colocated)
     names: list = field(default_factory=list)
@@ -63,14 +65,11 @@ def _engine_class():
 
         def __init__(self, *args, **kwargs) -> None:
             super().__init__(*args, **kwargs)
-            self.group = None
+            self.link = None  # what the route's `open_receiving` opened (a transfer group)
             self.received_bytes = 0
 
         def init_transfer_engine(self, init_info: InitInfo) -> None:
-            from hybridflow.resharding.transport import join_group
-
-            self.group = join_group(init_info.master_addr, init_info.master_port, init_info.rank,
-                                    init_info.world_size, init_info.timeout_s)
+            self.link = init_info.route.open_receiving(init_info)
 
         def start_weight_update(self) -> None:
             from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
@@ -84,18 +83,9 @@ def _engine_class():
                 torch.cuda.synchronize()
 
         def receive_weights(self, info: UpdateInfo) -> None:
-            weights = info.weights if info.weights is not None else self._receive(info)
-            self.model.load_weights(weights)
-
-        def _receive(self, info: UpdateInfo):
-            from hybridflow.resharding.transport import recv_flat, unpack
-
-            dtype = getattr(torch, info.dtype)
-            boxes = [Box.of(b) for b in info.boxes]
-            flat = recv_flat(self.group, sum(b.numel for b in boxes), dtype, src=0, what=f"bucket {info.bucket}")
-            self.received_bytes += flat.numel() * flat.element_size()
-            faults.apply_to_bucket(info.bucket, flat)
-            return unpack(flat, info.names, info.shapes, boxes, dtype)
+            if info.route is None:
+                raise ValueError(f"bucket {info.bucket} names no route (hybridflow.resharding.transports)")
+            self.model.load_weights(info.route.receive_bucket(self, info))
 
         def finish_weight_update(self) -> None:
             from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
@@ -104,7 +94,7 @@ def _engine_class():
             finalize_layerwise_reload(self.model, self.model_config)
 
         def shutdown(self) -> None:
-            self.group = None
+            self.link = None
 
     return HybridFlowTransferEngine
 
@@ -171,7 +161,8 @@ def stage_bucket(worker, update: dict) -> list[tuple[str, torch.Tensor]]:
     """Receive one bucket over the transfer group into host memory, as full-shape tensors with
     this rank's boxes filled, without touching the model (it may be generating meanwhile)."""
     engine = worker.weight_transfer_engine
-    return engine._receive(engine.parse_update_info(update))
+    info = engine.parse_update_info(update)
+    return info.route.stage_bucket(engine, info)
 
 
 def needed_boxes(worker, shapes: dict[str, list[int]]) -> dict[str, tuple]:

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from hybridflow.resharding.layout import Box, buckets, fsdp_box, layout_minimum, plan_pieces
-from hybridflow.resharding.transport import pack, unpack
+from hybridflow.resharding.transports.flat import pack, unpack
 
 
 def test_fsdp_box_follows_torch_chunk_including_uneven_and_empty_ranks():

@@ -1,0 +1,164 @@
+"""How weights travel from the actor group to the rollout group: one module per transport.
+
+`WeightSync` (sync.py) plans the buckets, runs the checks and reports metrics; `WeightSender`
+(sender.py) produces the buckets in every actor process; the rollout's receiver (receiver.py)
+and our vLLM transfer engine (vllm_side.py) load what arrives. Everything that depends on *how*
+the bytes move lives in one module here, both ends of it:
+
+- controller side: opening the route (`rendezvous`, `setup_calls`), the calls one sync makes
+  (`sync_calls`), which rank's statistics count (`per_rank`, `metrics`), what the training
+  ranks already hold (`held`, for the layout minimum) and the device memory steps around
+  generation (`generating`);
+- sending route, inside `WeightSender` in every actor process: whether whole tensors are
+  gathered (`gathers_whole`), plan checks (`check_plan`), opening this rank's end (`connect`,
+  which returns the link the sender keeps for it) and moving one sync's buckets (`send`);
+- receiving route, in the rollout worker and inside vLLM's worker: the updates a generation
+  rank will receive (`receiving_updates`, `receiving_init`), opening its end
+  (`open_receiving`), turning one update into tensors (`receive_bucket`), and staging — receiving
+  into host memory while the engine generates — where `supports_staging` says it can
+  (`stage_bucket`).
+
+A transport object is built once on the controller (`build_transport`, through the
+`TRANSPORTS` registry) and travels to the actor ranks inside the `SyncPlan` and to vLLM's
+worker inside each update, so it holds only plain values; what a route opens (a process
+group) is kept by the sender or the engine as its `link`, never by the transport.
+
+Two are registered (`colocated.py`, `gloo.py`). An NCCL transport for disaggregated GPU pools is
+a third module: `connect` / `open_receiving` build a group beside the default one (vLLM's
+`StatelessProcessGroup` and `PyNcclCommunicator`, as its `NCCLWeightTransferEngine` does), `send`
+broadcasts device buffers bucket by bucket, `serves(colocated=False, device="cuda")` is true and
+its `preference` is above gloo's, and `register_transport` adds it. Nothing else changes.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from typing import Iterator
+
+from hybridflow.resharding.verify import WeightSyncError
+
+
+class Transport:
+    """The protocol; a transport module subclasses it and overrides what differs."""
+
+    name = ""
+    gathers_whole = False  # training ranks build whole tensors (FSDP all-gathers) before sending
+    supports_staging = False  # can receive into host memory while the engine generates (max_staleness >= 2)
+    preference = 0  # among the transports that serve a placement, the highest is chosen
+
+    @classmethod
+    def serves(cls, colocated: bool, device: str) -> bool:
+        """Whether this transport can carry the weights for a placement: the rollout in the
+        actor's processes (`colocated`) or on a pool of its own, on `device` ("cpu" or "cuda")."""
+        return False
+
+    # ---- controller side ------------------------------------------------------------------
+    def rendezvous(self, actor) -> tuple[str, int]:
+        """Where the route's processes meet (an address on training rank 0's host), if anywhere."""
+        return "", 0
+
+    def setup_calls(self, actor, rollout, plan) -> list:
+        """The group calls that open the route, issued together."""
+        return [actor.setup_weight_sender.remote(plan)]
+
+    def held(self, shapes: dict, world: int) -> list | None:
+        """Per generation rank, the box of each tensor it holds before the sync (None: nothing)."""
+        return None
+
+    def sync_calls(self, actor, rollout) -> list:
+        """The group calls of one sync, issued together."""
+        raise NotImplementedError
+
+    def per_rank(self, results: list) -> list[dict]:
+        """Per generation rank, the statistics of one sync, from `sync_calls`' results."""
+        raise NotImplementedError
+
+    def metrics(self, per_rank: list[dict]) -> dict[str, float]:
+        """Metrics only this transport has."""
+        return {}
+
+    @contextmanager
+    def generating(self, actor, rollout) -> Iterator[None]:
+        """Around generation: device memory steps, if the pools share devices."""
+        yield
+
+    # ---- sending route (in WeightSender, every actor process) ---------------------------------
+    def check_plan(self, sender) -> None:
+        pass
+
+    def connect(self, sender):
+        """Open this training rank's end of the route; returns the link the sender keeps for it
+        (`sender.link`)."""
+        return None
+
+    def send(self, sender, stats: dict, group_name: str) -> None:
+        """Move one sync's buckets (`group_name`: this process's worker group, where an
+        in-process receiver is found); add to `stats` what this rank measured."""
+        raise NotImplementedError
+
+    # ---- receiving route (in the rollout worker, and inside vLLM's worker) --------------------
+    def receiving_init(self, plan, rank: int) -> dict:
+        """The fields of vLLM's init info for generation rank `rank` (vllm_side.InitInfo)."""
+        raise self._no_route()
+
+    def receiving_updates(self, plan, rank: int) -> list[dict]:
+        """Per bucket, what generation rank `rank` receives (vllm_side.UpdateInfo fields)."""
+        raise self._no_route()
+
+    def update_bytes(self, update: dict) -> int:
+        """Bytes one of `receiving_updates` carries to its rank."""
+        raise self._no_route()
+
+    def _no_route(self) -> WeightSyncError:
+        return WeightSyncError(f"the {self.name} transport hands weights over in the actor's processes; it has no "
+                               "route to a rollout on a pool of its own")
+
+    def open_receiving(self, info):
+        """Inside vLLM's worker: open this rank's end of the route (`info`: vllm_side.InitInfo);
+        returns the link the engine keeps for it."""
+        return None
+
+    def receive_bucket(self, engine, info) -> list:
+        """Inside vLLM's worker: one bucket's [(checkpoint name, full-shape tensor)] for `info`
+        (vllm_side.UpdateInfo); `engine` holds the route's `link` and counts `received_bytes`.
+        By default the tensors were handed over in this process."""
+        if info.weights is None:
+            raise WeightSyncError(f"the {self.name} transport was given bucket {info.bucket} without its tensors")
+        return info.weights
+
+    def stage_bucket(self, engine, info) -> list:
+        """Inside vLLM's worker, while it may be generating: receive one bucket into host memory."""
+        raise WeightSyncError(f"a staged weight push needs a transport that receives while the engine generates; "
+                              f"this run's transport is {self.name} (put the rollout on a pool of its own)")
+
+    def __repr__(self) -> str:
+        return self.name
+
+
+TRANSPORTS: dict[str, type[Transport]] = {}
+
+
+def register_transport(cls: type[Transport]) -> type[Transport]:
+    """Add a transport class to the registry `build_transport` chooses from (usable as a decorator)."""
+    if not cls.name:
+        raise ValueError(f"{cls.__qualname__} needs a `name` to be registered")
+    TRANSPORTS[cls.name] = cls
+    return cls
+
+
+def build_transport(colocated: bool, device: str = "cpu") -> Transport:
+    """The transport a placement needs: of the registered ones that serve it (the rollout in the
+    actor's processes or on a pool of its own, on `device`), the one of highest preference."""
+    found = [cls for cls in TRANSPORTS.values() if cls.serves(colocated, device)]
+    if not found:
+        where = "in the actor's processes" if colocated else "on a pool of its own"
+        raise WeightSyncError(f"no registered weight transport ({sorted(TRANSPORTS)}) serves a rollout {where} on "
+                              f"{device}")
+    return max(found, key=lambda cls: cls.preference)()
+
+
+# the built-in transports register themselves on import (they subclass `Transport` above)
+from hybridflow.resharding.transports.colocated import Colocated  # noqa: E402
+from hybridflow.resharding.transports.gloo import Gloo  # noqa: E402
+
+__all__ = ["TRANSPORTS", "Colocated", "Gloo", "Transport", "build_transport", "register_transport"]

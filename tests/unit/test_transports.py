@@ -1,0 +1,58 @@
+"""The transport registry: which transport `build_transport` chooses, and what a route that a
+transport lacks says."""
+
+from __future__ import annotations
+
+import pytest
+
+from hybridflow.resharding import WeightSyncError
+from hybridflow.resharding.transports import TRANSPORTS, Colocated, Gloo, Transport, build_transport, register_transport
+
+
+def test_the_placement_chooses_the_builtin_transport_on_either_device():
+    for device in ("cpu", "cuda"):
+        assert isinstance(build_transport(colocated=True, device=device), Colocated)
+        assert isinstance(build_transport(colocated=False, device=device), Gloo)
+    assert TRANSPORTS["colocated"] is Colocated and TRANSPORTS["gloo"] is Gloo
+
+
+class _Preferred(Transport):
+    name = "preferred-on-cuda"
+    preference = 5
+
+    @classmethod
+    def serves(cls, colocated: bool, device: str) -> bool:
+        return not colocated and device == "cuda"
+
+
+def test_a_registered_transport_of_higher_preference_wins_only_where_it_serves():
+    register_transport(_Preferred)
+    try:
+        assert isinstance(build_transport(colocated=False, device="cuda"), _Preferred)
+        assert isinstance(build_transport(colocated=False, device="cpu"), Gloo)
+        assert isinstance(build_transport(colocated=True, device="cuda"), Colocated)
+    finally:
+        del TRANSPORTS[_Preferred.name]
+
+
+def test_no_transport_serving_the_placement_is_a_named_error():
+    saved = dict(TRANSPORTS)
+    TRANSPORTS.clear()
+    TRANSPORTS["colocated"] = Colocated
+    try:
+        with pytest.raises(WeightSyncError, match=r"no registered weight transport \(\['colocated'\]\) serves a "
+                                                  "rollout on a pool of its own on cpu"):
+            build_transport(colocated=False, device="cpu")
+    finally:
+        TRANSPORTS.clear()
+        TRANSPORTS.update(saved)
+
+
+def test_a_transport_without_a_cross_pool_route_or_staging_says_so():
+    with pytest.raises(WeightSyncError, match="colocated transport .* no route to a rollout on a pool of its own"):
+        Colocated().receiving_updates(plan=None, rank=0)
+    with pytest.raises(WeightSyncError, match="this run's transport is colocated"):
+        Colocated().stage_bucket(engine=None, info=None)
+    assert Gloo.supports_staging and not Colocated.supports_staging
+    with pytest.raises(ValueError, match="needs a `name`"):
+        register_transport(type("Nameless", (Transport,), {}))
