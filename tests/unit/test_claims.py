@@ -258,7 +258,7 @@ def test_the_marks_are_read_as_pytest_reads_them():
     assert slow(staleness) is False
     sync = "tests/e2e/test_weight_sync.py::test_disaggregated_sync_over_a_gloo_group"
     assert slow(f"{sync}[2to1]") is False and slow(f"{sync}[1to2-tp2]") is True
-    assert slow("tests/e2e/test_resume_rank_count.py::test_resume_on_another_rank_count_matches_the_same_count_resume")
+    assert slow("tests/e2e/test_resume_rank_count.py::test_resume_on_another_rank_count_matches_the_uninterrupted_run")
     assert slow("tests/e2e/test_real_model.py::test_rl_on_the_real_model_reports_memory_and_parity[ppo]") is True
     assert slow("tests/unit/test_agents.py::"
                 "test_a_tool_that_raises_hangs_or_returns_a_non_string_gives_a_counted_error_observation") is False
@@ -374,3 +374,13 @@ def test_a_summary_that_does_not_count_the_rows_is_reported(tmp_path):
         f"the summary says {wrong!r}; the tables hold 1 claims: default 1, slow 0, bench 0, none 0"]
     assert check_claims(HEAD + row + "\n", root) == [
         "no summary line '**Summary: N claims: default N, slow N, bench N, none N.**'"]
+
+
+def test_ci_runs_the_readme_test_command_then_the_slow_tier():
+    """Every tier of the table runs in CI: `.ci/run` is the README's test command, then `-m slow`."""
+    readme = (ROOT / "README.md").read_text()
+    command = "bash scripts/setup.sh && .venv/bin/python -m pytest"
+    assert f"```bash\n{command}\n```" in readme
+    steps = [line for line in (ROOT / ".ci" / "run").read_text().splitlines()
+             if line.strip() and not line.startswith(("#", "set ", "cd "))]
+    assert steps == [command, ".venv/bin/python -m pytest -m slow"]
