@@ -70,8 +70,8 @@ def run_mode(model_dir: Path, actor_ranks: int, rollout_ranks: int | None, tp: i
         sync = WeightSync(groups["actor"], groups["rollout"], WeightSyncConfig(check="none"),
                           build_transport(rollout_ranks is None), "float32")
         setup = sync.setup()
-        sync.sync(step=0)  # warm-up
-        runs = [sync.sync(step=i + 1) for i in range(syncs)]
+        sync.sync(step=0, version=0)  # warm-up
+        runs = [sync.sync(step=i + 1, version=i + 1) for i in range(syncs)]
     finally:
         for group in {id(g.pool): g for g in groups.values()}.values():
             group.shutdown()

@@ -20,6 +20,7 @@ from hybridflow.controller import RoleSpec, WorkerGroup, spawn_workers
 from hybridflow.controller.pools import CoreLedger
 from hybridflow.controller.runtime import connect
 from hybridflow.data import ArithmeticSpec, make_arithmetic_split, read_rows, write_rows
+from hybridflow.rollout_schedules import schedule_class
 
 
 def prepare_model(config: HybridFlowConfig, run_dir: Path) -> Path:
@@ -127,7 +128,8 @@ def spawn_roles(config: HybridFlowConfig, roles: dict[str, RoleSpec], env_vars: 
         by_pool.setdefault(placement.roles[role], {})[role] = spec
     groups: dict[str, WorkerGroup] = {}
     pools = reserve_pools(config, {name: list(pool_roles) for name, pool_roles in by_pool.items()}, gpu)
-    pin = placement.pin_cpus if placement.pin_cpus is not None else config.trainer.max_staleness > 0
+    pin = placement.pin_cpus if placement.pin_cpus is not None else \
+        schedule_class(config.trainer.max_staleness).overlaps  # pools that work at the same time
     cores = CoreLedger() if pin else None  # one ledger: the pools on a node get disjoint cores
     for pool_name, pool_roles in by_pool.items():
         groups.update(spawn_workers(pools[pool_name], pool_roles, env_vars=env_vars,

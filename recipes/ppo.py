@@ -2,7 +2,7 @@
 REINFORCE++, ReMax) — one loop, the algorithm chosen by config.
 
 Per step, each stage a named call: generate n samples per prompt (`rollouts.next`, the
-schedule of hybridflow/rollout_queue.py) -> `score` (reward, old and reference log-probs,
+schedule of hybridflow/rollout_schedules.py) -> `score` (reward, old and reference log-probs,
 values) -> `add_advantages` -> `update` (critic, then actor with its step hooks) -> weight sync
 (`rollouts.updated`) -> `step_metrics`. Stages that do not depend on each other are issued
 together (non-blocking), so on different pools they run at the same time. With
@@ -20,7 +20,6 @@ them.
 """
 from __future__ import annotations
 
-from functools import partial
 from pathlib import Path
 
 import torch
@@ -40,7 +39,7 @@ from hybridflow.launch import build_weight_sync, prepare_data, prepare_model, sp
 from hybridflow.controller.memory import pool_memory_metrics
 from hybridflow.resharding.parity import FirstBatchParity
 from hybridflow.rewards import reward_metrics
-from hybridflow.rollout_queue import Pending, RolloutQueue
+from hybridflow.rollout_schedules import Pending, build_schedule, schedule_class
 from hybridflow.runner import (
     Checkpointer,
     StageTimer,
@@ -79,10 +78,7 @@ def run(config: HybridFlowConfig, run_dir: Path) -> dict:
     weight_sync = build_weight_sync(config, groups["actor"], groups["rollout"])
     weight_sync.setup()
     r = Step(config, groups, tokenizer, loader, StepHooks.build(t.training_hooks, run_dir, loader))
-    rollouts = RolloutQueue(partial(launch_batch, r), weight_sync, depth=t.max_staleness, last_step=t.total_steps,
-                            encode=lambda out: [None if b is None else to_json(b) for b in out],
-                            decode=lambda out: tuple(None if b is None else from_json(b) for b in out),
-                            version_of=lambda out: int(out[0]["behavior_version"].min()))
+    rollouts = build_schedule(Batches(r), weight_sync, t.max_staleness, last_step=t.total_steps)
     rollouts.start(step, **state.get("rollouts", {}))
     parity = FirstBatchParity.from_config(config, model_dir)  # the first batch's sampler-vs-actor gap
     logger = MetricsLogger(run_dir, config.logger, total_steps=t.total_steps)
@@ -101,10 +97,9 @@ def run(config: HybridFlowConfig, run_dir: Path) -> dict:
         actor_learns = step > t.critic_warmup_steps
         with timer("update"):
             update_metrics = update(r, step, samples, actor_learns)
-        with timer("weight_sync"):
-            sync_metrics = rollouts.updated(step, learned=actor_learns,
-                                            reloaded=r.hooks.reloaded_weights(step))
-        metrics = step_metrics(r, samples, trained_version, rollouts.depth, actor_learns, {
+        sync_metrics = rollouts.updated(step, learned=actor_learns,  # with the step's timing/weight_sync_s
+                                        reloaded=r.hooks.reloaded_weights(step))
+        metrics = step_metrics(r, samples, trained_version, rollouts.stale, actor_learns, {
             **algo_metrics, **update_metrics, **sync_metrics, **queue_metrics, **timer.seconds, "kl/coef": kl_ctl.coef})
         if validation_due(config, step):
             metrics.update(rollouts.drain(step))  # validate the newest weights (depth 0: pushed already)
@@ -151,34 +146,55 @@ def clips_against_sampler(config: HybridFlowConfig) -> bool:
 def uses_behavior_weights(config: HybridFlowConfig, proximal: str) -> bool:
     """Whether the step's tokens carry `behavior_weights`: a stale run whose update clips against
     the actor's recomputed log-probs, with algorithm.behavior_is_cap > 0."""
-    return bool(config.trainer.max_staleness) and proximal == "old_log_probs" and config.algorithm.behavior_is_cap > 0
+    return schedule_class(config.trainer.max_staleness).stale and proximal == "old_log_probs" and \
+        config.algorithm.behavior_is_cap > 0
 
 
-def launch_batch(r: Step, step: int, version: int) -> Pending:
-    """Draw the step's prompts and submit their generation (and ReMax's greedy pass) to the
-    rollout, without waiting; per-sample seeds depend only on the step."""
-    prompts = encode_prompts(r.loader.next_rows(step), r.tokenizer, r.config.data.max_prompt_tokens,
-                             truncation=r.config.data.prompt_truncation)
-    prompts.tensors["group_ids"] = torch.arange(len(prompts))
-    return submit_generation(r, step, prompts, version)
+class Batches:
+    """The schedule's generator (hybridflow.rollout_schedules.Generator): a step's batch is its prompts'
+    samples (and ReMax's greedy responses)."""
+
+    def __init__(self, r: Step) -> None:
+        self.r = r
+
+    def launch(self, step: int, version: int, staged: bool) -> Pending:
+        """Draw the step's prompts and submit their generation (and ReMax's greedy pass) to the
+        rollout, without waiting; per-sample seeds depend only on the step."""
+        r = self.r
+        prompts = encode_prompts(r.loader.next_rows(step), r.tokenizer, r.config.data.max_prompt_tokens,
+                                 truncation=r.config.data.prompt_truncation)
+        prompts.tensors["group_ids"] = torch.arange(len(prompts))
+        return submit_generation(r, step, prompts, version, staged)
+
+    def relaunch(self, pending: Pending, version: int) -> Pending:
+        prompts, staged = pending.source
+        return submit_generation(self.r, pending.step, prompts, version, staged)
+
+    def version_of(self, result: tuple) -> int:
+        return int(result[0]["behavior_version"].min())
+
+    def encode(self, result: tuple) -> list:
+        return [None if b is None else to_json(b) for b in result]
+
+    def decode(self, saved: list) -> tuple:
+        return tuple(None if b is None else from_json(b) for b in saved)
 
 
-def submit_generation(r: Step, step: int, prompts: Batch, version: int) -> Pending:
-    """`version`: the policy version the rollout holds (max_staleness <= 1), or the oldest it may
-    generate with, loading staged weights first and waiting for them if needed (>= 2); the
-    rollout stamps each sample with the version it used (`behavior_version`)."""
-    staged = {"min_version": version, "weights_timeout_s": r.config.weight_sync.timeout_s} \
-        if r.config.trainer.max_staleness >= 2 else {}
-    greedy = r.rollout.generate.remote(prompts, greedy=True, **staged) if needs_greedy_baseline(r.config) else None
+def submit_generation(r: Step, step: int, prompts: Batch, version: int, staged: bool) -> Pending:
+    """`version`: the policy version the rollout holds, or (`staged`) the oldest it may generate
+    with, loading staged weights first and waiting for them if needed; the rollout stamps each
+    sample with the version it used (`behavior_version`)."""
+    staged_args = {"min_version": version, "weights_timeout_s": r.config.weight_sync.timeout_s} if staged else {}
+    greedy = r.rollout.generate.remote(prompts, greedy=True, **staged_args) if needs_greedy_baseline(r.config) else None
     samples_in = prompts.repeat_interleave(r.n)
     samples_in.tensors["sample_seed"] = sample_seeds(r.config.seed, step, len(samples_in))
-    samples = r.rollout.generate.remote(samples_in, **staged)
+    samples = r.rollout.generate.remote(samples_in, **staged_args)
 
     def collect() -> tuple[Batch, Batch | None]:
         greedy_out = greedy.get() if greedy is not None else None  # ReMax's baseline
         return samples.get(), greedy_out
 
-    return Pending(step, version, collect, relaunch=partial(submit_generation, r, step, prompts))
+    return Pending(step, version, collect, source=(prompts, staged))
 
 
 def score(r: Step, samples: Batch, greedy: Batch | None) -> Batch:
@@ -219,7 +235,7 @@ def update(r: Step, step: int, samples: Batch, actor_learns: bool) -> dict[str, 
     return {**actor_metrics, **critic_metrics, **hook_metrics}
 
 
-def step_metrics(r: Step, samples: Batch, trained_version: int, depth: int, actor_learns: bool,
+def step_metrics(r: Step, samples: Batch, trained_version: int, stale: bool, actor_learns: bool,
                  stage_metrics: dict[str, float]) -> dict[str, float]:
     """The step's row of metrics.jsonl: rewards, the stages', responses, throughput, how far the
     sampler's log-probs are from the actor's at the same version, and (async) staleness: the
@@ -240,7 +256,7 @@ def step_metrics(r: Step, samples: Batch, trained_version: int, depth: int, acto
         versions, mask = samples["token_versions"], samples["response_mask"]
         newest = versions.masked_fill(~mask, -1).max(dim=1).values
         metrics["async/version_span_max"] = float((newest - samples["behavior_version"]).clamp(min=0).max())
-    if depth:
+    if stale:
         metrics.update({"async/staleness_mean": float(staleness.float().mean()),
                         "async/staleness_max": float(staleness.max()),
                         "async/behavior_version_min": float(samples["behavior_version"].min()),

@@ -67,7 +67,7 @@ def run(config: HybridFlowConfig, run_dir: Path) -> dict:
         metrics.update(timer.seconds)
         if validation_due(config, step):
             with timer("weight_sync"):
-                metrics.update(weight_sync.sync(step))
+                metrics.update(weight_sync.sync(step, version=step))  # SFT's policy version: its step
             with weight_sync.generating():  # GPU: vLLM's KV cache is released again for training
                 metrics.update(validate(config, rollout, reward, data.val, tokenizer, step))
         metrics.update(pool_memory_metrics(groups))  # each pool's peak since the last step's read

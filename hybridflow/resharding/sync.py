@@ -3,16 +3,16 @@
 `WeightSync(actor, rollout, config, transport)` owns the whole trip from the actor group's
 training layout to the rollout group's generation layout: at `setup()` it asks the rollout
 ranks which part of each checkpoint tensor they need, plans the buckets, opens the transfer
-group when the rollout has a pool of its own, and measures the copy floor; at `sync(step)` it
+group when the rollout has a pool of its own, and measures the copy floor; at `sync(step, version)` it
 drives the sender and (disaggregated) the receiver together, waits on both with the configured
 deadline, checks the result, and returns the step's `weight_sync/*` metrics; with the rollout on
 a pool of its own, `stage(step, version)` instead starts a push the rollout receives while it
 generates (trainer.max_staleness >= 2, docs/async.md) and `load_staged` loads and probes it when
 both sides are idle. The recipe never
 sees a bucket, and the actor never sees the rollout worker. How the bytes travel is the
-`Transport`'s business (transports/); `WeightSync` keeps the plan, the checks, the metrics and
-the policy version (`version`: how many times the rollout has been given the actor's weights
-since the run, or this process, started; the first push at start-up is version 0).
+`Transport`'s business (transports/); `WeightSync` keeps the plan, the checks and the metrics.
+The policy version a push carries is an argument: its owner is the recipe's schedule
+(hybridflow/rollout_schedules.py); the rollout labels its engine with it.
 """
 
 from __future__ import annotations
@@ -46,7 +46,6 @@ class WeightSync:
         self.actor, self.rollout, self.cfg = actor, rollout, config
         self.transport, self.dtype = transport, dtype
         self.syncs = 0
-        self.version = -1  # the policy version the rollout holds (-1: none pushed yet)
         self.floor_seconds = 0.0
         self.min_bytes = self.engine_bytes = 0
 
@@ -75,10 +74,9 @@ class WeightSync:
         with self.transport.generating(self.actor, self.rollout):
             yield
 
-    def sync(self, step: int, version: int | None = None) -> dict[str, float]:
+    def sync(self, step: int, version: int) -> dict[str, float]:
         """Move the actor's current weights into the rollout engines, check them, and measure.
-        The rollout then holds policy `version` (default: one more than before), counted only
-        once the checks pass."""
+        The rollout's engine is then labelled with policy `version`, once the checks pass."""
         start = time.perf_counter()
         results = self._wait(self.transport.sync_calls(self.actor, self.rollout), f"step {step}")
         seconds = time.perf_counter() - start
@@ -95,8 +93,7 @@ class WeightSync:
         }
         metrics.update(self.transport.metrics(per_rank))
         metrics.update(self.check(step))
-        self.version = self.version + 1 if version is None else version
-        self._wait([self.rollout.set_weight_version.remote(self.version)], "labelling the engine")
+        self._wait([self.rollout.set_weight_version.remote(version)], "labelling the engine")
         return metrics
 
     def stage(self, step: int, version: int) -> "StagedPush":
@@ -120,9 +117,7 @@ class WeightSync:
         """Both sides idle (a drain): the rollout loads the staged policy `version` now, and the
         probe compares it with the actor, which holds the same weights."""
         self._wait([self.rollout.load_staged_weights.remote(version, self.cfg.timeout_s)], f"step {step}")
-        metrics = self.probe() if self.cfg.check == "probe" else {}
-        self.version = version
-        return metrics
+        return self.probe() if self.cfg.check == "probe" else {}
 
     def check(self, step: int) -> dict[str, float]:
         """The cheap check every sync (a log-prob probe), the per-tensor checksums every N syncs

@@ -171,6 +171,7 @@ class SpikeRecoveryConfig:
 class SpikeRecovery:
     """Roll the actor back to the SMA of the checkpoints saved before a spike (or a reward collapse)."""
 
+    reloads_weights = True  # it may load other weights into the actor (a new policy version)
     reloaded_at: int | None = None  # the last step whose after_update loaded other weights into the actor
 
     Config = SpikeRecoveryConfig
@@ -261,6 +262,7 @@ class LrBurstConfig:
 class LrBurst:
     """The updates of steps at_step .. at_step + steps - 1 use `factor` times the scheduled lr."""
 
+    reloads_weights = False
     reloaded_at: int | None = None  # never loads weights
 
     Config = LrBurstConfig
@@ -348,7 +350,8 @@ def batches_to_remember(hooks: list, save_every_steps: int, drawn_ahead: int = 0
     spike_recovery with `data: reshuffle` puts back the draws since the newest checkpoint it merges,
     the newest saved before step - 1: at most save_every_steps + 1 of them, behind the
     `drawn_ahead` draws of batches in flight (trainer.max_staleness)."""
-    reshuffles = any(h.name == "spike_recovery" and hook_config(h.name, h.params).data == "reshuffle" for h in hooks)
+    reshuffles = any(h.name in STEP_HOOKS and getattr(hook_config(h.name, h.params), "data", None) == "reshuffle"
+                     for h in hooks)
     return save_every_steps + 1 + drawn_ahead if reshuffles else 0
 
 

@@ -68,7 +68,7 @@ def test_update_changes_weights_and_sync_makes_vllm_match(groups):
     changed = [name for name in before if before[name] != after[name]]
     assert len(changed) == len(before), f"unchanged after an update: {set(before) - set(changed)}"
 
-    sync = g["sync"].sync(step=1)
+    sync = g["sync"].sync(step=1, version=1)
     assert sync["weight_sync/verified_tensors"] > 0 and sync["weight_sync/probe_log_prob_gap"] < 1e-3
     # TP 1 on 2 FSDP ranks: each rank lacks the other half of every tensor, and receives exactly that.
     assert sync["weight_sync/bytes_received_per_rank"] == sync["weight_sync/min_bytes_per_rank"] > 0
@@ -80,7 +80,7 @@ def test_update_changes_weights_and_sync_makes_vllm_match(groups):
 
 def test_verification_fails_loudly_on_a_corrupted_vllm_tensor(groups):
     g, _ = groups
-    g["sync"].sync(step=2)
+    g["sync"].sync(step=2, version=2)
     name = g["rollout"].corrupt_parameter("layers.1.post_attention_layernorm")[0]
     # the probe sees it, and answers which question failed with the checksums: the weights differ
     with pytest.raises(WeightSyncError, match=rf"(?s)weight sync verification failed for 1 of .*{name}"):

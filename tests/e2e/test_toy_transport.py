@@ -147,7 +147,7 @@ def test_a_transport_added_by_one_file_is_chosen_and_carries_the_weights(ray_loc
         samples.tensors["advantages"] = torch.ones_like(samples["old_log_probs"])
         groups["actor"].update_policy(samples)  # the rollout's weights are now one step behind
 
-        metrics = sync.sync(step=1)
+        metrics = sync.sync(step=1, version=1)
         # every vLLM tensor compared exactly with the actor's, and the log-probs agree
         assert metrics["weight_sync/verified_tensors"] > 0 and metrics["weight_sync/probe_log_prob_gap"] < 1e-3
         assert metrics["weight_sync/bytes_received_per_rank"] == metrics["weight_sync/min_bytes_per_rank"] > 0

@@ -127,12 +127,12 @@ def ray(ray_local):
 def test_colocated_tp2_moves_exactly_the_layout_minimum(ray, tiny_model_dir):
     groups, sync, tok, setup = _spawn(tiny_model_dir, 2, None, tp=2, name="co-tp2", checksum_every=1)
     try:
-        first = sync.sync(step=0)
+        first = sync.sync(step=0, version=0)
         assert first["weight_sync/min_bytes_per_rank"] == _colocated_tp2_minimum(_tiny_dims(tiny_model_dir))
         assert first["weight_sync/bytes_received_per_rank"] == first["weight_sync/min_bytes_per_rank"]
         assert first["weight_sync/min_bytes_per_rank"] < 0.15 * _model_bytes(_tiny_dims(tiny_model_dir))
         _train_one_step(groups, tok, seed=1)
-        after = sync.sync(step=1)  # the checksum check compares every vLLM parameter slice
+        after = sync.sync(step=1, version=1)  # the checksum check compares every vLLM parameter slice
         assert after["weight_sync/verified_tensors"] > 0 and after["weight_sync/probe_log_prob_gap"] < 1e-3
         assert _sampler_gap(groups, tok, seed=2) < 1e-3
         assert setup["weight_sync/copy_floor_s"] > 0 and after["weight_sync/copy_floor_ratio"] > 1
@@ -150,7 +150,7 @@ def test_disaggregated_sync_over_a_gloo_group(ray, tiny_model_dir, actor_ranks, 
                                   checksum_every=1, bucket_mb=0.25)
     try:
         _train_one_step(groups, tok, seed=3)
-        metrics = sync.sync(step=1)
+        metrics = sync.sync(step=1, version=1)
         assert metrics["weight_sync/verified_tensors"] > 0 and metrics["weight_sync/probe_log_prob_gap"] < 1e-3
         received, model = metrics["weight_sync/bytes_received_per_rank"], _model_bytes(_tiny_dims(tiny_model_dir))
         assert received == metrics["weight_sync/min_bytes_per_rank"]
@@ -169,7 +169,7 @@ def test_a_corrupted_bucket_is_caught_by_the_checksum_check(ray, tiny_model_dir)
         assert setup["weight_sync/buckets"] > 4
         groups["rollout"].inject_weight_sync_fault("corrupt", 0)  # one element of bucket 1 gets +1
         with pytest.raises(WeightSyncError, match="verification failed for 1 of"):
-            sync.sync(step=1)
+            sync.sync(step=1, version=1)
     finally:
         _shutdown(groups)
 
@@ -180,7 +180,7 @@ def test_a_receiver_killed_mid_transfer_is_named_within_the_timeout(ray, tiny_mo
         groups["rollout"].inject_weight_sync_fault("exit", 2)  # the process dies when bucket 3 arrives
         start = time.monotonic()
         with pytest.raises(WeightSyncError, match=r"(?s)step 2.*rank 0.*stage weight_sync") as error:
-            sync.sync(step=2)
+            sync.sync(step=2, version=2)
         assert time.monotonic() - start < 30.0
         message = str(error.value)
         assert "receive_weights" in message and "died" in message
