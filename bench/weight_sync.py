@@ -65,7 +65,7 @@ def run_mode(model_dir: Path, actor_ranks: int, rollout_ranks: int | None, tp: i
         groups.update(spawn_workers(ResourcePool(PoolSpec(f"g{tag}", devices_per_node=rollout_ranks)),
                                     {"rollout": rollout}, env_vars=env))
     try:
-        for future in [groups["actor"].start.remote(), groups["rollout"].start_engine.remote()]:
+        for future in [groups["actor"].start.remote(), groups["rollout"].start.remote()]:
             future.get()
         sync = WeightSync(groups["actor"], groups["rollout"], WeightSyncConfig(check="none"),
                           build_transport(rollout_ranks is None), "float32")

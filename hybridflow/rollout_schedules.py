@@ -168,11 +168,14 @@ class Schedule:
         """The actor's weights changed at `step` (`learned`: an update; `reloaded`: a hook loaded
         other weights). Returns the weight movement's metrics and the step's
         `timing/weight_sync_s`."""
+        from hybridflow.controller import deadlines
+
         self.actor_version += int(learned) + int(reloaded)
         metrics: dict[str, float] = {}
-        if reloaded:
-            metrics.update(self._reloaded(step))
-        metrics.update(self._after_update(step, learned))
+        with deadlines.stage("weight_sync"):  # every wait here, a regenerated batch's included
+            if reloaded:
+                metrics.update(self._reloaded(step))
+            metrics.update(self._after_update(step, learned))
         return {**metrics, "timing/weight_sync_s": self.sync_seconds}
 
     def drain(self, step: int) -> dict[str, float]:

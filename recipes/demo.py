@@ -13,25 +13,20 @@ from hybridflow.batch import Batch
 from hybridflow.config.schema import HybridFlowConfig
 from hybridflow.controller import RoleSpec
 from hybridflow.data.prompts import encode_prompts
-from hybridflow.data.tokenizer import load_tokenizer
-from hybridflow.launch import prepare_data, prepare_model, spawn_roles, start_ray, vllm_env
+from hybridflow.lifecycle import start_run
 from hybridflow.rewards import exact_match
 from hybridflow.tracking import MetricsLogger
 from workers.rollout.vllm_rollout import VLLMRollout
 
 
 def run(config: HybridFlowConfig, run_dir) -> dict:
-    model_dir = prepare_model(config, run_dir)
-    tokenizer = load_tokenizer(model_dir, config.model.trust_remote_code)
-    data = prepare_data(config, run_dir, tokenizer)
-    print(f"ray: {start_ray(config)}", flush=True)
-
-    rollout_spec = RoleSpec(VLLMRollout, dict(
+    session = start_run(config, run_dir, lambda model_dir, tokenizer: {"rollout": RoleSpec(VLLMRollout, dict(
         model_path=str(model_dir), rollout=config.rollout, max_prompt_tokens=config.data.max_prompt_tokens,
         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
-        trust_remote_code=config.model.trust_remote_code))
-    rollout = spawn_roles(config, {"rollout": rollout_spec}, env_vars=vllm_env(config))["rollout"]
-    engine_start_s = max(rollout.start_engine())
+        trust_remote_code=config.model.trust_remote_code))})
+    print(f"ray: {session.ray_address}", flush=True)
+    rollout, tokenizer, data = session.groups["rollout"], session.tokenizer, session.data
+    engine_start_s = max(session.started["rollout"])
 
     prompts = encode_prompts(data.val[: config.recipe.demo_prompts], tokenizer, config.data.max_prompt_tokens,
                              truncation=config.data.prompt_truncation)

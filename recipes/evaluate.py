@@ -13,9 +13,8 @@ from math import comb
 from pathlib import Path
 
 from hybridflow.config.schema import HybridFlowConfig
-from hybridflow.data.tokenizer import load_tokenizer
 from hybridflow.data.prompts import encode_prompts
-from hybridflow.launch import prepare_data, prepare_model, spawn_roles, start_ray, vllm_env
+from hybridflow.lifecycle import start_run
 from hybridflow.rewards.composer import EXTRA_PREFIX, SCORE_KEY
 from hybridflow.runner import sample_seeds, validate
 from hybridflow.tracking import MetricsLogger
@@ -23,14 +22,9 @@ from recipes.roles import reward_role, rollout_role
 
 
 def run(config: HybridFlowConfig, run_dir: Path) -> dict:
-    model_dir = prepare_model(config, run_dir)
-    tokenizer = load_tokenizer(model_dir, config.model.trust_remote_code)
-    data = prepare_data(config, run_dir, tokenizer)
-    start_ray(config)
-    groups = spawn_roles(config, {"rollout": rollout_role(config, model_dir, tokenizer),
-                                  "reward": reward_role(config)}, env_vars=vllm_env(config))
-    for future in [groups["reward"].start.remote(), groups["rollout"].start_engine.remote()]:
-        future.get()
+    session = start_run(config, run_dir, lambda model_dir, tokenizer: {
+        "rollout": rollout_role(config, model_dir, tokenizer), "reward": reward_role(config)})
+    groups, data, tokenizer, model_dir = session.groups, session.data, session.tokenizer, session.model_dir
     metrics = validate(config, groups["rollout"], groups["reward"], data.val, tokenizer, step=0)
     if config.recipe.eval_samples:
         metrics.update(sampled(config, groups["rollout"], groups["reward"], data.val, tokenizer))

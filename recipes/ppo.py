@@ -33,15 +33,13 @@ from hybridflow.config.schema import HybridFlowConfig
 from hybridflow.controller import RoleSpec
 from hybridflow.data.loader import PromptLoader
 from hybridflow.data.prompts import encode_prompts
-from hybridflow.data.tokenizer import load_tokenizer
 from hybridflow.faults import inject_faults
-from hybridflow.launch import build_weight_sync, prepare_data, prepare_model, spawn_roles, start_ray, vllm_env
 from hybridflow.controller.memory import pool_memory_metrics
+from hybridflow.lifecycle import start_run
 from hybridflow.resharding.parity import FirstBatchParity
 from hybridflow.rewards import reward_metrics
 from hybridflow.rollout_schedules import Pending, build_schedule, schedule_class
 from hybridflow.runner import (
-    Checkpointer,
     StageTimer,
     response_stats,
     run_training_hooks,
@@ -49,39 +47,26 @@ from hybridflow.runner import (
     validate,
     validation_due,
 )
-from hybridflow.tracking import MetricsLogger
-from hybridflow.training.hooks import StepHooks, batches_to_remember
+from hybridflow.training.hooks import StepHooks
 from hybridflow.training.sequences import loss_mask
 from recipes.roles import actor_role, critic_role, reference_role, reward_role, rollout_role
 
 
 def run(config: HybridFlowConfig, run_dir: Path) -> dict:
-    model_dir = prepare_model(config, run_dir)
-    tokenizer = load_tokenizer(model_dir, config.model.trust_remote_code)
-    data = prepare_data(config, run_dir, tokenizer)
-    start_ray(config)
-    groups = spawn_roles(config, build_roles(config, model_dir, tokenizer), env_vars=vllm_env(config))
-    for future in [g.start.remote() for name, g in groups.items() if name != "rollout"] + \
-            [groups["rollout"].start_engine.remote()]:
-        future.get()
+    session = start_run(config, run_dir, lambda model_dir, tokenizer: build_roles(config, model_dir, tokenizer))
+    groups, tokenizer, data = session.groups, session.tokenizer, session.data
     t = config.trainer
-    trainable = {"actor": groups["actor"], **({"critic": groups["critic"]} if "critic" in groups else {})}
-    checkpointer = Checkpointer(config, run_dir, model_dir, trainable)
-    loader = PromptLoader(data.train, t.prompts_per_step, seed=config.seed,
-                          remember_batches=batches_to_remember(t.training_hooks, t.save_every_steps, t.max_staleness))
+    training = session.training([role for role in ("actor", "critic") if role in groups], data.train,
+                                t.prompts_per_step, drawn_ahead=t.max_staleness)
+    loader, logger, weight_sync, state, step = (training.loader, training.logger, training.weight_sync,
+                                                training.state, training.step)
     kl_ctl = build_kl_controller(config.algorithm.kl_controller, **kl_controller_args(config))
-    state = checkpointer.resume() or {}
-    step = int(state.get("step", 0))
     if state:
-        loader.load_state_dict(state["loader"])
         kl_ctl.coef = float(state["kl_coef"])
-    weight_sync = build_weight_sync(config, groups["actor"], groups["rollout"])
-    weight_sync.setup()
-    r = Step(config, groups, tokenizer, loader, StepHooks.build(t.training_hooks, run_dir, loader))
+    r = Step(config, groups, tokenizer, loader, training.hooks)
     rollouts = build_schedule(Batches(r), weight_sync, t.max_staleness, last_step=t.total_steps)
     rollouts.start(step, **state.get("rollouts", {}))
-    parity = FirstBatchParity.from_config(config, model_dir)  # the first batch's sampler-vs-actor gap
-    logger = MetricsLogger(run_dir, config.logger, total_steps=t.total_steps)
+    parity = FirstBatchParity.from_config(config, session.model_dir)  # the first batch's sampler-vs-actor gap
 
     while step < t.total_steps:
         step += 1
@@ -108,14 +93,12 @@ def run(config: HybridFlowConfig, run_dir: Path) -> dict:
         metrics.update(pool_memory_metrics(groups))  # each pool's peak since the last step's read
         logger.log(step, metrics)
         parity.check(metrics)
-        if checkpointer.due(step):
+        if training.checkpointer.due(step):
             rollouts.drain(step)
-            checkpointer.save(step, {"loader": loader.state_dict(), "kl_coef": kl_ctl.coef, "metrics": metrics,
-                                     "rollouts": rollouts.state()})
+            training.checkpointer.save(step, {"loader": loader.state_dict(), "kl_coef": kl_ctl.coef,
+                                              "metrics": metrics, "rollouts": rollouts.state()})
 
-    final_model = checkpointer.export_final(run_dir) if t.export_hf else None
-    logger.close()
-    return {"final_model": final_model, "steps": step}
+    return session.finish(training, step)
 
 
 class Step:

@@ -18,36 +18,23 @@ from pathlib import Path
 from hybridflow.config.schema import HybridFlowConfig
 from hybridflow.controller import WorkerGroup
 from hybridflow.data.corpus import Corpus, build_corpus, sequence_batch
-from hybridflow.data.loader import PromptLoader
-from hybridflow.data.tokenizer import load_tokenizer
-from hybridflow.launch import prepare_model, spawn_roles, start_ray
-from hybridflow.runner import Checkpointer, StageTimer, validation_due
-from hybridflow.tracking import MetricsLogger
-from hybridflow.training.hooks import StepHooks, batches_to_remember
+from hybridflow.lifecycle import start_run
+from hybridflow.runner import StageTimer, validation_due
 from recipes.roles import actor_role
 
 
 def run(config: HybridFlowConfig, run_dir: Path) -> dict:
-    model_dir = prepare_model(config, run_dir)
-    tokenizer = load_tokenizer(model_dir, config.model.trust_remote_code)
-    corpus = build_corpus(config.pretrain, tokenizer)  # before Ray: a bad file or size fails first
-    t = config.trainer
-    loader = PromptLoader(list(range(len(corpus.train))), config.pretrain.sequences_per_step, seed=config.seed,
-                          remember_batches=batches_to_remember(t.training_hooks, t.save_every_steps))
-    hooks = StepHooks.build(t.training_hooks, run_dir, loader)
-    start_ray(config)
-    # The held-out loss is the model's own log-probs: no sampling temperature applies.
-    role = actor_role(config, model_dir)
-    role = dataclasses.replace(role, kwargs={**role.kwargs, "temperature": 1.0})
-    actor = spawn_roles(config, {"actor": role})["actor"]
-    actor.start.remote().get()
+    def roles(model_dir: Path, tokenizer) -> dict:
+        # The held-out loss is the model's own log-probs: no sampling temperature applies.
+        role = actor_role(config, model_dir)
+        return {"actor": dataclasses.replace(role, kwargs={**role.kwargs, "temperature": 1.0})}
 
-    checkpointer = Checkpointer(config, run_dir, model_dir, {"actor": actor})
-    state = checkpointer.resume() or {}
-    step = int(state.get("step", 0))
-    if state:
-        loader.load_state_dict(state["loader"])
-    logger = MetricsLogger(run_dir, config.logger, total_steps=config.trainer.total_steps)
+    # the corpus is built before Ray starts: a bad file or size fails first
+    session = start_run(config, run_dir, roles, data=lambda config, run_dir, tokenizer: build_corpus(
+        config.pretrain, tokenizer))
+    corpus, actor = session.data, session.groups["actor"]
+    training = session.training(["actor"], list(range(len(corpus.train))), config.pretrain.sequences_per_step)
+    loader, logger, hooks, step = training.loader, training.logger, training.hooks, training.step
     tokens_per_step = config.pretrain.sequences_per_step * config.pretrain.tokens_per_sequence
 
     while step < config.trainer.total_steps:
@@ -65,12 +52,10 @@ def run(config: HybridFlowConfig, run_dir: Path) -> dict:
         metrics.update(timer.seconds)
         metrics["perf/tokens_per_s"] = tokens_per_step / timer.seconds["timing/update_s"]
         logger.log(step, metrics)
-        if checkpointer.due(step):
-            checkpointer.save(step, {"loader": loader.state_dict(), "metrics": metrics})
+        if training.checkpointer.due(step):
+            training.checkpointer.save(step, {"loader": loader.state_dict(), "metrics": metrics})
 
-    final_model = checkpointer.export_final(run_dir) if config.trainer.export_hf else None
-    logger.close()
-    return {"final_model": final_model, "steps": step}
+    return session.finish(training, step)
 
 
 def held_out_loss(actor: WorkerGroup, corpus: Corpus) -> float:

@@ -15,42 +15,24 @@ from pathlib import Path
 from hybridflow.config.schema import HybridFlowConfig
 from hybridflow.controller.memory import pool_memory_metrics
 from hybridflow.data.answers import encode_sft_targets
-from hybridflow.data.loader import PromptLoader
 from hybridflow.data.prompts import encode_prompts
-from hybridflow.data.tokenizer import load_tokenizer
-from hybridflow.launch import build_weight_sync, prepare_data, prepare_model, spawn_roles, start_ray, vllm_env
-from hybridflow.runner import Checkpointer, StageTimer, validate, validation_due
-from hybridflow.tracking import MetricsLogger
-from hybridflow.training.hooks import StepHooks, batches_to_remember
+from hybridflow.lifecycle import start_run
+from hybridflow.runner import StageTimer, validate, validation_due
 from recipes.roles import actor_role, reward_role, rollout_role
 
 
 def run(config: HybridFlowConfig, run_dir: Path) -> dict:
-    model_dir = prepare_model(config, run_dir)
-    tokenizer = load_tokenizer(model_dir, config.model.trust_remote_code)
-    data = prepare_data(config, run_dir, tokenizer)
-    start_ray(config)
-    groups = spawn_roles(config, {
+    session = start_run(config, run_dir, lambda model_dir, tokenizer: {
         "actor": actor_role(config, model_dir),
         "rollout": rollout_role(config, model_dir, tokenizer),
         "reward": reward_role(config),
-    }, env_vars=vllm_env(config))
+    })
+    tokenizer, data, groups = session.tokenizer, session.data, session.groups
     actor, rollout, reward = groups["actor"], groups["rollout"], groups["reward"]
-    for future in [actor.start.remote(), reward.start.remote(), rollout.start_engine.remote()]:
-        future.get()
-
-    checkpointer = Checkpointer(config, run_dir, model_dir, {"actor": actor})
     t = config.trainer
-    loader = PromptLoader(data.train, t.prompts_per_step, seed=config.seed,
-                          remember_batches=batches_to_remember(t.training_hooks, t.save_every_steps))
-    state = checkpointer.resume() or {}
-    step = int(state.get("step", 0))
-    if state:
-        loader.load_state_dict(state["loader"])
-    logger = MetricsLogger(run_dir, config.logger, total_steps=config.trainer.total_steps)
-    weight_sync = build_weight_sync(config, actor, rollout)
-    weight_sync.setup()
-    hooks = StepHooks.build(t.training_hooks, run_dir, loader)
+    training = session.training(["actor"], data.train, t.prompts_per_step)
+    loader, logger, hooks, weight_sync = training.loader, training.logger, training.hooks, training.weight_sync
+    step = training.step
 
     while step < config.trainer.total_steps:
         step += 1
@@ -72,9 +54,7 @@ def run(config: HybridFlowConfig, run_dir: Path) -> dict:
                 metrics.update(validate(config, rollout, reward, data.val, tokenizer, step))
         metrics.update(pool_memory_metrics(groups))  # each pool's peak since the last step's read
         logger.log(step, metrics)
-        if checkpointer.due(step):
-            checkpointer.save(step, {"loader": loader.state_dict(), "metrics": metrics})
+        if training.checkpointer.due(step):
+            training.checkpointer.save(step, {"loader": loader.state_dict(), "metrics": metrics})
 
-    final_model = checkpointer.export_final(run_dir) if config.trainer.export_hf else None
-    logger.close()
-    return {"final_model": final_model, "steps": step}
+    return session.finish(training, step)

@@ -31,7 +31,7 @@ def groups(ray_local, tiny_model_dir):
     actor, reference = actor_role(config, tiny_model_dir), reference_role(config, tiny_model_dir)
     out = spawn_workers(ResourcePool(PoolSpec("hybrid", devices_per_node=2)),
                         {"actor": actor, "rollout": rollout, "reference": reference}, env_vars=VLLM_ENV)
-    for future in [out["actor"].start.remote(), out["reference"].start.remote(), out["rollout"].start_engine.remote()]:
+    for future in [out["actor"].start.remote(), out["reference"].start.remote(), out["rollout"].start.remote()]:
         future.get()
     out["sync"] = WeightSync(out["actor"], out["rollout"], WeightSyncConfig(checksum_every_steps=1), Colocated(),
                              "float32")

@@ -97,7 +97,7 @@ def rollout(ray_local, tiny_model_dir, tmp_path_factory):
                                                pad_token_id=tok.pad_token_id))
     group = spawn_workers(ResourcePool(PoolSpec("rollout", devices_per_node=1)), {"rollout": spec},
                           env_vars=VLLM_ENV)["rollout"]
-    group.start_engine()
+    group.start()
     rows = ([{"prompt": f"{a}*{a}=", "agent": "Counter", "turns_needed": 3} for a in range(10, 22)]
             + [{"prompt": "99*9=", "agent": "Counter", "turns_needed": 9}]
             + [{"prompt": "1*1=", "agent": "Faulty", "fault": f} for f in ("raises", "hangs", "non_string")]

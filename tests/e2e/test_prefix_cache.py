@@ -32,7 +32,7 @@ def setup(ray_local, tmp_path_factory):
         eos_token_id=2, pad_token_id=0))
     group = spawn_workers(ResourcePool(PoolSpec("prefix", devices_per_node=1)), {"rollout": spec},
                           env_vars=VLLM_ENV)["rollout"]
-    group.start_engine()
+    group.start()
     yield group, model_dir
     group.shutdown()
 

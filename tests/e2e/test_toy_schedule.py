@@ -19,6 +19,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from hybridflow.rollout_schedules import SCHEDULES, OneStepOff, Pending, Schedule, register_schedule, schedule_class
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -50,6 +52,7 @@ def test_registering_a_schedule_chooses_it_for_the_depths_it_serves():
     assert schedule_class(1) is OneStepOff
 
 
+@pytest.mark.slow  # one short GRPO run through the command, about 35 s
 def test_a_schedule_added_by_one_file_runs_the_grpo_recipe_end_to_end(tmp_path):
     args = ["recipe=grpo", "trainer.max_staleness=1", "trainer.old_log_probs=actor", "trainer.total_steps=4",
             "trainer.prompts_per_step=4", "rollout.samples_per_prompt=4", "rollout.max_response_tokens=4",

@@ -118,6 +118,7 @@ def files_registered():
     del TRANSPORTS[Files.name]
 
 
+@pytest.mark.slow  # an actor and a vLLM engine on pools of their own, about 20 s
 def test_a_transport_added_by_one_file_is_chosen_and_carries_the_weights(ray_local, tiny_model_dir,
                                                                          files_registered):
     transport = build_transport(colocated=False, device="cpu")
@@ -134,7 +135,7 @@ def test_a_transport_added_by_one_file_is_chosen_and_carries_the_weights(ray_loc
     groups.update(spawn_workers(ResourcePool(PoolSpec("toy-gen", devices_per_node=1)), {"rollout": rollout},
                                 env_vars=VLLM_ENV))
     try:
-        for future in [groups["actor"].start.remote(), groups["rollout"].start_engine.remote()]:
+        for future in [groups["actor"].start.remote(), groups["rollout"].start.remote()]:
             future.get()
         sync = WeightSync(groups["actor"], groups["rollout"],
                           WeightSyncConfig(bucket_mb=0.25, timeout_s=60.0, checksum_every_steps=1), transport,

@@ -25,7 +25,7 @@ def rollout(ray_local, tiny_model_dir):
                                       pad_token_id=tok.pad_token_id))
     group = spawn_workers(ResourcePool(PoolSpec("rollout", devices_per_node=2)), {"rollout": spec},
                           env_vars=VLLM_ENV)["rollout"]
-    group.start_engine()
+    group.start()
     return group, tok
 
 
@@ -70,7 +70,7 @@ def test_seeded_requests_past_the_token_budget_never_chunk_a_prefill(ray_local, 
                                       pad_token_id=tok.pad_token_id))
     group = spawn_workers(ResourcePool(PoolSpec("sampling", devices_per_node=1)), {"rollout": spec},
                           env_vars=VLLM_ENV)["rollout"]
-    group.start_engine()
+    group.start()
     rows = [{"prompt": f"{i:03d}" + "1+2+3+4+5+6+7+8+9=" * 3 + "444", "ground_truth": "0"} for i in range(128)]
     prompts = encode_prompts(rows, tok, MAX_PROMPT_TOKENS)
     assert int(prompts["prompt_mask"].sum()) == 128 * 60

@@ -58,7 +58,7 @@ def _spawn(tiny_model_dir, actor_ranks: int, rollout_ranks: int | None, tp: int,
                                {"actor": actor}, env_vars=VLLM_ENV)
         groups.update(spawn_workers(ResourcePool(PoolSpec(f"{name}-gen", devices_per_node=rollout_ranks)),
                                     {"rollout": rollout}, env_vars=VLLM_ENV))
-    for future in [groups["actor"].start.remote(), groups["rollout"].start_engine.remote()]:
+    for future in [groups["actor"].start.remote(), groups["rollout"].start.remote()]:
         future.get()
     config = WeightSyncConfig(bucket_mb=bucket_mb, timeout_s=timeout_s, checksum_every_steps=checksum_every)
     sync = WeightSync(groups["actor"], groups["rollout"], config,

@@ -67,8 +67,8 @@ class RecordingVLLMRollout(VLLMRollout):
     """Records what the engine was asked and what it sampled, as token ids (agent tests)."""
 
     @register(Dispatch.ONE_TO_ALL)
-    def start_engine(self) -> float:
-        seconds = super().start_engine()
+    def start(self) -> float:
+        seconds = super().start()
         self.records: list[tuple[list[int], list[int]]] = []  # (prompt ids, sampled ids) per request
         generate = self.engine.generate
 

@@ -12,7 +12,7 @@ from hybridflow.controller import Dispatch, register
 
 
 class ReceivingEnd:
-    receiver = None  # set by start_engine
+    receiver = None  # set by start
     ctx = None
 
     @register(Dispatch.ONE_TO_ALL)

@@ -27,7 +27,7 @@ class HFRollout(ReceivingEnd):
         self.model = None
 
     @register(Dispatch.ONE_TO_ALL)
-    def start_engine(self) -> float:
+    def start(self) -> float:
         from transformers import AutoModelForCausalLM
 
         from hybridflow.resharding.receiver import ModuleReceiver, register_local

@@ -38,11 +38,11 @@ class VLLMRollout(ReceivingEnd):
         self.verifiable_weights = verifiable_weights  # keep weights readable for checksum checks
         self.engine = self.receiver = None
         self.asleep = False
-        self.agents = None  # hybridflow.agents.AgentSet, loaded by start_engine when rollout.agent is set
+        self.agents = None  # hybridflow.agents.AgentSet, loaded by start when rollout.agent is set
         self.batches_stepped = 0  # stepwise batches so far (their request ids)
 
     @register(Dispatch.ONE_TO_ALL)
-    def start_engine(self) -> float:
+    def start(self) -> float:
         """Build the engine; returns the seconds it took."""
         from vllm import LLM
 
@@ -138,7 +138,7 @@ class VLLMRollout(ReceivingEnd):
         from vllm.inputs import TokensPrompt
 
         if self.engine is None:
-            raise RuntimeError("VLLMRollout.generate called before start_engine()")
+            raise RuntimeError("VLLMRollout.generate called before start()")
         requests = [TokensPrompt(prompt_token_ids=ids[mask].tolist())
                     for ids, mask in zip(prompts["prompt_ids"], prompts["prompt_mask"])]
         def sampling(seed: int | None) -> SamplingParams:
