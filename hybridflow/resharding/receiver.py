@@ -79,7 +79,7 @@ class Receiver:
     def needed_boxes(self, shapes: dict[str, list[int]]) -> dict[str, tuple]:
         raise NotImplementedError
 
-    def load(self, buckets: Iterable[list[tuple[str, torch.Tensor]]], route=None) -> dict[str, float]:
+    def load(self, buckets: Iterable[list[tuple[str, torch.Tensor]]], route) -> dict[str, float]:
         """Full-shape tensors handed over in this process, one bucket at a time (`route`: the
         transport that handed them over)."""
         raise NotImplementedError
@@ -124,7 +124,7 @@ class VLLMReceiver(Receiver):
         self.engine.collective_rpc("init_weight_transfer_engine", args=(init,))
         self.route, self.updates = route, route.receiving_updates(plan, self.rank)
 
-    def load(self, buckets: Iterable[list[tuple[str, torch.Tensor]]], route=None) -> dict[str, float]:
+    def load(self, buckets: Iterable[list[tuple[str, torch.Tensor]]], route) -> dict[str, float]:
         """Full-shape tensors (this rank's box filled) handed over in this process by `route`, one
         bucket at a time."""
         return self._session({"bucket": i, "weights": weights, "route": route} for i, weights in enumerate(buckets))
@@ -273,7 +273,7 @@ class ModuleReceiver(Receiver):
     def needed_boxes(self, shapes: dict[str, list[int]]) -> dict[str, tuple]:
         return {name: Box.whole(shape).ranges for name, shape in shapes.items()}
 
-    def load(self, buckets: Iterable[list[tuple[str, torch.Tensor]]], route=None) -> dict[str, float]:
+    def load(self, buckets: Iterable[list[tuple[str, torch.Tensor]]], route) -> dict[str, float]:
         start = time.perf_counter()
         params = dict(self.model.named_parameters())
         for bucket in buckets:

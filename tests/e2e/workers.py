@@ -109,10 +109,12 @@ class PrefixCacheVLLMRollout(VLLMRollout):
 
         from transformers import AutoModelForCausalLM
 
+        from hybridflow.resharding.transports import Colocated
+
         model = AutoModelForCausalLM.from_pretrained(self.model_path)
         bucket = [(name, p.detach() * scale) for name, p in model.named_parameters()]
         if reset_prefix_cache:
-            self.receiver.load([bucket])
+            self.receiver.load([bucket], route=Colocated())  # tensors handed over in this process
             return
         with mock.patch("hybridflow.resharding.receiver.reset_prefix_cache"):
-            self.receiver.load([bucket])
+            self.receiver.load([bucket], route=Colocated())
