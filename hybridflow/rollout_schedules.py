@@ -45,8 +45,9 @@ value is chosen.
 from __future__ import annotations
 
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Callable, Protocol
+from typing import Any, Callable, Iterator, Protocol
 
 
 class StalenessError(RuntimeError):
@@ -243,21 +244,18 @@ class Schedule:
         self.rollout_version, self.pushed_once = self.actor_version, True
         return metrics
 
-    def _moving_weights(self):
-        from contextlib import contextmanager
-
+    @contextmanager
+    def _moving_weights(self) -> Iterator[None]:
+        """A wait on weight movement: under the weight_sync stage's deadline, counted in the step's
+        `timing/weight_sync_s`."""
         from hybridflow.controller import deadlines
 
-        @contextmanager
-        def timed():
-            start = self.clock()
-            try:
-                with deadlines.stage("weight_sync"):
-                    yield
-            finally:
-                self.sync_seconds += self.clock() - start
-
-        return timed()
+        start = self.clock()
+        try:
+            with deadlines.stage("weight_sync"):
+                yield
+        finally:
+            self.sync_seconds += self.clock() - start
 
     def _launch(self, step: int, current: int | None = None) -> Pending:
         pending = self.generator.launch(step, self._launch_version(step, current), staged=self.stages_weights)

@@ -96,16 +96,19 @@ class Gloo(Transport):
         """This rank's boxes of one bucket, received now; or, loading weights staged earlier, those."""
         if info.weights is not None:
             return info.weights
-        tensors = self.stage_bucket(engine, info)
-        engine.received_bytes += self.update_bytes({"dtype": info.dtype, "boxes": info.boxes})
-        return tensors
+        flat = self._receive_flat(engine, info)
+        engine.received_bytes += flat.numel() * flat.element_size()
+        return unpack(flat, info.names, info.shapes, [Box.of(b) for b in info.boxes], flat.dtype)
 
     def stage_bucket(self, engine, info) -> list:
-        dtype = getattr(torch, info.dtype)
-        boxes = [Box.of(b) for b in info.boxes]
-        flat = recv_flat(engine.link, sum(b.numel for b in boxes), dtype, src=0, what=f"bucket {info.bucket}")
+        flat = self._receive_flat(engine, info)
+        return unpack(flat, info.names, info.shapes, [Box.of(b) for b in info.boxes], flat.dtype)
+
+    def _receive_flat(self, engine, info):
+        numel = sum(Box.of(b).numel for b in info.boxes)
+        flat = recv_flat(engine.link, numel, getattr(torch, info.dtype), src=0, what=f"bucket {info.bucket}")
         faults.apply_to_bucket(info.bucket, flat)
-        return unpack(flat, info.names, info.shapes, boxes, dtype)
+        return flat
 
 
 class _Group:
