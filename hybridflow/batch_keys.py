@@ -59,6 +59,16 @@ STEP_KEYS: dict[str, Key] = {
 }
 
 
+def clips_against_sampler(config) -> bool:
+    """Whether the update's π_old is the sampler's log-probs (no actor forward pass): chosen with
+    trainer.old_log_probs, or, on 'auto', when the run is on-policy with one update per step."""
+    t, a = config.trainer, config.actor
+    if t.old_log_probs != "auto":
+        return t.old_log_probs == "sampler"
+    return t.use_sampler_log_probs and a.epochs_per_step == 1 and \
+        a.samples_per_mini_batch in (0, t.prompts_per_step * config.rollout.samples_per_prompt)
+
+
 def proximal_key(clip_against_sampler: bool) -> str:
     """The column the update clips against (π_old) and the KL penalty reads."""
     return "sampler_log_probs" if clip_against_sampler else "old_log_probs"

@@ -158,6 +158,10 @@ def _hydra_main(cfg: DictConfig) -> None:
 def main() -> None:
     from hybridflow.config.stages import split_stage_scoped
 
+    if sys.argv[1:2] == ["plan"]:  # `hybridflow plan ...`: the placement search (hybridflow/planning/cli.py)
+        from hybridflow.planning.cli import main as plan_main
+
+        sys.exit(plan_main(sys.argv[2:]))
     sys.argv[1:], _STAGE_SCOPED[:] = split_stage_scoped(sys.argv[1:])
     _hydra_main()
 

@@ -20,7 +20,7 @@ from hybridflow.controller import RoleSpec, WorkerGroup, spawn_workers
 from hybridflow.controller.pools import CoreLedger
 from hybridflow.controller.runtime import connect
 from hybridflow.data import ArithmeticSpec, make_arithmetic_split, read_rows, write_rows
-from hybridflow.rollout_schedules import schedule_class
+from hybridflow.planning.plan import Plan
 
 
 def prepare_model(config: HybridFlowConfig, run_dir: Path) -> Path:
@@ -128,9 +128,7 @@ def spawn_roles(config: HybridFlowConfig, roles: dict[str, RoleSpec], env_vars: 
         by_pool.setdefault(placement.roles[role], {})[role] = spec
     groups: dict[str, WorkerGroup] = {}
     pools = reserve_pools(config, {name: list(pool_roles) for name, pool_roles in by_pool.items()}, gpu)
-    pin = placement.pin_cpus if placement.pin_cpus is not None else \
-        schedule_class(config.trainer.max_staleness).overlaps  # pools that work at the same time
-    cores = CoreLedger() if pin else None  # one ledger: the pools on a node get disjoint cores
+    cores = CoreLedger() if Plan.from_config(config).pin_cpus else None  # one ledger: the pools on a node get disjoint cores
     for pool_name, pool_roles in by_pool.items():
         groups.update(spawn_workers(pools[pool_name], pool_roles, env_vars=env_vars,
                                     collective_timeout_s=placement.collective_timeout_s,
@@ -166,7 +164,7 @@ def build_weight_sync(config: HybridFlowConfig, actor: WorkerGroup, rollout: Wor
     """The one object that moves the actor's weights into the rollout each step, by the registered
     transport that serves the placement and the device (hybridflow.resharding.transports)."""
     from hybridflow.resharding.sync import WeightSync
-    from hybridflow.resharding.transports import build_transport
+    from hybridflow.resharding.transports import TRANSPORTS
 
-    transport = build_transport(config.placement.rollout_colocated, "cuda" if use_gpu(config.placement) else "cpu")
-    return WeightSync(actor, rollout, config.weight_sync, transport, config.rollout.dtype.value)
+    plan = Plan.from_config(config).with_transport("cuda" if use_gpu(config.placement) else "cpu")
+    return WeightSync(actor, rollout, config.weight_sync, TRANSPORTS[plan.transport](), config.rollout.dtype.value)

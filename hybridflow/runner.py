@@ -28,6 +28,11 @@ class StageTimer:
 
     def __init__(self) -> None:
         self.seconds: dict[str, float] = {}
+        self.started = time.perf_counter()
+
+    def elapsed_s(self) -> float:
+        """Seconds since the timer was made (the step's wall time so far)."""
+        return time.perf_counter() - self.started
 
     @contextmanager
     def __call__(self, stage: str) -> Iterator[None]:
@@ -224,7 +229,13 @@ def run_stage(recipe, config: HybridFlowConfig, run_dir: Path) -> dict:
     (`trainer.stage_timeout_s`, `trainer.default_stage_timeout_s`) and restarts (`trainer.max_restarts`):
     a restart resumes it from its own last complete checkpoint."""
     from hybridflow.memory_budget import resolve_micro_batches
+    from hybridflow.planning.auto import resolve_placement
+    from hybridflow.tracking import save_config
 
+    config, planned = resolve_placement(config, run_dir)  # placement=auto: before anything starts
+    if planned:
+        console.say(planned)
+        save_config(config, run_dir)  # as the run uses it
     config, chosen = resolve_micro_batches(config)  # a no-op when cli.run chose already (single runs)
     if chosen:
         console.say(chosen)

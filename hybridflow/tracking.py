@@ -75,8 +75,11 @@ class MetricsLogger:
         tracking backends), or only a list of backend names."""
         logger = None if isinstance(backends, (list, tuple)) else backends
         backends = list(backends if logger is None else logger.backends)
+        from hybridflow.planning.auto import predicted_metrics
+
         self.started = time.monotonic()
         self.run_dir = run_dir
+        self.predicted = predicted_metrics(run_dir)  # placement=auto's prediction, beside each step's timings
         self.path = run_dir / "metrics.jsonl"
         restarts = run_dir / "restarts.jsonl"  # written by hybridflow.runner.run_with_restarts
         self.restarts = len(restarts.read_text().splitlines()) if restarts.exists() else 0
@@ -98,7 +101,7 @@ class MetricsLogger:
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
         bad = {k: v for k, v in metrics.items() if isinstance(v, float) and not math.isfinite(v)}
-        metrics = {**metrics, "time/elapsed_s": time.monotonic() - self.started}
+        metrics = {**metrics, **self.predicted, "time/elapsed_s": time.monotonic() - self.started}
         if self.restarts:
             metrics["trainer/restarts"] = self.restarts
         record = {"step": step, **{k: _jsonable(v) for k, v in metrics.items()}}

@@ -28,7 +28,7 @@ from hybridflow.algos import apply_kl_penalty, build_kl_controller, compute_adva
 from hybridflow.algos.policy_loss import behavior_weights
 from hybridflow.algos.rewards import place_sequence_rewards
 from hybridflow.batch import Batch, from_json, to_json
-from hybridflow.batch_keys import proximal_key, require
+from hybridflow.batch_keys import clips_against_sampler, proximal_key, require
 from hybridflow.config.schema import HybridFlowConfig
 from hybridflow.controller import RoleSpec
 from hybridflow.data.loader import PromptLoader
@@ -85,7 +85,8 @@ def run(config: HybridFlowConfig, run_dir: Path) -> dict:
         sync_metrics = rollouts.updated(step, learned=actor_learns,  # with the step's timing/weight_sync_s
                                         reloaded=r.hooks.reloaded_weights(step))
         metrics = step_metrics(r, samples, trained_version, rollouts.stale, actor_learns, {
-            **algo_metrics, **update_metrics, **sync_metrics, **queue_metrics, **timer.seconds, "kl/coef": kl_ctl.coef})
+            **algo_metrics, **update_metrics, **sync_metrics, **queue_metrics, **timer.seconds, "kl/coef": kl_ctl.coef,
+            "timing/step_s": timer.elapsed_s()})  # generate to weight sync, before validation
         if validation_due(config, step):
             metrics.update(rollouts.drain(step))  # validate the newest weights (depth 0: pushed already)
             with weight_sync.generating():
@@ -114,16 +115,6 @@ class Step:
         self.clip_against_sampler = clips_against_sampler(config)
         self.proximal = proximal_key(self.clip_against_sampler)
         self.weighted = uses_behavior_weights(config, self.proximal)
-
-
-def clips_against_sampler(config: HybridFlowConfig) -> bool:
-    """Whether the update's π_old is the sampler's log-probs (no actor forward pass): chosen with
-    trainer.old_log_probs, or, on 'auto', when the run is on-policy with one update per step."""
-    t, a = config.trainer, config.actor
-    if t.old_log_probs != "auto":
-        return t.old_log_probs == "sampler"
-    return t.use_sampler_log_probs and a.epochs_per_step == 1 and \
-        a.samples_per_mini_batch in (0, t.prompts_per_step * config.rollout.samples_per_prompt)
 
 
 def uses_behavior_weights(config: HybridFlowConfig, proximal: str) -> bool:

@@ -26,6 +26,12 @@ CHAT_TEMPLATE = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }} {% 
                  "{% if add_generation_prompt %}assistant: {% endif %}")
 
 
+def tiny_vocab_size() -> int:
+    """The tiny model's vocabulary: its tokenizer's tokens, rounded up to a multiple of 64 (tidy matmul shapes)."""
+    tokens = len(SPECIAL_TOKENS) + len(dict.fromkeys(CHARACTERS)) + len(MARKER_TOKENS)
+    return ((tokens + 63) // 64) * 64
+
+
 def build_char_tokenizer():
     """A transformers fast tokenizer with one token per character and <s>/</s>/<pad>."""
     from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
@@ -65,7 +71,8 @@ def build_tiny_model(output_dir: str | Path, spec: TinyModelConfig | None = None
     if marker.exists() and marker.read_text() == wanted:
         return output_dir
     tokenizer = build_char_tokenizer()
-    vocab_size = ((len(tokenizer) + 63) // 64) * 64  # round up: tidy matmul shapes
+    vocab_size = tiny_vocab_size()
+    assert vocab_size >= len(tokenizer), "every token of the tokenizer needs a row of the embeddings"
     config = Qwen2Config(
         vocab_size=vocab_size,
         hidden_size=spec.hidden_size,

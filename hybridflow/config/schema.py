@@ -83,6 +83,21 @@ def _pool(name: str, value: Any) -> PoolConfig:
 
 
 @dataclass
+class PlannerConfig:
+    """The placement planner (hybridflow/planning, docs/placement.md), used by placement=auto."""
+
+    # Before Ray starts, search this run's plans on its cluster and run the fastest predicted (the
+    # pools, roles' pools and rollout TP); the plan and its prediction are saved as run_dir/plan.json
+    # and every step's metrics carry plan/predicted_<stage>_s.
+    auto: bool = False
+    # Rates JSON from `hybridflow plan --calibrate --save-rates FILE`; null: the built-in profile of
+    # the device (hybridflow/planning/profiles.py; on a CPU, this project's 2-core machine).
+    rates: Optional[str] = None
+    policy: str = "exhaustive"  # a registered placement policy (hybridflow.planning.search.POLICIES)
+    cost_model: str = "analytical"  # a registered cost model (hybridflow.planning.cost.COST_MODELS)
+
+
+@dataclass
 class PlacementConfig:
     device: DeviceKind = DeviceKind.auto
     # name -> PoolConfig. Typed as Any so that a pool can be added from the command line
@@ -101,6 +116,7 @@ class PlacementConfig:
     # A process whose cores would run past the node's is left unpinned. null: pin when the pools
     # run at the same time (trainer.max_staleness > 0); a synchronous run's pools take turns.
     pin_cpus: Optional[bool] = None
+    planner: PlannerConfig = field(default_factory=PlannerConfig)
 
     def __post_init__(self) -> None:
         _require(bool(self.pools), "placement.pools", self.pools, "define at least one pool")
@@ -122,23 +138,34 @@ class PlacementConfig:
 
     def check_rollout(self, rollout: "RolloutConfig", model: "ModelConfig") -> None:
         """Every placement x tensor-parallel combination that cannot run, refused with what would."""
-        tp, ranks = rollout.tensor_parallel_size, self.world_size("rollout")
-        pool = self.roles["rollout"]
-        if rollout.backend is RolloutBackend.hf:
-            _require(tp == 1, "rollout.tensor_parallel_size", tp,
-                     "rollout=hf generates with one Hugging Face model per rank; tensor parallelism needs rollout=vllm")
-            _require(self.rollout_colocated, "placement.roles.rollout", pool,
-                     f"rollout=hf receives weights only in the actor's processes: set placement.roles.rollout="
-                     f"{self.roles['actor']} (or use rollout=vllm on a pool of its own)")
-        _require(tp in (1, ranks), "rollout.tensor_parallel_size", tp,
-                 f"the rollout pool {pool!r} has {ranks} rank(s): use 1 (one engine per rank)"
-                 + (f" or {ranks} (one engine across the pool)" if ranks > 1 else
-                    f", or give the pool more ranks (placement.pools.{pool}.devices_per_node)"))
         heads, kv_heads = model_heads(model)
-        if heads:
-            _require(heads % tp == 0 and (kv_heads % tp == 0 or tp % kv_heads == 0), "rollout.tensor_parallel_size",
-                     tp, f"must divide the model's {heads} attention heads and divide or be a multiple of its "
-                     f"{kv_heads} key/value heads")
+        for key, value, allowed in rollout_layout_problems(
+                rollout.tensor_parallel_size, self.world_size("rollout"), self.roles["rollout"], heads, kv_heads,
+                hf=rollout.backend is RolloutBackend.hf, colocated=self.rollout_colocated,
+                actor_pool=self.roles["actor"]):
+            _require(False, key, value, allowed)
+
+
+def rollout_layout_problems(tp: int, ranks: int, pool: str, heads: int, kv_heads: int, hf: bool = False,
+                            colocated: bool = True, actor_pool: str = "") -> list[tuple[str, Any, str]]:
+    """(key, value, what is allowed) for each reason a rollout of tensor-parallel size `tp` on pool
+    `pool` of `ranks` ranks cannot run; the config check raises the first, the planner
+    (hybridflow/planning/rules.py) drops a candidate with any. `heads` 0: the model's are unknown."""
+    problems = []
+    if hf and tp != 1:
+        problems.append(("rollout.tensor_parallel_size", tp, "rollout=hf generates with one Hugging Face model per "
+                         "rank; tensor parallelism needs rollout=vllm"))
+    if hf and not colocated:
+        problems.append(("placement.roles.rollout", pool, f"rollout=hf receives weights only in the actor's processes: "
+                         f"set placement.roles.rollout={actor_pool} (or use rollout=vllm on a pool of its own)"))
+    if tp not in (1, ranks):
+        problems.append(("rollout.tensor_parallel_size", tp, f"the rollout pool {pool!r} has {ranks} rank(s): use 1 "
+                         "(one engine per rank)" + (f" or {ranks} (one engine across the pool)" if ranks > 1 else
+                                                    f", or give the pool more ranks (placement.pools.{pool}.devices_per_node)")))
+    if heads and not (heads % tp == 0 and (kv_heads % tp == 0 or tp % kv_heads == 0)):
+        problems.append(("rollout.tensor_parallel_size", tp, f"must divide the model's {heads} attention heads and "
+                         f"divide or be a multiple of its {kv_heads} key/value heads"))
+    return problems
 
 
 def _text_config(model: "ModelConfig") -> dict:

@@ -378,3 +378,40 @@ def test_a_node_lost_mid_run_is_named_and_the_run_finishes(tmp_path, capacity):
                 assert rows[step][key] == pytest.approx(expected[step][key], rel=1e-5, abs=1e-6), (step, key)
     finally:
         cluster.shutdown()
+
+
+# ---- placement=auto on the simulated cluster (docs/placement.md) ----
+
+
+def test_placement_auto_refuses_a_run_no_plan_fits_before_any_worker_starts(two_workers, tmp_path):
+    cluster, _ = two_workers
+    result = _hybridflow(["placement=auto", "rollout.kv_cache_space_gib=4096", "trainer.total_steps=1"],
+                         cluster.address, tmp_path, "auto-refused")
+    assert result.returncode == 2, result.stdout[-3000:] + result.stderr[-3000:]
+    assert "placement=auto on 2 node(s) x 2 cpu device(s)" in result.stderr  # the head (0 slots) is not a node
+    assert "no plan fits" in result.stderr and "4096.00 GiB  rollout KV cache" in result.stderr
+    assert not list((tmp_path / "auto-refused" / "logs").rglob("*rank*.log")), "a worker started"
+
+
+@pytest.mark.slow  # ~60 s: one GRPO run on the pools the planner chose
+def test_placement_auto_runs_the_planned_pools_on_the_simulated_cluster(two_workers, tmp_path):
+    import json
+
+    cluster, _ = two_workers
+    result = _hybridflow(["placement=auto", "trainer.total_steps=2"], cluster.address, tmp_path, "auto")
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
+    run_dir = tmp_path / "auto"
+    saved = json.loads((run_dir / "plan.json").read_text())
+    assert (saved["cluster"]["nodes"], saved["cluster"]["devices_per_node"]) == (2, 2)
+    planned = {name: (p["nodes"], p["devices_per_node"]) for name, p in saved["plan"]["pools"].items()}
+    config = json.loads((run_dir / "config.json").read_text())  # as the run used it
+    used = {name: (p["nodes"], p["devices_per_node"]) for name, p in config["placement"]["pools"].items()}
+    assert used == planned
+    assert config["rollout"]["tensor_parallel_size"] == saved["plan"]["rollout_tensor_parallel_size"]
+    reserved = _plan(run_dir)  # what Ray reserved, node by node
+    assert {name: (len(_pool_nodes(reserved, name)), p["devices_per_node"]) for name, p in reserved["pools"].items()} \
+        == planned
+    rows = _rows(run_dir)
+    assert [r["plan/predicted_step_s"] for r in rows] == [saved["prediction"]["step_s"]] * 2
+    assert all(r["timing/step_s"] > 0 and "plan/predicted_generate_s" in r for r in rows)
+    assert "placement=auto chose" in result.stdout + result.stderr

@@ -87,6 +87,13 @@ def problems_of(command: Command) -> list[str]:
         except SystemExit:
             return [f"hybridflow-merge {' '.join(command.args)}: the arguments do not parse"]
         return []
+    if command.args[:1] == ["plan"]:  # `hybridflow plan [flags] OVERRIDES`: its flags parse, its overrides compose
+        from hybridflow.planning.cli import parser
+
+        try:
+            command = Command(command.where, command.program, parser().parse_args(command.args[1:]).overrides)
+        except SystemExit:
+            return [f"hybridflow {' '.join(command.args)}: the flags do not parse"]
     from hybridflow.cli import compose_command
     from hybridflow.config.recipes import recipe_spec
     from hybridflow.config.stages import STAGE_SCOPED, override_key, pipeline_owned

@@ -146,7 +146,7 @@ def register_transport(cls: type[Transport]) -> type[Transport]:
     return cls
 
 
-def build_transport(colocated: bool, device: str = "cpu") -> Transport:
+def transport_class(colocated: bool, device: str = "cpu") -> type[Transport]:
     """The transport a placement needs: of the registered ones that serve it (the rollout in the
     actor's processes or on a pool of its own, on `device`), the one of highest preference."""
     found = [cls for cls in TRANSPORTS.values() if cls.serves(colocated, device)]
@@ -154,7 +154,12 @@ def build_transport(colocated: bool, device: str = "cpu") -> Transport:
         where = "in the actor's processes" if colocated else "on a pool of its own"
         raise WeightSyncError(f"no registered weight transport ({sorted(TRANSPORTS)}) serves a rollout {where} on "
                               f"{device}")
-    return max(found, key=lambda cls: cls.preference)()
+    return max(found, key=lambda cls: cls.preference)
+
+
+def build_transport(colocated: bool, device: str = "cpu") -> Transport:
+    """An instance of `transport_class(colocated, device)`."""
+    return transport_class(colocated, device)()
 
 
 # the built-in transports register themselves on import (they subclass `Transport` above)

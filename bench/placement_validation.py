@@ -1,0 +1,89 @@
+"""Predicted against measured seconds per step for the planner's plans, on this machine.
+
+For each workload: calibrate the rates on it (`hybridflow plan --calibrate`: profiling runs at 1 and
+2 devices), rank every plan, run the top three and two others (the median and the slowest predicted)
+for STEPS steps each through the `hybridflow` command, and compare each stage's prediction with the
+mean of its measured `timing/<stage>_s` over the steps after the first. Writes JSON to OUT
+(default docs/placement_validation.json); docs/placement.md has the tables.
+
+    .venv/bin/python bench/placement_validation.py [gen|update ...]
+"""
+
+from __future__ import annotations
+
+import json
+import shlex
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from hybridflow.cli import compose_command  # noqa: E402
+from hybridflow.planning.calibrate import STAGE_KEYS, calibrate  # noqa: E402
+from hybridflow.planning.cost import Analytical  # noqa: E402
+from hybridflow.planning.search import SearchOptions, search  # noqa: E402
+from hybridflow.planning.workload import Cluster, Workload  # noqa: E402
+
+STEPS = 6
+WORKLOADS = {
+    # long answers: generation dominates the step
+    "gen": ["recipe=grpo", "rollout.max_response_tokens=160", "trainer.prompts_per_step=32",
+            "rollout.samples_per_prompt=4", "model.tiny.max_position_embeddings=256"],
+    # PPO with a critic and a reference, a larger model, short answers: the forward passes and updates dominate
+    "update": ["recipe=ppo", "algorithm.kl_penalty_coef=0.01", "model.tiny.hidden_size=256",
+               "model.tiny.intermediate_size=1024", "model.tiny.num_hidden_layers=6", "rollout.max_response_tokens=16",
+               "trainer.prompts_per_step=64", "rollout.samples_per_prompt=2"],
+}
+
+
+def measure(overrides: list[str], root: Path, name: str) -> dict[str, float]:
+    command = [sys.executable, "-m", "hybridflow.cli", *overrides, f"trainer.total_steps={STEPS}",
+               "trainer.val_every_steps=0", "trainer.export_hf=false", f"logger.output_root={root}",
+               f"logger.run_name={name}"]
+    done = subprocess.run(command, capture_output=True, text=True, cwd=ROOT)
+    if done.returncode:
+        raise RuntimeError(f"{shlex.join(command)} failed:\n{done.stderr[-3000:]}")
+    rows = [json.loads(x) for x in (root / name / "metrics.jsonl").read_text().splitlines() if x.strip()][1:]
+    return {stage: sum(r.get(key, 0.0) for r in rows) / len(rows) for stage, key in STAGE_KEYS.items()}
+
+
+def validate(name: str, overrides: list[str], root: Path) -> dict:
+    config = compose_command(overrides)
+    workload = Workload.from_config(config, name)
+    cluster = Cluster.this_machine()
+    start = time.perf_counter()
+    rates, profiles = calibrate(overrides, workload, cluster.devices, root / name / "calibration")
+    calibration_s = time.perf_counter() - start
+    result = search(workload, cluster, Analytical(rates), options=SearchOptions())
+    ranked = result.ranked
+    chosen = list(dict.fromkeys([0, 1, 2, len(ranked) // 2, len(ranked) - 1]))
+    runs = []
+    for i in chosen:
+        c = ranked[i]
+        measured = measure([*overrides, *c.plan.overrides()], root / name, f"plan-{i + 1}")
+        runs.append({"rank": i + 1, "plan": c.plan.describe(), "family": c.plan.family(),
+                     "overrides": c.plan.overrides(), "predicted": {**c.prediction.stages, "step": c.prediction.step_s},
+                     "measured": measured})
+        print(f"{name} #{i + 1} {c.plan.describe()}: predicted {c.prediction.step_s:.2f} s, measured "
+              f"{measured['step']:.2f} s", flush=True)
+    return {"workload": name, "overrides": overrides, "rates": rates.to_dict(), "calibration_s": calibration_s,
+            "profiles": [p.__dict__ for p in profiles], "candidates": len(ranked), "runs": runs}
+
+
+def main() -> None:
+    names = sys.argv[1:] or list(WORKLOADS)
+    out = ROOT / "docs" / "placement_validation.json"
+    results = json.loads(out.read_text()) if out.exists() else {}
+    root = Path(tempfile.mkdtemp(prefix="placement-validation-"))
+    for name in names:
+        results[name] = validate(name, WORKLOADS[name], root)
+        out.write_text(json.dumps(results, indent=2))
+    print(f"written {out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,112 @@
+"""placement=auto: the planner's best plan for this run, chosen before Ray starts.
+
+`resolve_placement(config, run_dir)` (called by hybridflow.runner.run_stage, before the recipe
+starts anything) searches the plans of the run's workload on its cluster — this machine, or the
+Ray cluster `ray.address` names — with the rates of `placement.planner.rates` (or the device's
+built-in profile), keeps the run's own `trainer.max_staleness` (a learning choice, not a
+placement one), and returns the config with the best plan's pools, roles and rollout
+tensor-parallel size. It writes run_dir/plan.json (the plan, its prediction per stage, the rates'
+source and the runners-up); the metrics logger then adds `plan/predicted_<stage>_s` to every step,
+beside the measured `timing/<stage>_s`. When no plan fits, it raises `InputError` listing why the
+first candidates were refused (each memory term, in GiB): no worker has started.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+from hybridflow.planning.cost import STAGES, Rates, build_cost_model
+from hybridflow.planning.plan import Plan
+from hybridflow.planning.search import SearchOptions, SearchResult, build_policy, search
+from hybridflow.planning.workload import Cluster, Workload
+
+PLAN_FILE = "plan.json"
+RUNNERS_UP = 4
+
+
+def load_rates(path: str | None, device: str) -> Rates:
+    """Rates from a calibration's JSON file, or the built-in profile of `device`."""
+    if path is not None:
+        file = Path(path).expanduser()
+        try:
+            return Rates.from_json(file.read_text())
+        except (OSError, ValueError, TypeError) as exc:
+            raise ValueError(f"placement.planner.rates={path!r}: not a rates file from `hybridflow plan --calibrate "
+                             f"--save-rates FILE` ({exc})") from None
+    from hybridflow.planning.profiles import default_rates
+
+    return default_rates(device)
+
+
+def cluster_for(config) -> Cluster:
+    """The cluster the run will use: the Ray cluster at `ray.address` (read, then disconnected), or
+    this machine."""
+    if config.ray.address is None:
+        return Cluster.this_machine()
+    import ray
+
+    ray.init(address=config.ray.address, namespace=config.ray.namespace, log_to_driver=False)
+    try:
+        return Cluster.from_ray()
+    finally:
+        ray.shutdown()
+
+
+def apply_plan(config, plan: Plan):
+    """`config` with `plan`'s pools, roles (a role the plan does not place, such as a reward
+    function or an unused critic, goes on the actor's pool) and rollout tensor-parallel size."""
+    from hybridflow.config.schema import PoolConfig
+
+    placement = config.placement
+    pools = {p.name: PoolConfig(nodes=p.nodes, devices_per_node=p.devices_per_node,
+                                cpus_per_device=placement.pools[placement.roles["actor"]].cpus_per_device)
+             for p in plan.pools}
+    return dataclasses.replace(
+        config, placement=dataclasses.replace(placement, pools=pools, roles=plan.role_pools()),
+        rollout=dataclasses.replace(config.rollout, tensor_parallel_size=plan.rollout_tp))
+
+
+def plan_search(config, cluster: Cluster, rates: Rates, depths: tuple[int, ...] | None = None) -> SearchResult:
+    planner = config.placement.planner
+    cost = build_cost_model(planner.cost_model, rates)
+    depths = depths if depths is not None else (config.trainer.max_staleness,)
+    return search(Workload.from_config(config), cluster, cost, build_policy(planner.policy),
+                  SearchOptions(depths=depths))
+
+
+def resolve_placement(config, run_dir: Path):
+    """(config, console line): the config with the best plan applied, or unchanged (None) when
+    placement.planner.auto is off."""
+    if not config.placement.planner.auto:
+        return config, None
+    from hybridflow.data.checks import InputError
+
+    cluster = cluster_for(config)
+    rates = load_rates(config.placement.planner.rates, cluster.device)
+    result = plan_search(config, cluster, rates)
+    if not result.ranked:
+        raise InputError(f"placement=auto on {cluster.describe()}: {result.why_none()}")
+    best = result.best
+    (Path(run_dir) / PLAN_FILE).write_text(json.dumps({
+        "plan": best.plan.with_transport(cluster.device).to_dict(), "prediction": best.prediction.to_dict(),
+        "cluster": dataclasses.asdict(cluster), "rates": rates.to_dict(),
+        "search": {"considered": result.considered, "refused": len(result.refused), "seconds": result.seconds},
+        "runners_up": [c.to_dict() for c in result.ranked[1:1 + RUNNERS_UP]]}, indent=2))
+    line = (f"hybridflow: placement=auto chose {best.plan.describe()} on {cluster.describe()}: predicted "
+            f"{best.prediction.step_s:.2f} s/step (" + ", ".join(f"{s} {best.prediction.stages[s]:.2f}" for s in STAGES)
+            + f"), best of {len(result.ranked)} plans that fit ({result.considered} considered in "
+            f"{result.seconds:.2f} s; {run_dir}/{PLAN_FILE})")
+    return apply_plan(config, best.plan), line
+
+
+def predicted_metrics(run_dir: Path) -> dict[str, float]:
+    """`plan/predicted_<stage>_s` and `plan/predicted_step_s` from run_dir/plan.json ({} without one)."""
+    path = Path(run_dir) / PLAN_FILE
+    if not path.is_file():
+        return {}
+    prediction = json.loads(path.read_text())["prediction"]
+    out = {f"plan/predicted_{stage}_s": float(seconds) for stage, seconds in prediction["stages"].items()}
+    out["plan/predicted_step_s"] = float(prediction["step_s"])
+    return out

@@ -1,0 +1,143 @@
+"""`hybridflow plan`: the placement search for a run, printed before anything starts.
+
+    hybridflow plan [--cluster here|ray|NODESxDEVICES] [--device cpu|cuda] [--device-memory-gib G]
+                    [--rates FILE | --profile NAME | --calibrate [--save-rates FILE]] [--top K]
+                    [--depths 0,1] [--any-tp] [--policy NAME] [--cost-model NAME] [--json FILE]
+                    [OVERRIDE ...]
+
+The overrides are the run's (`recipe=ppo rollout.max_response_tokens=64 ...`): the workload is the
+step they describe. It prints the cluster, the rates and where they came from, the ranked plans
+(predicted seconds per step and per stage), the overrides that select each, each pool's memory
+terms for the best, and why the refused candidates were refused. Exit status 2 when no plan fits.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import shlex
+import sys
+from pathlib import Path
+
+from hybridflow.planning.cost import STAGES
+from hybridflow.planning.rules import memory_terms
+from hybridflow.planning.workload import GIB, Cluster
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="hybridflow plan", description=__doc__.split("\n\n")[0])
+    p.add_argument("--cluster", default="here", help="here (this machine), ray (ray.address), or NODESxDEVICES")
+    p.add_argument("--device", choices=("cpu", "cuda"), default=None, help="with NODESxDEVICES (default cpu)")
+    p.add_argument("--device-memory-gib", type=float, default=None, help="with NODESxDEVICES")
+    source = p.add_mutually_exclusive_group()
+    source.add_argument("--rates", help="a rates JSON from --calibrate --save-rates")
+    source.add_argument("--profile", help="a built-in device profile (hybridflow/planning/profiles.py)")
+    source.add_argument("--calibrate", action="store_true", help="profile this workload here first (minutes)")
+    p.add_argument("--save-rates", help="with --calibrate: write the fitted rates here")
+    p.add_argument("--top", type=int, default=10)
+    p.add_argument("--depths", default="0,1", help="trainer.max_staleness values to try")
+    p.add_argument("--any-tp", action="store_true", help="any tensor-parallel size dividing a pool within a node")
+    p.add_argument("--policy", default=None)
+    p.add_argument("--cost-model", default=None)
+    p.add_argument("--json", help="write every ranked plan and its prediction here")
+    p.add_argument("overrides", nargs="*")
+    return p
+
+
+def make_cluster(args, config) -> Cluster:
+    if args.cluster == "here":
+        return Cluster.this_machine()
+    if args.cluster == "ray":
+        from hybridflow.planning.auto import cluster_for
+
+        if config.ray.address is None:
+            raise ValueError("--cluster ray reads the cluster at ray.address: add ray.address=HOST:PORT")
+        return cluster_for(config)
+    nodes, sep, devices = args.cluster.partition("x")
+    if not (sep and nodes.isdigit() and devices.isdigit() and int(nodes) and int(devices)):
+        raise ValueError(f"--cluster {args.cluster!r}: give here, ray, or NODESxDEVICES such as 16x8")
+    device = args.device or "cpu"
+    memory = args.device_memory_gib
+    if memory is None:
+        if device == "cuda":
+            raise ValueError("--cluster NODESxDEVICES with --device cuda needs --device-memory-gib")
+        memory = Cluster.this_machine().device_memory_bytes / GIB
+    return Cluster(int(nodes), int(devices), memory * GIB, device)
+
+
+def main(argv: list[str]) -> int:
+    args = parser().parse_args(argv)
+    from hybridflow.cli import compose_command
+    from hybridflow.config import ConfigError
+    from hybridflow.planning.auto import load_rates
+    from hybridflow.planning.workload import Workload
+
+    try:
+        config = compose_command(args.overrides)
+        planner = config.placement.planner
+        config = dataclasses.replace(config, placement=dataclasses.replace(config.placement, planner=dataclasses.replace(
+            planner, policy=args.policy or planner.policy, cost_model=args.cost_model or planner.cost_model)))
+        cluster = make_cluster(args, config)
+        workload = Workload.from_config(config)
+        if args.calibrate:
+            from hybridflow.planning.calibrate import calibrate
+
+            rates, _ = calibrate(args.overrides, workload, cluster.devices)
+            if args.save_rates:
+                Path(args.save_rates).write_text(json.dumps(rates.to_dict(), indent=2))
+                print(f"hybridflow plan: rates saved to {args.save_rates}")
+        elif args.profile:
+            from hybridflow.planning.profiles import PROFILES
+
+            if args.profile not in PROFILES:
+                raise ValueError(f"--profile {args.profile!r}: built-in profiles are {sorted(PROFILES)}")
+            rates = PROFILES[args.profile][0]
+        else:
+            rates = load_rates(args.rates or planner.rates, cluster.device)
+        depths = tuple(int(d) for d in args.depths.split(","))
+        from hybridflow.planning.search import SearchOptions, build_policy, search
+        from hybridflow.planning.cost import build_cost_model
+
+        p = config.placement.planner
+        result = search(workload, cluster, build_cost_model(p.cost_model, rates), build_policy(p.policy),
+                        SearchOptions(any_tp=args.any_tp, depths=depths))
+    except (ConfigError, ValueError, KeyError, RuntimeError) as exc:
+        print(f"hybridflow plan: {exc}", file=sys.stderr)
+        return 2
+    print(report(result, workload, cluster, rates, args.top))
+    if args.json:
+        Path(args.json).write_text(json.dumps({"cluster": dataclasses.asdict(cluster), "rates": rates.to_dict(),
+                                               "workload": dataclasses.asdict(workload),
+                                               "ranked": [c.to_dict() for c in result.ranked]}, indent=2))
+    return 0 if result.ranked else 2
+
+
+def report(result, workload, cluster, rates, top: int) -> str:
+    w = workload
+    lines = [f"workload: {w.parameters / 1e6:.1f}M parameters, {w.prompts_per_step} prompts x {w.samples_per_prompt} "
+             f"samples, {w.prompt_tokens} + {w.response_tokens} tokens; roles {', '.join(w.roles)}",
+             f"cluster: {cluster.describe()}", f"rates: {rates.source}",
+             f"searched {result.considered} plans in {result.seconds:.2f} s: {len(result.ranked)} fit, "
+             f"{len(result.refused)} refused", ""]
+    if not result.ranked:
+        return "\n".join(lines + [result.why_none()])
+    lines.append(f"{'#':>3} {'s/step':>8} " + " ".join(f"{s:>10}" for s in STAGES) + "  plan")
+    for i, c in enumerate(result.ranked[:top], 1):
+        lines.append(f"{i:>3} {c.prediction.step_s:8.2f} " + " ".join(f"{c.prediction.stages[s]:10.2f}" for s in STAGES)
+                     + f"  {c.plan.describe()} [{c.plan.family()}]")
+    lines += ["", "overrides:"]
+    for i, c in enumerate(result.ranked[:top], 1):
+        lines.append(f"{i:>3} " + shlex.join(c.plan.overrides()))
+    best = result.best.plan
+    lines += ["", "memory per device of the best plan:"]
+    for pool in best.pools:
+        terms = memory_terms(best, pool, workload, cluster)
+        lines.append(f"  pool {pool.name!r} ({'+'.join(pool.roles)} on {pool.devices}): "
+                     f"{sum(terms.values()) / GIB:.2f} of {cluster.device_memory_bytes / GIB:.1f} GiB")
+        lines += [f"      {v / GIB:8.3f} GiB  {k}" for k, v in terms.items()]
+    if result.refused:
+        lines += ["", f"refused ({len(result.refused)}), the first:"]
+        for plan, problems in result.refused[:3]:
+            lines.append(f"  - {plan.describe()}: " + "\n      ".join(problems))
+    return "\n".join(lines)

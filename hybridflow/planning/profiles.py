@@ -1,0 +1,59 @@
+"""Device profiles: the rates of a device from its datasheet and stated efficiencies.
+
+Used where no calibration can run, above all for the paper-scale simulation (docs/placement.md,
+bench/paper_placement.py). Every number is a datasheet peak times an efficiency said here; none was
+measured on such a device in this project.
+
+A100 80 GB SXM (NVIDIA's datasheet): 312 TFLOP/s dense bf16; 2.039 TB/s HBM2e; NVLink 3 at 600 GB/s
+per GPU (both directions, so ~300 GB/s a collective's bus sees, of which ~80% is reached);
+one 200 Gb/s HDR InfiniBand adapter per GPU (25 GB/s, ~80% reached), as in the paper's cluster;
+PCIe 4 x16 to host, ~25 GB/s. Efficiencies: 45% of peak in training and 50% in forward passes
+(Megatron-LM's published MFU at these sizes is 40–55%), 70% of HBM bandwidth in decode (vLLM's
+memory-bound kernels), 2 ms per engine step (scheduler and sampling with CUDA graphs), 0.1 ms
+per decode step per extra tensor-parallel rank (two all-reduces per layer), 0.5 s per stage call
+(the controller's round trip and moving the batch) and per weight sync, FSDP's collectives
+overlapped with compute (NCCL on its own streams), 80% of PCIe for the trips to host memory that
+let a colocated actor and rollout take turns on the GPUs (what this system does; the paper's
+3D-HybridEngine keeps both resident instead).
+"""
+
+from __future__ import annotations
+
+from hybridflow.planning.cost import Rates
+
+A100_80GB = Rates(
+    train_flops_per_s=0.45 * 312e12,
+    forward_flops_per_s=0.50 * 312e12,
+    decode_bytes_per_s=0.70 * 2.039e12,
+    decode_flops_per_s=0.50 * 312e12,
+    decode_step_s=2e-3,
+    tp_step_s=1e-4,
+    call_s=0.5,
+    intra_node_bytes_per_s=0.8 * 300e9,
+    inter_node_bytes_per_s=0.8 * 25e9,
+    sync_s=0.5,
+    host_bytes_per_s=0.8 * 25e9,
+    comm_overlap=True,
+    source="A100 80GB SXM datasheet x stated efficiencies (hybridflow/planning/profiles.py)",
+)
+A100_MEMORY_BYTES = 80 * 2 ** 30  # 81,920 MiB
+
+PROFILES = {"a100-80gb": (A100_80GB, A100_MEMORY_BYTES)}
+
+
+def default_rates(device: str) -> Rates:
+    """The built-in rates of `device`: the A100 profile for cuda, this project's CPU calibration for cpu."""
+    if device == "cuda":
+        return A100_80GB
+    return CPU_XEON_2CORE
+
+# This project's machine (2-core Intel Xeon with AMX, 23.5 GiB): the rates `hybridflow plan --calibrate`
+# fitted on bench/placement_validation.py's generation-heavy GRPO workload (docs/placement_validation.json).
+# They are rates per nominal FLOP (every answer at rollout.max_response_tokens; the tiny model's answers
+# stop earlier, hence a "FLOP rate" above the cores'), and fit that workload; calibrate on your own.
+CPU_XEON_2CORE = Rates(
+    train_flops_per_s=6.475e12, forward_flops_per_s=6.475e12, decode_bytes_per_s=12.77e9,
+    decode_flops_per_s=42.29e9, decode_step_s=5.15e-3, tp_step_s=3.57e-3, call_s=0.0176,
+    intra_node_bytes_per_s=84.0e6, inter_node_bytes_per_s=84.0e6, sync_s=0.0968, comm_overlap=False,
+    source="built-in: calibrated on this project's 2-core Xeon, GRPO with 160-token answers (profiles.py)")
+PROFILES["cpu-xeon-2core"] = (CPU_XEON_2CORE, 0.95 * 23.5 * 2 ** 30 / 2)

@@ -1,0 +1,142 @@
+"""Whether a plan can run: pure rules that return every problem of a candidate, never raise.
+
+`problems(plan, workload, cluster)` lists why a plan cannot run on the cluster, each naming the
+override to change: the rollout layout (the same rule the config check raises with,
+`hybridflow.config.schema.rollout_layout_problems`), the schedule (an overlapping depth needs the
+rollout on a pool of its own, as `HybridFlowConfig._check_async` says), the devices and nodes the
+pools need, and memory: each device's terms (`memory_terms`) against what a device holds. The
+planner drops a candidate with any problem and prints the memory terms of those it drops for memory.
+
+The memory terms are the floor of hybridflow/memory_budget.py written for a plan instead of a
+config: the roles on a pool share its devices and all stay resident (no offload between stages);
+FSDP shards the trained roles' parameters, gradients and AdamW moments and the reference over the
+pool; the rollout holds 1/tp of the weights and a KV cache (on a CPU, vLLM's fixed
+`rollout.kv_cache_space_gib`; on a GPU, at least one sequence at full length: the
+rest of the device holds the cache, and generation runs in waves when the sequences do not all fit); one micro-batch's activations (`Workload.micro_batch_rows` rows; with `checkpointing`, one hidden vector per
+layer and one layer's worth recomputed).
+"""
+
+from __future__ import annotations
+
+from hybridflow.planning.plan import Plan, PoolPlan
+from hybridflow.planning.workload import GIB, Cluster, Workload
+
+CPU_RUNTIME_BYTES = 0.5 * GIB  # the interpreter, torch and Ray of one process (memory_budget.RUNTIME_BYTES)
+CPU_ENGINE_RUNTIME_BYTES = 0.75 * GIB
+GPU_RUNTIME_BYTES = 2.0 * GIB  # CUDA context, NCCL buffers, allocator slack
+
+
+def problems(plan: Plan, workload: Workload, cluster: Cluster, any_tp: bool = False) -> list[str]:
+    """Every reason `plan` cannot run `workload` on `cluster` (empty: it can). `any_tp`: allow any
+    rollout tensor-parallel size that divides the pool within a node (the paper's engines; this
+    system's vLLM rollout runs one engine per rank or one across the pool)."""
+    from hybridflow.config.schema import rollout_layout_problems
+
+    out = [f"role {role!r} is on no pool" for role in workload.roles if not any(role in p.roles for p in plan.pools)]
+    if out:
+        return out
+    rollout = plan.pool_of("rollout")
+    if any_tp:
+        if rollout.devices % plan.rollout_tp or plan.rollout_tp > cluster.devices_per_node:
+            out.append(f"rollout.tensor_parallel_size={plan.rollout_tp}: must divide the rollout pool's "
+                       f"{rollout.devices} devices and fit in one node ({cluster.devices_per_node} devices)")
+        elif workload.heads % plan.rollout_tp:
+            out.append(f"rollout.tensor_parallel_size={plan.rollout_tp}: must divide the model's {workload.heads} heads")
+    else:
+        out += [f"{key}={value}: {allowed}" for key, value, allowed in rollout_layout_problems(
+            plan.rollout_tp, rollout.devices, rollout.name, workload.heads, workload.kv_heads,
+            colocated=plan.rollout_colocated, actor_pool=plan.pool_of("actor").name)]
+    from hybridflow.rollout_schedules import schedule_class
+
+    if schedule_class(plan.max_staleness).overlaps and plan.rollout_colocated:
+        out.append(f"trainer.max_staleness={plan.max_staleness} overlaps generation with training, which needs the "
+                   "rollout on a pool of its own")
+    out += device_problems(plan, cluster)
+    for pool in plan.pools:
+        for phase, terms in phases(plan, pool, workload, cluster).items():
+            if sum(terms.values()) > cluster.device_memory_bytes:
+                out.append(f"pool {pool.name!r} ({'+'.join(pool.roles)} on {pool.devices} device(s)) does not fit"
+                           f"{phase}: {sum(terms.values()) / GIB:.1f} GiB per device, above "
+                           f"{cluster.device_memory_bytes / GIB:.1f} GiB:"
+                           + "".join(f"\n      {v / GIB:8.2f} GiB  {k}" for k, v in terms.items()))
+    return out
+
+
+ROLLOUT_TERMS = ("rollout weights", "rollout KV cache")
+ACTOR_TERMS = ("actor parameters",)
+
+
+def phases(plan: Plan, pool: PoolPlan, workload: Workload, cluster: Cluster) -> dict[str, dict[str, float]]:
+    """The memory terms a device of `pool` holds at once, per phase of the step. On GPUs the
+    rollout and the actor on one pool take turns (the colocated transport moves the actor's training
+    state to host memory while vLLM generates, and vLLM sleeps, releasing its KV cache and weights,
+    while training runs): a phase each, `" while generating"` and `" while training"`. Otherwise one
+    phase, `""`, with every term."""
+    terms = memory_terms(plan, pool, workload, cluster)
+    if cluster.device != "cuda" or not {"actor", "rollout"} <= set(pool.roles):
+        return {"": terms}
+    training = {k: v for k, v in terms.items() if not k.startswith(ROLLOUT_TERMS)}
+    generating = {k: v for k, v in terms.items() if not k.startswith(ACTOR_TERMS) and "micro-batch" not in k}
+    return {" while generating": generating, " while training": training}
+
+
+def device_problems(plan: Plan, cluster: Cluster) -> list[str]:
+    """The pools need more devices or nodes than the cluster has (pools larger than a node take
+    whole nodes; smaller ones are packed first-fit, largest first)."""
+    out = []
+    if plan.devices > cluster.devices:
+        out.append(f"the pools take {plan.devices} devices; the cluster has {cluster.devices} ({cluster.describe()})")
+    free = [cluster.devices_per_node] * cluster.nodes
+    for pool in sorted(plan.pools, key=lambda p: -p.devices_per_node * p.nodes):
+        if pool.devices_per_node > cluster.devices_per_node:
+            out.append(f"pool {pool.name!r} asks {pool.devices_per_node} devices per node; nodes have "
+                       f"{cluster.devices_per_node}")
+            continue
+        for _ in range(pool.nodes):
+            node = next((i for i, f in enumerate(free) if f >= pool.devices_per_node), None)
+            if node is None:
+                out.append(f"pool {pool.name!r} ({pool.nodes} node(s) x {pool.devices_per_node}) finds no node with "
+                           f"{pool.devices_per_node} free device(s) after the larger pools")
+                break
+            free[node] -= pool.devices_per_node
+    return out
+
+
+def kv_per_sequence(plan: Plan, workload: Workload) -> float:
+    """Bytes of KV cache one sequence at full length takes on each of its engine's devices."""
+    w = workload
+    return (w.prompt_tokens + w.response_tokens) * w.kv_bytes_per_token() / plan.rollout_tp
+
+
+def memory_terms(plan: Plan, pool: PoolPlan, workload: Workload, cluster: Cluster) -> dict[str, float]:
+    """Bytes per device of `pool`, term by term."""
+    w, n, p = workload, pool.devices, workload.parameters
+    rows, checkpointing = w.micro_batch_rows, w.checkpointing
+    terms: dict[str, float] = {}
+    if "actor" in pool.roles:
+        terms["actor parameters, gradients, AdamW moments (master dtype, FSDP shard)"] = 4 * p * w.master_bytes / n
+    if "critic" in pool.roles:
+        terms["critic parameters, gradients, AdamW moments (FSDP shard)"] = 4 * p * w.master_bytes / n
+    if "reference" in pool.roles:
+        terms["reference weights (compute dtype, FSDP shard)"] = p * w.compute_bytes / n
+    if "reward" in pool.roles:
+        terms["reward model weights (compute dtype, FSDP shard)"] = p * w.compute_bytes / n
+    if "rollout" in pool.roles:
+        terms[f"rollout weights (1/{plan.rollout_tp} of the model)"] = p * w.rollout_bytes / plan.rollout_tp
+        if cluster.device == "cpu":
+            terms["rollout KV cache (rollout.kv_cache_space_gib)"] = w.kv_cache_gib * GIB
+        else:  # vLLM runs the sequences in waves when they do not all fit: one at full length is the floor
+            terms[f"rollout KV cache (one sequence at full length, 1/{plan.rollout_tp})"] = kv_per_sequence(plan, w)
+    if any(r in pool.roles for r in ("actor", "critic", "reference", "reward")):
+        tokens = rows * (w.prompt_tokens + w.response_tokens)
+        layer = 10 * w.hidden + 4 * 4 * w.hidden  # memory_budget._layer_floats, without attention scores
+        per_token = w.hidden * w.layers + layer if checkpointing else layer * w.layers
+        terms[f"one micro-batch's activations ({rows} rows"
+              + (", checkpointed" if checkpointing else "") + ") and logits"] = (
+            tokens * per_token * w.compute_bytes
+            + 2 * rows * w.response_tokens * w.vocab * w.compute_bytes)
+    if cluster.device == "cpu":
+        terms["the process's runtime"] = CPU_ENGINE_RUNTIME_BYTES if "rollout" in pool.roles else CPU_RUNTIME_BYTES
+    else:
+        terms["the process's runtime (CUDA context, NCCL)"] = GPU_RUNTIME_BYTES
+    return terms

@@ -1,0 +1,177 @@
+"""What the planner prices: the work of one step (`Workload`) and the devices it may use (`Cluster`).
+
+Both are plain frozen values, made from a run's config (`Workload.from_config`) and from this
+machine, the Ray cluster a run would join, or flags (`Cluster.*`), so that a search, a test and the
+paper-scale simulation (docs/placement.md) build them the same way without Ray or a model loaded.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+GIB = 2 ** 30
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+TRAINED = ("actor", "critic")  # the roles with gradients and optimizer state
+MODEL_ROLES = ("actor", "rollout", "critic", "reference", "reward")  # in the order plans print them
+
+
+@dataclass(frozen=True)
+class Workload:
+    """One step's work: the model's shape, the batch, the roles that hold a model, the precisions."""
+
+    parameters: int
+    layers: int
+    hidden: int
+    heads: int
+    kv_heads: int
+    vocab: int
+    prompts_per_step: int
+    samples_per_prompt: int
+    prompt_tokens: int
+    response_tokens: int
+    # roles that hold a model on devices: actor and rollout always; critic, reference, and reward
+    # (a reward model) when the run has them. A reward function runs beside whichever pool it is put on.
+    roles: tuple[str, ...] = ("actor", "rollout")
+    actor_forward: bool = False  # at depth 0, the actor recomputes old log-probs (a forward pass before the update)
+    old_log_probs: str = "auto"  # trainer.old_log_probs: at a stale depth, 'auto' is run as 'actor' (docs/async.md)
+    epochs: int = 1
+    optimizer_steps: int = 1  # per step: mini-batches x epochs
+    compute_bytes: int = 4
+    master_bytes: int = 4
+    rollout_bytes: int = 4
+    micro_batch_rows: int = 4  # rows of one training micro-batch (its activations are a memory term)
+    checkpointing: bool = False  # activation checkpointing: less memory, a recomputed forward (8·P·T, not 6)
+    kv_cache_gib: float = 1.0  # a CPU engine's KV cache (rollout.kv_cache_space_gib)
+    name: str = "workload"
+
+    @property
+    def sequences(self) -> int:
+        return self.prompts_per_step * self.samples_per_prompt
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden // max(self.heads, 1)
+
+    @property
+    def tokens(self) -> int:
+        """Tokens one forward pass over the step's samples reads (prompt and response)."""
+        return self.sequences * (self.prompt_tokens + self.response_tokens)
+
+    def actor_forwards(self, stale: bool) -> bool:
+        """Whether the actor recomputes old log-probs: the config's choice at depth 0; at a stale
+        depth unless trainer.old_log_probs=sampler."""
+        return self.old_log_probs != "sampler" if stale else self.actor_forward
+
+    def kv_bytes_per_token(self) -> int:
+        return 2 * self.layers * self.kv_heads * self.head_dim * self.rollout_bytes
+
+    @classmethod
+    def from_config(cls, config, name: str = "workload") -> "Workload":
+        """The step the config describes, for its model (model.path's config.json and weights, or
+        model.tiny's shape)."""
+        shape = model_shape(config)
+        a, t = config.actor, config.trainer
+        roles = ["actor", "rollout"]
+        if config.algorithm.use_critic:
+            roles.append("critic")
+        kl = config.algorithm.kl_penalty_coef > 0 or a.kl_loss_coef > 0
+        if kl and not a.lora.rank:
+            roles.append("reference")
+        if config.reward.reward_model.path is not None:
+            roles.append("reward")
+        from hybridflow.batch_keys import clips_against_sampler
+
+        sequences = t.prompts_per_step * config.rollout.samples_per_prompt
+        mini = a.samples_per_mini_batch or sequences
+        return cls(parameters=shape["parameters"], layers=shape["layers"], hidden=shape["hidden"],
+                   heads=shape["heads"], kv_heads=shape["kv_heads"], vocab=shape["vocab"],
+                   prompts_per_step=t.prompts_per_step, samples_per_prompt=config.rollout.samples_per_prompt,
+                   prompt_tokens=config.data.max_prompt_tokens, response_tokens=config.rollout.max_response_tokens,
+                   roles=tuple(roles), actor_forward=not clips_against_sampler(config), old_log_probs=t.old_log_probs,
+                   epochs=a.epochs_per_step,
+                   optimizer_steps=a.epochs_per_step * max(1, sequences // max(mini, 1)),
+                   compute_bytes=DTYPE_BYTES[config.model.dtype.value],
+                   master_bytes=DTYPE_BYTES[config.model.master_dtype.value],
+                   rollout_bytes=DTYPE_BYTES[config.rollout.dtype.value],
+                   micro_batch_rows=min(a.samples_per_micro_batch or 4, sequences),
+                   checkpointing=bool(a.gradient_checkpointing), kv_cache_gib=config.rollout.kv_cache_space_gib,
+                   name=name)
+
+
+def model_shape(config) -> dict[str, int]:
+    """Parameters, layers, hidden size, heads, key/value heads and vocabulary of the run's model."""
+    from hybridflow.config.schema import model_heads
+
+    if config.model.path is None:
+        tiny = config.model.tiny
+        from hybridflow.builders.tiny_model import tiny_vocab_size
+
+        h, i, n = tiny.hidden_size, tiny.intermediate_size, tiny.num_hidden_layers
+        kv = tiny.num_key_value_heads * (h // tiny.num_attention_heads)
+        per_layer = h * h * 2 + 2 * h * kv + 3 * h * i + 2 * h + (h + 2 * kv)  # q,o; k,v; MLP; norms; biases
+        vocab = tiny_vocab_size()
+        embeddings = vocab * h * (1 if tiny.tie_word_embeddings else 2)
+        return {"parameters": n * per_layer + embeddings + h, "layers": n, "hidden": h,
+                "heads": tiny.num_attention_heads, "kv_heads": tiny.num_key_value_heads, "vocab": vocab}
+    from hybridflow.memory_budget import ModelShape
+
+    shape = ModelShape.from_dir(config.model.path)
+    if shape is None:
+        raise ValueError(f"model.path={config.model.path!r}: the planner needs config.json and *.safetensors there "
+                         "to count the model's parameters")
+    heads, kv_heads = model_heads(config.model)
+    return {"parameters": shape.parameters, "layers": shape.layers, "hidden": shape.hidden,
+            "heads": heads or shape.heads, "kv_heads": kv_heads or heads or shape.heads, "vocab": shape.vocab}
+
+
+@dataclass(frozen=True)
+class Cluster:
+    """Identical nodes of `devices_per_node` devices each. On a CPU a device is one process's
+    share of the cores (`cores_per_device`), and its memory a share of the node's."""
+
+    nodes: int
+    devices_per_node: int
+    device_memory_bytes: float
+    device: str = "cpu"  # cpu | cuda
+    cores_per_device: float = 1.0
+    labels: dict = field(default_factory=dict, compare=False)
+
+    @property
+    def devices(self) -> int:
+        return self.nodes * self.devices_per_node
+
+    def describe(self) -> str:
+        return (f"{self.nodes} node(s) x {self.devices_per_node} {self.device} device(s), "
+                f"{self.device_memory_bytes / GIB:.1f} GiB each")
+
+    @classmethod
+    def this_machine(cls) -> "Cluster":
+        """One node: this machine's cores, one device per core, the memory Ray lets it use split evenly."""
+        from hybridflow.memory_budget import NODE_MEMORY_SHARE, node_memory_bytes
+
+        cores = len(os.sched_getaffinity(0))
+        return cls(1, cores, NODE_MEMORY_SHARE * node_memory_bytes() / cores)
+
+    @classmethod
+    def from_ray(cls) -> "Cluster":
+        """The alive nodes of the Ray cluster this process is connected to that can host a pool (a
+        head started with no slots, as the driver's node often is, is left out); the smallest
+        describes them all: the planner assumes identical nodes."""
+        import ray
+
+        nodes = [n for n in ray.nodes() if n.get("Alive") and n["Resources"].get("CPU", 0) >= 1]
+        if not nodes:
+            raise ValueError("the Ray cluster has no alive node with a CPU slot to place a pool on")
+        gpus = min(int(n["Resources"].get("GPU", 0)) for n in nodes)
+        if gpus:
+            from hybridflow.memory_budget import NODE_MEMORY_SHARE
+
+            import torch
+
+            memory = torch.cuda.get_device_properties(0).total_memory if torch.cuda.is_available() else \
+                min(n["Resources"].get("memory", 0) for n in nodes) * NODE_MEMORY_SHARE / gpus
+            return cls(len(nodes), gpus, memory, "cuda")
+        cpus = min(int(n["Resources"].get("CPU", 1)) for n in nodes)
+        memory = min(n["Resources"].get("memory", 0) for n in nodes)
+        return cls(len(nodes), max(1, cpus), memory / max(1, cpus))

@@ -1,0 +1,226 @@
+"""The placement planner (hybridflow/planning): the plan object, the feasibility rules, the cost
+model's arithmetic, the search, its registries (a toy policy and a toy cost model registered
+here), placement=auto's choice, and the paper-scale simulation's search time."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import time
+
+import pytest
+
+from hybridflow.cli import compose_command
+from hybridflow.planning.cost import COST_MODELS, Analytical, CostModel, Prediction, Rates, register_cost_model
+from hybridflow.planning.plan import Plan, PoolPlan
+from hybridflow.planning.rules import memory_terms, problems
+from hybridflow.planning.search import (
+    POLICIES,
+    Exhaustive,
+    Policy,
+    SearchOptions,
+    device_splits,
+    pool_sizes,
+    register_policy,
+    search,
+    set_partitions,
+)
+from hybridflow.planning.workload import GIB, Cluster, Workload
+
+PPO = ["recipe=ppo", "algorithm.kl_penalty_coef=0.01"]
+ONES = Rates(train_flops_per_s=1e9, forward_flops_per_s=2e9, decode_bytes_per_s=1e9, decode_flops_per_s=1e18,
+             decode_step_s=0.01, tp_step_s=0.001, call_s=0.1, intra_node_bytes_per_s=1e8,
+             inter_node_bytes_per_s=1e7, sync_s=0.2, source="test")
+TWO_CPUS = Cluster(1, 2, 8 * GIB)
+
+
+def workload(**changes) -> Workload:
+    base = Workload(parameters=1_000_000, layers=2, hidden=64, heads=4, kv_heads=2, vocab=100, prompts_per_step=10,
+                    samples_per_prompt=1, prompt_tokens=10, response_tokens=10,
+                    roles=("actor", "rollout", "critic", "reference"))
+    return dataclasses.replace(base, **changes)
+
+
+def test_set_partitions_are_the_bell_numbers_and_cover_every_role_once():
+    for n, bell in ((1, 1), (2, 2), (3, 5), (4, 15), (5, 52)):
+        parts = list(set_partitions(list("abcde"[:n])))
+        assert len(parts) == bell
+        assert len({tuple(sorted(map(tuple, map(sorted, p)))) for p in parts}) == bell  # all distinct
+        assert all(sorted(r for s in p for r in s) == list("abcde"[:n]) for p in parts)
+
+
+def test_device_splits_use_every_device_in_legal_pool_sizes():
+    cluster = Cluster(4, 8, 80 * GIB, "cuda")
+    sizes = pool_sizes(cluster)
+    assert sizes == [1, 2, 4, 8, 16, 24, 32]
+    splits = list(device_splits(3, 32, sizes))
+    assert splits and all(sum(s) == 32 and all(n in sizes for n in s) for s in splits)
+    assert (8, 8, 16) in splits and (16, 8, 8) in splits and (3, 3, 26) not in splits
+
+
+def test_plan_from_config_reads_pools_roles_tp_staleness_pinning_and_transport():
+    plan = Plan.from_config(compose_command(["recipe=grpo"]))
+    assert [(p.name, p.devices) for p in plan.pools] == [("global", 2)]
+    assert plan.rollout_colocated and plan.rollout_replicas == 2 and plan.transport == "colocated"
+    apart = Plan.from_config(compose_command(["recipe=grpo", "placement=disaggregated", "trainer.max_staleness=1",
+                                              "trainer.old_log_probs=actor"]))
+    assert not apart.rollout_colocated and apart.transport == "gloo" and apart.pin_cpus
+    assert apart.pool_of("rollout").name == "gen" and apart.family() == "split"
+
+
+def test_every_searched_plans_overrides_compose_to_a_config_with_that_plan():
+    """The printed overrides select exactly the plan they are printed for (round trip through Hydra)."""
+    config = compose_command(PPO)
+    result = search(Workload.from_config(config), TWO_CPUS, Analytical(ONES))
+    assert len(result.ranked) >= 10
+    for candidate in result.ranked:
+        composed = compose_command([*PPO, *candidate.plan.overrides()])
+        again = Plan.from_config(composed)
+        used = {p.name: (p.devices, set(p.roles) - {"reward"}) for p in again.pools}
+        assert used == {p.name: (p.devices, set(p.roles)) for p in candidate.plan.pools}, candidate.plan.describe()
+        assert (again.rollout_tp, again.max_staleness) == (candidate.plan.rollout_tp, candidate.plan.max_staleness)
+
+
+def test_rules_return_every_problem_and_the_config_checks_words():
+    w = workload()
+    plan = Plan((PoolPlan("actor", 1, 4, ("actor", "rollout", "critic", "reference")),), rollout_tp=3, max_staleness=1)
+    found = problems(plan, w, TWO_CPUS)
+    text = "\n".join(found)
+    assert "the rollout pool 'actor' has 4 rank(s): use 1 (one engine per rank) or 4" in text  # the config check's words
+    assert "must divide the model's 4 attention heads" in text
+    assert "needs the rollout on a pool of its own" in text
+    assert "the pools take 4 devices; the cluster has 2" in text and "asks 4 devices per node" in text
+    assert len(found) == 5
+    with pytest.raises(Exception, match="the rollout pool 'global' has 2 rank"):
+        compose_command(["recipe=grpo", "rollout.tensor_parallel_size=3"])
+
+
+def test_a_plan_that_does_not_fit_names_each_memory_term():
+    w = workload(parameters=2 * 10 ** 9, master_bytes=4)
+    plan = Plan((PoolPlan("actor", 1, 2, ("actor", "rollout", "critic", "reference")),))
+    (problem,) = [p for p in problems(plan, w, TWO_CPUS) if "does not fit" in p]
+    terms = memory_terms(plan, plan.pools[0], w, TWO_CPUS)
+    # 2e9 parameters x 4 bytes x 4 (parameters, gradients, 2 moments) / 2 devices = 14.9 GiB for the actor alone
+    assert terms["actor parameters, gradients, AdamW moments (master dtype, FSDP shard)"] == pytest.approx(16e9)
+    assert "14.90 GiB  actor parameters" in problem and "GiB  rollout KV cache" in problem
+
+
+def test_analytical_cost_by_hand():
+    """One pool of 2 devices, every role on it; the arithmetic of each stage written out."""
+    w = workload(actor_forward=True)
+    plan = Plan((PoolPlan("actor", 1, 2, ("actor", "rollout", "critic", "reference")),), rollout_tp=1)
+    p = Analytical(ONES).predict(plan, w, TWO_CPUS)
+    tokens = 10 * 20  # 10 sequences x (10 + 10) tokens
+    fsdp_forward = 1e6 * 4 * 0.5 / 1e8  # the parameters' half each device lacks, at the intra-node rate: 0.02 s
+    forward = 0.1 + max(2 * 1e6 * tokens / (2 * 2e9), fsdp_forward)  # 0.1 + max(0.05, 0.02)
+    assert p.stages["score"] == pytest.approx(3 * forward + 0.1)  # actor, critic, reference add; + reward call
+    train = 0.1 + max(6 * 1e6 * tokens / (2 * 1e9), 3 * fsdp_forward)  # 0.1 + max(0.6, 0.06)
+    assert p.stages["update"] == pytest.approx(2 * train)
+    # generate: 5 sequences per engine; prefill 2·P·5·10 / 2e9; per step: read (4 MB + 5 x 15 x KV) / 1e9 + 0.01
+    kv = 2 * 2 * 2 * 16 * 4  # 2 (k, v) x layers x kv_heads x head_dim x bytes = 512 bytes per token
+    step = (4e6 + 5 * 15 * kv) / 1e9 + 0.01
+    assert p.stages["generate"] == pytest.approx(0.1 + 2 * 1e6 * 5 * 10 / 2e9 + 10 * step)
+    assert p.stages["transition"] == pytest.approx(0.2 + 2e6 / 1e8)  # half of the 4 MB engine copy is local
+    assert p.step_s == pytest.approx(sum(p.stages.values()))
+
+
+def test_separate_pools_take_the_slowest_and_overlap_at_depth_one():
+    w = workload()
+    split = (PoolPlan("actor", 1, 1, ("actor", "reference")), PoolPlan("rollout", 1, 1, ("rollout", "critic")))
+    sync, overlapped = (Analytical(ONES).predict(Plan(split, 1, depth), w, TWO_CPUS) for depth in (0, 1))
+    cost = Analytical(ONES)
+    ref, critic_fwd = cost.forward_s(w, split[0], TWO_CPUS), cost.forward_s(w, split[1], TWO_CPUS)
+    assert sync.stages["score"] == pytest.approx(max(ref, critic_fwd) + 0.1)
+    assert sync.step_s == pytest.approx(sum(sync.stages.values()))
+    busy = overlapped.stages["generate"] + critic_fwd + cost.train_s(w, split[1], TWO_CPUS)
+    chain = overlapped.stages["score"] + overlapped.stages["update"]
+    assert overlapped.step_s == pytest.approx(max(busy, chain) + overlapped.stages["transition"])
+    assert overlapped.step_s < sync.step_s
+
+
+def test_search_ranks_fastest_first_and_keeps_the_refused_with_reasons():
+    w = workload(parameters=150 * 10 ** 6)  # 5 GiB devices hold some plans, not those with a crowded device
+    result = search(w, Cluster(1, 2, 5 * GIB), Analytical(ONES))
+    assert result.ranked and result.refused
+    steps = [c.prediction.step_s for c in result.ranked]
+    assert steps == sorted(steps)
+    assert all(any("does not fit" in problem for problem in found) for _, found in result.refused)
+    assert result.considered == len(result.ranked) + len(result.refused)
+    with pytest.raises(LookupError, match="no plan fits"):
+        search(w, Cluster(1, 2, 0.5 * GIB), Analytical(ONES)).best
+
+
+def test_a_toy_policy_and_a_toy_cost_model_are_one_class_each():
+    @register_policy
+    class OnlyColocated(Policy):
+        name = "toy-only-colocated"
+
+        def candidates(self, workload, cluster, options):
+            return (c for c in Exhaustive().candidates(workload, cluster, options) if len(c.pools) == 1)
+
+    @register_cost_model
+    class FewestPools(CostModel):
+        name = "toy-fewest-devices"
+
+        def predict(self, plan, workload, cluster):
+            return Prediction({s: 0.0 for s in ("generate", "score", "update", "transition")}, float(plan.devices))
+
+    try:
+        with pytest.raises(ValueError, match="registered already"):
+            register_policy(OnlyColocated)
+        config = compose_command([*PPO, "placement.planner.policy=toy-only-colocated",
+                                  "placement.planner.cost_model=toy-fewest-devices"])
+        from hybridflow.planning.auto import plan_search
+
+        result = plan_search(config, TWO_CPUS, ONES)
+        assert result.ranked and all(len(c.plan.pools) == 1 for c in result.ranked)
+        assert all(c.prediction.step_s == 2.0 for c in result.ranked)
+    finally:
+        POLICIES.pop("toy-only-colocated")
+        COST_MODELS.pop("toy-fewest-devices")
+    with pytest.raises(KeyError, match="unknown cost model 'toy-fewest-devices'; registered: \\['analytical'\\]"):
+        plan_search(config, TWO_CPUS, ONES)
+
+
+def test_placement_auto_applies_the_best_plan_and_saves_its_prediction(tmp_path, monkeypatch):
+    from hybridflow.planning import auto
+
+    monkeypatch.setattr(Cluster, "this_machine", classmethod(lambda cls: TWO_CPUS))
+    rates = tmp_path / "rates.json"
+    rates.write_text(json.dumps(ONES.to_dict()))
+    config = compose_command([*PPO, "placement=auto", f"placement.planner.rates={rates}"])
+    planned, line = auto.resolve_placement(config, tmp_path)
+    saved = json.loads((tmp_path / "plan.json").read_text())
+    best = search(Workload.from_config(config), TWO_CPUS, Analytical(ONES), options=SearchOptions(depths=(0,))).best
+    chosen = Plan.from_config(planned)  # a reward function joins the actor's pool
+    assert [(p.devices, set(p.roles) - {"reward"}) for p in chosen.pools] == \
+        [(p.devices, set(p.roles)) for p in best.plan.pools]
+    assert chosen.rollout_tp == best.plan.rollout_tp and saved["plan"]["overrides"] == best.plan.overrides()
+    assert saved["prediction"]["step_s"] == pytest.approx(best.prediction.step_s)
+    assert "placement=auto chose" in line and "s/step" in line
+    metrics = auto.predicted_metrics(tmp_path)
+    assert metrics["plan/predicted_step_s"] == pytest.approx(best.prediction.step_s)
+    assert set(metrics) == {f"plan/predicted_{s}_s" for s in ("generate", "score", "update", "transition", "step")}
+    assert auto.resolve_placement(compose_command(PPO), tmp_path)[1] is None  # off: unchanged
+
+
+def test_placement_auto_refuses_when_nothing_fits_naming_memory_terms(tmp_path, monkeypatch):
+    from hybridflow.data.checks import InputError
+    from hybridflow.planning import auto
+
+    monkeypatch.setattr(Cluster, "this_machine", classmethod(lambda cls: Cluster(1, 2, 0.9 * GIB)))
+    with pytest.raises(InputError, match="(?s)placement=auto on 1 node.*no plan fits.*GiB  rollout KV cache"):
+        auto.resolve_placement(compose_command([*PPO, "placement=auto"]), tmp_path)
+    assert not (tmp_path / "plan.json").exists()
+
+
+@pytest.mark.parametrize("model, gpus, family", [("13B", 32, "colocate"), ("34B", 128, "split")])
+def test_paper_scale_search_takes_under_ten_seconds(model, gpus, family):
+    from bench.paper_placement import paper_case
+
+    start = time.perf_counter()
+    result = paper_case(model, gpus)
+    assert time.perf_counter() - start <= 10
+    assert result.best.plan.family() == family
+    assert math.isfinite(result.best.prediction.step_s)
