@@ -13,7 +13,7 @@ import importlib.metadata
 import json
 from pathlib import Path
 
-from hybridflow.config.schema import DeviceKind, HybridFlowConfig, RolloutBackend
+from hybridflow.config.schema import DeviceKind, HybridFlowConfig, RolloutBackend, tp_head_problems
 
 # vllm 0.32's CPUAttentionBackend.get_supported_head_sizes() (tests/unit/test_model_checks.py compares)
 CPU_ATTENTION_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
@@ -60,15 +60,7 @@ def vllm_problems(config: HybridFlowConfig, model_path: str) -> list[str]:
     where = f"model.path={model_path!r} ({model_config.get('model_type', '?')}: {heads} attention heads, " \
             f"{kv_heads} key/value heads, head size {head_dim})"
     tp = config.rollout.tensor_parallel_size
-    problems = []
-    if heads % tp:
-        problems.append(f"{where}: rollout.tensor_parallel_size={tp} does not divide the {heads} attention heads, "
-                        "and vLLM splits them evenly across ranks; fix: a tensor_parallel_size that divides "
-                        f"{heads}")
-    if (kv_heads >= tp and kv_heads % tp) or (kv_heads < tp and tp % kv_heads):
-        problems.append(f"{where}: rollout.tensor_parallel_size={tp} neither divides the {kv_heads} key/value heads "
-                        "nor is a multiple of them (vLLM splits or replicates them evenly); fix: a "
-                        f"tensor_parallel_size that divides {kv_heads} or is a multiple of it")
+    problems = [f"{where}: rollout.tensor_parallel_size={tp} {why}" for why in tp_head_problems(tp, heads, kv_heads)]
     if on_cpu(config) and head_dim not in CPU_ATTENTION_HEAD_SIZES:
         problems.append(f"{where}: vLLM's CPU attention runs head sizes {list(CPU_ATTENTION_HEAD_SIZES)} only "
                         f"(not {head_dim}); fix: run on GPUs, or use a model whose head size (hidden_size / "

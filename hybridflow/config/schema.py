@@ -162,9 +162,33 @@ def rollout_layout_problems(tp: int, ranks: int, pool: str, heads: int, kv_heads
         problems.append(("rollout.tensor_parallel_size", tp, f"the rollout pool {pool!r} has {ranks} rank(s): use 1 "
                          "(one engine per rank)" + (f" or {ranks} (one engine across the pool)" if ranks > 1 else
                                                     f", or give the pool more ranks (placement.pools.{pool}.devices_per_node)")))
-    if heads and not (heads % tp == 0 and (kv_heads % tp == 0 or tp % kv_heads == 0)):
-        problems.append(("rollout.tensor_parallel_size", tp, f"must divide the model's {heads} attention heads and "
-                         f"divide or be a multiple of its {kv_heads} key/value heads"))
+    if heads:
+        problems += [("rollout.tensor_parallel_size", tp, why) for why in tp_head_problems(tp, heads, kv_heads)]
+    return problems
+
+
+def overlap_problems(depth: int, rollout_colocated: bool, rollout_pool: str) -> list[tuple[str, Any, str]]:
+    """(key, value, what is allowed) when schedule depth `depth` overlaps generation with training and
+    the rollout shares the actor's processes; the config check raises it, the planner drops the plan."""
+    if schedule_class(depth).overlaps and rollout_colocated:
+        return [("placement.roles.rollout", rollout_pool, f"trainer.max_staleness={depth} overlaps generation with "
+                 "training, which needs the rollout on a pool of its own (placement=disaggregated); colocated roles "
+                 "share one process")]
+    return []
+
+
+def tp_head_problems(tp: int, heads: int, kv_heads: int) -> list[str]:
+    """Why vLLM cannot split a model of `heads` attention heads and `kv_heads` key/value heads over
+    `tp` ranks, each with its fix (empty: it can). The config check and the preflight's model check
+    (hybridflow/model_checks.py) both say it with these words."""
+    problems = []
+    if heads % tp:
+        problems.append(f"does not divide the {heads} attention heads, and vLLM splits them evenly across ranks; "
+                        f"fix: a tensor_parallel_size that divides {heads}")
+    if (kv_heads >= tp and kv_heads % tp) or (kv_heads < tp and tp % kv_heads):
+        problems.append(f"neither divides the {kv_heads} key/value heads nor is a multiple of them (vLLM splits or "
+                        f"replicates them evenly); fix: a tensor_parallel_size that divides {kv_heads} or is a "
+                        "multiple of it")
     return problems
 
 
@@ -756,9 +780,8 @@ class HybridFlowConfig:
             return
         _require(recipe_spec(self.recipe.name).overlaps_generation, "trainer.max_staleness", d,
                  f"only the RL recipes (grpo, ppo) generate while training, not recipe={self.recipe.name}")
-        _require(not self.placement.rollout_colocated, "placement.roles.rollout", self.placement.roles["rollout"],
-                 f"trainer.max_staleness={d} overlaps generation with training, which needs the rollout on a pool of "
-                 "its own (placement=disaggregated); colocated roles share one process")
+        for key, value, allowed in overlap_problems(d, self.placement.rollout_colocated, self.placement.roles["rollout"]):
+            _require(False, key, value, allowed)
         # rollout=hf on a pool of its own is refused by PlacementConfig.check_rollout (it loads in-process)
         hooks = [h.name for h in self.trainer.training_hooks
                  if h.name in STEP_HOOKS and STEP_HOOKS.get(h.name).reloads_weights]

@@ -1,9 +1,9 @@
 """Whether a plan can run: pure rules that return every problem of a candidate, never raise.
 
 `problems(plan, workload, cluster)` lists why a plan cannot run on the cluster, each naming the
-override to change: the rollout layout (the same rule the config check raises with,
-`hybridflow.config.schema.rollout_layout_problems`), the schedule (an overlapping depth needs the
-rollout on a pool of its own, as `HybridFlowConfig._check_async` says), the devices and nodes the
+override to change: the rollout layout and the schedule (an overlapping depth needs the rollout on a pool of its own):
+the same functions the config check raises with (`hybridflow.config.schema.rollout_layout_problems`,
+`overlap_problems`, `tp_head_problems`), the devices and nodes the
 pools need, and memory: each device's terms (`memory_terms`) against what a device holds. The
 planner drops a candidate with any problem and prints the memory terms of those it drops for memory.
 
@@ -30,7 +30,7 @@ def problems(plan: Plan, workload: Workload, cluster: Cluster, any_tp: bool = Fa
     """Every reason `plan` cannot run `workload` on `cluster` (empty: it can). `any_tp`: allow any
     rollout tensor-parallel size that divides the pool within a node (the paper's engines; this
     system's vLLM rollout runs one engine per rank or one across the pool)."""
-    from hybridflow.config.schema import rollout_layout_problems
+    from hybridflow.config.schema import overlap_problems, rollout_layout_problems, tp_head_problems
 
     out = [f"role {role!r} is on no pool" for role in workload.roles if not any(role in p.roles for p in plan.pools)]
     if out:
@@ -40,17 +40,15 @@ def problems(plan: Plan, workload: Workload, cluster: Cluster, any_tp: bool = Fa
         if rollout.devices % plan.rollout_tp or plan.rollout_tp > cluster.devices_per_node:
             out.append(f"rollout.tensor_parallel_size={plan.rollout_tp}: must divide the rollout pool's "
                        f"{rollout.devices} devices and fit in one node ({cluster.devices_per_node} devices)")
-        elif workload.heads % plan.rollout_tp:
-            out.append(f"rollout.tensor_parallel_size={plan.rollout_tp}: must divide the model's {workload.heads} heads")
+        else:
+            out += [f"rollout.tensor_parallel_size={plan.rollout_tp}: {why}"
+                    for why in tp_head_problems(plan.rollout_tp, workload.heads, workload.kv_heads)]
     else:
         out += [f"{key}={value}: {allowed}" for key, value, allowed in rollout_layout_problems(
             plan.rollout_tp, rollout.devices, rollout.name, workload.heads, workload.kv_heads,
             colocated=plan.rollout_colocated, actor_pool=plan.pool_of("actor").name)]
-    from hybridflow.rollout_schedules import schedule_class
-
-    if schedule_class(plan.max_staleness).overlaps and plan.rollout_colocated:
-        out.append(f"trainer.max_staleness={plan.max_staleness} overlaps generation with training, which needs the "
-                   "rollout on a pool of its own")
+    out += [f"{key}={value}: {allowed}"
+            for key, value, allowed in overlap_problems(plan.max_staleness, plan.rollout_colocated, rollout.name)]
     out += device_problems(plan, cluster)
     for pool in plan.pools:
         for phase, terms in phases(plan, pool, workload, cluster).items():

@@ -88,10 +88,11 @@ def test_rules_return_every_problem_and_the_config_checks_words():
     found = problems(plan, w, TWO_CPUS)
     text = "\n".join(found)
     assert "the rollout pool 'actor' has 4 rank(s): use 1 (one engine per rank) or 4" in text  # the config check's words
-    assert "must divide the model's 4 attention heads" in text
+    assert "rollout.tensor_parallel_size=3: does not divide the 4 attention heads" in text
     assert "needs the rollout on a pool of its own" in text
     assert "the pools take 4 devices; the cluster has 2" in text and "asks 4 devices per node" in text
-    assert len(found) == 5
+    assert "neither divides the 2 key/value heads" in text
+    assert len(found) == 6
     with pytest.raises(Exception, match="the rollout pool 'global' has 2 rank"):
         compose_command(["recipe=grpo", "rollout.tensor_parallel_size=3"])
 
