@@ -74,6 +74,7 @@ def run(config: HybridFlowConfig, run_dir: Path) -> dict:
         timer = StageTimer()
         with timer("generate"), weight_sync.generating():  # GPU, colocated: the devices change hands
             (samples, greedy), trained_version, queue_metrics = rollouts.next(step)
+        queue_metrics.update(weight_sync.handover_seconds())  # inside timing/generate_s
         with timer("score"):  # independent: on separate pools these run at the same time
             samples = score(r, samples, greedy)
         with timer("advantages"):
@@ -214,7 +215,8 @@ def step_metrics(r: Step, samples: Batch, trained_version: int, stale: bool, act
     """The step's row of metrics.jsonl: rewards, the stages', responses, throughput, how far the
     sampler's log-probs are from the actor's at the same version, and (async) staleness: the
     version the batch trained on minus each sample's `behavior_version`."""
-    metrics = {**reward_metrics(samples), **stage_metrics, **response_stats(samples)}
+    metrics = {**reward_metrics(samples), **stage_metrics, **response_stats(samples),
+               **{k: v for k, v in samples.meta.items() if k.startswith("timing/")}}  # each forward pass's own
     metrics["perf/tokens_per_s"] = metrics["response/tokens"] / metrics["timing/generate_s"]
     staleness = trained_version - samples["behavior_version"]  # (B,)
     before_update = metrics.pop("log_prob_diff_before_update", None)  # the actor's, not a metric of its own

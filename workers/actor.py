@@ -81,8 +81,11 @@ class ActorWorker(TrainingStateMixin):
     @register(Dispatch.DP_SPLIT)
     @torch.no_grad()
     def compute_log_probs(self, batch: Batch) -> Batch:
-        """`old_log_probs` and `entropy`, (B, R) each, 0 outside `loss_mask`."""
-        return self._log_probs(batch, "old_log_probs")
+        """`old_log_probs` and `entropy`, (B, R) each, 0 outside `loss_mask`; the pass's seconds in meta."""
+        start = time.perf_counter()
+        out = self._log_probs(batch, "old_log_probs")
+        out.meta["timing/actor_forward_s"] = time.perf_counter() - start
+        return out
 
     @register(Dispatch.DP_SPLIT)
     @torch.no_grad()
@@ -91,8 +94,10 @@ class ActorWorker(TrainingStateMixin):
         if not hasattr(self.model, "disable_adapter"):
             raise RuntimeError("compute_ref_log_probs on the actor needs actor.lora.rank > 0; "
                                "without LoRA the reference role computes reference log-probs")
+        start = time.perf_counter()
         with self.model.disable_adapter():
             out = self._log_probs(batch, "ref_log_probs")
+        out.meta["timing/reference_forward_s"] = time.perf_counter() - start
         return out.select(["ref_log_probs"])
 
     def _log_probs(self, batch: Batch, key: str) -> Batch:

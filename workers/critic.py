@@ -58,10 +58,12 @@ class CriticWorker(TrainingStateMixin):
     @register(Dispatch.DP_SPLIT)
     @torch.no_grad()
     def compute_values(self, batch: Batch) -> Batch:
+        start = time.perf_counter()
         self.model.eval()
         batch = batch.to(self.ctx.device)
         parts = [_values(self.model, m) * loss_mask(m) for m in micro_batches(batch, self.cfg.samples_per_micro_batch)]
-        return Batch(tensors={"values": torch.cat(parts).cpu()})
+        return Batch(tensors={"values": torch.cat(parts).cpu()},
+                     meta={"timing/critic_forward_s": time.perf_counter() - start})
 
     @register(Dispatch.DP_SPLIT)
     def update_critic(self, batch: Batch) -> dict:

@@ -7,6 +7,8 @@ ActorWorker.compute_ref_log_probs — and this role is not started.)
 
 from __future__ import annotations
 
+import time
+
 import torch
 
 from hybridflow.batch import Batch
@@ -35,10 +37,12 @@ class ReferenceWorker:
 
     @register(Dispatch.DP_SPLIT)
     def compute_ref_log_probs(self, batch: Batch) -> Batch:
-        """`ref_log_probs` (B, R), 0 outside `response_mask`."""
+        """`ref_log_probs` (B, R), 0 outside `response_mask`; the pass's seconds in meta."""
+        start = time.perf_counter()
         log_probs, _ = log_probs_and_entropy(self.model, batch.to(self.ctx.device), self.samples_per_micro_batch,
                                              self.temperature)
-        return Batch(tensors={"ref_log_probs": log_probs.cpu()})
+        return Batch(tensors={"ref_log_probs": log_probs.cpu()},
+                     meta={"timing/reference_forward_s": time.perf_counter() - start})
 
     @register(Dispatch.ONE_TO_ALL)
     def load_state_from(self, weights: dict[str, torch.Tensor]) -> None:

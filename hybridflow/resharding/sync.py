@@ -74,6 +74,10 @@ class WeightSync:
         with self.transport.generating(self.actor, self.rollout):
             yield
 
+    def handover_seconds(self) -> dict[str, float]:
+        """The last `generating`'s device memory steps, each timed (the transport's)."""
+        return self.transport.handover_seconds()
+
     def sync(self, step: int, version: int) -> dict[str, float]:
         """Move the actor's current weights into the rollout engines, check them, and measure.
         The rollout's engine is then labelled with policy `version`, once the checks pass."""

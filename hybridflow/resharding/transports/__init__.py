@@ -82,6 +82,13 @@ class Transport:
         """Around generation: device memory steps, if the pools share devices."""
         yield
 
+    handover: dict[str, float] = {}  # the last `generating`'s timed steps (a transport that has some sets its own)
+
+    def handover_seconds(self) -> dict[str, float]:
+        """`timing/<step>_s` of each device memory step of the last `generating` that moved something
+        (offload, reload, engine sleep and wake-up); {} when none did."""
+        return dict(self.handover)
+
     # ---- sending route (in WeightSender, every actor process) ---------------------------------
     def check_plan(self, sender) -> None:
         pass

@@ -57,12 +57,19 @@ class Colocated(Transport):
     def generating(self, actor, rollout) -> Iterator[None]:
         """On GPUs the actor's training state goes to host memory while vLLM generates, then vLLM
         releases its KV cache and the training state comes back (the next sync wakes vLLM up).
-        No-ops on the CPU."""
-        rollout.wake_up()  # a step without a sync (critic warm-up) left it asleep
-        actor.offload()
+        No-ops on the CPU. Each step that moved something is timed (`handover_seconds`)."""
+        self.handover = {}
+        self._timed("engine_wake", rollout.wake_up)  # a step without a sync (critic warm-up) left it asleep
+        self._timed("offload", actor.offload)
         yield
-        rollout.sleep()
-        actor.reload()
+        self._timed("engine_sleep", rollout.sleep)
+        self._timed("reload", actor.reload)
+
+    def _timed(self, phase: str, call) -> None:
+        start = time.perf_counter()
+        moved = call()
+        if any(moved if isinstance(moved, list) else [moved]):
+            self.handover[f"timing/{phase}_s"] = time.perf_counter() - start
 
     # ---- sending route ------------------------------------------------------------------------
     def check_plan(self, sender) -> None:
