@@ -78,6 +78,13 @@ class Run:
         """The end of a training run: the final model exported (trainer.export_hf), the logger closed."""
         final_model = training.checkpointer.export_final(self.run_dir) if self.config.trainer.export_hf else None
         training.logger.close()
+        from hybridflow.planning.auto import compare_measured
+
+        compared = compare_measured(self.run_dir)  # placement=auto: the plan's prediction against the steps
+        if compared:
+            from hybridflow import console
+
+            console.say(compared)
         return {"final_model": final_model, "steps": step}
 
 

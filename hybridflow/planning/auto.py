@@ -110,3 +110,26 @@ def predicted_metrics(run_dir: Path) -> dict[str, float]:
     out = {f"plan/predicted_{stage}_s": float(seconds) for stage, seconds in prediction["stages"].items()}
     out["plan/predicted_step_s"] = float(prediction["step_s"])
     return out
+
+
+def compare_measured(run_dir: Path) -> str | None:
+    """With a plan.json (placement=auto): the measured mean of each stage over the steps after the
+    first (the first warms caches), saved into plan.json beside the prediction, and one console
+    line comparing them; None without a plan or with fewer than two steps."""
+    path, metrics = Path(run_dir) / PLAN_FILE, Path(run_dir) / "metrics.jsonl"
+    if not path.is_file() or not metrics.is_file():
+        return None
+    rows = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()][1:]
+    if not rows:
+        return None
+    saved = json.loads(path.read_text())
+    predicted = {**saved["prediction"]["stages"], "step": saved["prediction"]["step_s"]}
+    measured = {stage: sum(r.get(f"timing/{stage}_s", 0.0) for r in rows) / len(rows)
+                for stage in ("generate", "score", "update", "weight_sync", "step")}
+    measured["transition"] = measured.pop("weight_sync")
+    saved["measured"] = {"stages": measured, "steps": [r["step"] for r in rows]}
+    path.write_text(json.dumps(saved, indent=2))
+    error = (predicted["step"] - measured["step"]) / max(measured["step"], 1e-9)
+    return (f"hybridflow: placement=auto predicted {predicted['step']:.2f} s/step, measured {measured['step']:.2f} "
+            f"({error:+.0%}; mean of steps {rows[0]['step']}-{rows[-1]['step']}): "
+            + ", ".join(f"{s} {predicted[s]:.2f}/{measured[s]:.2f}" for s in STAGES) + f" ({path})")

@@ -11,7 +11,8 @@ analytical model (hybridflow/planning/cost.py) for its rates, stage by stage:
   and backward) and per byte of FSDP's collectives;
 - generate: the fixed seconds per engine step, per sequence in a step (c = 2P/F_decode) and per
   extra tensor-parallel rank;
-- transition: the fixed seconds per weight sync and per byte the colocated exchange moves;
+- transition: the fixed seconds per weight sync and per byte the colocated exchange moves, and a
+  measured point-to-point send for the weights' trip between pools;
 each by least squares over the profiles (`fit_rates` has the equations). The copy bandwidth is
 kept as the rate decode reads weights at (it binds only when reading the weights takes longer than
 the step's compute).
@@ -111,7 +112,50 @@ def nonnegative_least_squares(rows: list[list[float]], targets: list[float]) -> 
     return [float(v) for v in best]
 
 
-def fit_rates(workload: Workload, profiles: list[Profile], copy_rate: float) -> Rates:
+def send_bytes_per_s(megabytes: int = 64) -> float:
+    """A point-to-point gloo send's bandwidth between two processes of this machine (the route the
+    weights take between two pools on one node): the best of three sends of one `megabytes` buffer."""
+    import multiprocessing
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    context = multiprocessing.get_context("spawn")
+    queue = context.SimpleQueue()
+    procs = [context.Process(target=_send_worker, args=(rank, port, megabytes, queue)) for rank in (0, 1)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(timeout=120)
+    if any(p.exitcode != 0 for p in procs) or queue.empty():
+        raise RuntimeError(f"the point-to-point send benchmark failed (exit codes {[p.exitcode for p in procs]})")
+    return float(queue.get())
+
+
+def _send_worker(rank: int, port: int, megabytes: int, queue) -> None:
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    buffer = torch.ones(megabytes * 2 ** 20 // 4)
+    best = float("inf")
+    for _ in range(3):
+        dist.barrier()
+        start = time.perf_counter()
+        if rank == 0:
+            dist.send(buffer, 1)
+        else:
+            dist.recv(buffer, 0)
+            best = min(best, time.perf_counter() - start)
+    dist.barrier()
+    if rank == 1:
+        queue.put(buffer.numel() * 4 / best)
+    dist.destroy_process_group()
+
+
+def fit_rates(workload: Workload, profiles: list[Profile], copy_rate: float, send_rate: float = 0.0) -> Rates:
     """The analytical model's rates that best reproduce `profiles` (least squares, each unknown >= 0).
 
     On a CPU FSDP's collectives run after compute on the same cores (`comm_overlap=False`), so each
@@ -122,6 +166,8 @@ def fit_rates(workload: Workload, profiles: list[Profile], copy_rate: float) -> 
     then generation and the transition, with a and x known, in their own unknowns:
       generate   = a + prefill + L·(d + c·s/tp + (tp-1)·e)   (s sequences per engine) -> d, c, e
       transition = sync + moved·y_x                          (moved: bytes its FSDP shard lacks) -> sync, y_x
+    `send_rate` (a measured point-to-point send, `send_bytes_per_s`) prices the weights' trip between
+    pools; without it, the collectives' rate does.
     """
     w = workload
     P, L, N = w.parameters, w.response_tokens, w.sequences
@@ -153,10 +199,12 @@ def fit_rates(workload: Workload, profiles: list[Profile], copy_rate: float) -> 
         rows.append([1.0, max(0.0, engine_bytes - P * w.rollout_bytes / p.devices)])
         targets.append(p.seconds["transition"])
     sync, per_sync_byte = nonnegative_least_squares(rows, targets)
+    intra = 1 / per_byte if per_byte else 1e12
     return Rates(train_flops_per_s=1 / per_flop, forward_flops_per_s=1 / per_flop, decode_bytes_per_s=copy_rate,
                  decode_flops_per_s=2 * P / per_sequence if per_sequence else 1e18, decode_step_s=step,
-                 tp_step_s=tp_step, call_s=call, intra_node_bytes_per_s=1 / per_byte if per_byte else 1e12,
-                 inter_node_bytes_per_s=1 / per_byte if per_byte else 1e12, sync_s=sync, comm_overlap=False,
+                 tp_step_s=tp_step, call_s=call, intra_node_bytes_per_s=intra, inter_node_bytes_per_s=intra,
+                 sync_s=sync, exchange_bytes_per_s=1 / per_sync_byte if per_sync_byte else intra,
+                 send_bytes_per_s=send_rate or intra, comm_overlap=False,
                  source=f"calibrated {time.strftime('%Y-%m-%d %H:%M')} on {os.uname().nodename} with "
                         f"{len(profiles)} profiling run(s) of {w.name}")
 
@@ -175,4 +223,4 @@ def calibrate(overrides: list[str], workload: Workload, devices: int, root: Path
         say(f"hybridflow plan: profiled {n} device(s), tp {tp}: "
             + ", ".join(f"{k} {v:.2f} s" for k, v in profiles[-1].seconds.items())
             + f" ({time.perf_counter() - start:.0f} s)")
-    return fit_rates(workload, profiles, copy_bytes_per_s()), profiles
+    return fit_rates(workload, profiles, copy_bytes_per_s(), send_bytes_per_s()), profiles

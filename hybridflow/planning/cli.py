@@ -1,7 +1,8 @@
 """`hybridflow plan`: the placement search for a run, printed before anything starts.
 
     hybridflow plan [--cluster here|ray|NODESxDEVICES] [--device cpu|cuda] [--device-memory-gib G]
-                    [--rates FILE | --profile NAME | --calibrate [--save-rates FILE]] [--top K]
+                    [--rates FILE | --profile NAME | --calibrate [--save-rates FILE]]
+                    [--intra-node-gb-s B] [--inter-node-gb-s B] [--top K] [--refused K]
                     [--depths 0,1] [--any-tp] [--policy NAME] [--cost-model NAME] [--json FILE]
                     [OVERRIDE ...]
 
@@ -35,7 +36,10 @@ def parser() -> argparse.ArgumentParser:
     source.add_argument("--profile", help="a built-in device profile (hybridflow/planning/profiles.py)")
     source.add_argument("--calibrate", action="store_true", help="profile this workload here first (minutes)")
     p.add_argument("--save-rates", help="with --calibrate: write the fitted rates here")
+    p.add_argument("--intra-node-gb-s", type=float, default=None, help="collective bandwidth within a node, GB/s")
+    p.add_argument("--inter-node-gb-s", type=float, default=None, help="collective bandwidth across nodes, GB/s")
     p.add_argument("--top", type=int, default=10)
+    p.add_argument("--refused", type=int, default=3, help="how many refused plans to show, with why")
     p.add_argument("--depths", default="0,1", help="trainer.max_staleness values to try")
     p.add_argument("--any-tp", action="store_true", help="any tensor-parallel size dividing a pool within a node")
     p.add_argument("--policy", default=None)
@@ -95,6 +99,11 @@ def main(argv: list[str]) -> int:
             rates = PROFILES[args.profile][0]
         else:
             rates = load_rates(args.rates or planner.rates, cluster.device)
+        if args.intra_node_gb_s:
+            rates = dataclasses.replace(rates, intra_node_bytes_per_s=args.intra_node_gb_s * 1e9,
+                                        exchange_bytes_per_s=0.0, send_bytes_per_s=0.0)
+        if args.inter_node_gb_s:
+            rates = dataclasses.replace(rates, inter_node_bytes_per_s=args.inter_node_gb_s * 1e9)
         depths = tuple(int(d) for d in args.depths.split(","))
         from hybridflow.planning.search import SearchOptions, build_policy, search
         from hybridflow.planning.cost import build_cost_model
@@ -105,7 +114,7 @@ def main(argv: list[str]) -> int:
     except (ConfigError, ValueError, KeyError, RuntimeError) as exc:
         print(f"hybridflow plan: {exc}", file=sys.stderr)
         return 2
-    print(report(result, workload, cluster, rates, args.top))
+    print(report(result, workload, cluster, rates, args.top, args.refused))
     if args.json:
         Path(args.json).write_text(json.dumps({"cluster": dataclasses.asdict(cluster), "rates": rates.to_dict(),
                                                "workload": dataclasses.asdict(workload),
@@ -113,7 +122,7 @@ def main(argv: list[str]) -> int:
     return 0 if result.ranked else 2
 
 
-def report(result, workload, cluster, rates, top: int) -> str:
+def report(result, workload, cluster, rates, top: int, refused: int = 3) -> str:
     w = workload
     lines = [f"workload: {w.parameters / 1e6:.1f}M parameters, {w.prompts_per_step} prompts x {w.samples_per_prompt} "
              f"samples, {w.prompt_tokens} + {w.response_tokens} tokens; roles {', '.join(w.roles)}",
@@ -136,8 +145,8 @@ def report(result, workload, cluster, rates, top: int) -> str:
         lines.append(f"  pool {pool.name!r} ({'+'.join(pool.roles)} on {pool.devices}): "
                      f"{sum(terms.values()) / GIB:.2f} of {cluster.device_memory_bytes / GIB:.1f} GiB")
         lines += [f"      {v / GIB:8.3f} GiB  {k}" for k, v in terms.items()]
-    if result.refused:
-        lines += ["", f"refused ({len(result.refused)}), the first:"]
-        for plan, problems in result.refused[:3]:
+    if result.refused and refused:
+        lines += ["", f"refused ({len(result.refused)}), the first {min(refused, len(result.refused))}:"]
+        for plan, problems in result.refused[:refused]:
             lines.append(f"  - {plan.describe()}: " + "\n      ".join(problems))
     return "\n".join(lines)

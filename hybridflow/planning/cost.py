@@ -54,6 +54,8 @@ class Rates:
     intra_node_bytes_per_s: float  # collectives within a node (FSDP, colocated resharding, pools on one node)
     inter_node_bytes_per_s: float  # collectives across nodes
     sync_s: float = 0.0  # fixed per weight sync (its check, the engine's load session)
+    exchange_bytes_per_s: float = 0.0  # the colocated resharding exchange (0: intra_node_bytes_per_s)
+    send_bytes_per_s: float = 0.0  # one flat buffer from one pool to another on a node (0: intra_node_bytes_per_s)
     host_bytes_per_s: float = 0.0  # offload to and reload from host memory (0: no offload)
     # FSDP's collectives run beside compute (GPUs: NCCL on its own streams) or after it (a CPU's
     # cores do both): a role's time is max(compute, comm) or their sum
@@ -201,13 +203,16 @@ class Analytical(CostModel):
         if plan.rollout_colocated:
             n = rollout.devices
             moved = max(0.0, engine_bytes - w.parameters * w.rollout_bytes / n)  # its own shard is at hand
-            seconds = moved / self.collective_bytes_per_s(n, cluster)
+            exchange = r.exchange_bytes_per_s if n <= cluster.devices_per_node and r.exchange_bytes_per_s else \
+                self.collective_bytes_per_s(n, cluster)
+            seconds = moved / exchange
             if r.host_bytes_per_s and cluster.device == "cuda":  # the two take turns on the devices
                 actor_state = 4 * w.parameters * w.master_bytes / n  # parameters, gradients, moments
                 seconds += 2 * (actor_state + engine_bytes) / r.host_bytes_per_s  # out and back, each
         else:
             same_node = plan.devices <= cluster.devices_per_node
-            seconds = engine_bytes / (r.intra_node_bytes_per_s if same_node else r.inter_node_bytes_per_s)
+            send = (r.send_bytes_per_s or r.intra_node_bytes_per_s) if same_node else r.inter_node_bytes_per_s
+            seconds = engine_bytes / send
         return r.sync_s + seconds
 
 

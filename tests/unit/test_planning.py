@@ -225,3 +225,37 @@ def test_paper_scale_search_takes_under_ten_seconds(model, gpus, family):
     assert time.perf_counter() - start <= 10
     assert result.best.plan.family() == family
     assert math.isfinite(result.best.prediction.step_s)
+
+
+def test_the_plan_command_prints_the_ranking_overrides_and_memory_and_exits_2_when_nothing_fits(capsys):
+    from hybridflow.planning.cli import main
+
+    assert main(["--cluster", "1x2", "--device-memory-gib", "8", "--top", "3", *PPO]) == 0
+    out = capsys.readouterr().out
+    assert "searched 13 plans" in out and "13 fit" in out
+    ranked = [line for line in out.splitlines() if line[:3].strip() in ("1", "2", "3") and "depth" in line]
+    assert len(ranked) == 3
+    steps = [float(line.split()[1]) for line in ranked]
+    assert steps == sorted(steps)
+    assert "placement.roles.reward=" in out and "memory per device of the best plan" in out
+    assert main(["--cluster", "1x2", "--device-memory-gib", "0.5", *PPO]) == 2
+    out = capsys.readouterr().out
+    assert "no plan fits" in out and "GiB  rollout KV cache (rollout.kv_cache_space_gib)" in out
+    assert main(["--cluster", "2by2", *PPO]) == 2
+    assert "give here, ray, or NODESxDEVICES" in capsys.readouterr().err
+
+
+def test_a_finished_auto_run_compares_the_prediction_with_its_steps(tmp_path):
+    from hybridflow.planning.auto import compare_measured
+
+    stages = {"generate": 1.0, "score": 0.2, "update": 0.5, "transition": 0.1}
+    (tmp_path / "plan.json").write_text(json.dumps({"prediction": {"stages": stages, "step_s": 1.8}}))
+    rows = [{"step": s, "timing/generate_s": g, "timing/score_s": 0.2, "timing/update_s": 0.5,
+             "timing/weight_sync_s": 0.1, "timing/step_s": g + 0.8} for s, g in ((1, 9.0), (2, 1.1), (3, 1.3))]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    line = compare_measured(tmp_path)
+    # steps 2-3 (the first warms caches): generate 1.2, step 2.0; predicted 1.8 is 10% under
+    assert "predicted 1.80 s/step, measured 2.00 (-10%; mean of steps 2-3)" in line
+    saved = json.loads((tmp_path / "plan.json").read_text())["measured"]
+    assert saved["stages"]["generate"] == pytest.approx(1.2) and saved["steps"] == [2, 3]
+    assert compare_measured(tmp_path / "nowhere") is None
