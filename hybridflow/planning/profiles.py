@@ -52,8 +52,9 @@ def default_rates(device: str) -> Rates:
 # They are rates per nominal FLOP (every answer at rollout.max_response_tokens; the tiny model's answers
 # stop earlier, hence a "FLOP rate" above the cores'), and fit that workload; calibrate on your own.
 CPU_XEON_2CORE = Rates(
-    train_flops_per_s=6.475e12, forward_flops_per_s=6.475e12, decode_bytes_per_s=12.77e9,
-    decode_flops_per_s=42.29e9, decode_step_s=5.15e-3, tp_step_s=3.57e-3, call_s=0.0176,
-    intra_node_bytes_per_s=84.0e6, inter_node_bytes_per_s=84.0e6, sync_s=0.0968, comm_overlap=False,
+    train_flops_per_s=4.394e12, forward_flops_per_s=4.394e12, decode_bytes_per_s=11.90e9,
+    decode_flops_per_s=21.52e9, decode_step_s=3.81e-3, tp_step_s=3.99e-3, call_s=0.0247,
+    intra_node_bytes_per_s=66.5e6, inter_node_bytes_per_s=66.5e6, sync_s=0.1256, exchange_bytes_per_s=80.4e6,
+    send_bytes_per_s=2.378e9, comm_overlap=False,
     source="built-in: calibrated on this project's 2-core Xeon, GRPO with 160-token answers (profiles.py)")
 PROFILES["cpu-xeon-2core"] = (CPU_XEON_2CORE, 0.95 * 23.5 * 2 ** 30 / 2)
