@@ -62,14 +62,12 @@ class Plan:
     def devices(self) -> int:
         return sum(p.devices for p in self.pools)
 
-    def colocated_sets(self) -> list[tuple[str, ...]]:
-        return [p.roles for p in self.pools]
-
     # --- making one -----------------------------------------------------------------------
     @classmethod
     def from_config(cls, config) -> "Plan":
-        """The plan a config selects: its pools (those a role uses), roles, rollout TP, staleness,
-        CPU pinning (placement.pin_cpus, or the schedule's `overlaps`) and transport."""
+        """The plan a config selects: its pools (those placement.roles names; every role the config
+        maps is on one, whether or not the recipe starts it), rollout TP, staleness, CPU pinning
+        (placement.pin_cpus, or the schedule's `overlaps`) and transport."""
         from hybridflow.rollout_schedules import schedule_class
 
         placement = config.placement
