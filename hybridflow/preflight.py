@@ -65,8 +65,8 @@ def check_run(config: HybridFlowConfig, check_model: bool = True) -> list[str]:
     model_path = config.model.path if check_model else None
     if model_path is not None:
         problems += check_model_dir(model_path, "model.path") + vllm_problems(config, model_path)
-        if recipe_spec(config.recipe.name).trains and not problems:
-            from hybridflow.memory_budget import memory_problems
+        if recipe_spec(config.recipe.name).trains and not problems and not config.placement.planner.auto:
+            from hybridflow.memory_budget import memory_problems  # placement=auto: the planner's rules check memory
 
             problems += memory_problems(config)
     if config.reward.reward_model.path is not None:
