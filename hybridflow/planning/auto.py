@@ -83,9 +83,12 @@ def resolve_placement(config, run_dir: Path):
         return config, None
     from hybridflow.data.checks import InputError
 
-    cluster = cluster_for(config)
-    rates = load_rates(config.placement.planner.rates, cluster.device)
-    result = plan_search(config, cluster, rates)
+    try:
+        cluster = cluster_for(config)
+        rates = load_rates(config.placement.planner.rates, cluster.device)
+        result = plan_search(config, cluster, rates)
+    except (ValueError, KeyError) as exc:  # a cluster, rates file, policy or cost model it cannot use
+        raise InputError(f"placement=auto: {exc}") from None
     if not result.ranked:
         raise InputError(f"placement=auto on {cluster.describe()}: {result.why_none()}")
     best = result.best

@@ -165,13 +165,14 @@ class Cluster:
             raise ValueError("the Ray cluster has no alive node with a CPU slot to place a pool on")
         gpus = min(int(n["Resources"].get("GPU", 0)) for n in nodes)
         if gpus:
-            from hybridflow.memory_budget import NODE_MEMORY_SHARE
-
             import torch
 
-            memory = torch.cuda.get_device_properties(0).total_memory if torch.cuda.is_available() else \
-                min(n["Resources"].get("memory", 0) for n in nodes) * NODE_MEMORY_SHARE / gpus
-            return cls(len(nodes), gpus, memory, "cuda")
+            if not torch.cuda.is_available():  # Ray's resources do not say how much memory a GPU has
+                raise ValueError("the Ray cluster has GPUs, but this process sees none, so it cannot tell how much "
+                                 "memory each has: run the driver on a GPU node, or describe the cluster with "
+                                 "`hybridflow plan --cluster NODESxDEVICES --device cuda --device-memory-gib G` and "
+                                 "run the overrides it prints")
+            return cls(len(nodes), gpus, torch.cuda.get_device_properties(0).total_memory, "cuda")
         cpus = min(int(n["Resources"].get("CPU", 1)) for n in nodes)
         memory = min(n["Resources"].get("memory", 0) for n in nodes)
         return cls(len(nodes), max(1, cpus), memory / max(1, cpus))

@@ -259,3 +259,13 @@ def test_a_finished_auto_run_compares_the_prediction_with_its_steps(tmp_path):
     saved = json.loads((tmp_path / "plan.json").read_text())["measured"]
     assert saved["stages"]["generate"] == pytest.approx(1.2) and saved["steps"] == [2, 3]
     assert compare_measured(tmp_path / "nowhere") is None
+
+
+def test_placement_auto_names_a_bad_rates_file_before_anything_starts(tmp_path):
+    from hybridflow.data.checks import InputError
+    from hybridflow.planning import auto
+
+    bad = tmp_path / "rates.json"
+    bad.write_text("{}")
+    with pytest.raises(InputError, match=f"placement=auto: placement.planner.rates='{bad}': not a rates file"):
+        auto.resolve_placement(compose_command([*PPO, "placement=auto", f"placement.planner.rates={bad}"]), tmp_path)
