@@ -23,10 +23,11 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from hybridflow.cli import compose_command  # noqa: E402
-from hybridflow.planning.calibrate import STAGE_KEYS, calibrate  # noqa: E402
+from hybridflow.planning.calibrate import calibrate, stage_means  # noqa: E402
 from hybridflow.planning.cost import Analytical  # noqa: E402
 from hybridflow.planning.search import SearchOptions, search  # noqa: E402
 from hybridflow.planning.workload import Cluster, Workload  # noqa: E402
+from hybridflow.tracking import read_metrics  # noqa: E402
 
 STEPS = 6
 WORKLOADS = {
@@ -47,8 +48,7 @@ def measure(overrides: list[str], root: Path, name: str) -> dict[str, float]:
     done = subprocess.run(command, capture_output=True, text=True, cwd=ROOT)
     if done.returncode:
         raise RuntimeError(f"{shlex.join(command)} failed:\n{done.stderr[-3000:]}")
-    rows = [json.loads(x) for x in (root / name / "metrics.jsonl").read_text().splitlines() if x.strip()][1:]
-    return {stage: sum(r.get(key, 0.0) for r in rows) / len(rows) for stage, key in STAGE_KEYS.items()}
+    return stage_means(read_metrics(root / name)[1:])
 
 
 def validate(name: str, overrides: list[str], root: Path) -> dict:

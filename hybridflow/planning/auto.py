@@ -122,14 +122,15 @@ def compare_measured(run_dir: Path) -> str | None:
     path, metrics = Path(run_dir) / PLAN_FILE, Path(run_dir) / "metrics.jsonl"
     if not path.is_file() or not metrics.is_file():
         return None
-    rows = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()][1:]
+    from hybridflow.planning.calibrate import stage_means
+    from hybridflow.tracking import read_metrics
+
+    rows = read_metrics(run_dir)[1:]
     if not rows:
         return None
     saved = json.loads(path.read_text())
     predicted = {**saved["prediction"]["stages"], "step": saved["prediction"]["step_s"]}
-    measured = {stage: sum(r.get(f"timing/{stage}_s", 0.0) for r in rows) / len(rows)
-                for stage in ("generate", "score", "update", "weight_sync", "step")}
-    measured["transition"] = measured.pop("weight_sync")
+    measured = stage_means(rows)
     saved["measured"] = {"stages": measured, "steps": [r["step"] for r in rows]}
     path.write_text(json.dumps(saved, indent=2))
     error = (predicted["step"] - measured["step"]) / max(measured["step"], 1e-9)

@@ -24,7 +24,6 @@ or `placement.planner.rates`.
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
@@ -34,6 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from hybridflow.planning.cost import Rates
+from hybridflow.tracking import read_metrics
 from hybridflow.planning.workload import Workload
 
 PROFILE_STEPS = 3
@@ -47,6 +47,11 @@ class Profile:
     tp: int
     seconds: dict[str, float]  # per stage (STAGE_KEYS), mean over the steps after the first
     sync_bytes: float  # bytes each rollout rank received in a sync
+
+
+def stage_means(rows: list[dict]) -> dict[str, float]:
+    """Each stage's mean seconds (`STAGE_KEYS`) over the metrics `rows`."""
+    return {stage: sum(r.get(key, 0.0) for r in rows) / len(rows) for stage, key in STAGE_KEYS.items()}
 
 
 def profile_overrides(devices: int, tp: int, root: Path, name: str) -> list[str]:
@@ -64,9 +69,9 @@ def run_profile(overrides: list[str], devices: int, tp: int, root: Path) -> Prof
     if done.returncode:
         raise RuntimeError(f"the profiling run at {devices} device(s), tp {tp} failed (exit {done.returncode}):\n"
                            f"  {' '.join(command)}\n{done.stderr[-3000:]}")
-    rows = [json.loads(line) for line in (root / name / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    rows = read_metrics(root / name)
     rows = rows[1:] or rows
-    seconds = {stage: sum(r.get(key, 0.0) for r in rows) / len(rows) for stage, key in STAGE_KEYS.items()}
+    seconds = stage_means(rows)
     sync_bytes = sum(r.get("weight_sync/bytes_received_per_rank", 0.0) for r in rows) / len(rows)
     return Profile(devices, tp, seconds, sync_bytes)
 

@@ -19,10 +19,9 @@ layer and one layer's worth recomputed).
 from __future__ import annotations
 
 from hybridflow.planning.plan import Plan, PoolPlan
+from hybridflow.memory_budget import RUNTIME_BYTES, RUNTIME_BYTES_WITH_VLLM  # measured per CPU process
 from hybridflow.planning.workload import GIB, Cluster, Workload
 
-CPU_RUNTIME_BYTES = 0.5 * GIB  # the interpreter, torch and Ray of one process (memory_budget.RUNTIME_BYTES)
-CPU_ENGINE_RUNTIME_BYTES = 0.75 * GIB
 GPU_RUNTIME_BYTES = 2.0 * GIB  # CUDA context, NCCL buffers, allocator slack
 
 
@@ -134,7 +133,7 @@ def memory_terms(plan: Plan, pool: PoolPlan, workload: Workload, cluster: Cluste
             tokens * per_token * w.compute_bytes
             + 2 * rows * w.response_tokens * w.vocab * w.compute_bytes)
     if cluster.device == "cpu":
-        terms["the process's runtime"] = CPU_ENGINE_RUNTIME_BYTES if "rollout" in pool.roles else CPU_RUNTIME_BYTES
+        terms["the process's runtime"] = RUNTIME_BYTES_WITH_VLLM if "rollout" in pool.roles else RUNTIME_BYTES
     else:
         terms["the process's runtime (CUDA context, NCCL)"] = GPU_RUNTIME_BYTES
     return terms

@@ -10,9 +10,8 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 
-GIB = 2 ** 30
-DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
-TRAINED = ("actor", "critic")  # the roles with gradients and optimizer state
+from hybridflow.memory_budget import DTYPE_BYTES, GIB  # noqa: F401  (GIB: the planner's modules read it here)
+
 MODEL_ROLES = ("actor", "rollout", "critic", "reference", "reward")  # in the order plans print them
 
 
