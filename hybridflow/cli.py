@@ -68,11 +68,8 @@ def run(config: HybridFlowConfig) -> dict:
     with console.session(run_dir, config.logger.verbose) as log_dir:
         where = "" if config.logger.verbose else f" (library and worker output: {log_dir})"
         console.say(f"hybridflow: run directory {run_dir}{where}")
-        from hybridflow.model_checks import half_precision_note
-
-        for note in (chosen, half_precision_note(config)):
-            if note:
-                console.say(note)
+        if chosen:
+            console.say(chosen)
         try:
             with console.stage(name):
                 return runner(recipe, config, run_dir)

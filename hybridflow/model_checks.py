@@ -68,30 +68,19 @@ def vllm_problems(config: HybridFlowConfig, model_path: str) -> list[str]:
     return problems
 
 
-def has_fast_bfloat16(cpuinfo: str) -> bool:
-    """Whether a CPU (its /proc/cpuinfo text) has bfloat16 arithmetic in hardware (AVX-512 BF16 or
-    AMX): without it torch and vLLM emulate bfloat16 through float32 conversions."""
-    flags = set(cpuinfo.split())
-    return bool(flags & {"avx512_bf16", "amx_bf16"})
-
-
 def half_precision_note(config: HybridFlowConfig) -> str | None:
     """A console note when a run computes in bfloat16 on CPUs without bfloat16 hardware: measured
     on such a CPU (AMD EPYC, AVX2), SmolLM2-135M's forward took 6x and its forward and backward 22x
     as long as in float32, and vLLM generated 4.7x fewer tokens per second (docs/recipes.md,
     "Precision"). A note, not an error: the numbers are right, only slow."""
+    from hybridflow.precision import cpu_flags, native_bfloat16
+
     if not on_cpu(config):
         return None
-    dtypes = {config.model.dtype.value, config.rollout.dtype.value} - {"float32"}
-    if not dtypes:
-        return None
-    try:
-        cpuinfo = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return None
-    if has_fast_bfloat16(cpuinfo):
+    dtypes = {config.model.dtype.value, config.rollout.dtype.value} - {"float32", "auto"}
+    if not dtypes or not cpu_flags() or native_bfloat16("cpu")[0]:
         return None
     return (f"hybridflow: note: this CPU has no bfloat16 arithmetic (no avx512_bf16 / amx_bf16 in /proc/cpuinfo), "
             f"so {'/'.join(sorted(dtypes))} compute (model.dtype={config.model.dtype.value}, rollout.dtype="
             f"{config.rollout.dtype.value}) runs several times slower than float32 here (measured: forward 6x, "
-            "forward and backward 22x, generation 4.7x); model.dtype=float32 rollout.dtype=float32 is faster")
+            "forward and backward 22x, generation 4.7x); model.dtype=auto (or float32) is faster")

@@ -229,7 +229,9 @@ def run_stage(recipe, config: HybridFlowConfig, run_dir: Path) -> dict:
     (`trainer.stage_timeout_s`, `trainer.default_stage_timeout_s`) and restarts (`trainer.max_restarts`):
     a restart resumes it from its own last complete checkpoint."""
     from hybridflow.memory_budget import resolve_micro_batches
+    from hybridflow.model_checks import half_precision_note
     from hybridflow.planning.auto import resolve_placement
+    from hybridflow.precision import device_of, precision_line
     from hybridflow.tracking import save_config
 
     config, planned = resolve_placement(config, run_dir)  # placement=auto: before anything starts
@@ -239,6 +241,12 @@ def run_stage(recipe, config: HybridFlowConfig, run_dir: Path) -> dict:
     config, chosen = resolve_micro_batches(config)  # a no-op when cli.run chose already (single runs)
     if chosen:
         console.say(chosen)
+    if config.model.path or {config.model.dtype.value, config.rollout.dtype.value} != {"float32"}:
+        # the built tiny model computes in float32 by its own config (conf/model/tiny.yaml): nothing to say
+        console.say(precision_line(config.model.dtype.value, config.rollout.dtype.value,
+                                   device_of(config.placement.device.value)))
+    if half_precision_note(config):
+        console.say(half_precision_note(config))
     deadlines.configure(dict(config.trainer.stage_timeout_s), config.trainer.default_stage_timeout_s)
     return run_with_restarts(recipe, config, run_dir)
 

@@ -148,7 +148,7 @@ class ActorWorker(TrainingStateMixin):
         return loss, stats
 
     def _sft_loss(self, micro: Batch, tokens: float, seqs: float) -> tuple[torch.Tensor, dict]:
-        log_probs, _ = response_log_probs(self.model, micro)
+        log_probs, _ = response_log_probs(self.model, micro, with_entropy=False)
         nll = -log_probs
         loss = aggregate_loss(nll, loss_mask(micro), "token-mean", global_token_count=tokens)
         return loss, {}  # the mini-batch loss is reported as actor/loss

@@ -8,11 +8,17 @@ for the backward pass anyway.
 Logits must be finite (a -inf logit gives NaN entropy through 0 * -inf).
 
 `token_log_probs_and_entropy` is what the workers call: both quantities from one pass over
-each row's vocabulary, in float32, one row at a time; under autograd each row is recomputed in
-the backward pass (activation checkpointing) instead of keeping its float32 copy, softmax and
-products. A micro-batch's logits then exist once, in the model's compute dtype: for SmolLM2's
+each chunk of rows' vocabulary, in float32. Chunks hold up to `FLOAT32_CHUNK_BYTES` of float32
+logits; when a micro-batch needs more than one chunk, each chunk is recomputed in the backward pass
+under autograd (activation checkpointing) instead of keeping its float32 copy, softmax and
+products. A large micro-batch's logits then exist once, in the model's compute dtype: for SmolLM2's
 49,152-token vocabulary and 16 x 64 response tokens that is 0.2 GB in bfloat16, against ~1.2 GB
 for a float32 copy, its softmax and the entropy's product kept for the backward pass.
+A micro-batch whose float32 logits fit one chunk (a small vocabulary, short answers) is computed
+in one call without recomputation: a chunk per row and a checkpoint per chunk cost more time
+than they save memory there (the tiny model's SFT step: 128 checkpointed rows took 1.6x a plain
+loop's step, bench/sft_step.py). `with_entropy=False` (SFT's loss needs none) skips the softmax
+product.
 """
 
 from __future__ import annotations
@@ -65,34 +71,49 @@ def log_probs_from_logits(logits: torch.Tensor, token_ids: torch.Tensor) -> torc
     return _per_row_in_float32(_log_probs, logits, token_ids)
 
 
-def _row_log_probs_and_entropy(logits: torch.Tensor, token_ids: torch.Tensor, temperature: float
-                               ) -> tuple[torch.Tensor, torch.Tensor]:
+FLOAT32_CHUNK_BYTES = 64 * 2 ** 20  # float32 logits reduced at once (a chunk of rows)
+
+
+def _chunk_log_probs_and_entropy(logits: torch.Tensor, token_ids: torch.Tensor, temperature: float,
+                                 with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor]:
     z = logits.float()
     if temperature > 0 and temperature != 1.0:
         z = z / temperature
     lse = torch.logsumexp(z, dim=-1)
     log_probs = z.gather(-1, token_ids.unsqueeze(-1)).squeeze(-1) - lse
+    if not with_entropy:
+        return log_probs, torch.zeros_like(log_probs)
     entropy = lse - (torch.softmax(z, dim=-1) * z).sum(dim=-1)  # H = logsumexp(z) - sum p z
     return log_probs, entropy
 
 
+def rows_per_float32_chunk(logits_shape: torch.Size) -> int:
+    """Rows of (B, T, V) logits whose float32 copy fits `FLOAT32_CHUNK_BYTES` (at least 1)."""
+    row_bytes = 4 * max(1, logits_shape[1] * logits_shape[2])
+    return max(1, FLOAT32_CHUNK_BYTES // row_bytes)
+
+
 def token_log_probs_and_entropy(logits: torch.Tensor, token_ids: torch.Tensor, *, temperature: float = 1.0,
-                                rows_per_chunk: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+                                rows_per_chunk: int | None = None, with_entropy: bool = True
+                                ) -> tuple[torch.Tensor, torch.Tensor]:
     """log softmax(logits / temperature)[token_ids] and the entropy of softmax(logits / temperature):
-    logits (B, T, V) in any float dtype, token_ids (B, T) int64 -> two (B, T) float32 tensors.
-    `temperature` 0 or 1 leaves the logits as they are. Computed `rows_per_chunk` rows at a time;
-    with autograd each chunk is recomputed in the backward pass (see the module docstring)."""
+    logits (B, T, V) in any float dtype, token_ids (B, T) int64 -> two (B, T) float32 tensors (the
+    entropy all 0 when `with_entropy` is False). `temperature` 0 or 1 leaves the logits as they are.
+    Computed `rows_per_chunk` rows at a time (None: as many as `FLOAT32_CHUNK_BYTES` holds); with
+    autograd and more than one chunk, each chunk is recomputed in the backward pass (see the module
+    docstring)."""
     if token_ids.shape != logits.shape[:-1]:
         raise ValueError(f"token_ids has shape {tuple(token_ids.shape)} but logits {tuple(logits.shape)}; token_ids "
                          "must be (B, T) matching logits (B, T, V) (shift logits by one position first)")
     if token_ids.dtype != torch.int64:
         raise TypeError(f"token_ids has dtype {token_ids.dtype}; pass token_ids.long()")
-    recompute = torch.is_grad_enabled() and logits.requires_grad
+    rows = rows_per_chunk or rows_per_float32_chunk(logits.shape)
+    recompute = torch.is_grad_enabled() and logits.requires_grad and logits.shape[0] > rows
     parts = []
-    for start in range(0, logits.shape[0], rows_per_chunk):
-        args = (logits[start:start + rows_per_chunk], token_ids[start:start + rows_per_chunk], temperature)
-        parts.append(torch.utils.checkpoint.checkpoint(_row_log_probs_and_entropy, *args, use_reentrant=False)
-                     if recompute else _row_log_probs_and_entropy(*args))
+    for start in range(0, logits.shape[0], rows):
+        args = (logits[start:start + rows], token_ids[start:start + rows], temperature, with_entropy)
+        parts.append(torch.utils.checkpoint.checkpoint(_chunk_log_probs_and_entropy, *args, use_reentrant=False)
+                     if recompute else _chunk_log_probs_and_entropy(*args))
     if not parts:
         empty = logits.new_zeros(token_ids.shape, dtype=torch.float32)
         return empty, empty.clone()

@@ -37,6 +37,7 @@ class Dtype(enum.Enum):
     float32 = "float32"
     bfloat16 = "bfloat16"
     float16 = "float16"
+    auto = "auto"  # model.dtype / rollout.dtype only: chosen by the hardware when the config is checked (hybridflow/precision.py)
 
 
 class RolloutBackend(enum.Enum):
@@ -249,7 +250,8 @@ class TinyModelConfig:
 class ModelConfig:
     path: Optional[str] = None  # a Hugging Face model directory; null builds the tiny model offline
     tiny: TinyModelConfig = field(default_factory=TinyModelConfig)
-    # Precision (docs/recipes.md#precision). What the actor, critic and reference compute in.
+    # Precision (docs/recipes.md#precision). What the actor, critic and reference compute in; auto:
+    # bfloat16 where the device computes it natively, float32 elsewhere (hybridflow/precision.py)
     dtype: Dtype = Dtype.float32
     # What the actor's and critic's parameters, gradient reduction and optimizer state are kept in;
     # float32 with a 16-bit dtype is mixed precision (FSDP2's MixedPrecisionPolicy), master_dtype=dtype
@@ -263,6 +265,8 @@ class ModelConfig:
     trust_remote_code: bool = False
 
     def __post_init__(self) -> None:
+        _require(self.master_dtype is not Dtype.auto, "model.master_dtype", self.master_dtype.value,
+                 "float32 (or model.dtype's own dtype for pure 16-bit training); auto is for model.dtype only")
         _require(self.master_dtype in (Dtype.float32, self.dtype), "model.master_dtype", self.master_dtype.value,
                  f"float32 (mixed precision: compute in model.dtype={self.dtype.value}) or model.dtype itself "
                  f"({self.dtype.value}: pure {self.dtype.value} training)")
@@ -320,7 +324,7 @@ class RolloutConfig:
     temperature: float = 1.0
     top_p: float = 1.0
     samples_per_prompt: int = 1
-    dtype: Dtype = Dtype.float32
+    dtype: Dtype = Dtype.auto  # auto: model.dtype as resolved (hybridflow/precision.py)
     tensor_parallel_size: int = 1
     kv_cache_space_gib: int = 1  # vLLM's KV cache on a CPU (VLLM_CPU_KVCACHE_SPACE)
     gpu_memory_utilization: float = 0.5  # share of a GPU vLLM may take when colocated with training
@@ -718,7 +722,18 @@ class HybridFlowConfig:
     pretrain: PretrainConfig = field(default_factory=PretrainConfig)  # recipe=pretrain's corpus
     seed: int = 0
 
+    def _resolve_precision(self) -> None:
+        """model.dtype=auto and rollout.dtype=auto become the dtypes this run computes in (hybridflow/precision.py)."""
+        from hybridflow.precision import device_of, resolve_dtypes
+
+        model, rollout = resolve_dtypes(self.model.dtype.value, self.rollout.dtype.value,
+                                        device_of(self.placement.device.value))
+        self.model.dtype, self.rollout.dtype = Dtype(model), Dtype(rollout)
+        _require(self.model.master_dtype in (Dtype.float32, self.model.dtype), "model.master_dtype",
+                 self.model.master_dtype.value, f"float32, or model.dtype ({model}) itself for pure 16-bit training")
+
     def __post_init__(self) -> None:
+        self._resolve_precision()
         if recipe_spec(self.recipe.name).pipeline:
             return  # its stages compose their own configs, each checked by these rules (recipes/pipeline.py)
         self.placement.check_rollout(self.rollout, self.model)

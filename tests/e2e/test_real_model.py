@@ -3,8 +3,9 @@ chat prompts of ~46 tokens, hundreds of seeded requests in one engine call, 64-t
 
 These run the `hybridflow` command as a user would. On a CPU without bfloat16 arithmetic (an AMD
 EPYC without AVX-512 ran some of these sessions) a bfloat16 forward of this model is ~6x and a backward
-~20x slower than float32 (docs/performance.md, "Real model"), so the first GRPO and PPO tests compute in
-float32 and the rest in bfloat16 at a few samples per step."""
+~20x slower than float32 (docs/performance.md, "Real model"), so every test computes in float32 but the
+one whose claim is about bfloat16 (its parity checks at 30 layers), which asks for it and keeps its
+shapes small; float32 also holds the engine and the trainer to the tight probe tolerance."""
 
 from __future__ import annotations
 
@@ -33,6 +34,7 @@ def metrics(run_dir: Path) -> list[dict]:
 
 # in the default run: the real model at real shapes, cheapest (62 s on a 2-core Xeon, 135 s on a 2-core
 # EPYC; float32 engine); the rest of this module is slow
+@pytest.mark.budget(100)  # 89 s with the real model's conversion check and vLLM start (tests/budget.py)
 def test_evaluate_samples_256_seeded_chat_requests_in_one_engine_call(tmp_path, real_model_dir, chat_addition):
     """recipe=evaluate with its default 8 samples per prompt: 32 prompts x 8 = 256 seeded requests of
     ~46 tokens in one engine call (11,800 prompt tokens, past vLLM's 4,096-token budget on the CPU).
@@ -77,7 +79,7 @@ def test_grpo_in_bfloat16_on_the_real_model_passes_the_parity_checks(tmp_path, r
     (a 0.119 worst-token gap against a 0.1 tolerance). 2 prompts x 2 samples of 16 tokens: a bfloat16
     backward is ~20x slower than float32 on these CPUs."""
     run_hybridflow([*real_overrides(real_model_dir, *chat_addition), "recipe=grpo", "trainer.total_steps=1",
-                    "trainer.prompts_per_step=2", "rollout.samples_per_prompt=2", "rollout.max_response_tokens=16",
+                    "model.dtype=bfloat16", "rollout.dtype=float32", "trainer.prompts_per_step=2", "rollout.samples_per_prompt=2", "rollout.max_response_tokens=16",
                     "trainer.val_every_steps=0", "trainer.export_hf=false", "actor.samples_per_micro_batch=2",
                     "weight_sync.checksum_every_steps=1", f"logger.output_root={tmp_path}", "logger.run_name=bf16"],
                    timeout_s=1500)
@@ -87,10 +89,10 @@ def test_grpo_in_bfloat16_on_the_real_model_passes_the_parity_checks(tmp_path, r
 
 
 # The rest of a user's first day on the real model, each a few steps at real shapes (chat prompts of
-# ~46 tokens, 64-token answers) in the model's own bfloat16 compute over float32 master weights.
-BF16_SMALL = ["trainer.prompts_per_step=4", "rollout.samples_per_prompt=4", "trainer.val_prompts=16",
+# ~46 tokens, 64-token answers), in float32: none of these claims is about bfloat16 (see the docstring).
+REAL_SMALL = ["trainer.prompts_per_step=4", "rollout.samples_per_prompt=4", "trainer.val_prompts=16",
               "actor.samples_per_micro_batch=8", "actor.optim.lr=1e-5", "trainer.export_hf=false",
-              "model.dtype=bfloat16", "rollout.dtype=bfloat16"]
+              "model.dtype=float32", "rollout.dtype=float32"]
 
 
 def finite_steps(rows: list[dict], steps: int) -> None:
@@ -110,7 +112,7 @@ def finite_steps(rows: list[dict], steps: int) -> None:
 @pytest.mark.slow
 def test_sft_on_the_real_model_lowers_the_answer_loss(tmp_path, real_model_dir, chat_addition):
     """SFT on the chat prompts' answers ("80"): the loss on them falls over 4 steps of lr 1e-4."""
-    run_hybridflow([*real_overrides(real_model_dir, *chat_addition), "recipe=sft", *BF16_SMALL,
+    run_hybridflow([*real_overrides(real_model_dir, *chat_addition), "recipe=sft", *REAL_SMALL,
                     "trainer.total_steps=4", "actor.optim.lr=1e-4", "actor.optim.warmup_steps=0",
                     "actor.optim.lr_schedule=constant", "trainer.val_every_steps=4", "trainer.save_every_steps=4",
                     "trainer.prompts_per_step=16", f"logger.output_root={tmp_path}", "logger.run_name=sft"])
@@ -124,7 +126,7 @@ def test_sft_on_the_real_model_lowers_the_answer_loss(tmp_path, real_model_dir, 
 @pytest.mark.slow
 def test_grpo_one_step_off_on_the_real_model(tmp_path, real_model_dir, chat_addition):
     """trainer.max_staleness=1: batch s+1 generates while step s trains, at real shapes."""
-    run_hybridflow([*real_overrides(real_model_dir, *chat_addition), "recipe=grpo", *BF16_SMALL,
+    run_hybridflow([*real_overrides(real_model_dir, *chat_addition), "recipe=grpo", *REAL_SMALL,
                     "trainer.total_steps=3", "trainer.val_every_steps=0", "trainer.max_staleness=1",
                     "trainer.old_log_probs=actor", "placement=disaggregated",
                     f"logger.output_root={tmp_path}", "logger.run_name=async"], timeout_s=1500)
@@ -138,7 +140,7 @@ def test_grpo_one_step_off_on_the_real_model(tmp_path, real_model_dir, chat_addi
 def test_lora_grpo_on_the_real_model_keeps_the_engine_on_the_adapted_weights(tmp_path, real_model_dir, chat_addition):
     """LoRA (rank 8 on the attention projections): the engine generates with the folded weights, which
     the checksums and the first-batch check confirm every step."""
-    run_hybridflow([*real_overrides(real_model_dir, *chat_addition), "recipe=grpo", *BF16_SMALL,
+    run_hybridflow([*real_overrides(real_model_dir, *chat_addition), "recipe=grpo", *REAL_SMALL,
                     "trainer.total_steps=2", "trainer.val_every_steps=0", "actor.lora.rank=8", "actor.lora.alpha=16",
                     "actor.lora.target_modules=[q_proj,k_proj,v_proj,o_proj]", "actor.optim.lr=1e-4",
                     "weight_sync.checksum_every_steps=1", f"logger.output_root={tmp_path}", "logger.run_name=lora"],
@@ -146,7 +148,8 @@ def test_lora_grpo_on_the_real_model_keeps_the_engine_on_the_adapted_weights(tmp
     rows = metrics(tmp_path / "lora")
     finite_steps(rows, 2)
     for row in rows:
-        assert row["weight_sync/verified_tensors"] > 0 and row["weight_sync/probe_log_prob_gap_mean"] < 0.12
+        # float32 both sides: the folded W + (alpha/r)BA against peft's unfolded forward differ by rounding only
+        assert row["weight_sync/verified_tensors"] > 0 and row["weight_sync/probe_log_prob_gap_mean"] < 1e-2
 
 
 @pytest.mark.slow
@@ -162,7 +165,7 @@ def test_the_default_pipelines_stages_on_the_real_model(tmp_path, real_model_dir
     config = compose(["recipe=pipeline", f"logger.output_root={tmp_path}", "logger.run_name=pipe"])
     # the stages hand on Hugging Face exports (the merge reads the SFT stage's), so export_hf stays on
     config.pipeline.common_overrides = [*real_overrides(real_model_dir, *chat_addition),
-                                        *[o for o in BF16_SMALL if not o.startswith("trainer.export_hf")]]
+                                        *[o for o in REAL_SMALL if not o.startswith("trainer.export_hf")]]
     config.pipeline.stages = [
         StageConfig(name="sft", recipe="sft", overrides=["trainer.total_steps=2", "trainer.save_every_steps=1",
                                                          "actor.optim.lr=1e-4"]),

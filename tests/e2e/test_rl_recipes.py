@@ -153,6 +153,7 @@ def test_kill_and_resume_matches_the_uninterrupted_run(tmp_path, straight):
         assert got[key] == pytest.approx(straight[3][key], rel=1e-5, abs=1e-6), key
 
 
+@pytest.mark.budget(90)  # its setup runs the uninterrupted run it is compared with (the `straight` fixture)
 def test_an_actor_rank_killed_mid_run_is_restarted_and_the_run_matches_the_uninterrupted_one(tmp_path, straight):
     start = time.monotonic()
     result = hybridflow([*RESUMABLE, "trainer.max_restarts=1",

@@ -23,6 +23,10 @@ ROOT = Path(__file__).resolve().parents[2]
 QWEN05 = {"vocab_size": 151936, "hidden_size": 896, "intermediate_size": 4864, "num_hidden_layers": 24,
           "num_attention_heads": 14, "num_key_value_heads": 2}
 
+# model.dtype=auto chooses by the CPU (hybridflow/precision.py); these numbers were worked out for bfloat16
+# compute over float32 masters with a float32 engine, so they pin that on every CPU kind
+PINNED = ["model.dtype=bfloat16", "rollout.dtype=float32"]
+
 
 def qwen05_shapes() -> dict[str, list[int]]:
     h, i, v, kv = 896, 4864, 151936, 128
@@ -92,7 +96,7 @@ def test_process_terms_worked_example():
 
 def test_a_run_that_cannot_fit_is_refused_with_the_arithmetic(tmp_path, tiny_model_dir):
     model = header_only_model(tmp_path / "qwen05", tiny_model_dir)
-    base = ["model=local_hf", f"model.path={model}", "placement.device=cpu"]
+    base = ["model=local_hf", f"model.path={model}", "placement.device=cpu", *PINNED]
     assert memory_problems(compose(base), node_bytes=24 * GIB) == []  # 2 processes of ~7 GiB fit in 24 GiB
     # 8 processes on the node: each still holds the engine's full copy (1.84 GiB) and a 1 GiB KV cache
     refused = memory_problems(compose([*base, "placement.pools.global.devices_per_node=8"]), node_bytes=24 * GIB)
@@ -108,7 +112,7 @@ def test_the_command_refuses_it_before_anything_starts(tmp_path, tiny_model_dir)
     model = header_only_model(tmp_path / "qwen05", tiny_model_dir)
     start = time.perf_counter()
     done = subprocess.run([str(Path(sys.executable).parent / "hybridflow"), "recipe=grpo", "model=local_hf",
-                           f"model.path={model}", "placement.device=cpu", "placement.pools.global.devices_per_node=8",
+                           f"model.path={model}", "placement.device=cpu", *PINNED, "placement.pools.global.devices_per_node=8",
                            f"logger.output_root={tmp_path / 'runs'}"], cwd=ROOT, capture_output=True, text=True,
                           timeout=60)
     seconds = time.perf_counter() - start
@@ -121,7 +125,7 @@ def test_the_command_refuses_it_before_anything_starts(tmp_path, tiny_model_dir)
 SMOLLM2 = ModelShape(parameters=134_515_008, layers=30, hidden=576, intermediate=1536, heads=9, vocab=49152)
 QWEN05_SHAPE = ModelShape(parameters=494_032_768, layers=24, hidden=896, intermediate=4864, heads=14, vocab=151936)
 REAL = ["model=local_hf", "model.path=/m", "placement.device=cpu", "data.max_prompt_tokens=64",
-        "rollout.max_response_tokens=64"]
+        "rollout.max_response_tokens=64", *PINNED]
 
 
 def test_left_unset_the_micro_batch_is_the_most_rows_whose_floor_fits_the_memory_available():

@@ -48,18 +48,14 @@ def test_the_head_sizes_match_vllms_cpu_backend():
 
 
 def test_bfloat16_on_a_cpu_without_bfloat16_hardware_gets_a_note(monkeypatch):
-    from pathlib import Path
-
+    import hybridflow.precision as precision
     from hybridflow.config import compose
-    from hybridflow.model_checks import half_precision_note, has_fast_bfloat16
+    from hybridflow.model_checks import half_precision_note
 
-    assert not has_fast_bfloat16("flags : fpu sse avx2 avx512f avx512bw") and has_fast_bfloat16("flags : avx512_bf16")
-    assert has_fast_bfloat16("flags : amx_bf16 amx_tile")
+    monkeypatch.setattr(precision, "cpu_flags", lambda: frozenset({"fpu", "avx2", "fma"}))
     assert half_precision_note(compose(["placement.device=cpu"])) is None  # float32: nothing to say
-    bf16 = compose(["placement.device=cpu", "model.dtype=bfloat16"])
-    read = Path.read_text
-    monkeypatch.setattr(Path, "read_text", lambda self, *a, **k: "flags : avx2 fma" if str(self) == "/proc/cpuinfo"
-                        else read(self, *a, **k))
-    note = half_precision_note(bf16)
-    assert "model.dtype=bfloat16" in note and "model.dtype=float32 rollout.dtype=float32 is faster" in note
+    note = half_precision_note(compose(["placement.device=cpu", "model.dtype=bfloat16"]))
+    assert "model.dtype=bfloat16" in note and "model.dtype=auto (or float32) is faster" in note
     assert half_precision_note(compose(["placement.device=cuda", "model.dtype=bfloat16"])) is None
+    monkeypatch.setattr(precision, "cpu_flags", lambda: frozenset({"avx2", "avx512_bf16"}))
+    assert half_precision_note(compose(["placement.device=cpu", "model.dtype=bfloat16"])) is None

@@ -40,7 +40,7 @@ def test_a_stage_scoped_key_reaches_that_stage_only_and_beats_the_typed_one(tmp_
 
 
 def test_a_group_choice_reaches_the_stages_and_model_path_starts_the_first(tmp_path):
-    got = stages(["model=local_hf", "model.path=/models/m"], tmp_path)
+    got = stages(["model=local_hf", "model.path=/models/m", "model.dtype=bfloat16"], tmp_path)
     assert all(c.model.dtype.value == "bfloat16" for c in got.values())
     assert got["sft"].model.path == "/models/m" and got["grpo"].model.path.endswith("01-grpo/init_model")
 

@@ -1,0 +1,97 @@
+"""The test suite's time budget, checked by every run: a test that grows past its budget, or a whole
+tier that grows past the tier's, fails the run and names itself.
+
+CI has 90 minutes on whichever 2-core machine a stop runs on (README "Two commands"), and the
+machines differ: a CPU without bfloat16 instructions (`avx512_bf16` / `amx_bf16`) runs the suite
+about 1.9x slower. So the budgets below are seconds on a CPU with them, multiplied by
+`NO_BF16_FACTOR` on one without, and by `DRIFT_MARGIN` for the ±30% these machines drift.
+
+- Each test (setup + call + teardown, pytest's own durations) has `DEFAULT_TEST_BUDGET_S` for its
+  tier, or what its `@pytest.mark.budget(seconds)` says.
+- A whole tier's run (`pytest` or `pytest -m slow` with no paths and no -k) has `TIER_BUDGET_S`.
+
+A feature that adds minutes then says so in its own change: raise a budget there, with the reason,
+or make the test cheaper. `HYBRIDFLOW_TEST_BUDGET=off` turns the check off (profiling, a debugger).
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+DEFAULT_TEST_BUDGET_S = {"default": 60.0, "slow": 300.0}
+TIER_BUDGET_S = {"default": 1500.0, "slow": 2100.0}  # minutes with bfloat16 instructions: 25 and 35
+NO_BF16_FACTOR = 2.0
+DRIFT_MARGIN = 1.3
+
+_durations: dict[str, float] = {}
+_budgets: dict[str, float] = {}
+_violations: list[str] = []
+
+
+def machine_factor() -> float:
+    """NO_BF16_FACTOR on a CPU without bfloat16 instructions, else 1."""
+    from hybridflow.precision import native_bfloat16
+
+    return 1.0 if native_bfloat16("cpu")[0] else NO_BF16_FACTOR
+
+
+def _tier(item: pytest.Item) -> str:
+    return "slow" if item.get_closest_marker("slow") else "default"
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", "budget(seconds): this test's time budget on a CPU with bfloat16 "
+                                       "instructions, when it needs more than its tier's default (tests/budget.py)")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        marker = item.get_closest_marker("budget")
+        _budgets[item.nodeid] = float(marker.args[0]) if marker else DEFAULT_TEST_BUDGET_S[_tier(item)]
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    _durations[report.nodeid] = _durations.get(report.nodeid, 0.0) + report.duration
+
+
+def _whole_tier(config: pytest.Config) -> str | None:
+    """'default' or 'slow' when this run is a whole tier (no paths, no -k), else None."""
+    if config.args and [os.path.normpath(a) for a in config.args] != ["tests"] or config.option.keyword:
+        return None
+    marks = config.option.markexpr
+    return {"not slow": "default", "slow": "slow"}.get(marks)
+
+
+def violations(durations: dict[str, float], budgets: dict[str, float], factor: float,
+               tier: str | None) -> list[str]:
+    """Every test over its budget, and the tier over its own, as lines that say by how much."""
+    scale = factor * DRIFT_MARGIN
+    found = [f"{nodeid}: {seconds:.0f} s, budget {budgets[nodeid] * scale:.0f} s "
+             f"({budgets[nodeid]:.0f} s x {factor:g} for this CPU x {DRIFT_MARGIN} drift)"
+             for nodeid, seconds in sorted(durations.items(), key=lambda kv: -kv[1])
+             if nodeid in budgets and seconds > budgets[nodeid] * scale]
+    total = sum(durations.values())
+    if tier and total > TIER_BUDGET_S[tier] * scale:
+        found.append(f"the {tier} tier: {total / 60:.1f} min, budget {TIER_BUDGET_S[tier] * scale / 60:.1f} min "
+                     f"({TIER_BUDGET_S[tier] / 60:.0f} min x {factor:g} for this CPU x {DRIFT_MARGIN} drift)")
+    return found
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    if os.environ.get("HYBRIDFLOW_TEST_BUDGET") == "off" or not _durations:
+        return
+    _violations.extend(violations(_durations, _budgets, machine_factor(), _whole_tier(session.config)))
+    if _violations and session.exitstatus == pytest.ExitCode.OK:
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+def pytest_terminal_summary(terminalreporter) -> None:
+    if _violations:
+        terminalreporter.section("over the time budget (tests/budget.py)", red=True)
+        for line in _violations:
+            terminalreporter.line(line)
+        terminalreporter.line("Make the test cheaper, or raise its budget (@pytest.mark.budget) in the change "
+                              "that made it slower, saying why.")

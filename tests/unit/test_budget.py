@@ -1,0 +1,56 @@
+"""The suite's time budget (tests/budget.py) fails a run on a planted slow test, names it and says by
+how much, and lets a test under its budget pass."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from tests.budget import DRIFT_MARGIN, TIER_BUDGET_S, violations
+
+ROOT = Path(__file__).resolve().parents[2]
+
+PLANTED = '''
+import time
+import pytest
+
+@pytest.mark.budget(0.05)
+def test_planted_slow():
+    time.sleep(0.5)
+
+@pytest.mark.budget(5)
+def test_within_budget():
+    time.sleep(0.05)
+'''
+
+
+def run_planted(tmp_path: Path, **env: str) -> subprocess.CompletedProcess:
+    (tmp_path / "test_planted.py").write_text(PLANTED)
+    return subprocess.run([sys.executable, "-m", "pytest", "-p", "tests.budget", "-p", "no:cacheprovider",
+                           "-o", "addopts=", str(tmp_path)], cwd=ROOT, capture_output=True, text=True,
+                          timeout=120, env={**os.environ, "PYTHONPATH": str(ROOT), **env})
+
+
+def test_a_planted_slow_test_fails_the_run_and_is_named(tmp_path):
+    done = run_planted(tmp_path)
+    assert done.returncode == 1, done.stdout[-2000:]
+    assert "2 passed" in done.stdout  # the tests themselves passed: the budget failed the run
+    assert "over the time budget" in done.stdout and "test_planted.py::test_planted_slow" in done.stdout
+    assert "test_within_budget" not in done.stdout.split("over the time budget")[1]
+
+
+def test_the_check_can_be_turned_off(tmp_path):
+    done = run_planted(tmp_path, HYBRIDFLOW_TEST_BUDGET="off")
+    assert done.returncode == 0 and "over the time budget" not in done.stdout, done.stdout[-2000:]
+
+
+def test_budgets_scale_with_the_machine_and_the_tier_total_counts():
+    budgets = {"a": 10.0, "b": 10.0}
+    assert violations({"a": 12.0, "b": 1.0}, budgets, 1.0, None) == []  # within 10 s x 1.3 drift
+    assert violations({"a": 14.0}, budgets, 1.0, None)[0].startswith("a: 14 s, budget 13 s")
+    assert violations({"a": 14.0}, budgets, 2.0, None) == []  # a CPU without bfloat16: twice the time
+    over = TIER_BUDGET_S["default"] * DRIFT_MARGIN + 1
+    assert violations({"a": over}, {"a": over}, 1.0, "default")[-1].startswith("the default tier")
+    assert violations({"a": over}, {"a": over}, 1.0, None) == []  # a partial run has no tier total
