@@ -1,9 +1,14 @@
 """Bad inputs are refused before anything starts: one `hybridflow` command per row of the table,
 each exiting with status 2 within seconds, naming the file or key, the row, the column, the value's
-type, and creating no run directory (so no model was built and Ray never started)."""
+type, and creating no run directory (so no model was built and Ray never started).
+
+The table's commands run through the entry point one after another in one process
+(tests/e2e/cli_in_one_process.py: the same code path, without a fresh interpreter's imports per
+command); the last test runs the `hybridflow` command itself, in a process of its own."""
 
 from __future__ import annotations
 
+import json
 import shutil
 import subprocess
 import sys
@@ -14,6 +19,7 @@ from typing import Callable
 import pytest
 
 VENV_BIN = Path(sys.executable).parent
+ROOT = Path(__file__).resolve().parents[2]
 REFUSED_WITHIN_S = 10.0
 SMALL = ["trainer.prompts_per_step=4", "trainer.val_prompts=4", "data.max_prompt_tokens=32"]
 
@@ -134,19 +140,30 @@ CASES = {
 }
 
 
+@pytest.fixture(scope="module")
+def refusals(inputs, tmp_path_factory) -> tuple[Path, dict]:
+    """Every case of the table run through the entry point (see the module docstring), each with an
+    output root of its own: (the folder holding the output roots, results by case)."""
+    roots = tmp_path_factory.mktemp("refusal_runs")
+    argvs = {case: [*overrides(inputs), f"logger.output_root={roots / str(i)}"]
+             for i, (case, (overrides, _)) in enumerate(CASES.items())}
+    done = subprocess.run([sys.executable, "-m", "tests.e2e.cli_in_one_process", json.dumps(argvs)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return roots, json.loads(done.stdout.strip().splitlines()[-1])
+
+
 @pytest.mark.parametrize("case", list(CASES))
-def test_bad_input_is_refused_before_anything_starts(inputs, tmp_path, case):
-    overrides, names = CASES[case]
-    output_root = tmp_path / "runs"
-    cmd = [str(VENV_BIN / "hybridflow"), *overrides(inputs), f"logger.output_root={output_root}"]
-    start = time.perf_counter()
-    result = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
-    elapsed_s = time.perf_counter() - start
-    assert result.returncode == 2, result.stdout[-3000:] + result.stderr[-3000:]
+def test_bad_input_is_refused_before_anything_starts(inputs, refusals, case):
+    roots, results = refusals
+    _, names = CASES[case]
+    result = results[case]
+    assert result["returncode"] == 2, result["stdout"][-3000:] + result["stderr"][-3000:]
     for name in names:
-        assert name.format(root=inputs) in result.stderr, f"{name!r} not in:\n{result.stderr}"
-    assert not output_root.exists() and "run directory" not in result.stdout  # nothing was started
-    assert elapsed_s < REFUSED_WITHIN_S, f"refused after {elapsed_s:.1f} s"
+        assert name.format(root=inputs) in result["stderr"], f"{name!r} not in:\n{result['stderr']}"
+    output_root = roots / str(list(CASES).index(case))
+    assert not output_root.exists() and "run directory" not in result["stdout"]  # nothing was started
+    assert result["seconds"] < REFUSED_WITHIN_S, f"refused after {result['seconds']:.1f} s"
 
 
 def test_long_prompt_after_the_sampled_rows_is_refused_before_ray_starts(inputs, tmp_path):
@@ -155,8 +172,11 @@ def test_long_prompt_after_the_sampled_rows_is_refused_before_ray_starts(inputs,
     output_root = tmp_path / "runs"
     cmd = [str(VENV_BIN / "hybridflow"), *files("long_after_1000.parquet")(inputs), f"logger.output_root={output_root}",
            "logger.run_name=long"]
+    start = time.perf_counter()
     result = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    elapsed_s = time.perf_counter() - start
     assert result.returncode == 2, result.stdout[-3000:] + result.stderr[-3000:]
+    assert elapsed_s < REFUSED_WITHIN_S, f"the command was refused after {elapsed_s:.1f} s"
     assert "checked the first 1000 of 1010 rows" in result.stdout
     assert (f"data file {inputs / 'long_after_1000.parquet'} (data.train_path), column 'prompt', row(s) 1003, 1007: "
             "row 1003 has 62 tokens, more than data.max_prompt_tokens=32") in result.stderr, result.stderr
