@@ -104,3 +104,23 @@ def test_encode_prompts_left_pads_to_fixed_width():
     assert batch["ground_truth"] == ["2", "25"]
     with pytest.raises(ValueError, match="sample 1 .* more than data.max_prompt_tokens=5"):
         encode_prompts(rows, tok, max_prompt_tokens=5)
+
+
+def test_the_tiny_model_is_built_once_per_machine_and_copied(tmp_path, monkeypatch):
+    """The first build of a spec goes to the cache; a second directory gets the same files, byte for
+    byte, without building; another spec is a build of its own."""
+    import dataclasses
+
+    from hybridflow.builders.tiny_model import build_tiny_model
+    from hybridflow.config.schema import TinyModelConfig
+
+    monkeypatch.setenv("HYBRIDFLOW_CACHE", str(tmp_path / "cache"))
+    first = build_tiny_model(tmp_path / "a")
+    builds = list((tmp_path / "cache" / "tiny").iterdir())
+    second = build_tiny_model(tmp_path / "b")
+    assert list((tmp_path / "cache" / "tiny").iterdir()) == builds and len(builds) == 1
+    for name in ("model.safetensors", "tokenizer.json", "config.json"):
+        assert (first / name).read_bytes() == (second / name).read_bytes()
+    other = build_tiny_model(tmp_path / "c", dataclasses.replace(TinyModelConfig(), seed=1))
+    assert len(list((tmp_path / "cache" / "tiny").iterdir())) == 2
+    assert (other / "model.safetensors").read_bytes() != (first / "model.safetensors").read_bytes()
