@@ -324,7 +324,9 @@ class RolloutConfig:
     temperature: float = 1.0
     top_p: float = 1.0
     samples_per_prompt: int = 1
-    dtype: Dtype = Dtype.auto  # auto: model.dtype as resolved (hybridflow/precision.py)
+    # conf/rollout/*.yaml: auto, model.dtype as resolved (hybridflow/precision.py); a RolloutConfig built in
+    # Python without a HybridFlowConfig around it is never resolved, so its own default is a dtype
+    dtype: Dtype = Dtype.float32
     tensor_parallel_size: int = 1
     kv_cache_space_gib: int = 1  # vLLM's KV cache on a CPU (VLLM_CPU_KVCACHE_SPACE)
     gpu_memory_utilization: float = 0.5  # share of a GPU vLLM may take when colocated with training

@@ -53,6 +53,9 @@ class VLLMRollout(ReceivingEnd):
             from hybridflow.patches import keep_vllm_cpu_linear_weights
 
             keep_vllm_cpu_linear_weights()
+        if self.cfg.dtype.value == "auto":  # vLLM's own "auto" would pick a dtype the trainer does not know
+            raise ValueError("rollout.dtype=auto reached the vLLM engine unresolved: build the RolloutConfig through "
+                             "HybridFlowConfig (which resolves it, hybridflow/precision.py) or give a dtype")
         register_engine()
         tp = self.cfg.tensor_parallel_size
         if tp > 1:
