@@ -240,7 +240,7 @@ def test_every_claim_names_tests_that_exist_with_the_tier_their_marks_give():
 
 def test_the_page_maps_the_headline_claims_and_is_linked():
     rows = table_rows(CLAIMS.read_text())
-    assert 40 <= len(rows) <= 80, len(rows)
+    assert 40 <= len(rows) <= 90, len(rows)  # headline claims, not every test: a page that stays readable
     assert {r.cells[-1] for r in rows} == set(TIERS)
     for page in ("README.md", "docs/reliability.md"):
         assert "claims.md" in (ROOT / page).read_text(), f"{page} does not link docs/claims.md"
