@@ -34,7 +34,7 @@ def metrics(run_dir: Path) -> list[dict]:
 
 # in the default run: the real model at real shapes, cheapest (62 s on a 2-core Xeon, 135 s on a 2-core
 # EPYC; float32 engine); the rest of this module is slow
-@pytest.mark.budget(100)  # 89 s with the real model's conversion check and vLLM start (tests/budget.py)
+@pytest.mark.budget(130)  # 99 s here; up to 40 s more where the real model is converted for the first time
 def test_evaluate_samples_256_seeded_chat_requests_in_one_engine_call(tmp_path, real_model_dir, chat_addition):
     """recipe=evaluate with its default 8 samples per prompt: 32 prompts x 8 = 256 seeded requests of
     ~46 tokens in one engine call (11,800 prompt tokens, past vLLM's 4,096-token budget on the CPU).
