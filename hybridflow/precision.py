@@ -1,9 +1,11 @@
 """Which precision a run computes in when the user does not say: bfloat16 where the device has it
 in hardware, float32 elsewhere.
 
-`model.dtype=auto` (the default of `model=local_hf`) and `rollout.dtype=auto` (the schema's default)
-are resolved here once, when the config is validated (`HybridFlowConfig.__post_init__`), so every
-reader and the saved config.json see the dtype the run uses:
+`model.dtype=auto` (the default of `model=local_hf`) and `rollout.dtype=auto` (the default of
+conf/rollout/*.yaml) are resolved here once, when the config is validated
+(`HybridFlowConfig.__post_init__`), so every reader and the saved config.json see the dtype the run
+uses; the vLLM worker refuses an `auto` that reached it unresolved (vLLM's own `auto` would cast a
+float32 model to bfloat16 on a bfloat16 CPU, behind the trainer's back):
 
 - `model.dtype=auto`: bfloat16 on CUDA GPUs that compute it (Ampere and later; a driver that sees
   no GPU, such as a CPU head node, assumes so) and on CPUs with `avx512_bf16` or `amx_bf16`;

@@ -245,8 +245,9 @@ def run_stage(recipe, config: HybridFlowConfig, run_dir: Path) -> dict:
         # the built tiny model computes in float32 by its own config (conf/model/tiny.yaml): nothing to say
         console.say(precision_line(config.model.dtype.value, config.rollout.dtype.value,
                                    device_of(config.placement.device.value)))
-    if half_precision_note(config):
-        console.say(half_precision_note(config))
+    note = half_precision_note(config)
+    if note:
+        console.say(note)
     deadlines.configure(dict(config.trainer.stage_timeout_s), config.trainer.default_stage_timeout_s)
     return run_with_restarts(recipe, config, run_dir)
 
