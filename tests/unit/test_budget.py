@@ -54,3 +54,18 @@ def test_budgets_scale_with_the_machine_and_the_tier_total_counts():
     over = TIER_BUDGET_S["default"] * DRIFT_MARGIN + 1
     assert violations({"a": over}, {"a": over}, 1.0, "default")[-1].startswith("the default tier")
     assert violations({"a": over}, {"a": over}, 1.0, None) == []  # a partial run has no tier total
+
+
+def test_only_a_whole_tier_is_held_to_the_tier_total():
+    from types import SimpleNamespace
+
+    from tests.budget import _whole_tier
+
+    def config(args, marks, keyword=""):
+        return SimpleNamespace(args=args, option=SimpleNamespace(markexpr=marks, keyword=keyword))
+
+    assert _whole_tier(config(["tests"], "not slow")) == "default"  # `pytest` (addopts' -m 'not slow')
+    assert _whole_tier(config([], "slow")) == "slow"
+    assert _whole_tier(config(["tests/unit"], "not slow")) is None
+    assert _whole_tier(config(["tests"], "not slow", keyword="sft")) is None
+    assert _whole_tier(config(["tests"], "slow and e2e")) is None
