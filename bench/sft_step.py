@@ -32,10 +32,11 @@ sys.path.insert(0, str(ROOT))
 
 def cpu_name() -> str:
     """The CPU's model name and the instruction sets that decide its matmul speed."""
-    lines = _cpuinfo_lines()
-    model = next((line.split(":", 1)[1].strip() for line in lines if line.startswith("model name")),
+    from hybridflow.precision import cpu_flags
+
+    model = next((line.split(":", 1)[1].strip() for line in _cpuinfo_lines() if line.startswith("model name")),
                  platform.processor() or "unknown")
-    flags = set(next((line.split(":", 1)[1].split() for line in lines if line.startswith("flags")), []))
+    flags = cpu_flags()
     wanted = ("avx2", "avx512f", "avx512_bf16", "amx_bf16")
     return f"{model} ({', '.join(f for f in wanted if f in flags) or 'no AVX2'})"
 
