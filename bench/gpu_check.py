@@ -1,11 +1,14 @@
-"""The CUDA paths of the colocated engine, run on one GPU in one process, without Ray or vLLM.
+"""The CUDA paths of the colocated engine and the actor's speed beside a plain loop, on one GPU in
+one process, without Ray or vLLM.
 
-    python bench/gpu_check.py [--model 100m] [--device cuda] [--dtype bfloat16] [--out result.json]
+    python bench/gpu_check.py [--sizes 0.5b,1.5b] [--model 100m] [--dtype bfloat16] [--out gpu_check.json]
+    python bench/gpu_check.py --dry-run --out x.json   # the CPU over gloo at the tiny shapes (a test runs it)
 
-Run by hand where a GPU is lent (CI never does; `--device cpu` is a dry run over gloo). The GPU
-machines here have torch and transformers but neither Ray nor vLLM, so the worker classes are
-built in-process (they import neither) and a plain transformers module on the GPU stands in for
-the vLLM engine at the receiving end. In order:
+Run by hand where a GPU is lent (docs/performance.md "On a GPU" says how to carry the three wheels
+it needs there). The GPU machines here have torch and transformers but neither Ray nor vLLM, so
+the worker classes are built in-process (they import neither) and a plain transformers module on
+the GPU stands in for the vLLM engine at the receiving end. The JSON is rewritten after every part,
+so a run cut short keeps what it measured. Parts, in order:
 
 `--dtype` is the compute dtype (`model.dtype`; the master weights stay float32, so bfloat16 runs
 FSDP2's mixed precision, which needs FSDP2 even on one rank: float32 on one rank is a plain module).
@@ -17,6 +20,16 @@ FSDP2's mixed precision, which needs FSDP2 even on one rank: float32 on one rank
    (TP 1) and a tensor-parallel-like slice (the first half of every weight's rows, what rank 0
    of TP 2 holds of a column-parallel layer), in float32 and bfloat16; checked tensor by tensor
    and by a log-prob probe; seconds against a device-to-device copy of the same bytes.
+
+4. per `--sizes` entry (Qwen2.5-0.5B / -1.5B shapes, random weights, tied embeddings): one
+   GRPO-shaped batch (128 rows, prompts left-padded to 256 tokens with real lengths uniform in
+   64-256, responses right-padded to 512 with real lengths uniform in 64-512), the actor as a run
+   builds it (FSDP2, bf16 compute over float32 masters, 16 rows per micro-batch, no activation
+   checkpointing): the log-prob pass, the policy update (ppo_clip), offload and reload, peak
+   memory; then the loop a user writes without a framework on the same model and batch (float32
+   parameters, `torch.autocast(bfloat16)`, the same trimmed micro-batches, `logits_to_keep`,
+   log-softmax + gather in float32, PPO-clip, `clip_grad_norm_`, fused AdamW); and a profile of
+   our log-prob pass and update (the ten costliest operators).
 
 One GPU means one training rank: the all-to-all between training ranks (two or more GPUs) and
 the cross-pool transfer did not run here.
@@ -137,7 +150,7 @@ def make_receivers(model_dir: Path, device: str, dtype: str):
         def needed_boxes(self, shapes):
             return {n: Box(((0, (s[0] + 1) // 2),) + tuple((0, d) for d in s[1:])).ranges for n, s in shapes.items()}
 
-        def load(self, buckets):
+        def load(self, buckets, route):
             start = time.perf_counter()
             params = dict(self.model.named_parameters())
             for bucket in buckets:
@@ -218,53 +231,322 @@ def _fsdp_policy(model):
     return state()._mp_policy if state is not None else None
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", choices=sorted(MODELS), default="100m")
-    parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
-    parser.add_argument("--syncs", type=int, default=5)
-    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="bfloat16",
-                        help="model.dtype, the compute dtype over float32 master weights")
-    parser.add_argument("--out", default="")
-    args = parser.parse_args()
+# ---- 4. the actor beside a plain loop ---------------------------------------------------------
 
-    import torch.distributed as dist
+SIZES = {  # Qwen2.5 shapes; "tiny" is the dry run's
+    "0.5b": dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
+                 num_key_value_heads=2, vocab_size=151936),
+    "1.5b": dict(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12,
+                 num_key_value_heads=2, vocab_size=151936),
+    "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, vocab_size=512),
+}
+GRPO_SHAPE = dict(rows=128, prompt_width=256, prompt_min=64, response_width=512, response_min=64, micro=16)
+DRY_SHAPE = dict(rows=8, prompt_width=16, prompt_min=4, response_width=16, response_min=4, micro=4)
+
+
+def sized_model_dir(root: Path, size: str, device: str) -> Path:
+    """A Hugging Face directory of a Qwen2 model at `size`'s shapes with random weights (the tiny
+    model's tokenizer: the batch's token ids are drawn below its vocabulary)."""
+    from transformers import AutoModelForCausalLM, Qwen2Config
 
     from hybridflow.builders.tiny_model import build_tiny_model
-    from hybridflow.config.schema import ActorConfig, Dtype, HybridFlowConfig, ModelConfig, OptimConfig, TinyModelConfig
+
+    out = root / f"qwen2-{size}"
+    tokenizer_dir = build_tiny_model(root / "tokenizer")
+    config = Qwen2Config(**SIZES[size], tie_word_embeddings=True, max_position_embeddings=1024,
+                         rope_theta=1e6, rms_norm_eps=1e-6)
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.save_pretrained(out)
+    del model
+    for item in tokenizer_dir.iterdir():
+        if "token" in item.name or item.name.endswith(".txt") or item.name == "vocab.json":
+            (out / item.name).write_bytes(item.read_bytes())
+    return out
+
+
+def grpo_batch(shape: dict, vocab: int, seed: int = 0):
+    """Left-padded prompts and right-padded responses of uniform random real lengths, advantages per row."""
+    from hybridflow.batch import Batch
+
+    g = torch.Generator().manual_seed(seed)
+    rows, pw, rw = shape["rows"], shape["prompt_width"], shape["response_width"]
+    prompt_len = torch.randint(shape["prompt_min"], pw + 1, (rows,), generator=g)
+    response_len = torch.randint(shape["response_min"], rw + 1, (rows,), generator=g)
+    prompt_mask = torch.arange(pw).unsqueeze(0) >= (pw - prompt_len).unsqueeze(1)
+    response_mask = torch.arange(rw).unsqueeze(0) < response_len.unsqueeze(1)
+    prompt_ids = torch.randint(5, vocab, (rows, pw), generator=g) * prompt_mask
+    response_ids = torch.randint(5, vocab, (rows, rw), generator=g) * response_mask
+    advantages = torch.randn(rows, 1, generator=g).expand(rows, rw) * response_mask
+    return Batch({"prompt_ids": prompt_ids, "prompt_mask": prompt_mask, "response_ids": response_ids,
+                  "response_mask": response_mask, "advantages": advantages.contiguous()})
+
+
+def timed_cuda(fn, device: str):
+    synchronize(device)
+    start = time.perf_counter()
+    out = fn()
+    synchronize(device)
+    return time.perf_counter() - start, out
+
+
+def peak_gib(device: str) -> float:
+    return torch.cuda.max_memory_allocated() / 2 ** 30 if device == "cuda" else 0.0
+
+
+def free_device_memory(device: str) -> None:
+    import gc
+
+    gc.collect()  # FSDP2's hooks hold reference cycles
+    if device == "cuda":
+        torch.cuda.empty_cache()
+
+
+def reset_peak(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+
+
+def profile_table(fn, device: str, rows: int = 10) -> list[dict]:
+    """The `rows` operators with the most self device time (self CPU time on the CPU) in one call of fn."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
+    with profile(activities=activities) as prof:
+        fn()
+        synchronize(device)
+    key = "self_device_time_total" if device == "cuda" else "self_cpu_time_total"
+    averages = prof.key_averages()
+    events = sorted(averages, key=lambda e: getattr(e, key, 0), reverse=True)[:rows]
+    busy_ms = sum(getattr(e, key, 0) for e in averages) / 1e3  # the device's busy time (all kernels)
+    return {"busy_ms": round(busy_ms, 1), "ops": [
+        {"op": e.key[:60], "calls": e.count, "self_ms": round(getattr(e, key, 0) / 1e3, 2),
+         "cpu_total_ms": round(e.cpu_time_total / 1e3, 2)} for e in events]}
+
+
+def ours(model_dir: Path, batch, shape: dict, device: str, dtype: str, repeats: int) -> dict:
+    """The actor as a run builds it: the log-prob pass, the policy update, offload and reload."""
+    from hybridflow.config.schema import ActorConfig, Dtype, HybridFlowConfig, ModelConfig, OptimConfig
     from hybridflow.controller import WorkerContext
     from recipes.roles import actor_role
+
+    config = HybridFlowConfig(model=ModelConfig(dtype=Dtype(dtype), master_dtype=Dtype.float32),
+                              actor=ActorConfig(optim=OptimConfig(lr=1e-6), samples_per_micro_batch=shape["micro"],
+                                                gradient_checkpointing=False, policy_loss="ppo_clip"))
+    actor = actor_role(config, model_dir).build(WorkerContext(device=device, backend="nccl" if device == "cuda"
+                                                              else "gloo"))
+    out: dict = {}
+    out["start_s"], _ = timed_cuda(actor.start, device)
+    reset_peak(device)
+    lp_times, update_times = [], []
+    for _ in range(repeats):
+        t, lp = timed_cuda(lambda: actor.compute_log_probs(batch), device)
+        lp_times.append(t)
+    out["log_prob_pass_s"], out["log_prob_pass_first_s"] = min(lp_times), lp_times[0]
+    trained = batch.union(lp.select(["old_log_probs"]))
+    for _ in range(repeats):
+        t, stats = timed_cuda(lambda: actor.update_policy(trained), device)
+        update_times.append(t)
+    out["update_s"], out["update_first_s"] = min(update_times), update_times[0]
+    out["peak_gib"] = peak_gib(device)
+    out["loss"], out["grad_norm"] = stats["actor/loss"], stats["actor/grad_norm"]
+    if device == "cuda":
+        moved = sum(p.numel() * p.element_size() for p in actor.model.parameters()) + sum(
+            v.numel() * v.element_size() for st in actor.optimizer.state.values() for v in st.values()
+            if torch.is_tensor(v) and v.dim() > 0)
+        before = actor.compute_log_probs(batch)["old_log_probs"]
+        for i in range(repeats):
+            t_off, _ = timed_cuda(actor.offload, device)
+            left = torch.cuda.memory_allocated() / 2 ** 30
+            t_on, _ = timed_cuda(actor.reload, device)
+        out.update(offload_s=t_off, reload_s=t_on, offloaded_gib=moved / 2 ** 30, allocated_gib_offloaded=left,
+                   offload_gb_per_s=moved / t_off / 1e9, reload_gb_per_s=moved / t_on / 1e9)
+        again = actor.compute_log_probs(batch)["old_log_probs"]
+        out["log_probs_equal_after_reload"] = bool(torch.equal(again, before))
+    out["profile_log_prob_pass"] = profile_table(lambda: actor.compute_log_probs(batch), device)
+    out["profile_update"] = profile_table(lambda: actor.update_policy(trained), device)
+    import hybridflow.algos.entropy as entropy_module  # a diagnosis: the vocabulary in one chunk per micro-batch
+
+    chunk = entropy_module.FLOAT32_CHUNK_BYTES
+    entropy_module.FLOAT32_CHUNK_BYTES = 2 ** 40
+    try:
+        out["log_prob_pass_one_chunk_s"] = timed_cuda(lambda: actor.compute_log_probs(batch), device)[0]
+        reset_peak(device)
+        out["update_one_chunk_s"] = timed_cuda(lambda: actor.update_policy(trained), device)[0]
+        out["update_one_chunk_peak_gib"] = peak_gib(device)
+    finally:
+        entropy_module.FLOAT32_CHUNK_BYTES = chunk
+    actor = None  # freed before the next part builds its model
+    free_device_memory(device)
+    return out, lp["old_log_probs"]
+
+
+def plain(model_dir: Path, batch, shape: dict, device: str, dtype: str, repeats: int, old_log_probs) -> dict:
+    """The loop a user writes: float32 parameters, autocast, trimmed micro-batches, fused AdamW."""
+    from transformers import AutoModelForCausalLM
+
+    from hybridflow.training.sequences import trimmed_inputs
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(device)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-6, fused=device == "cuda")
+    autocast = torch.autocast(device, dtype=getattr(torch, dtype), enabled=dtype != "float32")
+    batch = batch.to(device)
+    old_log_probs = old_log_probs.to(device)
+
+    def forward(micro):
+        inputs, _, width = trimmed_inputs(micro)
+        with autocast:
+            logits = model(**inputs, use_cache=False, logits_to_keep=width + 1).logits[:, :width]
+        z = logits.float()
+        log_probs = z.log_softmax(-1)
+        picked = log_probs.gather(-1, micro["response_ids"][:, :width].unsqueeze(-1)).squeeze(-1)
+        return picked, z, log_probs, width
+
+    @torch.no_grad()
+    def log_prob_pass():
+        model.eval()
+        out = []
+        for micro in batch.split(shape["micro"]):
+            picked, z, log_probs, width = forward(micro)
+            entropy = -(log_probs.exp() * log_probs).sum(-1)  # the same outputs as ours: log-probs and entropy
+            out.append((picked, entropy))
+        return out
+
+    calls = [0]
+
+    def update():  # rows shuffled into micro-batches anew each call, as the actor's mini-batches are
+        model.train()
+        optimizer.zero_grad(set_to_none=True)
+        calls[0] += 1
+        order = torch.randperm(len(batch), generator=torch.Generator().manual_seed(calls[0])).to(device)
+        shuffled, shuffled_old = batch.reorder(order), old_log_probs[order]
+        tokens = batch["response_mask"].sum()
+        for i, micro in enumerate(shuffled.split(shape["micro"])):
+            picked, _, _, width = forward(micro)
+            mask = micro["response_mask"][:, :width]
+            old = shuffled_old[i * shape["micro"]:(i + 1) * shape["micro"], :width]
+            ratio = torch.exp(picked - old)
+            adv = micro["advantages"][:, :width]
+            loss = torch.maximum(-adv * ratio, -adv * ratio.clamp(0.8, 1.2))
+            ((loss * mask).sum() / tokens).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+
+    reset_peak(device)
+    lp = [timed_cuda(log_prob_pass, device)[0] for _ in range(repeats)]
+    up = [timed_cuda(update, device)[0] for _ in range(repeats)]
+    out = {"log_prob_pass_s": min(lp), "log_prob_pass_first_s": lp[0], "update_s": min(up), "update_first_s": up[0],
+           "peak_gib": peak_gib(device)}
+    model = optimizer = None
+    free_device_memory(device)
+    return out
+
+
+def check_speed(root: Path, size: str, device: str, dtype: str, shape: dict, repeats: int) -> dict:
+    model_dir = sized_model_dir(root, size, device)
+    batch = grpo_batch(shape, vocab=min(SIZES[size]["vocab_size"], 500))
+    real = int(batch["prompt_mask"].sum() + batch["response_mask"].sum())
+    result = {"size": size, "rows": shape["rows"], "real_tokens": real,
+              "padded_tokens": shape["rows"] * (shape["prompt_width"] + shape["response_width"])}
+    result["ours"], old = ours(model_dir, batch, shape, device, dtype, repeats)
+    result["plain"] = plain(model_dir, batch, shape, device, dtype, repeats, old)
+    for key in ("log_prob_pass_s", "update_s", "peak_gib"):
+        if result["plain"][key]:
+            result[f"ratio_{key}"] = result["ours"][key] / result["plain"][key]
+    return result
+
+
+class Report:
+    """The JSON report, rewritten after every part (a run cut short keeps what it measured)."""
+
+    def __init__(self, path: str, **head) -> None:
+        self.path, self.data = path, dict(head)
+
+    def add(self, key: str, fn) -> None:
+        start = time.perf_counter()
+        try:
+            self.data[key] = fn()
+        except Exception as exc:  # a broken part is reported and the next one runs
+            import traceback
+
+            self.data[key] = {"error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()[-3000:]}
+        self.data.setdefault("seconds", {})[key] = round(time.perf_counter() - start, 2)
+        text = json.dumps(self.data, indent=2, default=str)
+        print(f"== {key} ({self.data['seconds'][key]} s)\n" + json.dumps(self.data[key], default=str)[:3000],
+              flush=True)
+        if self.path:
+            Path(self.path).write_text(text + "\n")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", choices=sorted(MODELS), default="100m", help="the engine checks' model")
+    parser.add_argument("--sizes", default="0.5b,1.5b", help="the speed part's model sizes (comma-separated; "
+                        "'' skips it)")
+    parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
+    parser.add_argument("--syncs", type=int, default=5)
+    parser.add_argument("--repeats", type=int, default=2, help="timed calls of each speed measurement (best kept)")
+    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="bfloat16",
+                        help="model.dtype, the compute dtype over float32 master weights")
+    parser.add_argument("--dry-run", action="store_true", help="--device cpu, the tiny shapes, one sync")
+    parser.add_argument("--skip-engine", action="store_true", help="only the speed part")
+    parser.add_argument("--no-cudnn-attention", action="store_true",
+                        help="a diagnosis: scaled_dot_product_attention without its cuDNN backend")
+    parser.add_argument("--out", default="")
+    args = parser.parse_args()
+    shape = GRPO_SHAPE
+    if args.dry_run:
+        args.device, args.model, args.sizes, args.syncs, args.repeats, shape = "cpu", "tiny", "tiny", 1, 1, DRY_SHAPE
+
+    import torch.distributed as dist
 
     backend = "nccl" if args.device == "cuda" else "gloo"
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", "29533")
     if args.device == "cuda":
         torch.cuda.set_device(0)
+        if args.no_cudnn_attention:
+            torch.backends.cuda.enable_cudnn_sdp(False)
     dist.init_process_group(backend, rank=0, world_size=1)
-    report = {"device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu", "backend": backend,
-              "torch": torch.__version__, "model": args.model, "compute_dtype": args.dtype, "master_dtype": "float32"}
+    report = Report(args.out, device=torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
+                    backend=backend, torch=torch.__version__, model=args.model, compute_dtype=args.dtype,
+                    master_dtype="float32")
     with tempfile.TemporaryDirectory() as tmp:
-        model_dir = build_tiny_model(Path(tmp) / args.model, TinyModelConfig(**MODELS[args.model]))
-        ctx = WorkerContext(device=args.device, backend=backend)
-        config = HybridFlowConfig(model=ModelConfig(dtype=Dtype(args.dtype), master_dtype=Dtype.float32),
-                                  actor=ActorConfig(optim=OptimConfig(lr=1e-4), samples_per_micro_batch=8,
-                                                    gradient_checkpointing=False))
-        actor = actor_role(config, model_dir).build(ctx)
-        actor.start()
-        report["parameters"] = sum(p.numel() for p in actor.model.parameters())
-        report["parameter_dtypes"] = sorted({str(p.dtype) for p in actor.model.parameters()})  # the masters'
-        report["fsdp_mixed_precision"] = str(getattr(_fsdp_policy(actor.model), "param_dtype", None))
-        batch = batch_for(model_dir, rows=8)
-        report["reference_and_critic"] = check_reference_and_critic(model_dir, ctx, actor, batch)
-        report["training"] = check_training(actor, batch, args.device)
-        report["offload"] = check_offload(actor, batch, args.device)
-        report["sync"] = [r for dtype in ("float32", "bfloat16")
-                          for r in check_sync(actor, model_dir, args.device, dtype, args.syncs)]
+        if not args.skip_engine:
+            engine_checks(report, Path(tmp), args)
+        for size in filter(None, args.sizes.split(",")):
+            report.add(f"speed_{size}", lambda: check_speed(Path(tmp), size, args.device, args.dtype, shape,
+                                                            args.repeats))
     dist.destroy_process_group()
-    text = json.dumps(report, indent=2)
-    print(text)
-    if args.out:
-        Path(args.out).write_text(text + "\n")
+
+
+def engine_checks(report: Report, tmp: Path, args) -> None:
+    """Parts 1-3 on the `--model` model."""
+    from hybridflow.builders.tiny_model import build_tiny_model
+    from hybridflow.config.schema import ActorConfig, Dtype, HybridFlowConfig, ModelConfig, OptimConfig, TinyModelConfig
+    from hybridflow.controller import WorkerContext
+    from recipes.roles import actor_role
+
+    model_dir = build_tiny_model(tmp / args.model, TinyModelConfig(**MODELS[args.model]))
+    backend = "nccl" if args.device == "cuda" else "gloo"
+    ctx = WorkerContext(device=args.device, backend=backend)
+    config = HybridFlowConfig(model=ModelConfig(dtype=Dtype(args.dtype), master_dtype=Dtype.float32),
+                              actor=ActorConfig(optim=OptimConfig(lr=1e-4), samples_per_micro_batch=8,
+                                                gradient_checkpointing=False))
+    actor = actor_role(config, model_dir).build(ctx)
+    actor.start()
+    report.data["parameters"] = sum(p.numel() for p in actor.model.parameters())
+    report.data["parameter_dtypes"] = sorted({str(p.dtype) for p in actor.model.parameters()})  # the masters'
+    report.data["fsdp_mixed_precision"] = str(getattr(_fsdp_policy(actor.model), "param_dtype", None))
+    batch = batch_for(model_dir, rows=8)
+    report.add("reference_and_critic", lambda: check_reference_and_critic(model_dir, ctx, actor, batch))
+    report.add("training", lambda: check_training(actor, batch, args.device))
+    report.add("offload", lambda: check_offload(actor, batch, args.device))
+    report.add("sync", lambda: [r for dtype in ("float32", "bfloat16")
+                                for r in check_sync(actor, model_dir, args.device, dtype, args.syncs)])
+    actor = None  # freed before the next part builds its model
 
 
 if __name__ == "__main__":

@@ -75,7 +75,7 @@ FLOAT32_CHUNK_BYTES = 64 * 2 ** 20  # float32 logits reduced at once (a chunk of
 
 
 def _chunk_log_probs_and_entropy(logits: torch.Tensor, token_ids: torch.Tensor, temperature: float,
-                                 with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor]:
+                                 with_entropy: bool, entropy_grad: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     z = logits.float()
     if temperature > 0 and temperature != 1.0:
         z = z / temperature
@@ -83,7 +83,8 @@ def _chunk_log_probs_and_entropy(logits: torch.Tensor, token_ids: torch.Tensor, 
     log_probs = z.gather(-1, token_ids.unsqueeze(-1)).squeeze(-1) - lse
     if not with_entropy:
         return log_probs, torch.zeros_like(log_probs)
-    entropy = lse - (torch.softmax(z, dim=-1) * z).sum(dim=-1)  # H = logsumexp(z) - sum p z
+    with torch.set_grad_enabled(torch.is_grad_enabled() and entropy_grad):  # last: a recompute stops before it
+        entropy = lse - (torch.softmax(z, dim=-1) * z).sum(dim=-1)  # H = logsumexp(z) - sum p z
     return log_probs, entropy
 
 
@@ -94,14 +95,18 @@ def rows_per_float32_chunk(logits_shape: torch.Size) -> int:
 
 
 def token_log_probs_and_entropy(logits: torch.Tensor, token_ids: torch.Tensor, *, temperature: float = 1.0,
-                                rows_per_chunk: int | None = None, with_entropy: bool = True
-                                ) -> tuple[torch.Tensor, torch.Tensor]:
+                                rows_per_chunk: int | None = None, with_entropy: bool = True,
+                                entropy_grad: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """log softmax(logits / temperature)[token_ids] and the entropy of softmax(logits / temperature):
     logits (B, T, V) in any float dtype, token_ids (B, T) int64 -> two (B, T) float32 tensors (the
-    entropy all 0 when `with_entropy` is False). `temperature` 0 or 1 leaves the logits as they are.
-    Computed `rows_per_chunk` rows at a time (None: as many as `FLOAT32_CHUNK_BYTES` holds); with
-    autograd and more than one chunk, each chunk is recomputed in the backward pass (see the module
-    docstring)."""
+    entropy all 0 when `with_entropy` is False; outside autograd when `entropy_grad` is False: a
+    metric, not a loss term, so no backward pass keeps or recomputes it). `temperature` 0 or 1
+    leaves the logits as they are. Computed `rows_per_chunk` rows at a time (None: as many as
+    `FLOAT32_CHUNK_BYTES` holds); with autograd and more than one chunk, each chunk is recomputed in
+    the backward pass (see the module docstring). The chunks are `torch.split` views, whose backward
+    is one concatenation: a chunk taken by indexing would give its gradient as a zero-filled
+    tensor of the whole micro-batch's logits, one per chunk (on an H200 at Qwen2.5-0.5B's 151,936
+    tokens and 16 rows of 512 that doubled the policy update, bench/gpu_check.py)."""
     if token_ids.shape != logits.shape[:-1]:
         raise ValueError(f"token_ids has shape {tuple(token_ids.shape)} but logits {tuple(logits.shape)}; token_ids "
                          "must be (B, T) matching logits (B, T, V) (shift logits by one position first)")
@@ -110,8 +115,8 @@ def token_log_probs_and_entropy(logits: torch.Tensor, token_ids: torch.Tensor, *
     rows = rows_per_chunk or rows_per_float32_chunk(logits.shape)
     recompute = torch.is_grad_enabled() and logits.requires_grad and logits.shape[0] > rows
     parts = []
-    for start in range(0, logits.shape[0], rows):
-        args = (logits[start:start + rows], token_ids[start:start + rows], temperature, with_entropy)
+    for chunk, ids in zip(logits.split(rows), token_ids.split(rows)):
+        args = (chunk, ids, temperature, with_entropy, entropy_grad)
         parts.append(torch.utils.checkpoint.checkpoint(_chunk_log_probs_and_entropy, *args, use_reentrant=False)
                      if recompute else _chunk_log_probs_and_entropy(*args))
     if not parts:

@@ -110,6 +110,8 @@ def shard_model(model: torch.nn.Module, device: str, compute_dtype: str | None =
     parameters' (master) dtype. That needs FSDP2 even on one rank; a worker built in-process
     without a process group (a test) gets a one-rank gloo group of its own."""
     model.to(device)
+    if device == "cuda":
+        attention_for_changing_shapes()
     param_dtype = next(model.parameters()).dtype
     compute = getattr(torch, compute_dtype) if compute_dtype else param_dtype
     mixed = compute != param_dtype
@@ -127,6 +129,18 @@ def shard_model(model: torch.nn.Module, device: str, compute_dtype: str | None =
         fully_shard(block, mp_policy=policy)
     fully_shard(model, mp_policy=policy)
     return model
+
+
+def attention_for_changing_shapes() -> None:
+    """Leave cuDNN out of `scaled_dot_product_attention` in this process (a training worker's).
+
+    On Hopper, PyTorch 2.11 picks cuDNN's attention for a padded batch, and cuDNN builds an execution
+    plan for every new shape. Training-side shapes change with every micro-batch (trimmed to its
+    longest prompt and response, rows shuffled anew each update), so a run builds plans all the
+    time: on an H200 the policy update at Qwen2.5-0.5B shapes took 4.43 s with cuDNN and 1.82 s
+    without it, against 1.33-1.46 s for a plain loop (bench/gpu_check.py, docs/performance.md
+    "On a GPU"). PyTorch then takes its flash or memory-efficient kernels, which need no plan."""
+    torch.backends.cuda.enable_cudnn_sdp(False)
 
 
 def _unwrap(model: torch.nn.Module) -> torch.nn.Module:

@@ -64,11 +64,12 @@ def pad_response_width(values: torch.Tensor, width: int) -> torch.Tensor:
     return torch.cat([values, values.new_zeros((values.shape[0], missing, *values.shape[2:]))], dim=1)
 
 
-def response_log_probs(model: torch.nn.Module, batch: Batch, temperature: float = 1.0, with_entropy: bool = True
-                       ) -> tuple[torch.Tensor, torch.Tensor]:
+def response_log_probs(model: torch.nn.Module, batch: Batch, temperature: float = 1.0, with_entropy: bool = True,
+                       entropy_grad: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """Log-probs of the response tokens and the entropy at each response position, (B, R) float32
     each, at the sampling temperature; 0 past every row's response (outside `response_mask`), and
-    the entropy all 0 when `with_entropy` is False (SFT's loss).
+    the entropy all 0 when `with_entropy` is False (SFT's loss), without a gradient when
+    `entropy_grad` is False (a loss with no entropy term reports it as a metric).
 
     Memory: the model computes logits at the response positions only (transformers'
     `logits_to_keep`, where the model takes it) and the vocabulary is reduced a chunk of rows at a
@@ -82,7 +83,8 @@ def response_log_probs(model: torch.nn.Module, batch: Batch, temperature: float 
     else:
         logits = model(**inputs, use_cache=False).logits[:, prompt_len - 1: prompt_len - 1 + width]
     log_probs, entropy = token_log_probs_and_entropy(logits, batch["response_ids"][:, :width].contiguous(),
-                                                     temperature=temperature, with_entropy=with_entropy)
+                                                     temperature=temperature, with_entropy=with_entropy,
+                                                     entropy_grad=entropy_grad)
     width_out = batch["response_ids"].shape[1]
     return pad_response_width(log_probs, width_out), pad_response_width(entropy, width_out)
 

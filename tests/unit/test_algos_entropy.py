@@ -68,11 +68,13 @@ def test_log_probs_errors():
         log_probs_from_logits(logits, torch.zeros(2, 3, dtype=torch.int32))
 
 
+@pytest.mark.parametrize("rows_per_chunk", [None, 1, 2])  # one chunk; split chunks recomputed in backward
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("temperature", [1.0, 0.6])
-def test_fused_row_by_row_log_probs_and_entropy_match_the_separate_functions(dtype, temperature):
-    """token_log_probs_and_entropy (one row at a time, recomputed in backward) gives the values and
-    the gradients of log_probs_from_logits and entropy_from_logits on logits / temperature."""
+def test_fused_chunked_log_probs_and_entropy_match_the_separate_functions(dtype, temperature, rows_per_chunk):
+    """token_log_probs_and_entropy (in chunks of rows, recomputed in backward when there are several)
+    gives the values and the gradients of log_probs_from_logits and entropy_from_logits on
+    logits / temperature."""
     from hybridflow.algos import entropy_from_logits, log_probs_from_logits, token_log_probs_and_entropy
 
     g = torch.Generator().manual_seed(0)
@@ -80,7 +82,7 @@ def test_fused_row_by_row_log_probs_and_entropy_match_the_separate_functions(dty
     ids = torch.randint(0, 11, (3, 5), generator=g)
     weights = torch.randn(3, 5, generator=g)
     fused_in = base.clone().requires_grad_(True)
-    lp, ent = token_log_probs_and_entropy(fused_in, ids, temperature=temperature)
+    lp, ent = token_log_probs_and_entropy(fused_in, ids, temperature=temperature, rows_per_chunk=rows_per_chunk)
     ((lp * weights).sum() + (ent * weights).sum()).backward()
     plain_in = base.clone().requires_grad_(True)
     scaled = plain_in.float() / temperature
@@ -93,6 +95,27 @@ def test_fused_row_by_row_log_probs_and_entropy_match_the_separate_functions(dty
     with torch.no_grad():  # without autograd: the same numbers, nothing kept
         again, _ = token_log_probs_and_entropy(base, ids, temperature=temperature, rows_per_chunk=2)
     torch.testing.assert_close(again, lp.detach())
+
+
+@pytest.mark.parametrize("rows_per_chunk", [None, 1])
+def test_an_entropy_reported_as_a_metric_has_no_gradient_and_leaves_the_log_probs_gradient_alone(rows_per_chunk):
+    """entropy_grad=False (a loss with no entropy term): the same entropy values, outside autograd,
+    and the log-probs' gradient unchanged."""
+    from hybridflow.algos import token_log_probs_and_entropy
+
+    g = torch.Generator().manual_seed(1)
+    base = torch.randn(3, 4, 9, generator=g)
+    ids = torch.randint(0, 9, (3, 4), generator=g)
+    grads, entropies = [], []
+    for entropy_grad in (True, False):
+        x = base.clone().requires_grad_(True)
+        lp, ent = token_log_probs_and_entropy(x, ids, rows_per_chunk=rows_per_chunk, entropy_grad=entropy_grad)
+        assert ent.requires_grad is entropy_grad
+        lp.sum().backward()
+        grads.append(x.grad)
+        entropies.append(ent.detach())
+    torch.testing.assert_close(grads[0], grads[1])
+    torch.testing.assert_close(entropies[0], entropies[1])
 
 
 def test_fused_log_probs_refuse_mismatched_token_ids():

@@ -20,3 +20,26 @@ def test_the_sft_step_bench_times_the_actor_and_the_plain_loop(tmp_path):
     assert report["ratio"] == report["actor_sft_step_s"] / report["plain_loop_step_s"]
     assert report["last_loss"] < report["first_loss"]  # both sides train: the actor's loss falls
     assert report["cpu"] and report["rows_per_step"] == 8
+
+
+def test_the_gpu_check_runs_on_the_cpu_without_ray_or_vllm(tmp_path):
+    """bench/gpu_check.py's every part at the tiny shapes over gloo, with Ray and vLLM unimportable
+    (the lent GPU machines have neither): a refactor that breaks the script fails here."""
+    out = tmp_path / "gpu_check.json"
+    code = ("import runpy, sys; sys.modules['ray'] = sys.modules['vllm'] = None; "
+            f"sys.argv = ['gpu_check.py', '--dry-run', '--out', {str(out)!r}]; "
+            "runpy.run_path('bench/gpu_check.py', run_name='__main__')")
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    report = json.loads(out.read_text())
+    parts = ["reference_and_critic", "training", "offload", "sync", "speed_tiny"]
+    assert [p for p in parts if "error" in report[p]] == [], {p: report[p].get("error") for p in parts}
+    assert report["training"]["first_param_changed"] and report["reference_and_critic"]["critic_values_changed"]
+    assert report["offload"]["log_probs_equal_after_reload"]
+    assert [s["tensors_mismatched"] for s in report["sync"]] == [[]] * 4
+    speed = report["speed_tiny"]
+    for side in ("ours", "plain"):
+        assert speed[side]["log_prob_pass_s"] > 0 and speed[side]["update_s"] > 0
+    assert speed["ratio_update_s"] == speed["ours"]["update_s"] / speed["plain"]["update_s"]
+    assert speed["real_tokens"] < speed["padded_tokens"]  # the batch has padding to trim
+    assert speed["ours"]["profile_update"]["ops"]  # the profile names operators

@@ -132,3 +132,17 @@ def test_master_dtype_narrower_than_compute_is_refused():
     with pytest.raises(ValueError, match=r"model.master_dtype='bfloat16' is invalid: float32 \(mixed precision"):
         compose(["model.master_dtype=bfloat16"])
     assert compose(["model.dtype=bfloat16", "model.master_dtype=bfloat16"]).model.master_dtype.value == "bfloat16"
+
+
+def test_training_workers_on_a_gpu_take_attention_kernels_that_need_no_plan_per_shape():
+    """shard_model on CUDA turns cuDNN's scaled_dot_product_attention off for the process (it builds
+    a plan per shape, and training shapes change every micro-batch); the switch itself is checked here."""
+    from hybridflow.training.fsdp import attention_for_changing_shapes
+
+    before = torch.backends.cuda.cudnn_sdp_enabled()
+    try:
+        torch.backends.cuda.enable_cudnn_sdp(True)
+        attention_for_changing_shapes()
+        assert not torch.backends.cuda.cudnn_sdp_enabled()
+    finally:
+        torch.backends.cuda.enable_cudnn_sdp(before)
