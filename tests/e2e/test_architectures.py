@@ -7,11 +7,11 @@ the actor's (< 1e-3) and the bytes each rank received must be at least the layou
 where every tensor's read region is one box). The default run keeps Phi3 at TP 2, whose fused
 qkv_proj/gate_up_proj the sync must split per rank; GPT-2's transposed Conv1D weights at TP 2
 (also read by tests/unit/test_resharding_regions.py) and every other architecture at TP 2 run
-under `-m slow`, as do the TP 1 runs of the three layouts that differ there: Llama (the plain
-decoder the others extend with norms, sliding windows or fused projections, all carried whole at
-TP 1 by the same path), GPT-2 (transposed Conv1D) and Qwen3-MoE (expert weights). At TP 1 every
-rank holds a whole engine, so the other architectures' TP 1 runs would show the same thing as
-Llama's (CI's time: tests/budget.py).
+under `-m slow`, as do the TP 1 runs of the two layouts that differ there: GPT-2 (transposed
+Conv1D) and Qwen3-MoE (expert weights). At TP 1 every rank holds a whole engine, and the plain
+decoder the others extend with norms, sliding windows or fused projections (all carried whole at
+TP 1 by the same path) runs at TP 1 in every default GRPO run: the tiny Qwen2 is Llama's layout
+with q/k/v biases. Their own TP 1 runs would show the same thing (CI's time: tests/budget.py).
 
 The builder turns dropout off in the configs it writes (GPT-2's resid/embd/attn_pdrop default to
 0.1): a train-mode actor forward would otherwise differ from vLLM's by ~0.08 in log-prob and hide
@@ -29,7 +29,7 @@ from hybridflow.builders.architectures import ARCHITECTURES, build_tiny_architec
 from tests.e2e.test_rl_recipes import hybridflow, metrics
 
 DEFAULT = [("phi3", 2)]
-WHOLE_AT_TP1 = ("llama", "gpt2", "qwen3_moe")  # see the module docstring
+WHOLE_AT_TP1 = ("gpt2", "qwen3_moe")  # see the module docstring
 SLOW = [(a, tp) for a in ARCHITECTURES for tp in (1, 2) if (a, tp) not in DEFAULT and (tp == 2 or a in WHOLE_AT_TP1)]
 
 

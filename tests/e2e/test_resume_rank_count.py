@@ -1,9 +1,11 @@
 """Resume on another rank count, end to end: the `hybridflow` command on the tiny model (real Ray,
 real vLLM on the CPU), SFT.
 
-Two uninterrupted 3-step runs save a checkpoint at step 2, one with 2 training ranks and one with
-1 (`placement.pools.global.devices_per_node`). Each checkpoint is then resumed for step 3 on the
-other rank count, in a fresh run directory holding a copy of its checkpoints. The resume must give
+An uninterrupted 3-step run with 2 training ranks saves a checkpoint at step 2
+(`placement.pools.global.devices_per_node`), which is then resumed for step 3 on 1 rank, in a fresh
+run directory holding a copy of its checkpoints, and compared with the uninterrupted 2-rank run (an
+uninterrupted 1-rank run shows the two rank counts train alike). (1 -> 2 is tests/unit/test_resume_rank_count.py's with the real actor, in the default run: the
+command's path is the same in both directions, and two CLI runs cost 46 s here.) The resume must give
 the uninterrupted run's step-3 loss, gradient norm and learning rate, and its final weights, within
 float32 tolerance: model, optimizer, scheduler and data position all came through the change.
 """
@@ -19,7 +21,7 @@ from pathlib import Path
 import pytest
 import torch
 
-# Four CLI runs, about 1.5 minutes: left out of the default run (`pytest -m slow` runs it);
+# Three CLI runs, about a minute: left out of the default run (`pytest -m slow` runs it);
 # tests/unit/test_resume_rank_count.py covers 2 -> 1 and 1 -> 2 with the real actor by default.
 pytestmark = pytest.mark.slow
 
@@ -49,20 +51,20 @@ def final_weights(run_dir: Path, model: str = "final_model") -> dict[str, torch.
 
 @pytest.fixture(scope="module")
 def resumed(tmp_path_factory):
-    """{(saved ranks, resumed ranks): (run directory, stdout)}: each run's step-2 checkpoint resumed on
-    the other rank count, and each uninterrupted run under its own rank count (saved = resumed)."""
+    """{(saved ranks, resumed ranks): (run directory, stdout)}: the 2-rank run's step-2 checkpoint
+    resumed on 1 rank, and the uninterrupted runs on 2 and 1 ranks (saved = resumed)."""
     root = tmp_path_factory.mktemp("rank_count")
     out = {}
     for saved in (1, 2):  # 3 steps, the checkpoint at step 2 the only one
         out[(saved, saved)] = (root / f"saved{saved}", hybridflow([], root, f"saved{saved}", saved).stdout)
-    for saved, ranks in ((1, 2), (2, 1)):
+    for saved, ranks in ((2, 1),):
         name = f"saved{saved}_on{ranks}"
         shutil.copytree(root / f"saved{saved}" / "checkpoints", root / name / "checkpoints")
         out[(saved, ranks)] = (root / name, hybridflow(["trainer.resume=true"], root, name, ranks).stdout)
     return root, out
 
 
-@pytest.mark.parametrize("saved, ranks", [(2, 1), (1, 2)])
+@pytest.mark.parametrize("saved, ranks", [(2, 1)])
 def test_resume_on_another_rank_count_matches_the_uninterrupted_run(resumed, saved, ranks):
     _, out = resumed
     (same_dir, _), (other_dir, stdout) = out[(saved, saved)], out[(saved, ranks)]
