@@ -247,7 +247,8 @@ DRY_SHAPE = dict(rows=8, prompt_width=16, prompt_min=4, response_width=16, respo
 
 def sized_model_dir(root: Path, size: str, device: str) -> Path:
     """A Hugging Face directory of a Qwen2 model at `size`'s shapes with random weights (the tiny
-    model's tokenizer: the batch's token ids are drawn below its vocabulary)."""
+    model's tokenizer files, which only make the directory loadable: the batch is token ids drawn at
+    random below every size's vocabulary, never text)."""
     from transformers import AutoModelForCausalLM, Qwen2Config
 
     from hybridflow.builders.tiny_model import build_tiny_model
@@ -446,7 +447,7 @@ def plain(model_dir: Path, batch, shape: dict, device: str, dtype: str, repeats:
 
 def check_speed(root: Path, size: str, device: str, dtype: str, shape: dict, repeats: int) -> dict:
     model_dir = sized_model_dir(root, size, device)
-    batch = grpo_batch(shape, vocab=min(SIZES[size]["vocab_size"], 500))
+    batch = grpo_batch(shape, vocab=min(SIZES[size]["vocab_size"], 500))  # ids valid for every size
     real = int(batch["prompt_mask"].sum() + batch["response_mask"].sum())
     result = {"size": size, "rows": shape["rows"], "real_tokens": real,
               "padded_tokens": shape["rows"] * (shape["prompt_width"] + shape["response_width"])}
