@@ -7,8 +7,13 @@ about 1.9x slower. So the budgets below are seconds on a CPU with them, multipli
 `NO_BF16_FACTOR` on one without, and by `DRIFT_MARGIN` for the ±30% these machines drift.
 
 - Each test (setup + call + teardown, pytest's own durations) has `DEFAULT_TEST_BUDGET_S` for its
-  tier, or what its `@pytest.mark.budget(seconds)` says.
-- A whole tier's run (`pytest` or `pytest -m slow` with no paths and no -k) has `TIER_BUDGET_S`.
+  tier, or what its `@pytest.mark.budget(seconds)` says: seconds alone on the machine, multiplied
+  by `SHARED_CORES_FACTOR` when pytest-xdist runs two workers (pyproject.toml's addopts), where a
+  test shares the two cores with the other worker's (measured: the whole-stack tests took 1.3-1.7x
+  their time alone).
+- A whole tier's run (`pytest` or `pytest -m slow` with no paths and no -k) has `TIER_BUDGET_S`,
+  counted in wall-clock seconds from the session's start (what CI pays: under pytest-xdist the
+  tests' own durations add up to more than that).
 
 A feature that adds minutes then says so in its own change: raise a budget there, with the reason,
 or make the test cheaper. `HYBRIDFLOW_TEST_BUDGET=off` turns the check off (profiling, a debugger).
@@ -17,19 +22,22 @@ or make the test cheaper. `HYBRIDFLOW_TEST_BUDGET=off` turns the check off (prof
 from __future__ import annotations
 
 import os
+import time
 
 import pytest
 
 DEFAULT_TEST_BUDGET_S = {"default": 60.0, "slow": 180.0}
-# Measured on a 2-core AMD EPYC with avx512_bf16 (README "Two commands"): the default tier 18:42,
-# the slow tier 26:13. The issue on CI's time asks for about 10 and 18 here; these hold today's sizes.
-TIER_BUDGET_S = {"default": 1200.0, "slow": 1800.0}
+# Measured on a 2-core AMD EPYC with avx512_bf16 (README "Two commands"), wall clock with two
+# pytest-xdist workers: the default tier 14:35 (19:28 in one process), the slow tier 22:19 (26:13).
+TIER_BUDGET_S = {"default": 1000.0, "slow": 1500.0}
 NO_BF16_FACTOR = 2.0
 DRIFT_MARGIN = 1.3
+SHARED_CORES_FACTOR = 1.7
 
 _durations: dict[str, float] = {}
 _budgets: dict[str, float] = {}
 _violations: list[str] = []
+_session_start_s: list[float] = []
 
 
 def machine_factor() -> float:
@@ -51,11 +59,25 @@ def pytest_configure(config: pytest.Config) -> None:
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     for item in items:
         marker = item.get_closest_marker("budget")
-        _budgets[item.nodeid] = float(marker.args[0]) if marker else DEFAULT_TEST_BUDGET_S[_tier(item)]
+        # Carried on the test's reports: under pytest-xdist only the workers collect, and the
+        # controlling process, which checks, sees the reports.
+        item.user_properties.append(("budget_s", float(marker.args[0]) if marker else DEFAULT_TEST_BUDGET_S[_tier(item)]))
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    _session_start_s.append(time.monotonic())
+
+
+def _is_xdist_worker(config: pytest.Config) -> bool:
+    """A pytest-xdist worker: its reports reach the controlling process, which checks them all."""
+    return hasattr(config, "workerinput")
 
 
 def pytest_runtest_logreport(report: pytest.TestReport) -> None:
     _durations[report.nodeid] = _durations.get(report.nodeid, 0.0) + report.duration
+    for name, value in report.user_properties:
+        if name == "budget_s":
+            _budgets[report.nodeid] = value
 
 
 def _whole_tier(config: pytest.Config) -> str | None:
@@ -67,14 +89,17 @@ def _whole_tier(config: pytest.Config) -> str | None:
 
 
 def violations(durations: dict[str, float], budgets: dict[str, float], factor: float,
-               tier: str | None) -> list[str]:
-    """Every test over its budget, and the tier over its own, as lines that say by how much."""
+               tier: str | None, wall_s: float | None = None, shared_cores: bool = False) -> list[str]:
+    """Every test over its budget, and the tier over its own (`wall_s`, else the tests' durations
+    added up), as lines that say by how much. `shared_cores`: tests ran beside another worker's."""
     scale = factor * DRIFT_MARGIN
-    found = [f"{nodeid}: {seconds:.0f} s, budget {budgets[nodeid] * scale:.0f} s "
-             f"({budgets[nodeid]:.0f} s x {factor:g} for this CPU x {DRIFT_MARGIN} drift)"
+    test_scale = scale * (SHARED_CORES_FACTOR if shared_cores else 1.0)
+    shared = f" x {SHARED_CORES_FACTOR} beside another worker" if shared_cores else ""
+    found = [f"{nodeid}: {seconds:.0f} s, budget {budgets[nodeid] * test_scale:.0f} s "
+             f"({budgets[nodeid]:.0f} s x {factor:g} for this CPU x {DRIFT_MARGIN} drift{shared})"
              for nodeid, seconds in sorted(durations.items(), key=lambda kv: -kv[1])
-             if nodeid in budgets and seconds > budgets[nodeid] * scale]
-    total = sum(durations.values())
+             if nodeid in budgets and seconds > budgets[nodeid] * test_scale]
+    total = wall_s if wall_s is not None else sum(durations.values())
     if tier and total > TIER_BUDGET_S[tier] * scale:
         found.append(f"the {tier} tier: {total / 60:.1f} min, budget {TIER_BUDGET_S[tier] * scale / 60:.1f} min "
                      f"({TIER_BUDGET_S[tier] / 60:.0f} min x {factor:g} for this CPU x {DRIFT_MARGIN} drift)")
@@ -83,9 +108,12 @@ def violations(durations: dict[str, float], budgets: dict[str, float], factor: f
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_sessionfinish(session: pytest.Session) -> None:
-    if os.environ.get("HYBRIDFLOW_TEST_BUDGET") == "off" or not _durations:
+    if os.environ.get("HYBRIDFLOW_TEST_BUDGET") == "off" or not _durations or _is_xdist_worker(session.config):
         return
-    _violations.extend(violations(_durations, _budgets, machine_factor(), _whole_tier(session.config)))
+    wall_s = time.monotonic() - _session_start_s[0] if _session_start_s else None
+    shared_cores = (getattr(session.config.option, "numprocesses", None) or 0) > 1
+    _violations.extend(violations(_durations, _budgets, machine_factor(), _whole_tier(session.config), wall_s,
+                                  shared_cores))
     if _violations and session.exitstatus == pytest.ExitCode.OK:
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
 

@@ -74,6 +74,7 @@ def ray_head(tmp_path):
                             start_new_session=True)
     try:
         _wait_for_port(dash, head, timeout_s=180)
+        _wait_for_http(f"http://127.0.0.1:{dash}/api/version", env["RAY_AUTH_TOKEN"], head, timeout_s=120)
         yield f"http://127.0.0.1:{dash}", env
     finally:
         _stop_group(head)
@@ -104,6 +105,27 @@ def _stop_group(process: subprocess.Popen) -> None:
             process.wait(timeout=wait_s)
         except subprocess.TimeoutExpired:
             pass
+
+
+def _wait_for_http(url: str, token: str, process: subprocess.Popen, timeout_s: float) -> None:
+    """Until `url` answers 200: the dashboard listens before its HTTP server serves, and a job
+    submitted in between had its connection closed without a response (seen once in CI)."""
+    import urllib.error
+    import urllib.request
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"ray start --head exited with status {process.returncode} before {url} answered")
+        try:
+            request = urllib.request.Request(url, headers={"Authorization": f"Bearer {token}"})
+            with urllib.request.urlopen(request, timeout=5) as response:
+                if response.status == 200:
+                    return
+        except (urllib.error.URLError, ConnectionError, TimeoutError):
+            pass
+        time.sleep(1)
+    raise TimeoutError(f"the Ray head's dashboard did not answer {url} within {timeout_s} s")
 
 
 def _submit(address: str, env: dict, entry: list[str]) -> subprocess.CompletedProcess:

@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from tests.budget import DRIFT_MARGIN, TIER_BUDGET_S, violations
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -26,19 +28,23 @@ def test_within_budget():
 '''
 
 
-def run_planted(tmp_path: Path, **env: str) -> subprocess.CompletedProcess:
+def run_planted(tmp_path: Path, *flags: str, **env: str) -> subprocess.CompletedProcess:
     (tmp_path / "test_planted.py").write_text(PLANTED)
     return subprocess.run([sys.executable, "-m", "pytest", "-p", "tests.budget", "-p", "no:cacheprovider",
-                           "-o", "addopts=", str(tmp_path)], cwd=ROOT, capture_output=True, text=True,
+                           "-o", "addopts=", *flags, str(tmp_path)], cwd=ROOT, capture_output=True, text=True,
                           timeout=120, env={**os.environ, "PYTHONPATH": str(ROOT), **env})
 
 
-def test_a_planted_slow_test_fails_the_run_and_is_named(tmp_path):
-    done = run_planted(tmp_path)
+@pytest.mark.parametrize("flags", [(), ("-n", "2")], ids=["one-process", "xdist"])
+def test_a_planted_slow_test_fails_the_run_and_is_named(tmp_path, flags):
+    # Under pytest-xdist (the suite's own addopts) only the workers collect the budgets; the
+    # controlling process must still see them on the reports, and report once.
+    done = run_planted(tmp_path, *flags)
     assert done.returncode == 1, done.stdout[-2000:]
     assert "2 passed" in done.stdout  # the tests themselves passed: the budget failed the run
     assert "over the time budget" in done.stdout and "test_planted.py::test_planted_slow" in done.stdout
     assert "test_within_budget" not in done.stdout.split("over the time budget")[1]
+    assert done.stdout.count("test_planted.py::test_planted_slow:") == 1
 
 
 def test_the_check_can_be_turned_off(tmp_path):
@@ -51,9 +57,15 @@ def test_budgets_scale_with_the_machine_and_the_tier_total_counts():
     assert violations({"a": 12.0, "b": 1.0}, budgets, 1.0, None) == []  # within 10 s x 1.3 drift
     assert violations({"a": 14.0}, budgets, 1.0, None)[0].startswith("a: 14 s, budget 13 s")
     assert violations({"a": 14.0}, budgets, 2.0, None) == []  # a CPU without bfloat16: twice the time
+    assert violations({"a": 20.0}, budgets, 1.0, None, shared_cores=True) == []  # beside another worker's test
+    assert "beside another worker" in violations({"a": 23.0}, budgets, 1.0, None, shared_cores=True)[0]
     over = TIER_BUDGET_S["default"] * DRIFT_MARGIN + 1
     assert violations({"a": over}, {"a": over}, 1.0, "default")[-1].startswith("the default tier")
     assert violations({"a": over}, {"a": over}, 1.0, None) == []  # a partial run has no tier total
+    # With the session's wall clock given (what CI pays), that is the tier's total, not the sum of
+    # durations that parallel workers overlap.
+    assert violations({"a": over, "b": over}, {"a": over, "b": over}, 1.0, "default", wall_s=over - 2) == []
+    assert violations({"a": 1.0}, {"a": 10.0}, 1.0, "default", wall_s=over)[-1].startswith("the default tier")
 
 
 def test_only_a_whole_tier_is_held_to_the_tier_total():
