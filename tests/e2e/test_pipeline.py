@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import json
+import runpy
+from pathlib import Path
 
 import pytest
 
 from hybridflow.config import compose
 from hybridflow.config.schema import StageConfig
 from hybridflow.merge.hooks import HookConfig
+
+ROOT = Path(__file__).resolve().parents[2]
 
 COMMON = ["trainer.prompts_per_step=4", "rollout.max_response_tokens=4", "trainer.val_prompts=8",
           "data.synthetic.train_rows=200", "data.synthetic.val_rows=16", "actor.samples_per_micro_batch=8",
@@ -45,6 +49,13 @@ def test_sft_merge_grpo_pipeline_runs_reports_and_skips_finished_stages(tmp_path
         assert "the last checkpoint of stage sft" in report and (run_dir / "report.png").stat().st_size > 0
         assert f"| grpo | grpo | {grpo['init_accuracy']:.3f} | {grpo['final_accuracy']:.3f} |" in report
         assert result["final_model"].endswith("01-grpo/final_model")
+        # bench/pipeline_seeds.py's row for this run: the accuracies the stages wrote, GRPO's gain over its start
+        bench = runpy.run_path(str(ROOT / "bench" / "pipeline_seeds.py"))
+        row = bench["summarize"](run_dir)
+        assert [(s["stage"], s["final_accuracy"]) for s in row["stages"]] == [("sft", sft["final_accuracy"]),
+                                                                             ("grpo", grpo["final_accuracy"])]
+        assert row["last_stage_gain"] == round(grpo["final_accuracy"] - grpo["init_accuracy"], 4)
+        assert row["stages"][1]["minutes"] >= 0 and "| 0 |" in bench["table"]({0: row})
 
         with pytest.raises(InputError, match="already holds a run"):
             run(config)  # the same run name again without trainer.resume: refused, nothing appended
