@@ -739,6 +739,7 @@ class HybridFlowConfig:
         if recipe_spec(self.recipe.name).pipeline:
             return  # its stages compose their own configs, each checked by these rules (recipes/pipeline.py)
         self.placement.check_rollout(self.rollout, self.model)
+        self._check_tiny_model_context()
         if self.weight_sync.probe_tolerance is None:
             from hybridflow.resharding.verify import probe_tolerance
 
@@ -776,6 +777,21 @@ class HybridFlowConfig:
         _require(not spec.needs_critic or self.algorithm.use_critic, "algorithm.use_critic",
                  self.algorithm.use_critic, f"recipe={self.recipe.name} trains a critic: set algorithm.use_critic=true")
         self._check_async()
+
+    def _check_tiny_model_context(self) -> None:
+        """The tiny model built from model.tiny (model.path unset) holds max_position_embeddings
+        tokens; the engine is asked for a prompt's and a response's worth. Checked here, before Ray
+        starts: the engine would refuse it only after every worker has started."""
+        spec = recipe_spec(self.recipe.name)
+        if self.model.path is not None or not (spec.reads_key("data.max_prompt_tokens")
+                                               and spec.reads_key("rollout.max_response_tokens")):
+            return
+        need, have = self.data.max_prompt_tokens + self.rollout.max_response_tokens, self.model.tiny.max_position_embeddings
+        _require(need <= have, "data.max_prompt_tokens", self.data.max_prompt_tokens,
+                 f"with rollout.max_response_tokens={self.rollout.max_response_tokens} that is {need} tokens, more than "
+                 f"the tiny model holds (model.tiny.max_position_embeddings={have}; conf/data/files.yaml's default "
+                 f"is 512): lower data.max_prompt_tokens to at most {have - self.rollout.max_response_tokens}, "
+                 "or raise model.tiny.max_position_embeddings")
 
     def _check_async(self) -> None:
         """What the schedule trainer.max_staleness chooses needs (hybridflow/rollout_schedules.py,

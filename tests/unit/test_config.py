@@ -61,6 +61,10 @@ def test_unknown_keys_and_bad_types_fail_in_composition(override, expected):
     (["recipe=grpo", "trainer.critic_warmup_steps=5"],
      r"trainer.critic_warmup_steps=5 is invalid: only a run with a critic \(algorithm.use_critic=true\)"),
     (["trainer.critic_warmup_steps=-1"], r"trainer.critic_warmup_steps=-1 is invalid: must be >= 0"),
+    # data=files' prompt length on the tiny model: refused here, not by the engine after every worker started
+    (["recipe=sft", "data=files", "data.train_path=/x.jsonl", "data.val_path=/y.jsonl"],
+     r"data.max_prompt_tokens=512 is invalid: with rollout.max_response_tokens=8 that is 520 tokens, more than the "
+     r"tiny model holds \(model.tiny.max_position_embeddings=256.*lower data.max_prompt_tokens to at most 248"),
 ])
 def test_cross_field_rules_name_key_value_and_fix(override, message):
     with pytest.raises(ConfigError, match=message):
