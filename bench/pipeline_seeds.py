@@ -48,7 +48,7 @@ def summarize(run_dir: Path, started_s: float | None = None) -> dict:
         stages.append({"stage": result["stage"], "recipe": result["recipe"],
                        "init_accuracy": result.get("init_accuracy"), "final_accuracy": result.get("final_accuracy"),
                        "minutes": round((done_s - previous_s) / 60, 2) if ran_now else None})
-        previous_s = done_s
+        previous_s = done_s if previous_s is None else max(previous_s, done_s)  # a skipped stage's old mark
     if not stages:
         raise SystemExit(f"{run_dir}: no finished stage (no */STAGE_COMPLETE); is it a pipeline's run directory?")
     last = stages[-1]
@@ -66,7 +66,8 @@ def table(rows: dict[int, dict]) -> str:
         for s in row["stages"]:
             start = "" if s["init_accuracy"] is None else f"{s['init_accuracy']:.3f} -> "
             minutes = "" if s["minutes"] is None else f" ({s['minutes']:.1f})"
-            cells.append(f"{start}{s['final_accuracy']:.3f}{minutes}")
+            end = "-" if s["final_accuracy"] is None else f"{s['final_accuracy']:.3f}"
+            cells.append(f"{start}{end}{minutes}")
         gain = row["last_stage_gain"]
         cells.append("" if gain is None else f"{gain * 100:+.1f} points")
         cells.append("" if row.get("minutes") is None else f"{row['minutes']:.1f}")
