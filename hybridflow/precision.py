@@ -29,26 +29,26 @@ BF16_CPU_FLAGS = ("avx512_bf16", "amx_bf16")
 
 
 @functools.lru_cache(maxsize=1)
-def cpu_flags() -> frozenset[str]:
-    """This machine's CPU instruction-set flags (/proc/cpuinfo); empty where it cannot be read."""
+def _cpuinfo_field(name: str) -> str:
+    """The first value of `name` in /proc/cpuinfo ("" where it cannot be read)."""
     try:
         text = Path("/proc/cpuinfo").read_text()
     except OSError:
-        return frozenset()
-    line = next((ln for ln in text.splitlines() if ln.startswith("flags")), "")
-    return frozenset(line.split(":", 1)[1].split()) if ":" in line else frozenset()
+        return ""
+    line = next((ln for ln in text.splitlines() if ln.startswith(name)), "")
+    return line.split(":", 1)[1].strip() if ":" in line else ""
+
+
+def cpu_flags() -> frozenset[str]:
+    """This machine's CPU instruction-set flags (/proc/cpuinfo); empty where it cannot be read."""
+    return frozenset(_cpuinfo_field("flags").split())
 
 
 def cpu_description() -> str:
     """This CPU's model name and the instruction sets that decide its matmul speed, for benchmark
     tables: "AMD EPYC (avx2, avx512f, avx512_bf16)"."""
-    try:
-        lines = Path("/proc/cpuinfo").read_text().splitlines()
-    except OSError:
-        lines = []
-    model = next((ln.split(":", 1)[1].strip() for ln in lines if ln.startswith("model name")), "unknown CPU")
     have = [f for f in ("avx2", "avx512f", *BF16_CPU_FLAGS) if f in cpu_flags()]
-    return f"{model} ({', '.join(have) or 'no AVX2'})"
+    return f"{_cpuinfo_field('model name') or 'unknown CPU'} ({', '.join(have) or 'no AVX2'})"
 
 
 def device_of(placement_device: str) -> str:

@@ -789,8 +789,7 @@ class HybridFlowConfig:
         need, have = self.data.max_prompt_tokens + self.rollout.max_response_tokens, self.model.tiny.max_position_embeddings
         _require(need <= have, "data.max_prompt_tokens", self.data.max_prompt_tokens,
                  f"with rollout.max_response_tokens={self.rollout.max_response_tokens} that is {need} tokens, more than "
-                 f"the tiny model holds (model.tiny.max_position_embeddings={have}; conf/data/files.yaml's default "
-                 f"is 512): lower data.max_prompt_tokens to at most {have - self.rollout.max_response_tokens}, "
+                 f"the tiny model holds (model.tiny.max_position_embeddings={have}): lower data.max_prompt_tokens to at most {have - self.rollout.max_response_tokens}, "
                  "or raise model.tiny.max_position_embeddings")
 
     def _check_async(self) -> None:
