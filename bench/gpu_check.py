@@ -327,19 +327,22 @@ def profile_table(fn, device: str, rows: int = 10) -> list[dict]:
          "cpu_total_ms": round(e.cpu_time_total / 1e3, 2)} for e in events]}
 
 
-def ours(model_dir: Path, batch, shape: dict, device: str, dtype: str, repeats: int) -> dict:
-    """The actor as a run builds it: the log-prob pass, the policy update, offload and reload."""
+def ours(model_dir: Path, batch, shape: dict, device: str, dtype: str, repeats: int, packed: bool,
+         profile: bool = True, diagnose: bool = False) -> dict:
+    """The actor as a run builds it: the log-prob pass, the policy update, offload and reload;
+    `packed`: `model.pack_sequences` true (else false: the padded path, trimmed)."""
     from hybridflow.config.schema import ActorConfig, Dtype, HybridFlowConfig, ModelConfig, OptimConfig
     from hybridflow.controller import WorkerContext
     from recipes.roles import actor_role
 
-    config = HybridFlowConfig(model=ModelConfig(dtype=Dtype(dtype), master_dtype=Dtype.float32),
+    config = HybridFlowConfig(model=ModelConfig(dtype=Dtype(dtype), master_dtype=Dtype.float32, pack_sequences=packed),
                               actor=ActorConfig(optim=OptimConfig(lr=1e-6), samples_per_micro_batch=shape["micro"],
                                                 gradient_checkpointing=False, policy_loss="ppo_clip"))
     actor = actor_role(config, model_dir).build(WorkerContext(device=device, backend="nccl" if device == "cuda"
                                                               else "gloo"))
     out: dict = {}
-    out["start_s"], _ = timed_cuda(actor.start, device)
+    out["start_s"], started = timed_cuda(actor.start, device)
+    out["packed_sequences"] = started["packed_sequences"]
     reset_peak(device)
     lp_times, update_times = [], []
     for _ in range(repeats):
@@ -366,8 +369,19 @@ def ours(model_dir: Path, batch, shape: dict, device: str, dtype: str, repeats: 
                    offload_gb_per_s=moved / t_off / 1e9, reload_gb_per_s=moved / t_on / 1e9)
         again = actor.compute_log_probs(batch)["old_log_probs"]
         out["log_probs_equal_after_reload"] = bool(torch.equal(again, before))
-    out["profile_log_prob_pass"] = profile_table(lambda: actor.compute_log_probs(batch), device)
-    out["profile_update"] = profile_table(lambda: actor.update_policy(trained), device)
+    if profile:
+        out["profile_log_prob_pass"] = profile_table(lambda: actor.compute_log_probs(batch), device)
+        out["profile_update"] = profile_table(lambda: actor.update_policy(trained), device)
+    if diagnose:
+        out.update(one_chunk(actor, batch, trained, device))
+    actor = None  # freed before the next part builds its model
+    free_device_memory(device)
+    return out, lp["old_log_probs"]
+
+
+def one_chunk(actor, batch, trained, device: str) -> dict:
+    """A diagnosis (`--diagnose`): the log-prob pass and update with the vocabulary in one chunk."""
+    out = {}
     import hybridflow.algos.entropy as entropy_module  # a diagnosis: the vocabulary in one chunk per micro-batch
 
     chunk = entropy_module.FLOAT32_CHUNK_BYTES
@@ -379,9 +393,7 @@ def ours(model_dir: Path, batch, shape: dict, device: str, dtype: str, repeats: 
         out["update_one_chunk_peak_gib"] = peak_gib(device)
     finally:
         entropy_module.FLOAT32_CHUNK_BYTES = chunk
-    actor = None  # freed before the next part builds its model
-    free_device_memory(device)
-    return out, lp["old_log_probs"]
+    return out
 
 
 def plain(model_dir: Path, batch, shape: dict, device: str, dtype: str, repeats: int, old_log_probs) -> dict:
@@ -445,18 +457,57 @@ def plain(model_dir: Path, batch, shape: dict, device: str, dtype: str, repeats:
     return out
 
 
-def check_speed(root: Path, size: str, device: str, dtype: str, shape: dict, repeats: int) -> dict:
+def check_speed(root: Path, size: str, device: str, dtype: str, shape: dict, repeats: int,
+                diagnose: bool = False) -> dict:
     model_dir = sized_model_dir(root, size, device)
     batch = grpo_batch(shape, vocab=min(SIZES[size]["vocab_size"], 500))  # ids valid for every size
     real = int(batch["prompt_mask"].sum() + batch["response_mask"].sum())
     result = {"size": size, "rows": shape["rows"], "real_tokens": real,
               "padded_tokens": shape["rows"] * (shape["prompt_width"] + shape["response_width"])}
-    result["ours"], old = ours(model_dir, batch, shape, device, dtype, repeats)
+    result["ours"], old = ours(model_dir, batch, shape, device, dtype, repeats, packed=False, profile=False,
+                               diagnose=diagnose)
+    result["ours_packed"], old_packed = ours(model_dir, batch, shape, device, dtype, repeats, packed=True)
+    mask = batch["response_mask"]
+    result["packed_vs_padded_max_log_prob_gap"] = float((old_packed - old)[mask].abs().max())
+    result["packed_vs_padded_mean_log_prob_gap"] = float((old_packed - old)[mask].abs().mean())
     result["plain"] = plain(model_dir, batch, shape, device, dtype, repeats, old)
-    for key in ("log_prob_pass_s", "update_s", "peak_gib"):
-        if result["plain"][key]:
-            result[f"ratio_{key}"] = result["ours"][key] / result["plain"][key]
+    for side, suffix in (("ours", ""), ("ours_packed", "_packed")):
+        for key in ("log_prob_pass_s", "update_s", "peak_gib"):
+            if result["plain"][key]:
+                result[f"ratio{suffix}_{key}"] = result[side][key] / result["plain"][key]
     return result
+
+
+def check_packed_attention(device: str, dtype: str) -> dict:
+    """`hybridflow.training.packing.packed_attention` against a dense block-diagonal causal mask on
+    random tensors (3 sequences, GQA), forward and backward; which kernel served it (PyTorch's
+    variable-length flash attention on CUDA in 16 bits, else the per-sequence loop)."""
+    from hybridflow.training import packing
+
+    g = torch.Generator(device="cpu").manual_seed(0)
+    lengths = [37, 200, 91]
+    total, heads, kv_heads, head_dim = sum(lengths), 8, 2, 64
+    torch_dtype = getattr(torch, dtype)
+    q, k, v = (torch.randn(1, h, total, head_dim, generator=g).to(device, torch_dtype).requires_grad_()
+               for h in (heads, kv_heads, kv_heads))
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device=device)
+    module = torch.nn.Module()
+    served = "varlen" if packing._varlen_serves(q, 0.0, None) else "loop"
+    out, _ = packing.packed_attention(module, q, k, v, None, scaling=head_dim ** -0.5, cu_seq_lens_q=cu,
+                                      max_length_q=max(lengths))
+    grads = torch.autograd.grad(out.float().square().sum(), (q, k, v))
+    segment = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths)).to(device)
+    position = torch.arange(total, device=device)
+    allowed = (segment[:, None] == segment[None]) & (position[:, None] >= position[None])
+    kr, vr = k.repeat_interleave(heads // kv_heads, 1), v.repeat_interleave(heads // kv_heads, 1)
+    reference = torch.nn.functional.scaled_dot_product_attention(q.float(), kr.float(), vr.float(), attn_mask=allowed)
+    reference = reference.transpose(1, 2)
+    ref_grads = torch.autograd.grad(reference.square().sum(), (q, k, v))
+    return {"kernel": served, "torch": torch.__version__, "varlen_available": packing._VARLEN is not None,
+            "max_output_gap": float((out.float() - reference).abs().max()),
+            "max_grad_gap": max(float((a.float() - b.float()).abs().max()) for a, b in zip(grads, ref_grads)),
+            "output_scale": float(reference.abs().max()),
+            "grad_scale": max(float(b.float().abs().max()) for b in ref_grads)}
 
 
 class Report:
@@ -495,6 +546,8 @@ def main() -> None:
     parser.add_argument("--skip-engine", action="store_true", help="only the speed part")
     parser.add_argument("--no-cudnn-attention", action="store_true",
                         help="a diagnosis: scaled_dot_product_attention without its cuDNN backend")
+    parser.add_argument("--diagnose", action="store_true",
+                        help="also our padded pass and update with the vocabulary in one chunk")
     parser.add_argument("--out", default="")
     args = parser.parse_args()
     shape = GRPO_SHAPE
@@ -515,11 +568,17 @@ def main() -> None:
                     backend=backend, torch=torch.__version__, model=args.model, compute_dtype=args.dtype,
                     master_dtype="float32")
     with tempfile.TemporaryDirectory() as tmp:
+        report.add("packed_attention", lambda: check_packed_attention(args.device, args.dtype))
+        if "error" in report.data["packed_attention"]:  # measure packing with the per-sequence loop instead
+            from hybridflow.training import packing
+
+            packing._VARLEN = None
+            report.data["varlen_kernel_disabled_after_its_error"] = True
         if not args.skip_engine:
             engine_checks(report, Path(tmp), args)
         for size in filter(None, args.sizes.split(",")):
             report.add(f"speed_{size}", lambda: check_speed(Path(tmp), size, args.device, args.dtype, shape,
-                                                            args.repeats))
+                                                            args.repeats, args.diagnose))
     dist.destroy_process_group()
 
 

@@ -32,7 +32,8 @@ def actor_role(config: HybridFlowConfig, model_dir: str | Path) -> RoleSpec:
         actor=config.actor, model_path=str(model_dir), dtype=config.model.dtype.value,
         master_dtype=config.model.master_dtype.value, keep_dropout=config.model.keep_dropout,
         temperature=config.rollout.temperature, total_steps=config.trainer.total_steps,
-        trust_remote_code=config.model.trust_remote_code, seed=config.seed))
+        trust_remote_code=config.model.trust_remote_code, seed=config.seed,
+        pack_sequences=config.model.pack_sequences))
 
 
 def critic_role(config: HybridFlowConfig, model_dir: str | Path) -> RoleSpec:
@@ -40,7 +41,8 @@ def critic_role(config: HybridFlowConfig, model_dir: str | Path) -> RoleSpec:
     return RoleSpec(CriticWorker, dict(
         critic=config.critic, model_path=str(model_dir), dtype=config.model.dtype.value,
         master_dtype=config.model.master_dtype.value, keep_dropout=config.model.keep_dropout,
-        total_steps=config.trainer.total_steps, trust_remote_code=config.model.trust_remote_code, seed=config.seed))
+        total_steps=config.trainer.total_steps, trust_remote_code=config.model.trust_remote_code, seed=config.seed,
+        pack_sequences=config.model.pack_sequences))
 
 
 def reference_role(config: HybridFlowConfig, model_dir: str | Path) -> RoleSpec:
@@ -48,7 +50,7 @@ def reference_role(config: HybridFlowConfig, model_dir: str | Path) -> RoleSpec:
     return RoleSpec(ReferenceWorker, dict(
         model_path=str(model_dir), dtype=config.model.dtype.value, keep_dropout=config.model.keep_dropout,
         samples_per_micro_batch=config.actor.samples_per_micro_batch, temperature=config.rollout.temperature,
-        trust_remote_code=config.model.trust_remote_code))
+        trust_remote_code=config.model.trust_remote_code, pack_sequences=config.model.pack_sequences))
 
 
 def reward_role(config: HybridFlowConfig) -> RoleSpec:

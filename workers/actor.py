@@ -29,6 +29,7 @@ from hybridflow.batch import Batch
 from hybridflow.config.schema import ActorConfig
 from hybridflow.controller import Dispatch, WorkerContext, register
 from hybridflow.training.fsdp import (
+    accumulating,
     all_reduce_max,
     all_reduce_mean_dict,
     all_reduce_sum,
@@ -37,6 +38,7 @@ from hybridflow.training.fsdp import (
     load_model,
     shard_model,
 )
+from hybridflow.training.packing import choose_packing
 from hybridflow.training.state import TrainingStateMixin
 from hybridflow.training.sequences import (
     log_probs_and_entropy,
@@ -49,16 +51,18 @@ from hybridflow.training.sequences import (
 
 class ActorWorker(TrainingStateMixin):
     def __init__(self, ctx: WorkerContext, actor: ActorConfig, *, model_path: str, dtype: str, master_dtype: str,
-                 keep_dropout: bool, temperature: float, total_steps: int, trust_remote_code: bool, seed: int) -> None:
+                 keep_dropout: bool, temperature: float, total_steps: int, trust_remote_code: bool, seed: int,
+                 pack_sequences: bool | None = None) -> None:
         """`actor`: the `actor` config node; the rest come from elsewhere in the config (built by
         recipes/roles.py): `model.dtype` (compute), `model.master_dtype` (parameters and optimizer
         state), `model.keep_dropout`, `rollout.temperature` (log-probs at the sampler's temperature),
         `trainer.total_steps` (the lr schedule's span unless actor.optim.schedule_steps),
-        `model.trust_remote_code`, `seed`."""
+        `model.trust_remote_code`, `seed`, `model.pack_sequences` (None: packed where the model allows)."""
         self.ctx, self.cfg = ctx, actor
         self.model_path, self.dtype, self.temperature = model_path, dtype, temperature
         self.master_dtype, self.keep_dropout = master_dtype, keep_dropout
         self.total_steps, self.trust_remote_code, self.seed = total_steps, trust_remote_code, seed
+        self.pack_sequences = pack_sequences
         self.model = self.optimizer = self.scheduler = None
         self.sender = None  # built by setup_weight_sender
         self.updates = 0
@@ -71,10 +75,11 @@ class ActorWorker(TrainingStateMixin):
         model = load_model(self.model_path, self.master_dtype, lora=self.cfg.lora,
                            gradient_checkpointing=self.cfg.gradient_checkpointing,
                            trust_remote_code=self.trust_remote_code, keep_dropout=self.keep_dropout)
+        packed = choose_packing(model, self.pack_sequences)
         self.model = shard_model(model, self.ctx.device, compute_dtype=self.dtype)
         self.optimizer, self.scheduler = build_optimizer(self.model, self.cfg.optim, self.total_steps)
         trainable = sum(p.numel() for p in self.model.parameters() if p.requires_grad)
-        return {"trainable_parameters_on_rank": trainable}
+        return {"trainable_parameters_on_rank": trainable, "packed_sequences": packed}
 
     # ---- inference ------------------------------------------------------------------------
 
@@ -188,7 +193,7 @@ class ActorWorker(TrainingStateMixin):
         loss_total, weighted = 0.0, {}
         trained = self._rows_with_gradient(mini)
         trained_tokens = max(1.0, float(loss_mask(trained).sum()))
-        for micro in micro_batches(trained, self.cfg.samples_per_micro_batch):
+        for micro in accumulating(self.model, micro_batches(trained, self.cfg.samples_per_micro_batch)):
             loss, stats = loss_fn(micro, tokens, seqs)
             (loss * world).backward()
             loss_total += float(loss.detach())

@@ -17,6 +17,7 @@ from hybridflow.batch import Batch
 from hybridflow.config.schema import CriticConfig
 from hybridflow.controller import Dispatch, WorkerContext, register
 from hybridflow.training.fsdp import (
+    accumulating,
     all_reduce_mean_dict,
     all_reduce_sum,
     build_optimizer,
@@ -24,12 +25,17 @@ from hybridflow.training.fsdp import (
     load_model,
     shard_model,
 )
+from hybridflow.training.packing import choose_packing, pack, runs_packed
 from hybridflow.training.state import TrainingStateMixin
 from hybridflow.training.sequences import loss_mask, micro_batches, mini_batches, pad_response_width, trimmed_inputs
 
 
 def _values(model: torch.nn.Module, batch: Batch) -> torch.Tensor:
     """Values (B, R) at the positions that predict each response token (0 past every response)."""
+    packed = pack(batch["prompt_ids"], batch["prompt_mask"], batch["response_ids"], batch["response_mask"]) \
+        if runs_packed(model) else None
+    if packed is not None:  # real tokens only (hybridflow.training.packing)
+        return packed.scatter(model(**packed.model_kwargs()).logits[0, packed.predicting, 0].float())
     inputs, prompt_len, width = trimmed_inputs(batch)  # all-padding columns cost compute and change nothing
     logits = model(**inputs).logits  # (B, p+r, 1)
     values = logits[:, prompt_len - 1 : prompt_len - 1 + width, 0].float()
@@ -38,12 +44,13 @@ def _values(model: torch.nn.Module, batch: Batch) -> torch.Tensor:
 
 class CriticWorker(TrainingStateMixin):
     def __init__(self, ctx: WorkerContext, critic: CriticConfig, *, model_path: str, dtype: str, master_dtype: str,
-                 keep_dropout: bool, total_steps: int, trust_remote_code: bool, seed: int) -> None:
+                 keep_dropout: bool, total_steps: int, trust_remote_code: bool, seed: int,
+                 pack_sequences: bool | None = None) -> None:
         """`critic`: the `critic` config node; the rest as for the actor (recipes/roles.py)."""
         self.ctx, self.cfg = ctx, critic
         self.model_path, self.dtype, self.total_steps = model_path, dtype, total_steps
         self.master_dtype, self.keep_dropout = master_dtype, keep_dropout
-        self.trust_remote_code, self.seed = trust_remote_code, seed
+        self.trust_remote_code, self.seed, self.pack_sequences = trust_remote_code, seed, pack_sequences
         self.model = self.optimizer = self.scheduler = None
         self.updates = 0
 
@@ -52,6 +59,7 @@ class CriticWorker(TrainingStateMixin):
         torch.manual_seed(self.seed + 1)
         model = load_model(self.model_path, self.master_dtype, value_head=True, trust_remote_code=self.trust_remote_code,
                            keep_dropout=self.keep_dropout)
+        choose_packing(model, self.pack_sequences)
         self.model = shard_model(model, self.ctx.device, compute_dtype=self.dtype)
         self.optimizer, self.scheduler = build_optimizer(self.model, self.cfg.optim, self.total_steps)
 
@@ -92,7 +100,7 @@ class CriticWorker(TrainingStateMixin):
                   "global_sequence_count": all_reduce_sum(int(mask.any(1).sum()))}
         self.optimizer.zero_grad(set_to_none=True)
         weighted: dict[str, float] = {}
-        for micro in micro_batches(mini, self.cfg.samples_per_micro_batch):
+        for micro in accumulating(self.model, micro_batches(mini, self.cfg.samples_per_micro_batch)):
             loss, stats = clipped_value_loss(
                 values=_values(self.model, micro), old_values=micro["values"], returns=micro["returns"],
                 response_mask=loss_mask(micro), clip_range=self.cfg.value_clip_range,

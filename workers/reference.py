@@ -14,18 +14,20 @@ import torch
 from hybridflow.batch import Batch
 from hybridflow.controller import Dispatch, WorkerContext, register
 from hybridflow.training.fsdp import load_model, shard_model
+from hybridflow.training.packing import choose_packing
 from hybridflow.training.sequences import log_probs_and_entropy
 
 
 class ReferenceWorker:
     def __init__(self, ctx: WorkerContext, *, model_path: str, dtype: str, keep_dropout: bool,
-                 samples_per_micro_batch: int, temperature: float, trust_remote_code: bool) -> None:
+                 samples_per_micro_batch: int, temperature: float, trust_remote_code: bool,
+                 pack_sequences: bool | None = None) -> None:
         """Values from the config, built by recipes/roles.py: `model.dtype` (frozen, so the parameters
         are held in the compute dtype: no master copy), `model.keep_dropout`,
-        `actor.samples_per_micro_batch`, `rollout.temperature`, `model.trust_remote_code`."""
+        `actor.samples_per_micro_batch`, `rollout.temperature`, `model.trust_remote_code`, `model.pack_sequences`."""
         self.ctx, self.model_path, self.dtype, self.keep_dropout = ctx, model_path, dtype, keep_dropout
         self.samples_per_micro_batch, self.temperature = samples_per_micro_batch, temperature
-        self.trust_remote_code = trust_remote_code
+        self.trust_remote_code, self.pack_sequences = trust_remote_code, pack_sequences
         self.model = None
 
     @register(Dispatch.ONE_TO_ALL)
@@ -33,6 +35,7 @@ class ReferenceWorker:
         model = load_model(self.model_path, self.dtype, trust_remote_code=self.trust_remote_code,
                            keep_dropout=self.keep_dropout)
         model.requires_grad_(False)
+        choose_packing(model, self.pack_sequences)
         self.model = shard_model(model, self.ctx.device)
 
     @register(Dispatch.DP_SPLIT)

@@ -263,6 +263,11 @@ class ModelConfig:
     # Run the model directory's own Python code (its config.json `auto_map`): passed to the actor,
     # critic and reference model loaders and to the tokenizers of the preflight check and the RL driver.
     trust_remote_code: bool = False
+    # Packed sequences in the actor's, critic's and reference's forwards and backwards
+    # (hybridflow/training/packing.py): a micro-batch's real tokens as one row, attention kept within
+    # each sequence, no compute on padding. null: packed wherever the model's attention allows
+    # (sdpa, no soft-capping); true: packed or an error at start; false: padded.
+    pack_sequences: Optional[bool] = None
 
     def __post_init__(self) -> None:
         _require(self.master_dtype is not Dtype.auto, "model.master_dtype", self.master_dtype.value,

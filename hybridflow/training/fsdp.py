@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import re
 from functools import partial
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Iterable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -125,10 +125,29 @@ def shard_model(model: torch.nn.Module, device: str, compute_dtype: str | None =
         raise ValueError(
             f"{type(_unwrap(model)).__name__} lists no _no_split_modules; cannot find its decoder blocks to shard")
     policy = MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=torch.float32) if mixed else MixedPrecisionPolicy()
+    reshard = dist.get_world_size() > 1  # one rank: the gathered copy is the whole model either way
     for block in blocks:
-        fully_shard(block, mp_policy=policy)
-    fully_shard(model, mp_policy=policy)
+        fully_shard(block, mp_policy=policy, reshard_after_forward=reshard)
+    fully_shard(model, mp_policy=policy, reshard_after_forward=reshard)
     return model
+
+
+def accumulating(model: torch.nn.Module, micro_batches: Iterable) -> Iterator:
+    """`micro_batches` as they are, with FSDP2's gradient reduction held back until the last one when
+    the group has one rank (a plain module: nothing to hold back).
+
+    On one rank FSDP2's reduce-scatter of each micro-batch's gradients is a copy into the float32
+    shard and an addition, and the shard is the whole model: accumulating the unsharded gradients
+    (in float32, FSDP2 upcasts them for it) and reducing once costs no memory. On several ranks each
+    would then hold a whole unsharded float32 gradient, so every micro-batch is reduced as it comes.
+    On an H200 at Qwen2.5-0.5B shapes, with `reshard_after_forward` off on one rank (`shard_model`),
+    see docs/performance.md "On a GPU"."""
+    items = list(micro_batches)
+    hold = hasattr(model, "set_requires_gradient_sync") and dist.is_initialized() and dist.get_world_size() == 1
+    for i, item in enumerate(items):
+        if hold:
+            model.set_requires_gradient_sync(i == len(items) - 1)
+        yield item
 
 
 def attention_for_changing_shapes() -> None:

@@ -19,6 +19,7 @@ from typing import Iterator
 import torch
 
 from hybridflow.batch import Batch
+from hybridflow.training.packing import PackedSequences, pack, runs_packed
 
 
 def loss_mask(batch: Batch) -> torch.Tensor:
@@ -71,12 +72,25 @@ def response_log_probs(model: torch.nn.Module, batch: Batch, temperature: float 
     the entropy all 0 when `with_entropy` is False (SFT's loss), without a gradient when
     `entropy_grad` is False (a loss with no entropy term reports it as a metric).
 
+    A model switched to packed attention (`hybridflow.training.packing`) computes the micro-batch's
+    real tokens as one packed row; the others compute the padded batch, trimmed of all-padding
+    columns. Both give the same log-probs at the response tokens; past them the packed path gives 0
+    and the padded one whatever the padding predicts (callers mask).
+
     Memory: the model computes logits at the response positions only (transformers'
     `logits_to_keep`, where the model takes it) and the vocabulary is reduced a chunk of rows at a
     time, recomputed in the backward pass when there are several (`algos.token_log_probs_and_entropy`),
     so a large micro-batch's (B, r, V) logits exist once, in the compute dtype."""
     from hybridflow.algos import token_log_probs_and_entropy
 
+    packed = pack(batch["prompt_ids"], batch["prompt_mask"], batch["response_ids"], batch["response_mask"]) \
+        if runs_packed(model) else None
+    if packed is not None:  # one row of real tokens; logits at the N positions that predict response tokens
+        logits = packed_logits(model, packed)  # (N, V)
+        log_probs, entropy = token_log_probs_and_entropy(
+            logits[:, None], batch["response_ids"][packed.response_mask][:, None], temperature=temperature,
+            with_entropy=with_entropy, entropy_grad=entropy_grad)  # (N, 1) each: a token a row, chunked by rows
+        return packed.scatter(log_probs[:, 0]), packed.scatter(entropy[:, 0])
     inputs, prompt_len, width = trimmed_inputs(batch)
     if _takes_logits_to_keep(model):  # the last width + 1 positions: prompt_len - 1 ... prompt_len + width - 1
         logits = model(**inputs, use_cache=False, logits_to_keep=width + 1).logits[:, :width]  # (B, r, V)
@@ -87,6 +101,13 @@ def response_log_probs(model: torch.nn.Module, batch: Batch, temperature: float 
                                                      entropy_grad=entropy_grad)
     width_out = batch["response_ids"].shape[1]
     return pad_response_width(log_probs, width_out), pad_response_width(entropy, width_out)
+
+
+def packed_logits(model: torch.nn.Module, packed: PackedSequences) -> torch.Tensor:
+    """(N, V) logits at `packed.predicting`, from one forward over the packed row."""
+    if _takes_logits_to_keep(model):
+        return model(**packed.model_kwargs(), use_cache=False, logits_to_keep=packed.predicting).logits[0]
+    return model(**packed.model_kwargs(), use_cache=False).logits[0, packed.predicting]
 
 
 def _takes_logits_to_keep(model: torch.nn.Module) -> bool:

@@ -32,17 +32,23 @@ def test_the_gpu_check_runs_on_the_cpu_without_ray_or_vllm(tmp_path):
     done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     report = json.loads(out.read_text())
-    parts = ["reference_and_critic", "training", "offload", "sync", "speed_tiny"]
+    parts = ["packed_attention", "reference_and_critic", "training", "offload", "sync", "speed_tiny"]
     assert [p for p in parts if "error" in report[p]] == [], {p: report[p].get("error") for p in parts}
     assert report["training"]["first_param_changed"] and report["reference_and_critic"]["critic_values_changed"]
     assert report["offload"]["log_probs_equal_after_reload"]
     assert [s["tensors_mismatched"] for s in report["sync"]] == [[]] * 4
+    attention = report["packed_attention"]  # the packed kernel against a dense block-diagonal mask
+    assert attention["kernel"] == "loop"  # no flash kernel on the CPU; bfloat16 tolerances (the dry run's dtype)
+    assert attention["max_output_gap"] < 0.02 * attention["output_scale"] and attention["max_grad_gap"] < 0.02 * attention["grad_scale"]
     speed = report["speed_tiny"]
-    for side in ("ours", "plain"):
+    for side in ("ours", "ours_packed", "plain"):
         assert speed[side]["log_prob_pass_s"] > 0 and speed[side]["update_s"] > 0
+    assert (speed["ours"]["packed_sequences"], speed["ours_packed"]["packed_sequences"]) == (False, True)
+    assert speed["packed_vs_padded_mean_log_prob_gap"] < 0.02  # bfloat16's rounding, not other tokens
     assert speed["ratio_update_s"] == speed["ours"]["update_s"] / speed["plain"]["update_s"]
+    assert speed["ratio_packed_update_s"] == speed["ours_packed"]["update_s"] / speed["plain"]["update_s"]
     assert speed["real_tokens"] < speed["padded_tokens"]  # the batch has padding to trim
-    assert speed["ours"]["profile_update"]["ops"]  # the profile names operators
+    assert speed["ours_packed"]["profile_update"]["ops"]  # the profile names operators
 
 
 def test_the_pipeline_seeds_bench_composes_every_seeds_command(tmp_path):

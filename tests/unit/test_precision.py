@@ -146,3 +146,26 @@ def test_training_workers_on_a_gpu_take_attention_kernels_that_need_no_plan_per_
         assert not torch.backends.cuda.cudnn_sdp_enabled()
     finally:
         torch.backends.cuda.enable_cudnn_sdp(before)
+
+
+def test_one_rank_holds_fsdp2s_gradient_reduction_until_the_last_micro_batch(tiny_model_dir, monkeypatch):
+    """`training.fsdp.accumulating` on one rank: FSDP2 reduces once per mini-batch, and the update's
+    gradients are those of the mini-batch in one micro-batch (bfloat16 compute, float32 masters)."""
+    batch = _batch(tiny_model_dir).union(Batch({"advantages": torch.linspace(-1, 1, 8)[:, None].expand(8, 4)}))
+    grads, syncs = {}, {}
+    for rows in (8, 2):
+        config = HybridFlowConfig(model=ModelConfig(dtype=Dtype.bfloat16, master_dtype=Dtype.float32),
+                                  actor=ActorConfig(optim=OptimConfig(lr=1e-6), samples_per_micro_batch=rows))
+        actor = actor_role(config, tiny_model_dir).build(WorkerContext())
+        actor.start()
+        seen = []
+        original = type(actor.model).set_requires_gradient_sync
+        monkeypatch.setattr(type(actor.model), "set_requires_gradient_sync",
+                            lambda self, flag, **kw: (seen.append(flag), original(self, flag, **kw))[1])
+        actor.update_policy(batch.union(actor.compute_log_probs(batch)))
+        syncs[rows] = seen
+        grads[rows] = {n: p.grad.to_local().clone() for n, p in actor.model.named_parameters()}
+        monkeypatch.undo()
+    assert syncs == {8: [True], 2: [False, False, False, True]}
+    for name, grad in grads[8].items():
+        torch.testing.assert_close(grads[2][name], grad, atol=2e-3, rtol=0.05, msg=name)

@@ -1,0 +1,225 @@
+"""Packed sequences: a micro-batch's real tokens in one row, attention kept inside each sequence.
+
+A padded micro-batch computes every column up to its longest prompt and response for every row;
+in a GRPO batch whose lengths vary that is 40-50% padding (docs/performance.md "On a GPU").
+Packed, the model sees one row of T real tokens (the rows' prompt and response tokens,
+concatenated), positions that restart at 0 for each sequence, and attention that never crosses
+a sequence boundary, so every matrix product runs on real tokens only. The results are the
+padded path's: the same tokens, the same positions, the same causal attention within each
+sequence (tests/unit/test_packing.py, for every architecture in the zoo).
+
+How the model learns the boundaries. transformers routes attention through
+`AttentionInterface` and passes the forward's extra keyword arguments down to it. A training
+worker's model is switched (`use_packed_attention`) to one attention implementation,
+`PACKED_ATTENTION`, which attends within the sequences that `cu_seq_lens_q` (cumulative lengths,
+the flash-attention convention transformers uses too) delimits when the forward passes it, and
+is the model's own implementation (sdpa) when it does not (the padded path, generation). The
+switch is permanent, not per call, so that activation checkpointing's recomputation in the
+backward pass takes the same path as the forward did. Its mask function builds no mask for a
+packed call (a T x T mask is what packing avoids) and is sdpa's otherwise.
+
+Kernels. On CUDA in a 16-bit dtype, PyTorch's variable-length flash attention
+(`torch.nn.attention.varlen.varlen_attn`) takes the whole packed row at once. Elsewhere (the CPU,
+float32, dropout) each sequence goes through `scaled_dot_product_attention` with `is_causal` in
+turn; the per-sequence loop costs a kernel call per sequence and layer and nothing quadratic in
+T. flash-attention's own package (transformers' `flash_attention_2`) would do the CUDA part
+too, but it needs a CUDA build step that the machines here cannot do; PyTorch's kernel is the
+same algorithm and is already installed.
+
+Not packed: a model whose attention is not sdpa (transformers picks eager for a few
+architectures), attention with logit soft-capping, and a sliding window shorter than a
+sequence of the batch: `packing_unsupported` names the reason; `model.pack_sequences=auto`
+then stays padded and `true` refuses at start.
+"""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass
+
+import torch
+
+PACKED_ATTENTION = "hybridflow_packed"
+
+
+@dataclass(frozen=True)
+class PackedSequences:
+    """One micro-batch packed: `input_ids` and `position_ids` (1, T); `cu_seq_lens` (n + 1,) int32,
+    the cumulative lengths of the n non-empty sequences; `max_length` the longest; `predicting`
+    (N,) the packed positions whose logits predict the N response tokens (row-major order of
+    `response_mask`); `response_mask` (B, R) to scatter them back."""
+    input_ids: torch.Tensor
+    position_ids: torch.Tensor
+    cu_seq_lens: torch.Tensor
+    max_length: int
+    predicting: torch.Tensor
+    response_mask: torch.Tensor
+
+    def model_kwargs(self) -> dict:
+        return {"input_ids": self.input_ids, "position_ids": self.position_ids,
+                "cu_seq_lens_q": self.cu_seq_lens, "cu_seq_lens_k": self.cu_seq_lens,
+                "max_length_q": self.max_length, "max_length_k": self.max_length}
+
+    def scatter(self, values: torch.Tensor) -> torch.Tensor:
+        """(N, ...) values at the response tokens -> (B, R, ...) with zeros past every response."""
+        out = values.new_zeros((*self.response_mask.shape, *values.shape[1:]))
+        out[self.response_mask] = values
+        return out
+
+
+def pack(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, response_ids: torch.Tensor,
+         response_mask: torch.Tensor) -> PackedSequences | None:
+    """The real tokens of a left-padded prompt + right-padded response batch as one packed row, or
+    None when a row has response tokens but no prompt token (its first response token would be
+    predicted by the previous row's last token; the padded path serves such a batch)."""
+    prompt_mask, response_mask = prompt_mask.bool(), response_mask.bool()
+    if bool((response_mask.any(dim=1) & ~prompt_mask.any(dim=1)).any()):
+        return None
+    ids = torch.cat([prompt_ids, response_ids], dim=1)
+    mask = torch.cat([prompt_mask, response_mask], dim=1)
+    positions = mask.long().cumsum(dim=1) - 1
+    packed_index = (mask.reshape(-1).long().cumsum(dim=0) - 1).view(mask.shape)  # where each real token lands
+    lengths = mask.sum(dim=1)
+    lengths = lengths[lengths > 0]
+    cu = torch.zeros(len(lengths) + 1, dtype=torch.int32, device=ids.device)
+    cu[1:] = lengths.cumsum(dim=0)
+    predicting = packed_index[:, prompt_ids.shape[1]:][response_mask] - 1  # the token before each response token
+    return PackedSequences(input_ids=ids[mask][None], position_ids=positions[mask][None], cu_seq_lens=cu,
+                           max_length=int(lengths.max()) if len(lengths) else 0, predicting=predicting,
+                           response_mask=response_mask)
+
+
+def packing_unsupported(model: torch.nn.Module) -> str | None:
+    """Why `model` cannot run packed (None: it can): its attention implementation or config."""
+    config = _config(model)
+    implementation = getattr(config, "_attn_implementation", None)
+    if implementation not in ("sdpa", PACKED_ATTENTION):
+        return (f"its attention implementation is {implementation!r} (packing wraps sdpa; transformers "
+                f"chose {implementation!r} for {type(config).__name__})")
+    for sub in _configs(config):
+        if getattr(sub, "attn_logit_softcapping", None):
+            return f"{type(sub).__name__}.attn_logit_softcapping={sub.attn_logit_softcapping} (soft-capped attention)"
+    return None
+
+
+def runs_packed(model: torch.nn.Module) -> bool:
+    """Whether `model` was switched to packed attention (`use_packed_attention`): its forwards in
+    `hybridflow.training.sequences` and the critic then pack every micro-batch."""
+    return getattr(_config(model), "_attn_implementation", None) == PACKED_ATTENTION
+
+
+def choose_packing(model: torch.nn.Module, setting: bool | None) -> bool:
+    """`model.pack_sequences` for a loaded model: None (auto) packs wherever the model can, True
+    insists (an unsupported model is an error naming why), False keeps the padded path. Switches the
+    model when it packs; returns whether it does."""
+    reason = packing_unsupported(model)
+    if setting is True and reason:
+        raise ValueError(f"model.pack_sequences=true, but this model cannot run packed: {reason}; "
+                         "set model.pack_sequences=false (or null: packed where the model allows)")
+    if setting is False or reason:
+        return False
+    use_packed_attention(model)
+    return True
+
+
+def use_packed_attention(model: torch.nn.Module) -> None:
+    """Switch `model` (and its sub-configs) to `PACKED_ATTENTION`; callers check `packing_unsupported`."""
+    _register()
+    for sub in _configs(_config(model)):
+        if getattr(sub, "_attn_implementation", None) in ("sdpa", PACKED_ATTENTION):
+            sub._attn_implementation = PACKED_ATTENTION
+
+
+def _config(model: torch.nn.Module):
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    return base.config
+
+
+def _configs(config) -> list:
+    from transformers import PretrainedConfig
+
+    subs = [value for value in vars(config).values() if isinstance(value, PretrainedConfig)]
+    return [config, *[s for sub in subs for s in _configs(sub)]]
+
+
+_REGISTERED = False
+
+
+def _register() -> None:
+    global _REGISTERED
+    if _REGISTERED:
+        return
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    def mask(*args, attention_mask=None, **kwargs):
+        # no 2D mask: a packed call (its sequences come as cu_seq_lens) or an unpadded one (causal)
+        return None if attention_mask is None else sdpa_mask(*args, attention_mask=attention_mask, **kwargs)
+
+    AttentionInterface.register(PACKED_ATTENTION, packed_attention)
+    AttentionMaskInterface.register(PACKED_ATTENTION, mask)
+    _REGISTERED = True
+
+
+def packed_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                     attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
+                     sliding_window: int | None = None, cu_seq_lens_q: torch.Tensor | None = None,
+                     max_length_q: int | None = None, **kwargs) -> tuple[torch.Tensor, None]:
+    """transformers' attention signature: query (1, H, T, D), key and value (1, H_kv, T, D) ->
+    ((1, T, H, D), None). Without `cu_seq_lens_q` it is transformers' sdpa."""
+    if cu_seq_lens_q is None:
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                      sliding_window=sliding_window, **kwargs)
+    if query.shape[0] != 1:
+        raise ValueError(f"packed attention takes one packed row, got a batch of {query.shape[0]}")
+    dropout = dropout if module.training else 0.0
+    if sliding_window is not None and max_length_q is not None and max_length_q > sliding_window:
+        raise ValueError(f"a packed sequence of {max_length_q} tokens is longer than the model's sliding window "
+                         f"({sliding_window}); set model.pack_sequences=false for this model")
+    groups = query.shape[1] // key.shape[1]
+    if groups > 1:  # grouped-query attention: each key/value head serves `groups` query heads in a row
+        key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
+    if _varlen_serves(query, dropout, scaling):
+        out = _varlen(*(t[0].transpose(0, 1).contiguous() for t in (query, key, value)),
+                      cu_seq_lens_q, int(max_length_q), scaling)  # (T, H, D)
+        return out[None], None
+    bounds = cu_seq_lens_q.tolist()
+    parts = [torch.nn.functional.scaled_dot_product_attention(
+        query[:, :, s:e], key[:, :, s:e], value[:, :, s:e], dropout_p=dropout, scale=scaling, is_causal=True)
+        for s, e in zip(bounds[:-1], bounds[1:]) if e > s]
+    return torch.cat(parts, dim=2).transpose(1, 2).contiguous(), None
+
+
+def _find_varlen():
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:
+        return None
+    return varlen_attn
+
+
+_VARLEN = _find_varlen()
+
+
+def _varlen_serves(query: torch.Tensor, dropout: float, scaling: float | None) -> bool:
+    """Whether PyTorch's flash kernel takes this call: CUDA, a 16-bit dtype, no dropout, and a scale
+    it can be told (releases before `scale` existed apply 1/sqrt(head_dim) only)."""
+    if _VARLEN is None or not query.is_cuda or query.dtype not in (torch.float16, torch.bfloat16) or dropout:
+        return False
+    params = inspect.signature(_VARLEN).parameters
+    if "window_size" not in params and "is_causal" not in params:
+        return False  # a release whose causal switch is unknown here: the loop is causal for sure
+    default = scaling is None or abs(scaling - query.shape[-1] ** -0.5) < 1e-9
+    return default or "scale" in params
+
+
+def _varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: torch.Tensor, max_length: int,
+            scale: float | None) -> torch.Tensor:
+    """PyTorch's variable-length flash attention, causal, over (T, H, D) tensors. Its causal switch
+    changed name between releases (`is_causal` in 2.9-2.11, `window_size=(-1, 0)` later)."""
+    params = inspect.signature(_VARLEN).parameters
+    causal = {"window_size": (-1, 0)} if "window_size" in params else {"is_causal": True}
+    extra = {"scale": scale} if "scale" in params else {}
+    return _VARLEN(q, k, v, cu, cu, max_length, max_length, **causal, **extra)

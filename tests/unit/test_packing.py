@@ -1,0 +1,139 @@
+"""Packed sequences (hybridflow/training/packing.py) compute what the padded path computes: the same
+log-probs and gradients for every architecture in the zoo, the same values for the critic, the
+same actor update; and a model that cannot run packed says why."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from hybridflow.batch import Batch
+from hybridflow.builders.architectures import ARCHITECTURES, build_tiny_architecture
+from hybridflow.config.schema import ActorConfig, CriticConfig, HybridFlowConfig, ModelConfig, OptimConfig
+from hybridflow.controller import WorkerContext
+from hybridflow.training.packing import choose_packing, pack, packing_unsupported, runs_packed
+from hybridflow.training.sequences import loss_mask, response_log_probs
+from recipes.roles import actor_role, critic_role
+
+# (prompt tokens, response tokens) per row: full rows, short ones, a one-token prompt, an empty response
+LENGTHS = [(7, 9), (3, 4), (1, 9), (5, 0), (2, 1), (6, 5)]
+
+
+def _batch(vocab: int = 200, prompt_width: int = 7, response_width: int = 9, seed: int = 0) -> Batch:
+    generator = torch.Generator().manual_seed(seed)
+    rows = len(LENGTHS)
+    prompt_mask = torch.zeros(rows, prompt_width, dtype=torch.bool)
+    response_mask = torch.zeros(rows, response_width, dtype=torch.bool)
+    for i, (p, r) in enumerate(LENGTHS):
+        prompt_mask[i, prompt_width - p:] = True
+        response_mask[i, :r] = True
+    prompt_ids = torch.randint(3, vocab, (rows, prompt_width), generator=generator) * prompt_mask
+    response_ids = torch.randint(3, vocab, (rows, response_width), generator=generator) * response_mask
+    advantages = torch.randn(rows, 1, generator=generator).expand(rows, response_width).contiguous()
+    return Batch({"prompt_ids": prompt_ids, "prompt_mask": prompt_mask, "response_ids": response_ids,
+                  "response_mask": response_mask, "advantages": advantages})
+
+
+def test_pack_concatenates_real_tokens_and_points_at_each_response_tokens_predecessor():
+    batch = _batch()
+    packed = pack(batch["prompt_ids"], batch["prompt_mask"], batch["response_ids"], batch["response_mask"])
+    lengths = [p + r for p, r in LENGTHS]
+    assert packed.input_ids.shape == (1, sum(lengths))
+    assert packed.cu_seq_lens.tolist() == [0, *torch.tensor(lengths).cumsum(0).tolist()]
+    assert packed.max_length == max(lengths)
+    starts = packed.cu_seq_lens[:-1].long()
+    assert (packed.position_ids[0, starts] == 0).all()  # positions restart with every sequence
+    # each response token's predecessor in the packed row is the token before it in its own sequence
+    expected_predecessors = []
+    for i, (p, r) in enumerate(LENGTHS):
+        sequence = [*batch["prompt_ids"][i, 7 - p:].tolist(), *batch["response_ids"][i, :r].tolist()]
+        expected_predecessors += sequence[p - 1: p - 1 + r]
+    assert packed.input_ids[0, packed.predicting].tolist() == expected_predecessors
+    assert packed.input_ids[0, packed.predicting + 1].tolist() == batch["response_ids"][batch["response_mask"]].tolist()
+
+
+def test_a_row_with_a_response_and_no_prompt_is_not_packed():
+    batch = _batch()
+    prompt_mask = batch["prompt_mask"].clone()
+    prompt_mask[1] = False
+    assert pack(batch["prompt_ids"], prompt_mask, batch["response_ids"], batch["response_mask"]) is None
+
+
+def _masked(values: torch.Tensor, batch: Batch) -> torch.Tensor:
+    return values * loss_mask(batch)
+
+
+@pytest.mark.parametrize("architecture", ARCHITECTURES)
+def test_packed_log_probs_and_gradients_equal_the_padded_paths_for_the_zoo(architecture, tmp_path):
+    model_dir = build_tiny_architecture(architecture, tmp_path / architecture)
+    batch = _batch()
+    padded_model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    packed_model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    reason = packing_unsupported(packed_model)
+    if reason is not None:  # the zoo's Gemma2 soft-caps its attention logits: padded, and `true` says why
+        assert architecture == "gemma2" and "attn_logit_softcapping" in reason
+        assert choose_packing(packed_model, None) is False and not runs_packed(packed_model)
+        with pytest.raises(ValueError, match="model.pack_sequences=true.*attn_logit_softcapping.*=false"):
+            choose_packing(packed_model, True)
+        return
+    assert choose_packing(packed_model, None) is True and runs_packed(packed_model)
+    assert choose_packing(padded_model, False) is False and not runs_packed(padded_model)
+
+    results = {}
+    for name, model in (("padded", padded_model), ("packed", packed_model)):
+        log_probs, entropy = response_log_probs(model, batch)
+        (_masked(log_probs, batch).sum() + 0.1 * _masked(entropy, batch).sum()).backward()
+        grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+        results[name] = (_masked(log_probs, batch).detach(), _masked(entropy, batch).detach(), grads)
+    torch.testing.assert_close(results["packed"][0], results["padded"][0], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(results["packed"][1], results["padded"][1], atol=1e-5, rtol=1e-5)
+    assert results["packed"][2].keys() == results["padded"][2].keys() and results["padded"][2]
+    for name, grad in results["padded"][2].items():
+        torch.testing.assert_close(results["packed"][2][name], grad, atol=1e-5, rtol=1e-4, msg=name)
+    # past every response the packed path gives 0
+    assert (results["packed"][0][~batch["response_mask"]] == 0).all()
+
+
+def test_packed_log_probs_in_bfloat16_stay_within_its_tolerance(tiny_model_dir):
+    batch = _batch(vocab=40)
+    padded = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.bfloat16)
+    packed = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.bfloat16)
+    assert choose_packing(packed, True)
+    with torch.no_grad():
+        a, _ = response_log_probs(padded, batch)
+        b, _ = response_log_probs(packed, batch)
+    torch.testing.assert_close(_masked(b, batch), _masked(a, batch), atol=0.05, rtol=0.02)
+
+
+def _config(pack_sequences: bool | None, gradient_checkpointing: bool = False) -> HybridFlowConfig:
+    return HybridFlowConfig(model=ModelConfig(pack_sequences=pack_sequences),
+                            actor=ActorConfig(optim=OptimConfig(lr=1e-2), samples_per_micro_batch=2,
+                                              gradient_checkpointing=gradient_checkpointing),
+                            critic=CriticConfig(optim=OptimConfig(lr=1e-2), samples_per_micro_batch=2))
+
+
+@pytest.mark.parametrize("gradient_checkpointing", [False, True])
+def test_the_actors_packed_update_equals_its_padded_update(tiny_model_dir, gradient_checkpointing):
+    batch = _batch(vocab=40)
+    grads, stats = {}, {}
+    for setting in (False, True):
+        actor = actor_role(_config(setting, gradient_checkpointing), tiny_model_dir).build(WorkerContext())
+        assert actor.start()["packed_sequences"] is setting
+        batch_with_old = batch.union(actor.compute_log_probs(batch))
+        stats[setting] = actor.update_policy(batch_with_old)
+        grads[setting] = {n: p.grad.clone() for n, p in actor.model.named_parameters()}  # left by the update
+    assert stats[True]["actor/grad_norm"] == pytest.approx(stats[False]["actor/grad_norm"], rel=1e-4)
+    assert stats[True]["actor/loss"] == pytest.approx(stats[False]["actor/loss"], rel=1e-4, abs=1e-7)
+    for name, grad in grads[False].items():  # gradients, not weights: Adam's first step is lr * sign(g)
+        torch.testing.assert_close(grads[True][name], grad, atol=1e-6, rtol=1e-4, msg=name)
+
+
+def test_the_critics_packed_values_equal_its_padded_values(tiny_model_dir):
+    batch = _batch(vocab=40)
+    values = {}
+    for setting in (False, True):
+        critic = critic_role(_config(setting), tiny_model_dir).build(WorkerContext())
+        critic.start()
+        values[setting] = critic.compute_values(batch)["values"]
+    torch.testing.assert_close(values[True], values[False], atol=1e-5, rtol=1e-4)
