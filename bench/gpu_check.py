@@ -384,15 +384,26 @@ def one_chunk(actor, batch, trained, device: str) -> dict:
     out = {}
     import hybridflow.algos.entropy as entropy_module  # a diagnosis: the vocabulary in one chunk per micro-batch
 
-    chunk = entropy_module.FLOAT32_CHUNK_BYTES
-    entropy_module.FLOAT32_CHUNK_BYTES = 2 ** 40
+    chunk = entropy_module.FLOAT32_CHUNK_BYTES, entropy_module.CUDA_FLOAT32_CHUNK_BYTES
+    entropy_module.FLOAT32_CHUNK_BYTES = entropy_module.CUDA_FLOAT32_CHUNK_BYTES = 2 ** 40
     try:
         out["log_prob_pass_one_chunk_s"] = timed_cuda(lambda: actor.compute_log_probs(batch), device)[0]
         reset_peak(device)
         out["update_one_chunk_s"] = timed_cuda(lambda: actor.update_policy(trained), device)[0]
         out["update_one_chunk_peak_gib"] = peak_gib(device)
     finally:
-        entropy_module.FLOAT32_CHUNK_BYTES = chunk
+        entropy_module.FLOAT32_CHUNK_BYTES, entropy_module.CUDA_FLOAT32_CHUNK_BYTES = chunk
+    if device == "cuda":  # host synchronisations in one update (each drains the GPU's queue)
+        import warnings
+
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                actor.update_policy(trained)
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+        out["host_syncs_in_update"] = sum("synchroniz" in str(w.message) for w in caught)
     return out
 
 
@@ -466,7 +477,8 @@ def check_speed(root: Path, size: str, device: str, dtype: str, shape: dict, rep
               "padded_tokens": shape["rows"] * (shape["prompt_width"] + shape["response_width"])}
     result["ours"], old = ours(model_dir, batch, shape, device, dtype, repeats, packed=False, profile=False,
                                diagnose=diagnose)
-    result["ours_packed"], old_packed = ours(model_dir, batch, shape, device, dtype, repeats, packed=True)
+    result["ours_packed"], old_packed = ours(model_dir, batch, shape, device, dtype, repeats, packed=True,
+                                             diagnose=diagnose)
     mask = batch["response_mask"]
     result["packed_vs_padded_max_log_prob_gap"] = float((old_packed - old)[mask].abs().max())
     result["packed_vs_padded_mean_log_prob_gap"] = float((old_packed - old)[mask].abs().mean())
@@ -547,7 +559,7 @@ def main() -> None:
     parser.add_argument("--no-cudnn-attention", action="store_true",
                         help="a diagnosis: scaled_dot_product_attention without its cuDNN backend")
     parser.add_argument("--diagnose", action="store_true",
-                        help="also our padded pass and update with the vocabulary in one chunk")
+                        help="also our pass and update (padded and packed) with the vocabulary in one chunk")
     parser.add_argument("--out", default="")
     args = parser.parse_args()
     shape = GRPO_SHAPE

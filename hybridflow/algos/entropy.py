@@ -72,6 +72,11 @@ def log_probs_from_logits(logits: torch.Tensor, token_ids: torch.Tensor) -> torc
 
 
 FLOAT32_CHUNK_BYTES = 64 * 2 ** 20  # float32 logits reduced at once (a chunk of rows)
+# On CUDA a 64 MiB chunk is ~110 tokens of a 151,936-token vocabulary: the packed policy update at
+# Qwen2.5-0.5B shapes on an H200 took 2.12 s so and 1.72 s with the vocabulary in one chunk per
+# micro-batch (peak 21.3 -> 32.9 GiB; the plain loop's 43.7), bench/gpu_check.py --diagnose. 1 GiB
+# lies between the two (~1,800 such tokens a chunk); its own time was not measured.
+CUDA_FLOAT32_CHUNK_BYTES = 2 ** 30
 
 
 def _chunk_log_probs_and_entropy(logits: torch.Tensor, token_ids: torch.Tensor, temperature: float,
@@ -88,10 +93,11 @@ def _chunk_log_probs_and_entropy(logits: torch.Tensor, token_ids: torch.Tensor, 
     return log_probs, entropy
 
 
-def rows_per_float32_chunk(logits_shape: torch.Size) -> int:
-    """Rows of (B, T, V) logits whose float32 copy fits `FLOAT32_CHUNK_BYTES` (at least 1)."""
+def rows_per_float32_chunk(logits_shape: torch.Size, on_cuda: bool = False) -> int:
+    """Rows of (B, T, V) logits whose float32 copy fits `FLOAT32_CHUNK_BYTES`
+    (`CUDA_FLOAT32_CHUNK_BYTES` on a GPU; at least 1)."""
     row_bytes = 4 * max(1, logits_shape[1] * logits_shape[2])
-    return max(1, FLOAT32_CHUNK_BYTES // row_bytes)
+    return max(1, (CUDA_FLOAT32_CHUNK_BYTES if on_cuda else FLOAT32_CHUNK_BYTES) // row_bytes)
 
 
 def token_log_probs_and_entropy(logits: torch.Tensor, token_ids: torch.Tensor, *, temperature: float = 1.0,
@@ -102,7 +108,7 @@ def token_log_probs_and_entropy(logits: torch.Tensor, token_ids: torch.Tensor, *
     entropy all 0 when `with_entropy` is False; outside autograd when `entropy_grad` is False: a
     metric, not a loss term, so no backward pass keeps or recomputes it). `temperature` 0 or 1
     leaves the logits as they are. Computed `rows_per_chunk` rows at a time (None: as many as
-    `FLOAT32_CHUNK_BYTES` holds); with autograd and more than one chunk, each chunk is recomputed in
+    `FLOAT32_CHUNK_BYTES` holds, `CUDA_FLOAT32_CHUNK_BYTES` on a GPU); with autograd and more than one chunk, each chunk is recomputed in
     the backward pass (see the module docstring). The chunks are `torch.split` views, whose backward
     is one concatenation: a chunk taken by indexing would give its gradient as a zero-filled
     tensor of the whole micro-batch's logits, one per chunk (on an H200 at Qwen2.5-0.5B's 151,936
@@ -112,7 +118,7 @@ def token_log_probs_and_entropy(logits: torch.Tensor, token_ids: torch.Tensor, *
                          "must be (B, T) matching logits (B, T, V) (shift logits by one position first)")
     if token_ids.dtype != torch.int64:
         raise TypeError(f"token_ids has dtype {token_ids.dtype}; pass token_ids.long()")
-    rows = rows_per_chunk or rows_per_float32_chunk(logits.shape)
+    rows = rows_per_chunk or rows_per_float32_chunk(logits.shape, on_cuda=logits.is_cuda)
     recompute = torch.is_grad_enabled() and logits.requires_grad and logits.shape[0] > rows
     parts = []
     for chunk, ids in zip(logits.split(rows), token_ids.split(rows)):

@@ -22,6 +22,17 @@ def test_the_sft_step_bench_times_the_actor_and_the_plain_loop(tmp_path):
     assert report["cpu"] and report["rows_per_step"] == 8
 
 
+def test_the_packed_sequences_bench_times_both_paths_and_compares_their_log_probs(tmp_path):
+    out = tmp_path / "packed.json"
+    done = subprocess.run([sys.executable, "bench/packed_sequences.py", "--dry-run", "--out", str(out)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert report["padded_update_s"] > 0 and report["packed_update_s"] > 0
+    assert report["speedup_update_s"] == report["padded_update_s"] / report["packed_update_s"]
+    assert report["real_token_fraction"] < 1 and report["max_log_prob_gap"] < 1e-4  # float32: the same log-probs
+
+
 def test_the_gpu_check_runs_on_the_cpu_without_ray_or_vllm(tmp_path):
     """bench/gpu_check.py's every part at the tiny shapes over gloo, with Ray and vLLM unimportable
     (the lent GPU machines have neither): a refactor that breaks the script fails here."""

@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 from transformers import AutoModelForCausalLM, GPT2Config, GPT2LMHeadModel
 
-from hybridflow.config.schema import HybridFlowConfig
+from hybridflow.config.schema import HybridFlowConfig, ModelConfig
 from hybridflow.controller import WorkerContext
 from hybridflow.resharding.receiver import ModuleReceiver
 from hybridflow.resharding.verify import PROBE_NEW_TOKENS, PROBE_PROMPTS, PROBE_TOLERANCE, probe_batch, probe_fits
@@ -53,7 +53,8 @@ def test_the_probe_sees_a_padding_mismatch(tmp_path):
     GPT2LMHeadModel(GPT2Config(vocab_size=80, n_positions=256, n_embd=64, n_layer=2, n_head=2)).save_pretrained(tmp_path)
     engine = ModuleReceiver(AutoModelForCausalLM.from_pretrained(tmp_path).eval(), pad_token_id=0)
     tokens, engine_lp = engine.probe(PROBE_PROMPTS, PROBE_NEW_TOKENS)
-    actor = actor_role(HybridFlowConfig(), tmp_path).build(WorkerContext())
+    # the padded path: the fault simulated below (position ids dropped, left padding read as positions)
+    actor = actor_role(HybridFlowConfig(model=ModelConfig(pack_sequences=False)), tmp_path).build(WorkerContext())
     actor.start()
     assert (actor.probe_log_probs(PROBE_PROMPTS, tokens) - engine_lp).abs().max() < 1e-4
 
