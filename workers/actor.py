@@ -38,7 +38,7 @@ from hybridflow.training.fsdp import (
     load_model,
     shard_model,
 )
-from hybridflow.training.packing import choose_packing
+from hybridflow.training.packing import choose_packing, runs_packed
 from hybridflow.training.state import TrainingStateMixin
 from hybridflow.training.sequences import (
     log_probs_and_entropy,
@@ -107,7 +107,8 @@ class ActorWorker(TrainingStateMixin):
 
     def _log_probs(self, batch: Batch, key: str) -> Batch:
         log_probs, entropy = log_probs_and_entropy(self.model, batch.to(self.ctx.device),
-                                                   self.cfg.samples_per_micro_batch, self.temperature)
+                                                   self.cfg.samples_per_micro_batch, self.temperature,
+                                                   self.cfg.tokens_per_micro_batch)
         return Batch(tensors={key: log_probs.cpu(), "entropy": entropy.cpu()})
 
     # ---- training ---------------------------------------------------------------------------
@@ -193,7 +194,9 @@ class ActorWorker(TrainingStateMixin):
         loss_total, weighted = 0.0, {}
         trained = self._rows_with_gradient(mini)
         trained_tokens = max(1.0, float(loss_mask(trained).sum()))
-        for micro in accumulating(self.model, micro_batches(trained, self.cfg.samples_per_micro_batch)):
+        micros = micro_batches(trained, self.cfg.samples_per_micro_batch, self.cfg.tokens_per_micro_batch,
+                               packed=runs_packed(self.model))
+        for micro in accumulating(self.model, micros):
             loss, stats = loss_fn(micro, tokens, seqs)
             (loss * world).backward()
             loss_total += float(loss.detach())

@@ -27,7 +27,14 @@ from hybridflow.training.fsdp import (
 )
 from hybridflow.training.packing import choose_packing, pack, runs_packed
 from hybridflow.training.state import TrainingStateMixin
-from hybridflow.training.sequences import loss_mask, micro_batches, mini_batches, pad_response_width, trimmed_inputs
+from hybridflow.training.sequences import (
+    loss_mask,
+    micro_batch_rows,
+    micro_batches,
+    mini_batches,
+    pad_response_width,
+    trimmed_inputs,
+)
 
 
 def _values(model: torch.nn.Module, batch: Batch) -> torch.Tensor:
@@ -69,8 +76,12 @@ class CriticWorker(TrainingStateMixin):
         start = time.perf_counter()
         self.model.eval()
         batch = batch.to(self.ctx.device)
-        parts = [_values(self.model, m) * loss_mask(m) for m in micro_batches(batch, self.cfg.samples_per_micro_batch)]
-        return Batch(tensors={"values": torch.cat(parts).cpu()},
+        values = torch.zeros(batch["response_ids"].shape, dtype=torch.float32, device=batch["response_ids"].device)
+        for rows in micro_batch_rows(batch, self.cfg.samples_per_micro_batch, self.cfg.tokens_per_micro_batch,
+                                     packed=runs_packed(self.model)):
+            micro = batch.index(rows)
+            values[torch.tensor(rows, device=values.device)] = _values(self.model, micro) * loss_mask(micro)
+        return Batch(tensors={"values": values.cpu()},
                      meta={"timing/critic_forward_s": time.perf_counter() - start})
 
     @register(Dispatch.DP_SPLIT)
@@ -100,7 +111,9 @@ class CriticWorker(TrainingStateMixin):
                   "global_sequence_count": all_reduce_sum(int(mask.any(1).sum()))}
         self.optimizer.zero_grad(set_to_none=True)
         weighted: dict[str, float] = {}
-        for micro in accumulating(self.model, micro_batches(mini, self.cfg.samples_per_micro_batch)):
+        micros = micro_batches(mini, self.cfg.samples_per_micro_batch, self.cfg.tokens_per_micro_batch,
+                               packed=runs_packed(self.model))
+        for micro in accumulating(self.model, micros):
             loss, stats = clipped_value_loss(
                 values=_values(self.model, micro), old_values=micro["values"], returns=micro["returns"],
                 response_mask=loss_mask(micro), clip_range=self.cfg.value_clip_range,

@@ -21,13 +21,15 @@ from hybridflow.training.sequences import log_probs_and_entropy
 class ReferenceWorker:
     def __init__(self, ctx: WorkerContext, *, model_path: str, dtype: str, keep_dropout: bool,
                  samples_per_micro_batch: int, temperature: float, trust_remote_code: bool,
-                 pack_sequences: bool | None = None) -> None:
+                 pack_sequences: bool | None = None, tokens_per_micro_batch: int | None = None) -> None:
         """Values from the config, built by recipes/roles.py: `model.dtype` (frozen, so the parameters
         are held in the compute dtype: no master copy), `model.keep_dropout`,
-        `actor.samples_per_micro_batch`, `rollout.temperature`, `model.trust_remote_code`, `model.pack_sequences`."""
+        `actor.samples_per_micro_batch`, `rollout.temperature`, `model.trust_remote_code`, `model.pack_sequences`,
+        `actor.tokens_per_micro_batch`."""
         self.ctx, self.model_path, self.dtype, self.keep_dropout = ctx, model_path, dtype, keep_dropout
         self.samples_per_micro_batch, self.temperature = samples_per_micro_batch, temperature
         self.trust_remote_code, self.pack_sequences = trust_remote_code, pack_sequences
+        self.tokens_per_micro_batch = tokens_per_micro_batch
         self.model = None
 
     @register(Dispatch.ONE_TO_ALL)
@@ -43,7 +45,7 @@ class ReferenceWorker:
         """`ref_log_probs` (B, R), 0 outside `response_mask`; the pass's seconds in meta."""
         start = time.perf_counter()
         log_probs, _ = log_probs_and_entropy(self.model, batch.to(self.ctx.device), self.samples_per_micro_batch,
-                                             self.temperature)
+                                             self.temperature, self.tokens_per_micro_batch)
         return Batch(tensors={"ref_log_probs": log_probs.cpu()},
                      meta={"timing/reference_forward_s": time.perf_counter() - start})
 

@@ -493,6 +493,10 @@ class ActorConfig:
     # per rank; null: the most rows (up to 64) that fit the memory available, chosen before start
     # (hybridflow/memory_budget.py, docs/performance.md "Memory")
     samples_per_micro_batch: Optional[int] = None
+    # per rank; the most tokens a micro-batch holds (its real tokens when packed, rows x its longest
+    # row when padded), rows grouped by length and balanced (hybridflow/training/sequences.py); null:
+    # samples_per_micro_batch rows of the batch's full width, the memory the choice above priced
+    tokens_per_micro_batch: Optional[int] = None
     epochs_per_step: int = 1
     policy_loss: str = "ppo_clip"
     clip_ratio_low: float = 0.2
@@ -514,6 +518,8 @@ class ActorConfig:
         _require(self.samples_per_mini_batch >= 0, "actor.samples_per_mini_batch", self.samples_per_mini_batch, "must be >= 0")
         _require(self.samples_per_micro_batch is None or self.samples_per_micro_batch >= 1, "actor.samples_per_micro_batch",
                  self.samples_per_micro_batch, "must be >= 1, or null to choose from the memory available")
+        _require(self.tokens_per_micro_batch is None or self.tokens_per_micro_batch >= 1, "actor.tokens_per_micro_batch",
+                 self.tokens_per_micro_batch, "must be >= 1, or null: samples_per_micro_batch full-width rows' worth")
         _require(self.epochs_per_step >= 1, "actor.epochs_per_step", self.epochs_per_step, "must be >= 1")
         _require(self.policy_loss in POLICY_LOSSES.names(), "actor.policy_loss", self.policy_loss, f"one of {POLICY_LOSSES.names()}")
         _require(self.loss_aggregation in LOSS_AGGREGATIONS.names(), "actor.loss_aggregation", self.loss_aggregation,
@@ -532,9 +538,15 @@ class CriticConfig:
     optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-4))
     samples_per_mini_batch: int = 0
     samples_per_micro_batch: Optional[int] = None  # null: the actor's choice (memory available)
+    tokens_per_micro_batch: Optional[int] = None  # as actor.tokens_per_micro_batch
     epochs_per_step: int = 1
     value_clip_range: float = 0.2
     loss_aggregation: str = "token-mean"
+
+    def __post_init__(self) -> None:
+        _require(self.tokens_per_micro_batch is None or self.tokens_per_micro_batch >= 1,
+                 "critic.tokens_per_micro_batch", self.tokens_per_micro_batch,
+                 "must be >= 1, or null: samples_per_micro_batch full-width rows' worth")
 
 
 STAGES = ("generate", "score", "advantages", "update", "weight_sync")

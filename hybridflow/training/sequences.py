@@ -124,8 +124,71 @@ def _takes_logits_to_keep(model: torch.nn.Module) -> bool:
 _LOGITS_TO_KEEP: dict[type, bool] = {}
 
 
-def micro_batches(batch: Batch, rows_per_micro_batch: int) -> Iterator[Batch]:
-    yield from batch.split(rows_per_micro_batch)
+def row_lengths(batch: Batch) -> torch.Tensor:
+    """(B,) real tokens of each row: its prompt and response."""
+    return batch["prompt_mask"].sum(dim=1) + batch["response_mask"].sum(dim=1)
+
+
+def token_budget_groups(lengths: list[int], budget: int, packed: bool, groups_at_least: int = 1) -> list[list[int]]:
+    """Rows (indices into `lengths`) in micro-batches of at most `budget` tokens each, as few as that
+    allows and at least `groups_at_least` (every rank of a group must run as many). Packed, a
+    micro-batch costs its rows' real tokens: the fewest micro-batches for which the longest rows
+    first, each into the lightest micro-batch, stay within the budget, so they hold about the same
+    number of tokens. Padded, it costs rows x its longest row: rows sorted by length fill one micro-batch
+    after another, so rows of like length pad each other. A row longer than the budget is a
+    micro-batch of its own. Each micro-batch's rows in their original order."""
+    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
+    groups: list[list[int]] = []
+    if packed:
+        groups = [[i] for i in order if lengths[i] > budget]
+        rest = [i for i in order if lengths[i] <= budget]
+        bins = max(1, -(-sum(lengths[i] for i in rest) // budget), groups_at_least - len(groups))
+        while rest:  # the fewest micro-batches whose longest-first, lightest-first filling fits the budget
+            filled: list[list[int]] = [[] for _ in range(min(bins, len(rest)))]
+            loads = [0] * len(filled)
+            for i in rest:
+                lightest = loads.index(min(loads))
+                filled[lightest].append(i)
+                loads[lightest] += lengths[i]
+            if max(loads) <= budget:
+                groups += filled
+                break
+            bins += 1
+    else:
+        for i in order:  # longest first: a group's first row is its longest
+            if groups and (len(groups[-1]) + 1) * lengths[groups[-1][0]] <= budget:
+                groups[-1].append(i)
+            else:
+                groups.append([i])
+    while len(groups) < min(groups_at_least, len(lengths)):  # split the group with the most rows
+        largest = max(range(len(groups)), key=lambda g: len(groups[g]))
+        rows = groups.pop(largest)
+        groups += [rows[0::2], rows[1::2]]
+    return [sorted(g) for g in groups]
+
+
+def micro_batch_rows(batch: Batch, rows_per_micro_batch: int, tokens_per_micro_batch: int | None = None,
+                     packed: bool = False) -> list[list[int]]:
+    """The rows of each micro-batch of `batch` on this rank: by token budget (`token_budget_groups`),
+    `tokens_per_micro_batch`, or when None as many tokens as `rows_per_micro_batch` rows of the
+    batch's full width hold (the rows the memory choice priced at full length, so the peak stays
+    within it while shorter rows share a micro-batch). Every rank of the process group gets as many
+    micro-batches as the rank that needs the most: FSDP2 gathers in every forward, collectively."""
+    from hybridflow.training.fsdp import all_reduce_max
+
+    budget = tokens_per_micro_batch or rows_per_micro_batch * (batch["prompt_ids"].shape[1] +
+                                                               batch["response_ids"].shape[1])
+    lengths = row_lengths(batch).tolist()
+    groups = token_budget_groups(lengths, budget, packed)
+    most = int(all_reduce_max(len(groups)))
+    return token_budget_groups(lengths, budget, packed, groups_at_least=most) if most > len(groups) else groups
+
+
+def micro_batches(batch: Batch, rows_per_micro_batch: int, tokens_per_micro_batch: int | None = None,
+                  packed: bool = False) -> Iterator[Batch]:
+    """`batch`'s micro-batches (`micro_batch_rows`), each a Batch of its rows."""
+    for rows in micro_batch_rows(batch, rows_per_micro_batch, tokens_per_micro_batch, packed):
+        yield batch.index(rows)
 
 
 def mini_batches(batch: Batch, rows_per_mini_batch: int, generator: torch.Generator | None = None) -> list[Batch]:
@@ -136,14 +199,20 @@ def mini_batches(batch: Batch, rows_per_mini_batch: int, generator: torch.Genera
 
 @torch.no_grad()
 def log_probs_and_entropy(model: torch.nn.Module, batch: Batch, rows_per_micro_batch: int,
-                          temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+                          temperature: float = 1.0, tokens_per_micro_batch: int | None = None
+                          ) -> tuple[torch.Tensor, torch.Tensor]:
     """Log-probs of the trained response tokens and the entropy at each position, (B, R) each,
-    0 outside `loss_mask` (padding, and tool output in agent rollouts)."""
+    in the batch's row order, 0 outside `loss_mask` (padding, and tool output in agent rollouts)."""
     model.eval()
-    parts_lp, parts_ent = [], []
-    for micro in micro_batches(batch, rows_per_micro_batch):
+    shape = batch["response_ids"].shape
+    device = batch["response_ids"].device
+    log_probs_out = torch.zeros(shape, dtype=torch.float32, device=device)
+    entropy_out = torch.zeros(shape, dtype=torch.float32, device=device)
+    for rows in micro_batch_rows(batch, rows_per_micro_batch, tokens_per_micro_batch, runs_packed(model)):
+        micro = batch.index(rows)
         log_probs, entropy = response_log_probs(model, micro, temperature)
         mask = loss_mask(micro)
-        parts_lp.append(log_probs * mask)
-        parts_ent.append(entropy * mask)
-    return torch.cat(parts_lp), torch.cat(parts_ent)
+        index = torch.tensor(rows, device=device)
+        log_probs_out[index] = log_probs * mask
+        entropy_out[index] = entropy * mask
+    return log_probs_out, entropy_out

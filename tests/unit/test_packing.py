@@ -1,6 +1,8 @@
 """Packed sequences (hybridflow/training/packing.py) compute what the padded path computes: the same
 log-probs and gradients for every architecture in the zoo, the same values for the critic, the
-same actor update; and a model that cannot run packed says why."""
+same actor update; and a model that cannot run packed says why. Micro-batches by token budget
+(hybridflow/training/sequences.py) cover every row once within the budget and leave log-probs and
+gradients as one micro-batch gives them."""
 
 from __future__ import annotations
 
@@ -13,7 +15,7 @@ from hybridflow.builders.architectures import ARCHITECTURES, build_tiny_architec
 from hybridflow.config.schema import ActorConfig, CriticConfig, HybridFlowConfig, ModelConfig, OptimConfig
 from hybridflow.controller import WorkerContext
 from hybridflow.training.packing import choose_packing, pack, packing_unsupported, runs_packed
-from hybridflow.training.sequences import loss_mask, response_log_probs
+from hybridflow.training.sequences import loss_mask, micro_batch_rows, response_log_probs, token_budget_groups
 from recipes.roles import actor_role, critic_role
 
 # (prompt tokens, response tokens) per row: full rows, short ones, a one-token prompt, an empty response
@@ -137,3 +139,101 @@ def test_the_critics_packed_values_equal_its_padded_values(tiny_model_dir):
         critic.start()
         values[setting] = critic.compute_values(batch)["values"]
     torch.testing.assert_close(values[True], values[False], atol=1e-5, rtol=1e-4)
+
+
+# ---- micro-batches by token budget ----------------------------------------------------------------
+
+LENGTHS_FOR_BUDGET = [30, 5, 12, 40, 7, 7, 22, 3, 18, 9, 60]
+
+
+@pytest.mark.parametrize("packed", [True, False])
+def test_token_budget_groups_cover_every_row_once_within_the_budget(packed):
+    budget = 50
+    groups = token_budget_groups(LENGTHS_FOR_BUDGET, budget, packed)
+    assert sorted(i for g in groups for i in g) == list(range(len(LENGTHS_FOR_BUDGET)))
+    assert all(g == sorted(g) for g in groups)  # each micro-batch's rows in their batch order
+    cost = (lambda g: sum(LENGTHS_FOR_BUDGET[i] for i in g)) if packed else \
+        (lambda g: len(g) * max(LENGTHS_FOR_BUDGET[i] for i in g))
+    over = [g for g in groups if cost(g) > budget]
+    assert over == [[10]]  # only the 60-token row, alone: a row longer than the budget is its own micro-batch
+    if packed:  # as few as the tokens need (213 of them, 50 a micro-batch -> 5), about even
+        assert len(groups) == 5
+        loads = sorted(cost(g) for g in groups if g != [10])
+        assert loads[-1] - loads[0] <= max(LENGTHS_FOR_BUDGET[:10])
+    else:  # rows of like length together: each micro-batch is a run of the length-sorted rows
+        order = sorted(range(len(LENGTHS_FOR_BUDGET)), key=lambda i: -LENGTHS_FOR_BUDGET[i])
+        runs = sorted(groups, key=lambda g: min(order.index(i) for i in g))
+        assert [i for g in runs for i in sorted(g, key=order.index)] == order
+
+
+def test_token_budget_groups_split_to_as_many_as_another_rank_needs():
+    groups = token_budget_groups(LENGTHS_FOR_BUDGET, 1000, packed=True, groups_at_least=4)
+    assert len(groups) == 4 and all(groups)
+    assert sorted(i for g in groups for i in g) == list(range(len(LENGTHS_FOR_BUDGET)))
+    assert len(token_budget_groups([5, 5], 1000, packed=True, groups_at_least=4)) == 2  # never an empty one
+
+
+def _budget_config(samples: int, tokens: int | None, pack_sequences: bool) -> HybridFlowConfig:
+    return HybridFlowConfig(model=ModelConfig(pack_sequences=pack_sequences),
+                            actor=ActorConfig(optim=OptimConfig(lr=1e-2), samples_per_micro_batch=samples,
+                                              tokens_per_micro_batch=tokens))
+
+
+@pytest.mark.parametrize("pack_sequences", [True, False])
+def test_a_token_budget_leaves_log_probs_and_the_updates_gradients_unchanged(tiny_model_dir, pack_sequences):
+    batch = _batch(vocab=40)
+    results = {}
+    for name, samples, tokens in (("one micro-batch", len(LENGTHS), None), ("token budget", 1, 12)):
+        actor = actor_role(_budget_config(samples, tokens, pack_sequences), tiny_model_dir).build(WorkerContext())
+        actor.start()
+        out = actor.compute_log_probs(batch)
+        stats = actor.update_policy(batch.union(out))
+        grads = {n: p.grad.clone() for n, p in actor.model.named_parameters()}
+        results[name] = (out["old_log_probs"], stats, grads)
+    torch.testing.assert_close(results["token budget"][0], results["one micro-batch"][0], atol=1e-5, rtol=1e-5)
+    assert results["token budget"][1]["actor/loss"] == pytest.approx(results["one micro-batch"][1]["actor/loss"],
+                                                                       rel=1e-4, abs=1e-7)
+    for name, grad in results["one micro-batch"][2].items():
+        torch.testing.assert_close(results["token budget"][2][name], grad, atol=1e-6, rtol=1e-4, msg=name)
+
+
+def test_the_default_budget_is_the_rows_full_width_worth():
+    batch = _batch()  # rows of 16, 7, 10, 5, 3, 11 real tokens in a width of 7 + 9
+    groups = micro_batch_rows(batch, rows_per_micro_batch=2, packed=True)  # 2 x 16 tokens a micro-batch
+    assert sorted(i for g in groups for i in g) == list(range(len(LENGTHS)))
+    assert all(sum(p + r for p, r in (LENGTHS[i] for i in g)) <= 32 for g in groups)
+    assert len(groups) == 2  # 52 real tokens; by rows it would take 3 micro-batches of 2
+
+
+def _rank_counts(rank: int, port: int, out_dir: str) -> None:
+    import json
+    from pathlib import Path
+
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    try:
+        batch = _batch(seed=rank)
+        if rank == 1:  # rank 1's rows are all short: on its own it would need one micro-batch
+            batch = Batch({**{k: batch[k] for k in batch.keys()},
+                           "prompt_mask": batch["prompt_mask"] & (torch.arange(7) >= 6),
+                           "response_mask": batch["response_mask"] & (torch.arange(9) < 1)})
+        groups = micro_batch_rows(batch, rows_per_micro_batch=1, tokens_per_micro_batch=16, packed=True)
+        Path(out_dir, f"{rank}.json").write_text(json.dumps(groups))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_every_rank_runs_as_many_micro_batches_as_the_rank_that_needs_the_most(tmp_path):
+    import json
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.start_processes(_rank_counts, args=(port, str(tmp_path)), nprocs=2, join=True, start_method="spawn")
+    groups = [json.loads((tmp_path / f"{rank}.json").read_text()) for rank in (0, 1)]
+    assert len(groups[0]) == len(groups[1]) > 1  # rank 0's 52 tokens need 4 of 16; rank 1 splits to match
+    assert sorted(i for g in groups[1] for i in g) == list(range(len(LENGTHS)))
