@@ -74,7 +74,8 @@ class ActorWorker(TrainingStateMixin):
         torch.manual_seed(self.seed)
         model = load_model(self.model_path, self.master_dtype, lora=self.cfg.lora,
                            gradient_checkpointing=self.cfg.gradient_checkpointing,
-                           trust_remote_code=self.trust_remote_code, keep_dropout=self.keep_dropout)
+                           trust_remote_code=self.trust_remote_code, keep_dropout=self.keep_dropout,
+                           on_meta=self.ctx.world_size > 1 and self.ctx.rank != 0)
         packed = choose_packing(model, self.pack_sequences)
         self.model = shard_model(model, self.ctx.device, compute_dtype=self.dtype)
         self.optimizer, self.scheduler = build_optimizer(self.model, self.cfg.optim, self.total_steps)

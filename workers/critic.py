@@ -65,7 +65,8 @@ class CriticWorker(TrainingStateMixin):
     def start(self) -> None:
         torch.manual_seed(self.seed + 1)
         model = load_model(self.model_path, self.master_dtype, value_head=True, trust_remote_code=self.trust_remote_code,
-                           keep_dropout=self.keep_dropout)
+                           keep_dropout=self.keep_dropout,
+                           on_meta=self.ctx.world_size > 1 and self.ctx.rank != 0)
         choose_packing(model, self.pack_sequences)
         self.model = shard_model(model, self.ctx.device, compute_dtype=self.dtype)
         self.optimizer, self.scheduler = build_optimizer(self.model, self.cfg.optim, self.total_steps)

@@ -35,7 +35,8 @@ class ReferenceWorker:
     @register(Dispatch.ONE_TO_ALL)
     def start(self) -> None:
         model = load_model(self.model_path, self.dtype, trust_remote_code=self.trust_remote_code,
-                           keep_dropout=self.keep_dropout)
+                           keep_dropout=self.keep_dropout,
+                           on_meta=self.ctx.world_size > 1 and self.ctx.rank != 0)
         model.requires_grad_(False)
         choose_packing(model, self.pack_sequences)
         self.model = shard_model(model, self.ctx.device)

@@ -39,11 +39,13 @@ if TYPE_CHECKING:
 
 def load_model(path: str, dtype: str, *, value_head: bool = False, lora: LoraConfig | None = None,
                gradient_checkpointing: bool = False, trust_remote_code: bool = False,
-               keep_dropout: bool = False) -> torch.nn.Module:
+               keep_dropout: bool = False, on_meta: bool = False) -> torch.nn.Module:
     """A causal LM (or, with `value_head`, a token-classification model with one output per token),
     with a LoRA adapter when `lora` (the `actor.lora` config node) has a rank > 0. Parameters are
     in `dtype` (a trained role's master dtype; the compute dtype is `shard_model`'s). Dropout is
-    off unless `keep_dropout` (see the module docstring)."""
+    off unless `keep_dropout` (see the module docstring). `on_meta`: built from the config on the
+    meta device, the checkpoint not read (every rank but 0 of a group: `shard_model` fills its
+    shards from rank 0's copy)."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForTokenClassification
 
     torch_dtype = getattr(torch, dtype)
@@ -52,11 +54,12 @@ def load_model(path: str, dtype: str, *, value_head: bool = False, lora: LoraCon
         zero_dropout_config(config)
     if value_head:
         config.num_labels = 1
-        model = AutoModelForTokenClassification.from_pretrained(
-            path, config=config, dtype=torch_dtype, trust_remote_code=trust_remote_code)
+    auto = AutoModelForTokenClassification if value_head else AutoModelForCausalLM
+    if on_meta:
+        with torch.device("meta"):
+            model = auto.from_config(config, dtype=torch_dtype, trust_remote_code=trust_remote_code)
     else:
-        model = AutoModelForCausalLM.from_pretrained(path, config=config, dtype=torch_dtype,
-                                                     trust_remote_code=trust_remote_code)
+        model = auto.from_pretrained(path, config=config, dtype=torch_dtype, trust_remote_code=trust_remote_code)
     if not keep_dropout:
         zero_dropout_modules(model)
     if gradient_checkpointing:
@@ -109,7 +112,9 @@ def shard_model(model: torch.nn.Module, device: str, compute_dtype: str | None =
     precision: forward and backward in `compute_dtype`, gradients reduced in float32 into the
     parameters' (master) dtype. That needs FSDP2 even on one rank; a worker built in-process
     without a process group (a test) gets a one-rank gloo group of its own."""
-    model.to(device)
+    on_meta = any(p.is_meta for p in model.parameters())
+    if not on_meta:
+        model.to(device)
     if device == "cuda":
         attention_for_changing_shapes()
     param_dtype = next(model.parameters()).dtype
@@ -126,10 +131,31 @@ def shard_model(model: torch.nn.Module, device: str, compute_dtype: str | None =
             f"{type(_unwrap(model)).__name__} lists no _no_split_modules; cannot find its decoder blocks to shard")
     policy = MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=torch.float32) if mixed else MixedPrecisionPolicy()
     reshard = dist.get_world_size() > 1  # one rank: the gathered copy is the whole model either way
+    from_rank0 = dist.get_world_size() > 1  # every rank the same weights: rank 0's (a random head too)
+    full = model.state_dict() if from_rank0 and dist.get_rank() == 0 else {}
     for block in blocks:
         fully_shard(block, mp_policy=policy, reshard_after_forward=reshard)
     fully_shard(model, mp_policy=policy, reshard_after_forward=reshard)
+    if from_rank0:
+        _fill_from_rank0(model, full, device)
+    elif on_meta:
+        raise ValueError("shard_model: a model built on the meta device needs a group whose rank 0 holds the weights")
     return model
+
+
+def _fill_from_rank0(model: torch.nn.Module, full: dict, device: str) -> None:
+    """Every rank's shards from rank 0's full weights (`full`, empty elsewhere: those ranks built the
+    model on the meta device and read no checkpoint), tensor by tensor through torch.distributed's
+    state-dict API, and the buffers (rotary tables and the like, not in a state dict when not
+    persistent) broadcast as they are. A node's host memory then holds one copy of the checkpoint,
+    not one per rank."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    if any(p.is_meta for p in model.parameters()):
+        model.to_empty(device=device)
+    set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+    for buffer in model.buffers():
+        dist.broadcast(buffer.data, src=0)
 
 
 def accumulating(model: torch.nn.Module, micro_batches: Iterable) -> Iterator:
