@@ -22,10 +22,11 @@ allocator slack).
 
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
+
+from hybridflow.config.model_facts import ModelFacts
 
 GIB = 2 ** 30
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -49,37 +50,14 @@ class ModelShape:
 
     @classmethod
     def from_dir(cls, path: str | Path) -> "ModelShape | None":
-        """From config.json and the safetensors headers (exact parameter count); None when the
-        directory cannot tell (the model's own loading reports it)."""
-        root = Path(path).expanduser()
-        try:
-            config = json.loads((root / "config.json").read_text())
-            parameters = sum(_safetensors_numel(f) for f in root.glob("*.safetensors"))
-        except (OSError, ValueError):
+        """From the directory's `ModelFacts` (config.json and the safetensors headers: an exact
+        parameter count); None when the directory cannot tell (the model's own loading reports it)."""
+        facts = ModelFacts.from_dir(path)
+        if facts is None or not facts.parameters or not facts.hidden:
             return None
-        text = config.get("text_config", config)
-        hidden = int(text.get("hidden_size") or text.get("n_embd") or 0)
-        if not parameters or not hidden:
-            return None
-        return cls(parameters=parameters, layers=int(text.get("num_hidden_layers") or text.get("n_layer") or 1),
-                   hidden=hidden, intermediate=int(text.get("intermediate_size") or 4 * hidden),
-                   heads=int(text.get("num_attention_heads") or text.get("n_head") or 1),
-                   vocab=int(text.get("vocab_size") or 0),
-                   # unsaid, the smaller (tied) is the lower bound
-                   tied_embeddings=bool(text.get("tie_word_embeddings", config.get("tie_word_embeddings", True))))
-
-
-def _safetensors_numel(path: Path) -> int:
-    with open(path, "rb") as f:
-        header = json.loads(f.read(int.from_bytes(f.read(8), "little")))
-    total = 0
-    for name, entry in header.items():
-        if name != "__metadata__":
-            count = 1
-            for d in entry["shape"]:
-                count *= d
-            total += count
-    return total
+        return cls(parameters=facts.parameters, layers=facts.layers or 1, hidden=facts.hidden,
+                   intermediate=facts.intermediate, heads=facts.heads or 1, vocab=facts.vocab,
+                   tied_embeddings=facts.tied_embeddings)
 
 
 def process_terms(config, shape: ModelShape, roles: set[str], rows: int | None = None,

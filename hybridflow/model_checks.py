@@ -10,26 +10,21 @@ and refuses the run with the architecture, the value and the fix.
 from __future__ import annotations
 
 import importlib.metadata
-import json
-from pathlib import Path
 
+from hybridflow.config.model_facts import ModelFacts
 from hybridflow.config.schema import DeviceKind, HybridFlowConfig, RolloutBackend, tp_head_problems
 
 # vllm 0.32's CPUAttentionBackend.get_supported_head_sizes() (tests/unit/test_model_checks.py compares)
 CPU_ATTENTION_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
 
 
-def attention_shape(config: dict) -> tuple[int, int, int] | None:
-    """(attention heads, key/value heads, head size) from a config.json, None when it has no
-    recognisable attention (the check then leaves the model to vLLM)."""
-    text = config.get("text_config") if isinstance(config.get("text_config"), dict) else config
-    heads = text.get("num_attention_heads", text.get("n_head"))
-    hidden = text.get("hidden_size", text.get("n_embd"))
-    if not isinstance(heads, int) or heads < 1:
+def attention_shape(facts: ModelFacts | dict) -> tuple[int, int, int] | None:
+    """(attention heads, key/value heads, head size) of a model (its `ModelFacts`, or a parsed
+    config.json), None when it has no recognisable attention (the check then leaves the model to vLLM)."""
+    facts = facts if isinstance(facts, ModelFacts) else ModelFacts.from_config_json(facts)
+    if not facts.heads or not facts.head_size:
         return None
-    kv_heads = text.get("num_key_value_heads") or heads
-    head_dim = text.get("head_dim") or (hidden // heads if isinstance(hidden, int) else None)
-    return (heads, kv_heads, head_dim) if isinstance(head_dim, int) else None
+    return facts.heads, facts.kv_heads, facts.head_size
 
 
 def on_cpu(config: HybridFlowConfig) -> bool:
@@ -49,15 +44,12 @@ def vllm_problems(config: HybridFlowConfig, model_path: str) -> list[str]:
     """What in `model_path`'s config.json vLLM cannot run with this config (empty: nothing found)."""
     if config.rollout.backend is not RolloutBackend.vllm:
         return []
-    try:
-        model_config = json.loads((Path(model_path).expanduser() / "config.json").read_text())
-        shape = attention_shape(model_config)
-    except (OSError, ValueError, AttributeError):
-        return []  # preflight's model-directory check reports an unreadable config.json
+    facts = ModelFacts.from_dir(model_path)
+    shape = attention_shape(facts) if facts is not None else None  # unreadable: preflight's directory check says
     if shape is None:
         return []
     heads, kv_heads, head_dim = shape
-    where = f"model.path={model_path!r} ({model_config.get('model_type', '?')}: {heads} attention heads, " \
+    where = f"model.path={model_path!r} ({facts.model_type or '?'}: {heads} attention heads, " \
             f"{kv_heads} key/value heads, head size {head_dim})"
     tp = config.rollout.tensor_parallel_size
     problems = [f"{where}: rollout.tensor_parallel_size={tp} {why}" for why in tp_head_problems(tp, heads, kv_heads)]

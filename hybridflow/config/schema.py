@@ -15,6 +15,7 @@ from typing import Any, Dict, List, Optional
 
 from hybridflow.data.corpus import PretrainConfig  # the pretrain.* schema lives beside the corpus
 from hybridflow.config.recipes import RECIPE_SPECS, recipe_spec, stage_recipes
+from hybridflow.config.model_facts import ModelFacts
 from hybridflow.merge.hooks import HookConfig  # the hook schema lives beside the hooks
 from hybridflow.rewards.config import RewardConfig  # noqa: F401 - the reward.* schema lives beside its code
 from hybridflow.rollout_schedules import schedule_class
@@ -193,35 +194,22 @@ def tp_head_problems(tp: int, heads: int, kv_heads: int) -> list[str]:
     return problems
 
 
-def _text_config(model: "ModelConfig") -> dict:
-    """model.path's config.json (its `text_config` for a multimodal model); {} when unreadable."""
-    import json
-    from pathlib import Path
-
-    try:
-        config = json.loads((Path(model.path).expanduser() / "config.json").read_text())
-    except (OSError, ValueError):
-        return {}
-    return config.get("text_config", config)
-
-
 def model_heads(model: "ModelConfig") -> tuple[int, int]:
-    """(attention heads, key/value heads) from the tiny model config or model.path's config.json;
-    (0, 0) when the directory cannot tell (checked again when the model loads)."""
+    """(attention heads, key/value heads) from the tiny model config or model.path's config.json
+    (`ModelFacts`); (0, 0) when the directory cannot tell (checked again when the model loads)."""
     if model.path is None:
         return model.tiny.num_attention_heads, model.tiny.num_key_value_heads
-    text = _text_config(model)
-    heads = int(text.get("num_attention_heads", 0) or 0)
-    return heads, int(text.get("num_key_value_heads", heads) or heads)
+    facts = ModelFacts.from_dir(model.path)
+    return (facts.heads, facts.kv_heads) if facts is not None else (0, 0)
 
 
 def model_layers(model: "ModelConfig") -> int:
-    """Decoder layers of the tiny model or model.path's config.json (`num_hidden_layers`, GPT-2's
-    `n_layer`); 1 when the directory cannot tell. Precision tolerances grow with it."""
+    """Decoder layers of the tiny model or model.path's config.json (`ModelFacts`); 1 when the
+    directory cannot tell. Precision tolerances grow with it."""
     if model.path is None:
         return model.tiny.num_hidden_layers
-    text = _text_config(model)
-    return int(text.get("num_hidden_layers") or text.get("n_layer") or 1)
+    facts = ModelFacts.from_dir(model.path)
+    return (facts.layers if facts is not None else 0) or 1
 
 
 @dataclass

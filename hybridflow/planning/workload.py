@@ -100,8 +100,6 @@ class Workload:
 
 def model_shape(config) -> dict[str, int]:
     """Parameters, layers, hidden size, heads, key/value heads and vocabulary of the run's model."""
-    from hybridflow.config.schema import model_heads
-
     if config.model.path is None:
         tiny = config.model.tiny
         from hybridflow.builders.tiny_model import tiny_vocab_size
@@ -113,15 +111,15 @@ def model_shape(config) -> dict[str, int]:
         embeddings = vocab * h * (1 if tiny.tie_word_embeddings else 2)
         return {"parameters": n * per_layer + embeddings + h, "layers": n, "hidden": h,
                 "heads": tiny.num_attention_heads, "kv_heads": tiny.num_key_value_heads, "vocab": vocab}
-    from hybridflow.memory_budget import ModelShape
+    from hybridflow.config.model_facts import ModelFacts
 
-    shape = ModelShape.from_dir(config.model.path)
-    if shape is None:
+    facts = ModelFacts.from_dir(config.model.path)
+    if facts is None or not facts.parameters or not facts.hidden:
         raise ValueError(f"model.path={config.model.path!r}: the planner needs config.json and *.safetensors there "
                          "to count the model's parameters")
-    heads, kv_heads = model_heads(config.model)
-    return {"parameters": shape.parameters, "layers": shape.layers, "hidden": shape.hidden,
-            "heads": heads or shape.heads, "kv_heads": kv_heads or heads or shape.heads, "vocab": shape.vocab}
+    heads = facts.heads or 1
+    return {"parameters": facts.parameters, "layers": facts.layers or 1, "hidden": facts.hidden,
+            "heads": heads, "kv_heads": facts.kv_heads or heads, "vocab": facts.vocab}
 
 
 @dataclass(frozen=True)

@@ -17,7 +17,6 @@ check is the one that sees the training path itself (padding, batch, the update'
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 FLOAT32_TOLERANCE = 1e-3
@@ -67,12 +66,10 @@ def check_engine_parity(gap: float, *, tolerance: float, architecture: str, dtyp
 
 def model_architecture(model_dir: str | Path) -> str:
     """The architecture named in a model directory's config.json (for messages)."""
-    try:
-        config = json.loads((Path(model_dir) / "config.json").read_text())
-    except (OSError, ValueError):
-        return f"the model in {model_dir}"
-    names = config.get("architectures") or [config.get("model_type", "an unknown architecture")]
-    return str(names[0])
+    from hybridflow.config.model_facts import ModelFacts
+
+    facts = ModelFacts.from_dir(model_dir)
+    return facts.architecture if facts is not None else f"the model in {model_dir}"
 
 
 class FirstBatchParity:

@@ -40,3 +40,36 @@ def test_the_scan_sees_imports(tmp_path):
     sample.write_text("def f():\n    from workers.actor import ActorWorker\nimport importlib\n"
                       "importlib.import_module('workers.critic')\n")
     assert sorted(m for _, m in _imported_modules(sample)) == ["importlib", "workers.actor", "workers.critic"]
+
+
+def _config_json_reads(path: Path) -> list[int]:
+    """Lines where a file reads a `config.json`: a call that opens, reads or parses (open, read_text,
+    read_bytes, json.load/loads, from_json_file) with the string "config.json" in its arguments or receiver."""
+    tree = ast.parse(path.read_text(), filename=str(path))
+    readers = {"open", "read_text", "read_bytes", "load", "loads", "from_json_file"}
+    lines = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call) and getattr(node.func, "attr", getattr(node.func, "id", "")) in readers:
+            if any(isinstance(n, ast.Constant) and n.value == "config.json" for n in ast.walk(node)):
+                lines.append(node.lineno)
+    return lines
+
+
+def test_config_json_is_read_in_one_module():
+    """Model facts (heads, layers, sizes, parameters) come from hybridflow/config/model_facts.py only,
+    so no two checks read a model's config.json with different names or fallbacks."""
+    root = FRAMEWORK.parent
+    offenders = [f"{path.relative_to(root)}:{line}"
+                 for folder in ("hybridflow", "workers", "recipes")
+                 for path in sorted((root / folder).rglob("*.py"))
+                 if path != FRAMEWORK / "config" / "model_facts.py"
+                 for line in _config_json_reads(path)]
+    assert not offenders, "config.json read outside hybridflow/config/model_facts.py: " + ", ".join(offenders)
+
+
+def test_the_config_json_scan_sees_a_read(tmp_path):
+    sample = tmp_path / "sample.py"
+    sample.write_text("import json\nfrom pathlib import Path\n"
+                      "def heads(d):\n    return json.loads((Path(d) / 'config.json').read_text())['n_head']\n"
+                      "def exists(d):\n    return (Path(d) / 'config.json').is_file()\n")
+    assert _config_json_reads(sample) == [4, 4]  # json.loads and read_text on line 4; is_file is no read
