@@ -208,8 +208,7 @@ def actor_pool_roles(config) -> set[str]:
     one and LoRA does not stand in for it; a critic only with algorithm.use_critic)."""
     pool = config.placement.roles["actor"]
     roles = {role for role, p in config.placement.roles.items() if p == pool}
-    kl = config.algorithm.kl_penalty_coef > 0 or config.actor.kl_loss_coef > 0
-    if not kl or config.actor.lora.rank:
+    if not config.reference_role_runs:
         roles.discard("reference")
     if not config.algorithm.use_critic:
         roles.discard("critic")

@@ -182,7 +182,7 @@ def score(r: Step, samples: Batch, greedy: Batch | None) -> Batch:
         pending.append(r.actor.compute_log_probs.remote(samples))
     if r.reference is not None:
         pending.append(r.reference.compute_ref_log_probs.remote(samples))
-    elif config.actor.lora.rank and needs_reference(config):
+    elif config.actor.lora.rank and config.needs_reference:  # the actor with its adapter disabled
         pending.append(r.actor.compute_ref_log_probs.remote(samples))
     if r.critic is not None:
         pending.append(r.critic.compute_values.remote(samples))
@@ -240,10 +240,6 @@ def step_metrics(r: Step, samples: Batch, trained_version: int, stale: bool, act
     return metrics
 
 
-def needs_reference(config: HybridFlowConfig) -> bool:
-    return config.algorithm.kl_penalty_coef > 0 or config.actor.kl_loss_coef > 0
-
-
 def needs_greedy_baseline(config: HybridFlowConfig) -> bool:
     """ReMax's baseline is the reward of one greedy response per prompt."""
     return config.algorithm.advantage_estimator == "remax"
@@ -260,7 +256,7 @@ def build_roles(config: HybridFlowConfig, model_dir: Path, tokenizer) -> dict[st
         "rollout": rollout_role(config, model_dir, tokenizer),
         "reward": reward_role(config),
     }
-    if needs_reference(config) and not config.actor.lora.rank:
+    if config.reference_role_runs:
         roles["reference"] = reference_role(config, model_dir)
     if config.algorithm.use_critic:
         roles["critic"] = critic_role(config, model_dir)
@@ -293,7 +289,7 @@ def add_advantages(samples: Batch, config: HybridFlowConfig, kl_coef: float, pro
         baseline_token_rewards = torch.zeros_like(token_rewards)
         baseline_token_rewards[:, 0] = samples["baseline_rewards"].float()
     metrics: dict[str, float] = {}
-    if needs_reference(config):
+    if config.needs_reference:
         token_rewards, kl_stats = apply_kl_penalty(
             token_rewards=token_rewards, log_probs=samples[proximal], ref_log_probs=samples["ref_log_probs"],
             response_mask=mask, kl_coef=kl_coef if a.kl_penalty_coef > 0 else 0.0, estimator=a.kl_penalty_estimator)

@@ -739,6 +739,18 @@ class HybridFlowConfig:
         _require(self.model.master_dtype in (Dtype.float32, self.model.dtype), "model.master_dtype",
                  self.model.master_dtype.value, f"float32, or model.dtype ({model}) itself for pure 16-bit training")
 
+    @property
+    def needs_reference(self) -> bool:
+        """Whether the run computes reference log-probs: a KL term (penalty in the reward or loss).
+        The one place this is decided; `reference_role_runs` says who computes them."""
+        return self.algorithm.kl_penalty_coef > 0 or self.actor.kl_loss_coef > 0
+
+    @property
+    def reference_role_runs(self) -> bool:
+        """Whether the reference role is started: reference log-probs are needed and no LoRA adapter
+        stands in for it (with LoRA the actor computes them with its adapter disabled)."""
+        return self.needs_reference and not self.actor.lora.rank
+
     def __post_init__(self) -> None:
         self._resolve_precision()
         if recipe_spec(self.recipe.name).pipeline:
@@ -764,7 +776,7 @@ class HybridFlowConfig:
         t, spec = self.trainer, recipe_spec(self.recipe.name)
         check_step_hooks(self)
         reference_hooks = [h.name for h in t.training_hooks if h.name not in STEP_HOOKS]
-        _require(not reference_hooks or self.algorithm.kl_penalty_coef > 0 or self.actor.kl_loss_coef > 0,
+        _require(not reference_hooks or self.needs_reference,
                  "trainer.training_hooks", reference_hooks,
                  "the hooks update the reference model, which runs only with algorithm.kl_penalty_coef > 0 or "
                  "actor.kl_loss_coef > 0")

@@ -74,8 +74,7 @@ class Workload:
         roles = ["actor", "rollout"]
         if config.algorithm.use_critic:
             roles.append("critic")
-        kl = config.algorithm.kl_penalty_coef > 0 or a.kl_loss_coef > 0
-        if kl and not a.lora.rank:
+        if config.reference_role_runs:
             roles.append("reference")
         if config.reward.reward_model.path is not None:
             roles.append("reward")

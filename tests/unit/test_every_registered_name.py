@@ -29,7 +29,7 @@ from hybridflow.algos.rewards import place_sequence_rewards
 from hybridflow.batch import Batch
 from hybridflow.config import ConfigError, compose
 from hybridflow.config.schema import ActorConfig
-from recipes.ppo import add_advantages, kl_controller_args, needs_greedy_baseline, needs_reference
+from recipes.ppo import add_advantages, kl_controller_args, needs_greedy_baseline
 
 # 2 prompts x 2 samples, 3 response tokens; True = a real response token.
 MASK = torch.tensor([[True, True, False], [True, True, True], [True, False, False], [True, True, False]])
@@ -51,7 +51,7 @@ def recipe_batch(config) -> Batch:
     """The tensors the step loop holds when it calls add_advantages, for this config."""
     tensors = {"response_mask": MASK, "sequence_rewards": SEQUENCE_REWARDS, "group_ids": torch.tensor([0, 0, 1, 1]),
                "old_log_probs": OLD_LOG_PROBS}
-    if needs_reference(config):
+    if config.needs_reference:
         tensors["ref_log_probs"] = REF_LOG_PROBS
     if config.algorithm.use_critic:
         tensors["values"] = VALUES
