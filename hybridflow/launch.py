@@ -167,4 +167,4 @@ def build_weight_sync(config: HybridFlowConfig, actor: WorkerGroup, rollout: Wor
     from hybridflow.resharding.transports import TRANSPORTS
 
     plan = Plan.from_config(config).with_transport("cuda" if use_gpu(config.placement) else "cpu")
-    return WeightSync(actor, rollout, config.weight_sync, TRANSPORTS[plan.transport](), config.rollout.dtype.value)
+    return WeightSync(actor, rollout, config.weight_sync, TRANSPORTS.get(plan.transport)(), config.rollout.dtype.value)

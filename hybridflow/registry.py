@@ -62,6 +62,16 @@ class Registry(Generic[T]):
     def names(self) -> list[str]:
         return sorted(self._entries)
 
+    def values(self) -> list[T]:
+        """The entries in the order they were registered."""
+        return list(self._entries.values())
+
+    def remove(self, name: str) -> T:
+        """Take `name` out (a test's toy entry, a plugin unloaded); a KeyError naming it when absent."""
+        if name not in self._entries:
+            raise KeyError(f"{self.kind} {name!r} is not registered; registered: {', '.join(self.names())}")
+        return self._entries.pop(name)
+
     def __contains__(self, name: str) -> bool:
         return name in self._entries
 

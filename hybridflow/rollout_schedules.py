@@ -49,6 +49,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Protocol
 
+from hybridflow.registry import Registry
+
 
 class StalenessError(RuntimeError):
     """A batch would train further from its generating policy than `trainer.max_staleness`."""
@@ -272,24 +274,24 @@ class Schedule:
             self.in_flight.append(self._launch(nxt, current))
 
 
-SCHEDULES: list[type[Schedule]] = []
+SCHEDULES: Registry[type[Schedule]] = Registry("rollout schedule", "a Schedule subclass with a `name`")
 
 
 def register_schedule(cls: type[Schedule]) -> type[Schedule]:
     """Add a schedule class; the most recently registered one that serves a depth is chosen."""
     if not cls.name:
         raise ValueError(f"{cls.__qualname__} needs a `name` to be registered")
-    SCHEDULES.append(cls)
+    SCHEDULES.add(cls.name, cls)
     return cls
 
 
 def schedule_class(max_staleness: int) -> type[Schedule]:
     """The schedule that runs `trainer.max_staleness`."""
-    for cls in reversed(SCHEDULES):
+    for cls in reversed(SCHEDULES.values()):
         if cls.serves(max_staleness):
             return cls
     raise ValueError(f"trainer.max_staleness={max_staleness}: no schedule runs it "
-                     f"({', '.join(c.name for c in SCHEDULES)}); it must be >= 0")
+                     f"({', '.join(c.name for c in SCHEDULES.values())}); it must be >= 0")
 
 
 def build_schedule(generator: Generator, weight_sync: Sync | StagingSync, max_staleness: int, last_step: int,

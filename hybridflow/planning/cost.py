@@ -36,6 +36,7 @@ from dataclasses import asdict, dataclass, field
 from hybridflow.planning.plan import Plan, PoolPlan
 from hybridflow.planning.rules import kv_per_sequence, phases
 from hybridflow.planning.workload import Cluster, Workload
+from hybridflow.registry import Registry
 
 STAGES = ("generate", "score", "update", "transition")
 
@@ -92,22 +93,18 @@ class CostModel:
         raise NotImplementedError
 
 
-COST_MODELS: dict[str, type[CostModel]] = {}
+COST_MODELS: Registry[type[CostModel]] = Registry("cost model", "a CostModel subclass with a `name`")
 
 
 def register_cost_model(cls: type[CostModel]) -> type[CostModel]:
     if not cls.name:
         raise ValueError(f"{cls.__qualname__} needs a `name` to be registered")
-    if cls.name in COST_MODELS:
-        raise ValueError(f"cost model {cls.name!r} is registered already ({COST_MODELS[cls.name].__qualname__})")
-    COST_MODELS[cls.name] = cls
+    COST_MODELS.add(cls.name, cls)
     return cls
 
 
 def build_cost_model(name: str, rates: Rates) -> CostModel:
-    if name not in COST_MODELS:
-        raise KeyError(f"unknown cost model {name!r}; registered: {sorted(COST_MODELS)}")
-    return COST_MODELS[name](rates)
+    return COST_MODELS.get(name)(rates)
 
 
 @register_cost_model

@@ -24,6 +24,7 @@ from hybridflow.planning.plan import Plan, PoolPlan
 from hybridflow.planning.rules import problems
 from hybridflow.planning.workload import Cluster, Workload
 from hybridflow.rollout_schedules import schedule_class
+from hybridflow.registry import Registry
 
 
 @dataclass(frozen=True)
@@ -41,22 +42,18 @@ class Policy:
         raise NotImplementedError
 
 
-POLICIES: dict[str, type[Policy]] = {}
+POLICIES: Registry[type[Policy]] = Registry("placement policy", "a Policy subclass with a `name`")
 
 
 def register_policy(cls: type[Policy]) -> type[Policy]:
     if not cls.name:
         raise ValueError(f"{cls.__qualname__} needs a `name` to be registered")
-    if cls.name in POLICIES:
-        raise ValueError(f"placement policy {cls.name!r} is registered already ({POLICIES[cls.name].__qualname__})")
-    POLICIES[cls.name] = cls
+    POLICIES.add(cls.name, cls)
     return cls
 
 
 def build_policy(name: str) -> Policy:
-    if name not in POLICIES:
-        raise KeyError(f"unknown placement policy {name!r}; registered: {sorted(POLICIES)}")
-    return POLICIES[name]()
+    return POLICIES.get(name)()
 
 
 @register_policy

@@ -48,7 +48,7 @@ def test_registering_a_schedule_chooses_it_for_the_depths_it_serves():
     try:
         assert schedule_class(1) is LazySync and schedule_class(2).name == "staged"
     finally:
-        SCHEDULES.remove(LazySync)
+        SCHEDULES.remove(LazySync.name)
     assert schedule_class(1) is OneStepOff
 
 

@@ -13,7 +13,7 @@ def test_the_placement_chooses_the_builtin_transport_on_either_device():
     for device in ("cpu", "cuda"):
         assert isinstance(build_transport(colocated=True, device=device), Colocated)
         assert isinstance(build_transport(colocated=False, device=device), Gloo)
-    assert TRANSPORTS["colocated"] is Colocated and TRANSPORTS["gloo"] is Gloo
+    assert TRANSPORTS.get("colocated") is Colocated and TRANSPORTS.get("gloo") is Gloo
 
 
 class _Preferred(Transport):
@@ -32,20 +32,17 @@ def test_a_registered_transport_of_higher_preference_wins_only_where_it_serves()
         assert isinstance(build_transport(colocated=False, device="cpu"), Gloo)
         assert isinstance(build_transport(colocated=True, device="cuda"), Colocated)
     finally:
-        del TRANSPORTS[_Preferred.name]
+        TRANSPORTS.remove(_Preferred.name)
 
 
 def test_no_transport_serving_the_placement_is_a_named_error():
-    saved = dict(TRANSPORTS)
-    TRANSPORTS.clear()
-    TRANSPORTS["colocated"] = Colocated
+    gloo = TRANSPORTS.remove(Gloo.name)
     try:
         with pytest.raises(WeightSyncError, match=r"no registered weight transport \(\['colocated'\]\) serves a "
                                                   "rollout on a pool of its own on cpu"):
             build_transport(colocated=False, device="cpu")
     finally:
-        TRANSPORTS.clear()
-        TRANSPORTS.update(saved)
+        register_transport(gloo)
 
 
 def test_a_transport_without_a_cross_pool_route_or_staging_says_so():
@@ -56,3 +53,8 @@ def test_a_transport_without_a_cross_pool_route_or_staging_says_so():
     assert Gloo.supports_staging and not Colocated.supports_staging
     with pytest.raises(ValueError, match="needs a `name`"):
         register_transport(type("Nameless", (Transport,), {}))
+
+
+def test_a_transport_name_is_registered_once():
+    with pytest.raises(KeyError, match="weight transport 'gloo' is already registered"):
+        register_transport(type("AnotherGloo", (Gloo,), {}))

@@ -36,6 +36,7 @@ from contextlib import contextmanager
 from typing import Iterator
 
 from hybridflow.resharding.verify import WeightSyncError
+from hybridflow.registry import Registry
 
 
 class Transport:
@@ -142,14 +143,14 @@ class Transport:
         return self.name
 
 
-TRANSPORTS: dict[str, type[Transport]] = {}
+TRANSPORTS: Registry[type[Transport]] = Registry("weight transport", "a Transport subclass with a `name`")
 
 
 def register_transport(cls: type[Transport]) -> type[Transport]:
     """Add a transport class to the registry `build_transport` chooses from (usable as a decorator)."""
     if not cls.name:
         raise ValueError(f"{cls.__qualname__} needs a `name` to be registered")
-    TRANSPORTS[cls.name] = cls
+    TRANSPORTS.add(cls.name, cls)
     return cls
 
 
@@ -159,7 +160,7 @@ def transport_class(colocated: bool, device: str = "cpu") -> type[Transport]:
     found = [cls for cls in TRANSPORTS.values() if cls.serves(colocated, device)]
     if not found:
         where = "in the actor's processes" if colocated else "on a pool of its own"
-        raise WeightSyncError(f"no registered weight transport ({sorted(TRANSPORTS)}) serves a rollout {where} on "
+        raise WeightSyncError(f"no registered weight transport ({TRANSPORTS.names()}) serves a rollout {where} on "
                               f"{device}")
     return max(found, key=lambda cls: cls.preference)
 
