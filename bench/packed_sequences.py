@@ -29,6 +29,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
 from gpu_check import grpo_batch  # noqa: E402
+from report import emit  # noqa: E402
 from hybridflow.precision import cpu_description  # noqa: E402
 
 
@@ -104,10 +105,7 @@ def main() -> None:
             report[f"{name}_{key}"] = statistics.median(r[key] for r in runs)
     for key in ("log_prob_pass_s", "update_s"):
         report[f"speedup_{key}"] = report[f"padded_{key}"] / report[f"packed_{key}"]
-    text = json.dumps(report, indent=2)
-    print(text)
-    if args.out:
-        Path(args.out).write_text(text + "\n")
+    emit(report, args.out)
 
 
 if __name__ == "__main__":

@@ -15,7 +15,6 @@ machines drift), and the medians and their ratio are printed and written as JSON
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -27,8 +26,10 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
 
 from hybridflow.precision import cpu_description  # noqa: E402
+from report import emit  # noqa: E402
 
 
 def sft_batches(model_dir: Path, rows: int, steps: int):
@@ -113,10 +114,7 @@ def main() -> None:
               "actor_sft_step_s": statistics.median(ours), "plain_loop_step_s": statistics.median(theirs),
               "first_loss": losses[0], "last_loss": losses[-1]}
     report["ratio"] = report["actor_sft_step_s"] / report["plain_loop_step_s"]
-    text = json.dumps(report, indent=2)
-    print(text)
-    if args.out:
-        Path(args.out).write_text(text + "\n")
+    emit(report, args.out)
 
 
 if __name__ == "__main__":

@@ -10,12 +10,16 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def test_the_sft_step_bench_times_the_actor_and_the_plain_loop(tmp_path):
-    out = tmp_path / "sft_step.json"
-    done = subprocess.run([sys.executable, "bench/sft_step.py", "--dry-run", "--out", str(out)], cwd=ROOT,
+def _dry_run(script: str, out: Path) -> dict:
+    """`bench/<script> --dry-run --out <out>` run to the end; its JSON report."""
+    done = subprocess.run([sys.executable, f"bench/{script}", "--dry-run", "--out", str(out)], cwd=ROOT,
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    report = json.loads(out.read_text())
+    return json.loads(out.read_text())
+
+
+def test_the_sft_step_bench_times_the_actor_and_the_plain_loop(tmp_path):
+    report = _dry_run("sft_step.py", tmp_path / "sft_step.json")
     assert report["actor_sft_step_s"] > 0 and report["plain_loop_step_s"] > 0
     assert report["ratio"] == report["actor_sft_step_s"] / report["plain_loop_step_s"]
     assert report["last_loss"] < report["first_loss"]  # both sides train: the actor's loss falls
@@ -23,11 +27,7 @@ def test_the_sft_step_bench_times_the_actor_and_the_plain_loop(tmp_path):
 
 
 def test_the_packed_sequences_bench_times_both_paths_and_compares_their_log_probs(tmp_path):
-    out = tmp_path / "packed.json"
-    done = subprocess.run([sys.executable, "bench/packed_sequences.py", "--dry-run", "--out", str(out)], cwd=ROOT,
-                          capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    report = json.loads(out.read_text())
+    report = _dry_run("packed_sequences.py", tmp_path / "packed.json")
     assert report["padded_update_s"] > 0 and report["packed_update_s"] > 0
     assert report["speedup_update_s"] == report["padded_update_s"] / report["packed_update_s"]
     assert report["real_token_fraction"] < 1 and report["max_log_prob_gap"] < 1e-4  # float32: the same log-probs
