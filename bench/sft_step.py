@@ -73,6 +73,7 @@ def main() -> None:
     parser.add_argument("--rows", type=int, default=128)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--dry-run", action="store_true", help="2 steps of 8 rows, no warm-up")
+    parser.add_argument("--padded", action="store_true", help="the actor with model.pack_sequences=false")
     parser.add_argument("--out", default="")
     args = parser.parse_args()
     if args.dry_run:
@@ -93,7 +94,7 @@ def main() -> None:
     lr = 3e-3
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = build_tiny_model(Path(tmp) / "tiny")
-        config = HybridFlowConfig(model=ModelConfig(dtype=Dtype.float32),
+        config = HybridFlowConfig(model=ModelConfig(dtype=Dtype.float32, pack_sequences=False if args.padded else None),
                                   actor=ActorConfig(optim=OptimConfig(lr=lr), samples_per_micro_batch=args.rows))
         actor = actor_role(config, model_dir).build(WorkerContext(device="cpu", backend="gloo"))
         actor.start()
@@ -110,7 +111,7 @@ def main() -> None:
                 theirs.append(t_plain)
     dist.destroy_process_group()
     report = {"cpu": cpu_description(), "torch": torch.__version__, "threads": torch.get_num_threads(),
-              "rows_per_step": args.rows, "steps": args.steps,
+              "rows_per_step": args.rows, "steps": args.steps, "actor_packed": not args.padded,
               "actor_sft_step_s": statistics.median(ours), "plain_loop_step_s": statistics.median(theirs),
               "first_loss": losses[0], "last_loss": losses[-1]}
     report["ratio"] = report["actor_sft_step_s"] / report["plain_loop_step_s"]

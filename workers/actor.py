@@ -18,11 +18,13 @@ from functools import partial
 import torch
 
 from hybridflow.algos import (
+    add_micro_batch_stats,
     aggregate_loss,
     compute_policy_loss,
     entropy_bonus,
     kl_loss,
     masked_mean,
+    summed_over_ranks,
     vanishes_at_zero_advantage,
 )
 from hybridflow.batch import Batch
@@ -201,9 +203,8 @@ class ActorWorker(TrainingStateMixin):
             loss, stats = loss_fn(micro, tokens, seqs)
             (loss * world).backward()
             loss_total += float(loss.detach())
-            share = float(loss_mask(micro).sum()) / trained_tokens
-            for k, v in stats.items():
-                weighted[k] = weighted.get(k, 0.0) + v * share
+            add_micro_batch_stats(weighted, stats, float(loss_mask(micro).sum()) / trained_tokens)
+        weighted = summed_over_ranks(weighted, world)  # all_reduce_mean_dict then gives the loss parts' sum
         weighted["actor/trained_sample_fraction"] = len(trained) / len(mini)
         grad_norm = clip_gradients(self.model, self.cfg.optim.max_grad_norm)
         if not torch.isfinite(torch.tensor(grad_norm)):

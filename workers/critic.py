@@ -12,7 +12,7 @@ import time
 
 import torch
 
-from hybridflow.algos import clipped_value_loss
+from hybridflow.algos import add_micro_batch_stats, clipped_value_loss, summed_over_ranks
 from hybridflow.batch import Batch
 from hybridflow.config.schema import CriticConfig
 from hybridflow.controller import Dispatch, WorkerContext, register
@@ -120,9 +120,8 @@ class CriticWorker(TrainingStateMixin):
                 response_mask=loss_mask(micro), clip_range=self.cfg.value_clip_range,
                 aggregation=self.cfg.loss_aggregation, **counts)
             (loss * world).backward()
-            share = float(loss_mask(micro).sum()) / max(1.0, float(mask.sum()))
-            for k, v in stats.items():
-                weighted[k] = weighted.get(k, 0.0) + v * share
+            add_micro_batch_stats(weighted, stats, float(loss_mask(micro).sum()) / max(1.0, float(mask.sum())))
+        weighted = summed_over_ranks(weighted, world)  # the update's mean over ranks then sums the loss parts
         weighted["grad_norm"] = clip_gradients(self.model, self.cfg.optim.max_grad_norm)
         self.optimizer.step()
         return weighted

@@ -14,7 +14,13 @@ from hybridflow.algos.advantages import (
     gae_advantages,
     group_statistics,
 )
-from hybridflow.algos.aggregation import LOSS_AGGREGATIONS, aggregate_loss
+from hybridflow.algos.aggregation import (
+    LOSS_AGGREGATIONS,
+    LOSS_PART_STATS,
+    add_micro_batch_stats,
+    aggregate_loss,
+    summed_over_ranks,
+)
 from hybridflow.algos.entropy import (
     entropy_bonus,
     entropy_from_logits,
@@ -48,7 +54,10 @@ __all__ = [
     "POLICY_LOSSES",
     "AdaptiveKLController",
     "FixedKLController",
+    "LOSS_PART_STATS",
+    "add_micro_batch_stats",
     "aggregate_loss",
+    "summed_over_ranks",
     "apply_kl_penalty",
     "build_kl_controller",
     "check_estimator",

@@ -88,3 +88,23 @@ def aggregate_loss(
     return LOSS_AGGREGATIONS.get(aggregation)(
         loss_mat, mask, global_token_count=global_token_count, global_sequence_count=global_sequence_count
     )
+
+
+# Statistics that are a micro-batch's part of its mini-batch's loss: the loss functions normalise each
+# micro-batch by the whole mini-batch's counts (on every rank), so these add up over micro-batches
+# and ranks. Every other statistic is a mean within its micro-batch, weighted by its tokens.
+LOSS_PART_STATS = frozenset({"policy_loss", "kl_loss", "value_loss"})
+
+
+def add_micro_batch_stats(totals: dict[str, float], stats: dict[str, float], token_share: float) -> None:
+    """Accumulate one micro-batch's `stats` into `totals`: loss parts summed, means weighted by
+    `token_share` (the micro-batch's share of the trained tokens on this rank). Either way the
+    mini-batch's figure does not depend on how its rows were split into micro-batches."""
+    for key, value in stats.items():
+        totals[key] = totals.get(key, 0.0) + (value if key in LOSS_PART_STATS else value * token_share)
+
+
+def summed_over_ranks(totals: dict[str, float], world: int) -> dict[str, float]:
+    """`totals` ready for a mean over `world` ranks: the loss parts times `world`, so that the mean is
+    their sum over ranks (each rank holds its part of the loss) and the other statistics their mean."""
+    return {key: value * world if key in LOSS_PART_STATS else value for key, value in totals.items()}

@@ -113,3 +113,13 @@ def test_errors_name_the_problem():
         aggregate_loss(loss, mask.float(), "token-mean")
     with pytest.raises(KeyError, match="already registered"):
         LOSS_AGGREGATIONS.register("token-mean")(lambda *a, **k: None)
+
+
+def test_micro_batch_stats_add_loss_parts_and_weigh_means_by_tokens():
+    from hybridflow.algos import add_micro_batch_stats, summed_over_ranks
+
+    totals: dict[str, float] = {}
+    add_micro_batch_stats(totals, {"policy_loss": 0.25, "clip_fraction": 0.5}, token_share=0.75)
+    add_micro_batch_stats(totals, {"policy_loss": 0.5, "clip_fraction": 1.0}, token_share=0.25)
+    assert totals == {"policy_loss": 0.75, "clip_fraction": 0.625}  # the parts' sum; the token-weighted mean
+    assert summed_over_ranks(totals, world=4) == {"policy_loss": 3.0, "clip_fraction": 0.625}
