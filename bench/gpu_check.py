@@ -493,7 +493,7 @@ def check_speed(root: Path, size: str, device: str, dtype: str, shape: dict, rep
 def check_packed_attention(device: str, dtype: str) -> dict:
     """`hybridflow.training.packing.packed_attention` against a dense block-diagonal causal mask on
     random tensors (3 sequences, GQA), forward and backward; which kernel served it (PyTorch's
-    variable-length flash attention on CUDA in 16 bits, else the per-sequence loop)."""
+    variable-length flash attention on CUDA in 16 bits, else one call over the sequences laid out padded)."""
     from hybridflow.training import packing
 
     g = torch.Generator(device="cpu").manual_seed(0)
@@ -504,7 +504,7 @@ def check_packed_attention(device: str, dtype: str) -> dict:
                for h in (heads, kv_heads, kv_heads))
     cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device=device)
     module = torch.nn.Module()
-    served = "varlen" if packing._varlen_serves(q, 0.0, None) else "loop"
+    served = "varlen" if packing._varlen_serves(q, 0.0, None) else "padded layout"
     out, _ = packing.packed_attention(module, q, k, v, None, scaling=head_dim ** -0.5, cu_seq_lens_q=cu,
                                       max_length_q=max(lengths))
     grads = torch.autograd.grad(out.float().square().sum(), (q, k, v))
@@ -581,7 +581,7 @@ def main() -> None:
                     master_dtype="float32")
     with tempfile.TemporaryDirectory() as tmp:
         report.add("packed_attention", lambda: check_packed_attention(args.device, args.dtype))
-        if "error" in report.data["packed_attention"]:  # measure packing with the per-sequence loop instead
+        if "error" in report.data["packed_attention"]:  # measure packing with the padded layout instead
             from hybridflow.training import packing
 
             packing._VARLEN = None
