@@ -433,9 +433,8 @@ def plain(model_dir: Path, batch, shape: dict, device: str, dtype: str, repeats:
         model.eval()
         out = []
         for micro in batch.split(shape["micro"]):
-            picked, z, log_probs, width = forward(micro)
-            entropy = -(log_probs.exp() * log_probs).sum(-1)  # the same outputs as ours: log-probs and entropy
-            out.append((picked, entropy))
+            picked, _, _, _ = forward(micro)
+            out.append(picked)  # the same outputs as ours: log-probs (no entropy since 2026-11-27; before, both sides)
         return out
 
     calls = [0]

@@ -48,7 +48,6 @@ STEP_KEYS: dict[str, Key] = {
     "sampler_log_probs": Key(ROLLOUT, (ACTOR, DRIVER), "(B, R)", "behaviour policy log-probs"),
     "sequence_rewards": Key(REWARD, (DRIVER,), "(B,)", "the reward function's score"),
     "old_log_probs": Key(ACTOR, (ACTOR, DRIVER), "(B, R)", "proximal policy log-probs (actor.compute_log_probs)"),
-    "entropy": Key(ACTOR, (), "(B, R)", "the proximal policy's entropy"),
     "ref_log_probs": Key(REFERENCE, (ACTOR, DRIVER), "(B, R)", "reference policy log-probs (LoRA: the actor's)"),
     "values": Key(CRITIC, (CRITIC, DRIVER), "(B, R)", "the critic's value estimates before its update"),
     "baseline_rewards": Key(REWARD, (DRIVER,), "(B,)", "ReMax: the greedy response's reward, per sample"),

@@ -89,7 +89,8 @@ class ActorWorker(TrainingStateMixin):
     @register(Dispatch.DP_SPLIT)
     @torch.no_grad()
     def compute_log_probs(self, batch: Batch) -> Batch:
-        """`old_log_probs` and `entropy`, (B, R) each, 0 outside `loss_mask`; the pass's seconds in meta."""
+        """`old_log_probs`, (B, R), 0 outside `loss_mask`; the pass's seconds in meta. No entropy: nothing
+        reads the proximal policy's (the update reports the current policy's, `actor/entropy`)."""
         start = time.perf_counter()
         out = self._log_probs(batch, "old_log_probs")
         out.meta["timing/actor_forward_s"] = time.perf_counter() - start
@@ -109,10 +110,9 @@ class ActorWorker(TrainingStateMixin):
         return out.select(["ref_log_probs"])
 
     def _log_probs(self, batch: Batch, key: str) -> Batch:
-        log_probs, entropy = log_probs_and_entropy(self.model, batch.to(self.ctx.device),
-                                                   self.cfg.samples_per_micro_batch, self.temperature,
-                                                   self.cfg.tokens_per_micro_batch)
-        return Batch(tensors={key: log_probs.cpu(), "entropy": entropy.cpu()})
+        log_probs, _ = log_probs_and_entropy(self.model, batch.to(self.ctx.device), self.cfg.samples_per_micro_batch,
+                                             self.temperature, self.cfg.tokens_per_micro_batch, with_entropy=False)
+        return Batch(tensors={key: log_probs.cpu()})
 
     # ---- training ---------------------------------------------------------------------------
 
@@ -336,7 +336,7 @@ class ActorWorker(TrainingStateMixin):
         from hybridflow.resharding.verify import probe_batch
 
         batch = probe_batch(prompts, tokens)
-        log_probs, _ = log_probs_and_entropy(self.model, batch.to(self.ctx.device), len(batch))
+        log_probs, _ = log_probs_and_entropy(self.model, batch.to(self.ctx.device), len(batch), with_entropy=False)
         return log_probs[batch["response_mask"].to(log_probs.device)].double().cpu()
 
     # ---- checkpoints (save/load: TrainingStateMixin) ----------------------------------------

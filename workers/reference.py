@@ -46,7 +46,7 @@ class ReferenceWorker:
         """`ref_log_probs` (B, R), 0 outside `response_mask`; the pass's seconds in meta."""
         start = time.perf_counter()
         log_probs, _ = log_probs_and_entropy(self.model, batch.to(self.ctx.device), self.samples_per_micro_batch,
-                                             self.temperature, self.tokens_per_micro_batch)
+                                             self.temperature, self.tokens_per_micro_batch, with_entropy=False)
         return Batch(tensors={"ref_log_probs": log_probs.cpu()},
                      meta={"timing/reference_forward_s": time.perf_counter() - start})
 

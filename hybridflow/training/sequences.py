@@ -199,10 +199,11 @@ def mini_batches(batch: Batch, rows_per_mini_batch: int, generator: torch.Genera
 
 @torch.no_grad()
 def log_probs_and_entropy(model: torch.nn.Module, batch: Batch, rows_per_micro_batch: int,
-                          temperature: float = 1.0, tokens_per_micro_batch: int | None = None
-                          ) -> tuple[torch.Tensor, torch.Tensor]:
+                          temperature: float = 1.0, tokens_per_micro_batch: int | None = None,
+                          with_entropy: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """Log-probs of the trained response tokens and the entropy at each position, (B, R) each,
-    in the batch's row order, 0 outside `loss_mask` (padding, and tool output in agent rollouts)."""
+    in the batch's row order, 0 outside `loss_mask` (padding, and tool output in agent rollouts);
+    the entropy all 0 without `with_entropy` (a pass over the vocabulary saved)."""
     model.eval()
     shape = batch["response_ids"].shape
     device = batch["response_ids"].device
@@ -210,7 +211,7 @@ def log_probs_and_entropy(model: torch.nn.Module, batch: Batch, rows_per_micro_b
     entropy_out = torch.zeros(shape, dtype=torch.float32, device=device)
     for rows in micro_batch_rows(batch, rows_per_micro_batch, tokens_per_micro_batch, runs_packed(model)):
         micro = batch.index(rows)
-        log_probs, entropy = response_log_probs(model, micro, temperature)
+        log_probs, entropy = response_log_probs(model, micro, temperature, with_entropy=with_entropy)
         mask = loss_mask(micro)
         index = torch.tensor(rows, device=device)
         log_probs_out[index] = log_probs * mask
