@@ -269,3 +269,13 @@ def test_placement_auto_names_a_bad_rates_file_before_anything_starts(tmp_path):
     bad.write_text("{}")
     with pytest.raises(InputError, match=f"placement=auto: placement.planner.rates='{bad}': not a rates file"):
         auto.resolve_placement(compose_command([*PPO, "placement=auto", f"placement.planner.rates={bad}"]), tmp_path)
+
+
+def test_a_policy_and_a_cost_model_can_be_named_by_module_and_class():
+    from hybridflow.planning.cost import build_cost_model
+    from hybridflow.planning.search import Exhaustive, build_policy
+
+    assert isinstance(build_policy("hybridflow.planning.search:Exhaustive"), Exhaustive)
+    assert isinstance(build_cost_model("hybridflow.planning.cost:Analytical", ONES), Analytical)
+    with pytest.raises(KeyError, match="unknown placement policy 'nearest'; registered: exhaustive"):
+        build_policy("nearest")
