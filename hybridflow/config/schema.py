@@ -254,7 +254,7 @@ class ModelConfig:
     # Packed sequences in the actor's, critic's and reference's forwards and backwards
     # (hybridflow/training/packing.py): a micro-batch's real tokens as one row, attention kept within
     # each sequence, no compute on padding. null: packed wherever the model's attention allows
-    # (sdpa, no soft-capping); true: packed or an error at start; false: padded.
+    # (sdpa, no soft-capping, no active sliding window); true: packed or an error at start; false: padded.
     pack_sequences: Optional[bool] = None
 
     def __post_init__(self) -> None:

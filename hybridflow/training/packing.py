@@ -22,14 +22,14 @@ Kernels. On CUDA in a 16-bit dtype, PyTorch's variable-length flash attention
 (`torch.nn.attention.varlen.varlen_attn`) takes the whole packed row at once. Elsewhere (the CPU,
 float32, dropout) the sequences are laid out right-padded for one causal
 `scaled_dot_product_attention` call and read back: attention alone runs padded (n x L^2, nothing
-quadratic in T), the projections and the MLP on real tokens only. flash-attention's own package (transformers' `flash_attention_2`) would do the CUDA part
-too, but it needs a CUDA build step that the machines here cannot do; PyTorch's kernel is the
-same algorithm and is already installed.
+quadratic in T), the projections and the MLP on real tokens only. flash-attention's own package
+(transformers' `flash_attention_2`) would do the CUDA part too, but it needs a CUDA build step that
+the machines here cannot do; PyTorch's kernel is the same algorithm and is already installed.
 
 Not packed: a model whose attention is not sdpa (transformers picks eager for a few
-architectures), attention with logit soft-capping, and a sliding window shorter than a
-sequence of the batch: `packing_unsupported` names the reason; `model.pack_sequences=auto`
-then stays padded and `true` refuses at start.
+architectures), attention with logit soft-capping, and a model with an active sliding window
+(Mistral's; Qwen2's is off by `use_sliding_window`): `packing_unsupported` names the reason;
+`model.pack_sequences` left null then stays padded, and `true` refuses at start.
 """
 
 from __future__ import annotations
@@ -99,6 +99,8 @@ def packing_unsupported(model: torch.nn.Module) -> str | None:
     for sub in _configs(config):
         if getattr(sub, "attn_logit_softcapping", None):
             return f"{type(sub).__name__}.attn_logit_softcapping={sub.attn_logit_softcapping} (soft-capped attention)"
+        if getattr(sub, "sliding_window", None) and getattr(sub, "use_sliding_window", True) is not False:
+            return f"{type(sub).__name__}.sliding_window={sub.sliding_window} (attention within a window)"
     return None
 
 

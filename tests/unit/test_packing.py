@@ -238,3 +238,15 @@ def test_every_rank_runs_as_many_micro_batches_as_the_rank_that_needs_the_most(t
     groups = [json.loads((tmp_path / f"{rank}.json").read_text()) for rank in (0, 1)]
     assert len(groups[0]) == len(groups[1]) > 1  # rank 0's 52 tokens need 4 of 16; rank 1 splits to match
     assert sorted(i for g in groups[1] for i in g) == list(range(len(LENGTHS)))
+
+
+def test_an_active_sliding_window_stays_padded_and_an_inactive_one_packs():
+    from transformers import MistralConfig, Qwen2Config
+
+    shape = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4,
+                 num_key_value_heads=2, vocab_size=100)
+    windowed = AutoModelForCausalLM.from_config(MistralConfig(**shape, sliding_window=4096))
+    assert packing_unsupported(windowed) == "MistralConfig.sliding_window=4096 (attention within a window)"
+    assert choose_packing(windowed, None) is False
+    switched_off = AutoModelForCausalLM.from_config(Qwen2Config(**shape, sliding_window=4096, use_sliding_window=False))
+    assert packing_unsupported(switched_off) is None
