@@ -18,13 +18,12 @@ from functools import partial
 import torch
 
 from hybridflow.algos import (
-    add_micro_batch_stats,
     aggregate_loss,
     compute_policy_loss,
     entropy_bonus,
     kl_loss,
     masked_mean,
-    summed_over_ranks,
+    micro_batch_stat,
     vanishes_at_zero_advantage,
 )
 from hybridflow.batch import Batch
@@ -203,8 +202,9 @@ class ActorWorker(TrainingStateMixin):
             loss, stats = loss_fn(micro, tokens, seqs)
             (loss * world).backward()
             loss_total += float(loss.detach())
-            add_micro_batch_stats(weighted, stats, float(loss_mask(micro).sum()) / trained_tokens)
-        weighted = summed_over_ranks(weighted, world)  # all_reduce_mean_dict then gives the loss parts' sum
+            share = float(loss_mask(micro).sum()) / trained_tokens
+            for k, v in stats.items():  # loss parts add up, means weigh by tokens: no split changes them
+                weighted[k] = weighted.get(k, 0.0) + micro_batch_stat(k, v, share, world)
         weighted["actor/trained_sample_fraction"] = len(trained) / len(mini)
         grad_norm = clip_gradients(self.model, self.cfg.optim.max_grad_norm)
         if not torch.isfinite(torch.tensor(grad_norm)):

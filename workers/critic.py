@@ -12,7 +12,7 @@ import time
 
 import torch
 
-from hybridflow.algos import add_micro_batch_stats, clipped_value_loss, summed_over_ranks
+from hybridflow.algos import clipped_value_loss, micro_batch_stat
 from hybridflow.batch import Batch
 from hybridflow.config.schema import CriticConfig
 from hybridflow.controller import Dispatch, WorkerContext, register
@@ -120,8 +120,9 @@ class CriticWorker(TrainingStateMixin):
                 response_mask=loss_mask(micro), clip_range=self.cfg.value_clip_range,
                 aggregation=self.cfg.loss_aggregation, **counts)
             (loss * world).backward()
-            add_micro_batch_stats(weighted, stats, float(loss_mask(micro).sum()) / max(1.0, float(mask.sum())))
-        weighted = summed_over_ranks(weighted, world)  # the update's mean over ranks then sums the loss parts
+            share = float(loss_mask(micro).sum()) / max(1.0, float(mask.sum()))
+            for k, v in stats.items():  # loss parts add up, means weigh by tokens: no split changes them
+                weighted[k] = weighted.get(k, 0.0) + micro_batch_stat(k, v, share, world)
         weighted["grad_norm"] = clip_gradients(self.model, self.cfg.optim.max_grad_norm)
         self.optimizer.step()
         return weighted

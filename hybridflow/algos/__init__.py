@@ -17,9 +17,8 @@ from hybridflow.algos.advantages import (
 from hybridflow.algos.aggregation import (
     LOSS_AGGREGATIONS,
     LOSS_PART_STATS,
-    add_micro_batch_stats,
     aggregate_loss,
-    summed_over_ranks,
+    micro_batch_stat,
 )
 from hybridflow.algos.entropy import (
     entropy_bonus,
@@ -55,9 +54,8 @@ __all__ = [
     "AdaptiveKLController",
     "FixedKLController",
     "LOSS_PART_STATS",
-    "add_micro_batch_stats",
     "aggregate_loss",
-    "summed_over_ranks",
+    "micro_batch_stat",
     "apply_kl_penalty",
     "build_kl_controller",
     "check_estimator",

@@ -96,15 +96,10 @@ def aggregate_loss(
 LOSS_PART_STATS = frozenset({"policy_loss", "kl_loss", "value_loss"})
 
 
-def add_micro_batch_stats(totals: dict[str, float], stats: dict[str, float], token_share: float) -> None:
-    """Accumulate one micro-batch's `stats` into `totals`: loss parts summed, means weighted by
-    `token_share` (the micro-batch's share of the trained tokens on this rank). Either way the
-    mini-batch's figure does not depend on how its rows were split into micro-batches."""
-    for key, value in stats.items():
-        totals[key] = totals.get(key, 0.0) + (value if key in LOSS_PART_STATS else value * token_share)
-
-
-def summed_over_ranks(totals: dict[str, float], world: int) -> dict[str, float]:
-    """`totals` ready for a mean over `world` ranks: the loss parts times `world`, so that the mean is
-    their sum over ranks (each rank holds its part of the loss) and the other statistics their mean."""
-    return {key: value * world if key in LOSS_PART_STATS else value for key, value in totals.items()}
+def micro_batch_stat(key: str, value: float, token_share: float, world: int = 1) -> float:
+    """One micro-batch's `value` of statistic `key`, as it adds into its mini-batch's figure: a loss
+    part as it is, times `world` (the figure is later averaged over ranks, and each rank holds its part
+    of the loss, so the mean is their sum); any other statistic weighted by `token_share`, the
+    micro-batch's share of the rank's trained tokens. Either way the figure does not depend on how
+    the rows were split into micro-batches."""
+    return value * world if key in LOSS_PART_STATS else value * token_share

@@ -482,7 +482,7 @@ class ActorConfig:
     # (hybridflow/memory_budget.py, docs/performance.md "Memory")
     samples_per_micro_batch: Optional[int] = None
     # per rank; the most tokens a micro-batch holds (its real tokens when packed, rows x its longest
-    # row when padded), rows grouped by length and balanced (hybridflow/training/sequences.py); null:
+    # prompt + response when padded), rows grouped by length and balanced (training/sequences.py); null:
     # samples_per_micro_batch rows of the batch's full width, the memory the choice above priced
     tokens_per_micro_batch: Optional[int] = None
     epochs_per_step: int = 1

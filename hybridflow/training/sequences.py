@@ -124,19 +124,22 @@ def _takes_logits_to_keep(model: torch.nn.Module) -> bool:
 _LOGITS_TO_KEEP: dict[type, bool] = {}
 
 
-def row_lengths(batch: Batch) -> torch.Tensor:
-    """(B,) real tokens of each row: its prompt and response."""
-    return batch["prompt_mask"].sum(dim=1) + batch["response_mask"].sum(dim=1)
+def row_lengths(batch: Batch) -> tuple[list[int], list[int]]:
+    """Each row's real prompt tokens and real response tokens."""
+    return batch["prompt_mask"].sum(dim=1).tolist(), batch["response_mask"].sum(dim=1).tolist()
 
 
-def token_budget_groups(lengths: list[int], budget: int, packed: bool, groups_at_least: int = 1) -> list[list[int]]:
-    """Rows (indices into `lengths`) in micro-batches of at most `budget` tokens each, as few as that
-    allows and at least `groups_at_least` (every rank of a group must run as many). Packed, a
-    micro-batch costs its rows' real tokens: the fewest micro-batches for which the longest rows
-    first, each into the lightest micro-batch, stay within the budget, so they hold about the same
-    number of tokens. Padded, it costs rows x its longest row: rows sorted by length fill one micro-batch
-    after another, so rows of like length pad each other. A row longer than the budget is a
-    micro-batch of its own. Each micro-batch's rows in their original order."""
+def token_budget_groups(prompt_lengths: list[int], response_lengths: list[int], budget: int, packed: bool,
+                        groups_at_least: int = 1) -> list[list[int]]:
+    """Rows (indices) in micro-batches of at most `budget` tokens each, as few as that allows and at
+    least `groups_at_least` (every rank of a group must run as many). Packed, a micro-batch costs its
+    rows' real tokens: the fewest micro-batches for which the longest rows first, each into the
+    lightest micro-batch, stay within the budget, so they hold about the same number of tokens.
+    Padded, it costs its rows x (its longest prompt + its longest response), the width it is trimmed
+    to: rows sorted by length fill one micro-batch after another, so rows of like length pad each
+    other. A row longer than the budget is a micro-batch of its own. Each micro-batch's rows in
+    their original order."""
+    lengths = [p + r for p, r in zip(prompt_lengths, response_lengths)]
     order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
     groups: list[list[int]] = []
     if packed:
@@ -155,11 +158,15 @@ def token_budget_groups(lengths: list[int], budget: int, packed: bool, groups_at
                 break
             bins += 1
     else:
-        for i in order:  # longest first: a group's first row is its longest
-            if groups and (len(groups[-1]) + 1) * lengths[groups[-1][0]] <= budget:
+        widest = (0, 0)  # the open micro-batch's longest prompt and longest response
+        for i in order:
+            grown = (max(widest[0], prompt_lengths[i]), max(widest[1], response_lengths[i]))
+            if groups and (len(groups[-1]) + 1) * sum(grown) <= budget:
                 groups[-1].append(i)
+                widest = grown
             else:
                 groups.append([i])
+                widest = (prompt_lengths[i], response_lengths[i])
     while len(groups) < min(groups_at_least, len(lengths)):  # split the group with the most rows
         largest = max(range(len(groups)), key=lambda g: len(groups[g]))
         rows = groups.pop(largest)
@@ -178,10 +185,12 @@ def micro_batch_rows(batch: Batch, rows_per_micro_batch: int, tokens_per_micro_b
 
     budget = tokens_per_micro_batch or rows_per_micro_batch * (batch["prompt_ids"].shape[1] +
                                                                batch["response_ids"].shape[1])
-    lengths = row_lengths(batch).tolist()
-    groups = token_budget_groups(lengths, budget, packed)
+    prompts, responses = row_lengths(batch)
+    groups = token_budget_groups(prompts, responses, budget, packed)
     most = int(all_reduce_max(len(groups)))
-    return token_budget_groups(lengths, budget, packed, groups_at_least=most) if most > len(groups) else groups
+    if most > len(groups):
+        groups = token_budget_groups(prompts, responses, budget, packed, groups_at_least=most)
+    return groups
 
 
 def micro_batches(batch: Batch, rows_per_micro_batch: int, tokens_per_micro_batch: int | None = None,

@@ -116,10 +116,10 @@ def test_errors_name_the_problem():
 
 
 def test_micro_batch_stats_add_loss_parts_and_weigh_means_by_tokens():
-    from hybridflow.algos import add_micro_batch_stats, summed_over_ranks
+    from hybridflow.algos import micro_batch_stat
 
-    totals: dict[str, float] = {}
-    add_micro_batch_stats(totals, {"policy_loss": 0.25, "clip_fraction": 0.5}, token_share=0.75)
-    add_micro_batch_stats(totals, {"policy_loss": 0.5, "clip_fraction": 1.0}, token_share=0.25)
-    assert totals == {"policy_loss": 0.75, "clip_fraction": 0.625}  # the parts' sum; the token-weighted mean
-    assert summed_over_ranks(totals, world=4) == {"policy_loss": 3.0, "clip_fraction": 0.625}
+    parts = [({"policy_loss": 0.25, "clip_fraction": 0.5}, 0.75), ({"policy_loss": 0.5, "clip_fraction": 1.0}, 0.25)]
+    for world, loss in ((1, 0.75), (4, 3.0)):  # a rank's parts summed, times the ranks for the mean over them
+        totals = {k: sum(micro_batch_stat(k, stats[k], share, world) for stats, share in parts)
+                  for k in ("policy_loss", "clip_fraction")}
+        assert totals == {"policy_loss": loss, "clip_fraction": 0.625}  # the token-weighted mean, any world

@@ -143,17 +143,23 @@ def test_the_critics_packed_values_equal_its_padded_values(tiny_model_dir):
 
 # ---- micro-batches by token budget ----------------------------------------------------------------
 
-LENGTHS_FOR_BUDGET = [30, 5, 12, 40, 7, 7, 22, 3, 18, 9, 60]
+PROMPTS_FOR_BUDGET = [20, 1, 10, 30, 2, 5, 12, 1, 9, 4, 50]
+RESPONSES_FOR_BUDGET = [10, 4, 2, 10, 5, 2, 10, 2, 9, 5, 10]
+LENGTHS_FOR_BUDGET = [p + r for p, r in zip(PROMPTS_FOR_BUDGET, RESPONSES_FOR_BUDGET)]  # 30, 5, 12, 40, ... 60
 
 
 @pytest.mark.parametrize("packed", [True, False])
 def test_token_budget_groups_cover_every_row_once_within_the_budget(packed):
     budget = 50
-    groups = token_budget_groups(LENGTHS_FOR_BUDGET, budget, packed)
+    groups = token_budget_groups(PROMPTS_FOR_BUDGET, RESPONSES_FOR_BUDGET, budget, packed)
     assert sorted(i for g in groups for i in g) == list(range(len(LENGTHS_FOR_BUDGET)))
     assert all(g == sorted(g) for g in groups)  # each micro-batch's rows in their batch order
-    cost = (lambda g: sum(LENGTHS_FOR_BUDGET[i] for i in g)) if packed else \
-        (lambda g: len(g) * max(LENGTHS_FOR_BUDGET[i] for i in g))
+    if packed:  # its real tokens
+        def cost(g):
+            return sum(LENGTHS_FOR_BUDGET[i] for i in g)
+    else:  # rows x the width it is trimmed to: its longest prompt + its longest response
+        def cost(g):
+            return len(g) * (max(PROMPTS_FOR_BUDGET[i] for i in g) + max(RESPONSES_FOR_BUDGET[i] for i in g))
     over = [g for g in groups if cost(g) > budget]
     assert over == [[10]]  # only the 60-token row, alone: a row longer than the budget is its own micro-batch
     if packed:  # as few as the tokens need (213 of them, 50 a micro-batch -> 5), about even
@@ -167,10 +173,10 @@ def test_token_budget_groups_cover_every_row_once_within_the_budget(packed):
 
 
 def test_token_budget_groups_split_to_as_many_as_another_rank_needs():
-    groups = token_budget_groups(LENGTHS_FOR_BUDGET, 1000, packed=True, groups_at_least=4)
+    groups = token_budget_groups(PROMPTS_FOR_BUDGET, RESPONSES_FOR_BUDGET, 1000, packed=True, groups_at_least=4)
     assert len(groups) == 4 and all(groups)
     assert sorted(i for g in groups for i in g) == list(range(len(LENGTHS_FOR_BUDGET)))
-    assert len(token_budget_groups([5, 5], 1000, packed=True, groups_at_least=4)) == 2  # never an empty one
+    assert len(token_budget_groups([5, 5], [0, 0], 1000, packed=True, groups_at_least=4)) == 2  # never an empty one
 
 
 def _budget_config(samples: int, tokens: int | None, pack_sequences: bool) -> HybridFlowConfig:
