@@ -116,7 +116,13 @@ def _assert_same_step(got: dict, want: dict) -> None:
         assert got["metrics"][-1][key] == pytest.approx(want["metrics"][-1][key], rel=1e-5, abs=1e-7), key
     assert got["params"].keys() == want["params"].keys()
     for name, value in want["params"].items():
-        torch.testing.assert_close(got["params"][name], value, rtol=1e-5, atol=1e-6, msg=name)
+        # A key projection's bias adds the same q.b to every score of a query, which softmax cancels: its
+        # gradient is 0 in exact arithmetic and rounding noise in float32, which AdamW normalises into
+        # steps of up to a fraction of the lr. Any change of summation order (another rank count's
+        # micro-batches, packed attention's layout) moves it by ~1e-6 (measured 2e-6 at lr 1e-2) where
+        # every other weight agrees to 1.2e-7, so it gets the noise's scale, not float32's.
+        atol = 1e-4 if name.endswith("k_proj.bias") else 1e-6
+        torch.testing.assert_close(got["params"][name], value, rtol=1e-5, atol=atol, msg=name)
 
 
 @pytest.mark.parametrize("saved, world", [(2, 1), (1, 2)])
