@@ -115,7 +115,7 @@ class Files(Transport):
 def files_registered():
     register_transport(Files)
     yield
-    del TRANSPORTS[Files.name]
+    TRANSPORTS.remove(Files.name)
 
 
 @pytest.mark.slow  # an actor and a vLLM engine on pools of their own, about 20 s
