@@ -222,6 +222,8 @@ def _find_varlen():
 
 
 _VARLEN = _find_varlen()
+# its keyword arguments, read once (the checks below run in every attention call)
+_VARLEN_PARAMS = frozenset(inspect.signature(_VARLEN).parameters) if _VARLEN is not None else frozenset()
 
 
 def _varlen_serves(query: torch.Tensor, dropout: float, scaling: float | None) -> bool:
@@ -229,7 +231,7 @@ def _varlen_serves(query: torch.Tensor, dropout: float, scaling: float | None) -
     it can be told (releases before `scale` existed apply 1/sqrt(head_dim) only)."""
     if _VARLEN is None or not query.is_cuda or query.dtype not in (torch.float16, torch.bfloat16) or dropout:
         return False
-    params = inspect.signature(_VARLEN).parameters
+    params = _VARLEN_PARAMS
     if "window_size" not in params and "is_causal" not in params:
         return False  # a release whose causal switch is unknown here: the padded layout is causal for sure
     default = scaling is None or abs(scaling - query.shape[-1] ** -0.5) < 1e-9
@@ -240,7 +242,7 @@ def _varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: torch.Tensor,
             scale: float | None) -> torch.Tensor:
     """PyTorch's variable-length flash attention, causal, over (T, H, D) tensors. Its causal switch
     changed name between releases (`is_causal` in 2.9-2.11, `window_size=(-1, 0)` later)."""
-    params = inspect.signature(_VARLEN).parameters
+    params = _VARLEN_PARAMS
     causal = {"window_size": (-1, 0)} if "window_size" in params else {"is_causal": True}
     extra = {"scale": scale} if "scale" in params else {}
     return _VARLEN(q, k, v, cu, cu, max_length, max_length, **causal, **extra)
