@@ -343,6 +343,11 @@ def ours(model_dir: Path, batch, shape: dict, device: str, dtype: str, repeats: 
     out: dict = {}
     out["start_s"], started = timed_cuda(actor.start, device)
     out["packed_sequences"] = started["packed_sequences"]
+    try:  # data beside the measurement: never its end
+        out["floor_terms_gib"] = floor_terms(config, model_dir, shape)
+    except Exception as error:  # noqa: BLE001
+        out["floor_terms_gib"] = {"error": f"{type(error).__name__}: {error}"}
+    out["allocated_after_start_gib"] = allocated_gib(device)
     reset_peak(device)
     lp_times, update_times = [], []
     for _ in range(repeats):
@@ -355,6 +360,7 @@ def ours(model_dir: Path, batch, shape: dict, device: str, dtype: str, repeats: 
         update_times.append(t)
     out["update_s"], out["update_first_s"] = min(update_times), update_times[0]
     out["peak_gib"] = peak_gib(device)
+    out["allocated_after_update_gib"] = allocated_gib(device)  # parameters, gradients, AdamW moments
     out["loss"], out["grad_norm"] = stats["actor/loss"], stats["actor/grad_norm"]
     if device == "cuda":
         moved = sum(p.numel() * p.element_size() for p in actor.model.parameters()) + sum(
@@ -377,6 +383,26 @@ def ours(model_dir: Path, batch, shape: dict, device: str, dtype: str, repeats: 
     actor = None  # freed before the next part builds its model
     free_device_memory(device)
     return out, lp["old_log_probs"]
+
+
+def floor_terms(config, model_dir: Path, shape: dict) -> dict:
+    """The project's memory floor for this actor (`hybridflow.memory_budget.process_terms`, one rank,
+    the batch's widths), term by term in GiB: data for a GPU memory model, beside the peaks."""
+    from dataclasses import replace
+
+    from hybridflow.config.schema import PoolConfig
+    from hybridflow.memory_budget import GIB, ModelShape, process_terms
+
+    sized = replace(config, model=replace(config.model, path=str(model_dir)),
+                    data=replace(config.data, max_prompt_tokens=shape["prompt_width"]),
+                    rollout=replace(config.rollout, max_response_tokens=shape["response_width"]),
+                    placement=replace(config.placement, pools={"global": PoolConfig(devices_per_node=1)}))
+    terms = process_terms(sized, ModelShape.from_dir(model_dir), {"actor"}, rows=shape["micro"], checkpointing=False)
+    return {k: round(v / GIB, 3) for k, v in terms.items()} | {"total": round(sum(terms.values()) / GIB, 3)}
+
+
+def allocated_gib(device: str) -> float | None:
+    return round(torch.cuda.memory_allocated() / 2 ** 30, 3) if device == "cuda" else None
 
 
 def one_chunk(actor, batch, trained, device: str) -> dict:

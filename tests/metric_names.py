@@ -18,6 +18,7 @@ MATH = ("hybridflow", "algos")  # the pure functions that return (value, stats)
 NAMESPACED = re.compile(r"[a-z][a-z0-9_]*/\S+")
 PLACEHOLDER = re.compile(r"<[^<>]*>")
 READ_ONLY = {"get", "items", "keys", "values", "pop", "copy"}  # a dict's methods that add no key
+VALUES_ONLY = {"read_floats"}  # functions that change a dict's values in place, never its keys
 FUNCTIONS = (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)
 COMPREHENSIONS = (ast.DictComp, ast.ListComp, ast.SetComp, ast.GeneratorExp)
 
@@ -294,6 +295,8 @@ class Scan:
                 return self.reaches(call.func.value.id, scope, seen)
             if isinstance(call.func, ast.Name) and call.func.id == "dict":
                 return self.passed_on(call, scope, None, seen)
+            if isinstance(call.func, ast.Name) and call.func.id in VALUES_ONLY:
+                return False
             return True  # handed to a call the scan does not follow
         return False  # read: subscripted, compared, its own methods called
 

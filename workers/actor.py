@@ -37,6 +37,7 @@ from hybridflow.training.fsdp import (
     build_optimizer,
     clip_gradients,
     load_model,
+    read_floats,
     shard_model,
 )
 from hybridflow.training.packing import choose_packing, runs_packed
@@ -147,8 +148,8 @@ class ActorWorker(TrainingStateMixin):
             bonus, _ = entropy_bonus(entropy=entropy, response_mask=mask, coef=self.cfg.entropy_coef,
                                      aggregation=self.cfg.loss_aggregation, **counts)
             loss = loss - bonus
-        stats["actor/entropy"] = float(masked_mean(entropy.detach(), mask))
-        stats["actor/log_prob_diff_from_old"] = float(masked_mean((log_probs.detach() - micro[old_key]).abs(), mask))
+        stats["actor/entropy"] = masked_mean(entropy.detach(), mask)  # 0-dim tensors: read once per mini-batch
+        stats["actor/log_prob_diff_from_old"] = masked_mean((log_probs.detach() - micro[old_key]).abs(), mask)
         if self.cfg.kl_loss_coef:
             kl, kl_stats = kl_loss(log_probs=log_probs, ref_log_probs=micro["ref_log_probs"], response_mask=mask,
                                    estimator=self.cfg.kl_loss_estimator, aggregation=self.cfg.loss_aggregation, **counts)
@@ -195,16 +196,18 @@ class ActorWorker(TrainingStateMixin):
         self.optimizer.zero_grad(set_to_none=True)
         loss_total, weighted = 0.0, {}
         trained = self._rows_with_gradient(mini)
-        trained_tokens = max(1.0, float(loss_mask(trained).sum()))
+        trained_tokens = loss_mask(trained).sum().clamp(min=1)
         micros = micro_batches(trained, self.cfg.samples_per_micro_batch, self.cfg.tokens_per_micro_batch,
                                packed=runs_packed(self.model))
-        for micro in accumulating(self.model, micros):
+        for micro in accumulating(self.model, micros):  # nothing here waits for the device (read_floats)
             loss, stats = loss_fn(micro, tokens, seqs)
             (loss * world).backward()
-            loss_total += float(loss.detach())
-            share = float(loss_mask(micro).sum()) / trained_tokens
+            loss_total = loss_total + loss.detach()
+            share = loss_mask(micro).sum() / trained_tokens
             for k, v in stats.items():  # loss parts add up, means weigh by tokens: no split changes them
                 weighted[k] = weighted.get(k, 0.0) + micro_batch_stat(k, v, share, world)
+        weighted["actor/loss"] = loss_total
+        read_floats(weighted)  # the one wait for the device in this mini-batch's micro-batches
         weighted["actor/trained_sample_fraction"] = len(trained) / len(mini)
         grad_norm = clip_gradients(self.model, self.cfg.optim.max_grad_norm)
         if not torch.isfinite(torch.tensor(grad_norm)):
@@ -212,7 +215,7 @@ class ActorWorker(TrainingStateMixin):
             raise FloatingPointError(f"gradient norm is {grad_norm} at actor update {self.updates}; lower the lr "
                                      "or check the advantages/rewards for NaN")
         self.optimizer.step()
-        weighted["actor/loss"] = all_reduce_sum(loss_total)  # the mini-batch loss over all ranks
+        weighted["actor/loss"] = all_reduce_sum(weighted["actor/loss"])  # the mini-batch loss over all ranks
         weighted["actor/grad_norm"] = grad_norm
         return weighted
 

@@ -23,6 +23,7 @@ from hybridflow.training.fsdp import (
     build_optimizer,
     clip_gradients,
     load_model,
+    read_floats,
     shard_model,
 )
 from hybridflow.training.packing import choose_packing, pack, runs_packed
@@ -111,7 +112,8 @@ class CriticWorker(TrainingStateMixin):
         counts = {"global_token_count": all_reduce_sum(int(mask.sum())),
                   "global_sequence_count": all_reduce_sum(int(mask.any(1).sum()))}
         self.optimizer.zero_grad(set_to_none=True)
-        weighted: dict[str, float] = {}
+        weighted: dict = {}
+        tokens = mask.sum().clamp(min=1)
         micros = micro_batches(mini, self.cfg.samples_per_micro_batch, self.cfg.tokens_per_micro_batch,
                                packed=runs_packed(self.model))
         for micro in accumulating(self.model, micros):
@@ -120,9 +122,10 @@ class CriticWorker(TrainingStateMixin):
                 response_mask=loss_mask(micro), clip_range=self.cfg.value_clip_range,
                 aggregation=self.cfg.loss_aggregation, **counts)
             (loss * world).backward()
-            share = float(loss_mask(micro).sum()) / max(1.0, float(mask.sum()))
+            share = loss_mask(micro).sum() / tokens
             for k, v in stats.items():  # loss parts add up, means weigh by tokens: no split changes them
                 weighted[k] = weighted.get(k, 0.0) + micro_batch_stat(k, v, share, world)
+        read_floats(weighted)  # the one wait for the device in this mini-batch's micro-batches
         weighted["grad_norm"] = clip_gradients(self.model, self.cfg.optim.max_grad_norm)
         self.optimizer.step()
         return weighted

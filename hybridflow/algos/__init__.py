@@ -4,6 +4,12 @@ One registry per kind (see `hybridflow.registry.Registry`), one signature per re
 `ADVANTAGE_ESTIMATORS`, `POLICY_LOSSES`, `LOSS_AGGREGATIONS`, `KL_ESTIMATORS`,
 `KL_CONTROLLERS`. Tensors are batch-first (B, T) over response tokens; `response_mask` is
 bool with True = a real response token. docs/algorithms.md lists every registered name.
+
+The losses computed once per micro-batch (policy, KL, value) return their statistics as 0-dim
+tensors on the loss's device: reading one (`float()`) makes the host wait for a GPU, so the
+workers read a mini-batch's statistics together, once (`hybridflow.training.fsdp.read_floats`);
+a loss registered from outside may return floats as well. Statistics computed once per step
+(advantages, the KL penalty, behaviour weights) are floats.
 """
 
 from hybridflow.algos.advantages import (

@@ -96,10 +96,10 @@ def aggregate_loss(
 LOSS_PART_STATS = frozenset({"policy_loss", "kl_loss", "value_loss"})
 
 
-def micro_batch_stat(key: str, value: float, token_share: float, world: int = 1) -> float:
+def micro_batch_stat(key: str, value, token_share, world: int = 1):
     """One micro-batch's `value` of statistic `key`, as it adds into its mini-batch's figure: a loss
     part as it is, times `world` (the figure is later averaged over ranks, and each rank holds its part
     of the loss, so the mean is their sum); any other statistic weighted by `token_share`, the
     micro-batch's share of the rank's trained tokens. Either way the figure does not depend on how
-    the rows were split into micro-batches."""
+    the rows were split into micro-batches. Floats or 0-dim tensors (a tensor in, a tensor out)."""
     return value * world if key in LOSS_PART_STATS else value * token_share

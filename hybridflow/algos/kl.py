@@ -104,7 +104,7 @@ def kl_loss(
     aggregation: str = "token-mean",
     global_token_count: int | None = None,
     global_sequence_count: int | None = None,
-) -> tuple[torch.Tensor, dict[str, float]]:
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """aggregate(KL_t) over response tokens, differentiable in `log_probs` (GRPO's β·D_KL term).
 
     The caller multiplies by its coefficient. Shapes: all (B, T); returns a scalar.
@@ -118,7 +118,7 @@ def kl_loss(
         global_token_count=global_token_count,
         global_sequence_count=global_sequence_count,
     )
-    return loss, {"kl_loss": float(loss.detach())}
+    return loss, {"kl_loss": loss.detach()}  # a 0-dim tensor, read once per mini-batch (hybridflow.algos)
 
 
 KL_CONTROLLERS: Registry = Registry(

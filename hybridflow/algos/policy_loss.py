@@ -37,7 +37,7 @@ POLICY_LOSSES: Registry = Registry(
     signature=(
         "fn(*, log_probs, old_log_probs, advantages, response_mask, clip_ratio_low=0.2, clip_ratio_high=0.2, "
         "dual_clip_c=None, aggregation='token-mean', global_token_count=None, global_sequence_count=None, "
-        "behavior_weights=None) -> (loss scalar, stats: dict[str, float])"
+        "behavior_weights=None) -> (loss scalar, stats: dict[str, 0-dim tensor])"
     ),
 )
 
@@ -101,14 +101,14 @@ def _finish(loss_mat, log_ratio, clipped, dual_clipped, mask, aggregation, globa
     loss = aggregate_loss(
         loss_mat, mask, aggregation, global_token_count=global_token_count, global_sequence_count=global_sequence_count
     )
-    with torch.no_grad():
+    with torch.no_grad():  # 0-dim tensors where the loss is: read once per mini-batch (hybridflow.algos)
         log_ratio = log_ratio.detach()
         stats = {
-            "policy_loss": float(loss.detach()),
-            "clip_fraction": float(masked_mean(clipped.float(), mask)),
-            "dual_clip_fraction": float(masked_mean(dual_clipped.float(), mask)),
+            "policy_loss": loss.detach(),
+            "clip_fraction": masked_mean(clipped.float(), mask),
+            "dual_clip_fraction": masked_mean(dual_clipped.float(), mask),
             # KL(π_old || π) per token with the k3 estimator, samples from π_old: (ρ - 1) - log ρ
-            "approx_kl": float(masked_mean(torch.expm1(log_ratio) - log_ratio, mask)),
+            "approx_kl": masked_mean(torch.expm1(log_ratio) - log_ratio, mask),
         }
     return loss, stats
 

@@ -23,7 +23,7 @@ def clipped_value_loss(
     aggregation: str = "token-mean",
     global_token_count: int | None = None,
     global_sequence_count: int | None = None,
-) -> tuple[torch.Tensor, dict[str, float]]:
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Clipped value loss; all inputs (B, T), response_mask True = a real response token.
 
     `clip_range=None` gives the plain ½ (V - R)². Stats: `value_loss`, `value_clip_fraction`
@@ -49,11 +49,11 @@ def clipped_value_loss(
         global_token_count=global_token_count,
         global_sequence_count=global_sequence_count,
     )
-    with torch.no_grad():
+    with torch.no_grad():  # 0-dim tensors where the loss is: read once per mini-batch (hybridflow.algos)
         stats = {
-            "value_loss": float(loss.detach()),
-            "value_clip_fraction": float(masked_mean(clipped.float(), response_mask)),
-            "value_mean": float(masked_mean(values.detach(), response_mask)),
-            "return_mean": float(masked_mean(returns, response_mask)),
+            "value_loss": loss.detach(),
+            "value_clip_fraction": masked_mean(clipped.float(), response_mask),
+            "value_mean": masked_mean(values.detach(), response_mask),
+            "return_mean": masked_mean(returns, response_mask),
         }
     return loss, stats

@@ -219,6 +219,20 @@ def clip_gradients(model: torch.nn.Module, max_norm: float) -> float:
     return float(norm)
 
 
+def read_floats(stats: dict) -> None:
+    """Replace the 0-dim tensors among `stats`' values with floats, in place, reading them from their
+    device together: a `float()` of a GPU tensor makes the host wait for the GPU's queue to drain, so a
+    mini-batch's statistics are read at once, after its last micro-batch (one wait, not one per value
+    and micro-batch)."""
+    by_device: dict[torch.device, list[str]] = {}
+    for k, v in stats.items():
+        if isinstance(v, torch.Tensor):
+            by_device.setdefault(v.device, []).append(k)
+    for keys in by_device.values():
+        values = torch.stack([stats[k].detach().reshape(()).to(torch.float64) for k in keys]).tolist()
+        stats.update(zip(keys, values))
+
+
 def _all_reduce_scalar(value: float | int, op) -> float:
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return float(value)

@@ -39,6 +39,8 @@ from dataclasses import dataclass
 
 import torch
 
+from hybridflow.batch import host_to_device
+
 PACKED_ATTENTION = "hybridflow_packed"
 
 
@@ -47,46 +49,63 @@ class PackedSequences:
     """One micro-batch packed: `input_ids` and `position_ids` (1, T); `cu_seq_lens` (n + 1,) int32,
     the cumulative lengths of the n non-empty sequences; `max_length` the longest; `predicting`
     (N,) the packed positions whose logits predict the N response tokens (row-major order of
-    `response_mask`); `response_mask` (B, R) to scatter them back."""
+    the response mask); `response_index` (N,) where those tokens sit in the flattened (B, R)
+    response, and `response_shape` (B, R), to gather and scatter them."""
     input_ids: torch.Tensor
     position_ids: torch.Tensor
     cu_seq_lens: torch.Tensor
     max_length: int
     predicting: torch.Tensor
-    response_mask: torch.Tensor
+    response_index: torch.Tensor
+    response_shape: tuple[int, int]
 
     def model_kwargs(self) -> dict:
         return {"input_ids": self.input_ids, "position_ids": self.position_ids,
                 "cu_seq_lens_q": self.cu_seq_lens, "cu_seq_lens_k": self.cu_seq_lens,
                 "max_length_q": self.max_length, "max_length_k": self.max_length}
 
+    def gather(self, response_values: torch.Tensor) -> torch.Tensor:
+        """(B, R, ...) -> (N, ...): the values at the response tokens, in packed order."""
+        return response_values.reshape(-1, *response_values.shape[2:]).index_select(0, self.response_index)
+
     def scatter(self, values: torch.Tensor) -> torch.Tensor:
         """(N, ...) values at the response tokens -> (B, R, ...) with zeros past every response."""
-        out = values.new_zeros((*self.response_mask.shape, *values.shape[1:]))
-        out[self.response_mask] = values
-        return out
+        rows, width = self.response_shape
+        out = values.new_zeros((rows * width, *values.shape[1:])).index_copy(0, self.response_index, values)
+        return out.view(rows, width, *values.shape[1:])
 
 
 def pack(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, response_ids: torch.Tensor,
          response_mask: torch.Tensor) -> PackedSequences | None:
     """The real tokens of a left-padded prompt + right-padded response batch as one packed row, or
     None when a row has response tokens but no prompt token (its first response token would be
-    predicted by the previous row's last token; the padded path serves such a batch)."""
-    prompt_mask, response_mask = prompt_mask.bool(), response_mask.bool()
-    if bool((response_mask.any(dim=1) & ~prompt_mask.any(dim=1)).any()):
+    predicted by the previous row's last token; the padded path serves such a batch).
+
+    The masks are read to the host once and every index is computed there, then sent to the
+    device in one copy: on a GPU, boolean-mask indexing and `int()` each make the host wait for the
+    device, and a micro-batch had nine such waits here (bench/gpu_check.py --diagnose)."""
+    device = prompt_ids.device
+    mask = torch.cat([prompt_mask.bool(), response_mask.bool()], dim=1).cpu()  # the one wait
+    prompt_width = prompt_ids.shape[1]
+    host_prompt, host_response = mask[:, :prompt_width], mask[:, prompt_width:]
+    if bool((host_response.any(dim=1) & ~host_prompt.any(dim=1)).any()):
         return None
-    ids = torch.cat([prompt_ids, response_ids], dim=1)
-    mask = torch.cat([prompt_mask, response_mask], dim=1)
     positions = mask.long().cumsum(dim=1) - 1
+    tokens = mask.reshape(-1).nonzero().squeeze(1)  # where each real token sits in the flattened (B, P+R)
     packed_index = (mask.reshape(-1).long().cumsum(dim=0) - 1).view(mask.shape)  # where each real token lands
     lengths = mask.sum(dim=1)
     lengths = lengths[lengths > 0]
-    cu = torch.zeros(len(lengths) + 1, dtype=torch.int32, device=ids.device)
+    cu = torch.zeros(len(lengths) + 1, dtype=torch.long)
     cu[1:] = lengths.cumsum(dim=0)
-    predicting = packed_index[:, prompt_ids.shape[1]:][response_mask] - 1  # the token before each response token
-    return PackedSequences(input_ids=ids[mask][None], position_ids=positions[mask][None], cu_seq_lens=cu,
-                           max_length=int(lengths.max()) if len(lengths) else 0, predicting=predicting,
-                           response_mask=response_mask)
+    predicting = packed_index[:, prompt_width:][host_response] - 1  # the token before each response token
+    response_index = host_response.reshape(-1).nonzero().squeeze(1)
+    parts = (tokens, positions.reshape(-1)[tokens], cu, predicting, response_index)
+    on_device = host_to_device(torch.cat(parts), device).split([len(p) for p in parts])
+    ids = torch.cat([prompt_ids, response_ids], dim=1).reshape(-1)
+    return PackedSequences(input_ids=ids.index_select(0, on_device[0])[None], position_ids=on_device[1][None],
+                           cu_seq_lens=on_device[2].to(torch.int32), max_length=int(lengths.max()) if len(lengths) else 0,
+                           predicting=on_device[3], response_index=on_device[4],
+                           response_shape=(response_mask.shape[0], response_mask.shape[1]))
 
 
 def packing_unsupported(model: torch.nn.Module) -> str | None:
@@ -187,21 +206,22 @@ def packed_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Te
         out = _varlen(*(t[0].transpose(0, 1).contiguous() for t in (query, key, value)),
                       cu_seq_lens_q, int(max_length_q), scaling)  # (T, H, D)
         return out[None], None
-    return _padded_attention(query, key, value, cu_seq_lens_q, scaling, dropout), None
+    return _padded_attention(query, key, value, cu_seq_lens_q, int(max_length_q), scaling, dropout), None
 
 
 def _padded_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cu_seq_lens: torch.Tensor,
-                      scaling: float | None, dropout: float) -> torch.Tensor:
+                      longest: int, scaling: float | None, dropout: float) -> torch.Tensor:
     """Attention of packed (1, H, T, D) tensors as one `scaled_dot_product_attention` call: the
     sequences laid out right-padded in (n, H, L, D), causal, and read back (1, T, H, D). Right
     padding under a causal mask changes no real token's output (a real query sees only earlier
     positions of its own row), so only attention runs padded; the projections and the MLP ran on
     the T real tokens. One call rather than one per sequence: on the CPU a call per sequence and
-    layer made the tiny model's 128-row SFT step 1.6x slower than padded (bench/sft_step.py)."""
+    layer made the tiny model's 128-row SFT step 1.6x slower than padded (bench/sft_step.py). `longest`
+    is the longest sequence (the caller's `max_length_q`), given so that nothing reads the device."""
     lengths = cu_seq_lens[1:] - cu_seq_lens[:-1]
-    sequence = torch.repeat_interleave(torch.arange(len(lengths), device=query.device), lengths.long())
+    sequence = torch.repeat_interleave(torch.arange(len(lengths), device=query.device), lengths.long(),
+                                       output_size=query.shape[2])  # sizes given: no wait for the device
     position = torch.arange(query.shape[2], device=query.device) - cu_seq_lens[:-1].long()[sequence]
-    longest = int(lengths.max())
 
     def laid_out(x: torch.Tensor) -> torch.Tensor:
         out = x.new_zeros(len(lengths), x.shape[1], longest, x.shape[3])

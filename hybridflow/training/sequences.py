@@ -18,7 +18,7 @@ from typing import Iterator
 
 import torch
 
-from hybridflow.batch import Batch
+from hybridflow.batch import Batch, host_to_device
 from hybridflow.training.packing import PackedSequences, pack, runs_packed
 
 
@@ -47,9 +47,10 @@ def trimmed_inputs(batch: Batch) -> tuple[dict[str, torch.Tensor], int, int]:
     is the same: left padding is masked and positions count real tokens only, and causal
     attention never looks at the trailing columns.
     """
-    prompt_used = batch["prompt_mask"].any(dim=0).nonzero()  # (n, 1) columns with a real token
-    response_used = batch["response_mask"].any(dim=0).nonzero()
     prompt_width, response_width = batch["prompt_ids"].shape[1], batch["response_ids"].shape[1]
+    used = torch.cat([batch["prompt_mask"].any(dim=0), batch["response_mask"].any(dim=0)]).cpu()  # one read
+    prompt_used = used[:prompt_width].nonzero()  # (n, 1) columns with a real token
+    response_used = used[prompt_width:].nonzero()
     first = int(prompt_used[0]) if len(prompt_used) else prompt_width - 1  # keep >= 1 prompt column
     end = int(response_used[-1]) + 1 if len(response_used) else 1
     trimmed = Batch({"prompt_ids": batch["prompt_ids"][:, first:], "prompt_mask": batch["prompt_mask"][:, first:],
@@ -88,7 +89,7 @@ def response_log_probs(model: torch.nn.Module, batch: Batch, temperature: float 
     if packed is not None:  # one row of real tokens; logits at the N positions that predict response tokens
         logits = packed_logits(model, packed)  # (N, V)
         log_probs, entropy = token_log_probs_and_entropy(
-            logits[:, None], batch["response_ids"][packed.response_mask][:, None], temperature=temperature,
+            logits[:, None], packed.gather(batch["response_ids"])[:, None], temperature=temperature,
             with_entropy=with_entropy, entropy_grad=entropy_grad)  # (N, 1) each: a token a row, chunked by rows
         return packed.scatter(log_probs[:, 0]), packed.scatter(entropy[:, 0])
     inputs, prompt_len, width = trimmed_inputs(batch)
@@ -222,7 +223,7 @@ def log_probs_and_entropy(model: torch.nn.Module, batch: Batch, rows_per_micro_b
         micro = batch.index(rows)
         log_probs, entropy = response_log_probs(model, micro, temperature, with_entropy=with_entropy)
         mask = loss_mask(micro)
-        index = torch.tensor(rows, device=device)
+        index = host_to_device(torch.tensor(rows), device)
         log_probs_out[index] = log_probs * mask
         entropy_out[index] = entropy * mask
     return log_probs_out, entropy_out
