@@ -14,10 +14,21 @@ with `actor.gradient_checkpointing`; on SmolLM2-135M in float32, 16 rows of 110 
 2.7 GiB against 3.1 GiB measured (bench/logprob_memory.py, docs/performance.md "Memory").
 
 `memory_problems` refuses before anything starts a run whose floor, summed over the processes
-one node holds, is above the node's memory (CPU pools on the local machine; on GPUs vLLM's own
-`gpu_memory_utilization` budget decides). The terms are lower bounds, so a refused run cannot
-fit; one that passes may still need more (the update's and the weight sync's transient buffers,
-allocator slack).
+one node holds, is above the node's memory (CPU pools on the local machine). The terms are lower
+bounds, so a refused run cannot fit; one that passes may still need more (the update's and the
+weight sync's transient buffers, allocator slack).
+
+On GPUs (`gpu_memory_bytes`: `placement.gpu_memory_gib`, else this machine's first GPU) each process
+has one GPU, and the floor has two phases. Training: the same terms, but attention keeps no
+probabilities (sdpa's flash, memory-efficient and cuDNN kernels and the packed varlen kernel never
+store the sequence x sequence matrix), and a colocated engine sleeps (its weights on the host, its KV
+cache freed) so it holds nothing; the host runtime is not GPU memory. Checked against
+`torch.cuda.max_memory_allocated` on an H200 (bench/gpu_check.py, docs/performance.md "A GPU memory
+model"): Qwen2.5-0.5B and -1.5B shapes, 16 rows of 256 + 512 tokens, floor 28.1 and 61.3 GiB, peaks
+32.0-34.4 and 65.6-69.8 GiB (1.07-1.22x). The weight sync: a colocated engine wakes whole
+(`rollout.gpu_memory_utilization` of the GPU) while the actor still holds its parameters, gradients
+and AdamW moments; a run where that sum is above the GPU is refused before start (it would run out of
+memory at its first sync, after a whole generate and update).
 """
 
 from __future__ import annotations
@@ -62,8 +73,12 @@ class ModelShape:
 
 def process_terms(config, shape: ModelShape, roles: set[str], rows: int | None = None,
                   checkpointing: bool | None = None) -> dict[str, float]:
-    """Bytes per process of the actor's pool, term by term; `roles`: the roles placed on that pool;
-    `rows`, `checkpointing`: the micro-batch's, where not the config's."""
+    """Bytes per process of the actor's pool while it trains, term by term; `roles`: the roles placed
+    on that pool; `rows`, `checkpointing`: the micro-batch's, where not the config's. On GPUs the
+    GPU's bytes (see the module docstring)."""
+    from hybridflow.model_checks import on_cpu
+
+    cpu = on_cpu(config)
     ranks = config.placement.world_size("actor")
     master, compute = DTYPE_BYTES[config.model.master_dtype.value], DTYPE_BYTES[config.model.dtype.value]
     p = shape.parameters
@@ -76,31 +91,34 @@ def process_terms(config, shape: ModelShape, roles: set[str], rows: int | None =
     if "critic" in roles:
         terms["critic parameters, gradients and AdamW moments (FSDP shard)"] = 4 * p * master / ranks
     engine = "rollout" in roles and config.rollout.backend.value == "vllm"
-    if engine:
+    if engine and cpu:  # on a GPU a colocated engine sleeps while the actor trains
         tp = config.rollout.tensor_parallel_size
         terms[f"vLLM weights (rollout.dtype, 1/{tp} of the model)"] = p * DTYPE_BYTES[config.rollout.dtype.value] / tp
         terms["vLLM KV cache (rollout.kv_cache_space_gib)"] = config.rollout.kv_cache_space_gib * GIB
-    terms[f"the process's own runtime (Python, torch, Ray{', vLLM' if engine else ''}; measured)"] = (
-        RUNTIME_BYTES_WITH_VLLM if engine else RUNTIME_BYTES)
+    if cpu:  # on a GPU the host runtime is not GPU memory
+        terms[f"the process's own runtime (Python, torch, Ray{', vLLM' if engine else ''}; measured)"] = (
+            RUNTIME_BYTES_WITH_VLLM if engine else RUNTIME_BYTES)
     if ranks > 1 or compute != master:  # FSDP2: the root's parameters stay gathered from forward to backward
         embeddings = shape.vocab * shape.hidden * (1 if shape.tied_embeddings else 2)
         terms["actor embeddings gathered, and their gradient (model.dtype, whole)"] = 2 * embeddings * compute
-    terms.update(micro_batch_terms(config, shape, rows, checkpointing))
+    terms.update(micro_batch_terms(config, shape, rows, checkpointing, attention_probabilities=cpu))
     return terms
 
 
 def micro_batch_terms(config, shape: ModelShape, rows: int | None = None,
-                      checkpointing: bool | None = None) -> dict[str, float]:
+                      checkpointing: bool | None = None, attention_probabilities: bool = True) -> dict[str, float]:
     """One actor micro-batch's activations (kept for the backward pass) and logits, in bytes; `rows`
-    and `checkpointing` default to the config's (resolved by `resolve_micro_batches`)."""
+    and `checkpointing` default to the config's (resolved by `resolve_micro_batches`);
+    `attention_probabilities`: whether attention keeps its (heads x sequence) probabilities per token
+    (priced on CPUs, where it was measured; GPU kernels never store them)."""
     rows = config.actor.samples_per_micro_batch if rows is None else rows
     checkpointing = config.actor.gradient_checkpointing if checkpointing is None else checkpointing
     tokens = config.data.max_prompt_tokens + config.rollout.max_response_tokens
     compute = DTYPE_BYTES[config.model.dtype.value]
     if checkpointing:  # one hidden vector per layer, and one layer's worth recomputed
-        per_token = shape.hidden * shape.layers + _layer_floats(shape, tokens)
+        per_token = shape.hidden * shape.layers + _layer_floats(shape, tokens, attention_probabilities)
     else:
-        per_token = _layer_floats(shape, tokens) * shape.layers
+        per_token = _layer_floats(shape, tokens, attention_probabilities) * shape.layers
     logits = rows * config.rollout.max_response_tokens * shape.vocab
     return {f"activations of one micro-batch ({rows} rows x {tokens} tokens, actor.samples_per_micro_batch)":
             rows * tokens * per_token * compute,
@@ -115,7 +133,7 @@ def micro_batch_terms(config, shape: ModelShape, rows: int | None = None,
 AUTO_MAX_ROWS = 64
 AUTO_SHARE = 2 / 3
 AUTO_MIN_ROWS_WITHOUT_CHECKPOINTING = 8  # fewer rows fit: recompute activations instead (about 1.3x compute)
-GPU_DEFAULT_ROWS = 16  # on GPUs vLLM's gpu_memory_utilization sets the budget; the schema's old default
+GPU_DEFAULT_ROWS = 16  # on GPUs whose memory is unknown before start (placement.gpu_memory_gib unset, no local GPU)
 
 
 @dataclass(frozen=True)
@@ -125,25 +143,34 @@ class MicroBatchChoice:
     why: str  # one console line
 
 
-def choose_micro_batch(config, shape: ModelShape | None, node_bytes: int | None = None) -> MicroBatchChoice:
+def choose_micro_batch(config, shape: ModelShape | None, node_bytes: int | None = None,
+                       gpu_bytes: int | None = None) -> MicroBatchChoice:
     """The actor's rows per micro-batch and activation checkpointing: the config's where set, else
-    the most rows whose floor (`process_terms`) fits AUTO_SHARE of a process's share of the node,
-    without checkpointing when that fits AUTO_MIN_ROWS_WITHOUT_CHECKPOINTING rows, else with it."""
+    the most rows whose floor (`process_terms`) fits AUTO_SHARE of a process's share of the node (on
+    GPUs: of one GPU, `gpu_bytes` or `gpu_memory_bytes`), without checkpointing when that fits
+    AUTO_MIN_ROWS_WITHOUT_CHECKPOINTING rows, else with it."""
     from hybridflow.model_checks import on_cpu
 
     rows_set, ckpt_set = config.actor.samples_per_micro_batch, config.actor.gradient_checkpointing
     cpu = on_cpu(config)
-    if shape is None or not cpu:
+    gpu = None if cpu else (gpu_bytes or gpu_memory_bytes(config))
+    if shape is None or (not cpu and gpu is None):
         return MicroBatchChoice(rows_set or (AUTO_MAX_ROWS if cpu else GPU_DEFAULT_ROWS), bool(ckpt_set),
-                                "on GPUs" if shape is not None else "the model's size is unknown before start")
+                                "the model's size is unknown before start" if shape is None else
+                                "the GPU's memory is unknown before start: no GPU on this machine; set "
+                                "placement.gpu_memory_gib")
     pool = config.placement.pools[config.placement.roles["actor"]]
-    budget = AUTO_SHARE * NODE_MEMORY_SHARE * (node_bytes or node_memory_bytes()) / pool.devices_per_node
+    if cpu:
+        budget = AUTO_SHARE * NODE_MEMORY_SHARE * (node_bytes or node_memory_bytes()) / pool.devices_per_node
+        where = "one process of the actor's pool may use"
+    else:  # one GPU per process
+        budget, where = AUTO_SHARE * gpu, "one GPU holds"
     # every term but the micro-batch's: the whole floor at one row, less that row's terms
     fixed = (sum(process_terms(config, shape, actor_pool_roles(config), rows=1, checkpointing=False).values())
-             - sum(micro_batch_terms(config, shape, 1, False).values()))
+             - sum(micro_batch_terms(config, shape, 1, False, attention_probabilities=cpu).values()))
 
     def fits(rows: int, ckpt: bool) -> bool:
-        return fixed + sum(micro_batch_terms(config, shape, rows, ckpt).values()) <= budget
+        return fixed + sum(micro_batch_terms(config, shape, rows, ckpt, attention_probabilities=cpu).values()) <= budget
 
     def most_rows(ckpt: bool) -> int:
         candidates = [rows_set] if rows_set else range(AUTO_MAX_ROWS, 0, -1)
@@ -155,18 +182,20 @@ def choose_micro_batch(config, shape: ModelShape | None, node_bytes: int | None 
         rows, ckpt = plain, False
     else:
         rows, ckpt = most_rows(True), True
-    share = f"{AUTO_SHARE:.0%} of the {budget / AUTO_SHARE / GIB:.1f} GiB one process of the actor's pool may use"
+    share = f"{AUTO_SHARE:.0%} of the {budget / AUTO_SHARE / GIB:.1f} GiB {where}"
     if rows == 0:  # the smallest; memory_problems refuses it when even its floor cannot fit
         rows, ckpt = rows_set or 1, ckpt_set if ckpt_set is not None else True
-        floor = fixed + sum(micro_batch_terms(config, shape, rows, ckpt).values())
+        floor = fixed + sum(micro_batch_terms(config, shape, rows, ckpt, attention_probabilities=cpu).values())
+        fix = ("Set rollout.dtype=bfloat16 (or model.master_dtype=bfloat16), or lower rollout.kv_cache_space_gib"
+               if cpu else "Put more GPUs in the actor's pool (FSDP2 shards the training state), or set "
+               "model.master_dtype=bfloat16")
         return MicroBatchChoice(rows, ckpt, f"WARNING: even this floor, {floor / GIB:.2f} GiB, is above {share}; "
-                                "peaks reach 1.5x the floor, so Ray may kill a worker for memory. Set "
-                                "rollout.dtype=bfloat16 (or model.master_dtype=bfloat16), or lower "
-                                "rollout.kv_cache_space_gib")
+                                f"peaks reach 1.5x the floor, so {'Ray may kill a worker for memory' if cpu else 'the GPU may run out of memory'}. {fix}")
     return MicroBatchChoice(rows, ckpt, f"the floor at that size fits {share}")
 
 
-def resolve_micro_batches(config, node_bytes: int | None = None, model_dir: str | Path | None = None):
+def resolve_micro_batches(config, node_bytes: int | None = None, model_dir: str | Path | None = None,
+                          gpu_bytes: int | None = None):
     """`config` with actor/critic.samples_per_micro_batch and actor.gradient_checkpointing filled in
     where null (`choose_micro_batch`, for the model in `model_dir`, default `model.path`), and the
     console line that says what was chosen (None when everything was set)."""
@@ -177,7 +206,7 @@ def resolve_micro_batches(config, node_bytes: int | None = None, model_dir: str 
         return config, None
     model_dir = model_dir or config.model.path
     shape = ModelShape.from_dir(model_dir) if model_dir else None
-    choice = choose_micro_batch(config, shape, node_bytes)
+    choice = choose_micro_batch(config, shape, node_bytes, gpu_bytes)
     chosen = {}
     if not actor.samples_per_micro_batch:
         chosen["actor.samples_per_micro_batch"] = choice.rows
@@ -195,12 +224,41 @@ def resolve_micro_batches(config, node_bytes: int | None = None, model_dir: str 
     return config, f"hybridflow: chose {said} ({choice.why}; docs/performance.md, \"Memory\")"
 
 
-def _layer_floats(shape: ModelShape, tokens: int) -> int:
-    return 10 * shape.hidden + 4 * shape.intermediate + 2 * shape.heads * tokens
+def _layer_floats(shape: ModelShape, tokens: int, attention_probabilities: bool = True) -> int:
+    return 10 * shape.hidden + 4 * shape.intermediate + (2 * shape.heads * tokens if attention_probabilities else 0)
 
 
 def node_memory_bytes() -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def gpu_memory_bytes(config) -> int | None:
+    """One GPU's memory: `placement.gpu_memory_gib`, else this machine's first GPU's (torch.cuda),
+    else None (unknown before start: a driver without a GPU submitting to a cluster)."""
+    if config.placement.gpu_memory_gib:
+        return int(config.placement.gpu_memory_gib * GIB)
+    try:
+        import torch
+
+        return int(torch.cuda.get_device_properties(0).total_memory) if torch.cuda.is_available() else None
+    except Exception:  # noqa: BLE001 - a broken CUDA install: unknown, as without a GPU
+        return None
+
+
+def sync_terms(config, shape: ModelShape, gpu_bytes: int) -> dict[str, float]:
+    """GPU bytes per process of the actor's pool while a colocated engine is awake for the weight
+    sync: the actor's parameters, gradients and AdamW moments (nothing is offloaded before the
+    engine wakes) and the engine's whole share of the GPU."""
+    ranks = config.placement.world_size("actor")
+    master = DTYPE_BYTES[config.model.master_dtype.value]
+    p = shape.parameters
+    trained = p if not config.actor.lora.rank else 0
+    return {"actor parameters (model.master_dtype, FSDP shard)": p * master / ranks,
+            "actor gradients (FSDP shard)": trained * master / ranks,
+            "actor AdamW moments (2 per parameter, FSDP shard)": 2 * trained * master / ranks,
+            f"vLLM awake: weights, KV cache and activations (rollout.gpu_memory_utilization="
+            f"{config.rollout.gpu_memory_utilization} of {gpu_bytes / GIB:.1f} GiB)":
+                config.rollout.gpu_memory_utilization * gpu_bytes}
 
 
 def actor_pool_roles(config) -> set[str]:
@@ -215,16 +273,21 @@ def actor_pool_roles(config) -> set[str]:
     return roles
 
 
-def memory_problems(config, roles: set[str] | None = None, node_bytes: int | None = None) -> list[str]:
+def memory_problems(config, roles: set[str] | None = None, node_bytes: int | None = None,
+                    gpu_bytes: int | None = None) -> list[str]:
     """The refusal, with its arithmetic, of a run whose actor pool cannot fit on a node of this
-    machine's memory (`node_bytes`); empty when it may fit or the check does not apply."""
+    machine's memory (`node_bytes`), or on GPUs in one GPU's memory (`gpu_bytes`, else
+    `gpu_memory_bytes`: training, and a colocated engine's weight sync); empty when it may fit or the
+    check does not apply."""
     from hybridflow.model_checks import on_cpu
 
-    if config.model.path is None or not on_cpu(config):
+    if config.model.path is None:
         return []
     shape = ModelShape.from_dir(config.model.path)
     if shape is None:
         return []
+    if not on_cpu(config):
+        return _gpu_problems(config, shape, roles, gpu_bytes or gpu_memory_bytes(config))
     config, _ = resolve_micro_batches(config, node_bytes)  # null sizes: the choice the run would make
     pool = config.placement.pools[config.placement.roles["actor"]]
     terms = process_terms(config, shape, actor_pool_roles(config) if roles is None else roles)
@@ -233,7 +296,7 @@ def memory_problems(config, roles: set[str] | None = None, node_bytes: int | Non
     available = NODE_MEMORY_SHARE * (node_bytes or node_memory_bytes())
     if node <= available:
         return []
-    lines = "".join(f"\n      {v / GIB:7.2f} GiB  {k}" for k, v in terms.items())
+    lines = _lines(terms)
     return [f"model.path={config.model.path!r} ({shape.parameters / 1e6:.0f}M parameters, {shape.layers} layers) does "
             f"not fit: each of the {pool.devices_per_node} processes of the actor's pool on a node holds at least "
             f"{per_process / GIB:.2f} GiB:{lines}\n    = {node / GIB:.2f} GiB per node, above the "
@@ -241,3 +304,35 @@ def memory_problems(config, roles: set[str] | None = None, node_bytes: int | Non
             "GiB). Fix: actor.gradient_checkpointing=true, a smaller actor.samples_per_micro_batch, "
             "model.dtype=bfloat16 with model.master_dtype=bfloat16, fewer ranks per node "
             "(placement.pools.<pool>.devices_per_node), or rollout.kv_cache_space_gib=1"]
+
+
+def _lines(terms: dict[str, float]) -> str:
+    return "".join(f"\n      {v / GIB:7.2f} GiB  {k}" for k, v in terms.items())
+
+
+def _gpu_problems(config, shape: ModelShape, roles: set[str] | None, gpu: int | None) -> list[str]:
+    if gpu is None:  # unknown before start (said when the micro-batch is chosen)
+        return []
+    config, _ = resolve_micro_batches(config, gpu_bytes=gpu)
+    roles = actor_pool_roles(config) if roles is None else roles
+    model = f"model.path={config.model.path!r} ({shape.parameters / 1e6:.0f}M parameters, {shape.layers} layers)"
+    problems = []
+    terms = process_terms(config, shape, roles)
+    if sum(terms.values()) > gpu:
+        problems.append(
+            f"{model} does not fit while it trains: each GPU of the actor's pool holds at least "
+            f"{sum(terms.values()) / GIB:.2f} GiB:{_lines(terms)}\n    above the GPU's {gpu / GIB:.1f} GiB. Fix: "
+            "actor.gradient_checkpointing=true, a smaller actor.samples_per_micro_batch, more GPUs in the actor's pool "
+            "(FSDP2 shards the parameters, gradients and AdamW moments over them), or model.master_dtype=bfloat16")
+    if "rollout" in roles and config.rollout.backend.value == "vllm":
+        sync = sync_terms(config, shape, gpu)
+        if sum(sync.values()) > gpu:
+            actor = sum(v for k, v in sync.items() if k.startswith("actor"))
+            most = max(0.0, (gpu - actor) / gpu)
+            problems.append(
+                f"{model} does not fit at the weight sync: the colocated vLLM engine wakes with its whole share of "
+                f"the GPU while the actor still holds its training state, at least {sum(sync.values()) / GIB:.2f} "
+                f"GiB:{_lines(sync)}\n    above the GPU's {gpu / GIB:.1f} GiB; the run would run out of memory at "
+                f"its first sync, after a whole generate and update. Fix: rollout.gpu_memory_utilization={most:.2f} "
+                "or lower, more GPUs in the actor's pool, or a rollout pool of its own (placement.roles.rollout)")
+    return problems

@@ -118,6 +118,10 @@ class PlacementConfig:
     # A process whose cores would run past the node's is left unpinned. null: pin when the pools
     # run at the same time (trainer.max_staleness > 0); a synchronous run's pools take turns.
     pin_cpus: Optional[bool] = None
+    # One GPU's memory, for the memory floor before start (micro-batch rows, activation checkpointing,
+    # the refusal of a run that cannot fit). null: this machine's first GPU; a driver without a GPU
+    # (submitting to a cluster) does not know it, and then nothing is chosen from it.
+    gpu_memory_gib: Optional[float] = None
     planner: PlannerConfig = field(default_factory=PlannerConfig)
 
     def __post_init__(self) -> None:
@@ -128,6 +132,8 @@ class PlacementConfig:
             _require(pool in self.pools, f"placement.roles.{role}", pool, f"must name a pool in placement.pools: {sorted(self.pools)}")
         _require(self.collective_timeout_s > 0, "placement.collective_timeout_s", self.collective_timeout_s, "must be > 0")
         _require(self.node_wait_s >= 0, "placement.node_wait_s", self.node_wait_s, "must be >= 0")
+        _require(self.gpu_memory_gib is None or self.gpu_memory_gib > 0, "placement.gpu_memory_gib",
+                 self.gpu_memory_gib, "must be > 0 (GiB of one GPU), or null to read this machine's")
 
     def world_size(self, role: str) -> int:
         pool = self.pools[self.roles[role]]

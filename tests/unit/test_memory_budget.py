@@ -177,3 +177,73 @@ def test_resolve_fills_in_only_the_null_keys_and_says_what_it_chose(tmp_path, ti
     assert again == config and nothing is None
     tiny, _ = resolve_micro_batches(compose(["recipe=grpo"]))  # the tiny model: its size is known only at start
     assert tiny.actor.samples_per_micro_batch == 64 and tiny.actor.gradient_checkpointing is False
+
+
+# ---- on GPUs ---------------------------------------------------------------------------------------
+
+QWEN15_SHAPE = ModelShape(parameters=1_543_714_304, layers=28, hidden=1536, intermediate=8960, heads=12, vocab=151936)
+GPU = ["model=local_hf", "model.path=/m", "placement.device=cuda", "model.dtype=bfloat16", "model.master_dtype=float32",
+       "data.max_prompt_tokens=256", "rollout.max_response_tokens=512"]
+# bench/gpu_check.py on one NVIDIA H200, 2026-11-27 (docs/performance.md "A GPU memory model"): the actor,
+# one rank, 16 rows of 256 + 512 tokens, no checkpointing; torch.cuda.max_memory_allocated in the update,
+# GiB, (padded, packed)
+H200_PEAKS_GIB = {"0.5B": (34.4, 32.0), "1.5B": (69.8, 65.6)}
+
+
+def test_the_gpu_floor_is_below_the_measured_h200_peaks_within_one_and_a_half_times():
+    """0.5B: parameters, gradients and AdamW moments 494M x 4 B x 4 = 7.36 GiB, the gathered embeddings
+    and their gradient 2 x 151,936 x 896 x 2 B = 0.51, activations 16 x 768 x 24 x (10 x 896 + 4 x 4864)
+    x 2 B = 15.6 (no attention probabilities: GPU kernels keep none), logits and their gradient
+    2 x 16 x 512 x 151,936 x 2 B = 4.64: 28.1 GiB, no host runtime. 1.5B the same way: 61.3 GiB."""
+    config = compose([*GPU, "placement.pools.global.devices_per_node=1", "actor.samples_per_micro_batch=16",
+                      "actor.gradient_checkpointing=false"])
+    for name, shape, floor_gib in (("0.5B", QWEN05_SHAPE, 28.1), ("1.5B", QWEN15_SHAPE, 61.3)):
+        terms = process_terms(config, shape, {"actor", "rollout"})
+        assert not any("runtime" in k or "vLLM" in k for k in terms), terms  # asleep while training; host memory
+        floor = sum(terms.values()) / GIB
+        assert floor == pytest.approx(floor_gib, abs=0.05), name
+        for peak in H200_PEAKS_GIB[name]:
+            assert floor <= peak <= 1.5 * floor, (name, floor, peak)
+    cpu = compose([*GPU[:2], "placement.device=cpu", *GPU[3:], "placement.pools.global.devices_per_node=1",
+                   "actor.samples_per_micro_batch=16", "actor.gradient_checkpointing=false"])
+    assert sum(process_terms(cpu, QWEN15_SHAPE, {"actor"}).values()) / GIB > 73  # eager attention's probabilities
+
+
+def test_on_a_gpu_the_micro_batch_is_chosen_from_its_memory():
+    """An 80 GiB GPU, 1.5B: fixed terms 23.0 + 0.87 GiB, a row 768 x 28 x 51,200 x 2 B = 2.05 GiB of activations
+    and 0.29 of logits: (2/3 x 80 - 23.9) / 2.34 = 12.6, so 12 rows without checkpointing; 0.5B: 35 rows."""
+    from hybridflow.memory_budget import AUTO_SHARE, actor_pool_roles
+
+    config = compose([*GPU, "placement.pools.global.devices_per_node=1"])
+    for shape, rows in ((QWEN15_SHAPE, 12), (QWEN05_SHAPE, 35)):
+        choice = choose_micro_batch(config, shape, gpu_bytes=80 * GIB)
+        assert (choice.rows, choice.gradient_checkpointing) == (rows, False), choice
+        assert "of the 80.0 GiB one GPU holds" in choice.why
+
+        def floor(r: int) -> float:
+            return sum(process_terms(config, shape, actor_pool_roles(config), r, False).values())
+        assert floor(rows) <= AUTO_SHARE * 80 * GIB < floor(rows + 1)
+    # 40 GiB: (26.7 - 23.9) / 2.34 is 1 row without checkpointing, so recompute: a row is then 768 x
+    # (1536 x 28 + 51,200) x 2 B = 0.135 GiB of activations and still 0.29 of logits, 6 rows
+    small = choose_micro_batch(config, QWEN15_SHAPE, gpu_bytes=40 * GIB)
+    assert (small.rows, small.gradient_checkpointing) == (6, True)
+    unknown = choose_micro_batch(config, QWEN15_SHAPE)  # no GPU here and no placement.gpu_memory_gib
+    assert unknown.rows == 16 and "placement.gpu_memory_gib" in unknown.why
+    told = choose_micro_batch(compose([*GPU, "placement.pools.global.devices_per_node=1",
+                                       "placement.gpu_memory_gib=80"]), QWEN15_SHAPE)
+    assert (told.rows, told.gradient_checkpointing) == (12, False)
+
+
+def test_a_colocated_weight_sync_that_cannot_fit_a_gpu_is_refused_with_the_arithmetic(tmp_path, tiny_model_dir):
+    """0.5B on a 12 GiB GPU: the actor's parameters, gradients and AdamW moments 7.36 GiB stay while the engine
+    wakes with 0.5 x 12 = 6 GiB: 13.4 GiB. At most (12 - 7.36) / 12 = 0.39 of the GPU is left for the engine."""
+    model = header_only_model(tmp_path / "qwen05", tiny_model_dir)
+    base = ["model=local_hf", f"model.path={model}", *GPU[2:], "placement.pools.global.devices_per_node=1"]
+    problems = memory_problems(compose(base), gpu_bytes=12 * GIB)
+    assert len(problems) == 1 and "does not fit at the weight sync" in problems[0], problems
+    assert "13.36 GiB" in problems[0] and "rollout.gpu_memory_utilization=0.39 or lower" in problems[0]
+    assert memory_problems(compose([*base, "rollout.gpu_memory_utilization=0.35"]), gpu_bytes=12 * GIB) == []
+    own_pool = [*base, "+placement.pools.gen={devices_per_node:1}", "placement.roles.rollout=gen"]
+    assert memory_problems(compose(own_pool), gpu_bytes=12 * GIB) == []  # nothing wakes beside the actor
+    training = memory_problems(compose(base), gpu_bytes=6 * GIB)
+    assert "does not fit while it trains" in training[0] and "more GPUs in the actor's pool" in training[0]
