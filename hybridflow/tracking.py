@@ -10,6 +10,7 @@ import json
 import math
 import os
 import time
+import uuid
 from dataclasses import asdict, is_dataclass
 from enum import Enum
 from pathlib import Path
@@ -97,7 +98,7 @@ class MetricsLogger:
         where = tracking_names(run_dir, logger)
         self.tensorboard = _tensorboard(run_dir, where) if "tensorboard" in backends else None
         self.wandb = _wandb(run_dir, where) if "wandb" in backends else None
-        self.mlflow = _mlflow(where) if "mlflow" in backends else None
+        self.mlflow = _mlflow(run_dir, where) if "mlflow" in backends else None
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
         bad = {k: v for k, v in metrics.items() if isinstance(v, float) and not math.isfinite(v)}
@@ -188,18 +189,49 @@ def _tensorboard(run_dir: Path, where: dict):
     return writer
 
 
+# The tracking backends' run ids, kept in the run directory: a run that continues in it (trainer.resume,
+# an automatic restart, a pipeline stage run again) continues the same W&B / MLflow run, so its
+# curves do not break at every restart. A new run directory starts new runs.
+TRACKING_IDS = "tracking_ids.json"
+
+
+def _saved_ids(run_dir: Path) -> dict:
+    path = run_dir / TRACKING_IDS
+    return json.loads(path.read_text()) if path.is_file() else {}
+
+
+def _save_id(run_dir: Path, backend: str, run_id: str) -> None:
+    ids = {**_saved_ids(run_dir), backend: run_id}
+    tmp = run_dir / f".{TRACKING_IDS}.tmp"
+    tmp.write_text(json.dumps(ids, indent=1))
+    tmp.replace(run_dir / TRACKING_IDS)
+
+
 def _wandb(run_dir: Path, where: dict):
+    """W&B's run for this run directory: the saved id resumed (`resume="allow"`), else a new one. W&B
+    keeps the first value of a step it has seen: steps a resumed run logs again (after its checkpoint)
+    keep the earlier run's numbers there; metrics.jsonl holds the continuing run's."""
     import wandb
 
-    return wandb.init(dir=str(run_dir), project=where["project"], entity=where["entity"], name=where["name"],
-                      group=where["group"], tags=where["tags"] or None)
+    run_id = _saved_ids(run_dir).get("wandb") or uuid.uuid4().hex[:8]  # W&B's own ids: 8 of [a-z0-9]
+    run = wandb.init(dir=str(run_dir), project=where["project"], entity=where["entity"], name=where["name"],
+                     group=where["group"], tags=where["tags"] or None, id=run_id, resume="allow")
+    _save_id(run_dir, "wandb", run.id)
+    return run
 
 
-def _mlflow(where: dict):
+def _mlflow(run_dir: Path, where: dict):
+    """MLflow's run for this run directory: the saved run continued, else a new one."""
     import mlflow
 
     mlflow.set_experiment(where["experiment"])
-    mlflow.start_run(run_name=where["name"], tags={"project": where["project"], **{t: "true" for t in where["tags"]}})
+    saved = _saved_ids(run_dir).get("mlflow")
+    if saved:
+        mlflow.start_run(run_id=saved)
+    else:
+        run = mlflow.start_run(run_name=where["name"],
+                               tags={"project": where["project"], **{t: "true" for t in where["tags"]}})
+        _save_id(run_dir, "mlflow", run.info.run_id)
     return mlflow
 
 

@@ -1,5 +1,4 @@
 import json
-
 from pathlib import Path
 
 import pytest
@@ -64,6 +63,49 @@ def test_project_and_tags_reach_wandb_offline(tmp_path, monkeypatch):
     logger.log(1, {"reward/score": 0.5})
     logger.close()
     assert list((tmp_path / "run1" / "wandb").glob("offline-run-*/run-*.wandb"))
+
+
+def _wandb_offline(tmp_path, monkeypatch):
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    for where in ("WANDB_CACHE_DIR", "WANDB_CONFIG_DIR", "WANDB_DATA_DIR", "WANDB_ARTIFACT_DIR"):
+        monkeypatch.setenv(where, str(tmp_path / where.lower()))
+
+
+def test_a_run_that_continues_in_its_directory_continues_its_wandb_run(tmp_path, monkeypatch):
+    """trainer.resume and automatic restarts reuse the run directory: the W&B run id is kept there
+    (tracking_ids.json) and resumed; a new run directory is a new W&B run."""
+    _wandb_offline(tmp_path, monkeypatch)
+    (tmp_path / "run1").mkdir()
+    ids = []
+    for step in (1, 2):  # the run, then its resumption in the same directory
+        logger = MetricsLogger(tmp_path / "run1", ["jsonl", "wandb"])
+        ids.append(logger.wandb.id)
+        logger.log(step, {"reward/score": 0.5})
+        logger.close()
+    assert ids[0] == ids[1] == json.loads((tmp_path / "run1" / "tracking_ids.json").read_text())["wandb"]
+    segments = [p.name for p in (tmp_path / "run1" / "wandb").glob("offline-run-*")]  # offline: one per start,
+    assert len(segments) == 2 and all(ids[0] in name for name in segments)  # both of the one run (wandb sync)
+    (tmp_path / "run2").mkdir()
+    other = MetricsLogger(tmp_path / "run2", ["jsonl", "wandb"])
+    assert other.wandb.id != ids[0]
+    other.close()
+
+
+def test_a_run_that_continues_in_its_directory_continues_its_mlflow_run(tmp_path, monkeypatch):
+    mlflow = pytest.importorskip("mlflow", reason="mlflow is not installed (pip install -e '.[mlflow]')")
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")  # a file store under the test's directory, offline
+    mlflow.set_tracking_uri(f"file://{tmp_path / 'mlruns'}")
+    (tmp_path / "run1").mkdir()
+    for step in (1, 2):
+        logger = MetricsLogger(tmp_path / "run1", ["jsonl", "mlflow"])
+        logger.log(step, {"reward/score": 0.25 * step})
+        logger.close()
+    run_id = json.loads((tmp_path / "run1" / "tracking_ids.json").read_text())["mlflow"]
+    history = mlflow.tracking.MlflowClient().get_metric_history(run_id, "reward_score")
+    assert [(m.step, m.value) for m in history] == [(1, 0.25), (2, 0.5)]
+    experiment = mlflow.get_experiment_by_name("hybridflow")
+    assert len(mlflow.tracking.MlflowClient().search_runs([experiment.experiment_id])) == 1
 
 
 def test_project_and_tags_reach_tensorboard(tmp_path):
