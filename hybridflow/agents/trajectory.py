@@ -165,7 +165,8 @@ def trajectories_to_batch(trajectories: list[Trajectory], prompts: Batch, width:
                "agent_truncated": torch.tensor([t.truncated for t in trajectories], dtype=torch.float32)}
     objects = {"response": [t.last_response for t in trajectories],
                "trajectory": [tokenizer.decode(t.response_ids, skip_special_tokens=True) for t in trajectories],
-               "agent_reward": [t.reward for t in trajectories]}
+               "agent_reward": [t.reward for t in trajectories],
+               "finish_reason": ["length" if t.truncated else "stop" for t in trajectories]}
     return prompts.union(Batch(tensors=tensors, objects=objects))
 
 

@@ -11,6 +11,7 @@ import math
 import re
 
 from hybridflow.registry import Registry
+from hybridflow.rewards.math_verify import score_math_verify
 from hybridflow.rewards.reasoning_gym import score_reasoning_gym
 
 REWARD_FUNCTIONS: Registry = Registry(
@@ -87,3 +88,4 @@ def digit_match(response: str, ground_truth: str, **_) -> dict:
 
 
 REWARD_FUNCTIONS.add("reasoning_gym", score_reasoning_gym)
+REWARD_FUNCTIONS.add("math_verify", score_math_verify)

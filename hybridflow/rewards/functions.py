@@ -22,7 +22,9 @@ from typing import Any, Callable
 
 from hybridflow.rewards.calls import Outcome, run_async, run_sync
 
-SAMPLE_ARGUMENTS = ("prompt", "response")  # filled for every sample by the reward role
+# Filled for every sample by the reward role; `finish_reason` is the rollout's: "stop" (EOS or a stop
+# text) or "length" (cut at rollout.max_response_tokens, or an agent out of turns or tokens).
+SAMPLE_ARGUMENTS = ("prompt", "response", "finish_reason")
 # Filled for every sample of an agent rollout (rollout.agent; hybridflow/agents/trajectory.py), and
 # for no other sample: the response text of all turns, and the environment's summed step rewards.
 AGENT_ARGUMENTS = ("trajectory", "agent_reward")

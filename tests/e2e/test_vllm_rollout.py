@@ -57,6 +57,10 @@ def test_vllm_response_padding_is_masked(rollout):
     assert torch.all(out["response_ids"][pad_positions] == tok.pad_token_id)
     assert torch.all(out["sampler_log_probs"][pad_positions] == 0)
     assert torch.all(out["sampler_log_probs"][out["response_mask"]] <= 0)
+    # each sample says how it ended (reward functions read it: math_verify scores a cut answer 0):
+    # "length" exactly when it fills the response width without EOS
+    full = out["response_mask"].all(dim=1) & (out["response_ids"][:, -1] != tok.eos_token_id)
+    assert out["finish_reason"] == ["length" if f else "stop" for f in full.tolist()]
 
 
 def test_seeded_requests_past_the_token_budget_never_chunk_a_prefill(ray_local, tiny_model_dir):

@@ -149,7 +149,9 @@ def test_turn_and_token_limits_truncate_and_are_counted():
     assert len(long.response_ids) == 20 and long.truncated and long.turns == 1
     assert not answered.truncated and answered.turns == 1
     prompts = Batch({"prompt_ids": torch.zeros(3, 8, dtype=torch.long), "prompt_mask": torch.ones(3, 8, dtype=torch.bool)})
-    metrics = agent_metrics(trajectories_to_batch(trajectories, prompts, 20, TOK.pad_token_id, TOK))
+    batch = trajectories_to_batch(trajectories, prompts, 20, TOK.pad_token_id, TOK)
+    assert batch["finish_reason"] == ["length", "length", "stop"]  # what reward functions see
+    metrics = agent_metrics(batch)
     assert metrics["agent/truncated"] == pytest.approx(2 / 3)
     assert metrics["agent/turns_mean"] == pytest.approx((3 + 1 + 1) / 3)
     assert metrics["agent/tool_errors"] == 0

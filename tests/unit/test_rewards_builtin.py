@@ -53,3 +53,54 @@ def test_digit_match_gives_partial_credit_aligned_from_the_right():
     assert digit_match("88", "173") == {"score": 0.0, "accuracy": 0.0}
     assert digit_match("", "") == {"score": 0.0, "accuracy": 0.0}
     assert digit_match("1730", "173") == {"score": 0.0, "accuracy": 0.0}  # "1730" vs " 173": shifted
+
+
+# Answer formats as public sets write them: MATH (\\boxed{}, bare LaTeX), GSM8K (####), plain numbers
+MATH_VERIFY_CASES = [
+    (r"The answer is $\boxed{\frac{1}{2}}$.", "0.5", 1.0),  # a boxed fraction against a decimal
+    (r"so $x = \boxed{2\sqrt{2}}$", r"\sqrt{8}", 1.0),  # MATH's bare LaTeX ground truth
+    ("x = 1/2", r"\frac{1}{2}", 1.0),
+    ("She sold 48 + 24 = 72 clips.\n#### 72", "Natalia sold 48/2 = 24 clips in May.\n#### 72", 1.0),  # GSM8K
+    ("1,234", "1234", 1.0),
+    ("50%", "0.5", 1.0),
+    (r"\boxed{-3}", "-3", 1.0),
+    ("the answer is 0.5", "1/3", 0.0),
+    ("I think it is 12", "123", 0.0),
+    ("", "5", 0.0),
+]
+
+
+@pytest.mark.parametrize("response, truth, score", MATH_VERIFY_CASES)
+def test_math_verify_checks_answers_by_value(response, truth, score):
+    pytest.importorskip("math_verify", reason="math-verify is in the test extra")
+    from hybridflow.rewards.builtin import REWARD_FUNCTIONS
+
+    assert REWARD_FUNCTIONS.get("math_verify")(response=response, ground_truth=truth)["score"] == score
+
+
+def test_math_verify_scores_a_response_cut_by_the_length_limit_as_wrong():
+    """The last-number regex of math_answer takes the "12" a cut response was writing for 123."""
+    pytest.importorskip("math_verify", reason="math-verify is in the test extra")
+    from hybridflow.rewards.builtin import REWARD_FUNCTIONS, math_answer
+
+    cut = "3 x 41 = 12"
+    assert math_answer(response=cut, ground_truth="12")["score"] == 1.0
+    scored = REWARD_FUNCTIONS.get("math_verify")(response=cut, ground_truth="12", finish_reason="length")
+    assert scored["score"] == 0.0 and scored["truncated"] == 1.0
+    assert REWARD_FUNCTIONS.get("math_verify")(response=cut, ground_truth="12", finish_reason="stop")["score"] == 1.0
+
+
+def test_a_config_asking_for_math_verify_without_it_is_refused_naming_the_install(monkeypatch):
+    import importlib.util
+
+    from hybridflow.rewards.math_verify import require_math_verify
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "math_verify" else real(name, *a))
+    with pytest.raises(ImportError, match=r"reward.fn=math_verify needs the math-verify package.*pip install -e '.\[math\]'"):
+        require_math_verify()
+    from hybridflow.config import compose
+    from hybridflow.preflight import check_run
+
+    problems = check_run(compose(["recipe=grpo", "reward.fn=math_verify"]))  # the input checks, before anything starts
+    assert any("math-verify package, which is not installed" in p for p in problems), problems

@@ -74,10 +74,11 @@ class HFRollout(ReceivingEnd):
         response_mask[:, :n] = mask
         sampler[:, :n] = torch.where(mask, log_probs, torch.zeros_like(log_probs))
         texts = self._decode(ids, response_mask)
+        finish = ["stop" if bool(row.any()) else "length" for row in (new == self.eos_token_id)]
         version = torch.full((len(prompts),), self.receiver.version, dtype=torch.long)
         return prompts.union(Batch(tensors={"response_ids": ids, "response_mask": response_mask,
                                             "sampler_log_probs": sampler, "behavior_version": version},
-                                   objects={"response": texts}))
+                                   objects={"response": texts, "finish_reason": finish}))
 
     def _decode(self, ids: torch.Tensor, mask: torch.Tensor) -> list[str]:
         if not hasattr(self, "_tokenizer"):

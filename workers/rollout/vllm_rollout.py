@@ -272,9 +272,10 @@ def _responses_to_batch(outputs, prompts: Batch, width: int, pad_token_id: int) 
     ids = torch.full((size, width), pad_token_id, dtype=torch.long)  # (B, R)
     mask = torch.zeros((size, width), dtype=torch.bool)
     log_probs = torch.zeros((size, width), dtype=torch.float32)
-    texts = []
+    texts, finish = [], []
     for i, out in enumerate(outputs):
         sample = out.outputs[0]
+        finish.append("length" if sample.finish_reason == "length" or len(sample.token_ids) > width else "stop")
         tokens = list(sample.token_ids)[:width]
         ids[i, : len(tokens)] = torch.tensor(tokens, dtype=torch.long)
         mask[i, : len(tokens)] = True
@@ -282,7 +283,7 @@ def _responses_to_batch(outputs, prompts: Batch, width: int, pad_token_id: int) 
             log_probs[i, t] = entry[token].logprob
         texts.append(sample.text)
     generated = Batch(tensors={"response_ids": ids, "response_mask": mask, "sampler_log_probs": log_probs},
-                      objects={"response": texts})
+                      objects={"response": texts, "finish_reason": finish})
     return prompts.union(generated)
 
 
