@@ -19,7 +19,7 @@ from hybridflow.cluster import code_files, reserve_pools
 from hybridflow.controller import RoleSpec, WorkerGroup, spawn_workers
 from hybridflow.controller.pools import CoreLedger
 from hybridflow.controller.runtime import connect
-from hybridflow.data import ArithmeticSpec, make_arithmetic_split, read_rows, write_rows
+from hybridflow.data import ArithmeticSpec, first_operand_below, make_arithmetic_split, read_rows, write_rows
 from hybridflow.planning.plan import Plan
 
 
@@ -55,6 +55,8 @@ def prepare_data(config: HybridFlowConfig, run_dir: Path, tokenizer) -> Datasets
     syn = data.synthetic
     spec = ArithmeticSpec(syn.min_digits, syn.max_digits, tuple(syn.operations))
     train, val = make_arithmetic_split(syn.train_rows, syn.val_rows, spec, seed=data.seed)
+    if syn.train_first_operand_below is not None:
+        train = first_operand_below(train, syn.train_first_operand_below)
     train = fit_data(config, train, tokenizer, "the synthetic training rows", trained=True)
     val = fit_data(config, val, tokenizer, "the synthetic validation rows")
     if syn.calculator_demonstrations:

@@ -65,6 +65,7 @@ MEANINGS = {
     "data.synthetic.operations": "operations drawn: add, sub, mul",
     "data.synthetic.train_rows": "training rows generated",
     "data.synthetic.val_rows": "validation rows generated",
+    "data.synthetic.train_first_operand_below": "training rows only: those whose first operand is below it",
     "data.val_path": "validation file (.parquet / .jsonl), same columns as data.train_path",
     "data.max_prompt_tokens": "longest prompt in tokens; longer prompts are refused before start",
     "data.seed": "seed of the generated task",

@@ -281,6 +281,10 @@ class SyntheticTaskConfig:
     # Training rows also carry a `demonstration` of the calculator tool (hybridflow/data/calculator.py)
     # for SFT before agent RL (recipe=agent_pipeline): model turns and tool output, alternating.
     calculator_demonstrations: bool = False
+    # Training rows only: keep those whose first operand is below this (the validation rows stay the
+    # whole task). An SFT stage then demonstrates part of the task, and RL on the whole task's prompts
+    # has the rest to learn (the default pipeline, docs/pipeline.md). null: every row.
+    train_first_operand_below: Optional[int] = None
 
     def __post_init__(self) -> None:
         _require(1 <= self.min_digits <= self.max_digits <= 9, "data.synthetic.min_digits/max_digits",
@@ -289,6 +293,9 @@ class SyntheticTaskConfig:
         _require(bool(self.operations) and not bad, "data.synthetic.operations", self.operations, "a non-empty subset of [add, sub, mul]")
         _require(self.train_rows >= 1 and self.val_rows >= 1, "data.synthetic.train_rows/val_rows",
                  (self.train_rows, self.val_rows), "must be >= 1")
+        _require(self.train_first_operand_below is None or self.train_first_operand_below >= 1,
+                 "data.synthetic.train_first_operand_below", self.train_first_operand_below,
+                 "must be >= 1 (training rows whose first operand is below it), or null for every row")
 
 
 @dataclass

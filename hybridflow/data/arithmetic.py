@@ -13,6 +13,7 @@ different mix than training sees.
 from __future__ import annotations
 
 import random
+import re
 from dataclasses import dataclass
 
 OPERATIONS = {"add": "+", "sub": "-", "mul": "*"}
@@ -69,3 +70,14 @@ def make_arithmetic_split(train_rows: int, val_rows: int, spec: ArithmeticSpec, 
     rows = make_arithmetic_rows(train_rows + val_rows, spec, seed)
     random.Random(seed + 1).shuffle(rows)
     return rows[val_rows:], rows[:val_rows]
+
+
+def first_operand_below(rows: list[dict], bound: int) -> list[dict]:
+    """The rows whose first operand is below `bound`: a task shown in part (an SFT stage's
+    demonstrations) while its held-out rows and RL prompts cover all of it. An empty result is an
+    error naming the bound."""
+    kept = [row for row in rows if int(re.match(r"\d+", row["prompt"]).group()) < bound]  # "37+45=" -> 37
+    if not kept:
+        raise ValueError(f"data.synthetic.train_first_operand_below={bound} leaves none of the {len(rows)} training "
+                         "rows; raise it (operands start at 0)")
+    return kept

@@ -9,7 +9,8 @@ import torch
 
 from hybridflow.builders import build_char_tokenizer, build_tiny_model
 from hybridflow.config.schema import TinyModelConfig
-from hybridflow.data import ArithmeticSpec, make_arithmetic_rows, make_arithmetic_split, read_rows, write_rows
+from hybridflow.data import (ArithmeticSpec, first_operand_below, make_arithmetic_rows, make_arithmetic_split,
+                             read_rows, write_rows)
 from hybridflow.data.prompts import encode_prompts
 
 
@@ -72,6 +73,29 @@ def test_arithmetic_split_holds_out_the_same_mix_as_training():
     share = lambda rows: sum(r["data_source"].endswith("/1d") for r in rows) / len(rows)  # noqa: E731
     assert share(train) < 0.05 and share(val) < 0.05 and abs(share(train) - share(val)) < 0.02
     assert (train, val) == make_arithmetic_split(4000, 400, ArithmeticSpec(), seed=0)
+
+
+def test_training_rows_shown_in_part_keep_the_whole_held_out_set(tmp_path, tiny_model_dir):
+    """data.synthetic.train_first_operand_below: the default pipeline's SFT stage demonstrates first
+    operands below 50; its held-out rows, and GRPO's prompts, are the whole task."""
+    train, val = make_arithmetic_split(7700, 500, ArithmeticSpec(), seed=0)
+    part = first_operand_below(train, 50)
+    assert 0.4 < len(part) / len(train) < 0.5 and all(int(r["prompt"].split("+")[0]) < 50 for r in part)
+    assert [r for r in train if r in part] == part  # in order, nothing else
+    with pytest.raises(ValueError, match="train_first_operand_below=1 leaves none"):
+        first_operand_below([r for r in train if not r["prompt"].startswith("0+")], 1)
+    from transformers import AutoTokenizer
+
+    from hybridflow.config import compose
+    from hybridflow.launch import prepare_data
+
+    config = compose(["data.synthetic.train_rows=7700", "data.synthetic.val_rows=500",
+                      "data.synthetic.train_first_operand_below=50"])
+    sets = prepare_data(config, tmp_path, AutoTokenizer.from_pretrained(tiny_model_dir))
+    assert [r["prompt"] for r in sets.train] == [r["prompt"] for r in part]
+    assert [r["prompt"] for r in sets.val] == [r["prompt"] for r in val]
+    with pytest.raises(ValueError, match="train_first_operand_below"):
+        compose(["data.synthetic.train_first_operand_below=0"])
 
 
 @pytest.mark.parametrize("suffix", [".parquet", ".jsonl"])
