@@ -206,7 +206,8 @@ def packed_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Te
         out = _varlen(*(t[0].transpose(0, 1).contiguous() for t in (query, key, value)),
                       cu_seq_lens_q, int(max_length_q), scaling)  # (T, H, D)
         return out[None], None
-    return _padded_attention(query, key, value, cu_seq_lens_q, int(max_length_q), scaling, dropout), None
+    longest = int(max_length_q) if max_length_q is not None else int((cu_seq_lens_q[1:] - cu_seq_lens_q[:-1]).max())
+    return _padded_attention(query, key, value, cu_seq_lens_q, longest, scaling, dropout), None
 
 
 def _padded_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cu_seq_lens: torch.Tensor,
