@@ -233,15 +233,21 @@ def node_memory_bytes() -> int:
 
 
 def gpu_memory_bytes(config) -> int | None:
-    """One GPU's memory: `placement.gpu_memory_gib`, else this machine's first GPU's (torch.cuda),
-    else None (unknown before start: a driver without a GPU submitting to a cluster)."""
+    """One GPU's memory: `placement.gpu_memory_gib`, else this machine's first GPU's, else None
+    (unknown before start: a driver without a GPU submitting to a cluster). Read through NVML
+    (`nvidia-smi`), not torch.cuda: the driver must not open a CUDA context on a GPU its workers use."""
     if config.placement.gpu_memory_gib:
         return int(config.placement.gpu_memory_gib * GIB)
-    try:
-        import torch
+    import shutil
+    import subprocess
 
-        return int(torch.cuda.get_device_properties(0).total_memory) if torch.cuda.is_available() else None
-    except Exception:  # noqa: BLE001 - a broken CUDA install: unknown, as without a GPU
+    if shutil.which("nvidia-smi") is None:
+        return None
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=memory.total", "--format=csv,noheader,nounits"],
+                             capture_output=True, text=True, timeout=10, check=True).stdout
+        return int(float(out.split()[0]) * 2 ** 20)  # MiB
+    except (subprocess.SubprocessError, OSError, ValueError, IndexError):  # no GPU it can read: unknown
         return None
 
 

@@ -209,7 +209,7 @@ def test_the_gpu_floor_is_below_the_measured_h200_peaks_within_one_and_a_half_ti
     assert sum(process_terms(cpu, QWEN15_SHAPE, {"actor"}).values()) / GIB > 73  # eager attention's probabilities
 
 
-def test_on_a_gpu_the_micro_batch_is_chosen_from_its_memory():
+def test_on_a_gpu_the_micro_batch_is_chosen_from_its_memory(tmp_path, monkeypatch):
     """An 80 GiB GPU, 1.5B: fixed terms 23.0 + 0.87 GiB, a row 768 x 28 x 51,200 x 2 B = 2.05 GiB of activations
     and 0.29 of logits: (2/3 x 80 - 23.9) / 2.34 = 12.6, so 12 rows without checkpointing; 0.5B: 35 rows."""
     from hybridflow.memory_budget import AUTO_SHARE, actor_pool_roles
@@ -227,8 +227,17 @@ def test_on_a_gpu_the_micro_batch_is_chosen_from_its_memory():
     # (1536 x 28 + 51,200) x 2 B = 0.135 GiB of activations and still 0.29 of logits, 6 rows
     small = choose_micro_batch(config, QWEN15_SHAPE, gpu_bytes=40 * GIB)
     assert (small.rows, small.gradient_checkpointing) == (6, True)
-    unknown = choose_micro_batch(config, QWEN15_SHAPE)  # no GPU here and no placement.gpu_memory_gib
+    from hybridflow import memory_budget
+
+    fake = tmp_path / "bin"
+    fake.mkdir()
+    monkeypatch.setenv("PATH", str(fake))  # no nvidia-smi: a driver without a GPU
+    unknown = choose_micro_batch(config, QWEN15_SHAPE)  # and no placement.gpu_memory_gib
     assert unknown.rows == 16 and "placement.gpu_memory_gib" in unknown.why
+    (fake / "nvidia-smi").write_text("#!/bin/sh\necho 81559\n")  # this machine's GPU as nvidia-smi reports it (MiB)
+    (fake / "nvidia-smi").chmod(0o755)
+    assert memory_budget.gpu_memory_bytes(config) == 81559 * 2 ** 20
+    assert choose_micro_batch(config, QWEN15_SHAPE).rows == 12
     told = choose_micro_batch(compose([*GPU, "placement.pools.global.devices_per_node=1",
                                        "placement.gpu_memory_gib=80"]), QWEN15_SHAPE)
     assert (told.rows, told.gradient_checkpointing) == (12, False)
