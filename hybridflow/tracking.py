@@ -201,10 +201,9 @@ def _saved_ids(run_dir: Path) -> dict:
 
 
 def _save_id(run_dir: Path, backend: str, run_id: str) -> None:
-    ids = {**_saved_ids(run_dir), backend: run_id}
-    tmp = run_dir / f".{TRACKING_IDS}.tmp"
-    tmp.write_text(json.dumps(ids, indent=1))
-    tmp.replace(run_dir / TRACKING_IDS)
+    from hybridflow.checkpoint.files import atomic_write_text
+
+    atomic_write_text(run_dir / TRACKING_IDS, json.dumps({**_saved_ids(run_dir), backend: run_id}, indent=1))
 
 
 def _wandb(run_dir: Path, where: dict):

@@ -55,20 +55,26 @@ def _stats(chosen_rewards: torch.Tensor, rejected_rewards: torch.Tensor, losses:
             "reward_accuracy": (chosen_rewards > rejected_rewards).float().mean()}
 
 
-def _log_ratio_margin(chosen, rejected, ref_chosen, ref_rejected, beta):
+def _implicit_rewards(chosen, rejected, ref_chosen, ref_rejected, beta, label_smoothing):
+    """Checked inputs -> (beta x h, chosen rewards, rejected rewards), each (B,)."""
+    _check(beta, label_smoothing, chosen, rejected, ref_chosen, ref_rejected)
     chosen_rewards = beta * (chosen - ref_chosen.detach())
     rejected_rewards = beta * (rejected - ref_rejected.detach())
-    return chosen_rewards - rejected_rewards, chosen_rewards, rejected_rewards  # beta x h, and its parts
+    return chosen_rewards - rejected_rewards, chosen_rewards, rejected_rewards
+
+
+def _smoothed(logits: torch.Tensor, label_smoothing: float) -> torch.Tensor:
+    """-(1 - eps) log sigmoid(x) - eps log sigmoid(-x): the logistic loss with labels flipped at rate eps."""
+    return -F.logsigmoid(logits) * (1 - label_smoothing) - F.logsigmoid(-logits) * label_smoothing
 
 
 @PREFERENCE_LOSSES.register("sigmoid")
 def sigmoid(*, chosen_log_probs, rejected_log_probs, ref_chosen_log_probs, ref_rejected_log_probs, beta=0.1,
             label_smoothing=0.0, simpo_gamma=0.5):
     """DPO, conservative with label_smoothing > 0."""
-    _check(beta, label_smoothing, chosen_log_probs, rejected_log_probs, ref_chosen_log_probs, ref_rejected_log_probs)
-    logits, chosen_rewards, rejected_rewards = _log_ratio_margin(
-        chosen_log_probs, rejected_log_probs, ref_chosen_log_probs, ref_rejected_log_probs, beta)
-    losses = -F.logsigmoid(logits) * (1 - label_smoothing) - F.logsigmoid(-logits) * label_smoothing
+    logits, chosen_rewards, rejected_rewards = _implicit_rewards(
+        chosen_log_probs, rejected_log_probs, ref_chosen_log_probs, ref_rejected_log_probs, beta, label_smoothing)
+    losses = _smoothed(logits, label_smoothing)
     return losses.mean(), _stats(chosen_rewards, rejected_rewards, losses)
 
 
@@ -76,9 +82,8 @@ def sigmoid(*, chosen_log_probs, rejected_log_probs, ref_chosen_log_probs, ref_r
 def robust(*, chosen_log_probs, rejected_log_probs, ref_chosen_log_probs, ref_rejected_log_probs, beta=0.1,
            label_smoothing=0.0, simpo_gamma=0.5):
     """Robust DPO: unbiased under labels flipped with probability label_smoothing."""
-    _check(beta, label_smoothing, chosen_log_probs, rejected_log_probs, ref_chosen_log_probs, ref_rejected_log_probs)
-    logits, chosen_rewards, rejected_rewards = _log_ratio_margin(
-        chosen_log_probs, rejected_log_probs, ref_chosen_log_probs, ref_rejected_log_probs, beta)
+    logits, chosen_rewards, rejected_rewards = _implicit_rewards(
+        chosen_log_probs, rejected_log_probs, ref_chosen_log_probs, ref_rejected_log_probs, beta, label_smoothing)
     losses = (-F.logsigmoid(logits) * (1 - label_smoothing) + F.logsigmoid(-logits) * label_smoothing) / (
         1 - 2 * label_smoothing)
     return losses.mean(), _stats(chosen_rewards, rejected_rewards, losses)
@@ -88,9 +93,8 @@ def robust(*, chosen_log_probs, rejected_log_probs, ref_chosen_log_probs, ref_re
 def ipo(*, chosen_log_probs, rejected_log_probs, ref_chosen_log_probs, ref_rejected_log_probs, beta=0.1,
         label_smoothing=0.0, simpo_gamma=0.5):
     """IPO on mean per-token log-probs: (h - 1 / (2 beta))^2."""
-    _check(beta, label_smoothing, chosen_log_probs, rejected_log_probs, ref_chosen_log_probs, ref_rejected_log_probs)
-    scaled, chosen_rewards, rejected_rewards = _log_ratio_margin(
-        chosen_log_probs, rejected_log_probs, ref_chosen_log_probs, ref_rejected_log_probs, beta)
+    scaled, chosen_rewards, rejected_rewards = _implicit_rewards(
+        chosen_log_probs, rejected_log_probs, ref_chosen_log_probs, ref_rejected_log_probs, beta, label_smoothing)
     losses = (scaled / beta - 1 / (2 * beta)) ** 2
     return losses.mean(), _stats(chosen_rewards, rejected_rewards, losses)
 
@@ -100,8 +104,7 @@ def simpo(*, chosen_log_probs, rejected_log_probs, ref_chosen_log_probs, ref_rej
           label_smoothing=0.0, simpo_gamma=0.5):
     """SimPO: reference-free, on mean per-token log-probs, with a target margin simpo_gamma."""
     _check(beta, label_smoothing, chosen_log_probs, rejected_log_probs, ref_chosen_log_probs, ref_rejected_log_probs)
-    logits = beta * (chosen_log_probs - rejected_log_probs) - simpo_gamma
-    losses = -F.logsigmoid(logits) * (1 - label_smoothing) - F.logsigmoid(-logits) * label_smoothing
+    losses = _smoothed(beta * (chosen_log_probs - rejected_log_probs) - simpo_gamma, label_smoothing)
     return losses.mean(), _stats(beta * chosen_log_probs, beta * rejected_log_probs, losses)
 
 
