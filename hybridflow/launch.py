@@ -68,6 +68,37 @@ def prepare_data(config: HybridFlowConfig, run_dir: Path, tokenizer) -> Datasets
     return Datasets(train, val, train_path, val_path)
 
 
+def prepare_preference_data(config: HybridFlowConfig, run_dir: Path, tokenizer) -> Datasets:
+    """recipe=dpo's pairs before Ray starts: rows with `prompt`, `chosen` and `rejected` from
+    data.train_path / val_path (TRL's preference format, hybridflow/data/preference.py), or the
+    synthetic task's rows with the right answer chosen and a near miss rejected. Prompts are fitted
+    as every recipe's are; a response longer than rollout.max_response_tokens raises InputError
+    naming the file, column and rows. The held-out pairs are the first trainer.val_prompts."""
+    from hybridflow.data.checks import InputError
+    from hybridflow.data.preference import RESPONSE_COLUMNS, long_response_problems, synthetic_pairs
+
+    data = config.data
+    if data.train_path is None:
+        task = prepare_data(config, run_dir, tokenizer)
+        train, val = synthetic_pairs(task.train, data.seed), synthetic_pairs(task.val, data.seed + 1)
+        places = ("the synthetic training pairs", "the synthetic validation pairs")
+        paths = (write_rows(train, run_dir / "data" / "train.parquet"), write_rows(val, run_dir / "data" / "val.parquet"))
+    else:
+        paths = (Path(data.train_path), Path(data.val_path))
+        places = tuple(f"data file {path} ({key})" for path, key in zip(paths, ("data.train_path", "data.val_path")))
+        required = ("prompt", *RESPONSE_COLUMNS)
+        train = fit_data(config, read_rows(paths[0], required), tokenizer, places[0], trained=True)
+        val = fit_data(config, read_rows(paths[1], required), tokenizer, places[1])
+    try:
+        problems = [problem for rows, where in zip((train, val), places)
+                    for problem in long_response_problems(rows, tokenizer, config.rollout.max_response_tokens, where)]
+    except ValueError as exc:  # a response that is neither text nor chat messages, named by response_text
+        raise InputError(str(exc)) from None
+    if problems:
+        raise InputError("\n".join(problems))
+    return Datasets(train, val[: config.trainer.val_prompts], *paths)
+
+
 def fit_data(config: HybridFlowConfig, rows: list[dict], tokenizer, where: str, trained: bool = False) -> list[dict]:
     """`rows` with data.prompt_truncation applied to every prompt; a prompt longer than
     data.max_prompt_tokens (with `error`), or in SFT's `trained` rows a target longer than

@@ -60,11 +60,13 @@ def check_inputs(config: HybridFlowConfig) -> None:
 
 def check_run(config: HybridFlowConfig, check_model: bool = True) -> list[str]:
     """The problems of one run's inputs (empty when it can start)."""
-    functions, problems = _reward_functions(config)
-    problems += _agent_problems(config) + vllm_install_problems(config)
+    # a recipe that scores nothing (dpo, pretrain) needs no reward function's columns
+    functions, problems = _reward_functions(config) if recipe_spec(config.recipe.name).reads_key("reward") else ([], [])
+    generates = recipe_spec(config.recipe.name).reads_key("rollout.backend")  # not dpo, pretrain
+    problems += _agent_problems(config) + (vllm_install_problems(config) if generates else [])
     model_path = config.model.path if check_model else None
     if model_path is not None:
-        problems += check_model_dir(model_path, "model.path") + vllm_problems(config, model_path)
+        problems += check_model_dir(model_path, "model.path") + (vllm_problems(config, model_path) if generates else [])
         if recipe_spec(config.recipe.name).trains and not problems and not config.placement.planner.auto:
             from hybridflow.memory_budget import memory_problems  # placement=auto: the planner's rules check memory
 
@@ -174,14 +176,22 @@ def _needed_columns(config: HybridFlowConfig, functions: list) -> dict[str, str]
     for fn in functions:
         for name in fn.data_arguments(agent_rollout=bool(config.rollout.agent)):
             needed.setdefault(name, f"reward function {fn.reference!r} ({fn.key}) requires the argument {name!r}")
-    if recipe_spec(config.recipe.name).answers:
+    spec = recipe_spec(config.recipe.name)
+    if spec.answers:
         needed.setdefault("ground_truth", f"recipe={config.recipe.name} trains on it as each prompt's answer")
+    if spec.preference:
+        for column in ("chosen", "rejected"):
+            needed.setdefault(column, f"recipe={config.recipe.name} trains on each prompt's {column} response "
+                                      "(TRL's preference format: prompt, chosen, rejected)")
     return needed
 
 
 def _argument_fix(column: str) -> str:
     from hybridflow.rewards.functions import AGENT_ARGUMENTS
 
+    if column in ("chosen", "rejected"):
+        return (f"add a {column!r} column (text, or chat messages ending with the assistant's turn), or rename "
+                "yours to it")
     if column in AGENT_ARGUMENTS:
         return (f"{column!r} is filled by an agent rollout: set rollout.agent (docs/agents.md), or give the "
                 "function's parameter a default")
@@ -201,9 +211,10 @@ def _row_needs(config: HybridFlowConfig) -> tuple[tuple[str, int] | None, tuple[
 
 
 def _check_synthetic(config: HybridFlowConfig, needed: dict[str, str]) -> list[str]:
+    made = ("chosen", "rejected") if recipe_spec(config.recipe.name).preference else ()  # its pairs are made from it
     problems = [f"data: the synthetic task has no column {column!r} (it has {list(SYNTHETIC_COLUMNS)}), but "
                 f"{reason}; fix: {_argument_fix(column)}" for column, reason in needed.items()
-                if column not in SYNTHETIC_COLUMNS]
+                if column not in SYNTHETIC_COLUMNS + made]
     train, val = _row_needs(config)
     syn = config.data.synthetic
     for need, rows_key, rows in ((train, "data.synthetic.train_rows", syn.train_rows),

@@ -26,9 +26,11 @@ from hybridflow.algos import (
     micro_batch_stat,
     vanishes_at_zero_advantage,
 )
+from hybridflow.algos.preference import LENGTH_NORMALISED, compute_preference_loss
 from hybridflow.batch import Batch
 from hybridflow.config.schema import ActorConfig
 from hybridflow.controller import Dispatch, WorkerContext, register
+from hybridflow.data.preference import pair_sequences, pair_sums
 from hybridflow.training.fsdp import (
     accumulating,
     all_reduce_max,
@@ -47,6 +49,7 @@ from hybridflow.training.sequences import (
     loss_mask,
     micro_batches,
     mini_batches,
+    pair_log_probs,
     response_log_probs,
 )
 
@@ -132,6 +135,70 @@ class ActorWorker(TrainingStateMixin):
         """One supervised step: cross-entropy on response (answer) tokens only."""
         return self._train(batch, self._sft_loss, epochs=1, whole_batch=True)
 
+    @register(Dispatch.DP_SPLIT)
+    def train_preference(self, pairs: Batch, loss: str, beta: float, label_smoothing: float = 0.0,
+                         simpo_gamma: float = 0.5) -> dict:
+        """One preference step on a pair batch (hybridflow.data.preference): the loss `loss` of
+        `PREFERENCE_LOSSES` over every pair, one optimizer step. Needs `ref_chosen_log_probs` and
+        `ref_rejected_log_probs` (B,) (summed, or per token for the length-normalised losses).
+
+        Each micro-batch holds `actor.samples_per_micro_batch` sequences, i.e. half as many pairs, both
+        halves of a pair in one forward pass; its loss is its pairs' share of the mean over all pairs
+        on all ranks, so the gradient is the same for any micro-batch split or rank count."""
+        start = time.perf_counter()
+        self.model.train()
+        pairs = pairs.to(self.ctx.device)
+        world = self.ctx.world_size
+        total_pairs = all_reduce_sum(len(pairs))
+        per_token = loss in LENGTH_NORMALISED
+        self.optimizer.zero_grad(set_to_none=True)
+        stats: dict = {}
+        loss_total = 0.0
+        for micro in accumulating(self.model, pairs.split(max(1, self.cfg.samples_per_micro_batch // 2))):
+            sequences = pair_sequences(micro)
+            log_probs, _ = response_log_probs(self.model, sequences, with_entropy=False)
+            chosen, rejected = pair_sums(log_probs, sequences["response_mask"], per_token=per_token)
+            mean_loss, micro_stats = compute_preference_loss(
+                loss, chosen_log_probs=chosen, rejected_log_probs=rejected,
+                ref_chosen_log_probs=micro["ref_chosen_log_probs"], ref_rejected_log_probs=micro["ref_rejected_log_probs"],
+                beta=beta, label_smoothing=label_smoothing, simpo_gamma=simpo_gamma)
+            part = mean_loss * (len(micro) / total_pairs)
+            (part * world).backward()
+            loss_total = loss_total + part.detach()
+            share = len(micro) / len(pairs)
+            for k, v in micro_stats.items():  # means over this rank's pairs
+                stats[f"actor/{k}"] = stats.get(f"actor/{k}", 0.0) + v * share
+        stats["actor/loss"] = loss_total
+        read_floats(stats)  # the one wait for the device in this step
+        grad_norm = self._clipped_step("or dpo.beta")
+        self.scheduler.step()
+        self.updates += 1
+        loss_sum = all_reduce_sum(stats.pop("actor/loss"))  # the step's loss over all ranks
+        stats = all_reduce_mean_dict(stats)
+        stats.update({"actor/loss": loss_sum, "actor/grad_norm": grad_norm, "actor/lr": self.scheduler.get_last_lr()[0],
+                      "timing/actor_update_s": time.perf_counter() - start})
+        return stats
+
+    @register(Dispatch.DP_SPLIT)
+    @torch.no_grad()
+    def compute_pair_log_probs(self, pairs: Batch, per_token: bool = False) -> Batch:
+        """`chosen_log_probs` and `rejected_log_probs` (B,) of a pair batch under the current policy:
+        each response's summed log-probability, or its mean per token with `per_token`."""
+        return pair_log_probs(self.model, pairs.to(self.ctx.device), self.cfg.samples_per_micro_batch,
+                              self.cfg.tokens_per_micro_batch, per_token)
+
+    @register(Dispatch.DP_SPLIT)
+    @torch.no_grad()
+    def compute_ref_pair_log_probs(self, pairs: Batch, per_token: bool = False) -> Batch:
+        """`ref_chosen_log_probs` / `ref_rejected_log_probs` from the actor with its LoRA adapter
+        disabled (LoRA runs only; otherwise the reference role computes them)."""
+        if not hasattr(self.model, "disable_adapter"):
+            raise RuntimeError("compute_ref_pair_log_probs on the actor needs actor.lora.rank > 0; "
+                               "without LoRA the reference role computes reference log-probs")
+        with self.model.disable_adapter():
+            return pair_log_probs(self.model, pairs.to(self.ctx.device), self.cfg.samples_per_micro_batch,
+                                  self.cfg.tokens_per_micro_batch, per_token, prefix="ref_")
+
     def _policy_loss(self, micro: Batch, tokens: float, seqs: float, old_key: str = "old_log_probs",
                      weighted: bool = False) -> tuple[torch.Tensor, dict]:
         log_probs, entropy = response_log_probs(self.model, micro, self.temperature,
@@ -209,15 +276,20 @@ class ActorWorker(TrainingStateMixin):
         weighted["actor/loss"] = loss_total
         read_floats(weighted)  # the one wait for the device in this mini-batch's micro-batches
         weighted["actor/trained_sample_fraction"] = len(trained) / len(mini)
-        grad_norm = clip_gradients(self.model, self.cfg.optim.max_grad_norm)
-        if not torch.isfinite(torch.tensor(grad_norm)):
-            self.optimizer.zero_grad(set_to_none=True)
-            raise FloatingPointError(f"gradient norm is {grad_norm} at actor update {self.updates}; lower the lr "
-                                     "or check the advantages/rewards for NaN")
-        self.optimizer.step()
+        grad_norm = self._clipped_step("or check the advantages/rewards for NaN")
         weighted["actor/loss"] = all_reduce_sum(weighted["actor/loss"])  # the mini-batch loss over all ranks
         weighted["actor/grad_norm"] = grad_norm
         return weighted
+
+    def _clipped_step(self, fix: str) -> float:
+        """Clip the gradients, refuse a non-finite norm (its fix: lower the lr, `fix`), step the
+        optimizer; the norm before clipping."""
+        grad_norm = clip_gradients(self.model, self.cfg.optim.max_grad_norm)
+        if not torch.isfinite(torch.tensor(grad_norm)):
+            self.optimizer.zero_grad(set_to_none=True)
+            raise FloatingPointError(f"gradient norm is {grad_norm} at actor update {self.updates}; lower the lr {fix}")
+        self.optimizer.step()
+        return grad_norm
 
     def _rows_with_gradient(self, mini: Batch) -> Batch:
         """The rows of a policy mini-batch worth a forward and backward pass.
@@ -367,3 +439,4 @@ class ActorWorker(TrainingStateMixin):
         state = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
         dtype = getattr(torch, self.dtype)
         return {k: v.to(dtype) if v.is_floating_point() else v for k, v in state.items()}
+

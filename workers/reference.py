@@ -15,7 +15,7 @@ from hybridflow.batch import Batch
 from hybridflow.controller import Dispatch, WorkerContext, register
 from hybridflow.training.fsdp import load_model, shard_model
 from hybridflow.training.packing import choose_packing
-from hybridflow.training.sequences import log_probs_and_entropy
+from hybridflow.training.sequences import log_probs_and_entropy, pair_log_probs
 
 
 class ReferenceWorker:
@@ -49,6 +49,13 @@ class ReferenceWorker:
                                              self.temperature, self.tokens_per_micro_batch, with_entropy=False)
         return Batch(tensors={"ref_log_probs": log_probs.cpu()},
                      meta={"timing/reference_forward_s": time.perf_counter() - start})
+
+    @register(Dispatch.DP_SPLIT)
+    def compute_ref_pair_log_probs(self, pairs: Batch, per_token: bool = False) -> Batch:
+        """`ref_chosen_log_probs` / `ref_rejected_log_probs` (B,) of a pair batch (recipe=dpo): each
+        response's summed log-probability at temperature 1, or its mean per token with `per_token`."""
+        return pair_log_probs(self.model, pairs.to(self.ctx.device), self.samples_per_micro_batch,
+                              self.tokens_per_micro_batch, per_token, prefix="ref_")
 
     @register(Dispatch.ONE_TO_ALL)
     def load_state_from(self, weights: dict[str, torch.Tensor]) -> None:

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from hybridflow.registry import Registry
 
 ALL_SECTIONS = ("recipe", "model", "data", "algorithm", "rollout", "weight_sync", "reward", "actor", "critic",
-                "trainer", "placement", "logger", "ray", "pipeline", "pretrain", "seed")
+                "trainer", "placement", "logger", "ray", "pipeline", "pretrain", "dpo", "seed")
 # The sampling settings of training rollouts: a recipe that generates only greedily (validation) ignores them.
 SAMPLING_KEYS = ("rollout.temperature", "rollout.top_p", "rollout.samples_per_prompt")
 
@@ -32,6 +32,7 @@ class RecipeSpec:
     rl_reward: bool = False  # has a training reward (reward/score per step)
     needs_critic: bool = False  # trains a critic: algorithm.use_critic must be true
     answers: bool = False  # trains on each row's ground_truth as the answer
+    preference: bool = False  # trains on (prompt, chosen, rejected) pairs (dpo.*)
     packs_sequences: bool = False  # steps are pretrain.sequences_per_step packed text sequences
     stage: bool = False  # can be a stage of recipe=pipeline
     pipeline: bool = False  # runs other recipes as stages (its own training sections are unused)
@@ -66,6 +67,12 @@ for _spec in (
                                                           "actor", "pretrain"),
                ignores=("actor.policy_loss", "actor.clip_ratio_low", "actor.clip_ratio_high", "actor.kl_loss_coef"),
                step_hooks=True, packs_sequences=True, stage=True),
+    RecipeSpec("dpo", "recipes.dpo:run", reads=(*_RUN, "trainer", "actor", "dpo", "rollout.max_response_tokens"),
+               ignores=("actor.policy_loss", "actor.clip_ratio_low", "actor.clip_ratio_high", "actor.dual_clip_c",
+                        "actor.kl_loss_coef", "actor.kl_loss_estimator", "actor.entropy_coef", "actor.epochs_per_step",
+                        "actor.loss_aggregation",
+                        "actor.samples_per_mini_batch", "actor.skip_zero_advantage_samples", "trainer.max_staleness"),
+               trains=True, step_hooks=True, preference=True, stage=True),
 ):
     RECIPE_SPECS.add(_spec.name, _spec)
 

@@ -682,6 +682,31 @@ class LoggerConfig:
 RECIPE_NAMES = tuple(RECIPE_SPECS.names())
 
 
+# The built-in losses of hybridflow.algos.preference.PREFERENCE_LOSSES (a test keeps the two the same;
+# the schema names them without importing torch); the reference-free ones need no reference model.
+PREFERENCE_LOSS_NAMES = ("sigmoid", "robust", "ipo", "simpo")
+REFERENCE_FREE_LOSSES = ("simpo",)
+
+
+@dataclass
+class DPOConfig:
+    # recipe=dpo's loss (docs/algorithms.md, "Preference losses"): sigmoid (DPO; conservative
+    # DPO with label_smoothing > 0), robust, ipo, simpo (reference-free)
+    loss: str = "sigmoid"
+    beta: float = 0.1  # strength of the tie to the reference (SimPO: its reward scale, usually 2.0-2.5)
+    label_smoothing: float = 0.0  # assumed share of flipped preference labels (sigmoid, robust), in [0, 0.5)
+    simpo_gamma: float = 0.5  # SimPO's target reward margin
+
+    def __post_init__(self) -> None:
+        _require(self.loss in PREFERENCE_LOSS_NAMES, "dpo.loss", self.loss, f"one of {list(PREFERENCE_LOSS_NAMES)}")
+        _require(self.beta > 0, "dpo.beta", self.beta, "must be > 0")
+        _require(0 <= self.label_smoothing < 0.5, "dpo.label_smoothing", self.label_smoothing, "must be in [0, 0.5)")
+
+    @property
+    def needs_reference(self) -> bool:
+        return self.loss not in REFERENCE_FREE_LOSSES
+
+
 @dataclass
 class StageConfig:
     name: str = "stage"
@@ -740,6 +765,7 @@ class HybridFlowConfig:
     ray: RayConfig = field(default_factory=RayConfig)
     pipeline: PipelineConfig = field(default_factory=PipelineConfig)
     pretrain: PretrainConfig = field(default_factory=PretrainConfig)  # recipe=pretrain's corpus
+    dpo: DPOConfig = field(default_factory=DPOConfig)  # recipe=dpo's loss
     seed: int = 0
 
     def _resolve_precision(self) -> None:
@@ -754,8 +780,11 @@ class HybridFlowConfig:
 
     @property
     def needs_reference(self) -> bool:
-        """Whether the run computes reference log-probs: a KL term (penalty in the reward or loss).
-        The one place this is decided; `reference_role_runs` says who computes them."""
+        """Whether the run computes reference log-probs: a KL term (penalty in the reward or loss), or
+        a preference loss tied to the reference (recipe=dpo). The one place this is decided;
+        `reference_role_runs` says who computes them."""
+        if recipe_spec(self.recipe.name).preference:
+            return self.dpo.needs_reference
         return self.algorithm.kl_penalty_coef > 0 or self.actor.kl_loss_coef > 0
 
     @property

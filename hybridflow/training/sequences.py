@@ -227,3 +227,19 @@ def log_probs_and_entropy(model: torch.nn.Module, batch: Batch, rows_per_micro_b
         log_probs_out[index] = log_probs * mask
         entropy_out[index] = entropy * mask
     return log_probs_out, entropy_out
+
+
+@torch.no_grad()
+def pair_log_probs(model: torch.nn.Module, pairs: Batch, rows_per_micro_batch: int,
+                   tokens_per_micro_batch: int | None = None, per_token: bool = False, prefix: str = "") -> Batch:
+    """`<prefix>chosen_log_probs` / `<prefix>rejected_log_probs`, (B,) each on the host, of a pair
+    batch (hybridflow.data.preference) under `model` at temperature 1: each response's summed
+    log-probability, or its mean per token with `per_token`. Its 2B sequences are scored in
+    micro-batches as any log-prob pass."""
+    from hybridflow.data.preference import pair_sequences, pair_sums
+
+    sequences = pair_sequences(pairs)
+    log_probs, _ = log_probs_and_entropy(model, sequences, rows_per_micro_batch, 1.0, tokens_per_micro_batch,
+                                         with_entropy=False)
+    chosen, rejected = pair_sums(log_probs, sequences["response_mask"], per_token=per_token)
+    return Batch(tensors={f"{prefix}chosen_log_probs": chosen.cpu(), f"{prefix}rejected_log_probs": rejected.cpu()})

@@ -1,0 +1,102 @@
+"""recipe=dpo end to end on the tiny model (real Ray; the actor and the reference role on one
+training rank), through the `hybridflow` command, on preference files in TRL's format (text and
+conversational responses): the held-out DPO loss falls below log 2 and the implicit rewards rank the
+chosen responses first; checkpoints and the final model are written. And the pipeline SFT -> DPO ->
+GRPO, each stage starting from the one before it."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from hybridflow.data import ArithmeticSpec, make_arithmetic_split
+from hybridflow.data.preference import synthetic_pairs
+
+VENV_BIN = Path(sys.executable).parent
+
+
+def write_preference_files(root: Path, train_rows: int = 512, val_rows: int = 128) -> tuple[Path, Path]:
+    """TRL-format .jsonl files from the arithmetic task: every other row's responses as chat messages."""
+    train, val = make_arithmetic_split(train_rows, val_rows, ArithmeticSpec(), seed=0)
+    paths = []
+    for name, rows in (("train", synthetic_pairs(train, 0)), ("val", synthetic_pairs(val, 1))):
+        path = root / f"{name}.jsonl"
+        with open(path, "w") as f:
+            for i, row in enumerate(rows):
+                chosen, rejected = row["chosen"], row["rejected"]
+                if i % 2:
+                    chosen = [{"role": "assistant", "content": chosen}]
+                    rejected = [{"role": "assistant", "content": rejected}]
+                f.write(json.dumps({"prompt": row["prompt"], "chosen": chosen, "rejected": rejected}) + "\n")
+        paths.append(path)
+    return paths[0], paths[1]
+
+
+def test_dpo_on_trl_format_files_ranks_the_chosen_responses_first(tmp_path):
+    train, val = write_preference_files(tmp_path)
+    cmd = [str(VENV_BIN / "hybridflow"), "recipe=dpo", f"data.train_path={train}", f"data.val_path={val}",
+           "trainer.total_steps=40", "trainer.val_every_steps=20", "trainer.prompts_per_step=32",
+           "trainer.val_prompts=128", "trainer.save_every_steps=20", "actor.optim.lr=2e-3",
+           "actor.optim.lr_schedule=constant", "actor.optim.warmup_steps=0",
+           f"logger.output_root={tmp_path}", "logger.run_name=dpo"]
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
+    run_dir = tmp_path / "dpo"
+    plan = json.loads((run_dir / "placement_plan.json").read_text())
+    assert "reference" in json.dumps(plan)  # the starting model scores the pairs: the reference role ran
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    held_out = [r for r in rows if "val/preference_loss" in r]
+    assert [r["step"] for r in held_out] == [0, 20, 40]
+    start, *later = held_out
+    assert start["val/preference_loss"] == pytest.approx(math.log(2)) and start["val/reward_margin"] == 0
+    for r in later:  # DPO's own objective on pairs it never trained on
+        assert r["val/preference_loss"] < math.log(2) - 0.02, r
+        assert r["val/reward_margin"] > 0.1 and r["val/reward_accuracy"] > 0.55, r
+        assert 0 <= r["val/preference_accuracy"] <= 1
+    trained = [r for r in rows if "actor/preference_loss" in r]
+    assert len(trained) == 40 and all(r["actor/loss"] == pytest.approx(r["actor/preference_loss"]) for r in trained)
+    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["step_00000020", "step_00000040"]
+    assert (run_dir / "final_model" / "config.json").is_file()
+
+
+@pytest.mark.slow  # ~90 s: three stages, each starting the stack
+def test_an_sft_dpo_grpo_pipeline_runs_end_to_end(tmp_path):
+    import ray
+
+    from hybridflow.cli import run
+    from hybridflow.config import compose
+    from hybridflow.config.schema import StageConfig
+    from hybridflow.merge.hooks import HookConfig
+
+    config = compose(["recipe=pipeline", f"logger.output_root={tmp_path}", "logger.run_name=pipe"])
+    config.pipeline.common_overrides = ["rollout.max_response_tokens=4", "trainer.val_prompts=16",
+                                        "data.synthetic.train_rows=300", "data.synthetic.val_rows=16",
+                                        "actor.samples_per_micro_batch=16", "placement.pools.global.devices_per_node=1"]
+    config.pipeline.stages = [
+        StageConfig(name="sft", recipe="sft", overrides=["trainer.total_steps=4", "trainer.prompts_per_step=8"]),
+        StageConfig(name="dpo", recipe="dpo", overrides=["trainer.total_steps=6", "trainer.prompts_per_step=16",
+                                                         "trainer.save_every_steps=3", "trainer.val_every_steps=3"]),
+        StageConfig(name="grpo", recipe="grpo", init=HookConfig("pma_sma", {"last": 2}), evaluate_init=True,
+                    overrides=["trainer.total_steps=2", "trainer.prompts_per_step=4", "rollout.samples_per_prompt=2"]),
+    ]
+    try:
+        result = run(config)
+    finally:
+        ray.shutdown()
+    run_dir = tmp_path / "pipe"
+    dpo = [json.loads(line) for line in (run_dir / "01-dpo" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in dpo if "val/preference_loss" in r] == [0, 3, 6]
+    # the DPO stage started from the SFT stage's final model, and GRPO from the SMA of DPO's checkpoints
+    done = json.loads((run_dir / "01-dpo" / "STAGE_COMPLETE").read_text())
+    assert done["init_model"] == str(run_dir / "00-sft" / "final_model")
+    provenance = json.loads((run_dir / "02-grpo" / "init_model" / "merge_provenance.json").read_text())
+    assert [Path(i["path"]).relative_to(run_dir).parts[:3] for i in provenance["inputs"]] == [
+        ("01-dpo", "checkpoints", "step_00000003"), ("01-dpo", "checkpoints", "step_00000006")]
+    report = (run_dir / "report.md").read_text()
+    assert "| dpo | dpo |  |  |" in report  # no generation in DPO: no held-out task accuracy of its own
+    assert result["final_model"].endswith("02-grpo/final_model")
