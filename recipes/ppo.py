@@ -26,7 +26,7 @@ import torch
 
 from hybridflow.algos import apply_kl_penalty, build_kl_controller, compute_advantages, masked_mean
 from hybridflow.algos.policy_loss import behavior_weights
-from hybridflow.algos.rewards import place_sequence_rewards
+from hybridflow.algos.rewards import informative_groups, overlong_penalty, place_sequence_rewards
 from hybridflow.batch import Batch, from_json, to_json
 from hybridflow.batch_keys import clips_against_sampler, proximal_key, require
 from hybridflow.config.schema import HybridFlowConfig
@@ -38,6 +38,7 @@ from hybridflow.controller.memory import pool_memory_metrics
 from hybridflow.lifecycle import start_run
 from hybridflow.resharding.parity import FirstBatchParity
 from hybridflow.rewards import reward_metrics
+from hybridflow.rewards.composer import EXTRA_PREFIX
 from hybridflow.rollout_schedules import Pending, build_schedule, schedule_class
 from hybridflow.runner import (
     StageTimer,
@@ -167,16 +168,87 @@ def submit_generation(r: Step, step: int, prompts: Batch, version: int, staged: 
 
     def collect() -> tuple[Batch, Batch | None]:
         greedy_out = greedy.get() if greedy is not None else None  # ReMax's baseline
+        if r.config.algorithm.dynamic_sampling_rounds:
+            return refill_groups(r, step, len(prompts), samples.get(), staged_args), greedy_out
         return samples.get(), greedy_out
 
     return Pending(step, version, collect, source=(prompts, staged))
+
+
+def refill_groups(r: Step, step: int, groups: int, samples: Batch, staged_args: dict) -> Batch:
+    """DAPO's dynamic sampling: `samples` scored, the groups whose rewards all agree dropped, and more
+    prompts drawn and generated (with the same policy-version bound as the step's batch, so the
+    staleness bound holds) until `groups` informative groups are in hand or
+    algorithm.dynamic_sampling_rounds extra rounds are spent; then topped up with dropped groups if
+    still short, so the step trains on a full batch. The batch keeps its rewards (`score` does not
+    ask again) and says what happened in `dynamic_sampling/*` (Batch.meta)."""
+    scored = add_rewards(r, samples, r.reward.compute_rewards.remote(text_only(samples)).get())
+    (kept, dropped), rounds = _split_groups(scored), 0
+    while len(kept) < groups and rounds < r.config.algorithm.dynamic_sampling_rounds:
+        rounds += 1
+        prompts = encode_prompts(r.loader.next_rows(step), r.tokenizer, r.config.data.max_prompt_tokens,
+                                 truncation=r.config.data.prompt_truncation)
+        prompts.tensors["group_ids"] = torch.arange(len(prompts))
+        more = prompts.repeat_interleave(r.n)
+        more.tensors["sample_seed"] = sample_seeds(r.config.seed, step, len(more) * (rounds + 1))[len(more) * rounds:]
+        more = r.rollout.generate.remote(more, **staged_args).get()
+        more = add_rewards(r, more, r.reward.compute_rewards.remote(text_only(more)).get())
+        new_kept, new_dropped = _split_groups(more)
+        kept, dropped = kept + new_kept, dropped + new_dropped
+    informative = min(len(kept), groups)
+    chosen = (kept + dropped)[:groups]
+    batch = Batch.concat(_same_columns(chosen))
+    batch.tensors["group_ids"] = torch.arange(groups).repeat_interleave(r.n)  # one id per group again
+    batch.meta.update({"dynamic_sampling/rounds": float(rounds), "dynamic_sampling/informative_groups": float(informative),
+                       "dynamic_sampling/dropped_groups": float(len(dropped)),
+                       "dynamic_sampling/short_groups": float(groups - informative)})
+    return batch
+
+
+def _same_columns(groups: list[Batch]) -> list[Batch]:
+    """`groups` with the reward columns some lack added (an extra a function returned only for other
+    rows: NaN, as the reward role fills it; a fallback cause: False), so that they concatenate."""
+    keys = {k for g in groups for k in g.tensors}
+    out = []
+    for g in groups:
+        missing = keys - set(g.tensors)
+        filled = {k: torch.full((len(g),), float("nan")) if k.startswith("reward_extra/") else torch.zeros(len(g), dtype=torch.bool)
+                  for k in missing if k.startswith(("reward_extra/", "reward_fallback"))}
+        out.append(g.union(Batch(filled)) if filled else g)
+    return out
+
+
+def _split_groups(samples: Batch) -> tuple[list[Batch], list[Batch]]:
+    """(informative groups, groups whose rewards all agree), each group a Batch of its samples."""
+    ids = samples["group_ids"]
+    informative = set(informative_groups(samples["sequence_rewards"], ids).tolist())
+    kept, dropped = [], []
+    for g in dict.fromkeys(ids.tolist()):
+        group = samples.index(torch.nonzero(ids == g)[:, 0])
+        (kept if g in informative else dropped).append(group)
+    return kept, dropped
+
+
+def add_rewards(r: Step, samples: Batch, rewards: Batch) -> Batch:
+    """`samples` with the reward role's `rewards`, and DAPO's overlong shaping when
+    algorithm.overlong_buffer_tokens > 0: `sequence_rewards` lowered by `overlong_penalty`, which is
+    also kept as `reward_extra/overlong_penalty` (the metric `reward/overlong_penalty`)."""
+    samples = samples.union(rewards)
+    a = r.config.algorithm
+    if a.overlong_buffer_tokens:
+        penalty = overlong_penalty(samples["response_mask"].sum(dim=1), r.config.rollout.max_response_tokens,
+                                   a.overlong_buffer_tokens, a.overlong_penalty)
+        samples.tensors["sequence_rewards"] = samples["sequence_rewards"] + penalty
+        samples.tensors[EXTRA_PREFIX + "overlong_penalty"] = penalty  # the metric reward/overlong_penalty
+    return samples
 
 
 def score(r: Step, samples: Batch, greedy: Batch | None) -> Batch:
     """Rewards, π_old (unless the update clips against the sampler), reference log-probs and
     values, issued together."""
     config = r.config
-    pending = [r.reward.compute_rewards.remote(text_only(samples))]
+    rewards = None if "sequence_rewards" in samples else r.reward.compute_rewards.remote(text_only(samples))  # dynamic sampling scored it
+    pending = []
     baseline = r.reward.compute_rewards.remote(text_only(greedy)) if greedy is not None else None
     if not r.clip_against_sampler:
         pending.append(r.actor.compute_log_probs.remote(samples))
@@ -186,6 +258,8 @@ def score(r: Step, samples: Batch, greedy: Batch | None) -> Batch:
         pending.append(r.actor.compute_ref_log_probs.remote(samples))
     if r.critic is not None:
         pending.append(r.critic.compute_values.remote(samples))
+    if rewards is not None:
+        samples = add_rewards(r, samples, rewards.get())
     for future in pending:
         samples = samples.union(future.get())
     if baseline is not None:  # each prompt's greedy reward, beside each of its n samples
@@ -216,7 +290,8 @@ def step_metrics(r: Step, samples: Batch, trained_version: int, stale: bool, act
     sampler's log-probs are from the actor's at the same version, and (async) staleness: the
     version the batch trained on minus each sample's `behavior_version`."""
     metrics = {**reward_metrics(samples), **stage_metrics, **response_stats(samples),
-               **{k: v for k, v in samples.meta.items() if k.startswith("timing/")}}  # each forward pass's own
+               **{k: v for k, v in samples.meta.items()  # each forward pass's own; dynamic sampling's counts
+                  if k.startswith(("timing/", "dynamic_sampling/"))}}
     metrics["perf/tokens_per_s"] = metrics["response/tokens"] / metrics["timing/generate_s"]
     staleness = trained_version - samples["behavior_version"]  # (B,)
     before_update = metrics.pop("log_prob_diff_before_update", None)  # the actor's, not a metric of its own

@@ -22,3 +22,34 @@ def place_sequence_rewards(sequence_rewards: torch.Tensor, response_mask: torch.
     rows = torch.nonzero(response_mask.any(dim=1))[:, 0]
     token_rewards[rows, last[rows]] = sequence_rewards[rows].float()
     return token_rewards
+
+
+def informative_groups(sequence_rewards: torch.Tensor, group_ids: torch.Tensor) -> torch.Tensor:
+    """The ids of the groups whose samples' rewards are not all equal, in order of first appearance.
+
+    Under a group baseline (GRPO, RLOO, Dr. GRPO) a group whose samples all scored the same has an
+    advantage of 0 everywhere and adds nothing to the policy gradient: DAPO's dynamic sampling (Yu et
+    al. 2025, section 3.2) drops such groups and fills the batch with others. A group of one sample has
+    nothing to compare with and is never informative."""
+    if sequence_rewards.shape != group_ids.shape or sequence_rewards.dim() != 1:
+        raise ValueError(f"sequence_rewards {tuple(sequence_rewards.shape)} and group_ids {tuple(group_ids.shape)} "
+                         "must be the same (B,)")
+    order, seen = [], set()
+    for g in group_ids.tolist():
+        if g not in seen:
+            seen.add(g)
+            order.append(g)
+    rewards = sequence_rewards.float()
+    return torch.tensor([g for g in order if (rewards[group_ids == g].max() > rewards[group_ids == g].min())],
+                        dtype=torch.long)
+
+
+def overlong_penalty(response_lengths: torch.Tensor, max_tokens: int, buffer_tokens: int,
+                     factor: float = 1.0) -> torch.Tensor:
+    """DAPO's soft overlong punishment (Yu et al. 2025, eq. 13), times `factor`, per response (B,):
+    0 up to `max_tokens - buffer_tokens` tokens, then falling linearly to `-factor` at `max_tokens`
+    (a response the length limit cut), so a response that runs long is told so before it is cut."""
+    if not 0 < buffer_tokens <= max_tokens:
+        raise ValueError(f"buffer_tokens={buffer_tokens} must be in 1..max_tokens ({max_tokens})")
+    over = (response_lengths.float() - (max_tokens - buffer_tokens)).clamp(min=0, max=buffer_tokens)
+    return -factor * over / buffer_tokens

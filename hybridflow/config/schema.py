@@ -410,6 +410,14 @@ class AlgorithmConfig:
     # Off-policy correction when trainer.old_log_probs=actor: the clipped loss of each token is
     # weighted by min(π_old / π_sampler, C) (truncated importance sampling); 0: no weight.
     behavior_is_cap: float = 2.0
+    # DAPO's dynamic sampling (docs/algorithms.md "Dynamic sampling"): a group whose samples' rewards all
+    # agree is dropped and more prompts are generated, up to this many extra rounds per step, so the
+    # step trains on trainer.prompts_per_step groups that carry a signal (0: off)
+    dynamic_sampling_rounds: int = 0
+    # DAPO's overlong shaping: a response within this many tokens of rollout.max_response_tokens loses
+    # up to overlong_penalty from its reward, linearly, the whole of it at the limit (0: off)
+    overlong_buffer_tokens: int = 0
+    overlong_penalty: float = 1.0  # the most a response at the limit loses (DAPO: 1, the reward's scale)
 
     def __post_init__(self) -> None:
         from hybridflow.algos import ADVANTAGE_ESTIMATORS, KL_CONTROLLERS, KL_ESTIMATORS, check_estimator
@@ -435,6 +443,15 @@ class AlgorithmConfig:
                  self.kl_penalty_coef, "algorithm.kl_controller=adaptive starts from algorithm.kl_penalty_coef and "
                  "scales it, so from 0 it can never move: set algorithm.kl_penalty_coef to its starting value "
                  "(e.g. 0.05), or use algorithm.kl_controller=fixed")
+        _require(self.dynamic_sampling_rounds >= 0, "algorithm.dynamic_sampling_rounds", self.dynamic_sampling_rounds,
+                 "must be >= 0 (0: off)")
+        _require(not self.dynamic_sampling_rounds or self.advantage_estimator != "remax",
+                 "algorithm.dynamic_sampling_rounds", self.dynamic_sampling_rounds,
+                 "ReMax's baseline is a greedy response, not the group: dynamic sampling needs a group estimator "
+                 "(grpo, dr_grpo, rloo); set it to 0")
+        _require(self.overlong_buffer_tokens >= 0, "algorithm.overlong_buffer_tokens", self.overlong_buffer_tokens,
+                 "must be >= 0 (0: off)")
+        _require(self.overlong_penalty >= 0, "algorithm.overlong_penalty", self.overlong_penalty, "must be >= 0")
         _require(self.kl_target > 0, "algorithm.kl_target", self.kl_target,
                  "must be > 0 (the adaptive controller's target KL per sequence)")
         _require(self.kl_horizon > 0, "algorithm.kl_horizon", self.kl_horizon,
@@ -833,6 +850,18 @@ class HybridFlowConfig:
         _require(not self.trainer.critic_warmup_steps or self.algorithm.use_critic, "trainer.critic_warmup_steps",
                  self.trainer.critic_warmup_steps, "only a run with a critic (algorithm.use_critic=true) can warm one up; "
                  "set it to 0")
+        a = self.algorithm
+        _require(not a.dynamic_sampling_rounds or self.rollout.samples_per_prompt >= 2,
+                 "algorithm.dynamic_sampling_rounds", a.dynamic_sampling_rounds,
+                 f"dynamic sampling keeps groups whose samples' rewards differ; with rollout.samples_per_prompt="
+                 f"{self.rollout.samples_per_prompt} every group is one sample: raise it to >= 2, or set this to 0")
+        _require(not a.dynamic_sampling_rounds or not [h for h in t.training_hooks if h.name == "spike_recovery"],
+                 "algorithm.dynamic_sampling_rounds", a.dynamic_sampling_rounds,
+                 "the spike_recovery hook puts back whole steps' prompts, and dynamic sampling draws a varying "
+                 "number per step: use one of the two")
+        _require(a.overlong_buffer_tokens <= self.rollout.max_response_tokens, "algorithm.overlong_buffer_tokens",
+                 a.overlong_buffer_tokens, f"must be at most rollout.max_response_tokens "
+                 f"({self.rollout.max_response_tokens}): the shaping starts that many tokens before the limit")
         _require(not spec.needs_critic or self.algorithm.use_critic, "algorithm.use_critic",
                  self.algorithm.use_critic, f"recipe={self.recipe.name} trains a critic: set algorithm.use_critic=true")
         self._check_async()

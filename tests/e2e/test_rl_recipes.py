@@ -85,6 +85,32 @@ def test_grpo_with_a_reward_function_from_a_file(tmp_path):
     AutoModelForCausalLM.from_pretrained(run_dir / "final_model")
 
 
+DIGIT_FIRST = '''
+def score(response, ground_truth):
+    """1 when the answer starts with a digit: the untrained model's groups sometimes all agree."""
+    return float(response[:1].isdigit())
+'''
+
+
+def test_grpo_with_dynamic_sampling_trains_full_batches_of_groups_with_a_signal(tmp_path):
+    """DAPO's dynamic sampling end to end: each step trains prompts_per_step groups; the groups whose
+    rewards all agree in the trained batch are exactly the top-ups of a step whose extra rounds ran out
+    (the estimator's own zero_std_fraction), and the refill ran; the overlong shaping is reported."""
+    reward_file = tmp_path / "digit_first.py"
+    reward_file.write_text(DIGIT_FIRST)
+    result = hybridflow(["recipe=grpo", "trainer.total_steps=4", f"reward.fn={reward_file}:score",
+                         "algorithm.dynamic_sampling_rounds=3", "algorithm.overlong_buffer_tokens=2",
+                         "trainer.val_every_steps=0", "trainer.export_hf=false"], tmp_path, "dapo")
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
+    rows = metrics(tmp_path / "dapo")
+    assert len(rows) == 4
+    for r in rows:
+        assert r["dynamic_sampling/informative_groups"] + r["dynamic_sampling/short_groups"] == 4  # full batches
+        assert r["advantages/zero_std_fraction"] == r["dynamic_sampling/short_groups"] / 4, r
+        assert r["reward/overlong_penalty"] <= 0
+    assert sum(r["dynamic_sampling/rounds"] for r in rows) > 0 and sum(r["dynamic_sampling/dropped_groups"] for r in rows) > 0
+
+
 def test_grpo_learns_what_its_reward_asks_for(tmp_path):
     """Learning, read from the recipe's own metrics: the default GRPO on the tiny model, rewarded for
     the distinct characters of its answer (tests/e2e/fixtures/varied_reward.py), raises its mean

@@ -72,3 +72,19 @@ def test_the_pipeline_seeds_bench_composes_every_seeds_command(tmp_path):
     lines = done.stdout.strip().splitlines()
     assert [line.split(":")[0] for line in lines] == ["seed 0", "seed 3"]
     assert "seed=3 model.tiny.seed=3" in lines[1] and "(2 stages: sft, grpo)" in lines[1]
+
+
+def test_the_dpo_bench_builds_trl_format_pairs_and_a_command_hybridflow_accepts(tmp_path):
+    """bench/dpo_vs_trl.py --dry-run: the preference files in TRL's conversational form (the right
+    number chosen, a near miss rejected), the pairs in the loader's order for TRL, and HybridFlow's
+    command composed and checked (recipe=dpo with a reference)."""
+    done = subprocess.run([sys.executable, "bench/dpo_vs_trl.py", "--dry-run", "--work", str(tmp_path),
+                           "--out", str(tmp_path / "dry.json")], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    report = json.loads((tmp_path / "dry.json").read_text())
+    assert report["recipe"] == "dpo" and report["needs_reference"]
+    assert report["train_pairs"] == 64 and report["ordered_pairs"] == 2 * 32  # 2 steps of 32 pairs
+    pair = report["first_pair"]
+    assert pair["prompt"][0]["role"] == "user" and pair["chosen"][0]["role"] == pair["rejected"][0]["role"] == "assistant"
+    chosen, rejected = pair["chosen"][0]["content"], pair["rejected"][0]["content"]
+    assert chosen != rejected and len(chosen) == len(rejected)
