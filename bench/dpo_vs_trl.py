@@ -75,7 +75,8 @@ def hybridflow_overrides(args, inputs: dict, work: Path) -> list[str]:
             f"trainer.val_every_steps={args.val_every}", f"trainer.val_prompts={args.val_rows}",
             f"trainer.prompts_per_step={args.pairs_per_step}", f"actor.optim.lr={args.lr}",
             "actor.optim.lr_schedule=constant", "actor.optim.warmup_steps=0", f"dpo.beta={args.beta}",
-            f"actor.samples_per_micro_batch={2 * args.pairs_per_step}", f"model.dtype={args.dtype}",
+            f"actor.samples_per_micro_batch={2 * args.pairs_per_step}", "actor.gradient_checkpointing=false",
+            f"model.dtype={args.dtype}",
             "trainer.save_every_steps=0", "trainer.export_hf=false", f"seed={args.seed}",
             f"logger.output_root={work / 'runs'}", "logger.run_name=hybridflow", "logger.backends=[jsonl]"]
 

@@ -132,7 +132,7 @@ def main() -> None:
                            gradient_accumulation_steps=1, learning_rate=args.lr, lr_scheduler_type="constant",
                            warmup_steps=0, weight_decay=0.0, max_grad_norm=1.0, beta=args.beta, loss_type="sigmoid",
                            bf16=args.dtype == "bfloat16", use_cpu=True, seed=0, logging_steps=1, report_to=[],
-                           save_strategy="no", dataloader_num_workers=0)
+                           save_strategy="no", dataloader_num_workers=0, gradient_checkpointing=False)
         trainer = InOrder(model=model, args=config, train_dataset=dataset, processing_class=tokenizer,
                           callbacks=[Clock()])
         trainer.train()
