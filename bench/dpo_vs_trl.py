@@ -1,6 +1,6 @@
 """DPO on a real model, HybridFlow beside TRL: SmolLM2-135M-Instruct on a preference set built here.
 
-    PYTHONPATH=. .venv/bin/python bench/dpo_vs_trl.py [--steps 60] [--val-every 10] [--sides hybridflow,trl]
+    PYTHONPATH=. .venv/bin/python bench/dpo_vs_trl.py [--steps 40] [--val-every 10] [--sides hybridflow,trl]
     PYTHONPATH=. .venv/bin/python bench/dpo_vs_trl.py --dry-run --out F   # compose and check HybridFlow's command; build the data
 
 The preference set: two-digit additions asked as chat messages (tests/real_model.py, ~46 prompt
@@ -143,14 +143,15 @@ def render(results: dict) -> str:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--sides", default="hybridflow,trl", help="comma-separated; empty: run none, finish the results")
-    p.add_argument("--steps", type=int, default=60)
+    p.add_argument("--steps", type=int, default=40)
     p.add_argument("--val-every", type=int, default=10)
     p.add_argument("--train-rows", type=int, default=2000)
     p.add_argument("--val-rows", type=int, default=200)
-    p.add_argument("--pairs-per-step", type=int, default=32)
+    p.add_argument("--pairs-per-step", type=int, default=16)
     p.add_argument("--lr", type=float, default=5e-6)
     p.add_argument("--beta", type=float, default=0.1)
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"],
+                   help="compute dtype over float32 weights on both sides (no activation checkpointing on either)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--work", default="/tmp/dpo_vs_trl")
     p.add_argument("--trl-venv", default=str(ROOT / "bench" / ".trl-venv"))

@@ -83,7 +83,7 @@ def test_the_dpo_bench_builds_trl_format_pairs_and_a_command_hybridflow_accepts(
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     report = json.loads((tmp_path / "dry.json").read_text())
     assert report["recipe"] == "dpo" and report["needs_reference"]
-    assert report["train_pairs"] == 64 and report["ordered_pairs"] == 2 * 32  # 2 steps of 32 pairs
+    assert report["train_pairs"] == 64 and report["ordered_pairs"] == 2 * 16  # 2 steps of 16 pairs
     pair = report["first_pair"]
     assert pair["prompt"][0]["role"] == "user" and pair["chosen"][0]["role"] == pair["rejected"][0]["role"] == "assistant"
     chosen, rejected = pair["chosen"][0]["content"], pair["rejected"][0]["content"]
