@@ -16,7 +16,7 @@ from hybridflow.agents.tools import Tool, ToolEnvironment
 from hybridflow.agents.trajectory import trajectories_to_batch
 from hybridflow.batch import Batch
 from hybridflow.builders import build_char_tokenizer
-from hybridflow.config.schema import HybridFlowConfig, RolloutConfig
+from hybridflow.config.schema import HybridFlowConfig, RecipeConfig, RolloutConfig
 from hybridflow.data.calculator import calc, demonstration
 from hybridflow.preflight import check_run
 from hybridflow.rewards import RewardConfig
@@ -196,8 +196,9 @@ def test_a_reward_on_agent_reward_passes_preflight_with_an_agent_and_names_rollo
     (tmp_path / "my_reward.py").write_text("def score(agent_reward, **_):\n    return agent_reward\n")
     reward = RewardConfig(fn=f"{tmp_path / 'my_reward.py'}:score")
     agent = RolloutConfig(agent=[f"{tmp_path / 'guess.py'}:Guess"], max_response_tokens=64)
-    assert check_run(HybridFlowConfig(rollout=agent, reward=reward), check_model=False) == []
-    (problem,) = check_run(HybridFlowConfig(reward=reward), check_model=False)
+    grpo = RecipeConfig(name="grpo")  # a recipe that scores with reward.fn (the demo's is fixed)
+    assert check_run(HybridFlowConfig(recipe=grpo, rollout=agent, reward=reward), check_model=False) == []
+    (problem,) = check_run(HybridFlowConfig(recipe=grpo, reward=reward), check_model=False)
     assert "requires the argument 'agent_reward'; fix: 'agent_reward' is filled by an agent rollout: set " \
            "rollout.agent" in problem
 
