@@ -439,4 +439,3 @@ class ActorWorker(TrainingStateMixin):
         state = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
         dtype = getattr(torch, self.dtype)
         return {k: v.to(dtype) if v.is_floating_point() else v for k, v in state.items()}
-
