@@ -38,6 +38,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
 from doc_markers import write_between  # noqa: E402
+from trl_side import trl_process_env  # noqa: E402
 from flop_floor import StepTokens, floor_seconds, grpo_step_flops, matmul_flops_per_s  # noqa: E402
 
 STAGES = ("generate", "score", "advantages", "update", "weight_sync")  # the recipe's StageTimer names
@@ -145,8 +146,7 @@ def run_trl(args, inputs: dict, work: Path, processes: int) -> dict:
                "--threads", str(2 // processes)]
     log = work / f"trl-{tag}.log"
     print(f"TRL: {' '.join(command)}\n  log: {log}", flush=True)
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}  # nothing of HybridFlow's on TRL's path
-    env.update(HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
+    env = trl_process_env()
     with open(log, "w") as f:
         done = subprocess.run(command, cwd=ROOT, env=env, stdout=f, stderr=subprocess.STDOUT)
     if done.returncode:

@@ -35,6 +35,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
 from doc_markers import write_between  # noqa: E402
+from trl_side import trl_process_env  # noqa: E402
 
 BEGIN, END = "<!-- real_vs_trl:begin -->", "<!-- real_vs_trl:end -->"
 
@@ -109,8 +110,7 @@ def run_trl(args, inputs: dict, work: Path) -> dict:
                "--val-every", str(args.val_every)]
     log = work / "trl.log"
     print(f"TRL: {' '.join(command)}\n  log: {log}", flush=True)
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    env.update(HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
+    env = trl_process_env()
     with open(log, "w") as f:
         subprocess.run(command, cwd=ROOT, env=env, stdout=f, stderr=subprocess.STDOUT, check=True)
     result = json.loads(out.read_text())

@@ -52,9 +52,14 @@ def prepare_data(config: HybridFlowConfig, run_dir: Path, tokenizer) -> Datasets
                          trained=True)
         val = fit_data(config, read_rows(val_path), tokenizer, f"data file {val_path} (data.val_path)")
         return Datasets(train, val, train_path, val_path)
-    syn = data.synthetic
+    return write_synthetic(*synthetic_rows(config, tokenizer), run_dir)
+
+
+def synthetic_rows(config: HybridFlowConfig, tokenizer) -> tuple[list[dict], list[dict]]:
+    """(train, val) rows of the synthetic task (data.synthetic), prompts fitted; not yet written."""
+    syn = config.data.synthetic
     spec = ArithmeticSpec(syn.min_digits, syn.max_digits, tuple(syn.operations))
-    train, val = make_arithmetic_split(syn.train_rows, syn.val_rows, spec, seed=data.seed)
+    train, val = make_arithmetic_split(syn.train_rows, syn.val_rows, spec, seed=config.data.seed)
     if syn.train_first_operand_below is not None:
         train = first_operand_below(train, syn.train_first_operand_below)
     train = fit_data(config, train, tokenizer, "the synthetic training rows", trained=True)
@@ -63,9 +68,13 @@ def prepare_data(config: HybridFlowConfig, run_dir: Path, tokenizer) -> Datasets
         from hybridflow.data.calculator import demonstration
 
         train = [{**row, "demonstration": demonstration(row["prompt"])} for row in train]
-    train_path = write_rows(train, run_dir / "data" / "train.parquet")
-    val_path = write_rows(val, run_dir / "data" / "val.parquet")
-    return Datasets(train, val, train_path, val_path)
+    return train, val
+
+
+def write_synthetic(train: list[dict], val: list[dict], run_dir: Path) -> Datasets:
+    """The rows a run made itself, written to run_dir/data (what it trained and validated on)."""
+    return Datasets(train, val, write_rows(train, run_dir / "data" / "train.parquet"),
+                    write_rows(val, run_dir / "data" / "val.parquet"))
 
 
 def prepare_preference_data(config: HybridFlowConfig, run_dir: Path, tokenizer) -> Datasets:
@@ -79,10 +88,10 @@ def prepare_preference_data(config: HybridFlowConfig, run_dir: Path, tokenizer) 
 
     data = config.data
     if data.train_path is None:
-        task = prepare_data(config, run_dir, tokenizer)
-        train, val = synthetic_pairs(task.train, data.seed), synthetic_pairs(task.val, data.seed + 1)
+        task_train, task_val = synthetic_rows(config, tokenizer)
+        written = write_synthetic(synthetic_pairs(task_train, data.seed), synthetic_pairs(task_val, data.seed + 1), run_dir)
+        train, val, paths = written.train, written.val, (written.train_path, written.val_path)
         places = ("the synthetic training pairs", "the synthetic validation pairs")
-        paths = (write_rows(train, run_dir / "data" / "train.parquet"), write_rows(val, run_dir / "data" / "val.parquet"))
     else:
         paths = (Path(data.train_path), Path(data.val_path))
         places = tuple(f"data file {path} ({key})" for path, key in zip(paths, ("data.train_path", "data.val_path")))

@@ -136,11 +136,7 @@ class Batches:
     def launch(self, step: int, version: int, staged: bool) -> Pending:
         """Draw the step's prompts and submit their generation (and ReMax's greedy pass) to the
         rollout, without waiting; per-sample seeds depend only on the step."""
-        r = self.r
-        prompts = encode_prompts(r.loader.next_rows(step), r.tokenizer, r.config.data.max_prompt_tokens,
-                                 truncation=r.config.data.prompt_truncation)
-        prompts.tensors["group_ids"] = torch.arange(len(prompts))
-        return submit_generation(r, step, prompts, version, staged)
+        return submit_generation(self.r, step, draw_prompts(self.r, step), version, staged)
 
     def relaunch(self, pending: Pending, version: int) -> Pending:
         prompts, staged = pending.source
@@ -156,15 +152,29 @@ class Batches:
         return tuple(None if b is None else from_json(b) for b in saved)
 
 
+def draw_prompts(r: Step, step: int) -> Batch:
+    """The next `trainer.prompts_per_step` rows drawn for `step`, encoded, one group id per prompt."""
+    prompts = encode_prompts(r.loader.next_rows(step), r.tokenizer, r.config.data.max_prompt_tokens,
+                             truncation=r.config.data.prompt_truncation)
+    prompts.tensors["group_ids"] = torch.arange(len(prompts))
+    return prompts
+
+
+def samples_of(r: Step, prompts: Batch, step: int, round_: int = 0) -> Batch:
+    """Each prompt `rollout.samples_per_prompt` times, with per-sample seeds that depend only on the
+    step and (dynamic sampling's extra rounds) the round: round k continues where round k-1's end."""
+    samples = prompts.repeat_interleave(r.n)
+    samples.tensors["sample_seed"] = sample_seeds(r.config.seed, step, len(samples)) + len(samples) * round_
+    return samples
+
+
 def submit_generation(r: Step, step: int, prompts: Batch, version: int, staged: bool) -> Pending:
     """`version`: the policy version the rollout holds, or (`staged`) the oldest it may generate
     with, loading staged weights first and waiting for them if needed; the rollout stamps each
     sample with the version it used (`behavior_version`)."""
     staged_args = {"min_version": version, "weights_timeout_s": r.config.weight_sync.timeout_s} if staged else {}
     greedy = r.rollout.generate.remote(prompts, greedy=True, **staged_args) if needs_greedy_baseline(r.config) else None
-    samples_in = prompts.repeat_interleave(r.n)
-    samples_in.tensors["sample_seed"] = sample_seeds(r.config.seed, step, len(samples_in))
-    samples = r.rollout.generate.remote(samples_in, **staged_args)
+    samples = r.rollout.generate.remote(samples_of(r, prompts, step), **staged_args)
 
     def collect() -> tuple[Batch, Batch | None]:
         greedy_out = greedy.get() if greedy is not None else None  # ReMax's baseline
@@ -186,12 +196,7 @@ def refill_groups(r: Step, step: int, groups: int, samples: Batch, staged_args: 
     (kept, dropped), rounds = _split_groups(scored), 0
     while len(kept) < groups and rounds < r.config.algorithm.dynamic_sampling_rounds:
         rounds += 1
-        prompts = encode_prompts(r.loader.next_rows(step), r.tokenizer, r.config.data.max_prompt_tokens,
-                                 truncation=r.config.data.prompt_truncation)
-        prompts.tensors["group_ids"] = torch.arange(len(prompts))
-        more = prompts.repeat_interleave(r.n)
-        more.tensors["sample_seed"] = sample_seeds(r.config.seed, step, len(more) * (rounds + 1))[len(more) * rounds:]
-        more = r.rollout.generate.remote(more, **staged_args).get()
+        more = r.rollout.generate.remote(samples_of(r, draw_prompts(r, step), step, rounds), **staged_args).get()
         more = add_rewards(r, more, r.reward.compute_rewards.remote(text_only(more)).get())
         new_kept, new_dropped = _split_groups(more)
         kept, dropped = kept + new_kept, dropped + new_dropped
