@@ -205,8 +205,13 @@ def vllm_env(config: HybridFlowConfig) -> dict[str, str]:
 def build_weight_sync(config: HybridFlowConfig, actor: WorkerGroup, rollout: WorkerGroup):
     """The one object that moves the actor's weights into the rollout each step, by the registered
     transport that serves the placement and the device (hybridflow.resharding.transports)."""
-    from hybridflow.resharding.sync import WeightSync
+    from hybridflow import console
+    from hybridflow.resharding.sync import AdapterSync, WeightSync
     from hybridflow.resharding.transports import TRANSPORTS
 
     plan = Plan.from_config(config).with_transport("cuda" if use_gpu(config.placement) else "cpu")
-    return WeightSync(actor, rollout, config.weight_sync, TRANSPORTS.get(plan.transport)(), config.rollout.dtype.value)
+    mode, why = config.lora_sync
+    if mode:
+        console.say(f"LoRA weight sync: {'the adapter alone' if mode == 'adapter' else 'the folded model'} ({why})")
+    cls = AdapterSync if mode == "adapter" else WeightSync
+    return cls(actor, rollout, config.weight_sync, TRANSPORTS.get(plan.transport)(), config.rollout.dtype.value)

@@ -68,5 +68,6 @@ def rollout_role(config: HybridFlowConfig, model_dir: str | Path, tokenizer) -> 
         model_path=str(model_dir), rollout=config.rollout, max_prompt_tokens=config.data.max_prompt_tokens,
         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
         verifiable_weights=config.weight_sync.checksum_every_steps > 0,
-        trust_remote_code=config.model.trust_remote_code),
+        trust_remote_code=config.model.trust_remote_code,
+        **({"lora_rank": config.actor.lora.rank} if config.lora_sync[0] == "adapter" else {})),
         replica_size=config.rollout.tensor_parallel_size)

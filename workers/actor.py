@@ -398,6 +398,14 @@ class ActorWorker(TrainingStateMixin):
         """Collective: move the current weights to the rollout (see hybridflow.resharding.sender)."""
         return self.sender.send(self.ctx.group_name)
 
+    @register(Dispatch.RANK_ZERO)
+    def lora_adapter(self, dtype: str) -> dict | None:
+        """Collective: the LoRA adapter for the rollout, from rank 0 (weight_sync.lora=adapter;
+        hybridflow.resharding.adapter.adapter_payload): factors in `dtype`, config, checksums."""
+        from hybridflow.resharding.adapter import adapter_payload
+
+        return adapter_payload(self.model, self.ctx.rank, dtype)
+
     @register(Dispatch.ONE_TO_ALL)
     def weight_checksums(self) -> list[dict[str, tuple[float, float]]]:
         """Collective: per rollout rank, checksums of the part of every tensor it needs."""

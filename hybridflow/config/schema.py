@@ -384,8 +384,15 @@ class WeightSyncConfig:
     # null: 1e-3 when model.dtype and rollout.dtype are float32, max(1e-2, 2e-3 x decoder layers) when
     # either is 16-bit (set from them when the config is read; hybridflow/resharding/parity.py).
     probe_tolerance: Optional[float] = None
+    # With a LoRA actor (actor.lora.rank > 0), what a sync moves into vLLM: adapter (the LoRA factors
+    # only, served by vLLM as an adapter under a new id each sync, its checksums compared every sync;
+    # docs/resharding.md "LoRA served as an adapter"), folded (the whole model, W + (alpha/r)BA), or
+    # auto (adapter where vLLM can serve it, folded otherwise; the console says which and why)
+    lora: str = "auto"
 
     def __post_init__(self) -> None:
+        _require(self.lora in ("auto", "adapter", "folded"), "weight_sync.lora", self.lora,
+                 "one of ['auto', 'adapter', 'folded']")
         _require(self.bucket_mb > 0, "weight_sync.bucket_mb", self.bucket_mb, "must be > 0")
         _require(self.timeout_s > 0, "weight_sync.timeout_s", self.timeout_s, "must be > 0")
         _require(self.check in ("probe", "none"), "weight_sync.check", self.check, "one of ['probe', 'none']")
@@ -810,8 +817,44 @@ class HybridFlowConfig:
         stands in for it (with LoRA the actor computes them with its adapter disabled)."""
         return self.needs_reference and not self.actor.lora.rank
 
+    @property
+    def lora_sync(self) -> tuple[str, str]:
+        """How a LoRA actor's weights reach the rollout each sync: ("adapter" | "folded", why), or
+        ("", "") without LoRA. The one place this is decided (weight_sync.lora;
+        hybridflow/resharding/adapter.py)."""
+        if not self.actor.lora.rank:
+            return "", ""
+        if self.weight_sync.lora == "folded":
+            return "folded", "weight_sync.lora=folded"
+        unserved = self._adapter_unserved()
+        if unserved:
+            return "folded", unserved
+        return "adapter", f"weight_sync.lora={self.weight_sync.lora}: vLLM serves the rank-{self.actor.lora.rank} adapter"
+
+    def _adapter_unserved(self) -> str:
+        """Why vLLM cannot serve this run's LoRA as an adapter ("" when it can)."""
+        from hybridflow.resharding.adapter import UNSERVED_MODULES, VLLM_LORA_RANKS
+
+        lora, d = self.actor.lora, self.trainer.max_staleness
+        if self.rollout.backend is not RolloutBackend.vllm:
+            return f"rollout.backend={self.rollout.backend.value} generates with a copy of the actor's model"
+        if schedule_class(d).stages_weights:
+            return f"trainer.max_staleness={d} stages pushes while the engine generates, which the adapter sync does not"
+        modules = [m for m in lora.target_modules if m in UNSERVED_MODULES]
+        if modules:
+            return f"actor.lora.target_modules has {modules}, which vLLM's LoRA does not serve here"
+        if lora.rank > VLLM_LORA_RANKS[-1]:
+            return f"actor.lora.rank={lora.rank} is above vLLM's largest adapter rank ({VLLM_LORA_RANKS[-1]})"
+        return ""
+
     def __post_init__(self) -> None:
         self._resolve_precision()
+        _require(self.weight_sync.lora != "adapter" or self.actor.lora.rank > 0, "weight_sync.lora",
+                 self.weight_sync.lora, "serves a LoRA adapter, and actor.lora.rank is 0: set actor.lora.rank, or "
+                 "weight_sync.lora=auto")
+        _require(self.weight_sync.lora != "adapter" or not self._adapter_unserved(), "weight_sync.lora",
+                 self.weight_sync.lora, f"{self._adapter_unserved()}: set weight_sync.lora=folded (or auto, which "
+                 "chooses it here)")
         if recipe_spec(self.recipe.name).pipeline:
             return  # its stages compose their own configs, each checked by these rules (recipes/pipeline.py)
         self.placement.check_rollout(self.rollout, self.model)

@@ -13,6 +13,8 @@ _CORRUPT: set[int] = set()
 _EXIT: set[int] = set()
 _EXIT_SENDING: set[int] = set()
 _HOLD_STAGED: dict[int, float] = {}
+_DROP_ADAPTER: set[int] = set()
+_BASE_ONLY: list[bool] = [False]
 
 
 def corrupt_bucket(index: int) -> None:
@@ -34,6 +36,26 @@ def hold_staged(version: int, seconds: float) -> None:
     """A staged push of this policy version, once received, is registered `seconds` later (the
     rank lags the other ranks of its engine, as a slow link would make it)."""
     _HOLD_STAGED[version] = seconds
+
+
+def drop_adapter(version: int) -> None:
+    """The adapter of this policy version arrives and is written, but never registered with the
+    engine (weight_sync.lora=adapter): the engine keeps serving what it served before."""
+    _DROP_ADAPTER.add(version)
+
+
+def serve_base_model() -> None:
+    """Every request from now on is sent without the adapter (the base model generates)."""
+    _BASE_ONLY[0] = True
+
+
+def adapter_registered(version: int) -> bool:
+    return version not in _DROP_ADAPTER
+
+
+def request_adapter(adapter):
+    """The adapter a request is sent with: `adapter`, unless `serve_base_model` was called."""
+    return None if _BASE_ONLY[0] else adapter
 
 
 def before_registering_staged(version: int) -> None:

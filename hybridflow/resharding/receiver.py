@@ -87,6 +87,10 @@ class Receiver:
     def checksums(self) -> dict:
         raise NotImplementedError
 
+    def load_adapter(self, version: int, payload: dict) -> dict:
+        raise WeightSyncError(f"{type(self).__name__} cannot serve a LoRA adapter: set weight_sync.lora=folded, or use "
+                              "rollout.backend=vllm")
+
     def probe(self, prompts: list[list[int]], new_tokens: int) -> tuple[list[list[int]], torch.Tensor]:
         """Greedy continuations of `prompts` ([] for a prompt the engine cannot hold) and the
         log-probs of their tokens, concatenated in order (float64)."""
@@ -105,6 +109,13 @@ class VLLMReceiver(Receiver):
         # on one (a rank may hold a version another is still receiving)
         self._staged: dict[int, tuple] = {}
         self._arrived = threading.Condition()
+        # weight_sync.lora=adapter (hybridflow/resharding/adapter.py): the LoRARequest every request is
+        # sent with (None: the base model), how many adapters were registered (each one's id), and the
+        # actor's checksums of the last adapter sent, (policy version, {module: ...})
+        self.adapter = None
+        self.adapters_loaded = 0
+        self.expected_adapter: tuple[int, dict] = (-1, {})
+        self._adapter_dir: str | None = None
 
     def set_version(self, version: int) -> None:
         """Label the engine's weights (vLLM stamps every step's outputs with the label)."""
@@ -241,6 +252,62 @@ class VLLMReceiver(Receiver):
         return {"received_bytes": float(self.engine.collective_rpc(received_bytes)[0]),
                 "load_seconds": time.perf_counter() - start}
 
+    # ---- LoRA served as an adapter (weight_sync.lora=adapter) ------------------------------------
+
+    def lora_request(self):
+        """The adapter every request is sent with (None: the base model)."""
+        return faults.request_adapter(self.adapter)
+
+    def load_adapter(self, version: int, payload: dict) -> dict:
+        """Register the actor's adapter of policy `version` (hybridflow.resharding.adapter.adapter_payload)
+        with the engine under a new id, written as a peft directory in this process's temporary space,
+        and drop the previous one. Returns what `served_adapter` returns, and the bytes and seconds."""
+        import shutil
+
+        from vllm.lora.request import LoRARequest
+
+        from hybridflow.resharding.adapter import write_adapter
+
+        start = time.perf_counter()
+        self.adapters_loaded += 1  # never an id vLLM has held: it would keep that adapter and not read the files
+        directory = write_adapter(self._adapter_root() / f"policy-v{version}-{self.adapters_loaded}", payload)
+        request = LoRARequest(f"policy-v{version}", self.adapters_loaded, str(directory))
+        if faults.adapter_registered(version):
+            if not self.engine.llm_engine.add_lora(request):
+                raise WeightSyncError(f"vLLM refused the adapter of policy version {version} ({directory})")
+            old, self.adapter = self.adapter, request
+            if old is not None:
+                self.engine.llm_engine.remove_lora(old.lora_int_id)
+                shutil.rmtree(old.lora_path, ignore_errors=True)
+        self.expected_adapter = (version, payload["checksums"])
+        reset_prefix_cache(self.engine)  # vLLM keys cached prefixes by adapter too; nothing stale stays either way
+        return {**self.served_adapter(), "received_bytes": float(payload["bytes"]),
+                "load_seconds": time.perf_counter() - start}
+
+    def served_adapter(self) -> dict:
+        """The checksums of the adapter the engine serves, as vLLM registered it (`found`, None: none),
+        beside the actor's of the last adapter sent (`expected`, `version`), and its name (`served`)."""
+        from hybridflow.resharding.adapter import describe, engine_adapter_checksums
+
+        found = None if self.adapter is None else \
+            self.engine.collective_rpc(engine_adapter_checksums, args=(self.adapter.lora_int_id,))[0]
+        version, expected = self.expected_adapter
+        return {"found": found, "expected": expected, "served": describe(self.adapter), "version": version}
+
+    def _adapter_root(self):
+        """This process's directory for adapters: in shared memory where the machine has it."""
+        import atexit
+        import os
+        import shutil
+        import tempfile
+        from pathlib import Path
+
+        if self._adapter_dir is None:
+            base = "/dev/shm" if os.access("/dev/shm", os.W_OK) else None
+            self._adapter_dir = tempfile.mkdtemp(prefix=f"hybridflow-adapters-rank{self.rank}-", dir=base)
+            atexit.register(shutil.rmtree, self._adapter_dir, True)
+        return Path(self._adapter_dir)
+
     def checksums(self) -> dict:
         from hybridflow.resharding.vllm_side import param_checksums
 
@@ -250,12 +317,15 @@ class VLLMReceiver(Receiver):
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
+        from hybridflow.resharding.adapter import check_served
         from hybridflow.resharding.verify import probe_fits
 
         fits = [probe_fits(p, self.engine.model_config.max_model_len, new_tokens) for p in prompts]
         params = SamplingParams(temperature=0.0, max_tokens=new_tokens, logprobs=0, ignore_eos=True)
-        outs = iter(self.engine.generate([TokensPrompt(prompt_token_ids=p) for p, ok in zip(prompts, fits) if ok],
-                                         params, use_tqdm=False))
+        outputs = self.engine.generate([TokensPrompt(prompt_token_ids=p) for p, ok in zip(prompts, fits) if ok],
+                                       params, use_tqdm=False, lora_request=self.lora_request())
+        check_served(outputs, self.adapter, self.rank)
+        outs = iter(outputs)
         tokens, log_probs = [], []
         for ok in fits:
             out = next(outs).outputs[0] if ok else None

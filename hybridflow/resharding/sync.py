@@ -11,7 +11,8 @@ generates (trainer.max_staleness >= 2, docs/async.md) and `load_staged` loads an
 both sides are idle. The recipe never
 sees a bucket, and the actor never sees the rollout worker. How the bytes travel is the
 `Transport`'s business (transports/); `WeightSync` keeps the plan, the checks and the metrics.
-The policy version a push carries is an argument: its owner is the recipe's schedule
+`AdapterSync`, its subclass, moves a LoRA actor's adapter alone (weight_sync.lora=adapter;
+hybridflow/resharding/adapter.py). The policy version a push carries is an argument: its owner is the recipe's schedule
 (hybridflow/rollout_schedules.py); the rollout labels its engine with it.
 """
 
@@ -25,6 +26,7 @@ import torch
 
 from hybridflow.config.schema import WeightSyncConfig
 from hybridflow.controller import WorkerError, WorkerGroup, deadlines, wait_all
+from hybridflow.resharding.adapter import verify_adapter
 from hybridflow.resharding.layout import Box, buckets, layout_minimum, numel
 from hybridflow.resharding.sender import SyncPlan
 from hybridflow.resharding.transports import Transport
@@ -192,6 +194,54 @@ class WeightSync:
         except TimeoutError as exc:
             raise WeightSyncError(f"weight sync ({self.transport}) at {when} did not finish within "
                                   f"weight_sync.timeout_s={self.cfg.timeout_s} (stage weight_sync): {exc}") from None
+
+
+class AdapterSync(WeightSync):
+    """`WeightSync` for a LoRA actor served as a vLLM adapter: the same calls for the schedules
+    (setup, sync, generating, probe); what moves is the adapter. The transport is kept for the
+    device memory steps around generation (colocated on GPUs); it moves nothing here."""
+
+    def setup(self) -> dict[str, float]:
+        shapes = self.actor.weight_shapes()  # the folded model's tensors: what a full sync would move
+        size = torch.empty((), dtype=getattr(torch, self.dtype)).element_size()
+        self.engine_bytes = sum(numel(s) for s in shapes.values()) * size
+        self.min_bytes = 0  # set by the first sync: the adapter's bytes
+        self.floor_seconds = 0.0
+        return {"weight_sync/engine_bytes_per_rank": float(self.engine_bytes)}
+
+    def sync(self, step: int, version: int) -> dict[str, float]:
+        start = time.perf_counter()
+        self._wait([self.rollout.wake_up.remote()], "waking the engine")  # GPU, colocated: asleep after generating
+        # actor rank 0's payload goes to every rollout rank through Ray's object store, not through
+        # here; a failure on the actor's side reaches us as the rollout's (its argument failed)
+        payload = self.actor.lora_adapter.remote(self.dtype)
+        loaded = self._wait([self.rollout.load_adapter.remote(version, payload)], f"step {step}")[0]
+        seconds = time.perf_counter() - start
+        self.syncs += 1
+        nbytes = max(r["received_bytes"] for r in loaded)
+        self.min_bytes = int(nbytes)
+        metrics = {"weight_sync/bytes_received_per_rank": nbytes,
+                   "weight_sync/min_bytes_per_rank": nbytes,
+                   "weight_sync/adapter_fraction": nbytes / max(self.engine_bytes, 1),
+                   "weight_sync/seconds": seconds,
+                   "weight_sync/load_s": max(r["load_seconds"] for r in loaded)}
+        checked = [verify_adapter(r["found"], r["expected"], r["served"], version, rank)
+                   for rank, r in enumerate(loaded)]
+        metrics["weight_sync/verified_tensors"] = min(c["weight_sync/verified_tensors"] for c in checked)
+        if self.cfg.check == "probe":
+            metrics.update(self.probe())
+        self._wait([self.rollout.set_weight_version.remote(version)], "labelling the engine")
+        return metrics
+
+    def stage(self, step: int, version: int):
+        raise WeightSyncError("a staged weight push (trainer.max_staleness >= 2) moves the folded model; the adapter "
+                              "sync does not stage: set weight_sync.lora=folded (auto chooses it there)")
+
+    def verify_checksums(self) -> dict[str, float]:
+        found = self._wait([self.rollout.served_adapter.remote()], "the adapter check")[0]
+        checked = [verify_adapter(r["found"], r["expected"], r["served"], r["version"], rank)
+                   for rank, r in enumerate(found)]
+        return {"weight_sync/verified_tensors": min(c["weight_sync/verified_tensors"] for c in checked)}
 
 
 class StagedPush:

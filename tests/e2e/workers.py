@@ -118,3 +118,19 @@ class PrefixCacheVLLMRollout(VLLMRollout):
             return
         with mock.patch("hybridflow.resharding.receiver.reset_prefix_cache"):
             self.receiver.load([bucket], route=Colocated())
+
+
+class AdapterFaultVLLMRollout(VLLMRollout):
+    """Plants the faults of an adapter sync (weight_sync.lora=adapter) in this rollout process."""
+
+    @register(Dispatch.ONE_TO_ALL)
+    def plant_adapter_fault(self, kind: str, version: int = 0) -> bool:
+        """`drop`: the adapter of policy `version` arrives but is never registered with the engine;
+        `base`: every request from now on goes out without the adapter."""
+        from hybridflow.resharding import faults
+
+        if kind == "drop":
+            faults.drop_adapter(version)
+        else:
+            faults.serve_base_model()
+        return True

@@ -44,6 +44,17 @@ class ReceivingEnd:
         return self.receiver.load_staged(min_version, timeout_s)
 
     @register(Dispatch.ONE_TO_ALL)
+    def load_adapter(self, version: int, payload: dict) -> dict:
+        """weight_sync.lora=adapter: serve the actor's LoRA adapter of policy `version` from now on
+        (hybridflow/resharding/adapter.py); returns its checks' inputs and what moved."""
+        return self.receiver.load_adapter(version, payload)
+
+    @register(Dispatch.ONE_TO_ALL)
+    def served_adapter(self) -> dict:
+        """The checksums of the adapter the engine serves beside the actor's of the last one sent."""
+        return self.receiver.served_adapter()
+
+    @register(Dispatch.ONE_TO_ALL)
     def set_weight_version(self, version: int) -> bool:
         """After a checked sync: label the engine's weights with their policy version."""
         self.receiver.set_version(version)

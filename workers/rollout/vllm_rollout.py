@@ -24,18 +24,20 @@ import torch
 from hybridflow.batch import Batch
 from hybridflow.config.schema import RolloutConfig
 from hybridflow.controller import Dispatch, WorkerContext, register
+from hybridflow.resharding.adapter import check_served
 from workers.rollout import ReceivingEnd
 
 
 class VLLMRollout(ReceivingEnd):
     def __init__(self, ctx: WorkerContext, model_path: str, rollout: RolloutConfig, max_prompt_tokens: int,
                  eos_token_id: int, pad_token_id: int, verifiable_weights: bool = False,
-                 trust_remote_code: bool = False) -> None:
+                 trust_remote_code: bool = False, lora_rank: int = 0) -> None:
         self.ctx, self.model_path, self.cfg = ctx, model_path, rollout
         self.max_prompt_tokens = max_prompt_tokens
         self.eos_token_id, self.pad_token_id = eos_token_id, pad_token_id
         self.trust_remote_code = trust_remote_code
         self.verifiable_weights = verifiable_weights  # keep weights readable for checksum checks
+        self.lora_rank = lora_rank  # > 0: the actor's LoRA is served as an adapter of this rank (weight_sync.lora)
         self.engine = self.receiver = None
         self.asleep = False
         self.agents = None  # hybridflow.agents.AgentSet, loaded by start when rollout.agent is set
@@ -63,6 +65,7 @@ class VLLMRollout(ReceivingEnd):
         start = time.perf_counter()
         extra = _scheduler_limits(self.ctx.device, self.max_prompt_tokens + self.cfg.max_response_tokens,
                                   self.cfg.max_num_seqs)
+        extra.update(lora_arguments(self.lora_rank))
         self.engine = LLM(
             **extra,
             model=self.model_path,
@@ -162,12 +165,14 @@ class VLLMRollout(ReceivingEnd):
         params = [sampling(seed) for seed in seeds]
         if stepwise:
             outputs = self._generate_stepwise(requests, params)
+            check_served(outputs, self.receiver.adapter, self.ctx.rank)
             out = _responses_to_batch(outputs, prompts, self.cfg.max_response_tokens, self.pad_token_id)
             out.tensors["token_versions"] = _token_versions(outputs, self.cfg.max_response_tokens)
             masked = out["token_versions"].masked_fill(~out["response_mask"], torch.iinfo(torch.long).max)
             out.tensors["behavior_version"] = masked.min(dim=1).values.clamp(max=self.receiver.version)
             return out
-        outputs = self.engine.generate(requests, params, use_tqdm=False)
+        outputs = self.engine.generate(requests, params, use_tqdm=False, lora_request=self.receiver.lora_request())
+        check_served(outputs, self.receiver.adapter, self.ctx.rank)
         return _responses_to_batch(outputs, prompts, self.cfg.max_response_tokens, self.pad_token_id)
 
     def _generate_stepwise(self, requests: list, params: list) -> list:
@@ -178,7 +183,8 @@ class VLLMRollout(ReceivingEnd):
         self.batches_stepped += 1
         ids = [f"stepwise-{self.batches_stepped}-{i}" for i in range(len(requests))]
         for request_id, request, p in zip(ids, requests, params):
-            engine.add_request(request_id, request, p)  # outputs carry this id (vLLM adds a suffix inside)
+            # outputs carry this id (vLLM adds a suffix inside)
+            engine.add_request(request_id, request, p, lora_request=self.receiver.lora_request())
         done, steps = {}, 0
         while engine.has_unfinished_requests():
             self.between_steps(steps)
@@ -219,7 +225,8 @@ class VLLMRollout(ReceivingEnd):
                     max_tokens=r.max_tokens, logprobs=0, seed=r.seed, stop_token_ids=stop_ids, stop=stop_texts,
                     include_stop_str_in_output=True))
             outputs = self.engine.generate([TokensPrompt(prompt_token_ids=r.prompt_ids) for r in requests], params,
-                                           use_tqdm=False)
+                                           use_tqdm=False, lora_request=self.receiver.lora_request())
+            check_served(outputs, self.receiver.adapter, self.ctx.rank)
             results = []
             for out in outputs:
                 sample = out.outputs[0]
@@ -295,6 +302,17 @@ def _token_versions(outputs, width: int) -> torch.Tensor:
         for span in out.outputs[0].weight_versions or []:
             versions[i, span.start:min(span.end, width)] = int(span.version)
     return versions
+
+
+def lora_arguments(lora_rank: int) -> dict:
+    """The engine's arguments for serving the actor's LoRA as an adapter (`lora_rank` > 0;
+    hybridflow/resharding/adapter.py): one adapter on the device at a time, two held on the host
+    (the new one is registered before the old one is removed)."""
+    if not lora_rank:
+        return {}
+    from hybridflow.resharding.adapter import served_rank
+
+    return {"enable_lora": True, "max_lora_rank": served_rank(lora_rank), "max_loras": 1, "max_cpu_loras": 2}
 
 
 def parallel_arguments(device: str, tp: int) -> dict:
