@@ -2,8 +2,9 @@
 TP 2 on a model as checkpoints ship (a byte-level BPE tokenizer with no pad token, chat prompts).
 
 Each run trains for 2 steps with a reward that varies between samples (so the adapter learns),
-with the weight checksums on at every step: the rollout engine must hold the actor's weights with
-the adapter folded in (W + s * B @ A), or the run stops. The assertions then take the LoRA
+with the checks on at every step: at TP 2 the engine serves the actor's adapter (weight_sync.lora=auto
+chooses the adapter sync; its checksums compared every sync), at TP 1 it holds the actor's weights with
+the adapter folded in (W + s * B @ A, weight_sync.lora=folded), or the run stops. The assertions then take the LoRA
 factors from the run's own training state (the DCP checkpoint of step 2), fold them onto the base
 by hand, and compare every tensor with what the run exported: the whole model (TP 1), or the peft
 adapter (`actor.lora.save_adapter_only`, TP 2) folded by hybridflow-merge's LoRA reader.
@@ -63,7 +64,7 @@ def grpo_lora(tmp_path: Path, name: str, *extra: str) -> Path:
     run_dir = tmp_path / name
     (run_dir / "console.txt").write_text(result.stdout)
     for row in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines()):
-        assert row["weight_sync/verified_tensors"] > 0  # engine == actor's folded weights, checked each step
+        assert row["weight_sync/verified_tensors"] > 0  # engine == actor's adapter / folded weights, each step
         assert row["rollout/log_prob_diff"] < 1e-3  # vLLM samples from the adapted model the actor trains
         assert row["actor/grad_norm"] > 0
     return run_dir
@@ -107,6 +108,7 @@ def test_lora_grpo_at_tp2_saves_the_adapter_that_folds_to_the_trained_model(tmp_
                         f"model.path={model_dir}", "data=files", f"data.train_path={train}", f"data.val_path={val}",
                         "data.max_prompt_tokens=32")
     console = (run_dir / "console.txt").read_text()
+    assert "LoRA weight sync: the adapter alone (weight_sync.lora=auto: vLLM serves the rank-4 adapter)" in console
     assert console.count(f"the tokenizer of {model_dir} has no pad token; its eos token '</s>'") == 1
     assert f"chat prompts are rendered with chat_template.jinja of {model_dir} (Llama 2 / Mistral" in console
     final = run_dir / "final_model"
@@ -130,7 +132,7 @@ def test_lora_grpo_at_tp2_saves_the_adapter_that_folds_to_the_trained_model(tmp_
 def test_lora_grpo_at_tp1_exports_base_plus_the_folded_adapter(tmp_path):
     from safetensors.torch import load_file
 
-    run_dir = grpo_lora(tmp_path, "tp1", "rollout.tensor_parallel_size=1")
+    run_dir = grpo_lora(tmp_path, "tp1", "rollout.tensor_parallel_size=1", "weight_sync.lora=folded")
     exported = load_file(run_dir / "final_model" / "model.safetensors")
     expected = folded_by_hand(run_dir, run_dir / "base_model")
     base = load_file(run_dir / "base_model" / "model.safetensors")

@@ -88,3 +88,15 @@ def test_the_dpo_bench_builds_trl_format_pairs_and_a_command_hybridflow_accepts(
     assert pair["prompt"][0]["role"] == "user" and pair["chosen"][0]["role"] == pair["rejected"][0]["role"] == "assistant"
     chosen, rejected = pair["chosen"][0]["content"], pair["rejected"][0]["content"]
     assert chosen != rejected and len(chosen) == len(rejected)
+
+
+def test_the_lora_adapter_sync_bench_runs_a_mode_and_reads_its_bytes(tmp_path):
+    """bench/lora_adapter_sync.py on the tiny model, one GRPO step of the adapter mode (the folded
+    mode runs the same function with weight_sync.lora=folded; CI's time)."""
+    report = _dry_run("lora_adapter_sync.py", tmp_path / "lora.json")
+    adapter = report["modes"]["adapter"]
+    assert list(report["modes"]) == ["adapter"] and adapter["steps"] == 1
+    assert adapter["fraction_of_full_model"] == adapter["bytes_per_sync"] / adapter["engine_bytes"]
+    assert adapter["bytes_per_sync"] < 0.05 * adapter["engine_bytes"]  # rank 4 on every linear layer of the tiny model
+    assert adapter["verified_tensors"] > 0 and adapter["validation"] and adapter["sync_s_median"] > 0
+    assert "weight_sync.lora=adapter" in adapter["command"]

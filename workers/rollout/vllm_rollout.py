@@ -55,6 +55,10 @@ class VLLMRollout(ReceivingEnd):
             from hybridflow.patches import keep_vllm_cpu_linear_weights
 
             keep_vllm_cpu_linear_weights()
+        if self.lora_rank and self.ctx.device == "cpu":
+            from hybridflow.patches import grouped_cpu_lora_ops
+
+            grouped_cpu_lora_ops()  # vLLM's CPU LoRA ops gather a copy of the adapter per token
         if self.cfg.dtype.value == "auto":  # vLLM's own "auto" would pick a dtype the trainer does not know
             raise ValueError("rollout.dtype=auto reached the vLLM engine unresolved: build the RolloutConfig through "
                              "HybridFlowConfig (which resolves it, hybridflow/precision.py) or give a dtype")

@@ -1,0 +1,117 @@
+"""LoRA GRPO on the real model, the adapter served by vLLM beside the folded whole-model sync.
+
+    PYTHONPATH=. .venv/bin/python bench/lora_adapter_sync.py [--steps 30] [--rank 16] [--lr 1e-4] \
+        [--modes adapter,folded] [--out docs/lora_adapter_sync.json]
+    PYTHONPATH=. .venv/bin/python bench/lora_adapter_sync.py --dry-run --out F   # the tiny model, 1 adapter step
+
+The same `recipe=grpo` run twice, from the same seed, on SmolLM2-135M-Instruct (tests/real_model.py)
+with a LoRA actor (rank `--rank` on every linear layer of the decoder): once with
+`weight_sync.lora=adapter` (the factors alone, registered with vLLM under a new id each sync) and
+once with `weight_sync.lora=folded` (the whole model with W + (alpha/r)BA folded in). The task and
+shapes are docs/learning.md's real-model GRPO run (two-digit additions as chat, 8 prompts x 8
+samples, answers of up to 64 tokens, bfloat16). Reported per mode, from the runs' own
+metrics.jsonl: bytes each rollout rank received per sync, the whole model's bytes
+(`weight_sync/engine_bytes_per_rank`) and their ratio, the sync's median seconds, the median step,
+held-out accuracy (greedy, `--val-rows` prompts) at every validation, and the minutes. Run nothing
+else heavy meanwhile.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+TARGETS = "[q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj]"
+
+
+def command(args, mode: str, inputs: dict, work: Path) -> list[str]:
+    """The `hybridflow` overrides of one mode's run."""
+    from tests.real_model import real_overrides
+
+    common = [f"weight_sync.lora={mode}", f"actor.lora.rank={args.rank}", f"actor.lora.alpha={args.rank}",
+              f"actor.lora.target_modules={TARGETS}", f"actor.optim.lr={args.lr}", f"seed={args.seed}",
+              f"trainer.total_steps={args.steps}", f"trainer.val_every_steps={args.val_every}",
+              f"trainer.prompts_per_step={args.prompts_per_step}",
+              f"rollout.samples_per_prompt={args.samples_per_prompt}", "trainer.export_hf=false",
+              "trainer.save_every_steps=0", f"logger.output_root={work / 'runs'}", f"logger.run_name={mode}",
+              "logger.backends=[jsonl]"]
+    if args.dry_run:  # the tiny model and the synthetic task, float32
+        return ["recipe=grpo", *common, "trainer.val_prompts=4", "data.synthetic.val_rows=4",
+                "rollout.max_response_tokens=4", "actor.samples_per_micro_batch=8"]
+    return [*real_overrides(inputs["model"], inputs["train"], inputs["val"]), "recipe=grpo", *common,
+            f"trainer.val_prompts={args.val_rows}", f"actor.samples_per_micro_batch={args.samples_per_micro_batch}",
+            "model.dtype=bfloat16", "rollout.dtype=bfloat16"]
+
+
+def run(args, mode: str, inputs: dict, work: Path) -> dict:
+    overrides = command(args, mode, inputs, work)
+    shutil.rmtree(work / "runs" / mode, ignore_errors=True)
+    log = work / f"{mode}.log"
+    print(f"{mode}: hybridflow {' '.join(overrides)}\n  log: {log}", flush=True)
+    start = time.perf_counter()
+    with open(log, "w") as out:
+        subprocess.run([str(Path(sys.executable).parent / "hybridflow"), *overrides], cwd=ROOT, stdout=out,
+                       stderr=subprocess.STDOUT, check=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    rows = [json.loads(line) for line in (work / "runs" / mode / "metrics.jsonl").read_text().splitlines()]
+    synced = [r for r in rows if "weight_sync/bytes_received_per_rank" in r]
+    engine = next(r["weight_sync/engine_bytes_per_rank"] for r in rows if "weight_sync/engine_bytes_per_rank" in r)
+    received = max(r["weight_sync/bytes_received_per_rank"] for r in synced)
+    return {"command": ["hybridflow", *overrides], "wall_s": time.perf_counter() - start,
+            "steps": max(r["step"] for r in rows), "bytes_per_sync": received, "engine_bytes": engine,
+            "fraction_of_full_model": received / engine,
+            "sync_s_median": statistics.median(r["weight_sync/seconds"] for r in synced),
+            "step_s_median": statistics.median(r["timing/step_s"] for r in rows if "timing/step_s" in r),
+            "verified_tensors": min(r.get("weight_sync/verified_tensors", 0.0) for r in synced),
+            "validation": [{"step": r["step"], "accuracy": r["val/accuracy"], "elapsed_s": r["time/elapsed_s"]}
+                           for r in rows if "val/accuracy" in r]}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--modes", default="adapter,folded")
+    p.add_argument("--steps", type=int, default=30)
+    p.add_argument("--val-every", type=int, default=10)
+    p.add_argument("--val-rows", type=int, default=100)
+    p.add_argument("--prompts-per-step", type=int, default=8)
+    p.add_argument("--samples-per-prompt", type=int, default=8)
+    p.add_argument("--samples-per-micro-batch", type=int, default=16, help="per rank")
+    p.add_argument("--rank", type=int, default=16)
+    p.add_argument("--lr", type=float, default=1e-4)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--work", default="/tmp/lora_adapter_sync")
+    p.add_argument("--out", default=str(ROOT / "docs" / "lora_adapter_sync.json"))
+    p.add_argument("--dry-run", action="store_true", help="the tiny model, 1 step of the adapter mode")
+    args = p.parse_args()
+    if args.dry_run:
+        args.steps, args.val_every, args.rank, args.modes = 1, 1, 4, "adapter"
+    work = Path(args.work if not args.dry_run else Path(args.out).with_suffix(".work")).resolve()
+    work.mkdir(parents=True, exist_ok=True)
+    inputs = {}
+    if not args.dry_run:
+        from tests.real_model import real_model_dir, write_chat_addition
+
+        train, val = write_chat_addition(work / "data", train_rows=2000, val_rows=args.val_rows)
+        inputs = {"model": real_model_dir(), "train": train, "val": val}
+    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                if line.startswith("model name")), "?")
+    report = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "cpu": cpu, "args": vars(args),
+              "modes": {}}
+    for mode in args.modes.split(","):
+        report["modes"][mode] = run(args, mode, inputs, work)
+        Path(args.out).write_text(json.dumps(report, indent=1))  # as it goes
+    print(json.dumps({m: {k: v for k, v in r.items() if k != "command"} for m, r in report["modes"].items()},
+                     indent=1))
+
+
+if __name__ == "__main__":
+    main()
