@@ -346,6 +346,14 @@ class ActorWorker(TrainingStateMixin):
         """Bring parameters and optimizer state back to the device before training."""
         return self._move(self.ctx.device) if self.ctx.device == "cuda" else False
 
+    @register(Dispatch.ONE_TO_ALL)
+    def device_peak_bytes(self) -> int | None:
+        """GPUs: this process's device memory peak since the last read (one phase of the colocated
+        hand-over; the engine shares the process), then reset; None on the CPU."""
+        from hybridflow.controller.memory import phase_peak_bytes
+
+        return phase_peak_bytes() if self.ctx.device == "cuda" else None
+
     def _move(self, device: str) -> bool:
         """Parameters and AdamW moments to `device` at the host link's speed. To the host, gradients
         are freed first (the next update makes new ones) and every tensor is copied into page-locked

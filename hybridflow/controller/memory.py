@@ -64,6 +64,23 @@ def trim_heap() -> bool:
         return False
 
 
+_device_peak_seen = [0]  # the largest phase peak read since the last read_and_reset (phase_peak_bytes)
+
+
+def phase_peak_bytes() -> int | None:
+    """On a GPU: the allocator's peak bytes since the last read (a phase of the colocated hand-over,
+    hybridflow/resharding/transports/colocated.py), then reset for the next phase; the step's peak
+    that `read_and_reset` reports still covers it. None without CUDA in use."""
+    import torch
+
+    if not (torch.cuda.is_available() and torch.cuda.is_initialized()):
+        return None
+    peak = int(torch.cuda.max_memory_allocated())
+    _device_peak_seen[0] = max(_device_peak_seen[0], peak)
+    torch.cuda.reset_peak_memory_stats()
+    return peak
+
+
 def read_and_reset(use_gpu: bool) -> dict[str, int]:
     """This process's peak resident bytes since the last call (then reset), its resident bytes now
     (after trimming the heap, at most every `TRIM_EVERY_S`) and, on a GPU, the allocator's peak bytes
@@ -81,8 +98,9 @@ def read_and_reset(use_gpu: bool) -> dict[str, int]:
     if use_gpu:
         import torch
 
-        out["device_peak_bytes"] = int(torch.cuda.max_memory_allocated())
+        out["device_peak_bytes"] = max(int(torch.cuda.max_memory_allocated()), _device_peak_seen[0])
         torch.cuda.reset_peak_memory_stats()
+        _device_peak_seen[0] = 0
     return out
 
 

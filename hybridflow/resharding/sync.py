@@ -212,7 +212,8 @@ class AdapterSync(WeightSync):
 
     def sync(self, step: int, version: int) -> dict[str, float]:
         start = time.perf_counter()
-        self._wait([self.rollout.wake_up.remote()], "waking the engine")  # GPU, colocated: asleep after generating
+        # GPU, colocated: asleep after generating; its weights alone, as the colocated transport's sync
+        self._wait([self.rollout.wake_up.remote(["weights"])], "waking the engine")
         # actor rank 0's payload goes to every rollout rank through Ray's object store, not through
         # here; a failure on the actor's side reaches us as the rollout's (its argument failed)
         payload = self.actor.lora_adapter.remote(self.dtype)

@@ -45,7 +45,7 @@ class HFRollout(ReceivingEnd):
         return False
 
     @register(Dispatch.ONE_TO_ALL)
-    def wake_up(self) -> bool:
+    def wake_up(self, parts: list[str] | None = None) -> bool:
         return False
 
     @register(Dispatch.DP_SPLIT)

@@ -39,7 +39,7 @@ class VLLMRollout(ReceivingEnd):
         self.verifiable_weights = verifiable_weights  # keep weights readable for checksum checks
         self.lora_rank = lora_rank  # > 0: the actor's LoRA is served as an adapter of this rank (weight_sync.lora)
         self.engine = self.receiver = None
-        self.asleep = False
+        self.sleeping: set[str] = set()  # parts of the engine asleep (GPU, colocated: between generations)
         self.agents = None  # hybridflow.agents.AgentSet, loaded by start when rollout.agent is set
         self.batches_stepped = 0  # stepwise batches so far (their request ids)
 
@@ -95,22 +95,33 @@ class VLLMRollout(ReceivingEnd):
         register_local(self.ctx.group_name, self.receiver)
         return time.perf_counter() - start
 
+    SLEEPING_PARTS = ("weights", "kv_cache")  # what vLLM's level-1 sleep releases, by its wake-up tags
+
     @register(Dispatch.ONE_TO_ALL)
     def sleep(self) -> bool:
-        """Release the KV cache (and offload weights) while training runs. The CPU backend has no
-        sleep mode (its KV cache is a fixed VLLM_CPU_KVCACHE_SPACE buffer); returns whether it slept."""
-        if self.ctx.device != "cuda" or self.asleep:
+        """Release the KV cache and move the weights to host memory while training runs (vLLM's
+        level-1 sleep). The CPU backend has no sleep mode (its KV cache is a fixed
+        VLLM_CPU_KVCACHE_SPACE buffer); returns whether it slept."""
+        if self.ctx.device != "cuda" or self.sleeping:
             return False
         self.engine.sleep(level=1)
-        self.asleep = True
+        self.sleeping = set(self.SLEEPING_PARTS)
         return True
 
     @register(Dispatch.ONE_TO_ALL)
-    def wake_up(self) -> bool:
-        if not self.asleep:
+    def wake_up(self, parts: list[str] | None = None) -> bool:
+        """Bring back those of `parts` ("weights", "kv_cache"; None: both) that sleep: a weight sync
+        wakes the weights alone while the actor's training state is still on the device, and the KV
+        cache comes back once it has left (hybridflow/resharding/transports/colocated.py). Returns
+        whether anything woke."""
+        wanted = [p for p in (parts or self.SLEEPING_PARTS) if p in self.sleeping]
+        unknown = set(parts or ()) - set(self.SLEEPING_PARTS)
+        if unknown:
+            raise ValueError(f"VLLMRollout.wake_up: unknown parts {sorted(unknown)}; known: {list(self.SLEEPING_PARTS)}")
+        if not wanted:
             return False
-        self.engine.wake_up()
-        self.asleep = False
+        self.engine.wake_up(tags=wanted)
+        self.sleeping -= set(wanted)
         return True
 
     # ---- generation ---------------------------------------------------------------------------

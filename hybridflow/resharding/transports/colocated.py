@@ -12,7 +12,7 @@ sync gathers whole tensors: correct, not at the layout minimum.
 
 Receiving: the tensors are already in the process (`Transport.receive_bucket`'s default). It
 cannot stage (the engine and the trainer are the same processes). Around generation, the
-training state steps aside for vLLM's KV cache (`generating`; no-ops on the CPU).
+training state steps aside for vLLM's KV cache, in one order (`HANDOVER`; no-ops on the CPU).
 """
 
 from __future__ import annotations
@@ -44,32 +44,50 @@ class Colocated(Transport):
         return [{n: fsdp_box(s, world, r) for n, s in shapes.items()} for r in range(world)]
 
     def sync_calls(self, actor, rollout) -> list:
-        rollout.wake_up()
+        rollout.wake_up(["weights"])  # not the KV cache: the actor's training state is still on the device
         return [actor.send_weights.remote()]
 
     def per_rank(self, results: list) -> list[dict]:
         return results[0]
 
     def metrics(self, per_rank: list[dict]) -> dict[str, float]:
-        return {"weight_sync/exchange_s": max(r["exchange_seconds"] for r in per_rank)}
+        out = {"weight_sync/exchange_s": max(r["exchange_seconds"] for r in per_rank)}
+        if all("device_peak_bytes" in r for r in per_rank):  # GPUs: the sync phase's peak (send)
+            out["memory/device_peak_sync_gib"] = max(r["device_peak_bytes"] for r in per_rank) / 2 ** 30
+        return out
+
+    # The device hand-over of one colocated step (GPUs), in this order, the one sequence of it:
+    #   [train] -> wake vLLM's weights only -> sync -> offload the training state (gradients freed)
+    #   -> wake vLLM's KV cache -> generate -> vLLM sleeps (weights to the host, KV cache freed)
+    #   -> reload the training state -> [train]
+    # so the device never holds the training state and vLLM's KV cache at once: the sync's peak is
+    # the training state plus vLLM's weights, generation's vLLM's weights and KV cache alone
+    # (`sync_calls` above, `generating` here).
+    HANDOVER = ("offload", "engine_wake", "generate", "engine_sleep", "reload")
 
     @contextmanager
     def generating(self, actor, rollout) -> Iterator[None]:
-        """On GPUs the actor's training state goes to host memory while vLLM generates, then vLLM
-        releases its KV cache and the training state comes back (the next sync wakes vLLM up).
-        No-ops on the CPU. Each step that moved something is timed (`handover_seconds`)."""
+        """On GPUs the actor's training state goes to host memory, then vLLM wakes what still sleeps
+        (its KV cache; its weights too when no sync woke them this step), generates, sleeps, and the
+        training state comes back. No-ops on the CPU. Each phase that moved something is timed
+        (`timing/<phase>_s`) and, on GPUs, its device memory peak read from the actor's process
+        (`memory/device_peak_<phase>_gib`, the engine shares it): `handover_seconds`."""
         self.handover = {}
-        self._timed("engine_wake", rollout.wake_up)  # a step without a sync (critic warm-up) left it asleep
-        self._timed("offload", actor.offload)
+        self._phase("offload", actor.offload, actor)
+        self._phase("engine_wake", lambda: rollout.wake_up(["weights", "kv_cache"]), actor)
         yield
-        self._timed("engine_sleep", rollout.sleep)
-        self._timed("reload", actor.reload)
+        self._phase("generate", lambda: False, actor)  # generation's own peak, read after it
+        self._phase("engine_sleep", rollout.sleep, actor)
+        self._phase("reload", actor.reload, actor)
 
-    def _timed(self, phase: str, call) -> None:
+    def _phase(self, phase: str, call, actor) -> None:
         start = time.perf_counter()
         moved = call()
         if any(moved if isinstance(moved, list) else [moved]):
             self.handover[f"timing/{phase}_s"] = time.perf_counter() - start
+        peaks = [p for p in actor.device_peak_bytes() if p is not None]  # and the next phase's starts now
+        if peaks:
+            self.handover[f"memory/device_peak_{phase}_gib"] = max(peaks) / 2 ** 30
 
     # ---- sending route ------------------------------------------------------------------------
     def check_plan(self, sender) -> None:
@@ -85,8 +103,14 @@ class Colocated(Transport):
         else:
             buckets = (_exchange(sender, index, names, local, stats)
                        for index, names, local in sender.shard_buckets())
+        from hybridflow.controller.memory import phase_peak_bytes
+
+        phase_peak_bytes()  # GPUs: what came before (the update) is its own phase
         loaded = local_receiver(group_name).load(buckets, route=self)
         stats["load_seconds"] = loaded["load_seconds"]
+        peak = phase_peak_bytes()  # the sync phase: the training state and vLLM's weights on the device
+        if peak is not None:
+            stats["device_peak_bytes"] = peak
 
 
 def _counted(sender, stats: dict):
