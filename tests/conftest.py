@@ -26,6 +26,20 @@ def ray_local():
     ray.shutdown()
 
 
+@pytest.fixture(scope="session", autouse=True)
+def rates_cache(tmp_path_factory) -> Path:
+    """The planner's cached rates (hybridflow/planning/device_rates.py) in a directory of the test
+    session's, for this process and the commands it starts: a test run never reads or writes the
+    user's ~/.cache/hybridflow/rates."""
+    import os
+
+    from hybridflow.planning.device_rates import CACHE_VAR
+
+    path = tmp_path_factory.mktemp("rates_cache")
+    os.environ[CACHE_VAR] = str(path)
+    return path
+
+
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory) -> Path:
     """The default tiny Qwen2 model + character tokenizer, built once per test session."""

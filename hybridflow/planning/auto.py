@@ -83,9 +83,12 @@ def resolve_placement(config, run_dir: Path):
         return config, None
     from hybridflow.data.checks import InputError
 
+    from hybridflow.planning.device_rates import choose_rates
+
     try:
         cluster = cluster_for(config)
-        rates = load_rates(config.placement.planner.rates, cluster.device)
+        choice = choose_rates(config.placement.planner.rates, cluster.device)
+        rates = choice.rates
         result = plan_search(config, cluster, rates)
     except (ValueError, KeyError) as exc:  # a cluster, rates file, policy or cost model it cannot use
         raise InputError(f"placement=auto: {exc}") from None
@@ -94,13 +97,16 @@ def resolve_placement(config, run_dir: Path):
     best = result.best
     (Path(run_dir) / PLAN_FILE).write_text(json.dumps({
         "plan": best.plan.with_transport(cluster.device).to_dict(), "prediction": best.prediction.to_dict(),
-        "cluster": dataclasses.asdict(cluster), "rates": rates.to_dict(),
+        "cluster": dataclasses.asdict(cluster), "rates": rates.to_dict(), "rates_choice": choice.to_dict(),
         "search": {"considered": result.considered, "refused": len(result.refused), "seconds": result.seconds},
         "runners_up": [c.to_dict() for c in result.ranked[1:1 + RUNNERS_UP]]}, indent=2))
-    line = (f"hybridflow: placement=auto chose {best.plan.describe()} on {cluster.describe()}: predicted "
-            f"{best.prediction.step_s:.2f} s/step (" + ", ".join(f"{s} {best.prediction.stages[s]:.2f}" for s in STAGES)
-            + f"), best of {len(result.ranked)} plans that fit ({result.considered} considered in "
-            f"{result.seconds:.2f} s; {run_dir}/{PLAN_FILE})")
+    seconds = (f"{best.prediction.step_s:.2f} s/step (" + ", ".join(f"{s} {best.prediction.stages[s]:.2f}"
+                                                                 for s in STAGES) + ")")
+    said = (f"ranked with rates {choice.note}; on that device: {seconds}" if choice.borrowed
+            else f"predicted {seconds} with rates {choice.note}")
+    line = (f"hybridflow: placement=auto chose {best.plan.describe()} on {cluster.describe()}: {said}, best of "
+            f"{len(result.ranked)} plans that fit ({result.considered} considered in {result.seconds:.2f} s; "
+            f"{run_dir}/{PLAN_FILE})")
     return apply_plan(config, best.plan), line
 
 
@@ -134,6 +140,12 @@ def compare_measured(run_dir: Path) -> str | None:
     saved["measured"] = {"stages": measured, "steps": [r["step"] for r in rows]}
     path.write_text(json.dumps(saved, indent=2))
     error = (predicted["step"] - measured["step"]) / max(measured["step"], 1e-9)
-    return (f"hybridflow: placement=auto predicted {predicted['step']:.2f} s/step, measured {measured['step']:.2f} "
-            f"({error:+.0%}; mean of steps {rows[0]['step']}-{rows[-1]['step']}): "
-            + ", ".join(f"{s} {predicted[s]:.2f}/{measured[s]:.2f}" for s in STAGES) + f" ({path})")
+    from hybridflow.planning.device_rates import update_from_measured
+
+    borrowed = saved.get("rates_choice", {}).get("provenance") == "borrowed"
+    line = (f"hybridflow: placement=auto {'ranked with borrowed rates that gave' if borrowed else 'predicted'} "
+            f"{predicted['step']:.2f} s/step, measured {measured['step']:.2f} ({error:+.0%}; mean of steps "
+            f"{rows[0]['step']}-{rows[-1]['step']}): " + ", ".join(f"{s} {predicted[s]:.2f}/{measured[s]:.2f}"
+                                                                  for s in STAGES) + f" ({path})")
+    fitted = update_from_measured(saved, predicted, measured)
+    return line if fitted is None else f"{line}\n{fitted}"

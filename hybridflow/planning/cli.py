@@ -84,6 +84,9 @@ def main(argv: list[str]) -> int:
             planner, policy=args.policy or planner.policy, cost_model=args.cost_model or planner.cost_model)))
         cluster = make_cluster(args, config)
         workload = Workload.from_config(config)
+        from hybridflow.planning.device_rates import choose_rates, save_cached, this_device
+
+        note = None  # which rates, for this device or not (a cluster described by hand has no device here)
         if args.calibrate:
             from hybridflow.planning.calibrate import calibrate
 
@@ -91,12 +94,18 @@ def main(argv: list[str]) -> int:
             if args.save_rates:
                 Path(args.save_rates).write_text(json.dumps(rates.to_dict(), indent=2))
                 print(f"hybridflow plan: rates saved to {args.save_rates}")
+            if args.cluster == "here":
+                cached = save_cached(this_device(cluster.device), rates, "calibrated (hybridflow plan --calibrate)")
+                print(f"hybridflow plan: rates cached for this device ({cached}); placement=auto uses them from now on")
         elif args.profile:
             from hybridflow.planning.profiles import PROFILES
 
             if args.profile not in PROFILES:
                 raise ValueError(f"--profile {args.profile!r}: built-in profiles are {sorted(PROFILES)}")
             rates = PROFILES[args.profile][0]
+        elif args.cluster in ("here", "ray"):
+            choice = choose_rates(args.rates or planner.rates, cluster.device)
+            rates, note = choice.rates, choice.note
         else:
             rates = load_rates(args.rates or planner.rates, cluster.device)
         if args.intra_node_gb_s:
@@ -114,7 +123,7 @@ def main(argv: list[str]) -> int:
     except (ConfigError, ValueError, KeyError, RuntimeError) as exc:
         print(f"hybridflow plan: {exc}", file=sys.stderr)
         return 2
-    print(report(result, workload, cluster, rates, args.top, args.refused))
+    print(report(result, workload, cluster, rates, args.top, args.refused, note))
     if args.json:
         Path(args.json).write_text(json.dumps({"cluster": dataclasses.asdict(cluster), "rates": rates.to_dict(),
                                                "workload": dataclasses.asdict(workload),
@@ -122,16 +131,21 @@ def main(argv: list[str]) -> int:
     return 0 if result.ranked else 2
 
 
-def report(result, workload, cluster, rates, top: int, refused: int = 3) -> str:
+def report(result, workload, cluster, rates, top: int, refused: int = 3, note: str | None = None) -> str:
+    """The printout; `note` says which device's rates these are (device_rates.RatesChoice.note), and
+    when it says BORROWED the seconds column is headed as another device's."""
     w = workload
+    borrowed = note is not None and note.startswith("BORROWED")
     lines = [f"workload: {w.parameters / 1e6:.1f}M parameters, {w.prompts_per_step} prompts x {w.samples_per_prompt} "
              f"samples, {w.prompt_tokens} + {w.response_tokens} tokens; roles {', '.join(w.roles)}",
-             f"cluster: {cluster.describe()}", f"rates: {rates.source}",
+             f"cluster: {cluster.describe()}", f"rates: {note or rates.source}",
              f"searched {result.considered} plans in {result.seconds:.2f} s: {len(result.ranked)} fit, "
              f"{len(result.refused)} refused", ""]
     if not result.ranked:
         return "\n".join(lines + [result.why_none()])
-    lines.append(f"{'#':>3} {'s/step':>8} " + " ".join(f"{s:>10}" for s in STAGES) + "  plan")
+    if borrowed:
+        lines.append("the ranking below is by another device's seconds (borrowed rates): not a prediction for this one")
+    lines.append(f"{'#':>3} {'s/step*' if borrowed else 's/step':>8} " + " ".join(f"{s:>10}" for s in STAGES) + "  plan")
     for i, c in enumerate(result.ranked[:top], 1):
         lines.append(f"{i:>3} {c.prediction.step_s:8.2f} " + " ".join(f"{c.prediction.stages[s]:10.2f}" for s in STAGES)
                      + f"  {c.plan.describe()} [{c.plan.family()}]")

@@ -62,13 +62,22 @@ class Rates:
     # cores do both): a role's time is max(compute, comm) or their sum
     comm_overlap: bool = True
     source: str = ""
+    # ((stage, factor), ...): each stage's predicted seconds times its factor, the running fit's
+    # correction on a device whose runs measured otherwise (hybridflow/planning/device_rates.py)
+    stage_scale: tuple = ()
 
     def to_dict(self) -> dict:
         return asdict(self)
 
     @classmethod
+    def from_dict(cls, values: dict) -> "Rates":
+        values = dict(values)
+        values["stage_scale"] = tuple((str(s), float(f)) for s, f in values.get("stage_scale", ()))
+        return cls(**values)
+
+    @classmethod
     def from_json(cls, text: str) -> "Rates":
-        return cls(**json.loads(text))
+        return cls.from_dict(json.loads(text))
 
 
 @dataclass
@@ -138,12 +147,15 @@ class Analytical(CostModel):
                   "score": max(score_by_pool.values()) + self.rates.call_s,  # the reward function's call
                   "update": max(update_by_pool.values()),
                   "transition": self.transition_s(plan, workload, cluster)}
+        scale = dict(self.rates.stage_scale)
+        stages = {stage: seconds * scale.get(stage, 1.0) for stage, seconds in stages.items()}
         roles["rollout generate"] = stages["generate"]
         if schedule_class(plan.max_staleness).overlaps and not plan.rollout_colocated:
             # the next batch generates while this one is scored and trained; the rollout's pool also
             # does the work of the roles that share it
             rollout = plan.pool_of("rollout").name
-            busy = stages["generate"] + score_by_pool[rollout] + update_by_pool[rollout]
+            busy = (stages["generate"] + score_by_pool[rollout] * scale.get("score", 1.0)
+                    + update_by_pool[rollout] * scale.get("update", 1.0))
             step = max(busy, stages["score"] + stages["update"]) + stages["transition"]
         else:
             step = sum(stages.values())
