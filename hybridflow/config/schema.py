@@ -92,8 +92,9 @@ class PlannerConfig:
     # pools, roles' pools and rollout TP); the plan and its prediction are saved as run_dir/plan.json
     # and every step's metrics carry plan/predicted_<stage>_s.
     auto: bool = False
-    # Rates JSON from `hybridflow plan --calibrate --save-rates FILE`; null: the built-in profile of
-    # the device (hybridflow/planning/profiles.py; on a CPU, this project's 2-core machine).
+    # Rates JSON from `hybridflow plan --calibrate --save-rates FILE`; null: the rates cached for this
+    # device, else built-in ones for it, else another device's, marked borrowed (docs/placement.md
+    # "Rates per device"; a run's measured steps then become this device's cached rates).
     rates: Optional[str] = None
     policy: str = "exhaustive"  # a registered placement policy (hybridflow.planning.search.POLICIES)
     cost_model: str = "analytical"  # a registered cost model (hybridflow.planning.cost.COST_MODELS)
