@@ -3,6 +3,7 @@
     PYTHONPATH=. .venv/bin/python bench/lora_adapter_sync.py [--steps 30] [--rank 16] [--lr 1e-4] \
         [--modes adapter,folded] [--out docs/lora_adapter_sync.json]
     PYTHONPATH=. .venv/bin/python bench/lora_adapter_sync.py --dry-run --out F   # the tiny model, 1 adapter step
+    PYTHONPATH=. .venv/bin/python bench/lora_adapter_sync.py --render-only       # the table again, from --out
 
 The same `recipe=grpo` run twice, from the same seed, on SmolLM2-135M-Instruct (tests/real_model.py)
 with a LoRA actor (rank `--rank` on every linear layer of the decoder): once with
@@ -12,8 +13,9 @@ shapes are docs/learning.md's real-model GRPO run (two-digit additions as chat, 
 samples, answers of up to 64 tokens, bfloat16). Reported per mode, from the runs' own
 metrics.jsonl: bytes each rollout rank received per sync, the whole model's bytes
 (`weight_sync/engine_bytes_per_rank`) and their ratio, the sync's median seconds, the median step,
-held-out accuracy (greedy, `--val-rows` prompts) at every validation, and the minutes. Run nothing
-else heavy meanwhile.
+held-out accuracy (greedy, `--val-rows` prompts) at every validation, and the minutes; the JSON
+goes to `--out` as it runs, the table between the markers in docs/resharding.md. Run nothing else
+heavy meanwhile.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
 
 TARGETS = "[q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj]"
 
@@ -76,6 +79,30 @@ def run(args, mode: str, inputs: dict, work: Path) -> dict:
                            for r in rows if "val/accuracy" in r]}
 
 
+BEGIN, END = "<!-- lora_adapter_sync:begin -->", "<!-- lora_adapter_sync:end -->"
+
+
+def render(report: dict) -> str:
+    """The table for docs/resharding.md, from the report."""
+    a, modes = report["args"], report["modes"]
+    steps = sorted({v["step"] for r in modes.values() for v in r["validation"]})
+    lines = [f"Measured {report['date']} on this machine ({report['cpu']}): `bench/lora_adapter_sync.py` "
+             f"(SmolLM2-135M-Instruct, LoRA rank {a['rank']} on every linear layer of the decoder, alpha = r, lr "
+             f"{a['lr']:g}, {a['prompts_per_step']} prompts x {a['samples_per_prompt']} samples, answers of up to 64 "
+             f"tokens, bfloat16, seed {a['seed']}, {a['steps']} steps; held-out accuracy greedy on {a['val_rows']} "
+             "prompts).", "",
+             "| `weight_sync.lora` | bytes per sync | of the whole model | sync s (median) | step s (median) | "
+             + " | ".join(f"accuracy at step {s}" for s in steps) + " | minutes |",
+             "| --- |" + " ---: |" * (5 + len(steps))]
+    for mode, r in modes.items():
+        acc = {v["step"]: v["accuracy"] for v in r["validation"]}
+        lines.append(f"| {mode} | {r['bytes_per_sync'] / 2 ** 20:.1f} MiB | {r['fraction_of_full_model']:.1%} | "
+                     f"{r['sync_s_median']:.2f} | {r['step_s_median']:.1f} | "
+                     + " | ".join(f"{acc[s]:.2f}" if s in acc else "" for s in steps)
+                     + f" | {r['wall_s'] / 60:.1f} |")
+    return "\n".join(lines)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--modes", default="adapter,folded")
@@ -91,7 +118,14 @@ def main() -> None:
     p.add_argument("--work", default="/tmp/lora_adapter_sync")
     p.add_argument("--out", default=str(ROOT / "docs" / "lora_adapter_sync.json"))
     p.add_argument("--dry-run", action="store_true", help="the tiny model, 1 step of the adapter mode")
+    p.add_argument("--doc", default=str(ROOT / "docs" / "resharding.md"), help="where the table goes (not in a dry run)")
+    p.add_argument("--render-only", action="store_true", help="rewrite the doc's table from --out")
     args = p.parse_args()
+    if args.render_only:
+        from doc_markers import write_between
+
+        write_between(Path(args.doc), BEGIN, END, render(json.loads(Path(args.out).read_text())))
+        return
     if args.dry_run:
         args.steps, args.val_every, args.rank, args.modes = 1, 1, 4, "adapter"
     work = Path(args.work if not args.dry_run else Path(args.out).with_suffix(".work")).resolve()
@@ -111,6 +145,10 @@ def main() -> None:
         Path(args.out).write_text(json.dumps(report, indent=1))  # as it goes
     print(json.dumps({m: {k: v for k, v in r.items() if k != "command"} for m, r in report["modes"].items()},
                      indent=1))
+    if not args.dry_run:
+        from doc_markers import write_between
+
+        write_between(Path(args.doc), BEGIN, END, render(report))
 
 
 if __name__ == "__main__":

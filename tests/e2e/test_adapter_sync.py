@@ -19,14 +19,14 @@ from transformers import AutoTokenizer
 
 from hybridflow.config.schema import (ActorConfig, HybridFlowConfig, LoraConfig, OptimConfig, RolloutConfig,
                                       WeightSyncConfig)
-from hybridflow.controller import PoolSpec, ResourcePool, RoleSpec, spawn_workers
+from hybridflow.controller import RoleSpec
 from hybridflow.data import ArithmeticSpec, make_arithmetic_rows
 from hybridflow.data.prompts import encode_prompts
 from hybridflow.resharding import WeightSyncError
 from hybridflow.resharding.sync import AdapterSync
 from hybridflow.resharding.transports import build_transport
 from recipes.roles import actor_role
-from tests.e2e.workers import AdapterFaultVLLMRollout
+from tests.e2e.workers import AdapterFaultVLLMRollout, spawn_actor_and_rollout
 
 MAX_PROMPT_TOKENS = 8
 VLLM_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1"}
@@ -49,16 +49,7 @@ def _spawn(tiny_model_dir, actor_ranks: int, rollout_ranks: int | None, name: st
     actor = actor_role(HybridFlowConfig(actor=ActorConfig(
         optim=OptimConfig(lr=1e-2), samples_per_micro_batch=4,
         lora=LoraConfig(rank=RANK, alpha=ALPHA, target_modules=TARGETS))), tiny_model_dir)
-    if rollout_ranks is None:
-        groups = spawn_workers(ResourcePool(PoolSpec(name, devices_per_node=actor_ranks)),
-                               {"actor": actor, "rollout": rollout}, env_vars=VLLM_ENV)
-    else:
-        groups = spawn_workers(ResourcePool(PoolSpec(f"{name}-train", devices_per_node=actor_ranks)),
-                               {"actor": actor}, env_vars=VLLM_ENV)
-        groups.update(spawn_workers(ResourcePool(PoolSpec(f"{name}-gen", devices_per_node=rollout_ranks)),
-                                    {"rollout": rollout}, env_vars=VLLM_ENV))
-    for future in [groups["actor"].start.remote(), groups["rollout"].start.remote()]:
-        future.get()
+    groups = spawn_actor_and_rollout(actor, rollout, actor_ranks, rollout_ranks, name, VLLM_ENV)
     sync = AdapterSync(groups["actor"], groups["rollout"], WeightSyncConfig(timeout_s=60.0),
                        build_transport(rollout_ranks is None), "float32")
     return groups, sync, tok, sync.setup()

@@ -134,3 +134,22 @@ class AdapterFaultVLLMRollout(VLLMRollout):
         else:
             faults.serve_base_model()
         return True
+
+
+def spawn_actor_and_rollout(actor, rollout, actor_ranks: int, rollout_ranks: int | None, name: str,
+                            env_vars: dict) -> dict:
+    """Actor and rollout groups (RoleSpecs), on one pool of `actor_ranks` when `rollout_ranks` is
+    None, else on pools of their own; both started."""
+    from hybridflow.controller import PoolSpec, ResourcePool, spawn_workers
+
+    if rollout_ranks is None:
+        groups = spawn_workers(ResourcePool(PoolSpec(name, devices_per_node=actor_ranks)),
+                               {"actor": actor, "rollout": rollout}, env_vars=env_vars)
+    else:
+        groups = spawn_workers(ResourcePool(PoolSpec(f"{name}-train", devices_per_node=actor_ranks)),
+                               {"actor": actor}, env_vars=env_vars)
+        groups.update(spawn_workers(ResourcePool(PoolSpec(f"{name}-gen", devices_per_node=rollout_ranks)),
+                                    {"rollout": rollout}, env_vars=env_vars))
+    for future in [groups["actor"].start.remote(), groups["rollout"].start.remote()]:
+        future.get()
+    return groups
