@@ -3,7 +3,7 @@
     PYTHONPATH=. .venv/bin/python bench/lora_adapter_sync.py [--steps 30] [--rank 16] [--lr 1e-4] \
         [--modes adapter,folded] [--out docs/lora_adapter_sync.json]
     PYTHONPATH=. .venv/bin/python bench/lora_adapter_sync.py --dry-run --out F   # the tiny model, 1 adapter step
-    PYTHONPATH=. .venv/bin/python bench/lora_adapter_sync.py --render-only       # the table again, from --out
+    PYTHONPATH=. .venv/bin/python bench/lora_adapter_sync.py --render-only A.json B.json   # one table, seeds as rows
 
 The same `recipe=grpo` run twice, from the same seed, on SmolLM2-135M-Instruct (tests/real_model.py)
 with a LoRA actor (rank `--rank` on every linear layer of the decoder): once with
@@ -82,24 +82,24 @@ def run(args, mode: str, inputs: dict, work: Path) -> dict:
 BEGIN, END = "<!-- lora_adapter_sync:begin -->", "<!-- lora_adapter_sync:end -->"
 
 
-def render(report: dict) -> str:
-    """The table for docs/resharding.md, from the report."""
-    a, modes = report["args"], report["modes"]
-    steps = sorted({v["step"] for r in modes.values() for v in r["validation"]})
-    lines = [f"Measured {report['date']} on this machine ({report['cpu']}): `bench/lora_adapter_sync.py` "
+def render(reports: list[dict]) -> str:
+    """The table for docs/resharding.md, one row per report (seed) and mode."""
+    a = reports[0]["args"]
+    steps = sorted({v["step"] for rep in reports for r in rep["modes"].values() for v in r["validation"]})
+    lines = [f"Measured {reports[0]['date']} on this machine ({reports[0]['cpu']}): `bench/lora_adapter_sync.py` "
              f"(SmolLM2-135M-Instruct, LoRA rank {a['rank']} on every linear layer of the decoder, alpha = r, lr "
              f"{a['lr']:g}, {a['prompts_per_step']} prompts x {a['samples_per_prompt']} samples, answers of up to 64 "
-             f"tokens, bfloat16, seed {a['seed']}, {a['steps']} steps; held-out accuracy greedy on {a['val_rows']} "
-             "prompts).", "",
-             "| `weight_sync.lora` | bytes per sync | of the whole model | sync s (median) | step s (median) | "
+             f"tokens, bfloat16, {a['steps']} steps; held-out accuracy greedy on {a['val_rows']} prompts).", "",
+             "| seed | `weight_sync.lora` | bytes per sync | of the whole model | sync s (median) | step s (median) | "
              + " | ".join(f"accuracy at step {s}" for s in steps) + " | minutes |",
-             "| --- |" + " ---: |" * (5 + len(steps))]
-    for mode, r in modes.items():
-        acc = {v["step"]: v["accuracy"] for v in r["validation"]}
-        lines.append(f"| {mode} | {r['bytes_per_sync'] / 2 ** 20:.1f} MiB | {r['fraction_of_full_model']:.1%} | "
-                     f"{r['sync_s_median']:.2f} | {r['step_s_median']:.1f} | "
-                     + " | ".join(f"{acc[s]:.2f}" if s in acc else "" for s in steps)
-                     + f" | {r['wall_s'] / 60:.1f} |")
+             "| ---: | --- |" + " ---: |" * (5 + len(steps))]
+    for rep in reports:
+        for mode, r in rep["modes"].items():
+            acc = {v["step"]: v["accuracy"] for v in r["validation"]}
+            lines.append(f"| {rep['args']['seed']} | {mode} | {r['bytes_per_sync'] / 2 ** 20:.1f} MiB | "
+                         f"{r['fraction_of_full_model']:.1%} | {r['sync_s_median']:.2f} | {r['step_s_median']:.1f} | "
+                         + " | ".join(f"{acc[s]:.2f}" if s in acc else "" for s in steps)
+                         + f" | {r['wall_s'] / 60:.1f} |")
     return "\n".join(lines)
 
 
@@ -119,12 +119,14 @@ def main() -> None:
     p.add_argument("--out", default=str(ROOT / "docs" / "lora_adapter_sync.json"))
     p.add_argument("--dry-run", action="store_true", help="the tiny model, 1 step of the adapter mode")
     p.add_argument("--doc", default=str(ROOT / "docs" / "resharding.md"), help="where the table goes (not in a dry run)")
-    p.add_argument("--render-only", action="store_true", help="rewrite the doc's table from --out")
+    p.add_argument("--render-only", nargs="*", metavar="JSON",
+                   help="rewrite the doc's table from these reports (one per seed), running nothing")
     args = p.parse_args()
-    if args.render_only:
+    if args.render_only is not None:
         from doc_markers import write_between
 
-        write_between(Path(args.doc), BEGIN, END, render(json.loads(Path(args.out).read_text())))
+        reports = [json.loads(Path(f).read_text()) for f in args.render_only or [args.out]]
+        write_between(Path(args.doc), BEGIN, END, render(reports))
         return
     if args.dry_run:
         args.steps, args.val_every, args.rank, args.modes = 1, 1, 4, "adapter"
@@ -148,7 +150,7 @@ def main() -> None:
     if not args.dry_run:
         from doc_markers import write_between
 
-        write_between(Path(args.doc), BEGIN, END, render(report))
+        write_between(Path(args.doc), BEGIN, END, render([report]))
 
 
 if __name__ == "__main__":

@@ -11,6 +11,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 VENV_BIN = Path(sys.executable).parent
 GRPO = ["recipe=grpo", "placement=auto", "trainer.total_steps=5", "trainer.prompts_per_step=8",
         "rollout.samples_per_prompt=8", "rollout.max_response_tokens=32", "trainer.val_every_steps=0",
@@ -24,6 +26,7 @@ def _run(tmp_path: Path, name: str, env: dict) -> tuple[str, dict]:
     return done.stdout + done.stderr, json.loads((tmp_path / name / "plan.json").read_text())
 
 
+@pytest.mark.budget(100)  # two whole 5-step GRPO runs of the `hybridflow` command
 def test_the_second_run_on_an_unknown_device_predicts_its_step_within_a_quarter(tmp_path):
     env = {**os.environ, "HYBRIDFLOW_DEVICE_IDENTITY": "Simulated CPU for rates", "HYBRIDFLOW_RATES_CACHE":
            str(tmp_path / "rates")}
