@@ -67,11 +67,14 @@ def run(args, mode: str, inputs: dict, work: Path) -> dict:
                        stderr=subprocess.STDOUT, check=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
     rows = [json.loads(line) for line in (work / "runs" / mode / "metrics.jsonl").read_text().splitlines()]
     synced = [r for r in rows if "weight_sync/bytes_received_per_rank" in r]
-    engine = next(r["weight_sync/engine_bytes_per_rank"] for r in rows if "weight_sync/engine_bytes_per_rank" in r)
+    # the whole model's bytes in the rollout's dtype: the adapter sync logs them with every sync (the
+    # folded one does not; main() takes them from the adapter run of the same model)
+    engine = next((r["weight_sync/engine_bytes_per_rank"] for r in rows if "weight_sync/engine_bytes_per_rank" in r),
+                  None)
     received = max(r["weight_sync/bytes_received_per_rank"] for r in synced)
     return {"command": ["hybridflow", *overrides], "wall_s": time.perf_counter() - start,
             "steps": max(r["step"] for r in rows), "bytes_per_sync": received, "engine_bytes": engine,
-            "fraction_of_full_model": received / engine,
+            "fraction_of_full_model": None if engine is None else received / engine,
             "sync_s_median": statistics.median(r["weight_sync/seconds"] for r in synced),
             "step_s_median": statistics.median(r["timing/step_s"] for r in rows if "timing/step_s" in r),
             "verified_tensors": min(r.get("weight_sync/verified_tensors", 0.0) for r in synced),
@@ -97,7 +100,8 @@ def render(reports: list[dict]) -> str:
         for mode, r in rep["modes"].items():
             acc = {v["step"]: v["accuracy"] for v in r["validation"]}
             lines.append(f"| {rep['args']['seed']} | {mode} | {r['bytes_per_sync'] / 2 ** 20:.1f} MiB | "
-                         f"{r['fraction_of_full_model']:.1%} | {r['sync_s_median']:.2f} | {r['step_s_median']:.1f} | "
+                         + (f"{r['fraction_of_full_model']:.1%}" if r["fraction_of_full_model"] is not None else "")
+                         + f" | {r['sync_s_median']:.2f} | {r['step_s_median']:.1f} | "
                          + " | ".join(f"{acc[s]:.2f}" if s in acc else "" for s in steps)
                          + f" | {r['wall_s'] / 60:.1f} |")
     return "\n".join(lines)
@@ -144,6 +148,10 @@ def main() -> None:
               "modes": {}}
     for mode in args.modes.split(","):
         report["modes"][mode] = run(args, mode, inputs, work)
+        engine = next((r["engine_bytes"] for r in report["modes"].values() if r["engine_bytes"]), None)
+        for r in report["modes"].values():
+            if r["engine_bytes"] is None and engine is not None:
+                r["engine_bytes"], r["fraction_of_full_model"] = engine, r["bytes_per_sync"] / engine
         Path(args.out).write_text(json.dumps(report, indent=1))  # as it goes
     print(json.dumps({m: {k: v for k, v in r.items() if k != "command"} for m, r in report["modes"].items()},
                      indent=1))

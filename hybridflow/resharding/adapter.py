@@ -13,9 +13,10 @@ The trip, one sync (`hybridflow.resharding.sync.AdapterSync`):
   bit for bit), the adapter's config, and the checksums of exactly those tensors;
 - the payload goes from the actor's rank 0 to every rollout rank through Ray's object store (the
   controller never holds it); each rollout rank writes it as a peft adapter directory in its own
-  temporary space (`write_adapter`) and registers it with vLLM's `add_lora` under a new id (ids are
+  temporary space (`write_adapter`), registers it with vLLM's `add_lora` under a new id (ids are
   never reused: vLLM keeps an adapter it already holds under an id and would not read the new
-  files), then removes the previous one (`VLLMReceiver.load_adapter`);
+  files), removes the previous one, and deletes the directory, which vLLM has read into host
+  memory (`VLLMReceiver.load_adapter`);
 - the checks, by default at every sync: the checksums of the adapter vLLM registered under the id
   the rollout now serves (`engine_adapter_checksums`, read inside vLLM's worker) against the
   actor's (`verify_adapter`), and the log-prob probe, generated with that adapter. Every batch's

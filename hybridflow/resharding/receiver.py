@@ -115,7 +115,6 @@ class VLLMReceiver(Receiver):
         self.adapter = None
         self.adapters_loaded = 0
         self.expected_adapter: tuple[int, dict] = (-1, {})
-        self._adapter_dir: str | None = None
 
     def set_version(self, version: int) -> None:
         """Label the engine's weights (vLLM stamps every step's outputs with the label)."""
@@ -260,9 +259,12 @@ class VLLMReceiver(Receiver):
 
     def load_adapter(self, version: int, payload: dict) -> dict:
         """Register the actor's adapter of policy `version` (hybridflow.resharding.adapter.adapter_payload)
-        with the engine under a new id, written as a peft directory in this process's temporary space,
-        and drop the previous one. Returns what `served_adapter` returns, and the bytes and seconds."""
+        with the engine under a new id, written as a peft directory in this process's temporary space
+        for vLLM to read (and removed once it has), and drop the previous one. Returns what
+        `served_adapter` returns, and the bytes and seconds."""
         import shutil
+        import tempfile
+        from pathlib import Path
 
         from vllm.lora.request import LoRARequest
 
@@ -270,15 +272,21 @@ class VLLMReceiver(Receiver):
 
         start = time.perf_counter()
         self.adapters_loaded += 1  # never an id vLLM has held: it would keep that adapter and not read the files
-        directory = write_adapter(self._adapter_root() / f"policy-v{version}-{self.adapters_loaded}", payload)
+        scratch = tempfile.mkdtemp(prefix=f"hybridflow-adapter-rank{self.rank}-", dir=_shared_memory())
+        directory = write_adapter(Path(scratch) / f"policy-v{version}-{self.adapters_loaded}", payload)
         request = LoRARequest(f"policy-v{version}", self.adapters_loaded, str(directory))
-        if faults.adapter_registered(version):
-            if not self.engine.llm_engine.add_lora(request):
-                raise WeightSyncError(f"vLLM refused the adapter of policy version {version} ({directory})")
-            old, self.adapter = self.adapter, request
-            if old is not None:
-                self.engine.llm_engine.remove_lora(old.lora_int_id)
-                shutil.rmtree(old.lora_path, ignore_errors=True)
+        try:
+            if faults.adapter_registered(version):
+                if not self.engine.llm_engine.add_lora(request):
+                    raise WeightSyncError(f"vLLM refused the adapter of policy version {version} ({directory})")
+                old, self.adapter = self.adapter, request
+                if old is not None:
+                    self.engine.llm_engine.remove_lora(old.lora_int_id)
+        finally:
+            # vLLM read the files into host memory at add_lora and keeps them (two adapters fit its host
+            # cache, and the old one is removed): the directory is not read again. Removed now, so a
+            # process killed without clean-up leaves nothing in /dev/shm.
+            shutil.rmtree(scratch, ignore_errors=True)
         self.expected_adapter = (version, payload["checksums"])
         reset_prefix_cache(self.engine)  # vLLM keys cached prefixes by adapter too; nothing stale stays either way
         return {**self.served_adapter(), "received_bytes": float(payload["bytes"]),
@@ -293,20 +301,6 @@ class VLLMReceiver(Receiver):
             self.engine.collective_rpc(engine_adapter_checksums, args=(self.adapter.lora_int_id,))[0]
         version, expected = self.expected_adapter
         return {"found": found, "expected": expected, "served": describe(self.adapter), "version": version}
-
-    def _adapter_root(self):
-        """This process's directory for adapters: in shared memory where the machine has it."""
-        import atexit
-        import os
-        import shutil
-        import tempfile
-        from pathlib import Path
-
-        if self._adapter_dir is None:
-            base = "/dev/shm" if os.access("/dev/shm", os.W_OK) else None
-            self._adapter_dir = tempfile.mkdtemp(prefix=f"hybridflow-adapters-rank{self.rank}-", dir=base)
-            atexit.register(shutil.rmtree, self._adapter_dir, True)
-        return Path(self._adapter_dir)
 
     def checksums(self) -> dict:
         from hybridflow.resharding.vllm_side import param_checksums
@@ -375,6 +369,14 @@ class ModuleReceiver(Receiver):
             tokens.append(out.sequences[0, len(prompt_ids):].tolist())
             log_probs += [torch.log_softmax(s[0].double(), -1)[t].cpu() for s, t in zip(out.logits, tokens[-1])]
         return tokens, torch.stack(log_probs)
+
+
+def _shared_memory() -> str | None:
+    """Where adapters are written for vLLM to read: /dev/shm where the machine has it (memory, not
+    disk), else the system's temporary directory."""
+    import os
+
+    return "/dev/shm" if os.access("/dev/shm", os.W_OK) else None
 
 
 def verify(receiver: Receiver, expected: dict[str, tuple[float, float]]) -> dict[str, float]:

@@ -91,7 +91,6 @@ class WeightSync:
         metrics = {
             "weight_sync/bytes_received_per_rank": max(r["received_bytes"] for r in per_rank),
             "weight_sync/min_bytes_per_rank": float(self.min_bytes),
-            "weight_sync/engine_bytes_per_rank": float(self.engine_bytes),
             "weight_sync/seconds": seconds,
             "weight_sync/copy_floor_ratio": seconds / max(self.floor_seconds, 1e-9),
             # where the time went, slowest rank: vLLM's load session (colocated: with the exchange
