@@ -142,8 +142,9 @@ def main() -> None:
 
         train, val = write_chat_addition(work / "data", train_rows=2000, val_rows=args.val_rows)
         inputs = {"model": real_model_dir(), "train": train, "val": val}
-    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                if line.startswith("model name")), "?")
+    from hybridflow.precision import cpu_description
+
+    cpu = cpu_description()
     report = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "cpu": cpu, "args": vars(args),
               "modes": {}}
     for mode in args.modes.split(","):

@@ -44,11 +44,23 @@ def cpu_flags() -> frozenset[str]:
     return frozenset(_cpuinfo_field("flags").split())
 
 
+SPEED_CPU_FLAGS = ("avx2", "avx512f", *BF16_CPU_FLAGS)  # the instruction sets that decide a CPU's matmul speed
+
+
+def cpu_model_name() -> str:
+    """This CPU's model name (/proc/cpuinfo), or "unknown CPU"."""
+    return _cpuinfo_field("model name") or "unknown CPU"
+
+
+def cpu_speed_flags() -> tuple[str, ...]:
+    """Which of SPEED_CPU_FLAGS this CPU has, in that order."""
+    return tuple(f for f in SPEED_CPU_FLAGS if f in cpu_flags())
+
+
 def cpu_description() -> str:
     """This CPU's model name and the instruction sets that decide its matmul speed, for benchmark
     tables: "AMD EPYC (avx2, avx512f, avx512_bf16)"."""
-    have = [f for f in ("avx2", "avx512f", *BF16_CPU_FLAGS) if f in cpu_flags()]
-    return f"{_cpuinfo_field('model name') or 'unknown CPU'} ({', '.join(have) or 'no AVX2'})"
+    return f"{cpu_model_name()} ({', '.join(cpu_speed_flags()) or 'no AVX2'})"
 
 
 def device_of(placement_device: str) -> str:

@@ -853,8 +853,9 @@ class HybridFlowConfig:
         _require(self.weight_sync.lora != "adapter" or self.actor.lora.rank > 0, "weight_sync.lora",
                  self.weight_sync.lora, "serves a LoRA adapter, and actor.lora.rank is 0: set actor.lora.rank, or "
                  "weight_sync.lora=auto")
-        _require(self.weight_sync.lora != "adapter" or not self._adapter_unserved(), "weight_sync.lora",
-                 self.weight_sync.lora, f"{self._adapter_unserved()}: set weight_sync.lora=folded (or auto, which "
+        unserved = self._adapter_unserved() if self.weight_sync.lora == "adapter" else ""
+        _require(not unserved, "weight_sync.lora",
+                 self.weight_sync.lora, f"{unserved}: set weight_sync.lora=folded (or auto, which "
                  "chooses it here)")
         if recipe_spec(self.recipe.name).pipeline:
             return  # its stages compose their own configs, each checked by these rules (recipes/pipeline.py)

@@ -41,14 +41,13 @@ from hybridflow.planning.cost import STAGES, Rates
 
 IDENTITY_VAR = "HYBRIDFLOW_DEVICE_IDENTITY"
 REFIT_ERROR = 0.25  # a measured step further than this from its prediction refits the cached rates
-CPU_FEATURES = ("avx2", "avx512f", "avx512_bf16", "amx_bf16")  # the instruction sets that move a CPU's rates
 
 
 @dataclass(frozen=True)
 class DeviceIdentity:
     kind: str  # cpu | cuda
     name: str  # the CPU's model name or the GPU's
-    features: tuple[str, ...] = ()  # a CPU's instruction sets among CPU_FEATURES
+    features: tuple[str, ...] = ()  # a CPU's instruction sets among precision.SPEED_CPU_FLAGS
     size: int = 0  # a CPU's cores (this process may use), a GPU's memory in GiB
 
     @property
@@ -73,17 +72,9 @@ def this_device(kind: str) -> DeviceIdentity:
             return DeviceIdentity("cuda", override or "unknown GPU")
         props = torch.cuda.get_device_properties(0)
         return DeviceIdentity("cuda", props.name, (), round(props.total_memory / 2 ** 30))
-    name, flags = "unknown CPU", set()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name") and name == "unknown CPU":
-                name = line.split(":", 1)[1].strip()
-            elif line.startswith("flags") and not flags:
-                flags = set(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return DeviceIdentity("cpu", override or name, tuple(f for f in CPU_FEATURES if f in flags),
-                          len(os.sched_getaffinity(0)))
+    from hybridflow.precision import cpu_model_name, cpu_speed_flags
+
+    return DeviceIdentity("cpu", override or cpu_model_name(), cpu_speed_flags(), len(os.sched_getaffinity(0)))
 
 
 def _xeon_2core(device: DeviceIdentity) -> bool:

@@ -42,6 +42,7 @@ from pathlib import Path
 import torch
 
 from hybridflow.resharding.verify import WeightSyncError, checksum
+from hybridflow.resharding.weights import full_tensor
 
 # vLLM's max_lora_rank takes these values only (vllm.config.lora.MaxLoRARanks)
 VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
@@ -85,7 +86,8 @@ def adapter_payload(model: torch.nn.Module, rank: int, dtype: str) -> dict | Non
     target = getattr(torch, dtype)
     tensors, sums, config = {}, {}, None
     for name, module in lora_modules(model):
-        a, b = (_full(module.lora_A["default"].weight), _full(module.lora_B["default"].weight))
+        a = full_tensor(module.lora_A["default"].weight.detach())
+        b = full_tensor(module.lora_B["default"].weight.detach())
         if rank != 0:
             continue
         scale = float(module.scaling["default"])
@@ -104,11 +106,6 @@ def adapter_payload(model: torch.nn.Module, rank: int, dtype: str) -> dict | Non
                               "weight_sync.lora=folded or give actor.lora.rank")
     return {"tensors": tensors, "config": config, "checksums": sums,
             "bytes": sum(t.numel() * t.element_size() for t in tensors.values())}
-
-
-def _full(t: torch.Tensor) -> torch.Tensor:
-    t = t.detach()
-    return t.full_tensor() if hasattr(t, "full_tensor") else t
 
 
 def _adapter_config(model: torch.nn.Module, r: int) -> dict:

@@ -37,7 +37,7 @@ def local_shard(param: torch.Tensor) -> torch.Tensor:
     return t.to_local() if hasattr(t, "to_local") else t
 
 
-def _full(t: torch.Tensor) -> torch.Tensor:
+def full_tensor(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor() if hasattr(t, "full_tensor") else t
 
 
@@ -59,10 +59,10 @@ def full_weights(model: torch.nn.Module, dtype: torch.dtype | None = None) -> It
     for name, param in params.items():
         if peft and LORA_SUFFIX.search(name):
             continue  # folded into its base weight below
-        tensor = _full(param.detach())
+        tensor = full_tensor(param.detach())
         if peft and ".base_layer.weight" in name:
             module_path = name[: -len(".base_layer.weight")]
-            lora_a = _full(params[f"{module_path}.lora_A.default.weight"].detach())
-            lora_b = _full(params[f"{module_path}.lora_B.default.weight"].detach())
+            lora_a = full_tensor(params[f"{module_path}.lora_A.default.weight"].detach())
+            lora_b = full_tensor(params[f"{module_path}.lora_B.default.weight"].detach())
             tensor = tensor.float() + _lora_scale(model, module_path) * (lora_b.float() @ lora_a.float())
         yield checkpoint_name(name, peft), tensor.to(dtype) if dtype is not None else tensor

@@ -73,21 +73,26 @@ class Colocated(Transport):
         (`timing/<phase>_s`) and, on GPUs, its device memory peak read from the actor's process
         (`memory/device_peak_<phase>_gib`, the engine shares it): `handover_seconds`."""
         self.handover = {}
-        self._phase("offload", actor.offload, actor)
-        self._phase("engine_wake", lambda: rollout.wake_up(["weights", "kv_cache"]), actor)
+        on_device = self._phase("offload", actor.offload, actor)  # False on the CPU: nothing moves, nothing is read
+        self._phase("engine_wake", lambda: rollout.wake_up(["weights", "kv_cache"]), actor, on_device)
         yield
-        self._phase("generate", lambda: False, actor)  # generation's own peak, read after it
-        self._phase("engine_sleep", rollout.sleep, actor)
-        self._phase("reload", actor.reload, actor)
+        self._phase("generate", lambda: False, actor, on_device)  # generation's own peak, read after it
+        self._phase("engine_sleep", rollout.sleep, actor, on_device)
+        self._phase("reload", actor.reload, actor, on_device)
 
-    def _phase(self, phase: str, call, actor) -> None:
+    def _phase(self, phase: str, call, actor, read_peak: bool = False) -> bool:
+        """Run one phase; time it if it moved something, and read its device peak (the next phase's
+        starts then) if it moved something or `read_peak`. Returns whether it moved something."""
         start = time.perf_counter()
-        moved = call()
-        if any(moved if isinstance(moved, list) else [moved]):
+        result = call()
+        moved = any(result if isinstance(result, list) else [result])
+        if moved:
             self.handover[f"timing/{phase}_s"] = time.perf_counter() - start
-        peaks = [p for p in actor.device_peak_bytes() if p is not None]  # and the next phase's starts now
-        if peaks:
-            self.handover[f"memory/device_peak_{phase}_gib"] = max(peaks) / 2 ** 30
+        if moved or read_peak:
+            peaks = [p for p in actor.device_peak_bytes() if p is not None]
+            if peaks:
+                self.handover[f"memory/device_peak_{phase}_gib"] = max(peaks) / 2 ** 30
+        return moved
 
     # ---- sending route ------------------------------------------------------------------------
     def check_plan(self, sender) -> None:
