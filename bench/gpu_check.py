@@ -21,7 +21,12 @@ FSDP2's mixed precision, which needs FSDP2 even on one rank: float32 on one rank
    of TP 2 holds of a column-parallel layer), in float32 and bfloat16; checked tensor by tensor
    and by a log-prob probe; seconds against a device-to-device copy of the same bytes.
 
-4. per `--sizes` entry (Qwen2.5-0.5B / -1.5B shapes, random weights, tied embeddings): one
+4. per `--handover` entry (the shapes and batch of part 5): the colocated hand-over through the
+   transport's own sequence (`Colocated.sync_calls`, `Colocated.generating`) with the actor and
+   `PlainEngine`, a stand-in holding `--share` of the GPU as vLLM does (weights and KV cache, level-1
+   sleep): one step (generate, log-probs, update, sync, generate), each phase's device peak beside the
+   GPU memory model's floor of that phase (`hybridflow.memory_budget.gpu_phase_terms`);
+5. per `--sizes` entry (Qwen2.5-0.5B / -1.5B shapes, random weights, tied embeddings): one
    GRPO-shaped batch (128 rows, prompts left-padded to 256 tokens with real lengths uniform in
    64-256, responses right-padded to 512 with real lengths uniform in 64-512), the actor as a run
    builds it (FSDP2, bf16 compute over float32 masters, 16 rows per micro-batch, no activation
@@ -231,13 +236,15 @@ def _fsdp_policy(model):
     return state()._mp_policy if state is not None else None
 
 
-# ---- 4. the actor beside a plain loop ---------------------------------------------------------
+# ---- 5. the actor beside a plain loop ---------------------------------------------------------
 
 SIZES = {  # Qwen2.5 shapes; "tiny" is the dry run's
     "0.5b": dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
                  num_key_value_heads=2, vocab_size=151936),
     "1.5b": dict(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12,
                  num_key_value_heads=2, vocab_size=151936),
+    "3b": dict(hidden_size=2048, intermediate_size=11008, num_hidden_layers=36, num_attention_heads=16,
+               num_key_value_heads=2, vocab_size=151936),
     "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                  num_key_value_heads=2, vocab_size=512),
 }
@@ -523,6 +530,170 @@ def check_speed(root: Path, size: str, device: str, dtype: str, shape: dict, rep
     return result
 
 
+class PlainEngine:
+    """The colocated engine's stand-in on the device (the GPU machines have no vLLM), with vLLM's
+    level-1 sleep contract (`VLLMRollout.sleep` / `wake_up(parts)`): its weights, a plain transformers
+    module in the rollout dtype that the weight sync loads (`ModuleReceiver`), and its KV cache, one
+    block that fills the rest of its share of the GPU as vLLM's start-up profiling does. Asleep, the
+    weights are on the host and the KV cache is freed. On the CPU nothing sleeps (as vLLM's CPU backend)."""
+
+    SLEEPING_PARTS = ("weights", "kv_cache")
+
+    def __init__(self, model_dir: Path, dtype: str, share: float, device: str) -> None:
+        from transformers import AutoModelForCausalLM
+
+        from hybridflow.resharding.receiver import ModuleReceiver
+
+        self.device = device
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype)).to(device).eval()
+        self.weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+        total = gpu_bytes(device) if device == "cuda" else 0
+        self.kv_bytes = max(2 ** 20, int(share * total) - self.weight_bytes)
+        self.receiver = ModuleReceiver(model, pad_token_id=0)
+        self.kv_cache = torch.empty(self.kv_bytes, dtype=torch.uint8, device=device)
+        self.sleeping: set[str] = set()
+
+    def sleep(self) -> bool:
+        if self.device != "cuda" or self.sleeping:
+            return False
+        self.receiver.model.to("cpu")
+        self.kv_cache = None
+        torch.cuda.empty_cache()  # vLLM unmaps its memory; the caching allocator would keep it otherwise
+        self.sleeping = set(self.SLEEPING_PARTS)
+        return True
+
+    def wake_up(self, parts: list[str] | None = None) -> bool:
+        wanted = [p for p in (parts or self.SLEEPING_PARTS) if p in self.sleeping]
+        if "weights" in wanted:
+            self.receiver.model.to(self.device)
+        if "kv_cache" in wanted:
+            self.kv_cache = torch.empty(self.kv_bytes, dtype=torch.uint8, device=self.device)
+        self.sleeping -= set(wanted)
+        return bool(wanted)
+
+    def generate(self) -> tuple:
+        from hybridflow.resharding.verify import PROBE_NEW_TOKENS, PROBE_PROMPTS
+
+        assert not self.sleeping, f"generating with {sorted(self.sleeping)} asleep"
+        return self.receiver.probe(PROBE_PROMPTS, PROBE_NEW_TOKENS)
+
+
+class OneRankGroup:
+    """The transport's view of the in-process actor: a worker group of one rank (a result per rank;
+    `send_weights.remote()` runs the call, there is no Ray here)."""
+
+    def __init__(self, actor) -> None:
+        from types import SimpleNamespace
+
+        self.actor = actor
+        self.send_weights = SimpleNamespace(remote=actor.send_weights)
+
+    def offload(self) -> list:
+        return [self.actor.offload()]
+
+    def reload(self) -> list:
+        return [self.actor.reload()]
+
+    def device_peak_bytes(self) -> list:
+        return [self.actor.device_peak_bytes()]
+
+
+GPU_FRACTION = [1.0]  # --gpu-gib: the share of the device the allocator may use
+
+
+def gpu_bytes(device: str) -> int:
+    """The GPU's memory as the run sees it: `torch.cuda.set_per_process_memory_fraction`'s cap (`--gpu-gib`)
+    where set, else the device's (80 GiB on the CPU, the GPU model's worked example)."""
+    if device != "cuda":
+        return 80 * 2 ** 30
+    return int(torch.cuda.get_device_properties(0).total_memory * GPU_FRACTION[0])
+
+
+
+
+def check_handover(root: Path, size: str, device: str, dtype: str, shape: dict, share: float) -> dict:
+    """The colocated hand-over through the transport's own sequence (`Colocated.sync_calls` and
+    `Colocated.generating`): the actor as a run builds it and `PlainEngine` with `share` of the GPU, one
+    GRPO-shaped step (generate, log-probs, update, sync, generate), each phase's device peak against
+    the GPU memory model's floor of that phase (`memory_budget.gpu_phase_terms`). Two updates between
+    the generations: the second is a steady step's (AdamW's moments exist from the first)."""
+    from dataclasses import replace
+
+    from hybridflow.config.schema import (ActorConfig, DeviceKind, Dtype, HybridFlowConfig, ModelConfig, OptimConfig,
+                                          PoolConfig, RolloutConfig)
+    from hybridflow.controller import WorkerContext
+    from hybridflow.controller.memory import phase_peak_bytes
+    from hybridflow.memory_budget import GIB, ModelShape, gpu_phase_terms
+    from hybridflow.resharding.layout import buckets, numel
+    from hybridflow.resharding.receiver import register_local
+    from hybridflow.resharding.sender import SyncPlan
+    from hybridflow.resharding.transports import Colocated
+    from hybridflow.resharding.weights import checkpoint_shapes
+    from recipes.roles import actor_role
+
+    model_dir = sized_model_dir(root, size, device)
+    config = HybridFlowConfig(model=ModelConfig(dtype=Dtype(dtype), master_dtype=Dtype.float32),
+                              actor=ActorConfig(optim=OptimConfig(lr=1e-6), samples_per_micro_batch=shape["micro"],
+                                                gradient_checkpointing=False, policy_loss="ppo_clip"),
+                              rollout=RolloutConfig(dtype=Dtype(dtype), gpu_memory_utilization=share))
+    actor = actor_role(config, model_dir).build(WorkerContext(device=device, backend="nccl" if device == "cuda"
+                                                              else "gloo"))
+    phase_peak_bytes()  # what came before is not this part's
+    actor.start()
+    engine = PlainEngine(model_dir, dtype, share, device)
+    peaks = {"start": phase_peak_bytes()}
+    group, transport = OneRankGroup(actor), Colocated()
+    shapes = checkpoint_shapes(engine.receiver.model)
+    size_bytes = torch.empty((), dtype=getattr(torch, dtype)).element_size()
+    bucket_bytes = int(config.weight_sync.bucket_mb * 2 ** 20)
+    plan = SyncPlan(transport, dtype, bucket_bytes, 60.0, [engine.receiver.needed_boxes(shapes)],
+                    buckets=buckets(list(shapes), {n: numel(s) * size_bytes for n, s in shapes.items()}, bucket_bytes),
+                    shapes=shapes)
+    register_local(actor.ctx.group_name, engine.receiver)
+    actor.setup_weight_sender(plan)
+    batch = grpo_batch(shape, vocab=min(SIZES[size]["vocab_size"], 500))
+    out: dict = {"size": size, "share": share, "gpu_gib": gpu_bytes(device) / GIB, "rows_per_micro_batch": shape["micro"], "engine_weight_gib": engine.weight_bytes / GIB,
+                 "engine_kv_cache_gib": engine.kv_bytes / GIB}
+    with transport.generating(group, engine):  # the first step's generation: the engine awake since its start
+        engine.generate()
+    out["first_generation"] = dict(transport.handover)
+    phase_peak_bytes()
+    trained = batch.union(actor.compute_log_probs(batch).select(["old_log_probs"]))
+    actor.update_policy(trained)
+    phase_peak_bytes()
+    stats = actor.update_policy(trained)
+    peaks["training"] = phase_peak_bytes()
+    sent = transport.sync_calls(group, engine)[0]  # the engine's weights wake alone, the actor sends
+    peaks["weight sync"] = sent.get("device_peak_bytes")
+    with transport.generating(group, engine):
+        tokens, engine_lp = engine.generate()
+    out["second_generation"] = dict(transport.handover)
+    peaks["generation"] = (transport.handover.get("memory/device_peak_generate_gib", 0) * GIB) or None
+    if device == "cuda":
+        from hybridflow.resharding.verify import PROBE_PROMPTS
+
+        out["probe_log_prob_gap_after_sync"] = float((engine_lp - actor.probe_log_probs(PROBE_PROMPTS, tokens)).abs().max())
+    out["policy_loss"], out["sync_received_bytes"] = stats["actor/loss"], sent.get("received_bytes")
+    gpu = gpu_bytes(device)
+    sized = replace(config, model=replace(config.model, path=str(model_dir)),
+                    data=replace(config.data, max_prompt_tokens=shape["prompt_width"]),
+                    rollout=replace(config.rollout, max_response_tokens=shape["response_width"]),
+                    placement=replace(config.placement, device=DeviceKind.cuda,  # the GPU model, also in the dry run
+                                      pools={"global": PoolConfig(devices_per_node=1)}))
+    model = gpu_phase_terms(sized, ModelShape.from_dir(model_dir), {"actor", "rollout"}, gpu)
+    out["phases"] = {}
+    for phase, terms in model.items():
+        floor = sum(terms.values()) / GIB
+        row = {"floor_gib": round(floor, 3), "terms_gib": {k: round(v / GIB, 3) for k, v in terms.items()}}
+        if peaks.get(phase) is not None:
+            row["peak_gib"] = round(peaks[phase] / GIB, 3)
+            row["peak_over_floor"] = round(peaks[phase] / GIB / floor, 3)
+        out["phases"][phase] = row
+    actor = engine = group = None
+    free_device_memory(device)
+    return out
+
+
 def check_packed_attention(device: str, dtype: str) -> dict:
     """`hybridflow.training.packing.packed_attention` against a dense block-diagonal causal mask on
     random tensors (3 sequences, GQA), forward and backward; which kernel served it (PyTorch's
@@ -588,16 +759,24 @@ def main() -> None:
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="bfloat16",
                         help="model.dtype, the compute dtype over float32 master weights")
     parser.add_argument("--dry-run", action="store_true", help="--device cpu, the tiny shapes, one sync")
-    parser.add_argument("--skip-engine", action="store_true", help="only the speed part")
+    parser.add_argument("--skip-engine", action="store_true", help="parts 1-3 skipped")
     parser.add_argument("--no-cudnn-attention", action="store_true",
                         help="a diagnosis: scaled_dot_product_attention without its cuDNN backend")
     parser.add_argument("--diagnose", action="store_true",
                         help="also our pass and update (padded and packed) with the vocabulary in one chunk")
+    parser.add_argument("--handover", default="0.5b,1.5b", help="the colocated hand-over's model sizes "
+                        "(comma-separated; '' skips it)")
+    parser.add_argument("--share", type=float, default=0.4, help="the stand-in engine's rollout.gpu_memory_utilization")
+    parser.add_argument("--handover-micro", type=int, default=0, help="the hand-over's rows per micro-batch "
+                        "(0: part 5's)")
+    parser.add_argument("--gpu-gib", type=float, default=0.0, help="cap the allocator at this many GiB "
+                        "(torch.cuda.set_per_process_memory_fraction): a smaller GPU on a larger one")
     parser.add_argument("--out", default="")
     args = parser.parse_args()
     shape = GRPO_SHAPE
     if args.dry_run:
         args.device, args.model, args.sizes, args.syncs, args.repeats, shape = "cpu", "tiny", "tiny", 1, 1, DRY_SHAPE
+        args.handover = "tiny"
 
     import torch.distributed as dist
 
@@ -606,6 +785,9 @@ def main() -> None:
     os.environ.setdefault("MASTER_PORT", "29533")
     if args.device == "cuda":
         torch.cuda.set_device(0)
+        if args.gpu_gib:
+            GPU_FRACTION[0] = min(1.0, args.gpu_gib * 2 ** 30 / torch.cuda.get_device_properties(0).total_memory)
+            torch.cuda.set_per_process_memory_fraction(GPU_FRACTION[0])
         if args.no_cudnn_attention:
             torch.backends.cuda.enable_cudnn_sdp(False)
     dist.init_process_group(backend, rank=0, world_size=1)
@@ -621,6 +803,10 @@ def main() -> None:
             report.data["varlen_kernel_disabled_after_its_error"] = True
         if not args.skip_engine:
             engine_checks(report, Path(tmp), args)
+        handover_shape = dict(shape, micro=args.handover_micro or shape["micro"])
+        for size in filter(None, args.handover.split(",")):
+            report.add(f"handover_{size}", lambda: check_handover(Path(tmp), size, args.device, args.dtype,
+                                                                  handover_shape, args.share))
         for size in filter(None, args.sizes.split(",")):
             report.add(f"speed_{size}", lambda: check_speed(Path(tmp), size, args.device, args.dtype, shape,
                                                             args.repeats, args.diagnose))

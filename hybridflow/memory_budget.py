@@ -19,16 +19,20 @@ bounds, so a refused run cannot fit; one that passes may still need more (the up
 weight sync's transient buffers, allocator slack).
 
 On GPUs (`gpu_memory_bytes`: `placement.gpu_memory_gib`, else this machine's first GPU) each process
-has one GPU, and the floor has two phases. Training: the same terms, but attention keeps no
-probabilities (sdpa's flash, memory-efficient and cuDNN kernels and the packed varlen kernel never
+has one GPU, and the floor is per phase of a step (`gpu_phase_terms`), in the colocated hand-over's
+order (hybridflow/resharding/transports/colocated.py). Training: the same terms, but attention keeps
+no probabilities (sdpa's flash, memory-efficient and cuDNN kernels and the packed varlen kernel never
 store the sequence x sequence matrix), and a colocated engine sleeps (its weights on the host, its KV
 cache freed) so it holds nothing; the host runtime is not GPU memory. Checked against
 `torch.cuda.max_memory_allocated` on an H200 (bench/gpu_check.py, docs/performance.md "A GPU memory
 model"): Qwen2.5-0.5B and -1.5B shapes, 16 rows of 256 + 512 tokens, floor 28.1 and 61.3 GiB, peaks
-32.0-34.4 and 65.6-69.8 GiB (1.07-1.22x). The weight sync: a colocated engine wakes whole
-(`rollout.gpu_memory_utilization` of the GPU) while the actor still holds its parameters, gradients
-and AdamW moments; a run where that sum is above the GPU is refused before start (it would run out of
-memory at its first sync, after a whole generate and update).
+32.0-34.4 and 65.6-69.8 GiB (1.07-1.22x). With a colocated vLLM engine three more: start (the training
+roles' weights loaded while the engine takes its whole `rollout.gpu_memory_utilization` share: vLLM
+refuses to start when that much is not free), the weight sync (the actor's parameters, gradients and
+AdamW moments stay while the engine's weights wake alone, its KV cache still freed, one bucket in
+flight) and generation (the actor's training state offloaded, the engine's whole share beside what
+does not offload: a reference's weights, a critic's state). A run where a phase is above the GPU is
+refused before start with that phase's arithmetic, instead of running out of memory mid-step.
 """
 
 from __future__ import annotations
@@ -251,20 +255,39 @@ def gpu_memory_bytes(config) -> int | None:
         return None
 
 
-def sync_terms(config, shape: ModelShape, gpu_bytes: int) -> dict[str, float]:
-    """GPU bytes per process of the actor's pool while a colocated engine is awake for the weight
-    sync: the actor's parameters, gradients and AdamW moments (nothing is offloaded before the
-    engine wakes) and the engine's whole share of the GPU."""
+def gpu_phase_terms(config, shape: ModelShape, roles: set[str], gpu_bytes: int) -> dict[str, dict[str, float]]:
+    """GPU bytes per process of the actor's pool in each phase of a step, term by term (floors; the
+    module docstring). "training" always; "start", "weight sync" and "generation" with a colocated vLLM
+    engine (`roles` holds the rollout)."""
+    phases = {"training": process_terms(config, shape, roles)}
+    if not ("rollout" in roles and config.rollout.backend.value == "vllm"):
+        return phases
     ranks = config.placement.world_size("actor")
-    master = DTYPE_BYTES[config.model.master_dtype.value]
+    master, compute = DTYPE_BYTES[config.model.master_dtype.value], DTYPE_BYTES[config.model.dtype.value]
     p = shape.parameters
     trained = p if not config.actor.lora.rank else 0
-    return {"actor parameters (model.master_dtype, FSDP shard)": p * master / ranks,
-            "actor gradients (FSDP shard)": trained * master / ranks,
-            "actor AdamW moments (2 per parameter, FSDP shard)": 2 * trained * master / ranks,
-            f"vLLM awake: weights, KV cache and activations (rollout.gpu_memory_utilization="
-            f"{config.rollout.gpu_memory_utilization} of {gpu_bytes / GIB:.1f} GiB)":
-                config.rollout.gpu_memory_utilization * gpu_bytes}
+    stays, loaded = {}, {}  # what does not offload around generation (only the actor moves); what start loads
+    if "reference" in roles:
+        stays["reference weights (model.dtype, FSDP shard)"] = p * compute / ranks
+        loaded.update(stays)
+    if "critic" in roles:
+        stays["critic parameters, gradients and AdamW moments (FSDP shard)"] = 4 * p * master / ranks
+        loaded["critic parameters (FSDP shard)"] = p * master / ranks
+    share = config.rollout.gpu_memory_utilization
+    engine = {f"vLLM's share: weights, activations and KV cache (rollout.gpu_memory_utilization={share} of "
+              f"{gpu_bytes / GIB:.1f} GiB)": share * gpu_bytes}
+    actor_weights = {"actor parameters (model.master_dtype, FSDP shard)": p * master / ranks}
+    state = {**actor_weights, "actor gradients (FSDP shard)": trained * master / ranks,
+             "actor AdamW moments (2 per parameter, FSDP shard)": 2 * trained * master / ranks}
+    tp = config.rollout.tensor_parallel_size
+    phases["start"] = {**actor_weights, **loaded, **engine}
+    phases["weight sync"] = {
+        **state, **stays,
+        f"vLLM weights awake (rollout.dtype, 1/{tp} of the model; its KV cache still freed)":
+            p * DTYPE_BYTES[config.rollout.dtype.value] / tp,
+        "one bucket in flight (weight_sync.bucket_mb)": config.weight_sync.bucket_mb * 2 ** 20}
+    phases["generation"] = {**stays, **engine}
+    return phases
 
 
 def actor_pool_roles(config) -> set[str]:
@@ -322,23 +345,29 @@ def _gpu_problems(config, shape: ModelShape, roles: set[str] | None, gpu: int | 
     config, _ = resolve_micro_batches(config, gpu_bytes=gpu)
     roles = actor_pool_roles(config) if roles is None else roles
     model = f"model.path={config.model.path!r} ({shape.parameters / 1e6:.0f}M parameters, {shape.layers} layers)"
+    phases = gpu_phase_terms(config, shape, roles, gpu)
+    more = "more GPUs in the actor's pool (FSDP2 shards the parameters, gradients and AdamW moments over them)"
     problems = []
-    terms = process_terms(config, shape, roles)
-    if sum(terms.values()) > gpu:
-        problems.append(
-            f"{model} does not fit while it trains: each GPU of the actor's pool holds at least "
-            f"{sum(terms.values()) / GIB:.2f} GiB:{_lines(terms)}\n    above the GPU's {gpu / GIB:.1f} GiB. Fix: "
-            "actor.gradient_checkpointing=true, a smaller actor.samples_per_micro_batch, more GPUs in the actor's pool "
-            "(FSDP2 shards the parameters, gradients and AdamW moments over them), or model.master_dtype=bfloat16")
-    if "rollout" in roles and config.rollout.backend.value == "vllm":
-        sync = sync_terms(config, shape, gpu)
-        if sum(sync.values()) > gpu:
-            actor = sum(v for k, v in sync.items() if k.startswith("actor"))
-            most = max(0.0, (gpu - actor) / gpu)
-            problems.append(
-                f"{model} does not fit at the weight sync: the colocated vLLM engine wakes with its whole share of "
-                f"the GPU while the actor still holds its training state, at least {sum(sync.values()) / GIB:.2f} "
-                f"GiB:{_lines(sync)}\n    above the GPU's {gpu / GIB:.1f} GiB; the run would run out of memory at "
-                f"its first sync, after a whole generate and update. Fix: rollout.gpu_memory_utilization={most:.2f} "
-                "or lower, more GPUs in the actor's pool, or a rollout pool of its own (placement.roles.rollout)")
+    for phase, terms in phases.items():
+        total = sum(terms.values())
+        if total <= gpu:
+            continue
+        if phase == "training":
+            why, fix = "while it trains", (f"actor.gradient_checkpointing=true, a smaller actor.samples_per_micro_batch, "
+                                          f"{more}, or model.master_dtype=bfloat16")
+        elif phase in ("start", "generation"):
+            beside = sum(v for k, v in terms.items() if not k.startswith("vLLM"))
+            why = ("when the colocated vLLM engine starts: it takes its whole share of the GPU while the training "
+                   "roles' weights are loaded (vLLM refuses to start when that share is not free)" if phase == "start"
+                   else "while the colocated vLLM engine generates: its whole share of the GPU beside what does not "
+                   "offload (only the actor moves to the host)")
+            fix = (f"rollout.gpu_memory_utilization={max(0.0, (gpu - beside) / gpu):.2f} or lower, {more}, "
+                   "or a rollout pool of its own (placement.roles.rollout)")
+        else:
+            why = ("at the weight sync: the actor keeps its training state on the GPU while the colocated engine's "
+                   "weights wake")
+            fix = (f"{more}, a larger rollout.tensor_parallel_size (each engine rank holds 1/TP of the weights), "
+                   "model.master_dtype=bfloat16, or a rollout pool of its own (placement.roles.rollout)")
+        problems.append(f"{model} does not fit {why}: each GPU of the actor's pool holds at least {total / GIB:.2f} "
+                        f"GiB:{_lines(terms)}\n    above the GPU's {gpu / GIB:.1f} GiB. Fix: {fix}")
     return problems

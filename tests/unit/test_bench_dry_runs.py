@@ -43,7 +43,7 @@ def test_the_gpu_check_runs_on_the_cpu_without_ray_or_vllm(tmp_path):
     done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     report = json.loads(out.read_text())
-    parts = ["packed_attention", "reference_and_critic", "training", "offload", "sync", "speed_tiny"]
+    parts = ["packed_attention", "reference_and_critic", "training", "offload", "sync", "handover_tiny", "speed_tiny"]
     assert [p for p in parts if "error" in report[p]] == [], {p: report[p].get("error") for p in parts}
     assert report["training"]["first_param_changed"] and report["reference_and_critic"]["critic_values_changed"]
     assert report["offload"]["log_probs_equal_after_reload"]
@@ -51,6 +51,10 @@ def test_the_gpu_check_runs_on_the_cpu_without_ray_or_vllm(tmp_path):
     attention = report["packed_attention"]  # the packed kernel against a dense block-diagonal mask
     assert attention["kernel"] == "padded layout"  # no flash kernel on the CPU; bfloat16 tolerances (the dry run's dtype)
     assert attention["max_output_gap"] < 0.02 * attention["output_scale"] and attention["max_grad_gap"] < 0.02 * attention["grad_scale"]
+    handover = report["handover_tiny"]  # the transport's own sequence with the stand-in engine; peaks on GPUs only
+    assert list(handover["phases"]) == ["training", "start", "weight sync", "generation"]
+    assert handover["phases"]["start"]["floor_gib"] == handover["phases"]["generation"]["floor_gib"] == 0.4 * 80
+    assert handover["policy_loss"] == handover["policy_loss"]  # a number: the step between the syncs trained
     speed = report["speed_tiny"]
     for side in ("ours", "ours_packed", "plain"):
         assert speed[side]["log_prob_pass_s"] > 0 and speed[side]["update_s"] > 0

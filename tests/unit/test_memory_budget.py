@@ -29,9 +29,13 @@ PINNED = ["model.dtype=bfloat16", "rollout.dtype=float32"]
 
 
 def qwen05_shapes() -> dict[str, list[int]]:
-    h, i, v, kv = 896, 4864, 151936, 128
-    shapes = {"model.embed_tokens.weight": [v, h], "model.norm.weight": [h]}
-    for layer in range(24):
+    return qwen2_shapes(896, 4864, 151936, 2 * 64, 24, tied=True)
+
+
+def qwen2_shapes(h: int, i: int, v: int, kv: int, layers: int, tied: bool) -> dict[str, list[int]]:
+    """A Qwen2 checkpoint's tensor names and shapes (`kv`: key/value heads x head size)."""
+    shapes = {"model.embed_tokens.weight": [v, h], "model.norm.weight": [h], **({} if tied else {"lm_head.weight": [v, h]})}
+    for layer in range(layers):
         p = f"model.layers.{layer}."
         shapes.update({p + "self_attn.q_proj.weight": [h, h], p + "self_attn.q_proj.bias": [h],
                        p + "self_attn.k_proj.weight": [kv, h], p + "self_attn.k_proj.bias": [kv],
@@ -42,14 +46,16 @@ def qwen05_shapes() -> dict[str, list[int]]:
     return shapes
 
 
-def header_only_model(directory: Path, tokenizer_dir: Path) -> Path:
-    """A model directory whose safetensors file has Qwen2.5-0.5B's header and no data: enough for
-    every check before start (which reads headers only), 2 GB smaller than the real thing."""
+def header_only_model(directory: Path, tokenizer_dir: Path, config: dict | None = None,
+                      shapes: dict[str, list[int]] | None = None) -> Path:
+    """A model directory whose safetensors file has Qwen2.5-0.5B's header (or `config` and `shapes`'s) and no
+    data: enough for every check before start (which reads headers only), 2 GB smaller than the real thing."""
     directory.mkdir(parents=True)
+    config = config or {"tie_word_embeddings": True, **QWEN05}
     (directory / "config.json").write_text(json.dumps({"model_type": "qwen2", "architectures": ["Qwen2ForCausalLM"],
-                                                       "tie_word_embeddings": True, **QWEN05}))
+                                                       **config}))
     header = json.dumps({n: {"dtype": "F32", "shape": s, "data_offsets": [0, 0]}
-                         for n, s in qwen05_shapes().items()}).encode()
+                         for n, s in (shapes or qwen05_shapes()).items()}).encode()
     (directory / "model.safetensors").write_bytes(struct.pack("<Q", len(header)) + header)
     for f in tokenizer_dir.iterdir():
         if f.name.startswith(("tokenizer", "special_tokens", "chat_template")):
@@ -243,16 +249,92 @@ def test_on_a_gpu_the_micro_batch_is_chosen_from_its_memory(tmp_path, monkeypatc
     assert (told.rows, told.gradient_checkpointing) == (12, False)
 
 
-def test_a_colocated_weight_sync_that_cannot_fit_a_gpu_is_refused_with_the_arithmetic(tmp_path, tiny_model_dir):
-    """0.5B on a 12 GiB GPU: the actor's parameters, gradients and AdamW moments 7.36 GiB stay while the engine
-    wakes with 0.5 x 12 = 6 GiB: 13.4 GiB. At most (12 - 7.36) / 12 = 0.39 of the GPU is left for the engine."""
+def test_on_a_gpu_each_phase_of_the_colocated_hand_over_is_checked_with_its_arithmetic(tmp_path, tiny_model_dir):
+    """0.5B on a 12 GiB GPU with a colocated engine (share 0.5): start 494M x 4 B = 1.84 GiB of actor weights
+    beside the engine's 0.5 x 12 = 6 GiB; the weight sync the actor's parameters, gradients and AdamW moments
+    7.36 GiB beside the engine's weights alone (494M x 2 B = 0.92 GiB, its KV cache still freed) and a 64 MiB
+    bucket: 8.34 GiB; generation the engine's 6 GiB alone (the actor offloaded). All fit, although the
+    sync of the order before (the engine woken whole beside the training state: 13.4 GiB) did not. A share
+    of 0.9 cannot start: 1.84 + 10.8 = 12.64 GiB; (12 - 1.84) / 12 = 0.85 is the most that starts."""
+    from hybridflow.memory_budget import actor_pool_roles, gpu_phase_terms
+
     model = header_only_model(tmp_path / "qwen05", tiny_model_dir)
     base = ["model=local_hf", f"model.path={model}", *GPU[2:], "placement.pools.global.devices_per_node=1"]
-    problems = memory_problems(compose(base), gpu_bytes=12 * GIB)
-    assert len(problems) == 1 and "does not fit at the weight sync" in problems[0], problems
-    assert "13.36 GiB" in problems[0] and "rollout.gpu_memory_utilization=0.39 or lower" in problems[0]
-    assert memory_problems(compose([*base, "rollout.gpu_memory_utilization=0.35"]), gpu_bytes=12 * GIB) == []
-    own_pool = [*base, "+placement.pools.gen={devices_per_node:1}", "placement.roles.rollout=gen"]
-    assert memory_problems(compose(own_pool), gpu_bytes=12 * GIB) == []  # nothing wakes beside the actor
+    config = resolve_micro_batches(compose(base), gpu_bytes=12 * GIB)[0]
+    phases = {k: sum(v.values()) / GIB for k, v in gpu_phase_terms(config, QWEN05_SHAPE, actor_pool_roles(config),
+                                                                   12 * GIB).items()}
+    assert list(phases) == ["training", "start", "weight sync", "generation"]
+    assert (round(phases["start"], 2), round(phases["weight sync"], 2), phases["generation"]) == (7.84, 8.34, 6.0)
+    assert memory_problems(compose(base), gpu_bytes=12 * GIB) == []
+    problems = memory_problems(compose([*base, "rollout.gpu_memory_utilization=0.9"]), gpu_bytes=12 * GIB)
+    assert len(problems) == 1 and "does not fit when the colocated vLLM engine starts" in problems[0], problems
+    assert "12.64 GiB" in problems[0] and "rollout.gpu_memory_utilization=0.85 or lower" in problems[0]
+    own_pool = [*base, "rollout.gpu_memory_utilization=0.9", "+placement.pools.gen={devices_per_node:1}",
+                "placement.roles.rollout=gen"]
+    assert memory_problems(compose(own_pool), gpu_bytes=12 * GIB) == []  # no engine beside the actor
     training = memory_problems(compose(base), gpu_bytes=6 * GIB)
     assert "does not fit while it trains" in training[0] and "more GPUs in the actor's pool" in training[0]
+
+
+# Qwen2.5-14B's shapes (untied embeddings): 14,770,033,664 parameters
+QWEN14 = {"vocab_size": 152064, "hidden_size": 5120, "intermediate_size": 13824, "num_hidden_layers": 48,
+          "num_attention_heads": 40, "num_key_value_heads": 8, "tie_word_embeddings": False}
+
+
+def qwen14_model(directory: Path, tokenizer_dir: Path) -> Path:
+    return header_only_model(directory, tokenizer_dir, QWEN14, qwen2_shapes(5120, 13824, 152064, 8 * 128, 48, tied=False))
+
+
+def test_a_weight_sync_that_cannot_fit_an_80_gib_gpu_is_refused_with_the_arithmetic(tmp_path, tiny_model_dir):
+    """Qwen2.5-14B on 4 GPUs of 80 GiB, the engine colocated at TP 1: each GPU keeps its quarter of the
+    float32 parameters, gradients and AdamW moments (14.77B x 16 B / 4 = 55.0 GiB) while the engine's whole
+    bfloat16 copy wakes (27.5 GiB), with a 64 MiB bucket: 82.60 GiB. Training fits (55.0 + 5.8 of gathered
+    embeddings and their gradient + one checkpointed row), and so does the engine at TP 4 (6.9 GiB a rank)."""
+    model = qwen14_model(tmp_path / "qwen14", tiny_model_dir)
+    base = ["model=local_hf", f"model.path={model}", *GPU[2:], "placement.pools.global.devices_per_node=4",
+            "placement.gpu_memory_gib=80"]
+    problems = memory_problems(compose(base))
+    assert len(problems) == 1 and "does not fit at the weight sync" in problems[0], problems
+    assert "82.60 GiB" in problems[0] and "27.51 GiB  vLLM weights awake (rollout.dtype, 1/1 of the model" in problems[0]
+    assert "a larger rollout.tensor_parallel_size" in problems[0]
+    assert memory_problems(compose([*base, "rollout.tensor_parallel_size=4"])) == []
+
+
+def test_a_gpu_run_whose_weight_sync_cannot_fit_is_refused_before_ray_starts(tmp_path, tiny_model_dir):
+    """The same 14B run from the command line: status 2 with the arithmetic, before Ray or any worker starts."""
+    model = qwen14_model(tmp_path / "qwen14", tiny_model_dir)
+    output_root = tmp_path / "runs"
+    cmd = [str(Path(sys.executable).parent / "hybridflow"), "recipe=grpo", "model=local_hf", f"model.path={model}", *GPU[2:],
+           "placement.pools.global.devices_per_node=4", "placement.gpu_memory_gib=80",
+           f"logger.output_root={output_root}", "logger.run_name=big"]
+    start = time.perf_counter()
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=ROOT)
+    elapsed_s = time.perf_counter() - start
+    assert result.returncode == 2, result.stdout[-3000:] + result.stderr[-3000:]
+    assert "does not fit at the weight sync" in result.stderr and "82.60 GiB" in result.stderr, result.stderr[-3000:]
+    assert elapsed_s <= 10.0, f"refused after {elapsed_s:.1f} s"
+    assert not output_root.exists()  # nothing was made
+
+
+@pytest.mark.parametrize("report", ["gpu_handover_h200.json", "gpu_handover_3b_80gib_h200.json"])
+def test_each_phase_floor_is_below_its_h200_peak_within_one_and_a_half_times(report):
+    """bench/gpu_check.py part 4 on one NVIDIA H200 (docs/resharding.md "The colocated hand-over on GPUs"):
+    the colocated hand-over through the transport's own sequence, each phase's measured peak at or above
+    the floor the model gives today for the bench's config, and at most 1.5x it."""
+    from hybridflow.memory_budget import gpu_phase_terms
+
+    sizes = {"0.5b": QWEN05_SHAPE, "1.5b": QWEN15_SHAPE,
+             "3b": ModelShape(parameters=3_085_938_688, layers=36, hidden=2048, intermediate=11008, heads=16,
+                              vocab=151936)}
+    measured = json.loads((ROOT / "docs" / report).read_text())
+    parts = [v for k, v in measured.items() if k.startswith("handover_")]
+    assert parts
+    for part in parts:
+        config = compose([*GPU, "placement.pools.global.devices_per_node=1", "rollout.dtype=bfloat16",
+                          f"actor.samples_per_micro_batch={part['rows_per_micro_batch']}",
+                          "actor.gradient_checkpointing=false", f"rollout.gpu_memory_utilization={part['share']}"])
+        floors = gpu_phase_terms(config, sizes[part["size"]], {"actor", "rollout"}, int(part["gpu_gib"] * GIB))
+        for phase, row in part["phases"].items():
+            floor = sum(floors[phase].values()) / GIB
+            assert floor == pytest.approx(row["floor_gib"], abs=0.01), (part["size"], phase)
+            assert floor <= row["peak_gib"] <= 1.5 * floor, (part["size"], phase, floor, row["peak_gib"])
