@@ -49,7 +49,7 @@ from hybridflow.runner import (
     validation_due,
 )
 from hybridflow.training.hooks import StepHooks
-from hybridflow.training.sequences import loss_mask
+from hybridflow.training.sequences import balanced_over_ranks, loss_mask
 from recipes.roles import actor_role, critic_role, reference_role, reward_role, rollout_role
 
 
@@ -83,7 +83,7 @@ def run(config: HybridFlowConfig, run_dir: Path) -> dict:
             kl_ctl.update(algo_metrics.get("kl/penalty_mean", 0.0), n_steps=len(samples))
         actor_learns = step > t.critic_warmup_steps
         with timer("update"):
-            update_metrics = update(r, step, samples, actor_learns)
+            update_metrics = update(r, step, balanced(r, samples), actor_learns)
         sync_metrics = rollouts.updated(step, learned=actor_learns,  # with the step's timing/weight_sync_s
                                         reloaded=r.hooks.reloaded_weights(step))
         metrics = step_metrics(r, samples, trained_version, rollouts.stale, actor_learns, {
@@ -270,6 +270,13 @@ def score(r: Step, samples: Batch, greedy: Batch | None) -> Batch:
     if baseline is not None:  # each prompt's greedy reward, beside each of its n samples
         samples.tensors["baseline_rewards"] = baseline.get()["sequence_rewards"].repeat_interleave(r.n)
     return samples
+
+
+def balanced(r: Step, samples: Batch) -> Batch:
+    """The samples reordered so each of the actor's data-parallel ranks trains about as many tokens
+    (trainer.balance_batch); advantages go by group id, not position, so nothing else changes."""
+    ranks = r.actor.world_size // r.actor.replica_size
+    return balanced_over_ranks(samples, ranks) if r.config.trainer.balance_batch and ranks > 1 else samples
 
 
 def update(r: Step, step: int, samples: Batch, actor_learns: bool) -> dict[str, float]:

@@ -616,6 +616,9 @@ class TrainerConfig:
     on_corrupt_checkpoint: str = "previous"
     resume: bool = False  # continue from the latest complete checkpoint of logger.run_name
     use_sampler_log_probs: bool = True  # on-policy single update: skip the old-log-prob forward pass
+    # Before the update, reorder the step's samples so each data-parallel rank of the actor gets about
+    # the same number of tokens (verl's trainer.balance_batch); false: the rows in generation order.
+    balance_batch: bool = True
     # Asynchronous RL (docs/async.md): how many policy versions a batch may lag the weights it
     # trains on. 0: generate, then train (the default); 1: the next batch generates while this
     # one trains (needs the rollout on a pool of its own, rollout=vllm and trainer.old_log_probs);

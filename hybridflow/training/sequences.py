@@ -130,6 +130,34 @@ def row_lengths(batch: Batch) -> tuple[list[int], list[int]]:
     return batch["prompt_mask"].sum(dim=1).tolist(), batch["response_mask"].sum(dim=1).tolist()
 
 
+def rank_balanced_order(lengths: list[int], ranks: int) -> list[int]:
+    """A permutation of the rows after which the data-parallel split (`WorkerGroup`'s DP_SPLIT: padded
+    to a multiple of `ranks`, then consecutive chunks of equal row counts) gives every rank about the
+    same number of tokens (`lengths`, each row's): the longest rows first, each to the rank with the
+    fewest tokens so far that still has room for a real row; each rank's rows in their original
+    order. verl's `balance_batch` does this job; a rank with more tokens than the others makes every
+    other rank wait at each collective of the update."""
+    n = len(lengths)
+    if ranks <= 1 or n <= 1:
+        return list(range(n))
+    per = -(-n // ranks)  # rows per chunk, pad rows included (they go last)
+    room = [min(per, max(0, n - per * k)) for k in range(ranks)]
+    rows: list[list[int]] = [[] for _ in range(ranks)]
+    loads = [0] * ranks
+    for i in sorted(range(n), key=lambda i: -lengths[i]):
+        k = min((k for k in range(ranks) if len(rows[k]) < room[k]), key=lambda k: loads[k])
+        rows[k].append(i)
+        loads[k] += lengths[i]
+    return [i for chunk in rows for i in sorted(chunk)]
+
+
+def balanced_over_ranks(batch: Batch, ranks: int) -> Batch:
+    """`batch` in `rank_balanced_order` by each row's real tokens (prompt and response)."""
+    prompts, responses = row_lengths(batch)
+    order = rank_balanced_order([p + r for p, r in zip(prompts, responses)], ranks)
+    return batch if order == list(range(len(batch))) else batch.index(order)
+
+
 def token_budget_groups(prompt_lengths: list[int], response_lengths: list[int], budget: int, packed: bool,
                         groups_at_least: int = 1) -> list[list[int]]:
     """Rows (indices) in micro-batches of at most `budget` tokens each, as few as that allows and at

@@ -15,7 +15,8 @@ from hybridflow.builders.architectures import ARCHITECTURES, build_tiny_architec
 from hybridflow.config.schema import ActorConfig, CriticConfig, HybridFlowConfig, ModelConfig, OptimConfig
 from hybridflow.controller import WorkerContext
 from hybridflow.training.packing import choose_packing, pack, packing_unsupported, runs_packed
-from hybridflow.training.sequences import loss_mask, micro_batch_rows, response_log_probs, token_budget_groups
+from hybridflow.training.sequences import (balanced_over_ranks, loss_mask, micro_batch_rows, rank_balanced_order,
+                                          response_log_probs, token_budget_groups)
 from recipes.roles import actor_role, critic_role
 
 # (prompt tokens, response tokens) per row: full rows, short ones, a one-token prompt, an empty response
@@ -177,6 +178,39 @@ def test_token_budget_groups_split_to_as_many_as_another_rank_needs():
     assert len(groups) == 4 and all(groups)
     assert sorted(i for g in groups for i in g) == list(range(len(LENGTHS_FOR_BUDGET)))
     assert len(token_budget_groups([5, 5], [0, 0], 1000, packed=True, groups_at_least=4)) == 2  # never an empty one
+
+
+@pytest.mark.parametrize("rows,ranks", [(16, 2), (16, 4), (13, 4), (5, 4), (3, 8)])
+def test_rank_balancing_gives_each_rank_of_the_split_about_the_same_tokens(rows, ranks):
+    """Generation order puts long responses together (here the lengths fall from first row to last):
+    the data-parallel split (padded to a multiple of the ranks, consecutive equal chunks) then gives
+    rank 0 the most tokens. After `rank_balanced_order` each rank's real rows are within one row's
+    length of every other's, each rank keeps as many real rows as the split gives it, and its rows
+    stay in batch order."""
+    lengths = [100 - 6 * i for i in range(rows)]
+    order = rank_balanced_order(lengths, ranks)
+    assert sorted(order) == list(range(rows))
+    per = -(-rows // ranks)
+    chunks = [order[k * per:(k + 1) * per] for k in range(ranks)]  # what DP_SPLIT hands each rank (pad rows last)
+    assert [len(c) for c in chunks] == [min(per, max(0, rows - per * k)) for k in range(ranks)]
+    assert all(c == sorted(c) for c in chunks)
+    full = [sum(lengths[i] for i in c) for c in chunks if len(c) == per]
+    assert max(full) - min(full) <= max(lengths)
+    before = [sum(lengths[k * per:(k + 1) * per]) for k in range(ranks) if len(range(rows)[k * per:(k + 1) * per]) == per]
+    assert max(full) - min(full) <= max(before) - min(before)
+    if (rows, ranks) == (16, 2):  # 880 tokens: 632 / 248 in generation order, 440 / 440 balanced
+        assert (before, full) == ([632, 248], [440, 440])
+    assert rank_balanced_order(lengths, 1) == list(range(rows))
+
+
+def test_balanced_batches_carry_every_row_whole():
+    batch = _batch()  # rows of 16, 7, 10, 5, 3, 11 real tokens
+    balanced = balanced_over_ranks(batch, 2)
+    order = rank_balanced_order([p + r for p, r in LENGTHS], 2)
+    assert order != list(range(len(LENGTHS)))
+    for key in batch.keys():
+        assert torch.equal(balanced[key], batch[key][order]), key
+    assert [sum(p + r for p, r in (LENGTHS[i] for i in order[k * 3:(k + 1) * 3])) for k in range(2)] == [26, 26]
 
 
 def _budget_config(samples: int, tokens: int | None, pack_sequences: bool) -> HybridFlowConfig:
