@@ -207,11 +207,13 @@ def build_weight_sync(config: HybridFlowConfig, actor: WorkerGroup, rollout: Wor
     transport that serves the placement and the device (hybridflow.resharding.transports)."""
     from hybridflow import console
     from hybridflow.resharding.sync import AdapterSync, WeightSync
-    from hybridflow.resharding.transports import TRANSPORTS
+    from hybridflow.resharding.transports import build_transport
 
-    plan = Plan.from_config(config).with_transport("cuda" if use_gpu(config.placement) else "cpu")
+    device = "cuda" if use_gpu(config.placement) else "cpu"
+    plan = Plan.from_config(config).with_transport(device)
     mode, why = config.lora_sync
     if mode:
         console.say(f"LoRA weight sync: {'the adapter alone' if mode == 'adapter' else 'the folded model'} ({why})")
     cls = AdapterSync if mode == "adapter" else WeightSync
-    return cls(actor, rollout, config.weight_sync, TRANSPORTS.get(plan.transport)(), config.rollout.dtype.value)
+    return cls(actor, rollout, config.weight_sync, build_transport(plan.rollout_colocated, device, plan.transport),
+               config.rollout.dtype.value)

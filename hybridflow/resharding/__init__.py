@@ -4,7 +4,7 @@
 - `sender` / `receiver`: the training and generation ends, which workers delegate to: the sender
   produces the buckets, the receiver loads them into the engine.
 - `transports/`: how the bytes move, one module per transport with both ends (`colocated`,
-  `gloo`), the registry `build_transport` chooses from, and flat-buffer packing (`flat`).
+  `broadcast`), the registry `build_transport` chooses from, and flat-buffer packing (`flat`).
 - `vllm_side`: our engine in vLLM's weight-transfer framework (it delegates to the route each
   update names), and what vLLM's loaders read.
 - `sync`: `WeightSync`, the controller's one object and one call per step.

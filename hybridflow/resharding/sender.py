@@ -30,7 +30,7 @@ class SyncPlan:
     bucket_bytes: int
     timeout_s: float
     needs: list = field(default_factory=list)  # per generation rank: {checkpoint name: box ranges}
-    master_addr: str = ""  # gloo: the transfer group's rendezvous (training rank 0's host)
+    master_addr: str = ""  # broadcast: the transfer groups' rendezvous (training rank 0's host)
     master_port: int = 0
     buckets: list = field(default_factory=list)  # checkpoint names per bucket, in parameter order
     shapes: dict = field(default_factory=dict)  # checkpoint name -> full shape

@@ -8,8 +8,8 @@ rollout on a pool of its own), `start_weight_update` (vLLM's layerwise reload), 
 once per bucket, `finish_weight_update` (process the loaded layers). Each init and update names
 its `route` (a transport, hybridflow.resharding.transports), and the engine delegates to it: the
 route opens its link and turns an update into tensors — handed over in the same process
-(colocated, or weights staged earlier) or received from the training side's sender (gloo: one
-flat buffer holding only this rank's slice of each tensor).
+(colocated, or weights staged earlier) or received from the training side's sender (broadcast: one
+flat buffer per layout holding only that layout's slice of each tensor, over gloo or NCCL).
 
 vLLM's own engines (`nccl`, `ipc`, ...) broadcast full tensors from one trainer rank to every
 worker, which cannot express "each generation rank receives only the part of its slice its
@@ -39,6 +39,7 @@ class InitInfo:
     rank: int = 1  # this worker's rank in the transfer group (the sender is 0)
     world_size: int = 2
     timeout_s: float = 120.0
+    group: int = 0  # which of the route's transfer groups this rank joins (the broadcast transport's layout)
 
 
 @dataclass

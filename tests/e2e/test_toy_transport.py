@@ -36,7 +36,7 @@ VLLM_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1"
 class Files(Transport):
     name = "toy-files"
     gathers_whole = True
-    preference = 10  # above gloo's: once registered, it carries every disaggregated sync on CPUs
+    preference = 10  # above broadcast's: once registered, it carries every disaggregated sync on CPUs
 
     def __init__(self) -> None:
         self.directory = ""
@@ -123,7 +123,7 @@ def test_a_transport_added_by_one_file_is_chosen_and_carries_the_weights(ray_loc
                                                                          files_registered):
     transport = build_transport(colocated=False, device="cpu")
     assert isinstance(transport, Files)  # chosen through the registry, by preference
-    assert build_transport(colocated=False, device="cuda").name == "gloo"  # it does not serve GPUs
+    assert build_transport(colocated=False, device="cuda").name == "broadcast"  # it does not serve GPUs
     tok = AutoTokenizer.from_pretrained(tiny_model_dir)
     rollout = RoleSpec(VLLMRollout, dict(
         model_path=str(tiny_model_dir), rollout=RolloutConfig(max_response_tokens=6), max_prompt_tokens=8,

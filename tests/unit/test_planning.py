@@ -65,7 +65,7 @@ def test_plan_from_config_reads_pools_roles_tp_staleness_pinning_and_transport()
     assert plan.rollout_colocated and plan.rollout_replicas == 2 and plan.transport == "colocated"
     apart = Plan.from_config(compose_command(["recipe=grpo", "placement=disaggregated", "trainer.max_staleness=1",
                                               "trainer.old_log_probs=actor"]))
-    assert not apart.rollout_colocated and apart.transport == "gloo" and apart.pin_cpus
+    assert not apart.rollout_colocated and apart.transport == "broadcast" and apart.pin_cpus
     assert apart.pool_of("rollout").name == "gen" and apart.family() == "split"
 
 

@@ -6,14 +6,15 @@ from __future__ import annotations
 import pytest
 
 from hybridflow.resharding import WeightSyncError
-from hybridflow.resharding.transports import TRANSPORTS, Colocated, Gloo, Transport, build_transport, register_transport
+from hybridflow.resharding.transports import TRANSPORTS, Colocated, Broadcast, Transport, build_transport, register_transport
 
 
 def test_the_placement_chooses_the_builtin_transport_on_either_device():
     for device in ("cpu", "cuda"):
         assert isinstance(build_transport(colocated=True, device=device), Colocated)
-        assert isinstance(build_transport(colocated=False, device=device), Gloo)
-    assert TRANSPORTS.get("colocated") is Colocated and TRANSPORTS.get("gloo") is Gloo
+        built = build_transport(colocated=False, device=device)
+        assert isinstance(built, Broadcast) and built.device == device  # gloo on the CPU, NCCL on GPUs
+    assert TRANSPORTS.get("colocated") is Colocated and TRANSPORTS.get("broadcast") is Broadcast
 
 
 class _Preferred(Transport):
@@ -29,20 +30,20 @@ def test_a_registered_transport_of_higher_preference_wins_only_where_it_serves()
     register_transport(_Preferred)
     try:
         assert isinstance(build_transport(colocated=False, device="cuda"), _Preferred)
-        assert isinstance(build_transport(colocated=False, device="cpu"), Gloo)
+        assert isinstance(build_transport(colocated=False, device="cpu"), Broadcast)
         assert isinstance(build_transport(colocated=True, device="cuda"), Colocated)
     finally:
         TRANSPORTS.remove(_Preferred.name)
 
 
 def test_no_transport_serving_the_placement_is_a_named_error():
-    gloo = TRANSPORTS.remove(Gloo.name)
+    broadcast = TRANSPORTS.remove(Broadcast.name)
     try:
         with pytest.raises(WeightSyncError, match=r"no registered weight transport \(\['colocated'\]\) serves a "
                                                   "rollout on a pool of its own on cpu"):
             build_transport(colocated=False, device="cpu")
     finally:
-        register_transport(gloo)
+        register_transport(broadcast)
 
 
 def test_a_transport_without_a_cross_pool_route_or_staging_says_so():
@@ -50,11 +51,11 @@ def test_a_transport_without_a_cross_pool_route_or_staging_says_so():
         Colocated().receiving_updates(plan=None, rank=0)
     with pytest.raises(WeightSyncError, match="this run's transport is colocated"):
         Colocated().stage_bucket(engine=None, info=None)
-    assert Gloo.supports_staging and not Colocated.supports_staging
+    assert Broadcast.supports_staging and not Colocated.supports_staging
     with pytest.raises(ValueError, match="needs a `name`"):
         register_transport(type("Nameless", (Transport,), {}))
 
 
 def test_a_transport_name_is_registered_once():
-    with pytest.raises(KeyError, match="weight transport 'gloo' is already registered"):
-        register_transport(type("AnotherGloo", (Gloo,), {}))
+    with pytest.raises(KeyError, match="weight transport 'broadcast' is already registered"):
+        register_transport(type("AnotherBroadcast", (Broadcast,), {}))

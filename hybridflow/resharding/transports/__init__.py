@@ -23,11 +23,11 @@ A transport object is built once on the controller (`build_transport`, through t
 worker inside each update, so it holds only plain values; what a route opens (a process
 group) is kept by the sender or the engine as its `link`, never by the transport.
 
-Two are registered (`colocated.py`, `gloo.py`). An NCCL transport for disaggregated GPU pools is
-a third module: `connect` / `open_receiving` build a group beside the default one (vLLM's
-`StatelessProcessGroup` and `PyNcclCommunicator`, as its `NCCLWeightTransferEngine` does), `send`
-broadcasts device buffers bucket by bucket, `serves(colocated=False, device="cuda")` is true and
-its `preference` is above gloo's, and `register_transport` adds it. Nothing else changes.
+Two are registered: `colocated.py` (the rollout in the actor's processes) and `broadcast.py` (a pool
+of its own: each bucket broadcast once per layout of the generation ranks, over gloo on CPUs and NCCL
+on GPUs). Another is one more module: it subclasses `Transport`, says where it `serves` and with
+what `preference`, and `register_transport` adds it (tests/e2e/test_toy_transport.py adds one that
+moves files). Nothing else changes.
 """
 
 from __future__ import annotations
@@ -46,6 +46,7 @@ class Transport:
     gathers_whole = False  # training ranks build whole tensors (FSDP all-gathers) before sending
     supports_staging = False  # can receive into host memory while the engine generates (max_staleness >= 2)
     preference = 0  # among the transports that serve a placement, the highest is chosen
+    device = "cpu"  # the plan's device ("cpu" or "cuda"), set by `build_transport`: both ends read it
 
     @classmethod
     def serves(cls, colocated: bool, device: str) -> bool:
@@ -165,13 +166,16 @@ def transport_class(colocated: bool, device: str = "cpu") -> type[Transport]:
     return max(found, key=lambda cls: cls.preference)
 
 
-def build_transport(colocated: bool, device: str = "cpu") -> Transport:
-    """An instance of `transport_class(colocated, device)`."""
-    return transport_class(colocated, device)()
+def build_transport(colocated: bool, device: str = "cpu", name: str | None = None) -> Transport:
+    """An instance of `transport_class(colocated, device)` (or of the transport registered as `name`),
+    for `device`."""
+    transport = (TRANSPORTS.get(name) if name else transport_class(colocated, device))()
+    transport.device = device
+    return transport
 
 
 # the built-in transports register themselves on import (they subclass `Transport` above)
 from hybridflow.resharding.transports.colocated import Colocated  # noqa: E402
-from hybridflow.resharding.transports.gloo import Gloo  # noqa: E402
+from hybridflow.resharding.transports.broadcast import Broadcast  # noqa: E402
 
-__all__ = ["TRANSPORTS", "Colocated", "Gloo", "Transport", "build_transport", "register_transport"]
+__all__ = ["TRANSPORTS", "Broadcast", "Colocated", "Transport", "build_transport", "register_transport"]

@@ -18,10 +18,11 @@ class TransferError(RuntimeError):
     """A send or receive of the weight sync failed or timed out."""
 
 
-def pack(tensors: Sequence[torch.Tensor], boxes: Sequence[Box], dtype: torch.dtype) -> torch.Tensor:
-    """The `boxes` of full-shape `tensors`, flattened and concatenated, in `dtype`."""
+def pack(tensors: Sequence[torch.Tensor], boxes: Sequence[Box], dtype: torch.dtype,
+         device: torch.device | str = "cpu") -> torch.Tensor:
+    """The `boxes` of full-shape `tensors`, flattened and concatenated, in `dtype`, on `device`."""
     total = sum(b.numel for b in boxes)
-    flat = torch.empty(total, dtype=dtype)
+    flat = torch.empty(total, dtype=dtype, device=device)
     offset = 0
     for tensor, box in zip(tensors, boxes):
         n = box.numel
@@ -34,7 +35,8 @@ def unpack(flat: torch.Tensor, names: Sequence[str], shapes: Sequence[Sequence[i
            dtype: torch.dtype) -> list[tuple[str, torch.Tensor]]:
     """Full-shape tensors with only their box filled from `flat` (the inverse of `pack`).
 
-    A box that is the whole tensor is returned as a view of `flat`, without a copy."""
+    A box that is the whole tensor is returned as a view of `flat`, without a copy; the rest on
+    `flat`'s device."""
     out, offset = [], 0
     for name, shape, box in zip(names, shapes, boxes):
         n = box.numel
@@ -43,7 +45,7 @@ def unpack(flat: torch.Tensor, names: Sequence[str], shapes: Sequence[Sequence[i
         if box == Box.whole(shape):
             out.append((name, piece))
             continue
-        full = torch.empty(tuple(shape), dtype=dtype)
+        full = torch.empty(tuple(shape), dtype=dtype, device=flat.device)
         full[box.slices()].copy_(piece)
         out.append((name, full))
     if offset != flat.numel():
