@@ -153,6 +153,12 @@ class PlacementConfig:
                 hf=rollout.backend is RolloutBackend.hf, colocated=self.rollout_colocated,
                 actor_pool=self.roles["actor"]):
             _require(False, key, value, allowed)
+        tp, ranks = rollout.tensor_parallel_size, self.world_size("rollout")
+        # several engines of TP > 1 in one pool are vLLM's data parallel: their steps run in lockstep, and agent
+        # rollouts call the engine a different number of times on each
+        _require(not (rollout.agent and 1 < tp < ranks), "rollout.tensor_parallel_size", tp,
+                 f"with rollout.agent, 1 (one engine per rank) or {ranks} (one engine across the pool): "
+                 f"{ranks // tp} engines of TP {tp} step in lockstep, and agent turns differ from engine to engine")
 
 
 def rollout_layout_problems(tp: int, ranks: int, pool: str, heads: int, kv_heads: int, hf: bool = False,
@@ -167,10 +173,11 @@ def rollout_layout_problems(tp: int, ranks: int, pool: str, heads: int, kv_heads
     if hf and not colocated:
         problems.append(("placement.roles.rollout", pool, f"rollout=hf receives weights only in the actor's processes: "
                          f"set placement.roles.rollout={actor_pool} (or use rollout=vllm on a pool of its own)"))
-    if tp not in (1, ranks):
-        problems.append(("rollout.tensor_parallel_size", tp, f"the rollout pool {pool!r} has {ranks} rank(s): use 1 "
-                         "(one engine per rank)" + (f" or {ranks} (one engine across the pool)" if ranks > 1 else
-                                                    f", or give the pool more ranks (placement.pools.{pool}.devices_per_node)")))
+    if ranks % tp:
+        divisors = [d for d in range(1, ranks + 1) if ranks % d == 0]
+        problems.append(("rollout.tensor_parallel_size", tp, f"the rollout pool {pool!r} has {ranks} rank(s), which "
+                         f"{tp}-rank engines do not divide: use one of {divisors} ({ranks} // TP engines), or give "
+                         f"the pool a multiple of {tp} ranks (placement.pools.{pool}.devices_per_node)"))
     if heads:
         problems += [("rollout.tensor_parallel_size", tp, why) for why in tp_head_problems(tp, heads, kv_heads)]
     return problems

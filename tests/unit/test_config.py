@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 from hydra.errors import ConfigCompositionException
 
+from hybridflow.cli import compose_command
 from hybridflow.config import CONF_DIR, ConfigError, compose
 from hybridflow.config.schema import RolloutBackend
 
@@ -114,3 +115,19 @@ def test_schedule_steps_let_a_run_stop_partway_down_its_schedule():
     assert scheduler.get_last_lr()[0] == pytest.approx(0.5)
     with pytest.raises(ConfigError, match=r"optim.schedule_steps=0 is invalid"):
         compose(["actor.optim.schedule_steps=0"])
+
+
+def test_rollout_tp_is_any_divisor_of_the_pool_and_several_engines_are_refused_with_agents(tmp_path):
+    """4 ranks at TP 2 are two engines (vLLM's data parallel); TP 3 divides nothing; with an agent the engines
+    of one pool would step in lockstep through different numbers of turns, so only 1 or the whole pool."""
+    four = ["placement.pools.global.devices_per_node=4"]
+    config = compose_command(["recipe=grpo", *four, "rollout.tensor_parallel_size=2"])
+    assert (config.rollout.tensor_parallel_size, config.placement.world_size("rollout")) == (2, 4)
+    with pytest.raises(ConfigError, match=r"4 rank\(s\), which 3-rank engines do not divide: use one of \[1, 2, 4\]"):
+        compose_command(["recipe=grpo", *four, "rollout.tensor_parallel_size=3"])
+    (tmp_path / "guess.py").write_text("class Guess:\n    stop = ('?',)\n    def reset(self, ground_truth):\n"
+                                       "        return 'guess?'\n    def step(self, response):\n        return None, 1.0, True\n")
+    agent = [f"rollout.agent=[{tmp_path / 'guess.py'}:Guess]"]
+    with pytest.raises(ConfigError, match="2 engines of TP 2 step in lockstep, and agent turns differ"):
+        compose_command(["recipe=grpo", *four, "rollout.tensor_parallel_size=2", *agent])
+    assert compose_command(["recipe=grpo", *four, "rollout.tensor_parallel_size=4", *agent]).rollout.tensor_parallel_size == 4

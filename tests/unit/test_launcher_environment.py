@@ -81,3 +81,6 @@ def test_a_cuda_tp_engine_turns_custom_all_reduce_off_and_a_cpu_engine_never_sle
     cpu = parallel_arguments("cpu", 2)
     assert cpu["distributed_executor_backend"] == "external_launcher" and not cpu["enable_sleep_mode"]
     assert not cpu["disable_custom_all_reduce"] and parallel_arguments("cpu", 1)["distributed_executor_backend"] is None
+    # a pool of 4 ranks at TP 2: two engines, vLLM's data parallel under the external launcher
+    assert parallel_arguments("cuda", 2, 4)["data_parallel_size"] == 2
+    assert "data_parallel_size" not in parallel_arguments("cuda", 2, 2) and "data_parallel_size" not in parallel_arguments("cpu", 1, 4)

@@ -87,7 +87,7 @@ def test_rules_return_every_problem_and_the_config_checks_words():
     plan = Plan((PoolPlan("actor", 1, 4, ("actor", "rollout", "critic", "reference")),), rollout_tp=3, max_staleness=1)
     found = problems(plan, w, TWO_CPUS)
     text = "\n".join(found)
-    assert "the rollout pool 'actor' has 4 rank(s): use 1 (one engine per rank) or 4" in text  # the config check's words
+    assert "the rollout pool 'actor' has 4 rank(s), which 3-rank engines do not divide: use one of [1, 2, 4]" in text  # the config check's words
     assert "rollout.tensor_parallel_size=3: does not divide the 4 attention heads" in text
     assert "needs the rollout on a pool of its own" in text
     assert "the pools take 4 devices; the cluster has 2" in text and "asks 4 devices per node" in text

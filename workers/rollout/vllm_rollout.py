@@ -79,7 +79,7 @@ class VLLMRollout(ReceivingEnd):
             max_model_len=self.max_prompt_tokens + self.cfg.max_response_tokens,
             max_num_seqs=self.cfg.max_num_seqs,
             gpu_memory_utilization=self.cfg.gpu_memory_utilization,
-            **parallel_arguments(self.ctx.device, tp),
+            **parallel_arguments(self.ctx.device, tp, self.ctx.world_size),
             logprobs_mode="processed_logprobs",  # after temperature: what the actor's ratio needs
             weight_transfer_config={"backend": ENGINE_NAME},
             trust_remote_code=self.trust_remote_code,
@@ -330,12 +330,17 @@ def lora_arguments(lora_rank: int) -> dict:
     return {"enable_lora": True, "max_lora_rank": served_rank(lora_rank), "max_loras": 1, "max_cpu_loras": 2}
 
 
-def parallel_arguments(device: str, tp: int) -> dict:
-    """The engine's arguments that follow from the device and the tensor-parallel size: at TP > 1
-    each rank's process holds one slice (vLLM's `external_launcher`); on CUDA the engine can sleep
-    around a reload, and its custom all-reduce is off, because its CUDA IPC needs every GPU of the
-    engine visible in each process and Ray shows each worker one."""
+def parallel_arguments(device: str, tp: int, ranks: int | None = None) -> dict:
+    """The engine's arguments that follow from the device, the tensor-parallel size and the pool's
+    `ranks` (default `tp`): at TP > 1 each rank's process holds one slice (vLLM's `external_launcher`,
+    over the pool's process group), and a pool of several TP engines is vLLM's data parallel under
+    that launcher (`data_parallel_size` = ranks / TP; vLLM takes each engine's index from RANK, and
+    its engines step in lockstep); on CUDA the engine can sleep around a reload, and its custom
+    all-reduce is off, because its CUDA IPC needs every GPU of the engine visible in each process and
+    Ray shows each worker one."""
+    engines = (ranks or tp) // tp
     return {"tensor_parallel_size": tp,
+            **({"data_parallel_size": engines} if tp > 1 and engines > 1 else {}),
             "distributed_executor_backend": "external_launcher" if tp > 1 else None,
             "enable_sleep_mode": device == "cuda",
             "disable_custom_all_reduce": device == "cuda" and tp > 1}
