@@ -81,11 +81,21 @@ def _xeon_2core(device: DeviceIdentity) -> bool:
     return device.kind == "cpu" and "Xeon" in device.name and "amx_bf16" in device.features and device.size == 2
 
 
-def built_in(device: DeviceIdentity) -> Rates | None:
-    """The built-in rates of `device`, when there are some for it."""
-    from hybridflow.planning.profiles import CPU_XEON_2CORE
+def _gpu(model: str, least_gib: int):
+    """A GPU whose name has `model` (as torch and nvidia-smi report it: "NVIDIA H100 80GB HBM3") and
+    at least `least_gib` of memory (an unknown size, 0, matches)."""
+    def matches(device: DeviceIdentity) -> bool:
+        return device.kind == "cuda" and model in device.name.upper() and (device.size == 0 or device.size >= least_gib)
+    return matches
 
-    for matches, rates in ((_xeon_2core, CPU_XEON_2CORE),):
+
+def built_in(device: DeviceIdentity) -> Rates | None:
+    """The built-in rates of `device`, when there are some for it: this project's 2-core Xeon, and the
+    datasheet profiles of the A100 80 GB, H100 and H200 (profiles.py)."""
+    from hybridflow.planning.profiles import A100_80GB, CPU_XEON_2CORE, H100_80GB, H200_141GB
+
+    for matches, rates in ((_xeon_2core, CPU_XEON_2CORE), (_gpu("H200", 0), H200_141GB), (_gpu("H100", 0), H100_80GB),
+                           (_gpu("A100", 75), A100_80GB)):
         if matches(device):
             return rates
     return None

@@ -47,6 +47,21 @@ def test_the_rates_are_this_devices_cached_then_built_in_else_borrowed(cache):
     assert dr.choose_rates(None, "cpu", EPYC).borrowed
 
 
+def test_the_a100_h100_and_h200_have_built_in_rates_and_another_gpu_borrows(cache):
+    """GPUs as torch names them; the H200's memory bandwidth above the H100's, their matrix rate the same."""
+    from hybridflow.planning.profiles import A100_80GB, H100_80GB, H200_141GB, PROFILES
+
+    for name, size, rates in (("NVIDIA H100 80GB HBM3", 79, H100_80GB), ("NVIDIA H200", 140, H200_141GB),
+                              ("NVIDIA A100-SXM4-80GB", 79, A100_80GB)):
+        choice = dr.choose_rates(None, "cuda", dr.DeviceIdentity("cuda", name, (), size))
+        assert (choice.provenance, choice.rates) == ("built-in", rates), name
+    assert H200_141GB.decode_bytes_per_s > H100_80GB.decode_bytes_per_s > A100_80GB.decode_bytes_per_s
+    assert H200_141GB.train_flops_per_s == H100_80GB.train_flops_per_s > A100_80GB.train_flops_per_s
+    assert dr.choose_rates(None, "cuda", dr.DeviceIdentity("cuda", "NVIDIA A100-PCIE-40GB", (), 39)).borrowed
+    assert dr.choose_rates(None, "cuda", dr.DeviceIdentity("cuda", "NVIDIA L4", (), 22)).borrowed
+    assert {"a100-80gb", "h100-80gb", "h200-141gb"} <= set(PROFILES)
+
+
 def test_the_fit_scales_each_stage_toward_what_was_measured():
     measured = {"generate": 1.0, "score": 0.1, "update": 0.8, "transition": 0.0}
     full = dr.refit(CPU_XEON_2CORE, STAGES, measured, 1.0)
