@@ -392,19 +392,27 @@ def ours(model_dir: Path, batch, shape: dict, device: str, dtype: str, repeats: 
     return out, lp["old_log_probs"]
 
 
-def floor_terms(config, model_dir: Path, shape: dict) -> dict:
-    """The project's memory floor for this actor (`hybridflow.memory_budget.process_terms`, one rank,
-    the batch's widths), term by term in GiB: data for a GPU memory model, beside the peaks."""
+def sized_config(config, model_dir: Path, shape: dict, device=None):
+    """`config` for the memory model at this part's model and batch widths, one rank (`device`: the
+    placement's device kind, where not the config's)."""
     from dataclasses import replace
 
     from hybridflow.config.schema import PoolConfig
+
+    placement = replace(config.placement, pools={"global": PoolConfig(devices_per_node=1)},
+                        **({"device": device} if device is not None else {}))
+    return replace(config, model=replace(config.model, path=str(model_dir)),
+                   data=replace(config.data, max_prompt_tokens=shape["prompt_width"]),
+                   rollout=replace(config.rollout, max_response_tokens=shape["response_width"]), placement=placement)
+
+
+def floor_terms(config, model_dir: Path, shape: dict) -> dict:
+    """The project's memory floor for this actor (`hybridflow.memory_budget.process_terms`, one rank,
+    the batch's widths), term by term in GiB: data for a GPU memory model, beside the peaks."""
     from hybridflow.memory_budget import GIB, ModelShape, process_terms
 
-    sized = replace(config, model=replace(config.model, path=str(model_dir)),
-                    data=replace(config.data, max_prompt_tokens=shape["prompt_width"]),
-                    rollout=replace(config.rollout, max_response_tokens=shape["response_width"]),
-                    placement=replace(config.placement, pools={"global": PoolConfig(devices_per_node=1)}))
-    terms = process_terms(sized, ModelShape.from_dir(model_dir), {"actor"}, rows=shape["micro"], checkpointing=False)
+    terms = process_terms(sized_config(config, model_dir, shape), ModelShape.from_dir(model_dir), {"actor"},
+                          rows=shape["micro"], checkpointing=False)
     return {k: round(v / GIB, 3) for k, v in terms.items()} | {"total": round(sum(terms.values()) / GIB, 3)}
 
 
@@ -617,10 +625,9 @@ def check_handover(root: Path, size: str, device: str, dtype: str, shape: dict, 
     GRPO-shaped step (generate, log-probs, update, sync, generate), each phase's device peak against
     the GPU memory model's floor of that phase (`memory_budget.gpu_phase_terms`). Two updates between
     the generations: the second is a steady step's (AdamW's moments exist from the first)."""
-    from dataclasses import replace
 
     from hybridflow.config.schema import (ActorConfig, DeviceKind, Dtype, HybridFlowConfig, ModelConfig, OptimConfig,
-                                          PoolConfig, RolloutConfig)
+                                          RolloutConfig)
     from hybridflow.controller import WorkerContext
     from hybridflow.controller.memory import phase_peak_bytes
     from hybridflow.memory_budget import GIB, ModelShape, gpu_phase_terms
@@ -675,11 +682,7 @@ def check_handover(root: Path, size: str, device: str, dtype: str, shape: dict, 
         out["probe_log_prob_gap_after_sync"] = float((engine_lp - actor.probe_log_probs(PROBE_PROMPTS, tokens)).abs().max())
     out["policy_loss"], out["sync_received_bytes"] = stats["actor/loss"], sent.get("received_bytes")
     gpu = gpu_bytes(device)
-    sized = replace(config, model=replace(config.model, path=str(model_dir)),
-                    data=replace(config.data, max_prompt_tokens=shape["prompt_width"]),
-                    rollout=replace(config.rollout, max_response_tokens=shape["response_width"]),
-                    placement=replace(config.placement, device=DeviceKind.cuda,  # the GPU model, also in the dry run
-                                      pools={"global": PoolConfig(devices_per_node=1)}))
+    sized = sized_config(config, model_dir, shape, DeviceKind.cuda)  # the GPU model, also in the dry run
     model = gpu_phase_terms(sized, ModelShape.from_dir(model_dir), {"actor", "rollout"}, gpu)
     out["phases"] = {}
     for phase, terms in model.items():

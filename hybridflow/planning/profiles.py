@@ -21,49 +21,38 @@ from __future__ import annotations
 
 from hybridflow.planning.cost import Rates
 
-A100_80GB = Rates(
-    train_flops_per_s=0.45 * 312e12,
-    forward_flops_per_s=0.50 * 312e12,
-    decode_bytes_per_s=0.70 * 2.039e12,
-    decode_flops_per_s=0.50 * 312e12,
-    decode_step_s=2e-3,
-    tp_step_s=1e-4,
-    call_s=0.5,
-    intra_node_bytes_per_s=0.8 * 300e9,
-    inter_node_bytes_per_s=0.8 * 25e9,
-    sync_s=0.5,
-    host_bytes_per_s=0.8 * 25e9,
-    comm_overlap=True,
-    source="A100 80GB SXM datasheet x stated efficiencies (hybridflow/planning/profiles.py)",
-)
-A100_MEMORY_BYTES = 80 * 2 ** 30  # 81,920 MiB
-
-
-def _hopper(hbm_bytes_per_s: float, name: str) -> Rates:
-    """H100 / H200 SXM (NVIDIA's datasheets): 989 TFLOP/s dense bf16 (this project measured 798 on an
-    H200's matrix products, 81%); NVLink 4 at 900 GB/s per GPU (~450 a collective's bus sees, ~80%
-    reached); one 400 Gb/s NDR InfiniBand adapter per GPU (50 GB/s, ~80% reached); PCIe 5 x16 to host,
-    55 GB/s measured from pinned memory on the H200 (80% of it assumed). The A100's efficiencies
-    (above), the engine and call overheads the same."""
+def _datasheet(name: str, bf16_flops_per_s: float, hbm_bytes_per_s: float, nvlink_bytes_per_s: float,
+               network_bytes_per_s: float, host_bytes_per_s: float) -> Rates:
+    """A GPU's rates from its datasheet peaks times the efficiencies this docstring states: 45% of the
+    bf16 peak in training, 50% in forward passes, 70% of HBM bandwidth in decode, ~80% of the links
+    reached (`nvlink_bytes_per_s`: what a collective's bus sees, one direction), the same engine,
+    call and sync overheads."""
     return Rates(
-        train_flops_per_s=0.45 * 989e12,
-        forward_flops_per_s=0.50 * 989e12,
+        train_flops_per_s=0.45 * bf16_flops_per_s,
+        forward_flops_per_s=0.50 * bf16_flops_per_s,
         decode_bytes_per_s=0.70 * hbm_bytes_per_s,
-        decode_flops_per_s=0.50 * 989e12,
+        decode_flops_per_s=0.50 * bf16_flops_per_s,
         decode_step_s=2e-3,
         tp_step_s=1e-4,
         call_s=0.5,
-        intra_node_bytes_per_s=0.8 * 450e9,
-        inter_node_bytes_per_s=0.8 * 50e9,
+        intra_node_bytes_per_s=0.8 * nvlink_bytes_per_s,
+        inter_node_bytes_per_s=0.8 * network_bytes_per_s,
         sync_s=0.5,
-        host_bytes_per_s=0.8 * 55e9,
+        host_bytes_per_s=0.8 * host_bytes_per_s,
         comm_overlap=True,
         source=f"{name} SXM datasheet x stated efficiencies (hybridflow/planning/profiles.py)",
     )
 
 
-H100_80GB = _hopper(3.35e12, "H100 80GB")  # HBM3
-H200_141GB = _hopper(4.8e12, "H200 141GB")  # HBM3e
+A100_80GB = _datasheet("A100 80GB", 312e12, 2.039e12, 300e9, 25e9, 25e9)
+A100_MEMORY_BYTES = 80 * 2 ** 30  # 81,920 MiB
+
+
+# H100 / H200 SXM (NVIDIA's datasheets): 989 TFLOP/s dense bf16 (this project measured 798 on an H200's
+# matrix products, 81%); NVLink 4 at 900 GB/s per GPU (~450 a collective's bus sees); one 400 Gb/s NDR
+# InfiniBand adapter per GPU (50 GB/s); PCIe 5 x16 to host, 55 GB/s measured from pinned memory on the H200.
+H100_80GB = _datasheet("H100 80GB", 989e12, 3.35e12, 450e9, 50e9, 55e9)  # HBM3
+H200_141GB = _datasheet("H200 141GB", 989e12, 4.8e12, 450e9, 50e9, 55e9)  # HBM3e
 
 PROFILES = {"a100-80gb": (A100_80GB, A100_MEMORY_BYTES), "h100-80gb": (H100_80GB, 80 * 2 ** 30),
             "h200-141gb": (H200_141GB, 141 * 10 ** 9)}
