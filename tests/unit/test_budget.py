@@ -81,3 +81,24 @@ def test_only_a_whole_tier_is_held_to_the_tier_total():
     assert _whole_tier(config(["tests/unit"], "not slow")) is None
     assert _whole_tier(config(["tests"], "not slow", keyword="sft")) is None
     assert _whole_tier(config(["tests"], "slow and e2e")) is None
+
+
+def test_heavy_files_go_first_and_each_file_keeps_its_tests_in_order(monkeypatch):
+    from types import SimpleNamespace
+
+    import tests.budget as budget
+
+    monkeypatch.setattr(budget, "FILE_SECONDS", {"default": {"e/heavy.py": 300, "e/mid.py": 100},
+                                                 "slow": {"e/mid.py": 900}})
+
+    def item(nodeid, slow=False):
+        return SimpleNamespace(nodeid=nodeid, get_closest_marker=lambda name: name == "slow" and slow or None)
+
+    items = [item("u/a.py::t1"), item("e/mid.py::t1"), item("u/a.py::t2"), item("e/heavy.py::t1"),
+             item("e/mid.py::t2"), item("e/heavy.py::t2"), item("u/b.py::t1")]
+    budget.heaviest_first(items)
+    assert [i.nodeid for i in items] == ["e/heavy.py::t1", "e/heavy.py::t2", "e/mid.py::t1", "e/mid.py::t2",
+                                         "u/a.py::t1", "u/a.py::t2", "u/b.py::t1"]
+    slow = [item("e/heavy.py::s1", slow=True), item("e/mid.py::s1", slow=True)]
+    budget.heaviest_first(slow)  # a slow run orders by the slow tier's seconds
+    assert [i.nodeid for i in slow] == ["e/mid.py::s1", "e/heavy.py::s1"]
