@@ -2,7 +2,7 @@
 
     PYTHONPATH=. .venv/bin/python bench/lora_adapter_sync.py [--steps 30] [--rank 16] [--lr 1e-4] \
         [--modes adapter,folded] [--out docs/lora_adapter_sync.json]
-    PYTHONPATH=. .venv/bin/python bench/lora_adapter_sync.py --dry-run --out F   # the tiny model, 1 adapter step
+    PYTHONPATH=. .venv/bin/python bench/lora_adapter_sync.py --dry-run   # each mode's command composed and checked
     PYTHONPATH=. .venv/bin/python bench/lora_adapter_sync.py --render-only A.json B.json   # one table, seeds as rows
 
 The same `recipe=grpo` run twice, from the same seed, on SmolLM2-135M-Instruct (tests/real_model.py)
@@ -56,6 +56,41 @@ def command(args, mode: str, inputs: dict, work: Path) -> list[str]:
             "model.dtype=bfloat16", "rollout.dtype=bfloat16"]
 
 
+def summarize(run_dir: Path, command: list[str], wall_s: float) -> dict:
+    """One mode's finished run, from its metrics.jsonl: bytes per sync against the engine's whole model,
+    seconds, the checksums and the validations (tests/e2e/test_lora.py reads its own run with it)."""
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    synced = [r for r in rows if "weight_sync/bytes_received_per_rank" in r]
+    # the whole model's bytes in the rollout's dtype: the adapter sync logs them with every sync (the
+    # folded one does not; main() takes them from the adapter run of the same model)
+    engine = next((r["weight_sync/engine_bytes_per_rank"] for r in rows if "weight_sync/engine_bytes_per_rank" in r),
+                  None)
+    received = max(r["weight_sync/bytes_received_per_rank"] for r in synced)
+    return {"command": command, "wall_s": wall_s,
+            "steps": max(r["step"] for r in rows), "bytes_per_sync": received, "engine_bytes": engine,
+            "fraction_of_full_model": None if engine is None else received / engine,
+            "sync_s_median": statistics.median(r["weight_sync/seconds"] for r in synced),
+            "step_s_median": statistics.median(r["timing/step_s"] for r in rows if "timing/step_s" in r),
+            "verified_tensors": min(r.get("weight_sync/verified_tensors", 0.0) for r in synced),
+            "validation": [{"step": r["step"], "accuracy": r["val/accuracy"], "elapsed_s": r["time/elapsed_s"]}
+                           for r in rows if "val/accuracy" in r]}
+
+
+def dry_run(args, work: Path) -> list[list[str]]:
+    """Each mode's command on the tiny model, composed and checked as the command checks it; nothing run."""
+    from hybridflow.cli import compose_command
+
+    commands = []
+    for mode in args.modes.split(","):
+        overrides = command(args, mode, {}, work)
+        config = compose_command(overrides)
+        if config.weight_sync.lora != mode or config.actor.lora.rank != args.rank:
+            raise SystemExit(f"{mode}: the composed config does not carry weight_sync.lora={mode}, rank {args.rank}")
+        print(f"{mode}: hybridflow {' '.join(overrides)}")
+        commands.append(overrides)
+    return commands
+
+
 def run(args, mode: str, inputs: dict, work: Path) -> dict:
     overrides = command(args, mode, inputs, work)
     shutil.rmtree(work / "runs" / mode, ignore_errors=True)
@@ -65,21 +100,7 @@ def run(args, mode: str, inputs: dict, work: Path) -> dict:
     with open(log, "w") as out:
         subprocess.run([str(Path(sys.executable).parent / "hybridflow"), *overrides], cwd=ROOT, stdout=out,
                        stderr=subprocess.STDOUT, check=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
-    rows = [json.loads(line) for line in (work / "runs" / mode / "metrics.jsonl").read_text().splitlines()]
-    synced = [r for r in rows if "weight_sync/bytes_received_per_rank" in r]
-    # the whole model's bytes in the rollout's dtype: the adapter sync logs them with every sync (the
-    # folded one does not; main() takes them from the adapter run of the same model)
-    engine = next((r["weight_sync/engine_bytes_per_rank"] for r in rows if "weight_sync/engine_bytes_per_rank" in r),
-                  None)
-    received = max(r["weight_sync/bytes_received_per_rank"] for r in synced)
-    return {"command": ["hybridflow", *overrides], "wall_s": time.perf_counter() - start,
-            "steps": max(r["step"] for r in rows), "bytes_per_sync": received, "engine_bytes": engine,
-            "fraction_of_full_model": None if engine is None else received / engine,
-            "sync_s_median": statistics.median(r["weight_sync/seconds"] for r in synced),
-            "step_s_median": statistics.median(r["timing/step_s"] for r in rows if "timing/step_s" in r),
-            "verified_tensors": min(r.get("weight_sync/verified_tensors", 0.0) for r in synced),
-            "validation": [{"step": r["step"], "accuracy": r["val/accuracy"], "elapsed_s": r["time/elapsed_s"]}
-                           for r in rows if "val/accuracy" in r]}
+    return summarize(work / "runs" / mode, ["hybridflow", *overrides], time.perf_counter() - start)
 
 
 BEGIN, END = "<!-- lora_adapter_sync:begin -->", "<!-- lora_adapter_sync:end -->"
@@ -121,7 +142,8 @@ def main() -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--work", default="/tmp/lora_adapter_sync")
     p.add_argument("--out", default=str(ROOT / "docs" / "lora_adapter_sync.json"))
-    p.add_argument("--dry-run", action="store_true", help="the tiny model, 1 step of the adapter mode")
+    p.add_argument("--dry-run", action="store_true", help="compose and check each mode's command on the tiny model; "
+                                                          "run nothing")
     p.add_argument("--doc", default=str(ROOT / "docs" / "resharding.md"), help="where the table goes (not in a dry run)")
     p.add_argument("--render-only", nargs="*", metavar="JSON",
                    help="rewrite the doc's table from these reports (one per seed), running nothing")
@@ -132,16 +154,16 @@ def main() -> None:
         reports = [json.loads(Path(f).read_text()) for f in args.render_only or [args.out]]
         write_between(Path(args.doc), BEGIN, END, render(reports))
         return
+    work = Path(args.work).resolve()
     if args.dry_run:
-        args.steps, args.val_every, args.rank, args.modes = 1, 1, 4, "adapter"
-    work = Path(args.work if not args.dry_run else Path(args.out).with_suffix(".work")).resolve()
+        args.steps, args.val_every, args.rank = 1, 1, 4
+        dry_run(args, work)
+        return
     work.mkdir(parents=True, exist_ok=True)
-    inputs = {}
-    if not args.dry_run:
-        from tests.real_model import real_model_dir, write_chat_addition
+    from tests.real_model import real_model_dir, write_chat_addition
 
-        train, val = write_chat_addition(work / "data", train_rows=2000, val_rows=args.val_rows)
-        inputs = {"model": real_model_dir(), "train": train, "val": val}
+    train, val = write_chat_addition(work / "data", train_rows=2000, val_rows=args.val_rows)
+    inputs = {"model": real_model_dir(), "train": train, "val": val}
     from hybridflow.precision import cpu_description
 
     cpu = cpu_description()
@@ -156,10 +178,9 @@ def main() -> None:
         Path(args.out).write_text(json.dumps(report, indent=1))  # as it goes
     print(json.dumps({m: {k: v for k, v in r.items() if k != "command"} for m, r in report["modes"].items()},
                      indent=1))
-    if not args.dry_run:
-        from doc_markers import write_between
+    from doc_markers import write_between
 
-        write_between(Path(args.doc), BEGIN, END, render([report]))
+    write_between(Path(args.doc), BEGIN, END, render([report]))
 
 
 if __name__ == "__main__":

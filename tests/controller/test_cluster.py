@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import secrets
 import shutil
@@ -134,7 +135,13 @@ def test_ray_job_submit_runs_the_entry_point(ray_head, tmp_path):
     result = _submit(address, env, entry.split())
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert "joined" in result.stdout and "succeeded" in result.stdout
-    assert (tmp_path / "submitted" / "metrics.jsonl").is_file()
+    # the demo's own checks (it was a whole-stack run of its own before: CI's time, tests/budget.py)
+    run_dir = tmp_path / "submitted"
+    assert result.stdout.count(f"run directory {run_dir}") == 2  # printed at start and end
+    metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert metrics[0]["step"] == 0 and metrics[0]["demo/samples"] == 2
+    assert metrics[0]["demo/rollout_ranks"] == 1 and metrics[0]["demo/response_tokens"] > 0
+    assert (run_dir / "base_model" / "config.json").is_file() and (run_dir / "data" / "val.parquet").is_file()
 
 
 def test_local_start_ignores_a_stale_cluster_record():

@@ -13,6 +13,7 @@ adapter (`actor.lora.save_adapter_only`, TP 2) folded by hybridflow-merge's LoRA
 from __future__ import annotations
 
 import json
+import runpy
 import subprocess
 import sys
 from pathlib import Path
@@ -21,6 +22,7 @@ import pytest
 import torch
 
 VENV_BIN = Path(sys.executable).parent
+ROOT = Path(__file__).resolve().parents[2]
 RANK, ALPHA = 4, 8.0
 TARGETS = ("q_proj", "v_proj")
 SMALL = ["recipe=grpo", "trainer.total_steps=2", "trainer.prompts_per_step=4", "rollout.samples_per_prompt=4",
@@ -107,6 +109,10 @@ def test_lora_grpo_at_tp2_saves_the_adapter_that_folds_to_the_trained_model(tmp_
     run_dir = grpo_lora(tmp_path, "tp2", "rollout.tensor_parallel_size=2", "actor.lora.save_adapter_only=true",
                         f"model.path={model_dir}", "data=files", f"data.train_path={train}", f"data.val_path={val}",
                         "data.max_prompt_tokens=32")
+    # bench/lora_adapter_sync.py reads this run as it reads its own: the adapter alone is the bytes of a sync
+    report = runpy.run_path(str(ROOT / "bench" / "lora_adapter_sync.py"))["summarize"](run_dir, ["hybridflow"], 0.0)
+    assert report["steps"] == 2 and report["verified_tensors"] > 0 and report["sync_s_median"] > 0
+    assert report["fraction_of_full_model"] == report["bytes_per_sync"] / report["engine_bytes"] < 0.05
     console = (run_dir / "console.txt").read_text()
     assert "LoRA weight sync: the adapter alone (weight_sync.lora=auto: vLLM serves the rank-4 adapter)" in console
     assert console.count(f"the tokenizer of {model_dir} has no pad token; its eos token '</s>'") == 1

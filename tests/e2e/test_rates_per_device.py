@@ -1,9 +1,11 @@
 """placement=auto on a device the planner has no rates for (a simulated identity): the first run
 ranks with borrowed rates, says so, and saves what it measured as the device's rates; the second
 run plans with them, whose factors make the prediction for the first run's plan what that run
-measured, stage by stage (hybridflow/planning/device_rates.py). How close that prediction comes to
-the second run's own steps is a measurement, not a test (timings on two shared cores drift):
-docs/placement.md "Rates per device"."""
+measured, stage by stage (hybridflow/planning/device_rates.py). The second run's planning is all it
+decides before anything starts (`runner.run_stage` -> `resolve_placement`), so it is called here in
+the test's process, as the command calls it, instead of a second whole run (CI's time,
+tests/budget.py). How close that prediction comes to the second run's own steps is a measurement,
+not a test (timings on two shared cores drift): docs/placement.md "Rates per device"."""
 
 from __future__ import annotations
 
@@ -30,17 +32,30 @@ def _run(tmp_path: Path, name: str, env: dict) -> tuple[str, dict]:
     return done.stdout + done.stderr, json.loads((tmp_path / name / "plan.json").read_text())
 
 
-@pytest.mark.budget(100)  # two whole 5-step GRPO runs of the `hybridflow` command
-def test_the_second_run_on_an_unknown_device_predicts_what_the_first_measured(tmp_path):
-    env = {**os.environ, "HYBRIDFLOW_DEVICE_IDENTITY": "Simulated CPU for rates", "HYBRIDFLOW_RATES_CACHE":
-           str(tmp_path / "rates")}
+def _plan_second(tmp_path: Path, name: str) -> tuple[str, dict]:
+    """What the second run does before anything starts: the same config, planned by `resolve_placement`."""
+    from hybridflow.config import compose
+    from hybridflow.planning.auto import resolve_placement
+
+    run_dir = tmp_path / name
+    run_dir.mkdir()
+    _, line = resolve_placement(compose([*GRPO, f"logger.output_root={tmp_path}", f"logger.run_name={name}"]), run_dir)
+    return line, json.loads((run_dir / "plan.json").read_text())
+
+
+@pytest.mark.budget(60)  # one whole 5-step GRPO run of the `hybridflow` command
+def test_the_second_run_on_an_unknown_device_predicts_what_the_first_measured(tmp_path, monkeypatch):
+    identity = {"HYBRIDFLOW_DEVICE_IDENTITY": "Simulated CPU for rates", "HYBRIDFLOW_RATES_CACHE": str(tmp_path / "rates")}
+    env = {**os.environ, **identity}
     first_out, first = _run(tmp_path, "first", env)
     assert first["rates_choice"]["provenance"] == "borrowed"
     chose = first_out.split("placement=auto chose")[1].split("\n")[0]
     assert "ranked with rates BORROWED from another device" in chose and "predicted" not in chose
     assert "this device had no rates; saved the rates this run measured as its own" in first_out
     assert len(list((tmp_path / "rates").glob("*.json"))) == 1
-    second_out, second = _run(tmp_path, "second", env)
+    for key, value in identity.items():
+        monkeypatch.setenv(key, value)
+    second_out, second = _plan_second(tmp_path, "second")
     assert second["rates_choice"]["provenance"] == "cached" and "with rates this device's, first measured" in second_out
     # the rates the second run planned with carry, per stage, the first run's measured / predicted seconds:
     # applied to the first run's plan they predict what it measured

@@ -150,7 +150,7 @@ def test_ppo_with_critic_warmup_kl_penalty_and_a_reference_reset_hook(tmp_path):
     assert kl[3] == pytest.approx(0.0, abs=1e-5)  # step 4: the reference was reset to the actor after step 3
 
 
-RESUMABLE = ["recipe=grpo", "trainer.total_steps=3", "trainer.save_every_steps=1", "trainer.val_every_steps=0",
+RESUMABLE = ["recipe=grpo", "trainer.total_steps=3", "trainer.save_every_steps=1", "trainer.val_every_steps=2",
              "trainer.export_hf=false"]
 COMPARED = ["reward/score", "actor/loss", "actor/grad_norm", "actor/entropy", "response/length_mean",
             "advantages/advantage_std"]
@@ -158,11 +158,16 @@ COMPARED = ["reward/score", "actor/loss", "actor/grad_norm", "actor/entropy", "r
 
 @pytest.fixture(scope="module")
 def straight(tmp_path_factory) -> dict[int, dict]:
-    """The uninterrupted 3-step run the fault tests compare with, by step."""
+    """The uninterrupted 3-step run the fault tests compare with, by step; its console output as
+    written (bytes decoded without universal newlines, so a progress line's carriage returns stay)
+    and its run directory are `straight[0]`."""
     root = tmp_path_factory.mktemp("straight")
-    result = hybridflow(RESUMABLE, root, "straight")
-    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
-    return {r["step"]: r for r in metrics(root / "straight")}
+    cmd = [str(VENV_BIN / "hybridflow"), *RESUMABLE, *SMALL, f"logger.output_root={root}", "logger.run_name=straight"]
+    result = subprocess.run(cmd, capture_output=True, timeout=600)
+    stdout, stderr = result.stdout.decode(), result.stderr.decode()
+    assert result.returncode == 0, stdout[-4000:] + stderr[-4000:]
+    return {0: {"stdout": stdout, "stderr": stderr, "run_dir": root / "straight"},
+            **{r["step"]: r for r in metrics(root / "straight")}}
 
 
 @pytest.mark.budget(90)  # its setup runs the uninterrupted run it is compared with (the `straight` fixture)
@@ -185,6 +190,27 @@ def test_an_actor_rank_killed_mid_run_is_restarted_and_the_run_matches_the_unint
         for key in COMPARED:
             assert rows[step][key] == pytest.approx(straight[step][key], rel=1e-5, abs=1e-6), (step, key)
     assert time.monotonic() - start < 300
+
+
+def test_a_short_run_prints_a_few_lines_and_keeps_the_library_output_in_its_logs(straight):
+    """What a run prints (hybridflow/console.py): a few lines and one progress line per stage on the
+    console; everything vLLM, Ray, transformers and torch print under <run_dir>/logs/ (read on the
+    uninterrupted run above: one whole-stack start less, CI's time, tests/budget.py)."""
+    stdout, stderr, run_dir = straight[0]["stdout"], straight[0]["stderr"], straight[0]["run_dir"]
+    # run directory (start, end), validation at steps 2 and 3, the progress line, the summary
+    assert stdout.count("\n") <= 8, stdout
+    assert stderr == "", stderr
+    last_draw = stdout.split("\n")[-4].split("\r")[-1]  # the progress line as it was left
+    assert last_draw.startswith("grpo 3/3 [") and "reward=" in last_draw and "tok/s=" in last_draw, last_draw
+    assert "grpo step 2/3: held-out accuracy" in stdout
+    assert "grpo: 3 steps in" in stdout
+    logs = run_dir / "logs"
+    assert "Started a local Ray instance" in (logs / "driver.log").read_text()
+    for rank in (0, 1):
+        worker = (logs / "grpo" / f"global-rank{rank}.log").read_text()
+        assert "Initializing a V1 LLM engine" in worker  # vLLM's start-up, from inside the worker process
+        # the weight syncs' reloads: the rotary cache and the tied lm_head receive nothing by design
+        assert "Failed to load weights" not in worker
 
 
 @pytest.mark.slow  # ~60 s; the stage deadline naming stage, method and rank is tested in the default run by
