@@ -206,14 +206,10 @@ def _hybridflow(args: list[str], address: str, output_root: Path, run_name: str,
 
 
 def _rows(run_dir: Path) -> list[dict]:
-    import json
-
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
 def _plan(run_dir: Path) -> dict:
-    import json
-
     return json.loads((run_dir / "placement_plan.json").read_text())
 
 
@@ -348,8 +344,6 @@ _STRAIGHT: dict[int, dict] = {}  # the uninterrupted run's metrics by step (the 
 def test_a_node_lost_mid_run_is_named_and_the_run_finishes(tmp_path, capacity):
     """The run's node is removed once the step-1 checkpoint is complete: the run names it, then
     resumes on the spare node (or waits for a node to join) and matches the uninterrupted run."""
-    import json
-
     cluster, workers = _cluster(2 if capacity == "remaining_node" else 1)
     try:
         if not _STRAIGHT:
@@ -413,8 +407,6 @@ def test_placement_auto_refuses_a_run_no_plan_fits_before_any_worker_starts(two_
 
 @pytest.mark.slow  # ~60 s: one GRPO run on the pools the planner chose
 def test_placement_auto_runs_the_planned_pools_on_the_simulated_cluster(two_workers, tmp_path):
-    import json
-
     cluster, _ = two_workers
     result = _hybridflow(["placement=auto", "trainer.total_steps=2"], cluster.address, tmp_path, "auto")
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
