@@ -72,12 +72,6 @@ _violations: list[str] = []
 _session_start_s: list[float] = []
 
 
-def sharing_the_cores(seconds: float) -> float:
-    """A wall-clock bound for a test, stated alone on a 2-core machine (README), as it holds while the
-    test shares the cores with the other pytest-xdist worker's (`SHARED_CORES_FACTOR`)."""
-    return seconds * SHARED_CORES_FACTOR if os.environ.get("PYTEST_XDIST_WORKER") else seconds
-
-
 def machine_factor() -> float:
     """NO_BF16_FACTOR on a CPU without bfloat16 instructions, else 1."""
     from hybridflow.precision import native_bfloat16

@@ -17,7 +17,6 @@ from pathlib import Path
 import pytest
 
 from hybridflow.controller import PoolSpec, ResourcePool, RoleSpec, spawn_workers
-from tests.budget import sharing_the_cores
 from tests.conftest import REPO_ROOT
 from tests.controller.workers import EchoWorker
 
@@ -219,20 +218,16 @@ def _pool_nodes(plan: dict, pool: str) -> list[str]:
 
 def test_a_plan_that_cannot_fit_is_refused_before_any_worker_starts(two_workers, tmp_path):
     cluster, _ = two_workers
-    start = time.monotonic()
     result = _hybridflow(["placement.pools.global.nodes=2", "placement.pools.global.cpus_per_device=2",
                           "trainer.total_steps=1"], cluster.address, tmp_path, "refused")
-    elapsed = time.monotonic() - start
     assert result.returncode == 2, result.stdout[-3000:] + result.stderr[-3000:]
     assert "placement plan refused: pool 'global' needs 2 node(s) with {CPU: 4} free each" in result.stderr
     assert result.stderr.count("free {CPU: 2} of {CPU: 2}") == 2  # each worker node named with what it has
     assert "free {} of {}" in result.stderr  # the head: no slots
     logs = tmp_path / "refused" / "logs"
     assert not list(logs.rglob("*rank*.log")), "a worker started"
-    print(f"refused in {elapsed:.1f} s (the whole command, imports and Ray connect included)")
-    # README's promise, 10 s alone on 2 cores (6.7 s measured, mostly imports); the old failure waited 60 s on a
-    # placement group
-    assert elapsed <= sharing_the_cores(10)
+    assert "placement group" not in result.stderr  # the old failure waited 60 s on one; how long the refusal
+    # takes is bench/refusal_seconds.py's to measure
 
 
 def test_grpo_with_actor_and_rollout_each_on_its_own_node(two_workers, tmp_path):

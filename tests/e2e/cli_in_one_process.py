@@ -1,5 +1,5 @@
 """Run the `hybridflow` entry point (hybridflow.cli.main) once per argument list, in this one process,
-and print each run's exit status, output and seconds as JSON.
+and print each run's exit status, output, seconds and whether Ray was started, as JSON.
 
     python -m tests.e2e.cli_in_one_process '{"case": ["recipe=grpo", ...], ...}'
 
@@ -30,8 +30,10 @@ def main() -> None:
                 cli.main()
             except SystemExit as exc:
                 code = exc.code if isinstance(exc.code, int) else 1
+        ray = sys.modules.get("ray")
         results[name] = {"returncode": code, "stdout": stdout.getvalue(), "stderr": stderr.getvalue(),
-                         "seconds": time.perf_counter() - start}
+                         "seconds": time.perf_counter() - start,
+                         "ray_started": bool(ray is not None and ray.is_initialized())}
     print(json.dumps(results))
 
 

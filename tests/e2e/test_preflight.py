@@ -1,6 +1,7 @@
 """Bad inputs are refused before anything starts: one `hybridflow` command per row of the table,
-each exiting with status 2 within seconds, naming the file or key, the row, the column, the value's
-type, and creating no run directory (so no model was built and Ray never started).
+each exiting with status 2, naming the file or key, the row, the column, the value's type, creating no
+run directory (so no model was built) and never starting Ray. How long a refusal takes is a speed
+claim: bench/refusal_seconds.py measures it (docs/performance.md "Refusals"), no test times it.
 
 The table's commands run through the entry point one after another in one process
 (tests/e2e/cli_in_one_process.py: the same code path, without a fresh interpreter's imports per
@@ -9,20 +10,17 @@ command); the last test runs the `hybridflow` command itself, in a process of it
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Callable
 
 import pytest
 
-from tests.budget import sharing_the_cores
-
 VENV_BIN = Path(sys.executable).parent
 ROOT = Path(__file__).resolve().parents[2]
-REFUSED_WITHIN_S = sharing_the_cores(10.0)  # README: 10 s alone on 2 cores; Ray's start alone takes 7
 SMALL = ["trainer.prompts_per_step=4", "trainer.val_prompts=4", "data.max_prompt_tokens=32"]
 
 
@@ -165,7 +163,7 @@ def test_bad_input_is_refused_before_anything_starts(inputs, refusals, case):
         assert name.format(root=inputs) in result["stderr"], f"{name!r} not in:\n{result['stderr']}"
     output_root = roots / str(list(CASES).index(case))
     assert not output_root.exists() and "run directory" not in result["stdout"]  # nothing was started
-    assert result["seconds"] < REFUSED_WITHIN_S, f"refused after {result['seconds']:.1f} s"
+    assert not result["ray_started"]
 
 
 def test_long_prompt_after_the_sampled_rows_is_refused_before_ray_starts(inputs, tmp_path):
@@ -174,11 +172,10 @@ def test_long_prompt_after_the_sampled_rows_is_refused_before_ray_starts(inputs,
     output_root = tmp_path / "runs"
     cmd = [str(VENV_BIN / "hybridflow"), *files("long_after_1000.parquet")(inputs), f"logger.output_root={output_root}",
            "logger.run_name=long"]
-    start = time.perf_counter()
-    result = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
-    elapsed_s = time.perf_counter() - start
+    ray_tmp = tmp_path / "ray_tmp"  # where a Ray started by this command would write its session
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env={**os.environ, "RAY_TMPDIR": str(ray_tmp)})
     assert result.returncode == 2, result.stdout[-3000:] + result.stderr[-3000:]
-    assert elapsed_s < REFUSED_WITHIN_S, f"the command was refused after {elapsed_s:.1f} s"
+    assert not ray_tmp.exists(), "Ray was started"
     assert "checked the first 1000 of 1010 rows" in result.stdout
     assert (f"data file {inputs / 'long_after_1000.parquet'} (data.train_path), column 'prompt', row(s) 1003, 1007: "
             "row 1003 has 62 tokens, more than data.max_prompt_tokens=32") in result.stderr, result.stderr

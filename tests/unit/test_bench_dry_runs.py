@@ -104,3 +104,10 @@ def test_the_lora_adapter_sync_bench_composes_both_modes_commands():
     lines = [line for line in done.stdout.splitlines() if line.startswith(("adapter:", "folded:"))]
     assert [line.split(":")[0] for line in lines] == ["adapter", "folded"]
     assert "weight_sync.lora=adapter" in lines[0] and "weight_sync.lora=folded" in lines[1]
+
+
+def test_the_refusal_bench_times_a_refused_command_that_never_started_ray(tmp_path):
+    report = _dry_run("refusal_seconds.py", tmp_path / "refusal.json")
+    (case,) = report["cases"].values()
+    assert len(case["seconds"]) == 1 and case["median_s"] > 0
+    assert "row(s) 2: no value" in case["error"]  # the refusal's own message, read from its stderr

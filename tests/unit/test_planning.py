@@ -1,13 +1,12 @@
 """The placement planner (hybridflow/planning): the plan object, the feasibility rules, the cost
 model's arithmetic, the search, its registries (a toy policy and a toy cost model registered
-here), placement=auto's choice, and the paper-scale simulation's search time."""
+here), placement=auto's choice, and the paper-scale simulation's choice."""
 
 from __future__ import annotations
 
 import dataclasses
 import json
 import math
-import time
 
 import pytest
 
@@ -217,12 +216,11 @@ def test_placement_auto_refuses_when_nothing_fits_naming_memory_terms(tmp_path, 
 
 
 @pytest.mark.parametrize("model, gpus, family", [("13B", 32, "colocate"), ("34B", 128, "split")])
-def test_paper_scale_search_takes_under_ten_seconds(model, gpus, family):
+def test_paper_scale_search_picks_the_papers_family(model, gpus, family):
+    """How long the search takes is bench/paper_placement.py's to measure (docs/placement.md)."""
     from bench.paper_placement import paper_case
 
-    start = time.perf_counter()
     result = paper_case(model, gpus)
-    assert time.perf_counter() - start <= 10
     assert result.best.plan.family() == family
     assert math.isfinite(result.best.prediction.step_s)
 
