@@ -77,6 +77,6 @@ def test_each_layout_gets_only_its_boxes_and_the_layouts_are_served_at_once(tmp_
     # both layouts served at once, the next bucket posted before the last is received: layout 0 is ready
     # for bucket 0 and layout 1 for bucket 1 only after DELAY_S, so the sync takes about DELAY_S. A sender
     # that served one layout after the other would reach layout 1's bucket 0 at DELAY_S and its bucket 1
-    # at 2 x DELAY_S
+    # at 2 x DELAY_S (the bound is that, not a speed: the buckets are bytes, the rest is the ranks' sleeps)
     seconds = json.loads((tmp_path / "sender.json").read_text())["seconds"]
-    assert DELAY_S * 0.9 <= seconds < 1.5 * DELAY_S, seconds
+    assert DELAY_S * 0.9 <= seconds < 2 * DELAY_S, seconds
