@@ -13,10 +13,10 @@ import enum
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
 
-from hybridflow.data.corpus import PretrainConfig  # the pretrain.* schema lives beside the corpus
+from hybridflow.config.pretrain import PretrainConfig
 from hybridflow.config.recipes import RECIPE_SPECS, recipe_spec, stage_recipes
 from hybridflow.config.model_facts import ModelFacts
-from hybridflow.merge.hooks import HookConfig  # the hook schema lives beside the hooks
+from hybridflow.config.hooks import HookConfig
 from hybridflow.rewards.config import RewardConfig  # noqa: F401 - the reward.* schema lives beside its code
 from hybridflow.rollout_schedules import schedule_class
 

@@ -27,12 +27,12 @@ that states nothing (a user's `module:function`) gets every snapshot.
 from __future__ import annotations
 
 import inspect
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Dict, Optional, Union
 
 import torch
 
+from hybridflow.config.hooks import HookConfig  # noqa: F401 - the schema, importable without torch
 from hybridflow.merge.api import merge_checkpoints, merge_state_dicts
 from hybridflow.merge.checkpoints import StateDictCheckpoint, last_checkpoints
 from hybridflow.merge.errors import MergeError
@@ -50,14 +50,6 @@ TRAINING_HOOKS: Registry[Callable[..., Optional[StateDict]]] = Registry(
 STAGE_ARGS = ("previous_run_dir", "output_dir")
 TRAINING_ARGS = ("step", "actor_state", "reference_state")
 FINAL_MODEL = "final_model"  # RUN_DIR/final_model: the model a recipe exports at its end
-
-
-@dataclass
-class HookConfig:
-    """A hook in a pipeline config: the registered name (or `module:function`) and its params."""
-
-    name: str = "pma_sma"
-    params: Dict[str, Any] = field(default_factory=dict)
 
 
 # ------------------------------------------------------------------------------ running
