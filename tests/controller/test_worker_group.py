@@ -166,7 +166,7 @@ def test_a_wait_inside_a_stage_ends_at_its_deadline_naming_stage_method_and_rank
         start = time.monotonic()
         with deadlines.stage("generate"), pytest.raises(deadlines.StageTimeoutError) as error:
             two.sleep(3.0)
-        assert time.monotonic() - start < 2.5
+        assert time.monotonic() - start < 2.9  # the 3 s sleep's end: the deadline was ignored
         message = str(error.value)
         assert "stage 'generate'" in message and "trainer.stage_timeout_s.generate" in message
         assert "EchoWorker.sleep rank 0" in message and "EchoWorker.sleep rank 1" in message
@@ -187,13 +187,13 @@ def test_a_callers_timeout_does_not_lift_the_stage_deadline_and_a_call_keeps_its
         start = time.monotonic()
         with deadlines.stage("weight_sync"), pytest.raises(deadlines.StageTimeoutError, match="stage_timeout_s.weight_sync"):
             wait_all([two.sleep.remote(3.0)], timeout_s=60.0)
-        assert time.monotonic() - start < 2.5
+        assert time.monotonic() - start < 2.9  # the 3 s sleep's end: the deadline was ignored
         with deadlines.stage("generate"):
             issued = two.sleep.remote(3.0)
         start = time.monotonic()
         with deadlines.stage("score"), pytest.raises(deadlines.StageTimeoutError, match="stage 'generate'"):
             issued.get()
-        assert time.monotonic() - start < 2.5
+        assert time.monotonic() - start < 2.9  # the 3 s sleep's end: the deadline was ignored
     finally:
         deadlines.configure({}, default_s=None)
 

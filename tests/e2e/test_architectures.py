@@ -4,15 +4,15 @@ Each model is built from its `transformers` config (hybridflow/builders/architec
 trained byte-level BPE tokenizer and a chat template; the data are chat prompts. Every run is
 colocated with the probe and per-tensor checksums every step; the sampler's log-probs must match
 the actor's (< 1e-3) and the bytes each rank received must be at least the layout minimum (equal
-where every tensor's read region is one box). The default run keeps Phi3 at TP 2, whose fused
-qkv_proj/gate_up_proj the sync must split per rank; GPT-2's transposed Conv1D weights at TP 2
-(also read by tests/unit/test_resharding_regions.py) and every other architecture at TP 2 run
-under `-m slow`, as do the TP 1 runs of the two layouts that differ there: GPT-2 (transposed
-Conv1D) and Qwen3-MoE (expert weights). At TP 1 every rank holds a whole engine, and the plain
+where every tensor's read region is one box). All of them run in CI's slow tier (`-m slow`): Phi3
+at TP 2, whose fused qkv_proj/gate_up_proj the sync must split per rank (the region arithmetic is
+also tested by tests/unit/test_resharding_regions.py in the default run), GPT-2's transposed Conv1D
+weights and every other architecture at TP 2, and the TP 1 runs of the two layouts that differ
+there: GPT-2 (transposed Conv1D) and Qwen3-MoE (expert weights). At TP 1 every rank holds a whole engine, and the plain
 decoder the others extend with norms, sliding windows or fused projections (all carried whole at
 TP 1 by the same path) runs at TP 1 in every default GRPO run: the tiny Qwen2 is Llama's layout
 with q/k/v biases. Their own TP 1 runs would show the same thing (CI's time: tests/budget.py), and
-so would Llama's and Mistral's at TP 2 (the tiny Qwen2's TP-2 runs in the default run).
+so would Llama's and Mistral's at TP 2 (the tiny Qwen2's TP-2 runs).
 
 The builder turns dropout off in the configs it writes (GPT-2's resid/embd/attn_pdrop default to
 0.1): a train-mode actor forward would otherwise differ from vLLM's by ~0.08 in log-prob and hide
@@ -71,6 +71,7 @@ def _grpo(tmp_path, chat_data, architecture: str, tp: int) -> list[dict]:
     return rows
 
 
+@pytest.mark.slow  # CI's slow tier, for the default run's 20 minutes on a CPU without bf16 (README "Two commands")
 @pytest.mark.parametrize("architecture,tp", DEFAULT, ids=[f"{a}-tp{t}" for a, t in DEFAULT])
 def test_grpo_syncs_fused_and_transposed_checkpoint_tensors(tmp_path, chat_data, architecture, tp):
     rows = _grpo(tmp_path, chat_data, architecture, tp)

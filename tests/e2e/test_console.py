@@ -25,7 +25,7 @@ def hybridflow(args: list[str], output_root: Path, run_name: str) -> subprocess.
     return result
 
 
-@pytest.mark.slow  # ~20 s; a dead worker named with its last output: the default run's rank-kill test
+@pytest.mark.slow  # ~20 s; a dead worker named with its last output: tests/e2e/test_rl_recipes.py's rank-kill test
 def test_verbose_shows_the_library_output(tmp_path):
     verbose = hybridflow(["trainer.total_steps=1", "logger.verbose=true"], tmp_path, "verbose")
     assert verbose.returncode == 0, verbose.stdout[-4000:] + verbose.stderr[-4000:]

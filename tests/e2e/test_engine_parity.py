@@ -34,6 +34,7 @@ def _grpo(gpt2_dir, tmp_path, name: str, *extra: str):
                        *extra], tmp_path, name)
 
 
+@pytest.mark.slow  # CI's slow tier, for the default run's 20 minutes on a CPU without bf16 (README "Two commands")
 def test_kept_dropout_stops_the_run_at_the_first_batch(gpt2_dir, tmp_path):
     result = _grpo(gpt2_dir, tmp_path, "kept", "model.keep_dropout=true")
     assert result.returncode != 0, "a sampler-vs-actor gap of dropout's size must stop the run"

@@ -99,6 +99,7 @@ def folded_by_hand(run_dir: Path, base_dir: Path) -> dict[str, torch.Tensor]:
     return weights
 
 
+@pytest.mark.slow  # CI's slow tier, for the default run's 20 minutes on a CPU without bf16 (README "Two commands")
 def test_lora_grpo_at_tp2_saves_the_adapter_that_folds_to_the_trained_model(tmp_path, bpe_model_and_chat_data):
     """On a checkpoint as they come: a BPE tokenizer without a pad token, chat prompts."""
     from safetensors.torch import load_file

@@ -53,7 +53,7 @@ def test_pretrain_learns_keeps_snapshots_and_the_spike_hook_stays_quiet(tmp_path
     assert (tmp_path / "pretrain" / "final_model" / "config.json").is_file()
 
 
-@pytest.mark.slow  # ~22 s; tests/e2e/test_sft_step_hooks.py checks the same firing and offline SMA in the default run
+@pytest.mark.slow  # ~22 s; tests/e2e/test_sft_step_hooks.py checks the same firing and offline SMA
 def test_spike_recovery_fires_on_an_lr_burst_and_loads_the_offline_sma(tmp_path):
     # save every 2 steps; the update of step 12 runs at 300x the lr, so the loss logged at step 13 (of
     # the weights saved at 12) spikes; the hook merges the last 3 checkpoints before 12: steps 6, 8, 10.

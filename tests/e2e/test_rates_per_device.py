@@ -43,6 +43,7 @@ def _plan_second(tmp_path: Path, name: str) -> tuple[str, dict]:
     return line, json.loads((run_dir / "plan.json").read_text())
 
 
+@pytest.mark.slow  # CI's slow tier, for the default run's 20 minutes on a CPU without bf16 (README "Two commands")
 @pytest.mark.budget(60)  # one whole 5-step GRPO run of the `hybridflow` command
 def test_the_second_run_on_an_unknown_device_predicts_what_the_first_measured(tmp_path, monkeypatch):
     identity = {"HYBRIDFLOW_DEVICE_IDENTITY": "Simulated CPU for rates", "HYBRIDFLOW_RATES_CACHE": str(tmp_path / "rates")}

@@ -12,6 +12,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 from safetensors.torch import load_file
 
@@ -38,6 +39,7 @@ def weights(directory: Path) -> dict[str, torch.Tensor]:
     return out
 
 
+@pytest.mark.slow  # CI's slow tier, for the default run's 20 minutes on a CPU without bf16 (README "Two commands")
 def test_spike_recovery_fires_in_sft_and_the_sync_carries_the_merge(tmp_path):
     cmd = [str(VENV_BIN / "hybridflow"), *SMALL, "trainer.total_steps=7", f"trainer.training_hooks={HOOKS}",
            f"logger.output_root={tmp_path}", "logger.run_name=sft"]

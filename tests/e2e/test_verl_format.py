@@ -53,6 +53,7 @@ def verl_inputs(tmp_path_factory) -> dict[str, Path]:
             "root": root}
 
 
+@pytest.mark.slow  # CI's slow tier, for the default run's 20 minutes on a CPU without bf16 (README "Two commands")
 def test_grpo_trains_three_steps_on_verl_data_with_a_verl_reward_file(verl_inputs):
     inputs = verl_inputs
     cmd = [str(VENV_BIN / "hybridflow"), "recipe=grpo", "data=files", f"data.train_path={inputs['train']}",

@@ -191,6 +191,7 @@ def test_a_staged_push_is_received_beside_a_busy_generate_and_loaded_before_its_
         _shutdown(groups)
 
 
+@pytest.mark.slow  # CI's slow tier, for the default run's 20 minutes on a CPU without bf16 (README "Two commands")
 def test_the_ranks_of_a_tp2_engine_load_the_newest_staged_version_they_all_hold(ray, tiny_model_dir):
     """The first sync from one actor rank to a TP-2 engine moves each rank about half the model (its
     layout minimum), checked. Then max_staleness >= 2: rank 1 of the engine registers the
@@ -226,6 +227,7 @@ def test_the_ranks_of_a_tp2_engine_load_the_newest_staged_version_they_all_hold(
         _shutdown(groups)
 
 
+@pytest.mark.slow  # CI's slow tier, for the default run's 20 minutes on a CPU without bf16 (README "Two commands")
 def test_an_actor_killed_mid_push_is_named_and_the_rollout_waiting_for_it_stops_at_its_timeout(
         ray, tiny_model_dir):
     """At max_staleness >= 2: the actor dies sending bucket 3 of a staged push while the rollout
@@ -250,6 +252,7 @@ def test_an_actor_killed_mid_push_is_named_and_the_rollout_waiting_for_it_stops_
         _shutdown(groups)
 
 
+@pytest.mark.slow  # CI's slow tier, for the default run's 20 minutes on a CPU without bf16 (README "Two commands")
 def test_weights_landing_mid_batch_are_loaded_between_two_engine_steps_and_running_requests_continue(
         ray, tiny_model_dir):
     """rollout.on_update=recompute: a seeded batch on version 0 pauses before its third engine step

@@ -134,4 +134,4 @@ def test_make_plan_refuses_at_once_what_no_node_could_hold_and_waits_out_a_stale
     start = time.monotonic()
     with pytest.raises(PlacementError, match="needs 1 node"):
         cluster.make_plan(config, {"global": ["actor"]}, gpu=False)
-    assert time.monotonic() - start < 0.5
+    assert time.monotonic() - start < 2.5  # refused at once, not after the 5 s retry for a late release

@@ -300,7 +300,7 @@ def test_concurrency_is_bounded(tmp_path, is_async):
             with lock:
                 state["now"] += 1
                 state["max"] = max(state["max"], state["now"])
-            {"await asyncio.sleep(0.1)" if is_async else "time.sleep(0.1)"}
+            {"await asyncio.sleep(0.3)" if is_async else "time.sleep(0.3)"}
             with lock:
                 state["now"] -= 1
             return 1.0
@@ -308,5 +308,5 @@ def test_concurrency_is_bounded(tmp_path, is_async):
     reward = build_reward(RewardConfig(fn=f"{path}:f", max_concurrency=3))
     start = time.monotonic()
     assert reward.score(rows_with(["a"] * 9)).scores == [1.0] * 9
-    assert time.monotonic() - start < 0.85  # 3 rounds of 0.1 s, not 9 in a row
+    assert time.monotonic() - start < 1.8  # 3 rounds of 0.3 s; 9 in a row take 2.7 s
     assert user_module(path).state["max"] == 3
