@@ -27,9 +27,11 @@ import time
 import pytest
 
 DEFAULT_TEST_BUDGET_S = {"default": 60.0, "slow": 180.0}
-# Measured on a 2-core AMD EPYC with avx512_bf16 (README "Two commands"), wall clock with two
-# pytest-xdist workers: the default tier 14:35 (19:28 in one process), the slow tier 22:19 (26:13).
-TIER_BUDGET_S = {"default": 1000.0, "slow": 1500.0}
+# Wall clock with two pytest-xdist workers on a CPU with bfloat16 instructions (README "Two commands"):
+# the default tier was 19:31 and the slow tier 27:10 on a 2-core EPYC with avx512_bf16 (19397d6) before
+# fifteen whole-stack tests moved from the default tier to the slow one (about 8 minutes there, 13 on a
+# CPU without bf16), for the default run's 20 minutes on a CPU without bf16 instructions.
+TIER_BUDGET_S = {"default": 700.0, "slow": 1900.0}
 NO_BF16_FACTOR = 2.0
 DRIFT_MARGIN = 1.3
 SHARED_CORES_FACTOR = 1.7
