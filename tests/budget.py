@@ -37,32 +37,32 @@ DRIFT_MARGIN = 1.3
 SHARED_CORES_FACTOR = 1.7
 
 # Seconds each heavy file took (setup + calls, summed over its tests, under two workers), by tier, on a
-# 2-core AMD EPYC without bfloat16 instructions (the slowest CPU CI runs on; fresh clones of 51ed3c5 and
-# a6c5d9f, pytest --durations, less the runs later changes took out). pytest-xdist gives a worker one whole file at a time (`--dist loadfile`), in
+# 2-core AMD EPYC without bfloat16 instructions (the slowest CPU CI runs on; fresh clones, pytest
+# --durations: the default tier at 6155bd2, the slow tier at a6c5d9f and 298a387 plus the files moved
+# there since). pytest-xdist gives a worker one whole file at a time (`--dist loadfile`), in
 # collection order (`--no-loadscope-reorder`): the files are ordered heaviest first, so the last file
 # a worker takes is a short one and neither waits alone on a long file at the end (its own default,
 # most tests first, started the single-test whole-stack files last). A file not listed is light.
 FILE_SECONDS = {
     "default": {
-        "tests/controller/test_cluster.py": 300, "tests/e2e/test_rl_recipes.py": 285, "tests/e2e/test_real_model.py": 275,
-        "tests/e2e/test_weight_sync.py": 185, "tests/e2e/test_async.py": 180, "tests/e2e/test_adapter_sync.py": 150,
-        "tests/e2e/test_pipeline.py": 120, "tests/unit/test_bench_dry_runs.py": 95, "tests/e2e/test_vllm_rollout.py": 95,
-        "tests/e2e/test_agent_rollout.py": 80, "tests/e2e/test_dpo.py": 75, "tests/e2e/test_actor_rollout.py": 75,
-        "tests/e2e/test_pretrain.py": 60, "tests/e2e/test_prefix_cache.py": 45, "tests/e2e/test_preflight.py": 45,
-        "tests/unit/test_resume_rank_count.py": 30, "tests/unit/test_fsdp_start.py": 25,
-        "tests/controller/test_worker_group.py": 30, "tests/controller/test_reward_worker.py": 25,
-        "tests/controller/test_core_pinning.py": 20, "tests/unit/test_packing.py": 20,
+        "tests/e2e/test_real_model.py": 200, "tests/e2e/test_rl_recipes.py": 180, "tests/e2e/test_weight_sync.py": 155,
+        "tests/e2e/test_async.py": 135, "tests/e2e/test_pipeline.py": 125, "tests/controller/test_cluster.py": 125,
+        "tests/e2e/test_dpo.py": 115, "tests/e2e/test_adapter_sync.py": 110, "tests/e2e/test_vllm_rollout.py": 100,
+        "tests/unit/test_bench_dry_runs.py": 75, "tests/e2e/test_pretrain.py": 70, "tests/e2e/test_agent_rollout.py": 70,
+        "tests/e2e/test_actor_rollout.py": 65, "tests/e2e/test_prefix_cache.py": 50, "tests/e2e/test_preflight.py": 45,
+        "tests/unit/test_resume_rank_count.py": 30, "tests/controller/test_worker_group.py": 30,
+        "tests/controller/test_core_pinning.py": 30, "tests/unit/test_fsdp_start.py": 20,
+        "tests/controller/test_reward_worker.py": 20, "tests/unit/test_packing.py": 15,
     },
     "slow": {
-        "tests/e2e/test_real_model.py": 1560, "tests/e2e/test_architectures.py": 960, "tests/e2e/test_async.py": 860,
-        "tests/controller/test_cluster.py": 690, "tests/e2e/test_rl_recipes.py": 465,
-        "tests/e2e/test_pipeline_restart.py": 315, "tests/e2e/test_weight_sync.py": 275, "tests/e2e/test_placements.py": 235,
-        "tests/e2e/test_lora.py": 220, "tests/e2e/test_checkpoint_retention.py": 165,
-        "tests/e2e/test_resume_rank_count.py": 145, "tests/e2e/test_engine_parity.py": 140, "tests/e2e/test_dpo.py": 120,
-        "tests/e2e/test_sft_step_hooks.py": 100, "tests/e2e/test_agent_pipeline.py": 95,
-        "tests/e2e/test_rates_per_device.py": 90, "tests/e2e/test_remax.py": 90, "tests/e2e/test_verl_format.py": 85,
-        "tests/e2e/test_console.py": 75, "tests/e2e/test_toy_schedule.py": 75, "tests/e2e/test_toy_transport.py": 60,
-        "tests/e2e/test_pretrain.py": 55,
+        "tests/e2e/test_real_model.py": 1470, "tests/e2e/test_async.py": 960, "tests/controller/test_cluster.py": 800,
+        "tests/e2e/test_architectures.py": 745, "tests/e2e/test_rl_recipes.py": 570, "tests/e2e/test_pipeline_restart.py": 375,
+        "tests/e2e/test_weight_sync.py": 305, "tests/e2e/test_placements.py": 275, "tests/e2e/test_lora.py": 205,
+        "tests/e2e/test_checkpoint_retention.py": 150, "tests/e2e/test_dpo.py": 145, "tests/e2e/test_engine_parity.py": 140,
+        "tests/e2e/test_resume_rank_count.py": 125, "tests/e2e/test_agent_pipeline.py": 105,
+        "tests/e2e/test_sft_step_hooks.py": 100, "tests/e2e/test_toy_schedule.py": 100, "tests/e2e/test_remax.py": 95,
+        "tests/e2e/test_console.py": 90, "tests/e2e/test_rates_per_device.py": 90, "tests/e2e/test_verl_format.py": 85,
+        "tests/e2e/test_toy_transport.py": 50, "tests/e2e/test_pretrain.py": 50,
     },
 }
 

@@ -23,6 +23,7 @@ from tests.controller.workers import EchoWorker
 VENV_BIN = Path(sys.executable).parent
 
 
+@pytest.mark.slow  # CI's slow tier, for the default run's 20 minutes on a CPU without bf16 (README "Two commands")
 def test_pool_spanning_two_nodes_places_ranks_on_both():
     import ray
     from ray.cluster_utils import Cluster
@@ -230,6 +231,7 @@ def test_a_plan_that_cannot_fit_is_refused_before_any_worker_starts(two_workers,
     # takes is bench/refusal_seconds.py's to measure
 
 
+@pytest.mark.slow  # CI's slow tier, for the default run's 20 minutes on a CPU without bf16 (README "Two commands")
 def test_grpo_with_actor_and_rollout_each_on_its_own_node(two_workers, tmp_path):
     """The issue's case that failed: two pools that each fill a node used to pick the same node."""
     cluster, workers = two_workers

@@ -57,6 +57,7 @@ def kill_once_checkpointed(args: list[str], output_root: Path, run_name: str, st
     time.sleep(2)  # let the killed run's Ray processes notice their driver is gone
 
 
+@pytest.mark.slow  # CI's slow tier, for the default run's 20 minutes on a CPU without bf16 (README "Two commands")
 def test_grpo_with_a_reward_function_from_a_file(tmp_path):
     reward_file = tmp_path / "my_reward.py"
     reward_file.write_text(REWARD_FILE)
