@@ -2,9 +2,10 @@
 
 A refusal happens before the run directory, Ray, the models or vLLM start, so its time is the
 interpreter's imports, Hydra's composition and the checks. Each case runs the command as a user does,
-a fresh process each time, `--repeats` times; the report holds each case's seconds (all and the
-median), its exit status, and the CPU it ran on. The tests assert what a refusal says and that Ray
-never started; the seconds are this script's (timed tests flake on shared 2-core machines).
+a fresh process each time, `--repeats` times, and must exit with status 2 without starting Ray; the
+report holds each case's seconds (all and the median), its last line of error, and the CPU it ran
+on. The tests assert what a refusal says and that Ray never started; the seconds are this script's
+(timed tests flake on shared 2-core machines).
 
     .venv/bin/python bench/refusal_seconds.py --out docs/refusal_seconds.json
     .venv/bin/python bench/refusal_seconds.py --dry-run --out /tmp/refusal.json   # one case, once
