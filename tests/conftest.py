@@ -1,4 +1,5 @@
-"""Shared fixtures: one Ray instance per test module, the tiny model built once per session."""
+"""Shared fixtures: one Ray instance per test module, one Ray head per test process for the
+whole-stack runs that join it, the tiny model built once per session."""
 
 from __future__ import annotations
 
@@ -24,6 +25,33 @@ def ray_local():
     )
     yield ray
     ray.shutdown()
+
+
+@pytest.fixture(scope="session")
+def _ray_head_env():
+    """The environment that joins this test process's Ray head (tests/ray_head.py), started once."""
+    from tests.ray_head import start_head, stop_head
+
+    proc, env = start_head()
+    yield env
+    stop_head(proc)
+
+
+@pytest.fixture(scope="module")
+def ray_head(_ray_head_env):
+    """For one module: every `hybridflow` run its tests start (a subprocess, or `hybridflow.cli.run` in
+    this process) joins this process's Ray head through RAY_ADDRESS instead of starting a Ray of its
+    own (tests/ray_head.py says what that saves, and which tests leave it out)."""
+    import os
+
+    saved = {key: os.environ.get(key) for key in _ray_head_env}
+    os.environ.update(_ray_head_env)
+    yield _ray_head_env["RAY_ADDRESS"]
+    for key, value in saved.items():
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -27,7 +27,9 @@ import random
 import pytest
 
 from hybridflow.builders.architectures import ARCHITECTURES, build_tiny_architecture
-from tests.e2e.test_rl_recipes import hybridflow, metrics
+from tests.e2e.test_rl_recipes import ONE_RANK, hybridflow, metrics
+
+pytestmark = pytest.mark.usefixtures("ray_head")  # its runs join one Ray head (tests/ray_head.py)
 
 DEFAULT = [("phi3", 2)]
 WHOLE_AT_TP1 = ("gpt2", "qwen3_moe")  # see the module docstring
@@ -59,7 +61,7 @@ def _grpo(tmp_path, chat_data, architecture: str, tp: int) -> list[dict]:
     result = hybridflow(["recipe=grpo", "model=local_hf", f"model.path={model}", "model.dtype=float32",
                          f"data.train_path={chat_data / 'train.jsonl'}", f"data.val_path={chat_data / 'val.jsonl'}",
                          "trainer.total_steps=2", "trainer.export_hf=false", "weight_sync.checksum_every_steps=1",
-                         f"rollout.tensor_parallel_size={tp}"], tmp_path, "run")
+                         f"rollout.tensor_parallel_size={tp}", *([ONE_RANK] if tp == 1 else [])], tmp_path, "run")
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
     rows = metrics(tmp_path / "run")
     assert [r["step"] for r in rows] == [1, 2]

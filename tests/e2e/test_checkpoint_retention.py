@@ -16,11 +16,14 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.usefixtures("ray_head")  # its runs join one Ray head (tests/ray_head.py)
+
 VENV_BIN = Path(sys.executable).parent
 SMALL = ["recipe=sft", "trainer.prompts_per_step=4", "rollout.max_response_tokens=4", "trainer.val_prompts=8",
          "data.synthetic.train_rows=200", "data.synthetic.val_rows=16", "actor.samples_per_micro_batch=8",
          "trainer.val_every_steps=0", "trainer.export_hf=false", "trainer.save_every_steps=1",
-         "trainer.keep_last_checkpoints=2", "trainer.keep_last_weights=3"]
+         "trainer.keep_last_checkpoints=2", "trainer.keep_last_weights=3",
+         "placement.pools.global.devices_per_node=1"]  # one rank: CI's time (tests/e2e/test_rl_recipes.py ONE_RANK)
 
 
 def hybridflow(args: list[str], output_root: Path, run_name: str) -> subprocess.CompletedProcess:

@@ -9,10 +9,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+pytestmark = pytest.mark.usefixtures("ray_head")  # its runs join one Ray head (tests/ray_head.py)
+
 VENV_BIN = Path(sys.executable).parent
 SMALL = ["recipe=grpo", "trainer.prompts_per_step=4", "rollout.samples_per_prompt=4", "rollout.max_response_tokens=4",
          "trainer.val_prompts=8", "data.synthetic.train_rows=200", "data.synthetic.val_rows=16",
-         "actor.samples_per_micro_batch=8"]
+         "actor.samples_per_micro_batch=8", "placement.pools.global.devices_per_node=1"]  # one rank: CI's time
 
 
 def hybridflow(args: list[str], output_root: Path, run_name: str) -> subprocess.CompletedProcess:

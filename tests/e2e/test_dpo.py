@@ -17,6 +17,8 @@ import pytest
 from hybridflow.data import ArithmeticSpec, make_arithmetic_split
 from hybridflow.data.preference import synthetic_pairs
 
+pytestmark = pytest.mark.usefixtures("ray_head")  # its runs join one Ray head (tests/ray_head.py)
+
 VENV_BIN = Path(sys.executable).parent
 
 

@@ -14,7 +14,9 @@ import torch
 from transformers import GPT2Config, GPT2LMHeadModel
 
 from hybridflow.builders.tiny_model import build_char_tokenizer
-from tests.e2e.test_rl_recipes import hybridflow, metrics
+from tests.e2e.test_rl_recipes import ONE_RANK, hybridflow, metrics
+
+pytestmark = pytest.mark.usefixtures("ray_head")  # its runs join one Ray head (tests/ray_head.py)
 
 
 @pytest.fixture(scope="module")
@@ -31,7 +33,7 @@ def gpt2_dir(tmp_path_factory):
 
 def _grpo(gpt2_dir, tmp_path, name: str, *extra: str):
     return hybridflow(["recipe=grpo", "trainer.total_steps=1", f"model.path={gpt2_dir}", "trainer.export_hf=false",
-                       *extra], tmp_path, name)
+                       ONE_RANK, *extra], tmp_path, name)
 
 
 @pytest.mark.slow  # CI's slow tier, for the default run's 20 minutes on a CPU without bf16 (README "Two commands")

@@ -12,6 +12,8 @@ from hybridflow.config import compose
 from hybridflow.config.schema import StageConfig
 from hybridflow.merge.hooks import HookConfig
 
+pytestmark = pytest.mark.usefixtures("ray_head")  # its runs join one Ray head (tests/ray_head.py)
+
 ROOT = Path(__file__).resolve().parents[2]
 
 COMMON = ["trainer.prompts_per_step=4", "rollout.max_response_tokens=4", "trainer.val_prompts=8",

@@ -15,6 +15,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+pytestmark = pytest.mark.usefixtures("ray_head")  # its runs join one Ray head (tests/ray_head.py)
+
 VENV_BIN = Path(sys.executable).parent
 SMALL = ["recipe=pretrain", "pretrain.generated.train_documents=2000", "pretrain.generated.val_documents=100",
          "pretrain.sequences_per_step=16", "pretrain.val_sequences=32", "actor.optim.warmup_steps=0",

@@ -19,6 +19,8 @@ import pytest
 
 from hybridflow.planning.cost import STAGES, Rates
 
+pytestmark = pytest.mark.usefixtures("ray_head")  # its runs join one Ray head (tests/ray_head.py)
+
 VENV_BIN = Path(sys.executable).parent
 GRPO = ["recipe=grpo", "placement=auto", "trainer.total_steps=5", "trainer.prompts_per_step=8",
         "rollout.samples_per_prompt=8", "rollout.max_response_tokens=32", "trainer.val_every_steps=0",

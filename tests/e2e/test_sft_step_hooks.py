@@ -18,12 +18,15 @@ from safetensors.torch import load_file
 
 from hybridflow.merge.api import merge_state_dicts
 
+pytestmark = pytest.mark.usefixtures("ray_head")  # its runs join one Ray head (tests/ray_head.py)
+
 VENV_BIN = Path(sys.executable).parent
 SMALL = ["recipe=sft", "trainer.prompts_per_step=4", "rollout.max_response_tokens=4", "trainer.val_prompts=8",
          "data.synthetic.train_rows=200", "data.synthetic.val_rows=16", "actor.samples_per_micro_batch=8",
          "trainer.val_every_steps=0", "trainer.save_every_steps=1", "trainer.keep_last_checkpoints=1",
          "trainer.keep_last_weights=4", "weight_sync.checksum_every_steps=1", "actor.optim.warmup_steps=0",
-         "actor.optim.lr_schedule=constant"]
+         "actor.optim.lr_schedule=constant",
+         "placement.pools.global.devices_per_node=1"]  # one rank: CI's time (tests/e2e/test_rl_recipes.py ONE_RANK)
 # The update of step 6 runs at 1000x the lr (1e-3 -> 1: at 0.1 an early SFT step can even lower
 # the loss), so the loss logged at step 7 (of the weights saved at 6) spikes; the hook merges the 2 newest checkpoints saved before step 6: steps 4 and 5, and
 # puts back the 2 x 4 rows drawn at steps 6 and 7. Weights of the last 4 checkpoints are kept, so
