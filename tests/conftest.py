@@ -3,11 +3,20 @@ whole-stack runs that join it, the tiny model built once per session."""
 
 from __future__ import annotations
 
+import os
+import secrets
 from pathlib import Path
 
 import pytest
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
+
+# One Ray token for every Ray this test session starts or joins (Ray enables token authentication on
+# local clusters by default), set before anything imports Ray: Ray reads its authentication settings
+# from the environment once per process, so a process that imported Ray first could not later join the
+# tests' head (tests/ray_head.py) in-process. The commands the tests start inherit it.
+os.environ.setdefault("RAY_AUTH_MODE", "token")
+os.environ.setdefault("RAY_AUTH_TOKEN", secrets.token_hex(32))
 
 
 @pytest.fixture(scope="module")
@@ -28,30 +37,27 @@ def ray_local():
 
 
 @pytest.fixture(scope="session")
-def _ray_head_env():
-    """The environment that joins this test process's Ray head (tests/ray_head.py), started once."""
+def _ray_head_address():
+    """The address of this test process's Ray head (tests/ray_head.py), started once."""
     from tests.ray_head import start_head, stop_head
 
-    proc, env = start_head()
-    yield env
+    proc, address = start_head()
+    yield address
     stop_head(proc)
 
 
 @pytest.fixture(scope="module")
-def ray_head(_ray_head_env):
+def shared_ray_head(_ray_head_address):
     """For one module: every `hybridflow` run its tests start (a subprocess, or `hybridflow.cli.run` in
     this process) joins this process's Ray head through RAY_ADDRESS instead of starting a Ray of its
     own (tests/ray_head.py says what that saves, and which tests leave it out)."""
-    import os
-
-    saved = {key: os.environ.get(key) for key in _ray_head_env}
-    os.environ.update(_ray_head_env)
-    yield _ray_head_env["RAY_ADDRESS"]
-    for key, value in saved.items():
-        if value is None:
-            os.environ.pop(key, None)
-        else:
-            os.environ[key] = value
+    saved = os.environ.get("RAY_ADDRESS")
+    os.environ["RAY_ADDRESS"] = _ray_head_address
+    yield _ray_head_address
+    if saved is None:
+        os.environ.pop("RAY_ADDRESS", None)
+    else:
+        os.environ["RAY_ADDRESS"] = saved
 
 
 @pytest.fixture(scope="session", autouse=True)

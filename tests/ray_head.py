@@ -4,9 +4,10 @@ A `hybridflow` run started without `ray.address` starts a Ray instance of its ow
 the end: 6-8 s and ~10 core-seconds on a 2-core CPU, every run (measured: the same tiny GRPO run took
 44-48 s and 70-73 core-s with its own Ray, 37-38 s and 60-62 core-s joining a running head). A run
 joins the head named by RAY_ADDRESS as it would under `ray job submit` (hybridflow.controller.runtime),
-so a module that asks for the `ray_head` fixture has its runs join one head instead. Tests whose claim
-is the local start itself (a stale cluster record, the driver's log of it, a refusal before Ray
-starts, SIGKILLing a run's whole process group) leave it out, or `monkeypatch.delenv("RAY_ADDRESS")`.
+so a module that asks for the `shared_ray_head` fixture (tests/conftest.py) has its runs join one
+head instead. Modules whose claim is the local start itself (tests/controller/test_cluster.py's stale
+cluster record, the refusals before Ray starts in tests/e2e/test_preflight.py) do not ask for it; a
+single test can leave it with `monkeypatch.delenv("RAY_ADDRESS")`.
 
 The head is a child process blocked on its stdin: when the test process ends, however it ends, the
 pipe closes and the head stops its Ray.
@@ -17,7 +18,6 @@ pipe closes and the head stops its Ray.
 from __future__ import annotations
 
 import os
-import secrets
 import subprocess
 import sys
 from pathlib import Path
@@ -28,18 +28,18 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 HEAD_CPUS = 32
 
 
-def start_head() -> tuple[subprocess.Popen, dict[str, str]]:
-    """The head process and the environment that joins it (RAY_ADDRESS and the cluster's token)."""
-    env = {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(32)}
+def start_head() -> tuple[subprocess.Popen, str]:
+    """The head process and its address. It takes Ray's token from the environment (tests/conftest.py
+    sets one for the whole test session), as the runs that join it do."""
     proc = subprocess.Popen([sys.executable, "-m", "tests.ray_head"], cwd=REPO_ROOT, stdin=subprocess.PIPE,
                             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
-                            env={**os.environ, **env, "PYTHONPATH": str(REPO_ROOT)})
-    line = proc.stdout.readline().strip()  # the address, once Ray is up (EOF: it failed to start)
-    if not line:
+                            env={**os.environ, "PYTHONPATH": str(REPO_ROOT)})
+    address = proc.stdout.readline().strip()  # once Ray is up (EOF: it failed to start)
+    if not address:
         proc.kill()
         raise RuntimeError(f"the tests' Ray head did not start (exit {proc.wait()}): run "
                            f"`python -m tests.ray_head` in {REPO_ROOT} to see why")
-    return proc, {**env, "RAY_ADDRESS": line}
+    return proc, address
 
 
 def stop_head(proc: subprocess.Popen) -> None:

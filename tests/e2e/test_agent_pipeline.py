@@ -9,7 +9,7 @@ import json
 from hybridflow.config import compose
 from hybridflow.tracking import read_metrics
 
-pytestmark = pytest.mark.usefixtures("ray_head")  # its runs join one Ray head (tests/ray_head.py)
+pytestmark = pytest.mark.usefixtures("shared_ray_head")  # its runs join one Ray head (tests/ray_head.py)
 
 SMALL = ["trainer.prompts_per_step=4", "trainer.val_prompts=8", "data.synthetic.train_rows=200",
          "data.synthetic.val_rows=16", "actor.samples_per_micro_batch=8"]

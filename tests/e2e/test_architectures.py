@@ -29,7 +29,7 @@ import pytest
 from hybridflow.builders.architectures import ARCHITECTURES, build_tiny_architecture
 from tests.e2e.test_rl_recipes import ONE_RANK, hybridflow, metrics
 
-pytestmark = pytest.mark.usefixtures("ray_head")  # its runs join one Ray head (tests/ray_head.py)
+pytestmark = pytest.mark.usefixtures("shared_ray_head")  # its runs join one Ray head (tests/ray_head.py)
 
 DEFAULT = [("phi3", 2)]
 WHOLE_AT_TP1 = ("gpt2", "qwen3_moe")  # see the module docstring

@@ -27,7 +27,7 @@ import pytest
 
 from tests.e2e.test_rl_recipes import hybridflow, kill_once_checkpointed, metrics
 
-pytestmark = pytest.mark.usefixtures("ray_head")  # its runs join one Ray head (tests/ray_head.py)
+pytestmark = pytest.mark.usefixtures("shared_ray_head")  # its runs join one Ray head (tests/ray_head.py)
 
 FIXTURES = Path(__file__).parent / "fixtures"
 GUARD_ARGS = ["recipe=grpo", "trainer.total_steps=3", "trainer.export_hf=false", "actor.optim.lr=1e-3",

@@ -17,7 +17,7 @@ import pytest
 from hybridflow.data import ArithmeticSpec, make_arithmetic_split
 from hybridflow.data.preference import synthetic_pairs
 
-pytestmark = pytest.mark.usefixtures("ray_head")  # its runs join one Ray head (tests/ray_head.py)
+pytestmark = pytest.mark.usefixtures("shared_ray_head")  # its runs join one Ray head (tests/ray_head.py)
 
 VENV_BIN = Path(sys.executable).parent
 

@@ -16,7 +16,7 @@ from transformers import GPT2Config, GPT2LMHeadModel
 from hybridflow.builders.tiny_model import build_char_tokenizer
 from tests.e2e.test_rl_recipes import ONE_RANK, hybridflow, metrics
 
-pytestmark = pytest.mark.usefixtures("ray_head")  # its runs join one Ray head (tests/ray_head.py)
+pytestmark = pytest.mark.usefixtures("shared_ray_head")  # its runs join one Ray head (tests/ray_head.py)
 
 
 @pytest.fixture(scope="module")

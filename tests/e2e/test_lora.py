@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 import torch
 
-pytestmark = pytest.mark.usefixtures("ray_head")  # its runs join one Ray head (tests/ray_head.py)
+pytestmark = pytest.mark.usefixtures("shared_ray_head")  # its runs join one Ray head (tests/ray_head.py)
 
 VENV_BIN = Path(sys.executable).parent
 ROOT = Path(__file__).resolve().parents[2]

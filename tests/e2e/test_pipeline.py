@@ -12,7 +12,7 @@ from hybridflow.config import compose
 from hybridflow.config.schema import StageConfig
 from hybridflow.merge.hooks import HookConfig
 
-pytestmark = pytest.mark.usefixtures("ray_head")  # its runs join one Ray head (tests/ray_head.py)
+pytestmark = pytest.mark.usefixtures("shared_ray_head")  # its runs join one Ray head (tests/ray_head.py)
 
 ROOT = Path(__file__).resolve().parents[2]
 

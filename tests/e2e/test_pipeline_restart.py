@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.usefixtures("ray_head")  # its runs join one Ray head (tests/ray_head.py)
+pytestmark = pytest.mark.usefixtures("shared_ray_head")  # its runs join one Ray head (tests/ray_head.py)
 
 ROOT = Path(__file__).resolve().parents[2]
 PIPELINE = ["trainer.prompts_per_step=4", "rollout.max_response_tokens=4", "trainer.val_prompts=8",

@@ -9,7 +9,7 @@ import pytest
 
 from tests.e2e.test_rl_recipes import hybridflow, metrics
 
-pytestmark = pytest.mark.usefixtures("ray_head")  # its runs join one Ray head (tests/ray_head.py)
+pytestmark = pytest.mark.usefixtures("shared_ray_head")  # its runs join one Ray head (tests/ray_head.py)
 
 SYNC_KEYS = ["weight_sync/bytes_received_per_rank", "weight_sync/min_bytes_per_rank", "weight_sync/seconds",
              "weight_sync/copy_floor_ratio", "weight_sync/probe_log_prob_gap", "weight_sync/verified_tensors"]

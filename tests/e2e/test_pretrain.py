@@ -15,7 +15,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-pytestmark = pytest.mark.usefixtures("ray_head")  # its runs join one Ray head (tests/ray_head.py)
+pytestmark = pytest.mark.usefixtures("shared_ray_head")  # its runs join one Ray head (tests/ray_head.py)
 
 VENV_BIN = Path(sys.executable).parent
 SMALL = ["recipe=pretrain", "pretrain.generated.train_documents=2000", "pretrain.generated.val_documents=100",

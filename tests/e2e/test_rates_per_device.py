@@ -19,7 +19,7 @@ import pytest
 
 from hybridflow.planning.cost import STAGES, Rates
 
-pytestmark = pytest.mark.usefixtures("ray_head")  # its runs join one Ray head (tests/ray_head.py)
+pytestmark = pytest.mark.usefixtures("shared_ray_head")  # its runs join one Ray head (tests/ray_head.py)
 
 VENV_BIN = Path(sys.executable).parent
 GRPO = ["recipe=grpo", "placement=auto", "trainer.total_steps=5", "trainer.prompts_per_step=8",

@@ -18,7 +18,7 @@ import pytest
 
 from tests.real_model import real_overrides
 
-pytestmark = pytest.mark.usefixtures("ray_head")  # its runs join one Ray head (tests/ray_head.py)
+pytestmark = pytest.mark.usefixtures("shared_ray_head")  # its runs join one Ray head (tests/ray_head.py)
 
 ROOT = Path(__file__).resolve().parents[2]
 HYBRIDFLOW = str(Path(sys.executable).parent / "hybridflow")

@@ -7,7 +7,7 @@ import pytest
 
 from tests.e2e.test_rl_recipes import ONE_RANK, hybridflow, metrics
 
-pytestmark = pytest.mark.usefixtures("ray_head")  # its runs join one Ray head (tests/ray_head.py)
+pytestmark = pytest.mark.usefixtures("shared_ray_head")  # its runs join one Ray head (tests/ray_head.py)
 
 # A reward with a spread on the untrained tiny model (exact match is almost always 0 there, which
 # would give ReMax a zero baseline and zero advantages): the response's length in characters.

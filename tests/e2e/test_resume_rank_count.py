@@ -25,7 +25,7 @@ import torch
 
 # Two CLI runs: left out of the default run (`pytest -m slow` runs it);
 # tests/unit/test_resume_rank_count.py covers 2 -> 1 and 1 -> 2 with the real actor by default.
-pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("ray_head")]  # its runs join one Ray head (tests/ray_head.py)
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("shared_ray_head")]  # its runs join one Ray head (tests/ray_head.py)
 
 VENV_BIN = Path(sys.executable).parent
 SMALL = ["recipe=sft", "trainer.prompts_per_step=4", "rollout.max_response_tokens=4", "trainer.val_prompts=8",

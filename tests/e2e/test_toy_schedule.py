@@ -23,7 +23,7 @@ import pytest
 
 from hybridflow.rollout_schedules import SCHEDULES, OneStepOff, Pending, Schedule, register_schedule, schedule_class
 
-pytestmark = pytest.mark.usefixtures("ray_head")  # its runs join one Ray head (tests/ray_head.py)
+pytestmark = pytest.mark.usefixtures("shared_ray_head")  # its runs join one Ray head (tests/ray_head.py)
 
 ROOT = Path(__file__).resolve().parents[2]
 
