@@ -28,10 +28,10 @@ import pytest
 
 DEFAULT_TEST_BUDGET_S = {"default": 60.0, "slow": 180.0}
 # Wall clock with two pytest-xdist workers on a CPU with bfloat16 instructions (README "Two commands"): the
-# default tier's 20 minutes on a CPU without them (600 s x 2), and a slow tier that leaves .ci/run near its
-# 60. Measured on a 2-core EPYC without bf16 at 4f495d5: the default tier 18:47, the slow tier 44:19 (the
-# limits there, with the drift margin: 26 and 56 minutes).
-TIER_BUDGET_S = {"default": 600.0, "slow": 1300.0}
+# default tier's 20 minutes on a CPU without them (600 s x 2), and room for the slow tier's drift. Measured
+# on a 2-core EPYC without bf16 at 4f495d5: the default tier 18:47, the slow tier 44:19 (the limits there,
+# with the drift margin: 26 and 65 minutes); a CPU with bf16 ran both about 1.9x faster before (19397d6).
+TIER_BUDGET_S = {"default": 600.0, "slow": 1500.0}
 NO_BF16_FACTOR = 2.0
 DRIFT_MARGIN = 1.3
 SHARED_CORES_FACTOR = 1.7
