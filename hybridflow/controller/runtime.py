@@ -20,6 +20,13 @@ import ray
 log = logging.getLogger(__name__)
 
 
+def join_address(address: str | None) -> str | None:
+    """The cluster a driver joins: `ray.address`, else RAY_ADDRESS (which `ray job submit` exports to
+    the job); None: it starts a local Ray. The driver reads RAY_ADDRESS here, at the edge, so workers
+    never need to."""
+    return address or os.environ.get("RAY_ADDRESS")
+
+
 def connect(*, address: str | None, num_cpus: int | None, dashboard: bool, dashboard_host: str,
             namespace: str, env_vars: dict[str, str] | None = None, log_to_driver: bool = True,
             code_files: list[str] | None = None) -> str:
@@ -36,8 +43,7 @@ def connect(*, address: str | None, num_cpus: int | None, dashboard: bool, dashb
         ray_logger.propagate = True
     quiet = {} if log_to_driver else {"configure_logging": False}
     runtime_env = {"env_vars": dict(env_vars or {})}
-    # The driver reads RAY_ADDRESS here, at the edge, so workers never need to.
-    target = address or os.environ.get("RAY_ADDRESS")
+    target = join_address(address)
     if target:
         shipped = _ship(code_files or [])
         if shipped:

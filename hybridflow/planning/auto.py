@@ -2,7 +2,7 @@
 
 `resolve_placement(config, run_dir)` (called by hybridflow.runner.run_stage, before the recipe
 starts anything) searches the plans of the run's workload on its cluster — this machine, or the
-Ray cluster `ray.address` names — with the rates of `placement.planner.rates` (or the device's
+Ray cluster the run joins (`ray.address`, or RAY_ADDRESS under `ray job submit`) — with the rates of `placement.planner.rates` (or the device's
 built-in profile), keeps the run's own `trainer.max_staleness` (a learning choice, not a
 placement one), and returns the config with the best plan's pools, roles and rollout
 tensor-parallel size. It writes run_dir/plan.json (the plan, its prediction per stage, the rates'
@@ -41,13 +41,16 @@ def load_rates(path: str | None, device: str) -> Rates:
 
 
 def cluster_for(config) -> Cluster:
-    """The cluster the run will use: the Ray cluster at `ray.address` (read, then disconnected), or
-    this machine."""
-    if config.ray.address is None:
+    """The cluster the run will use: the Ray cluster it will join (`ray.address`, or RAY_ADDRESS under
+    `ray job submit`; read, then disconnected), or this machine."""
+    from hybridflow.controller.runtime import join_address
+
+    address = join_address(config.ray.address)
+    if address is None:
         return Cluster.this_machine()
     import ray
 
-    ray.init(address=config.ray.address, namespace=config.ray.namespace, log_to_driver=False)
+    ray.init(address=address, namespace=config.ray.namespace, log_to_driver=False)
     try:
         return Cluster.from_ray()
     finally:

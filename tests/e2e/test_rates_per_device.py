@@ -5,7 +5,9 @@ measured, stage by stage (hybridflow/planning/device_rates.py). The second run's
 decides before anything starts (`runner.run_stage` -> `resolve_placement`), so it is called here in
 the test's process, as the command calls it, instead of a second whole run (CI's time,
 tests/budget.py). How close that prediction comes to the second run's own steps is a measurement,
-not a test (timings on two shared cores drift): docs/placement.md "Rates per device"."""
+not a test (timings on two shared cores drift): docs/placement.md "Rates per device". Its runs start
+their own Ray: joined to the tests' head (tests/ray_head.py) they would plan that cluster, not this
+machine's device."""
 
 from __future__ import annotations
 
@@ -18,8 +20,6 @@ from pathlib import Path
 import pytest
 
 from hybridflow.planning.cost import STAGES, Rates
-
-pytestmark = pytest.mark.usefixtures("shared_ray_head")  # its runs join one Ray head (tests/ray_head.py)
 
 VENV_BIN = Path(sys.executable).parent
 GRPO = ["recipe=grpo", "placement=auto", "trainer.total_steps=5", "trainer.prompts_per_step=8",

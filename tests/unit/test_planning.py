@@ -277,3 +277,19 @@ def test_a_policy_and_a_cost_model_can_be_named_by_module_and_class():
     assert isinstance(build_cost_model("hybridflow.planning.cost:Analytical", ONES), Analytical)
     with pytest.raises(KeyError, match="unknown placement policy 'nearest'; registered: exhaustive"):
         build_policy("nearest")
+
+
+def test_placement_auto_plans_the_cluster_a_submitted_job_joins(_ray_head_address, monkeypatch):
+    """Under `ray job submit` the driver finds its cluster in RAY_ADDRESS, and the run joins it
+    (hybridflow.controller.runtime.join_address): placement=auto plans that cluster (here the tests'
+    head, tests/ray_head.py, of HEAD_CPUS slots), not the machine the driver runs on."""
+    from hybridflow.config import compose
+    from hybridflow.planning.auto import cluster_for
+    from tests.ray_head import HEAD_CPUS
+
+    monkeypatch.setenv("RAY_ADDRESS", _ray_head_address)  # as `ray job submit` sets it for the job
+    joined = cluster_for(compose(["placement=auto"]))
+    assert (joined.nodes, joined.devices_per_node) == (1, HEAD_CPUS)
+    monkeypatch.delenv("RAY_ADDRESS")
+    here = cluster_for(compose(["placement=auto"]))
+    assert here.devices_per_node != HEAD_CPUS  # this machine's own cores
