@@ -1,14 +1,15 @@
 """placement=auto: the planner's best plan for this run, chosen before Ray starts.
 
 `resolve_placement(config, run_dir)` (called by hybridflow.runner.run_stage, before the recipe
-starts anything) searches the plans of the run's workload on its cluster — this machine, or the
-Ray cluster the run joins (`ray.address`, or RAY_ADDRESS under `ray job submit`) — with the rates
-of `placement.planner.rates` (or the device's built-in profile), keeps the run's own
+starts anything) searches the plans of the run's workload on its cluster — this machine, or the Ray
+cluster the run joins (`ray.address`, or RAY_ADDRESS under `ray job submit`) — with the rates of
+`placement.planner.rates` (or the device's built-in profile), keeps the run's own
 `trainer.max_staleness` (a learning choice, not a placement one), and returns the config with the
-best plan's pools, roles and rollout tensor-parallel size. It writes run_dir/plan.json (the plan, its prediction per stage, the rates'
-source and the runners-up); the metrics logger then adds `plan/predicted_<stage>_s` to every step,
-beside the measured `timing/<stage>_s`. When no plan fits, it raises `InputError` listing why the
-first candidates were refused (each memory term, in GiB): no worker has started.
+best plan's pools, roles and rollout tensor-parallel size. It writes run_dir/plan.json (the plan,
+its prediction per stage, the rates' source and the runners-up); the metrics logger then adds
+`plan/predicted_<stage>_s` to every step, beside the measured `timing/<stage>_s`. When no plan fits,
+it raises `InputError` listing why the first candidates were refused (each memory term, in GiB): no
+worker has started.
 """
 
 from __future__ import annotations
