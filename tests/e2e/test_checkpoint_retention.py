@@ -16,6 +16,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.e2e.test_rl_recipes import ONE_RANK
+
 pytestmark = pytest.mark.usefixtures("shared_ray_head")  # its runs join one Ray head (tests/ray_head.py)
 
 VENV_BIN = Path(sys.executable).parent
@@ -23,7 +25,7 @@ SMALL = ["recipe=sft", "trainer.prompts_per_step=4", "rollout.max_response_token
          "data.synthetic.train_rows=200", "data.synthetic.val_rows=16", "actor.samples_per_micro_batch=8",
          "trainer.val_every_steps=0", "trainer.export_hf=false", "trainer.save_every_steps=1",
          "trainer.keep_last_checkpoints=2", "trainer.keep_last_weights=3",
-         "placement.pools.global.devices_per_node=1"]  # one rank: CI's time (tests/e2e/test_rl_recipes.py ONE_RANK)
+         ONE_RANK]
 
 
 def hybridflow(args: list[str], output_root: Path, run_name: str) -> subprocess.CompletedProcess:

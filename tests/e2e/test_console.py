@@ -4,17 +4,20 @@ short run's console is read on tests/e2e/test_rl_recipes.py's uninterrupted run.
 
 from __future__ import annotations
 
-import pytest
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
+
+from tests.e2e.test_rl_recipes import ONE_RANK
 
 pytestmark = pytest.mark.usefixtures("shared_ray_head")  # its runs join one Ray head (tests/ray_head.py)
 
 VENV_BIN = Path(sys.executable).parent
 SMALL = ["recipe=grpo", "trainer.prompts_per_step=4", "rollout.samples_per_prompt=4", "rollout.max_response_tokens=4",
          "trainer.val_prompts=8", "data.synthetic.train_rows=200", "data.synthetic.val_rows=16",
-         "actor.samples_per_micro_batch=8", "placement.pools.global.devices_per_node=1"]  # one rank: CI's time
+         "actor.samples_per_micro_batch=8", ONE_RANK]
 
 
 def hybridflow(args: list[str], output_root: Path, run_name: str) -> subprocess.CompletedProcess:

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.e2e.test_rl_recipes import ONE_RANK
 from tests.real_model import real_overrides
 
 pytestmark = pytest.mark.usefixtures("shared_ray_head")  # its runs join one Ray head (tests/ray_head.py)
@@ -34,9 +35,8 @@ def metrics(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
-# One rank where the claim is not about ranks: the second rank's process costs its own start, and FSDP over
-# gloo moves the whole model (0.54 GB in float32) between the two for every forward (CI's time, tests/budget.py)
-ONE_RANK = "placement.pools.global.devices_per_node=1"
+# ONE_RANK where the claim is not about ranks: besides the second rank's own start, FSDP over gloo moves
+# the whole model (0.54 GB in float32) between the two for every forward (CI's time, tests/budget.py)
 
 
 # in the default run: the real model at real shapes, cheapest (62 s on a 2-core Xeon, 135 s on a 2-core

@@ -17,6 +17,7 @@ import torch
 from safetensors.torch import load_file
 
 from hybridflow.merge.api import merge_state_dicts
+from tests.e2e.test_rl_recipes import ONE_RANK
 
 pytestmark = pytest.mark.usefixtures("shared_ray_head")  # its runs join one Ray head (tests/ray_head.py)
 
@@ -26,7 +27,7 @@ SMALL = ["recipe=sft", "trainer.prompts_per_step=4", "rollout.max_response_token
          "trainer.val_every_steps=0", "trainer.save_every_steps=1", "trainer.keep_last_checkpoints=1",
          "trainer.keep_last_weights=4", "weight_sync.checksum_every_steps=1", "actor.optim.warmup_steps=0",
          "actor.optim.lr_schedule=constant",
-         "placement.pools.global.devices_per_node=1"]  # one rank: CI's time (tests/e2e/test_rl_recipes.py ONE_RANK)
+         ONE_RANK]
 # The update of step 6 runs at 1000x the lr (1e-3 -> 1: at 0.1 an early SFT step can even lower
 # the loss), so the loss logged at step 7 (of the weights saved at 6) spikes; the hook merges the 2 newest checkpoints saved before step 6: steps 4 and 5, and
 # puts back the 2 x 4 rows drawn at steps 6 and 7. Weights of the last 4 checkpoints are kept, so

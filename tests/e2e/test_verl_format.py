@@ -13,6 +13,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.e2e.test_rl_recipes import ONE_RANK
+
 pytestmark = pytest.mark.usefixtures("shared_ray_head")  # its runs join one Ray head (tests/ray_head.py)
 
 VENV_BIN = Path(sys.executable).parent
@@ -65,7 +67,7 @@ def test_grpo_trains_three_steps_on_verl_data_with_a_verl_reward_file(verl_input
            "trainer.total_steps=3", "trainer.prompts_per_step=4", "rollout.samples_per_prompt=4",
            "rollout.max_response_tokens=4", "data.max_prompt_tokens=32", "trainer.val_prompts=8",
            "actor.samples_per_micro_batch=8", "trainer.export_hf=false",
-           "placement.pools.global.devices_per_node=1",  # one rank: CI's time (tests/e2e/test_rl_recipes.py ONE_RANK)
+           ONE_RANK,
            f"logger.output_root={inputs['root']}", "logger.run_name=verl"]
     result = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
