@@ -722,7 +722,7 @@ def check_packed_attention(device: str, dtype: str) -> dict:
     reference = torch.nn.functional.scaled_dot_product_attention(q.float(), kr.float(), vr.float(), attn_mask=allowed)
     reference = reference.transpose(1, 2)
     ref_grads = torch.autograd.grad(reference.square().sum(), (q, k, v))
-    return {"kernel": served, "torch": torch.__version__, "varlen_available": packing._VARLEN is not None,
+    return {"kernel": served, "torch": torch.__version__, "varlen_available": packing.varlen_kernel() is not None,
             "max_output_gap": float((out.float() - reference).abs().max()),
             "max_grad_gap": max(float((a.float() - b.float()).abs().max()) for a, b in zip(grads, ref_grads)),
             "output_scale": float(reference.abs().max()),

@@ -8,13 +8,24 @@ LR scheduler, per-rank RNG; loadable on another rank count), `export_hf_model` a
 `export_lora_adapter` (a LoRA actor's peft adapter, `actor.lora.save_adapter_only`). See docs/checkpoints.md.
 """
 
-from hybridflow.checkpoint.adapter import export_lora_adapter
+import importlib
+
 from hybridflow.checkpoint.errors import CheckpointCorrupt, CheckpointError
-from hybridflow.checkpoint.hf_export import export_hf_model, hf_state_dict
 from hybridflow.checkpoint.manager import CheckpointManager, config_hash, read_trainer_state, step_dir_name
 from hybridflow.checkpoint.rng import capture_rng_state, restore_rng_state
 from hybridflow.checkpoint.training_state import (load_training_state, rank_change_note, save_training_state,
                                                  saved_world_size, verify_training_state)
+
+# The worker side's exports, imported on first use: they import torch.distributed.checkpoint's state-dict
+# API (1.9 s on a 2-core CPU), which the driver, importing this package for CheckpointManager, never calls.
+_WORKER_SIDE = {"export_hf_model": "hf_export", "hf_state_dict": "hf_export", "export_lora_adapter": "adapter"}
+
+
+def __getattr__(name: str):
+    module = _WORKER_SIDE.get(name)
+    if module is None:
+        raise AttributeError(f"module 'hybridflow.checkpoint' has no attribute {name!r}")
+    return getattr(importlib.import_module(f"hybridflow.checkpoint.{module}"), name)
 
 __all__ = [
     "CheckpointCorrupt",

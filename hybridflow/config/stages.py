@@ -21,7 +21,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from hybridflow.config.recipes import RECIPE_SPECS, recipe_spec
-from hybridflow.merge.hooks import checkpoints_needed
 
 if TYPE_CHECKING:
     from hybridflow.config.schema import HybridFlowConfig
@@ -142,6 +141,8 @@ def _retention(config: HybridFlowConfig, index: int) -> list[str]:
 
 def _window(config: HybridFlowConfig, index: int) -> int | None:
     """How many of stage `index`'s newest checkpoints the next stage's init hook reads."""
+    from hybridflow.merge.hooks import checkpoints_needed  # torch and DCP: only a pipeline's driver needs them
+
     stages = config.pipeline.stages
     return checkpoints_needed(stages[index + 1].init) if index + 1 < len(stages) else None
 

@@ -242,15 +242,27 @@ def _find_varlen():
     return varlen_attn
 
 
-_VARLEN = _find_varlen()
-# its keyword arguments, read once (the checks below run in every attention call)
-_VARLEN_PARAMS = frozenset(inspect.signature(_VARLEN).parameters) if _VARLEN is not None else frozenset()
+# PyTorch's kernel and its keyword arguments, looked up by the first CUDA call: importing it pulls in
+# torch._dynamo (1.6 s on a 2-core CPU), which no CPU run and no driver needs. None: not available.
+_VARLEN = _UNSET = object()
+_VARLEN_PARAMS: frozenset = frozenset()
+
+
+def varlen_kernel():
+    """`torch.nn.attention.varlen.varlen_attn`, or None where this PyTorch has none (looked up once)."""
+    global _VARLEN, _VARLEN_PARAMS
+    if _VARLEN is _UNSET:
+        _VARLEN = _find_varlen()
+        _VARLEN_PARAMS = frozenset(inspect.signature(_VARLEN).parameters) if _VARLEN is not None else frozenset()
+    return _VARLEN
 
 
 def _varlen_serves(query: torch.Tensor, dropout: float, scaling: float | None) -> bool:
     """Whether PyTorch's flash kernel takes this call: CUDA, a 16-bit dtype, no dropout, and a scale
     it can be told (releases before `scale` existed apply 1/sqrt(head_dim) only)."""
-    if _VARLEN is None or not query.is_cuda or query.dtype not in (torch.float16, torch.bfloat16) or dropout:
+    if not query.is_cuda or query.dtype not in (torch.float16, torch.bfloat16) or dropout:
+        return False
+    if varlen_kernel() is None:
         return False
     params = _VARLEN_PARAMS
     if "window_size" not in params and "is_causal" not in params:

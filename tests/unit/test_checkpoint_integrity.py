@@ -120,7 +120,7 @@ KILL_SCRIPT = textwrap.dedent("""
     from pathlib import Path
     import torch
     import torch.distributed.checkpoint as dcp
-    from hybridflow.checkpoint import files, training_state
+    from hybridflow.checkpoint import files
     sys.path.insert(0, sys.argv[3])
     from test_checkpoint_integrity import CheckpointManager, _save, _training
 
@@ -143,7 +143,7 @@ KILL_SCRIPT = textwrap.dedent("""
             os.kill(os.getpid(), signal.SIGKILL)
 
     if where == "shard":
-        training_state.dcp.save = die_in_shard
+        dcp.save = die_in_shard  # save_training_state imports DCP where it saves: it calls this one
     else:
         files.atomic_write_bytes = die_in_rng_file
     model, optimizer = _training(1)
