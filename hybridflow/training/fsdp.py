@@ -29,7 +29,6 @@ from typing import TYPE_CHECKING, Iterable, Iterator
 
 import torch
 import torch.distributed as dist
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 from hybridflow.training.schedules import lr_factor
 
@@ -112,6 +111,10 @@ def shard_model(model: torch.nn.Module, device: str, compute_dtype: str | None =
     precision: forward and backward in `compute_dtype`, gradients reduced in float32 into the
     parameters' (master) dtype. That needs FSDP2 even on one rank; a worker built in-process
     without a process group (a test) gets a one-rank gloo group of its own."""
+    # imported here: FSDP pulls in DTensor and sympy (1.7 s on a 2-core CPU), which the driver, importing
+    # the worker classes to start them, never uses
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
     on_meta = any(p.is_meta for p in model.parameters())
     if not on_meta:
         model.to(device)

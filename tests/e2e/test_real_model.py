@@ -146,12 +146,13 @@ def test_lora_grpo_on_the_real_model_serves_the_adapter_at_a_twentieth_of_the_mo
 @pytest.mark.budget(300)  # SFT, the merge and PPO on the real model (with GRPO last: 522 s on an AVX2-only EPYC)
 @pytest.mark.timeout(1200)  # in this process (the stages' own deadlines apply), past pyproject.toml's 600 s
 def test_an_sft_merge_ppo_pipeline_on_the_real_model(tmp_path, real_model_dir, chat_addition):
-    """SFT -> PMA merge (SMA of the last 2 SFT checkpoints) -> PPO from the merge, on the real model:
+    """SFT -> PMA merge (SMA of the last 2 SFT checkpoints, steps 2 and 4) -> PPO from the merge, on the real model:
     the default pipeline's stages with PPO (actor, critic, reference, colocated rollout) in GRPO's
     place, GRPO being on the real model in the three tests above. The SFT stage is the SFT claim too:
     on the chat prompts' answers ("80") its loss falls over 4 steps of lr 1e-4, 16 prompts a step; the
     PPO stage is the PPO claim: memory within bounds and float32 parity (one real-model test for the
-    three: CI's time, tests/budget.py)."""
+    three: CI's time, tests/budget.py). The merged model's own evaluation (`evaluate_init`) is the
+    tiny model's pipeline test's (tests/e2e/test_pipeline.py): 25 s of an engine start here."""
     import ray
 
     from hybridflow.cli import run
@@ -165,10 +166,10 @@ def test_an_sft_merge_ppo_pipeline_on_the_real_model(tmp_path, real_model_dir, c
                                         *[o for o in REAL_SMALL if not o.startswith("trainer.export_hf")], ONE_RANK]
     config.pipeline.stages = [
         StageConfig(name="sft", recipe="sft", overrides=[
-            "trainer.total_steps=4", "trainer.save_every_steps=1", "trainer.val_every_steps=4",
+            "trainer.total_steps=4", "trainer.save_every_steps=2", "trainer.val_every_steps=4",
             "trainer.prompts_per_step=16", "actor.optim.lr=1e-4", "actor.optim.warmup_steps=0",
             "actor.optim.lr_schedule=constant"]),
-        StageConfig(name="ppo", recipe="ppo", init=HookConfig("pma_sma", {"last": 2}), evaluate_init=True,
+        StageConfig(name="ppo", recipe="ppo", init=HookConfig("pma_sma", {"last": 2}), evaluate_init=False,
                     overrides=["trainer.total_steps=1", "critic.samples_per_micro_batch=8"]),
     ]
     try:
@@ -182,7 +183,7 @@ def test_an_sft_merge_ppo_pipeline_on_the_real_model(tmp_path, real_model_dir, c
     assert losses[-1] < losses[0], losses
     assert 0.0 <= sft[-1]["val/accuracy"] <= 1.0 and (run_dir / "00-sft" / "checkpoints" / "step_00000004").is_dir()
     ppo = json.loads((run_dir / "01-ppo" / "STAGE_COMPLETE").read_text())
-    assert 0.0 <= ppo["init_accuracy"] <= 1.0 and ppo["final_accuracy"] is not None
+    assert ppo["final_accuracy"] is not None
     provenance = json.loads((run_dir / "01-ppo" / "init_model" / "merge_provenance.json").read_text())
     assert provenance["method"] == "sma" and len(provenance["inputs"]) == 2
     assert result["final_model"].endswith("01-ppo/final_model")

@@ -20,6 +20,11 @@ SPEC = TinyModelConfig(hidden_size=1024, intermediate_size=4096, num_hidden_laye
 
 def _start(rank: int, port: int, model_dir: str, out_dir: str) -> None:
     import torch.distributed as dist
+    # the libraries the start imports on first use (transformers' model classes, FSDP, DCP's state-dict API):
+    # their modules' memory is not the weights'
+    import torch.distributed.checkpoint.state_dict  # noqa: F401
+    import torch.distributed.fsdp  # noqa: F401
+    from transformers import AutoModelForCausalLM  # noqa: F401
 
     from hybridflow.config.schema import ActorConfig, HybridFlowConfig, OptimConfig
     from hybridflow.controller import WorkerContext
