@@ -152,21 +152,27 @@ def _hydra_main(cfg: DictConfig) -> None:
         sys.exit(2)
 
 
-def main() -> None:
+def run_command() -> int:
+    """What `hybridflow` does with sys.argv, as its exit status (0; 2 for a refusal; 1 for an error
+    Hydra reported), without ending the process: `main` ends it, a test runs several in one process."""
     from hybridflow.config.stages import split_stage_scoped
 
-    if sys.argv[1:2] == ["plan"]:  # `hybridflow plan ...`: the placement search (hybridflow/planning/cli.py)
-        from hybridflow.planning.cli import main as plan_main
-
-        sys.exit(plan_main(sys.argv[2:]))
-    sys.argv[1:], _STAGE_SCOPED[:] = split_stage_scoped(sys.argv[1:])
     try:
+        if sys.argv[1:2] == ["plan"]:  # `hybridflow plan ...`: the placement search (hybridflow/planning/cli.py)
+            from hybridflow.planning.cli import main as plan_main
+
+            return plan_main(sys.argv[2:])
+        sys.argv[1:], _STAGE_SCOPED[:] = split_stage_scoped(sys.argv[1:])
         _hydra_main()
-    except SystemExit as exc:  # a refusal (2) or Hydra's report of an error (1)
-        if not isinstance(exc.code, int):
+    except SystemExit as exc:  # a refusal (2), Hydra's report of an error (1), --help (0)
+        if exc.code is not None and not isinstance(exc.code, int):
             raise
-        _exit(exc.code)
-    _exit(0)
+        return exc.code or 0
+    return 0
+
+
+def main() -> None:
+    _exit(run_command())
 
 
 def _exit(code: int) -> None:

@@ -1,4 +1,5 @@
-"""Run the `hybridflow` entry point (hybridflow.cli.main) once per argument list, in this one process,
+"""Run the `hybridflow` command's code (hybridflow.cli.run_command: `main` less its end of the process)
+once per argument list, in this one process,
 and print each run's exit status, output, seconds and whether Ray was started, as JSON.
 
     python -m tests.e2e.cli_in_one_process '{"case": ["recipe=grpo", ...], ...}'
@@ -27,7 +28,7 @@ def main() -> None:
         code = 0
         with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr):
             try:
-                cli.main()
+                code = cli.run_command()
             except SystemExit as exc:
                 code = exc.code if isinstance(exc.code, int) else 1
         ray = sys.modules.get("ray")

@@ -8,11 +8,12 @@ import json
 
 from hybridflow.config import compose
 from hybridflow.tracking import read_metrics
+from tests.e2e.test_rl_recipes import ONE_RANK
 
 pytestmark = pytest.mark.usefixtures("shared_ray_head")  # its runs join one Ray head (tests/ray_head.py)
 
 SMALL = ["trainer.prompts_per_step=4", "trainer.val_prompts=8", "data.synthetic.train_rows=200",
-         "data.synthetic.val_rows=16", "actor.samples_per_micro_batch=8"]
+         "data.synthetic.val_rows=16", "actor.samples_per_micro_batch=8", ONE_RANK]
 
 
 @pytest.mark.slow  # ~36 s; agent rollouts run end to end in test_agent_rollout.py

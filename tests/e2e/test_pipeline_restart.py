@@ -16,6 +16,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.e2e.test_rl_recipes import ONE_RANK
+
 pytestmark = pytest.mark.usefixtures("shared_ray_head")  # its runs join one Ray head (tests/ray_head.py)
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -25,7 +27,8 @@ PIPELINE = ["trainer.prompts_per_step=4", "rollout.max_response_tokens=4", "trai
             "stages.sft.trainer.total_steps=4", "stages.grpo.trainer.total_steps=3",
             "stages.grpo.rollout.samples_per_prompt=4",
             # no held-out evaluation of the merged start (its own whole-stack start: tests/e2e/test_pipeline.py has it)
-            "pipeline.stages.1.evaluate_init=false"]
+            "pipeline.stages.1.evaluate_init=false",
+            ONE_RANK]  # the claim is the stage's restart, not its ranks: one process less per start
 FAULT = ["stages.grpo.trainer.max_restarts=1", "stages.grpo.trainer.fault_injection=[{kind:kill,role:actor,rank:0,step:2}]"]
 COMPARED = ["reward/score", "actor/loss", "actor/grad_norm", "actor/entropy", "response/length_mean"]
 

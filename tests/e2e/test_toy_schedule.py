@@ -22,6 +22,7 @@ from pathlib import Path
 import pytest
 
 from hybridflow.rollout_schedules import SCHEDULES, OneStepOff, Pending, Schedule, register_schedule, schedule_class
+from tests.e2e.test_rl_recipes import ONE_RANK
 
 pytestmark = pytest.mark.usefixtures("shared_ray_head")  # its runs join one Ray head (tests/ray_head.py)
 
@@ -60,7 +61,7 @@ def test_a_schedule_added_by_one_file_runs_the_grpo_recipe_end_to_end(tmp_path):
             "trainer.prompts_per_step=4", "rollout.samples_per_prompt=4", "rollout.max_response_tokens=4",
             "trainer.val_prompts=8", "trainer.val_every_steps=0", "data.synthetic.train_rows=200",
             "data.synthetic.val_rows=16", "actor.samples_per_micro_batch=8", "trainer.export_hf=false",
-            f"logger.output_root={tmp_path}", "logger.run_name=lazy"]
+            ONE_RANK, f"logger.output_root={tmp_path}", "logger.run_name=lazy"]
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     done = subprocess.run([sys.executable, "-m", "tests.e2e.test_toy_schedule", *args], cwd=ROOT, env=env, capture_output=True, text=True,
                           timeout=600)
