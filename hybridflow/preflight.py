@@ -53,9 +53,19 @@ def check_inputs(config: HybridFlowConfig) -> None:
                     for problem in check_run(stage, check_model=first)]
     else:
         problems = check_run(config)
+    problems += _cluster_problems(config)
     if problems:
         listed = "\n".join(f"  - {p}" for p in problems)
         raise InputError(f"{len(problems)} problem(s) with the run's inputs, found before anything started:\n{listed}")
+
+
+def _cluster_problems(config: HybridFlowConfig) -> list[str]:
+    """The cluster the run joins (ray.address, else RAY_ADDRESS), when nothing answers there."""
+    from hybridflow.controller.runtime import join_address, unreachable_head
+
+    key = "ray.address" if config.ray.address else "RAY_ADDRESS (the environment)"
+    problem = unreachable_head(join_address(config.ray.address), key)
+    return [problem] if problem else []
 
 
 def check_run(config: HybridFlowConfig, check_model: bool = True) -> list[str]:

@@ -27,6 +27,27 @@ def join_address(address: str | None) -> str | None:
     return address or os.environ.get("RAY_ADDRESS")
 
 
+def unreachable_head(address: str | None, key: str) -> str | None:
+    """Why the cluster at `address` (host:port, as `join_address` gives it) cannot be joined, or None.
+    Joining a head that is gone, Ray retries for ever (a stale RAY_ADDRESS after `ray stop` waited
+    silently past two minutes), so the command asks once, before anything starts, whether anything
+    answers there. An address of another form (auto, ray://...) is left to Ray."""
+    import socket
+
+    if not address or "://" in address or address.startswith("[") or address.count(":") != 1:
+        return None
+    host, port = address.rsplit(":", 1)
+    if not port.isdigit():
+        return None
+    try:
+        socket.create_connection((host, int(port)), timeout=10).close()
+    except OSError as exc:
+        return (f"{key}={address!r}: no Ray head answers at {host}:{port} ({exc.strerror or exc}); start the "
+                "cluster (`ray start --head`), correct the address, or leave ray.address and RAY_ADDRESS unset "
+                "to start a local Ray")
+    return None
+
+
 def connect(*, address: str | None, num_cpus: int | None, dashboard: bool, dashboard_host: str,
             namespace: str, env_vars: dict[str, str] | None = None, log_to_driver: bool = True,
             code_files: list[str] | None = None) -> str:

@@ -137,6 +137,9 @@ CASES = {
         "trainer.val_prompts=300 is more than data.synthetic.val_rows=200"]),
     "pipeline whose first stage has no weights": (lambda root: [f"model.path={root / 'no_weights'}"], [
         "pipeline.stages[0] (sft): model.path='{root}/no_weights'", "no weights"]),
+    # Ray itself retries a dead head for ever (a stale RAY_ADDRESS after `ray stop` waited past two minutes)
+    "ray.address where no Ray head answers": (lambda root: ["recipe=grpo", "ray.address=127.0.0.1:9"], [
+        "ray.address='127.0.0.1:9': no Ray head answers at 127.0.0.1:9", "ray start --head"]),
 }
 
 
