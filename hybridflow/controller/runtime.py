@@ -34,7 +34,7 @@ def unreachable_head(address: str | None, key: str) -> str | None:
     answers there. An address of another form (auto, ray://...) is left to Ray."""
     import socket
 
-    if not address or "://" in address or address.startswith("[") or address.count(":") != 1:
+    if not address or "://" in address or address.count(":") != 1:  # auto, ray://..., IPv6: Ray's to judge
         return None
     host, port = address.rsplit(":", 1)
     if not port.isdigit():
