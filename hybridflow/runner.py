@@ -205,11 +205,14 @@ def run_training_hooks(config: HybridFlowConfig, step: int, actor: WorkerGroup, 
     reference <- EMA of the actor); the step hooks among them run through
     `hybridflow.training.hooks.StepHooks`. Full weights pass through the driver, so hooks are
     meant for every K steps."""
-    from hybridflow.merge.hooks import run_training_hook
     from hybridflow.training.hooks import STEP_HOOKS
 
-    applied = 0.0
     reference_hooks = [h for h in config.trainer.training_hooks if h.name not in STEP_HOOKS]
+    if not reference_hooks:
+        return {}  # without importing the merge tools (DCP: seconds of every driver's CPU)
+    from hybridflow.merge.hooks import run_training_hook
+
+    applied = 0.0
     for hook in reference_hooks:
         every = hook.params.get("every_steps")  # hook params are free-form by design
         if every and step % int(every):

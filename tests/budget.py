@@ -60,7 +60,7 @@ FILE_SECONDS = {
         "tests/e2e/test_placements.py": 220, "tests/e2e/test_pipeline_restart.py": 140, "tests/e2e/test_lora.py": 115,
         "tests/e2e/test_resume_rank_count.py": 100, "tests/e2e/test_checkpoint_retention.py": 90, "tests/e2e/test_dpo.py": 90,
         "tests/e2e/test_agent_pipeline.py": 80, "tests/e2e/test_rates_per_device.py": 80, "tests/e2e/test_toy_transport.py": 60,
-        "tests/e2e/test_sft_step_hooks.py": 55, "tests/e2e/test_console.py": 50, "tests/e2e/test_verl_format.py": 50,
+        "tests/e2e/test_sft_step_hooks.py": 55, "tests/e2e/test_verl_format.py": 50,
         "tests/e2e/test_remax.py": 50, "tests/e2e/test_engine_parity.py": 40, "tests/e2e/test_toy_schedule.py": 35,
         "tests/e2e/test_pretrain.py": 35,
     },

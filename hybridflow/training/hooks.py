@@ -358,6 +358,8 @@ def batches_to_remember(hooks: list, save_every_steps: int, drawn_ahead: int = 0
 def check_step_hooks(config: "HybridFlowConfig") -> None:
     """Before Ray starts: each step hook's params, that the recipe runs step hooks, and that
     spike_recovery will find its checkpoints and can load their weights into the actor."""
+    if not any(hook.name in STEP_HOOKS for hook in config.trainer.training_hooks):
+        return  # nothing to check; the merge hooks' registry imports DCP (seconds in every driver)
     from hybridflow.merge.hooks import TRAINING_HOOKS
 
     from hybridflow.config.recipes import RECIPE_SPECS, recipe_spec

@@ -24,13 +24,11 @@ VENV_BIN = Path(sys.executable).parent
 
 
 @pytest.mark.slow  # CI's slow tier, for the default run's 20 minutes on a CPU without bf16 (README "Two commands")
-def test_pool_spanning_two_nodes_places_ranks_on_both():
+def test_pool_spanning_two_nodes_places_ranks_on_both(two_workers):
+    """On the module's simulated cluster (a start of its own was CI's time, tests/budget.py)."""
     import ray
-    from ray.cluster_utils import Cluster
 
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 2})
-    cluster.add_node(num_cpus=2)
-    cluster.wait_for_nodes()
+    cluster, _ = two_workers
     try:
         ray.init(address=cluster.address, runtime_env={"env_vars": {"PYTHONPATH": str(REPO_ROOT)}},
                  log_to_driver=False)
@@ -41,9 +39,9 @@ def test_pool_spanning_two_nodes_places_ranks_on_both():
         assert nodes[0] == nodes[1] and nodes[2] == nodes[3]  # node-major rank order
         assert {i["node_id"] for i in group.whoami()} == set(nodes)
         assert group.all_reduce_rank() == [10.0] * 4  # 1+2+3+4 across both nodes
+        group.shutdown()  # the nodes' slots free for the module's next runs
     finally:
         ray.shutdown()
-        cluster.shutdown()
 
 
 def _free_port() -> int:

@@ -1,7 +1,12 @@
 """A verl-format data set and a verl reward file train with GRPO through the `hybridflow` command,
 unchanged: chat-message prompts (rendered with the tokenizer's chat template), the answer nested in
 `reward_model.ground_truth`, `extra_info` / `ability` / `data_source` columns, verl's
-`compute_score(data_source, solution_str, ground_truth, extra_info)`, and verl's KL names."""
+`compute_score(data_source, solution_str, ground_truth, extra_info)`, and verl's KL names.
+
+The run is verbose (`logger.verbose=true`), and what a verbose run prints is read on it too
+(hybridflow/console.py: the library output on the console, no logs directory): one start of the
+stack for both (each start is a minute of CI's time on a 2-core CPU, tests/budget.py). A quiet
+run's console is read on tests/e2e/test_rl_recipes.py's uninterrupted run."""
 
 from __future__ import annotations
 
@@ -57,8 +62,9 @@ def verl_inputs(tmp_path_factory) -> dict[str, Path]:
             "root": root}
 
 
-@pytest.mark.slow  # CI's slow tier, for the default run's 20 minutes on a CPU without bf16 (README "Two commands")
-def test_grpo_trains_three_steps_on_verl_data_with_a_verl_reward_file(verl_inputs):
+@pytest.fixture(scope="module")
+def verl_run(verl_inputs) -> subprocess.CompletedProcess:
+    """Three GRPO steps on the verl files, verbose; its run directory is `verl_inputs['root'] / 'verl'`."""
     inputs = verl_inputs
     cmd = [str(VENV_BIN / "hybridflow"), "recipe=grpo", "data=files", f"data.train_path={inputs['train']}",
            f"data.val_path={inputs['val']}", f"reward.fn={inputs['reward']}:compute_score",
@@ -66,14 +72,25 @@ def test_grpo_trains_three_steps_on_verl_data_with_a_verl_reward_file(verl_input
            "actor.kl_loss_coef=0.01", "actor.kl_loss_estimator=low_var_kl",
            "trainer.total_steps=3", "trainer.prompts_per_step=4", "rollout.samples_per_prompt=4",
            "rollout.max_response_tokens=4", "data.max_prompt_tokens=32", "trainer.val_prompts=8",
-           "actor.samples_per_micro_batch=8", "trainer.export_hf=false",
+           "actor.samples_per_micro_batch=8", "trainer.export_hf=false", "logger.verbose=true",
            ONE_RANK,
            f"logger.output_root={inputs['root']}", "logger.run_name=verl"]
     result = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
-    rows = [json.loads(line) for line in (inputs["root"] / "verl" / "metrics.jsonl").read_text().splitlines()]
+    return result
+
+
+@pytest.mark.slow  # CI's slow tier, for the default run's 20 minutes on a CPU without bf16 (README "Two commands")
+def test_grpo_trains_three_steps_on_verl_data_with_a_verl_reward_file(verl_inputs, verl_run):
+    rows = [json.loads(line) for line in (verl_inputs["root"] / "verl" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2, 3]
     for key in ("reward/score", "reward/compute_score/score", "kl/penalty_mean", "kl_loss", "response/length_mean"):
         assert key in rows[0], f"{key} missing from the step metrics"
     assert rows[-1]["kl_loss"] > 0  # low_var_kl (k3) once the actor has moved from the reference
     assert 0.0 <= rows[-1]["val/accuracy"] <= 1.0
+
+
+@pytest.mark.slow  # a dead worker named with its last output: tests/e2e/test_rl_recipes.py's rank-kill test
+def test_verbose_shows_the_library_output(verl_inputs, verl_run):
+    assert "Initializing a V1 LLM engine" in verl_run.stdout + verl_run.stderr
+    assert not (verl_inputs["root"] / "verl" / "logs" / "grpo").exists()

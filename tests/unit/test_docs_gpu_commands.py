@@ -52,13 +52,17 @@ def gpu_commands() -> list:
 
 
 def test_each_page_names_its_gpu_and_has_gpu_commands():
-    commands = gpu_commands()
+    commands = GPU_COMMANDS
     assert {c.where.split(":")[0] for c in commands} == set(PAGES), [c.where for c in commands]
     for name, path in PAGES.items():
         assert STATED_GPU.search(path.read_text()), f"{name} does not say which GPU its commands are for (N GB GPUs)"
 
 
-@pytest.mark.parametrize("command", gpu_commands(), ids=[c.where for c in gpu_commands()])
+# composed once at collection (each command composes its config: seconds, in every pytest-xdist worker)
+GPU_COMMANDS = gpu_commands()
+
+
+@pytest.mark.parametrize("command", GPU_COMMANDS, ids=[c.where for c in GPU_COMMANDS])
 def test_every_documented_gpu_command_fits_the_gpu_its_page_names(command, tmp_path, monkeypatch, tiny_model_dir):
     from hybridflow.cli import compose_command
     from hybridflow.memory_budget import GIB, ModelShape, actor_pool_roles, gpu_phase_terms, memory_problems

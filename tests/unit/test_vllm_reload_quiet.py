@@ -10,7 +10,12 @@ import logging
 import pytest
 import torch
 
-layerwise = pytest.importorskip("vllm.model_executor.model_loader.reload.layerwise")
+
+@pytest.fixture
+def layerwise():
+    """vLLM's reload module, imported by the test (not at collection: vLLM's import is seconds in every
+    pytest-xdist worker, and most runs of this file's tier never need it)."""
+    return pytest.importorskip("vllm.model_executor.model_loader.reload.layerwise")
 
 
 class _Rotary(torch.nn.Module):
@@ -32,7 +37,7 @@ class _Toy(torch.nn.Module):
         self.lm_head = _Weight(self.embed_tokens.weight)  # tie_word_embeddings: the same Parameter
 
 
-def test_only_layers_without_a_checkpoint_tensor_by_design_are_quiet():
+def test_only_layers_without_a_checkpoint_tensor_by_design_are_quiet(layerwise):
     from hybridflow.resharding.vllm_side import mark_layers_without_checkpoint_tensors
 
     model = _Toy()
