@@ -131,10 +131,9 @@ def test_colocated_tp2_moves_exactly_the_layout_minimum(ray, tiny_model_dir):
         _shutdown(groups)
 
 
-@pytest.mark.parametrize("actor_ranks,rollout_ranks,tp", [
-    (2, 1, 1),  # 1 -> 1 runs in every disaggregated e2e run (its own run here was CI's time, tests/budget.py)
-    pytest.param(1, 2, 2, marks=pytest.mark.slow)],  # 1 -> TP 2: the first sync of the TP-2 staged test below
-                         ids=["2to1", "1to2-tp2"])
+# 1 -> 1 runs in every disaggregated e2e run (its own run here was CI's time, tests/budget.py); 1 -> TP 2, with
+# a corrupted bucket caught on it, is the TP-2 staged test's first and last sync below (slow)
+@pytest.mark.parametrize("actor_ranks,rollout_ranks,tp", [(2, 1, 1)], ids=["2to1"])
 def test_disaggregated_sync_over_a_gloo_group(ray, tiny_model_dir, actor_ranks, rollout_ranks, tp):
     """Each layout syncs at its minimum, checked; then a bucket corrupted on arrival (one element
     +1) is caught by the checksum check (last: a failed check retires the worker group)."""
@@ -199,7 +198,8 @@ def test_the_ranks_of_a_tp2_engine_load_the_newest_staged_version_they_all_hold(
     batch that may use version 1 then runs on version 1 on both ranks, the newest both hold (not
     version 2 on rank 0 and 1 on rank 1: a model no policy ever was), each rank's load checked
     against its checksums; the next batch, needing version 2, waits for rank 1 and loads version 2
-    on both, and the engine computes the actor's log-probs."""
+    on both, and the engine computes the actor's log-probs. Last (it retires the group), a bucket
+    corrupted on arrival at rank 0 of the engine (one element +1) is caught by the checksum check."""
     groups, sync, tok, _ = _spawn(tiny_model_dir, 1, 2, tp=2, name="tp2-staged", checksum_every=1, bucket_mb=0.25)
     try:
         metrics = sync.sync(step=0, version=0)  # 1 -> TP 2 over the gloo group, checked
@@ -223,6 +223,10 @@ def test_the_ranks_of_a_tp2_engine_load_the_newest_staged_version_they_all_hold(
         actor_lp = groups["actor"].compute_log_probs(samples)["old_log_probs"]
         mask = samples["response_mask"]
         assert float((actor_lp - samples["sampler_log_probs"]).abs()[mask].max()) < 1e-3
+
+        groups["rollout"].inject_weight_sync_fault("corrupt", 0)  # one element of bucket 1 gets +1
+        with pytest.raises(WeightSyncError, match="verification failed for 1 of"):
+            sync.sync(step=3, version=3)
     finally:
         _shutdown(groups)
 
