@@ -74,9 +74,7 @@ def connect(*, address: str | None, num_cpus: int | None, dashboard: bool, dashb
         return f"joined {target}"
     # address="local": always a new instance. Without it ray.init joins the last cluster that
     # `ray start` recorded in /tmp/ray/ray_current_cluster, even a dead one whose record a killed
-    # head left behind (and then refuses num_cpus). The run's roles are actors, each starting a
-    # process of its own: Python workers started ahead of tasks would only import Ray and poll
-    # (two here, about a core-second each and 3% of a core while the run lasts, on a 2-core CPU).
+    # head left behind (and then refuses num_cpus).
     ray.init(
         address="local",
         num_cpus=num_cpus,
@@ -85,7 +83,6 @@ def connect(*, address: str | None, num_cpus: int | None, dashboard: bool, dashb
         namespace=namespace,
         runtime_env=runtime_env,
         log_to_driver=log_to_driver,
-        _system_config={"enable_worker_prestart": False, "prestart_worker_first_driver": False},
         **quiet,
     )
     log.info("started a local Ray instance with %s CPU slot(s)", ray.cluster_resources().get("CPU"))

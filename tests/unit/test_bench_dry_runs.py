@@ -111,3 +111,18 @@ def test_the_refusal_bench_times_a_refused_command_that_never_started_ray(tmp_pa
     (case,) = report["cases"].values()
     assert len(case["seconds"]) == 1 and case["median_s"] > 0
     assert "row(s) 2: no value" in case["error"]  # the refusal's own message, read from its stderr
+
+
+def test_the_placement_validation_bench_ranks_each_workloads_plans_and_composes_their_commands(tmp_path):
+    """bench/placement_validation.py without calibrating or running: each workload's plans ranked with
+    the rates this machine has, the top three, the median and the slowest chosen, each one's command
+    composed as the bench runs it, and the device the results belong to recorded."""
+    report = _dry_run("placement_validation.py", tmp_path / "validation.json")
+    assert set(report) == {"gen", "update"}
+    for name, result in report.items():
+        assert result["dry_run"] and result["device"] and result["rates"]["provenance"], name
+        ranks = [run["rank"] for run in result["runs"]]
+        assert ranks == sorted(set(ranks)) and ranks[0] == 1 and ranks[-1] == result["candidates"], ranks
+        assert len(ranks) == min(5, result["candidates"])
+        for run in result["runs"]:
+            assert run["predicted"]["step"] > 0 and run["composed_total_steps"] == 6, run
