@@ -209,7 +209,7 @@ def run_training_hooks(config: HybridFlowConfig, step: int, actor: WorkerGroup, 
 
     reference_hooks = [h for h in config.trainer.training_hooks if h.name not in STEP_HOOKS]
     if not reference_hooks:
-        return {}  # without importing the merge tools (DCP: seconds of every driver's CPU)
+        return {}  # the merge tools (and DCP) are imported only for a run that has reference hooks
     from hybridflow.merge.hooks import run_training_hook
 
     applied = 0.0

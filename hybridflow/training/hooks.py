@@ -359,7 +359,7 @@ def check_step_hooks(config: "HybridFlowConfig") -> None:
     """Before Ray starts: each step hook's params, that the recipe runs step hooks, and that
     spike_recovery will find its checkpoints and can load their weights into the actor."""
     if not any(hook.name in STEP_HOOKS for hook in config.trainer.training_hooks):
-        return  # nothing to check; the merge hooks' registry imports DCP (seconds in every driver)
+        return  # nothing to check (the merge hooks' registry, imported below, imports DCP)
     from hybridflow.merge.hooks import TRAINING_HOOKS
 
     from hybridflow.config.recipes import RECIPE_SPECS, recipe_spec
