@@ -45,9 +45,13 @@ WORKLOADS = {
 }
 
 
+def run_overrides(overrides: list[str]) -> list[str]:
+    """A measured run's overrides: the workload's and the plan's, STEPS steps, no validation or export."""
+    return [*overrides, f"trainer.total_steps={STEPS}", "trainer.val_every_steps=0", "trainer.export_hf=false"]
+
+
 def measure(overrides: list[str], root: Path, name: str) -> dict[str, float]:
-    command = [sys.executable, "-m", "hybridflow.cli", *overrides, f"trainer.total_steps={STEPS}",
-               "trainer.val_every_steps=0", "trainer.export_hf=false", f"logger.output_root={root}",
+    command = [sys.executable, "-m", "hybridflow.cli", *run_overrides(overrides), f"logger.output_root={root}",
                f"logger.run_name={name}"]
     done = subprocess.run(command, capture_output=True, text=True, cwd=ROOT)
     if done.returncode:
@@ -71,8 +75,7 @@ def dry_run(name: str, overrides: list[str]) -> dict:
     runs = []
     for i in chosen_ranks(len(ranked)):
         c = ranked[i]
-        composed = compose_command([*overrides, *c.plan.overrides(), f"trainer.total_steps={STEPS}",
-                                    "trainer.val_every_steps=0", "trainer.export_hf=false"])
+        composed = compose_command(run_overrides([*overrides, *c.plan.overrides()]))
         runs.append({"rank": i + 1, "plan": c.plan.describe(), "overrides": c.plan.overrides(),
                      "predicted": {**c.prediction.stages, "step": c.prediction.step_s},
                      "composed_total_steps": composed.trainer.total_steps})
@@ -119,7 +122,7 @@ def main() -> None:
         parser.error(f"unknown workload(s) {unknown}: choose from {sorted(WORKLOADS)}")
     out = Path(args.out)
     results = json.loads(out.read_text()) if out.exists() and not args.dry_run else {}
-    root = Path(tempfile.mkdtemp(prefix="placement-validation-"))
+    root = None if args.dry_run else Path(tempfile.mkdtemp(prefix="placement-validation-"))
     for name in names:
         results[name] = dry_run(name, WORKLOADS[name]) if args.dry_run else validate(name, WORKLOADS[name], root)
         out.write_text(json.dumps(results, indent=2))

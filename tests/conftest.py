@@ -22,7 +22,7 @@ os.environ.setdefault("RAY_AUTH_TOKEN", secrets.token_hex(32))
 # head, each importing Ray and then polling for the whole session: an idle head 1.7 -> 1.0 core-s per 20 s on
 # a 2-core EPYC), and the dashboard agent's process statistics every minute instead of every 5 s. The workers
 # Ray starts ahead for each run that joins (its job) stay: its actors start in them (turning that off made a
-# one-test pytest run 10% slower, `farm-bench` A/B pairs; this setting 3% faster than Ray's defaults).
+# one-test pytest run 5-16% slower in two `farm-bench` A/B pairs; this setting 0.97-1.05x Ray's defaults in three).
 os.environ.setdefault("RAY_prestart_worker_first_driver", "0")
 os.environ.setdefault("REPORTER_UPDATE_INTERVAL_MS", "60000")
 
