@@ -40,8 +40,9 @@ sys.path.insert(0, str(ROOT / "bench"))
 from doc_markers import write_between  # noqa: E402
 from trl_side import trl_process_env  # noqa: E402
 from flop_floor import StepTokens, floor_seconds, grpo_step_flops, matmul_flops_per_s  # noqa: E402
+from hybridflow.config.schema import STEP_STAGES  # noqa: E402
 
-STAGES = ("generate", "score", "advantages", "update", "weight_sync")  # the recipe's StageTimer names
+STAGES = STEP_STAGES  # the recipe's StageTimer names
 MODELS = {  # TinyModelConfig overrides: the default tiny model, and a ~100M-parameter one where compute matters
     "tiny": dict(),
     "100m": dict(hidden_size=768, intermediate_size=2304, num_hidden_layers=14, num_attention_heads=12,

@@ -77,7 +77,7 @@ def table(rows: dict[int, dict]) -> str:
 
 def dry_run(seeds: list[int], root: Path, extra: list[str]) -> None:
     """Every seed's command composed and checked as the command checks it, nothing run."""
-    from hybridflow.cli import compose_command
+    from hybridflow.config.stages import compose_command
 
     for seed in seeds:
         config, by_name = compose_command(seed_overrides(seed, root, extra), with_stages=True)

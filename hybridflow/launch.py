@@ -211,7 +211,9 @@ def build_weight_sync(config: HybridFlowConfig, actor: WorkerGroup, rollout: Wor
 
     device = "cuda" if use_gpu(config.placement) else "cpu"
     plan = Plan.from_config(config).with_transport(device)
-    mode, why = config.lora_sync
+    from hybridflow.config.rules import lora_sync
+
+    mode, why = lora_sync(config)
     if mode:
         console.say(f"LoRA weight sync: {'the adapter alone' if mode == 'adapter' else 'the folded model'} ({why})")
     cls = AdapterSync if mode == "adapter" else WeightSync

@@ -71,7 +71,10 @@ class Run:
             weight_sync = build_weight_sync(config, self.groups["actor"], self.groups["rollout"])
             weight_sync.setup()
         hooks = StepHooks.build(t.training_hooks, self.run_dir, loader)
-        logger = MetricsLogger(self.run_dir, config.logger, total_steps=t.total_steps)
+        from hybridflow.planning.auto import predicted_metrics
+
+        logger = MetricsLogger(self.run_dir, config.logger, total_steps=t.total_steps,
+                               predicted=predicted_metrics(self.run_dir))  # placement=auto's, beside each step's
         return Training(checkpointer, loader, logger, hooks, weight_sync, state)
 
     def finish(self, training: Training, step: int) -> dict:

@@ -12,7 +12,8 @@ from __future__ import annotations
 import importlib.metadata
 
 from hybridflow.config.model_facts import ModelFacts
-from hybridflow.config.schema import DeviceKind, HybridFlowConfig, RolloutBackend, tp_head_problems
+from hybridflow.config.schema import DeviceKind, HybridFlowConfig, RolloutBackend
+from hybridflow.planning.layout import tp_head_problems
 
 # vllm 0.32's CPUAttentionBackend.get_supported_head_sizes() (tests/unit/test_model_checks.py compares)
 CPU_ATTENTION_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)

@@ -82,23 +82,6 @@ def _describe(obj: Any) -> str:
     return f"{module}.{qualname}"
 
 
-def absolute_reference(reference: str) -> str:
-    """`path/to/file.py:name` with the path made absolute (the object is loaded inside Ray workers,
-    whose working directory is not the driver's); `package.module:name` as it is.
-
-    Raises ValueError for any other form and FileNotFoundError for a file that does not exist;
-    callers put the config key into the message."""
-    target, sep, attr = reference.rpartition(":")
-    if not (sep and target and attr):
-        raise ValueError(f"{reference!r} is not 'package.module:name' or 'path/to/file.py:name'")
-    if not target.endswith(".py"):
-        return reference
-    path = Path(target).expanduser().resolve()
-    if not path.is_file():
-        raise FileNotFoundError(f"file {path} does not exist")
-    return f"{path}:{attr}"
-
-
 def load_object(reference: str) -> Any:
     """Import `package.module:name` or `path/to/file.py:name` and return the object.
 

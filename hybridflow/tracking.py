@@ -71,16 +71,16 @@ class MetricsLogger:
     Each JSON line also carries `time/elapsed_s`: wall-clock seconds since this logger was made (the
     step loop of this process, validation included; a resumed run counts from its restart)."""
 
-    def __init__(self, run_dir: Path, backends, total_steps: int | None = None) -> None:
+    def __init__(self, run_dir: Path, backends, total_steps: int | None = None,
+                 predicted: dict[str, float] | None = None) -> None:
         """`backends`: the run's `config.logger` (its project, tags, entity and experiment reach the
-        tracking backends), or only a list of backend names."""
+        tracking backends), or only a list of backend names. `predicted`: metrics logged beside every
+        step's own (placement=auto's predicted seconds, `hybridflow.planning.auto.predicted_metrics`)."""
         logger = None if isinstance(backends, (list, tuple)) else backends
         backends = list(backends if logger is None else logger.backends)
-        from hybridflow.planning.auto import predicted_metrics
-
         self.started = time.monotonic()
         self.run_dir = run_dir
-        self.predicted = predicted_metrics(run_dir)  # placement=auto's prediction, beside each step's timings
+        self.predicted = dict(predicted or {})
         self.path = run_dir / "metrics.jsonl"
         restarts = run_dir / "restarts.jsonl"  # written by hybridflow.runner.run_with_restarts
         self.restarts = len(restarts.read_text().splitlines()) if restarts.exists() else 0

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from hybridflow.config.rules import lora_sync
 from hybridflow.config.schema import HybridFlowConfig, RolloutBackend
 from hybridflow.controller import RoleSpec
 from hybridflow.memory_budget import resolve_micro_batches
@@ -69,5 +70,5 @@ def rollout_role(config: HybridFlowConfig, model_dir: str | Path, tokenizer) -> 
         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
         verifiable_weights=config.weight_sync.checksum_every_steps > 0,
         trust_remote_code=config.model.trust_remote_code,
-        **({"lora_rank": config.actor.lora.rank} if config.lora_sync[0] == "adapter" else {})),
+        **({"lora_rank": config.actor.lora.rank} if lora_sync(config)[0] == "adapter" else {})),
         replica_size=config.rollout.tensor_parallel_size)

@@ -18,24 +18,6 @@ from hybridflow.agents.tools import Tool, tool_environment
 TOOLS_AGENT = "tools"
 
 
-def check_agent_references(value: Any, key: str) -> list[str]:
-    """`rollout.agent` as a list of references (None: none); a `file.py:Name` path is made
-    absolute, because the rollout loads it inside Ray workers whose working directory differs."""
-    from hybridflow.registry import absolute_reference
-
-    references = [] if value is None else [value] if isinstance(value, str) else list(value)
-    checked = []
-    for reference in references:
-        try:
-            checked.append(absolute_reference(str(reference)))
-        except ValueError:
-            raise ValueError(f"config {key}={value!r} is invalid: each entry is 'path/to/file.py:Name' or "
-                             "'package.module:Name' (a tool function, a list of them, or an environment class)") from None
-        except FileNotFoundError as exc:
-            raise ValueError(f"config {key}={value!r} is invalid: {exc}") from None
-    return checked
-
-
 @dataclass
 class AgentSet:
     factories: dict[str, Callable[[], Any]]  # agent name -> a new environment

@@ -57,13 +57,6 @@ def sidecar_name(rank: int) -> str:
     return f"{SIDECAR_PREFIX}rank{rank}.json"
 
 
-def write_sidecar(directory: Path, rank: int, digests: Digests) -> None:
-    """Leave the digests of the files this rank wrote into `directory` (names relative to it)."""
-    from hybridflow.checkpoint.files import atomic_write_text
-
-    atomic_write_text(directory / sidecar_name(rank), json.dumps({"files": digests}, sort_keys=True))
-
-
 def build_manifest(root: Path, *, full_state: bool = True) -> dict:
     """The manifest of every file under `root`: digests from the writers' sidecars (which are
     then deleted), the rest hashed here. A file whose size changed since its writer hashed it

@@ -40,7 +40,7 @@ import torch.distributed as dist
 
 from hybridflow.checkpoint.errors import RESUME_FIX, CheckpointError
 from hybridflow.checkpoint.files import atomic_torch_save, atomic_write_text
-from hybridflow.checkpoint.integrity import digest_file, entry, write_sidecar
+from hybridflow.checkpoint.integrity import Digests, digest_file, entry, sidecar_name
 from hybridflow.checkpoint.rng import capture_rng_state, derived_seed, restore_rng_state, seed_rng
 
 FORMAT_VERSION = 1
@@ -93,6 +93,11 @@ def save_training_state(directory: "str | os.PathLike[str]", *, model: torch.nn.
         digests[STATE_META] = entry(len(text.encode()), atomic_write_text(directory / STATE_META, text))
     write_sidecar(directory, rank, digests)
     return directory
+
+
+def write_sidecar(directory: Path, rank: int, digests: Digests) -> None:
+    """Leave the digests of the files this rank wrote into `directory` (names relative to it)."""
+    atomic_write_text(directory / sidecar_name(rank), json.dumps({"files": digests}, sort_keys=True))
 
 
 def _hash_own_shards(directory: Path, rank: int) -> dict:

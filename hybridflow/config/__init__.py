@@ -7,6 +7,7 @@ from pathlib import Path
 from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, OmegaConf
 
+from hybridflow.config.rules import check_config
 from hybridflow.config.schema import HybridFlowConfig
 
 CONF_DIR = Path(__file__).resolve().parents[2] / "conf"
@@ -23,7 +24,8 @@ def register_schema() -> None:
 
 
 def to_config(cfg: DictConfig) -> HybridFlowConfig:
-    """The composed config as typed dataclasses; cross-field rules run here."""
+    """The composed config as typed dataclasses: each section's own rules run as it is built, then the
+    rules across sections (`hybridflow.config.rules.check_config`)."""
     try:
         config = OmegaConf.to_object(cfg)
     except Exception as exc:  # OmegaConf wraps __post_init__ errors; keep only the message
@@ -32,7 +34,12 @@ def to_config(cfg: DictConfig) -> HybridFlowConfig:
     if not isinstance(config, HybridFlowConfig):
         raise ConfigError(f"the composed config is a {type(config).__name__}, not HybridFlowConfig; "
                           f"conf/config.yaml must list '{SCHEMA_NAME}' first in its defaults")
-    return config
+    try:
+        return check_config(config)
+    except ConfigError:
+        raise
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
 
 
 def compose(overrides: list[str] | None = None, config_name: str = "config") -> HybridFlowConfig:

@@ -2,9 +2,12 @@
 
 Hydra composes conf/ on top of these dataclasses (registered in its ConfigStore), so an
 unknown key or a value of the wrong type fails during composition, before anything starts.
-Rules across fields live in `__post_init__` and run when `to_config` turns the composed
-config into these objects — also before Ray starts. Every error names the key, the value and
-what is allowed.
+Each section's own rules live in its `__post_init__` and run when `to_config` turns the composed
+config into these objects; the rules across sections, and those that ask the runtime (registered
+names, the async schedules, the precision of this hardware), are `hybridflow/config/rules.py`,
+which `to_config` runs next — all before Ray starts. Every error names the key, the value and
+what is allowed. This module imports only the config package and the standard library
+(tests/unit/test_layering.py).
 """
 
 from __future__ import annotations
@@ -17,8 +20,7 @@ from hybridflow.config.pretrain import PretrainConfig
 from hybridflow.config.recipes import RECIPE_SPECS, recipe_spec, stage_recipes
 from hybridflow.config.model_facts import ModelFacts
 from hybridflow.config.hooks import HookConfig
-from hybridflow.rewards.config import RewardConfig  # noqa: F401 - the reward.* schema lives beside its code
-from hybridflow.rollout_schedules import schedule_class
+from hybridflow.config.reward import RewardConfig
 
 ROLES = ("actor", "rollout", "reference", "critic", "reward")
 
@@ -145,67 +147,6 @@ class PlacementConfig:
         """The rollout shares the actor's processes (weights move in-process), or has a pool of its own."""
         return self.roles["rollout"] == self.roles["actor"]
 
-    def check_rollout(self, rollout: "RolloutConfig", model: "ModelConfig") -> None:
-        """Every placement x tensor-parallel combination that cannot run, refused with what would."""
-        heads, kv_heads = model_heads(model)
-        for key, value, allowed in rollout_layout_problems(
-                rollout.tensor_parallel_size, self.world_size("rollout"), self.roles["rollout"], heads, kv_heads,
-                hf=rollout.backend is RolloutBackend.hf, colocated=self.rollout_colocated,
-                actor_pool=self.roles["actor"]):
-            _require(False, key, value, allowed)
-        tp, ranks = rollout.tensor_parallel_size, self.world_size("rollout")
-        # several engines of TP > 1 in one pool are vLLM's data parallel: their steps run in lockstep, and agent
-        # rollouts call the engine a different number of times on each
-        _require(not (rollout.agent and 1 < tp < ranks), "rollout.tensor_parallel_size", tp,
-                 f"with rollout.agent, 1 (one engine per rank) or {ranks} (one engine across the pool): "
-                 f"{ranks // tp} engines of TP {tp} step in lockstep, and agent turns differ from engine to engine")
-
-
-def rollout_layout_problems(tp: int, ranks: int, pool: str, heads: int, kv_heads: int, hf: bool = False,
-                            colocated: bool = True, actor_pool: str = "") -> list[tuple[str, Any, str]]:
-    """(key, value, what is allowed) for each reason a rollout of tensor-parallel size `tp` on pool
-    `pool` of `ranks` ranks cannot run; the config check raises the first, the planner
-    (hybridflow/planning/rules.py) drops a candidate with any. `heads` 0: the model's are unknown."""
-    problems = []
-    if hf and tp != 1:
-        problems.append(("rollout.tensor_parallel_size", tp, "rollout=hf generates with one Hugging Face model per "
-                         "rank; tensor parallelism needs rollout=vllm"))
-    if hf and not colocated:
-        problems.append(("placement.roles.rollout", pool, f"rollout=hf receives weights only in the actor's processes: "
-                         f"set placement.roles.rollout={actor_pool} (or use rollout=vllm on a pool of its own)"))
-    if ranks % tp:
-        divisors = [d for d in range(1, ranks + 1) if ranks % d == 0]
-        problems.append(("rollout.tensor_parallel_size", tp, f"the rollout pool {pool!r} has {ranks} rank(s), which "
-                         f"{tp}-rank engines do not divide: use one of {divisors} ({ranks} // TP engines), or give "
-                         f"the pool a multiple of {tp} ranks (placement.pools.{pool}.devices_per_node)"))
-    if heads:
-        problems += [("rollout.tensor_parallel_size", tp, why) for why in tp_head_problems(tp, heads, kv_heads)]
-    return problems
-
-
-def overlap_problems(depth: int, rollout_colocated: bool, rollout_pool: str) -> list[tuple[str, Any, str]]:
-    """(key, value, what is allowed) when schedule depth `depth` overlaps generation with training and
-    the rollout shares the actor's processes; the config check raises it, the planner drops the plan."""
-    if schedule_class(depth).overlaps and rollout_colocated:
-        return [("placement.roles.rollout", rollout_pool, f"trainer.max_staleness={depth} overlaps generation with "
-                 "training, which needs the rollout on a pool of its own (placement=disaggregated); colocated roles "
-                 "share one process")]
-    return []
-
-
-def tp_head_problems(tp: int, heads: int, kv_heads: int) -> list[str]:
-    """Why vLLM cannot split a model of `heads` attention heads and `kv_heads` key/value heads over
-    `tp` ranks, each with its fix (empty: it can). The config check and the preflight's model check
-    (hybridflow/model_checks.py) both say it with these words."""
-    problems = []
-    if heads % tp:
-        problems.append(f"does not divide the {heads} attention heads, and vLLM splits them evenly across ranks; "
-                        f"fix: a tensor_parallel_size that divides {heads}")
-    if (kv_heads >= tp and kv_heads % tp) or (kv_heads < tp and tp % kv_heads):
-        problems.append(f"neither divides the {kv_heads} key/value heads nor is a multiple of them (vLLM splits or "
-                        f"replicates them evenly); fix: a tensor_parallel_size that divides {kv_heads} or is a "
-                        "multiple of it")
-    return problems
 
 
 def model_heads(model: "ModelConfig") -> tuple[int, int]:
@@ -362,7 +303,7 @@ class RolloutConfig:
     on_update: str = "finish"
 
     def __post_init__(self) -> None:
-        from hybridflow.agents.loading import check_agent_references
+        from hybridflow.config.references import check_agent_references
 
         self.agent = check_agent_references(self.agent, "rollout.agent")
         _require(self.max_turns >= 1, "rollout.max_turns", self.max_turns, "must be >= 1")
@@ -435,25 +376,11 @@ class AlgorithmConfig:
     overlong_penalty: float = 1.0  # the most a response at the limit loses (DAPO: 1, the reward's scale)
 
     def __post_init__(self) -> None:
-        from hybridflow.algos import ADVANTAGE_ESTIMATORS, KL_CONTROLLERS, KL_ESTIMATORS, check_estimator
-
-        known = ADVANTAGE_ESTIMATORS.names()
-        _require(self.advantage_estimator in known or ":" in self.advantage_estimator,
-                 "algorithm.advantage_estimator", self.advantage_estimator, f"one of {known}, or 'module:function'")
-        if self.advantage_estimator not in known:  # a custom one: import it and check its signature now
-            try:
-                check_estimator(self.advantage_estimator)
-            except Exception as exc:  # noqa: BLE001 - whatever the import raised, refuse the config with it
-                _require(False, "algorithm.advantage_estimator", self.advantage_estimator, str(exc))
         _require(self.use_critic or self.advantage_estimator != "gae", "algorithm.use_critic", self.use_critic,
                  "advantage_estimator=gae needs a critic: set algorithm.use_critic=true (or recipe=ppo)")
         _require(0 <= self.gamma <= 1, "algorithm.gamma", self.gamma, "must be in [0, 1]")
         _require(0 <= self.lam <= 1, "algorithm.lam", self.lam, "must be in [0, 1]")
         _require(self.kl_penalty_coef >= 0, "algorithm.kl_penalty_coef", self.kl_penalty_coef, "must be >= 0")
-        _require(self.kl_penalty_estimator in KL_ESTIMATORS.names(), "algorithm.kl_penalty_estimator",
-                 self.kl_penalty_estimator, f"one of {KL_ESTIMATORS.names()}")
-        _require(self.kl_controller in KL_CONTROLLERS.names(), "algorithm.kl_controller", self.kl_controller,
-                 f"one of {KL_CONTROLLERS.names()}")
         _require(self.kl_controller != "adaptive" or self.kl_penalty_coef > 0, "algorithm.kl_penalty_coef",
                  self.kl_penalty_coef, "algorithm.kl_controller=adaptive starts from algorithm.kl_penalty_coef and "
                  "scales it, so from 0 it can never move: set algorithm.kl_penalty_coef to its starting value "
@@ -546,19 +473,12 @@ class ActorConfig:
     gradient_checkpointing: Optional[bool] = None
 
     def __post_init__(self) -> None:
-        from hybridflow.algos import KL_ESTIMATORS, LOSS_AGGREGATIONS, POLICY_LOSSES
-
         _require(self.samples_per_mini_batch >= 0, "actor.samples_per_mini_batch", self.samples_per_mini_batch, "must be >= 0")
         _require(self.samples_per_micro_batch is None or self.samples_per_micro_batch >= 1, "actor.samples_per_micro_batch",
                  self.samples_per_micro_batch, "must be >= 1, or null to choose from the memory available")
         _require(self.tokens_per_micro_batch is None or self.tokens_per_micro_batch >= 1, "actor.tokens_per_micro_batch",
                  self.tokens_per_micro_batch, "must be >= 1, or null: samples_per_micro_batch full-width rows' worth")
         _require(self.epochs_per_step >= 1, "actor.epochs_per_step", self.epochs_per_step, "must be >= 1")
-        _require(self.policy_loss in POLICY_LOSSES.names(), "actor.policy_loss", self.policy_loss, f"one of {POLICY_LOSSES.names()}")
-        _require(self.loss_aggregation in LOSS_AGGREGATIONS.names(), "actor.loss_aggregation", self.loss_aggregation,
-                 f"one of {LOSS_AGGREGATIONS.names()}")
-        _require(self.kl_loss_estimator in KL_ESTIMATORS.names(), "actor.kl_loss_estimator", self.kl_loss_estimator,
-                 f"one of {KL_ESTIMATORS.names()}")
         _require(self.dual_clip_c is None or self.dual_clip_c > 1, "actor.dual_clip_c", self.dual_clip_c, "null or > 1")
         _require(0 <= self.clip_ratio_low < 1, "actor.clip_ratio_low", self.clip_ratio_low,
                  "must be in [0, 1): the ratio is clipped below at 1 - clip_ratio_low > 0")
@@ -582,7 +502,9 @@ class CriticConfig:
                  "must be >= 1, or null: samples_per_micro_batch full-width rows' worth")
 
 
-STAGES = ("generate", "score", "advantages", "update", "weight_sync")
+# A step's stages, in order: what the recipes time (timing/<stage>_s) and trainer.stage_timeout_s names;
+# the planner prices four of them (hybridflow.planning.cost.PRICED_STAGES)
+STEP_STAGES = ("generate", "score", "advantages", "update", "weight_sync")
 FAULT_KINDS = ("kill", "hang", "corrupt")
 
 
@@ -678,18 +600,13 @@ class TrainerConfig:
                  "must be >= 0: 0 (synchronous), 1 (one-step-off), N (up to N batches in flight)")
         _require(self.old_log_probs in ("auto", "actor", "sampler"), "trainer.old_log_probs", self.old_log_probs,
                  "one of ['auto', 'actor', 'sampler']")
-        _require(not schedule_class(self.max_staleness).stale or self.old_log_probs != "auto", "trainer.old_log_probs",
-                 self.old_log_probs,
-                 f"trainer.max_staleness={self.max_staleness} trains on samples from an older policy: choose the "
-                 "correction, trainer.old_log_probs=actor (recomputed, with algorithm.behavior_is_cap) or "
-                 "trainer.old_log_probs=sampler (clip against the sampler)")
         _require(self.engine_parity_tolerance is None or self.engine_parity_tolerance > 0,
                  "trainer.engine_parity_tolerance", self.engine_parity_tolerance, "must be > 0, or null for the default")
         _require(self.default_stage_timeout_s > 0, "trainer.default_stage_timeout_s", self.default_stage_timeout_s,
                  "must be > 0 seconds")
         bad = {k: v for k, v in self.stage_timeout_s.items()
-               if k not in STAGES or not isinstance(v, (int, float)) or v <= 0}
-        _require(not bad, "trainer.stage_timeout_s", bad, f"stages are {list(STAGES)}, each with seconds > 0")
+               if k not in STEP_STAGES or not isinstance(v, (int, float)) or v <= 0}
+        _require(not bad, "trainer.stage_timeout_s", bad, f"stages are {list(STEP_STAGES)}, each with seconds > 0")
 
 
 @dataclass
@@ -803,16 +720,6 @@ class HybridFlowConfig:
     dpo: DPOConfig = field(default_factory=DPOConfig)  # recipe=dpo's loss
     seed: int = 0
 
-    def _resolve_precision(self) -> None:
-        """model.dtype=auto and rollout.dtype=auto become the dtypes this run computes in (hybridflow/precision.py)."""
-        from hybridflow.precision import device_of, resolve_dtypes
-
-        model, rollout = resolve_dtypes(self.model.dtype.value, self.rollout.dtype.value,
-                                        device_of(self.placement.device.value))
-        self.model.dtype, self.rollout.dtype = Dtype(model), Dtype(rollout)
-        _require(self.model.master_dtype in (Dtype.float32, self.model.dtype), "model.master_dtype",
-                 self.model.master_dtype.value, f"float32, or model.dtype ({model}) itself for pure 16-bit training")
-
     @property
     def needs_reference(self) -> bool:
         """Whether the run computes reference log-probs: a KL term (penalty in the reward or loss), or
@@ -827,140 +734,3 @@ class HybridFlowConfig:
         """Whether the reference role is started: reference log-probs are needed and no LoRA adapter
         stands in for it (with LoRA the actor computes them with its adapter disabled)."""
         return self.needs_reference and not self.actor.lora.rank
-
-    @property
-    def lora_sync(self) -> tuple[str, str]:
-        """How a LoRA actor's weights reach the rollout each sync: ("adapter" | "folded", why), or
-        ("", "") without LoRA. The one place this is decided (weight_sync.lora;
-        hybridflow/resharding/adapter.py)."""
-        if not self.actor.lora.rank:
-            return "", ""
-        if self.weight_sync.lora == "folded":
-            return "folded", "weight_sync.lora=folded"
-        unserved = self._adapter_unserved()
-        if unserved:
-            return "folded", unserved
-        return "adapter", f"weight_sync.lora={self.weight_sync.lora}: vLLM serves the rank-{self.actor.lora.rank} adapter"
-
-    def _adapter_unserved(self) -> str:
-        """Why vLLM cannot serve this run's LoRA as an adapter ("" when it can)."""
-        from hybridflow.resharding.adapter import UNSERVED_MODULES, VLLM_LORA_RANKS
-
-        lora, d = self.actor.lora, self.trainer.max_staleness
-        if self.rollout.backend is not RolloutBackend.vllm:
-            return f"rollout.backend={self.rollout.backend.value} generates with a copy of the actor's model"
-        if schedule_class(d).stages_weights:
-            return f"trainer.max_staleness={d} stages pushes while the engine generates, which the adapter sync does not"
-        modules = [m for m in lora.target_modules if m in UNSERVED_MODULES]
-        if modules:
-            return f"actor.lora.target_modules has {modules}, which vLLM's LoRA does not serve here"
-        if lora.rank > VLLM_LORA_RANKS[-1]:
-            return f"actor.lora.rank={lora.rank} is above vLLM's largest adapter rank ({VLLM_LORA_RANKS[-1]})"
-        return ""
-
-    def __post_init__(self) -> None:
-        self._resolve_precision()
-        _require(self.weight_sync.lora != "adapter" or self.actor.lora.rank > 0, "weight_sync.lora",
-                 self.weight_sync.lora, "serves a LoRA adapter, and actor.lora.rank is 0: set actor.lora.rank, or "
-                 "weight_sync.lora=auto")
-        unserved = self._adapter_unserved() if self.weight_sync.lora == "adapter" else ""
-        _require(not unserved, "weight_sync.lora",
-                 self.weight_sync.lora, f"{unserved}: set weight_sync.lora=folded (or auto, which "
-                 "chooses it here)")
-        if recipe_spec(self.recipe.name).pipeline:
-            return  # its stages compose their own configs, each checked by these rules (recipes/pipeline.py)
-        self.placement.check_rollout(self.rollout, self.model)
-        self._check_tiny_model_context()
-        if self.weight_sync.probe_tolerance is None:
-            from hybridflow.resharding.verify import probe_tolerance
-
-            self.weight_sync.probe_tolerance = probe_tolerance(self.model.dtype.value, self.rollout.dtype.value,
-                                                               model_layers(self.model))
-        world = self.placement.pools[self.placement.roles["actor"]].nodes * \
-            self.placement.pools[self.placement.roles["actor"]].devices_per_node
-        samples = self.trainer.prompts_per_step * self.rollout.samples_per_prompt
-        _require(samples % world == 0, "trainer.prompts_per_step", self.trainer.prompts_per_step,
-                 f"prompts_per_step x rollout.samples_per_prompt ({samples}) must divide evenly over the "
-                 f"{world} actor ranks")
-        mini = self.actor.samples_per_mini_batch
-        _require(mini == 0 or (samples % mini == 0 and mini % world == 0), "actor.samples_per_mini_batch", mini,
-                 f"must divide the step's {samples} samples and be a multiple of the {world} actor ranks")
-        from hybridflow.training.hooks import STEP_HOOKS, check_step_hooks
-
-        t, spec = self.trainer, recipe_spec(self.recipe.name)
-        check_step_hooks(self)
-        reference_hooks = [h.name for h in t.training_hooks if h.name not in STEP_HOOKS]
-        _require(not reference_hooks or self.needs_reference,
-                 "trainer.training_hooks", reference_hooks,
-                 "the hooks update the reference model, which runs only with algorithm.kl_penalty_coef > 0 or "
-                 "actor.kl_loss_coef > 0")
-        _require(not (spec.step_hooks and not spec.reference) or not reference_hooks, "trainer.training_hooks",
-                 reference_hooks, f"recipe={self.recipe.name} has no reference model; its hooks are the step hooks "
-                 f"{STEP_HOOKS.names()}")
-        _require(not spec.packs_sequences or self.pretrain.sequences_per_step % world == 0,
-                 "pretrain.sequences_per_step", self.pretrain.sequences_per_step,
-                 f"must divide evenly over the {world} actor ranks")
-        _require(not reference_hooks or not self.actor.lora.rank, "trainer.training_hooks", reference_hooks,
-                 "with LoRA the reference is the actor with its adapter disabled; it has no weights of its own to set")
-        _require(not self.trainer.critic_warmup_steps or self.algorithm.use_critic, "trainer.critic_warmup_steps",
-                 self.trainer.critic_warmup_steps, "only a run with a critic (algorithm.use_critic=true) can warm one up; "
-                 "set it to 0")
-        a = self.algorithm
-        _require(not a.dynamic_sampling_rounds or self.rollout.samples_per_prompt >= 2,
-                 "algorithm.dynamic_sampling_rounds", a.dynamic_sampling_rounds,
-                 f"dynamic sampling keeps groups whose samples' rewards differ; with rollout.samples_per_prompt="
-                 f"{self.rollout.samples_per_prompt} every group is one sample: raise it to >= 2, or set this to 0")
-        _require(not a.dynamic_sampling_rounds or not [h for h in t.training_hooks if h.name == "spike_recovery"],
-                 "algorithm.dynamic_sampling_rounds", a.dynamic_sampling_rounds,
-                 "the spike_recovery hook puts back whole steps' prompts, and dynamic sampling draws a varying "
-                 "number per step: use one of the two")
-        _require(a.overlong_buffer_tokens <= self.rollout.max_response_tokens, "algorithm.overlong_buffer_tokens",
-                 a.overlong_buffer_tokens, f"must be at most rollout.max_response_tokens "
-                 f"({self.rollout.max_response_tokens}): the shaping starts that many tokens before the limit")
-        _require(not spec.needs_critic or self.algorithm.use_critic, "algorithm.use_critic",
-                 self.algorithm.use_critic, f"recipe={self.recipe.name} trains a critic: set algorithm.use_critic=true")
-        self._check_async()
-
-    def _check_tiny_model_context(self) -> None:
-        """The tiny model built from model.tiny (model.path unset) holds max_position_embeddings
-        tokens; the engine is asked for a prompt's and a response's worth. Checked here, before Ray
-        starts: the engine would refuse it only after every worker has started."""
-        spec = recipe_spec(self.recipe.name)
-        if self.model.path is not None or not (spec.reads_key("data.max_prompt_tokens")
-                                               and spec.reads_key("rollout.max_response_tokens")):
-            return
-        need, have = self.data.max_prompt_tokens + self.rollout.max_response_tokens, self.model.tiny.max_position_embeddings
-        _require(need <= have, "data.max_prompt_tokens", self.data.max_prompt_tokens,
-                 f"with rollout.max_response_tokens={self.rollout.max_response_tokens} that is {need} tokens, more than "
-                 f"the tiny model holds (model.tiny.max_position_embeddings={have}): lower data.max_prompt_tokens to at most {have - self.rollout.max_response_tokens}, "
-                 "or raise model.tiny.max_position_embeddings")
-
-    def _check_async(self) -> None:
-        """What the schedule trainer.max_staleness chooses needs (hybridflow/rollout_schedules.py,
-        docs/async.md): overlapping generation with training, staged pushes, no weight reloads."""
-        from hybridflow.training.hooks import STEP_HOOKS
-
-        d = self.trainer.max_staleness
-        schedule = schedule_class(d)
-        _require(self.algorithm.behavior_is_cap >= 0, "algorithm.behavior_is_cap", self.algorithm.behavior_is_cap,
-                 "must be >= 0 (0: no importance weight)")
-        _require(self.rollout.on_update == "finish" or schedule.stages_weights, "rollout.on_update",
-                 self.rollout.on_update, f"weights land while requests run only when pushes are staged, with "
-                 f"trainer.max_staleness >= 2 (it is {d}, the {schedule.name} schedule): use rollout.on_update=finish, "
-                 "or raise trainer.max_staleness")
-        _require(self.rollout.on_update == "finish" or not self.rollout.agent, "rollout.on_update",
-                 self.rollout.on_update, "multi-turn agent rollouts (rollout.agent) load new weights between "
-                 "batches only: use rollout.on_update=finish")
-        if not schedule.overlaps:
-            return
-        _require(recipe_spec(self.recipe.name).overlaps_generation, "trainer.max_staleness", d,
-                 f"only the RL recipes (grpo, ppo) generate while training, not recipe={self.recipe.name}")
-        for key, value, allowed in overlap_problems(d, self.placement.rollout_colocated, self.placement.roles["rollout"]):
-            _require(False, key, value, allowed)
-        # rollout=hf on a pool of its own is refused by PlacementConfig.check_rollout (it loads in-process)
-        hooks = [h.name for h in self.trainer.training_hooks
-                 if h.name in STEP_HOOKS and STEP_HOOKS.get(h.name).reloads_weights]
-        _require(schedule.reloads_weights or not hooks, "trainer.training_hooks", hooks,
-                 f"{' and '.join(hooks)} reload{'s' if len(hooks) == 1 else ''} the actor's weights, and at "
-                 f"trainer.max_staleness={d} the batches in flight were generated by the weights thrown away and "
-                 "cannot all be generated again: use them with trainer.max_staleness <= 1")

@@ -182,3 +182,31 @@ def _stage_config(config: HybridFlowConfig, index: int, model_path: str | None, 
     from hybridflow.config import compose
 
     return compose(stage_overrides(config, index, model_path, run_dir, name, retention=retention, extra=extra))
+
+
+def with_command(config: HybridFlowConfig, overrides: list[str]) -> tuple[HybridFlowConfig, dict]:
+    """`config` (composed from `overrides` less the stage-scoped ones) told what the command line said,
+    and the config of each stage by name ({} for a recipe without stages): a pipeline gets the overrides
+    as `pipeline.command_overrides`, and every stage's config is composed and checked now, so that an
+    override that reaches no stage, or breaks one, fails before anything starts."""
+    from hybridflow.config import ConfigError
+
+    _, scoped = split_stage_scoped(overrides)
+    if not recipe_spec(config.recipe.name).pipeline:
+        if scoped:
+            raise ConfigError(f"{scoped[0]!r}: stages.<stage>.<key>=value sets a key for one stage of a pipeline; "
+                              f"recipe={config.recipe.name} has no stages: give it as {scoped[0].split('.', 2)[2]}")
+        return config, {}
+    config.pipeline.command_overrides = [*config.pipeline.command_overrides, *overrides]
+    composed = check_stages(config, Path(config.logger.output_root) / (config.logger.run_name or "pipeline"))
+    return config, {stage.name: c for stage, c in zip(config.pipeline.stages, composed)}
+
+
+def compose_command(args: list[str], with_stages: bool = False):
+    """The config `hybridflow *args` runs, composed and checked as the command does before anything
+    starts; with `with_stages`, also each stage's config by name."""
+    from hybridflow.config import compose
+
+    plain, _ = split_stage_scoped(args)
+    config, stages = with_command(compose(plain), list(args))
+    return (config, stages) if with_stages else config

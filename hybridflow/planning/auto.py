@@ -27,20 +27,6 @@ PLAN_FILE = "plan.json"
 RUNNERS_UP = 4
 
 
-def load_rates(path: str | None, device: str) -> Rates:
-    """Rates from a calibration's JSON file, or the built-in profile of `device`."""
-    if path is not None:
-        file = Path(path).expanduser()
-        try:
-            return Rates.from_json(file.read_text())
-        except (OSError, ValueError, TypeError) as exc:
-            raise ValueError(f"placement.planner.rates={path!r}: not a rates file from `hybridflow plan --calibrate "
-                             f"--save-rates FILE` ({exc})") from None
-    from hybridflow.planning.profiles import default_rates
-
-    return default_rates(device)
-
-
 def cluster_for(config) -> Cluster:
     """The cluster the run will use: the Ray cluster it will join (`ray.address`, or RAY_ADDRESS under
     `ray job submit`; read, then disconnected), or this machine."""
@@ -60,16 +46,18 @@ def cluster_for(config) -> Cluster:
 
 def apply_plan(config, plan: Plan):
     """`config` with `plan`'s pools, roles (a role the plan does not place, such as a reward
-    function or an unused critic, goes on the actor's pool) and rollout tensor-parallel size."""
+    function or an unused critic, goes on the actor's pool) and rollout tensor-parallel size, checked
+    by the config's rules as a composed config is."""
+    from hybridflow.config.rules import check_config
     from hybridflow.config.schema import PoolConfig
 
     placement = config.placement
     pools = {p.name: PoolConfig(nodes=p.nodes, devices_per_node=p.devices_per_node,
                                 cpus_per_device=placement.pools[placement.roles["actor"]].cpus_per_device)
              for p in plan.pools}
-    return dataclasses.replace(
+    return check_config(dataclasses.replace(
         config, placement=dataclasses.replace(placement, pools=pools, roles=plan.role_pools()),
-        rollout=dataclasses.replace(config.rollout, tensor_parallel_size=plan.rollout_tp))
+        rollout=dataclasses.replace(config.rollout, tensor_parallel_size=plan.rollout_tp)))
 
 
 def plan_search(config, cluster: Cluster, rates: Rates, depths: tuple[int, ...] | None = None) -> SearchResult:

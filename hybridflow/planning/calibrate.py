@@ -32,13 +32,12 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from hybridflow.planning.cost import Rates
+from hybridflow.planning.cost import PRICED_STAGES, Rates
 from hybridflow.tracking import read_metrics
 from hybridflow.planning.workload import Workload
 
 PROFILE_STEPS = 3
-STAGE_KEYS = {"generate": "timing/generate_s", "score": "timing/score_s", "update": "timing/update_s",
-              "transition": "timing/weight_sync_s", "step": "timing/step_s"}
+STAGE_KEYS = {**{stage: f"timing/{timed}_s" for stage, timed in PRICED_STAGES.items()}, "step": "timing/step_s"}
 
 
 @dataclass(frozen=True)

@@ -33,12 +33,17 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass, field
 
+from hybridflow.config.schema import STEP_STAGES
 from hybridflow.planning.plan import Plan, PoolPlan
 from hybridflow.planning.rules import kv_per_sequence, phases
 from hybridflow.planning.workload import Cluster, Workload
 from hybridflow.registry import Registry
 
-STAGES = ("generate", "score", "update", "transition")
+# The stages the cost model prices, each with the step stage (STEP_STAGES) whose timing it predicts: the
+# paper's "transition" is the weight sync; the advantages (milliseconds) are not priced.
+PRICED_STAGES = {"generate": "generate", "score": "score", "update": "update", "transition": "weight_sync"}
+assert set(PRICED_STAGES.values()) <= set(STEP_STAGES)
+STAGES = tuple(PRICED_STAGES)
 
 
 @dataclass(frozen=True)

@@ -131,10 +131,22 @@ class RatesChoice:
                 "device_key": self.device.key}
 
 
+def load_rates(path: str | None, device: str) -> Rates:
+    """Rates from a calibration's JSON file, or the built-in profile of `device`."""
+    if path is not None:
+        file = Path(path).expanduser()
+        try:
+            return Rates.from_json(file.read_text())
+        except (OSError, ValueError, TypeError) as exc:
+            raise ValueError(f"placement.planner.rates={path!r}: not a rates file from `hybridflow plan --calibrate "
+                             f"--save-rates FILE` ({exc})") from None
+    from hybridflow.planning.profiles import default_rates
+
+    return default_rates(device)
+
+
 def choose_rates(path: str | None, kind: str, device: DeviceIdentity | None = None) -> RatesChoice:
     """The rates to plan `kind` devices with (the module docstring's order)."""
-    from hybridflow.planning.auto import load_rates
-
     device = device or this_device(kind)
     if path is not None:
         return RatesChoice(load_rates(path, kind), device, "file", f"from {path} (placement.planner.rates)")

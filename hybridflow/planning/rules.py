@@ -2,7 +2,7 @@
 
 `problems(plan, workload, cluster)` lists why a plan cannot run on the cluster, each naming the
 override to change: the rollout layout and the schedule (an overlapping depth needs the rollout on a pool of its own):
-the same functions the config check raises with (`hybridflow.config.schema.rollout_layout_problems`,
+the same functions the config check raises with (`hybridflow.planning.layout`: `rollout_layout_problems`,
 `overlap_problems`, `tp_head_problems`), the devices and nodes the
 pools need, and memory: each device's terms (`memory_terms`) against what a device holds. The
 planner drops a candidate with any problem and prints the memory terms of those it drops for memory.
@@ -29,7 +29,7 @@ def problems(plan: Plan, workload: Workload, cluster: Cluster, any_tp: bool = Fa
     """Every reason `plan` cannot run `workload` on `cluster` (empty: it can). `any_tp`: allow any
     rollout tensor-parallel size that divides the pool within a node (the paper's engines; this
     system's vLLM rollout runs one engine per rank or one across the pool)."""
-    from hybridflow.config.schema import overlap_problems, rollout_layout_problems, tp_head_problems
+    from hybridflow.planning.layout import overlap_problems, rollout_layout_problems, tp_head_problems
 
     out = [f"role {role!r} is on no pool" for role in workload.roles if not any(role in p.roles for p in plan.pools)]
     if out:

@@ -8,7 +8,7 @@ from hybridflow.rewards.builtin import REWARD_FUNCTIONS, exact_match, extract_an
 from hybridflow.rewards.composer import (
     FALLBACK_CAUSES, RewardComposer, RewardResult, build_reward, build_reward_function, reward_metrics,
 )
-from hybridflow.rewards.config import RewardConfig, RewardFunctionConfig, RewardModelConfig
+from hybridflow.config.reward import RewardConfig, RewardFunctionConfig, RewardModelConfig
 from hybridflow.rewards.functions import RewardFunction, RewardFunctionError, batched_reward, check_result
 
 

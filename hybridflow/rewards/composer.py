@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any, Mapping
 
 from hybridflow.rewards.builtin import REWARD_FUNCTIONS
-from hybridflow.rewards.config import REWARD_MODEL_NAME, RewardConfig, RewardFunctionConfig
+from hybridflow.config.reward import REWARD_MODEL_NAME, RewardConfig, RewardFunctionConfig
 from hybridflow.rewards.functions import RewardFunction, RewardFunctionError
 from hybridflow.rewards.model import RewardModelScorer, load_reward_model
 

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from hybridflow.config import compose
+from hybridflow.config.rules import lora_sync
 from hybridflow.resharding.adapter import (adapter_payload, check_served, served_rank, verify_adapter,
                                            write_adapter)
 from hybridflow.resharding.verify import WeightSyncError, checksum
@@ -123,7 +124,7 @@ def test_the_engine_rank_is_the_smallest_vllm_accepts():
     ([], "", ""),
 ])
 def test_auto_serves_an_adapter_where_vllm_can_and_says_why_not(overrides, mode, why):
-    got_mode, got_why = compose(["recipe=grpo", *overrides]).lora_sync
+    got_mode, got_why = lora_sync(compose(["recipe=grpo", *overrides]))
     assert got_mode == mode and got_why.startswith(why)
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from hydra.errors import ConfigCompositionException
 
-from hybridflow.cli import compose_command
+from hybridflow.config.stages import compose_command
 from hybridflow.config import CONF_DIR, ConfigError, compose
 from hybridflow.config.schema import RolloutBackend
 

@@ -94,7 +94,7 @@ def problems_of(command: Command) -> list[str]:
             command = Command(command.where, command.program, parser().parse_args(command.args[1:]).overrides)
         except SystemExit:
             return [f"hybridflow {' '.join(command.args)}: the flags do not parse"]
-    from hybridflow.cli import compose_command
+    from hybridflow.config.stages import compose_command
     from hybridflow.config.recipes import recipe_spec
     from hybridflow.config.stages import STAGE_SCOPED, override_key, pipeline_owned
 
@@ -206,7 +206,7 @@ def test_the_cluster_pages_command_composes_to_what_the_page_says(tmp_path, monk
     page = (ROOT / "docs" / "cluster.md").read_text()
     [command] = [c for c in commands_in(ROOT / "docs" / "cluster.md") if "rollout.tensor_parallel_size=2" in c.args]
     monkeypatch.chdir(tmp_path)
-    from hybridflow.cli import compose_command
+    from hybridflow.config.stages import compose_command
 
     (tmp_path / "my_reward.py").touch()
     config = compose_command([a.replace("/shared/code/", f"{tmp_path}/") for a in command.args])

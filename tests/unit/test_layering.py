@@ -73,3 +73,119 @@ def test_the_config_json_scan_sees_a_read(tmp_path):
                       "def heads(d):\n    return json.loads((Path(d) / 'config.json').read_text())['n_head']\n"
                       "def exists(d):\n    return (Path(d) / 'config.json').is_file()\n")
     assert _config_json_reads(sample) == [4, 4]  # json.loads and read_text on line 4; is_file is no read
+
+
+def _runtime_imports(path: Path, package: str) -> list[tuple[int, str]]:
+    """(line, module) of every import in `path` that runs (module level or inside a function; not the
+    `if TYPE_CHECKING:` blocks, which only annotations read), relative imports resolved against `package`."""
+    tree = ast.parse(path.read_text(), filename=str(path))
+    type_only = {id(n) for node in ast.walk(tree) if isinstance(node, ast.If)
+                 and getattr(node.test, "id", getattr(node.test, "attr", "")) == "TYPE_CHECKING"
+                 for n in ast.walk(node)}
+    found = []
+    for node in ast.walk(tree):
+        if id(node) in type_only:
+            continue
+        if isinstance(node, ast.Import):
+            found += [(node.lineno, alias.name) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parent = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join(parent + ([node.module] if node.module else []))
+            found += [(node.lineno, f"{base}.{alias.name}") for alias in node.names]  # a.b: a module, else a name of a
+    return found
+
+
+def _module_names(root: Path, folders=("hybridflow", "workers", "recipes")) -> dict[str, Path]:
+    modules = {}
+    for folder in folders:
+        for path in (root / folder).rglob("*.py"):
+            parts = list(path.relative_to(root).with_suffix("").parts)
+            modules[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    return modules
+
+
+def import_circles(root: Path, folders=("hybridflow", "workers", "recipes")) -> list[list[str]]:
+    """The project's import circles: each strongly connected set of two or more modules of `folders`
+    in the graph of imports that run (`_runtime_imports`; `from a import b` is an edge to `a.b` when
+    that is a module, else to `a`)."""
+    modules = _module_names(root, folders)
+    edges: dict[str, set[str]] = {}
+    for name, path in modules.items():
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        targets = set()
+        for _, imported in _runtime_imports(path, package):
+            while imported and imported not in modules:
+                imported = imported.rpartition(".")[0]
+            if imported and imported != name:
+                targets.add(imported)
+        edges[name] = targets
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    circles = []
+
+    def visit(v: str) -> None:  # Tarjan's strongly connected components
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in edges[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                circles.append(sorted(component))
+
+    for v in sorted(modules):
+        if v not in index:
+            visit(v)
+    return circles
+
+
+def test_no_import_circles_among_the_project_modules():
+    """A module that imports one that imports it back (at module level or inside a function) is one
+    design split across two files; issue 39 counted 8 such circles. None is left."""
+    circles = import_circles(FRAMEWORK.parent)
+    assert not circles, "import circles: " + "; ".join(" <-> ".join(c) for c in circles)
+
+
+def test_the_circle_count_sees_an_in_function_import_and_ignores_type_only_ones(tmp_path):
+    (tmp_path / "hybridflow").mkdir()
+    (tmp_path / "hybridflow" / "__init__.py").write_text("")
+    (tmp_path / "hybridflow" / "a.py").write_text("from hybridflow.b import f\n")
+    (tmp_path / "hybridflow" / "b.py").write_text("def f():\n    from hybridflow import a\n")
+    (tmp_path / "hybridflow" / "c.py").write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n"
+                                                  "    from hybridflow.d import D\n")
+    (tmp_path / "hybridflow" / "d.py").write_text("from . import c\n")
+    assert import_circles(tmp_path, ("hybridflow",)) == [["hybridflow.a", "hybridflow.b"]]
+
+
+def _outside_config_and_stdlib(path: Path) -> list[str]:
+    import sys
+
+    return [f"{path.name}:{line} imports {module}" for line, module in _runtime_imports(path, "hybridflow.config")
+            if module and module.split(".")[0] not in sys.stdlib_module_names
+            and module != "hybridflow.config" and not module.startswith("hybridflow.config.")]
+
+
+def test_the_schema_imports_only_the_config_package_and_the_standard_library():
+    """The schema is data and each section's own rules; what needs the runtime (registries, schedules,
+    precision, the adapter's limits) is hybridflow/config/rules.py, run by to_config."""
+    offenders = _outside_config_and_stdlib(FRAMEWORK / "config" / "schema.py")
+    assert not offenders, "\n".join(offenders)
+
+
+def test_the_schema_import_check_fails_on_a_planted_runtime_import(tmp_path):
+    planted = tmp_path / "schema.py"
+    planted.write_text("import enum\nfrom hybridflow.config.recipes import recipe_spec\n"
+                       "def check():\n    from hybridflow.algos import POLICY_LOSSES\n")
+    assert _outside_config_and_stdlib(planted) == ["schema.py:4 imports hybridflow.algos.POLICY_LOSSES"]

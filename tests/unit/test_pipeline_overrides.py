@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from hybridflow.cli import compose_command
+from hybridflow.config.stages import compose_command
 from hybridflow.config import ConfigError
 from hybridflow.config.stages import route, routing_lines
 from recipes.pipeline import check_stages

@@ -10,7 +10,7 @@ import math
 
 import pytest
 
-from hybridflow.cli import compose_command
+from hybridflow.config.stages import compose_command
 from hybridflow.planning.cost import COST_MODELS, Analytical, CostModel, Prediction, Rates, register_cost_model
 from hybridflow.planning.plan import Plan, PoolPlan
 from hybridflow.planning.rules import memory_terms, problems

@@ -33,7 +33,7 @@ import torch.distributed as dist
 
 from hybridflow.resharding import faults
 from hybridflow.resharding.layout import Box
-from hybridflow.resharding.transports import Transport, register_transport
+from hybridflow.resharding.transports.base import Transport, register_transport
 from hybridflow.resharding.transports.flat import TransferError, pack, unpack
 
 

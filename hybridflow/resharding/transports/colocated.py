@@ -26,7 +26,7 @@ import torch.distributed as dist
 
 from hybridflow.resharding import faults
 from hybridflow.resharding.layout import Box, fsdp_box, numel
-from hybridflow.resharding.transports import Transport, register_transport
+from hybridflow.resharding.transports.base import Transport, register_transport
 from hybridflow.resharding.transports.flat import TransferError
 from hybridflow.resharding.verify import WeightSyncError
 

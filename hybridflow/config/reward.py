@@ -37,7 +37,7 @@ def check_reference(reference: Optional[str], key: str) -> Optional[str]:
     Absolute because the function is loaded inside Ray workers, whose working directory is
     not the driver's. Returns the (possibly rewritten) reference.
     """
-    from hybridflow.registry import absolute_reference
+    from hybridflow.config.references import absolute_reference
     from hybridflow.rewards.builtin import REWARD_FUNCTIONS
 
     _require(isinstance(reference, str) and reference.strip() != "", key, reference,

@@ -1,0 +1,45 @@
+"""References to a user's Python objects in config (`reward.fn`, `rollout.agent`, ...): their form
+checked, and a file path made absolute, when the config is checked.
+
+A reference is `package.module:name` or `path/to/file.py:name`; the object is loaded later
+(`hybridflow.registry.load_object`), inside Ray workers whose working directory is not the driver's,
+so a file path is made absolute here. Standard library only: the schema imports it.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+
+def absolute_reference(reference: str) -> str:
+    """`path/to/file.py:name` with the path made absolute (the object is loaded inside Ray workers,
+    whose working directory is not the driver's); `package.module:name` as it is.
+
+    Raises ValueError for any other form and FileNotFoundError for a file that does not exist;
+    callers put the config key into the message."""
+    target, sep, attr = reference.rpartition(":")
+    if not (sep and target and attr):
+        raise ValueError(f"{reference!r} is not 'package.module:name' or 'path/to/file.py:name'")
+    if not target.endswith(".py"):
+        return reference
+    path = Path(target).expanduser().resolve()
+    if not path.is_file():
+        raise FileNotFoundError(f"file {path} does not exist")
+    return f"{path}:{attr}"
+
+
+def check_agent_references(value: Any, key: str) -> list[str]:
+    """`rollout.agent` as a list of references (None: none); a `file.py:Name` path is made
+    absolute, because the rollout loads it inside Ray workers whose working directory differs."""
+    references = [] if value is None else [value] if isinstance(value, str) else list(value)
+    checked = []
+    for reference in references:
+        try:
+            checked.append(absolute_reference(str(reference)))
+        except ValueError:
+            raise ValueError(f"config {key}={value!r} is invalid: each entry is 'path/to/file.py:Name' or "
+                             "'package.module:Name' (a tool function, a list of them, or an environment class)") from None
+        except FileNotFoundError as exc:
+            raise ValueError(f"config {key}={value!r} is invalid: {exc}") from None
+    return checked

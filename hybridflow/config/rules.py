@@ -1,0 +1,254 @@
+"""The config's rules across sections, and those that need the runtime's own tables.
+
+The schema (`hybridflow/config/schema.py`) checks each section by itself in its dataclasses'
+`__post_init__`, importing nothing but the config package and the standard library. What spans
+sections (placement x rollout x model, the step's samples over the actor's ranks, hooks x recipe,
+the async schedule x everything it needs) or asks the runtime (the registered losses, estimators and
+step hooks, the schedule a staleness chooses, vLLM's adapter limits, the precision this hardware
+computes in) is checked here, by `check_config`, which `hybridflow.config.to_config` runs on every
+composed config, before Ray starts. A config built in Python (`HybridFlowConfig(...)` in a test)
+passes through here only when given to `check_config`.
+
+Every error names the key, the value and what is allowed (`require`). The runtime modules are imported
+inside the functions: the config package imports this module, and they import the schema.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from hybridflow.config.recipes import recipe_spec
+from hybridflow.config.schema import Dtype, RolloutBackend, model_heads, model_layers
+
+if TYPE_CHECKING:
+    from hybridflow.config.schema import HybridFlowConfig
+
+
+def require(ok: bool, key: str, value: Any, allowed: str) -> None:
+    if not ok:
+        raise ValueError(f"config {key}={value!r} is invalid: {allowed}")
+
+
+def check_config(config: HybridFlowConfig) -> HybridFlowConfig:
+    """Every rule of this module, in order; resolves model.dtype/rollout.dtype=auto and a null
+    weight_sync.probe_tolerance in place. Returns `config`."""
+    check_registered_names(config)
+    resolve_precision(config)
+    require(config.weight_sync.lora != "adapter" or config.actor.lora.rank > 0, "weight_sync.lora",
+            config.weight_sync.lora, "serves a LoRA adapter, and actor.lora.rank is 0: set actor.lora.rank, or "
+            "weight_sync.lora=auto")
+    unserved = adapter_unserved(config) if config.weight_sync.lora == "adapter" else ""
+    require(not unserved, "weight_sync.lora", config.weight_sync.lora,
+            f"{unserved}: set weight_sync.lora=folded (or auto, which chooses it here)")
+    if recipe_spec(config.recipe.name).pipeline:
+        return config  # its stages compose their own configs, each checked by these rules (recipes/pipeline.py)
+    check_rollout_layout(config)
+    check_tiny_model_context(config)
+    if config.weight_sync.probe_tolerance is None:
+        from hybridflow.resharding.verify import probe_tolerance
+
+        config.weight_sync.probe_tolerance = probe_tolerance(config.model.dtype.value, config.rollout.dtype.value,
+                                                             model_layers(config.model))
+    check_step_split(config)
+    check_hooks(config)
+    check_algorithm_needs(config)
+    check_async(config)
+    return config
+
+
+def check_registered_names(config: HybridFlowConfig) -> None:
+    """Names that must be registered: advantage estimators (or a custom 'module:function', imported and
+    checked now), KL estimators and controllers, policy losses and loss aggregations; and the schedule's
+    rule on old log-probs."""
+    from hybridflow.algos import (ADVANTAGE_ESTIMATORS, KL_CONTROLLERS, KL_ESTIMATORS, LOSS_AGGREGATIONS,
+                                  POLICY_LOSSES, check_estimator)
+    from hybridflow.rollout_schedules import schedule_class
+
+    a, actor, t = config.algorithm, config.actor, config.trainer
+    known = ADVANTAGE_ESTIMATORS.names()
+    require(a.advantage_estimator in known or ":" in a.advantage_estimator,
+            "algorithm.advantage_estimator", a.advantage_estimator, f"one of {known}, or 'module:function'")
+    if a.advantage_estimator not in known:  # a custom one: import it and check its signature now
+        try:
+            check_estimator(a.advantage_estimator)
+        except Exception as exc:  # noqa: BLE001 - whatever the import raised, refuse the config with it
+            require(False, "algorithm.advantage_estimator", a.advantage_estimator, str(exc))
+    require(a.kl_penalty_estimator in KL_ESTIMATORS.names(), "algorithm.kl_penalty_estimator",
+            a.kl_penalty_estimator, f"one of {KL_ESTIMATORS.names()}")
+    require(a.kl_controller in KL_CONTROLLERS.names(), "algorithm.kl_controller", a.kl_controller,
+            f"one of {KL_CONTROLLERS.names()}")
+    require(actor.policy_loss in POLICY_LOSSES.names(), "actor.policy_loss", actor.policy_loss,
+            f"one of {POLICY_LOSSES.names()}")
+    require(actor.loss_aggregation in LOSS_AGGREGATIONS.names(), "actor.loss_aggregation", actor.loss_aggregation,
+            f"one of {LOSS_AGGREGATIONS.names()}")
+    require(actor.kl_loss_estimator in KL_ESTIMATORS.names(), "actor.kl_loss_estimator", actor.kl_loss_estimator,
+            f"one of {KL_ESTIMATORS.names()}")
+    require(not schedule_class(t.max_staleness).stale or t.old_log_probs != "auto", "trainer.old_log_probs",
+            t.old_log_probs,
+            f"trainer.max_staleness={t.max_staleness} trains on samples from an older policy: choose the "
+            "correction, trainer.old_log_probs=actor (recomputed, with algorithm.behavior_is_cap) or "
+            "trainer.old_log_probs=sampler (clip against the sampler)")
+
+
+def resolve_precision(config: HybridFlowConfig) -> None:
+    """model.dtype=auto and rollout.dtype=auto become the dtypes this run computes in (hybridflow/precision.py)."""
+    from hybridflow.precision import device_of, resolve_dtypes
+
+    model, rollout = resolve_dtypes(config.model.dtype.value, config.rollout.dtype.value,
+                                    device_of(config.placement.device.value))
+    config.model.dtype, config.rollout.dtype = Dtype(model), Dtype(rollout)
+    require(config.model.master_dtype in (Dtype.float32, config.model.dtype), "model.master_dtype",
+            config.model.master_dtype.value, f"float32, or model.dtype ({model}) itself for pure 16-bit training")
+
+
+def lora_sync(config: HybridFlowConfig) -> tuple[str, str]:
+    """How a LoRA actor's weights reach the rollout each sync: ("adapter" | "folded", why), or
+    ("", "") without LoRA. The one place this is decided (weight_sync.lora;
+    hybridflow/resharding/adapter.py)."""
+    if not config.actor.lora.rank:
+        return "", ""
+    if config.weight_sync.lora == "folded":
+        return "folded", "weight_sync.lora=folded"
+    unserved = adapter_unserved(config)
+    if unserved:
+        return "folded", unserved
+    return "adapter", f"weight_sync.lora={config.weight_sync.lora}: vLLM serves the rank-{config.actor.lora.rank} adapter"
+
+
+def adapter_unserved(config: HybridFlowConfig) -> str:
+    """Why vLLM cannot serve this run's LoRA as an adapter ("" when it can)."""
+    from hybridflow.resharding.adapter import UNSERVED_MODULES, VLLM_LORA_RANKS
+    from hybridflow.rollout_schedules import schedule_class
+
+    lora, d = config.actor.lora, config.trainer.max_staleness
+    if config.rollout.backend is not RolloutBackend.vllm:
+        return f"rollout.backend={config.rollout.backend.value} generates with a copy of the actor's model"
+    if schedule_class(d).stages_weights:
+        return f"trainer.max_staleness={d} stages pushes while the engine generates, which the adapter sync does not"
+    modules = [m for m in lora.target_modules if m in UNSERVED_MODULES]
+    if modules:
+        return f"actor.lora.target_modules has {modules}, which vLLM's LoRA does not serve here"
+    if lora.rank > VLLM_LORA_RANKS[-1]:
+        return f"actor.lora.rank={lora.rank} is above vLLM's largest adapter rank ({VLLM_LORA_RANKS[-1]})"
+    return ""
+
+
+def check_rollout_layout(config: HybridFlowConfig) -> None:
+    """Every placement x tensor-parallel combination that cannot run, refused with what would."""
+    from hybridflow.planning.layout import rollout_layout_problems
+
+    placement, rollout = config.placement, config.rollout
+    heads, kv_heads = model_heads(config.model)
+    for key, value, allowed in rollout_layout_problems(
+            rollout.tensor_parallel_size, placement.world_size("rollout"), placement.roles["rollout"], heads,
+            kv_heads, hf=rollout.backend is RolloutBackend.hf, colocated=placement.rollout_colocated,
+            actor_pool=placement.roles["actor"]):
+        require(False, key, value, allowed)
+    tp, ranks = rollout.tensor_parallel_size, placement.world_size("rollout")
+    # several engines of TP > 1 in one pool are vLLM's data parallel: their steps run in lockstep, and agent
+    # rollouts call the engine a different number of times on each
+    require(not (rollout.agent and 1 < tp < ranks), "rollout.tensor_parallel_size", tp,
+            f"with rollout.agent, 1 (one engine per rank) or {ranks} (one engine across the pool): "
+            f"{ranks // tp} engines of TP {tp} step in lockstep, and agent turns differ from engine to engine")
+
+
+def check_tiny_model_context(config: HybridFlowConfig) -> None:
+    """The tiny model built from model.tiny (model.path unset) holds max_position_embeddings
+    tokens; the engine is asked for a prompt's and a response's worth. Checked here, before Ray
+    starts: the engine would refuse it only after every worker has started."""
+    spec = recipe_spec(config.recipe.name)
+    if config.model.path is not None or not (spec.reads_key("data.max_prompt_tokens")
+                                             and spec.reads_key("rollout.max_response_tokens")):
+        return
+    prompt, response = config.data.max_prompt_tokens, config.rollout.max_response_tokens
+    need, have = prompt + response, config.model.tiny.max_position_embeddings
+    require(need <= have, "data.max_prompt_tokens", prompt,
+            f"with rollout.max_response_tokens={response} that is {need} tokens, more than the tiny model holds "
+            f"(model.tiny.max_position_embeddings={have}): lower data.max_prompt_tokens to at most {have - response}, "
+            "or raise model.tiny.max_position_embeddings")
+
+
+def check_step_split(config: HybridFlowConfig) -> None:
+    """The step's samples (and a pretraining step's sequences) divide over the actor's ranks, and a
+    mini-batch is a whole number of rows per rank."""
+    world = config.placement.world_size("actor")
+    samples = config.trainer.prompts_per_step * config.rollout.samples_per_prompt
+    require(samples % world == 0, "trainer.prompts_per_step", config.trainer.prompts_per_step,
+            f"prompts_per_step x rollout.samples_per_prompt ({samples}) must divide evenly over the "
+            f"{world} actor ranks")
+    mini = config.actor.samples_per_mini_batch
+    require(mini == 0 or (samples % mini == 0 and mini % world == 0), "actor.samples_per_mini_batch", mini,
+            f"must divide the step's {samples} samples and be a multiple of the {world} actor ranks")
+    require(not recipe_spec(config.recipe.name).packs_sequences or config.pretrain.sequences_per_step % world == 0,
+            "pretrain.sequences_per_step", config.pretrain.sequences_per_step,
+            f"must divide evenly over the {world} actor ranks")
+
+
+def check_hooks(config: HybridFlowConfig) -> None:
+    """Step hooks by their own rules; the reference model's hooks only where a reference runs."""
+    from hybridflow.training.hooks import STEP_HOOKS, check_step_hooks
+
+    t, spec = config.trainer, recipe_spec(config.recipe.name)
+    check_step_hooks(config)
+    reference_hooks = [h.name for h in t.training_hooks if h.name not in STEP_HOOKS]
+    require(not reference_hooks or config.needs_reference, "trainer.training_hooks", reference_hooks,
+            "the hooks update the reference model, which runs only with algorithm.kl_penalty_coef > 0 or "
+            "actor.kl_loss_coef > 0")
+    require(not (spec.step_hooks and not spec.reference) or not reference_hooks, "trainer.training_hooks",
+            reference_hooks, f"recipe={config.recipe.name} has no reference model; its hooks are the step hooks "
+            f"{STEP_HOOKS.names()}")
+    require(not reference_hooks or not config.actor.lora.rank, "trainer.training_hooks", reference_hooks,
+            "with LoRA the reference is the actor with its adapter disabled; it has no weights of its own to set")
+
+
+def check_algorithm_needs(config: HybridFlowConfig) -> None:
+    """What the algorithm's settings need from the rest: a critic, groups of several samples, a
+    response limit the overlong shaping fits under."""
+    a, t, spec = config.algorithm, config.trainer, recipe_spec(config.recipe.name)
+    require(not t.critic_warmup_steps or a.use_critic, "trainer.critic_warmup_steps", t.critic_warmup_steps,
+            "only a run with a critic (algorithm.use_critic=true) can warm one up; set it to 0")
+    require(not a.dynamic_sampling_rounds or config.rollout.samples_per_prompt >= 2,
+            "algorithm.dynamic_sampling_rounds", a.dynamic_sampling_rounds,
+            f"dynamic sampling keeps groups whose samples' rewards differ; with rollout.samples_per_prompt="
+            f"{config.rollout.samples_per_prompt} every group is one sample: raise it to >= 2, or set this to 0")
+    require(not a.dynamic_sampling_rounds or not [h for h in t.training_hooks if h.name == "spike_recovery"],
+            "algorithm.dynamic_sampling_rounds", a.dynamic_sampling_rounds,
+            "the spike_recovery hook puts back whole steps' prompts, and dynamic sampling draws a varying "
+            "number per step: use one of the two")
+    require(a.overlong_buffer_tokens <= config.rollout.max_response_tokens, "algorithm.overlong_buffer_tokens",
+            a.overlong_buffer_tokens, f"must be at most rollout.max_response_tokens "
+            f"({config.rollout.max_response_tokens}): the shaping starts that many tokens before the limit")
+    require(not spec.needs_critic or a.use_critic, "algorithm.use_critic", a.use_critic,
+            f"recipe={config.recipe.name} trains a critic: set algorithm.use_critic=true")
+
+
+def check_async(config: HybridFlowConfig) -> None:
+    """What the schedule trainer.max_staleness chooses needs (hybridflow/rollout_schedules.py,
+    docs/async.md): overlapping generation with training, staged pushes, no weight reloads."""
+    from hybridflow.planning.layout import overlap_problems
+    from hybridflow.rollout_schedules import schedule_class
+    from hybridflow.training.hooks import STEP_HOOKS
+
+    d, rollout, placement = config.trainer.max_staleness, config.rollout, config.placement
+    schedule = schedule_class(d)
+    require(config.algorithm.behavior_is_cap >= 0, "algorithm.behavior_is_cap", config.algorithm.behavior_is_cap,
+            "must be >= 0 (0: no importance weight)")
+    require(rollout.on_update == "finish" or schedule.stages_weights, "rollout.on_update", rollout.on_update,
+            f"weights land while requests run only when pushes are staged, with trainer.max_staleness >= 2 (it is "
+            f"{d}, the {schedule.name} schedule): use rollout.on_update=finish, or raise trainer.max_staleness")
+    require(rollout.on_update == "finish" or not rollout.agent, "rollout.on_update", rollout.on_update,
+            "multi-turn agent rollouts (rollout.agent) load new weights between batches only: use "
+            "rollout.on_update=finish")
+    if not schedule.overlaps:
+        return
+    require(recipe_spec(config.recipe.name).overlaps_generation, "trainer.max_staleness", d,
+            f"only the RL recipes (grpo, ppo) generate while training, not recipe={config.recipe.name}")
+    for key, value, allowed in overlap_problems(d, placement.rollout_colocated, placement.roles["rollout"]):
+        require(False, key, value, allowed)
+    # rollout=hf on a pool of its own is refused by check_rollout_layout (it loads in-process)
+    hooks = [h.name for h in config.trainer.training_hooks
+             if h.name in STEP_HOOKS and STEP_HOOKS.get(h.name).reloads_weights]
+    require(schedule.reloads_weights or not hooks, "trainer.training_hooks", hooks,
+            f"{' and '.join(hooks)} reload{'s' if len(hooks) == 1 else ''} the actor's weights, and at "
+            f"trainer.max_staleness={d} the batches in flight were generated by the weights thrown away and "
+            "cannot all be generated again: use them with trainer.max_staleness <= 1")
