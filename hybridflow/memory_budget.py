@@ -94,7 +94,7 @@ def process_terms(config, shape: ModelShape, roles: set[str], rows: int | None =
         terms["reference weights (model.dtype, FSDP shard)"] = p * compute / ranks
     if "critic" in roles:
         terms["critic parameters, gradients and AdamW moments (FSDP shard)"] = 4 * p * master / ranks
-    engine = "rollout" in roles and config.rollout.backend.value == "vllm"
+    engine = "rollout" in roles and _engine_memory(config)
     if engine and cpu:  # on a GPU a colocated engine sleeps while the actor trains
         tp = config.rollout.tensor_parallel_size
         terms[f"vLLM weights (rollout.dtype, 1/{tp} of the model)"] = p * DTYPE_BYTES[config.rollout.dtype.value] / tp
@@ -255,12 +255,19 @@ def gpu_memory_bytes(config) -> int | None:
         return None
 
 
+def _engine_memory(config) -> bool:
+    """Whether the rollout engine holds weights and a KV cache of its own (`RolloutEngine.engine_memory`)."""
+    from hybridflow.config.engines import rollout_engine
+
+    return rollout_engine(config.rollout.backend).engine_memory
+
+
 def gpu_phase_terms(config, shape: ModelShape, roles: set[str], gpu_bytes: int) -> dict[str, dict[str, float]]:
     """GPU bytes per process of the actor's pool in each phase of a step, term by term (floors; the
     module docstring). "training" always; "start", "weight sync" and "generation" with a colocated vLLM
     engine (`roles` holds the rollout)."""
     phases = {"training": process_terms(config, shape, roles)}
-    if not ("rollout" in roles and config.rollout.backend.value == "vllm"):
+    if not ("rollout" in roles and _engine_memory(config)):
         return phases
     ranks = config.placement.world_size("actor")
     master, compute = DTYPE_BYTES[config.model.master_dtype.value], DTYPE_BYTES[config.model.dtype.value]

@@ -12,7 +12,7 @@ from __future__ import annotations
 import importlib.metadata
 
 from hybridflow.config.model_facts import ModelFacts
-from hybridflow.config.schema import DeviceKind, HybridFlowConfig, RolloutBackend
+from hybridflow.config.schema import DeviceKind, HybridFlowConfig
 from hybridflow.planning.layout import tp_head_problems
 
 # vllm 0.32's CPUAttentionBackend.get_supported_head_sizes() (tests/unit/test_model_checks.py compares)
@@ -49,7 +49,7 @@ def vllm_install_problems(config: HybridFlowConfig) -> list[str]:
     """With rollout.backend=vllm: vLLM missing, or another series than VLLM_SERIES, said before Ray
     starts (found from the installed package's metadata, without importing vLLM), instead of after
     the engine has loaded the model."""
-    if config.rollout.backend is not RolloutBackend.vllm:
+    if config.rollout.backend != "vllm":
         return []
     versions = {}
     for name in VLLM_DISTRIBUTIONS:
@@ -66,9 +66,15 @@ def vllm_install_problems(config: HybridFlowConfig) -> list[str]:
             if version != VLLM_SERIES and not version.startswith(VLLM_SERIES + ".")]
 
 
+def vllm_checks(config: HybridFlowConfig, model_path: str | None) -> list[str]:
+    """The vllm engine's checks before Ray (`RolloutEngine.checks`, hybridflow/config/engines.py): its
+    install without a model, then what `model_path` needs of it."""
+    return vllm_install_problems(config) if model_path is None else vllm_problems(config, model_path)
+
+
 def vllm_problems(config: HybridFlowConfig, model_path: str) -> list[str]:
     """What in `model_path`'s config.json vLLM cannot run with this config (empty: nothing found)."""
-    if config.rollout.backend is not RolloutBackend.vllm:
+    if config.rollout.backend != "vllm":
         return []
     facts = ModelFacts.from_dir(model_path)
     shape = attention_shape(facts) if facts is not None else None  # unreadable: preflight's directory check says

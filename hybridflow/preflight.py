@@ -31,7 +31,6 @@ from typing import Iterator
 from hybridflow.config.recipes import recipe_spec
 from hybridflow.config.schema import HybridFlowConfig
 from hybridflow.data.checks import InputError  # raised here, and by the full read of the data (data/prompts.py)
-from hybridflow.model_checks import vllm_install_problems, vllm_problems
 
 SAMPLE_ROWS = 1000
 SYNTHETIC_COLUMNS = ("prompt", "ground_truth", "data_source")
@@ -68,15 +67,25 @@ def _cluster_problems(config: HybridFlowConfig) -> list[str]:
     return [problem] if problem else []
 
 
+def _engine_checks(config: HybridFlowConfig):
+    """The rollout engine's own checks (`RolloutEngine.checks`), or one that finds nothing."""
+    from hybridflow.config.engines import rollout_engine
+    from hybridflow.registry import load_object
+
+    engine = rollout_engine(config.rollout.backend)
+    return load_object(engine.checks) if engine.checks else (lambda config, model_path: [])
+
+
 def check_run(config: HybridFlowConfig, check_model: bool = True) -> list[str]:
     """The problems of one run's inputs (empty when it can start)."""
     # a recipe that scores nothing (dpo, pretrain) needs no reward function's columns
     functions, problems = _reward_functions(config) if recipe_spec(config.recipe.name).reads_key("reward") else ([], [])
     generates = recipe_spec(config.recipe.name).reads_key("rollout.backend")  # not dpo, pretrain
-    problems += _agent_problems(config) + (vllm_install_problems(config) if generates else [])
+    engine_checks = _engine_checks(config) if generates else (lambda config, model_path: [])
+    problems += _agent_problems(config) + engine_checks(config, None)
     model_path = config.model.path if check_model else None
     if model_path is not None:
-        problems += check_model_dir(model_path, "model.path") + (vllm_problems(config, model_path) if generates else [])
+        problems += check_model_dir(model_path, "model.path") + engine_checks(config, model_path)
         if recipe_spec(config.recipe.name).trains and not problems and not config.placement.planner.auto:
             from hybridflow.memory_budget import memory_problems  # placement=auto: the planner's rules check memory
 

@@ -11,7 +11,9 @@ from __future__ import annotations
 from pathlib import Path
 
 from hybridflow.config.rules import lora_sync
-from hybridflow.config.schema import HybridFlowConfig, RolloutBackend
+from hybridflow.config.engines import rollout_engine
+from hybridflow.config.schema import HybridFlowConfig
+from hybridflow.registry import load_object
 from hybridflow.controller import RoleSpec
 from hybridflow.memory_budget import resolve_micro_batches
 from workers.actor import ActorWorker
@@ -60,11 +62,9 @@ def reward_role(config: HybridFlowConfig) -> RoleSpec:
 
 
 def rollout_role(config: HybridFlowConfig, model_dir: str | Path, tokenizer) -> RoleSpec:
-    """vLLM or Hugging Face generation (`rollout.backend`); one replica spans the tensor-parallel ranks."""
-    if config.rollout.backend is RolloutBackend.vllm:
-        from workers.rollout.vllm_rollout import VLLMRollout as rollout_cls
-    else:
-        from workers.rollout.hf_rollout import HFRollout as rollout_cls
+    """The worker of the engine `rollout.backend` names (hybridflow/config/engines.py: vLLM, Hugging Face
+    generate, or one of the user's); one replica spans the tensor-parallel ranks."""
+    rollout_cls = load_object(rollout_engine(config.rollout.backend).worker)
     return RoleSpec(rollout_cls, dict(
         model_path=str(model_dir), rollout=config.rollout, max_prompt_tokens=config.data.max_prompt_tokens,
         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,

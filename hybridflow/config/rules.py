@@ -18,7 +18,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from hybridflow.config.recipes import recipe_spec
-from hybridflow.config.schema import Dtype, RolloutBackend, model_heads, model_layers
+from hybridflow.config.engines import rollout_engine
+from hybridflow.config.schema import Dtype, model_heads, model_layers
 
 if TYPE_CHECKING:
     from hybridflow.config.schema import HybridFlowConfig
@@ -33,6 +34,7 @@ def check_config(config: HybridFlowConfig) -> HybridFlowConfig:
     """Every rule of this module, in order; resolves model.dtype/rollout.dtype=auto and a null
     weight_sync.probe_tolerance in place. Returns `config`."""
     check_registered_names(config)
+    check_rollout_engine(config)
     resolve_precision(config)
     require(config.weight_sync.lora != "adapter" or config.actor.lora.rank > 0, "weight_sync.lora",
             config.weight_sync.lora, "serves a LoRA adapter, and actor.lora.rank is 0: set actor.lora.rank, or "
@@ -90,6 +92,20 @@ def check_registered_names(config: HybridFlowConfig) -> None:
             "trainer.old_log_probs=sampler (clip against the sampler)")
 
 
+def check_rollout_engine(config: HybridFlowConfig) -> None:
+    """rollout.backend names an engine (`hybridflow.config.engines`) that can do what the rollout asks."""
+    engine = rollout_engine(config.rollout.backend)
+    require(not config.rollout.agent or engine.agents, "rollout.backend", config.rollout.backend,
+            f"agent rollouts (rollout.agent) run on an engine that runs them: "
+            f"{[e.name for e in _engines() if e.agents]}")
+
+
+def _engines():
+    from hybridflow.config.engines import ROLLOUT_ENGINES
+
+    return ROLLOUT_ENGINES.values()
+
+
 def resolve_precision(config: HybridFlowConfig) -> None:
     """model.dtype=auto and rollout.dtype=auto become the dtypes this run computes in (hybridflow/precision.py)."""
     from hybridflow.precision import device_of, resolve_dtypes
@@ -121,8 +137,8 @@ def adapter_unserved(config: HybridFlowConfig) -> str:
     from hybridflow.rollout_schedules import schedule_class
 
     lora, d = config.actor.lora, config.trainer.max_staleness
-    if config.rollout.backend is not RolloutBackend.vllm:
-        return f"rollout.backend={config.rollout.backend.value} generates with a copy of the actor's model"
+    if not rollout_engine(config.rollout.backend).serves_adapters:
+        return f"rollout.backend={config.rollout.backend} serves no LoRA adapter (it generates with a copy of the whole model)"
     if schedule_class(d).stages_weights:
         return f"trainer.max_staleness={d} stages pushes while the engine generates, which the adapter sync does not"
     modules = [m for m in lora.target_modules if m in UNSERVED_MODULES]
@@ -141,7 +157,7 @@ def check_rollout_layout(config: HybridFlowConfig) -> None:
     heads, kv_heads = model_heads(config.model)
     for key, value, allowed in rollout_layout_problems(
             rollout.tensor_parallel_size, placement.world_size("rollout"), placement.roles["rollout"], heads,
-            kv_heads, hf=rollout.backend is RolloutBackend.hf, colocated=placement.rollout_colocated,
+            kv_heads, engine=rollout_engine(rollout.backend), colocated=placement.rollout_colocated,
             actor_pool=placement.roles["actor"]):
         require(False, key, value, allowed)
     tp, ranks = rollout.tensor_parallel_size, placement.world_size("rollout")

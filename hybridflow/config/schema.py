@@ -43,11 +43,6 @@ class Dtype(enum.Enum):
     auto = "auto"  # model.dtype / rollout.dtype only: chosen by the hardware when the config is checked (hybridflow/precision.py)
 
 
-class RolloutBackend(enum.Enum):
-    vllm = "vllm"
-    hf = "hf"
-
-
 @dataclass
 class RayConfig:
     address: Optional[str] = None  # None: join RAY_ADDRESS if set (ray job submit), else start a local Ray
@@ -274,7 +269,9 @@ class DataConfig:
 
 @dataclass
 class RolloutConfig:
-    backend: RolloutBackend = RolloutBackend.vllm
+    # The generation engine: a registered one (vllm, hf; hybridflow/config/engines.py) or
+    # 'package.module:NAME' naming a RolloutEngine
+    backend: str = "vllm"
     max_response_tokens: int = 8
     temperature: float = 1.0
     top_p: float = 1.0
@@ -310,8 +307,6 @@ class RolloutConfig:
         _require(self.on_update in ("finish", "recompute"), "rollout.on_update", self.on_update,
                  "one of ['finish', 'recompute']")
         _require(self.tool_timeout_s > 0, "rollout.tool_timeout_s", self.tool_timeout_s, "must be > 0 seconds")
-        _require(not self.agent or self.backend is RolloutBackend.vllm, "rollout.backend", self.backend.value,
-                 "agent rollouts (rollout.agent) run on rollout=vllm only")
         _require(self.max_response_tokens >= 1, "rollout.max_response_tokens", self.max_response_tokens, "must be >= 1")
         _require(self.temperature >= 0, "rollout.temperature", self.temperature, "must be >= 0 (0 is greedy)")
         _require(0 < self.top_p <= 1, "rollout.top_p", self.top_p, "must be in (0, 1]")

@@ -12,18 +12,20 @@ from __future__ import annotations
 from typing import Any
 
 
-def rollout_layout_problems(tp: int, ranks: int, pool: str, heads: int, kv_heads: int, hf: bool = False,
+def rollout_layout_problems(tp: int, ranks: int, pool: str, heads: int, kv_heads: int, engine=None,
                             colocated: bool = True, actor_pool: str = "") -> list[tuple[str, Any, str]]:
     """(key, value, what is allowed) for each reason a rollout of tensor-parallel size `tp` on pool
     `pool` of `ranks` ranks cannot run; the config check raises the first, the planner
-    (hybridflow/planning/rules.py) drops a candidate with any. `heads` 0: the model's are unknown."""
+    (hybridflow/planning/rules.py) drops a candidate with any. `heads` 0: the model's are unknown.
+    `engine`: the `RolloutEngine` (hybridflow/config/engines.py); None: one that can run any layout."""
     problems = []
-    if hf and tp != 1:
-        problems.append(("rollout.tensor_parallel_size", tp, "rollout=hf generates with one Hugging Face model per "
-                         "rank; tensor parallelism needs rollout=vllm"))
-    if hf and not colocated:
-        problems.append(("placement.roles.rollout", pool, f"rollout=hf receives weights only in the actor's processes: "
-                         f"set placement.roles.rollout={actor_pool} (or use rollout=vllm on a pool of its own)"))
+    if engine is not None and not engine.tensor_parallel and tp != 1:
+        problems.append(("rollout.tensor_parallel_size", tp, f"rollout={engine.name} generates with one whole model "
+                         "per rank; tensor parallelism needs an engine that splits one (rollout=vllm)"))
+    if engine is not None and not engine.own_pool and not colocated:
+        problems.append(("placement.roles.rollout", pool, f"rollout={engine.name} receives weights only in the "
+                         f"actor's processes: set placement.roles.rollout={actor_pool} (or use rollout=vllm on a "
+                         "pool of its own)"))
     if ranks % tp:
         divisors = [d for d in range(1, ranks + 1) if ranks % d == 0]
         problems.append(("rollout.tensor_parallel_size", tp, f"the rollout pool {pool!r} has {ranks} rank(s), which "

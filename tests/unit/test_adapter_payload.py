@@ -116,7 +116,7 @@ def test_the_engine_rank_is_the_smallest_vllm_accepts():
 @pytest.mark.parametrize("overrides, mode, why", [
     (["actor.lora.rank=16"], "adapter", "weight_sync.lora=auto: vLLM serves the rank-16 adapter"),
     (["actor.lora.rank=16", "weight_sync.lora=folded"], "folded", "weight_sync.lora=folded"),
-    (["actor.lora.rank=16", "rollout=hf"], "folded", "rollout.backend=hf generates with a copy"),
+    (["actor.lora.rank=16", "rollout=hf"], "folded", "rollout.backend=hf serves no LoRA adapter"),
     (["actor.lora.rank=16", "trainer.max_staleness=2", "trainer.old_log_probs=actor", "placement=disaggregated"],
      "folded", "trainer.max_staleness=2 stages pushes"),
     (["actor.lora.rank=16", "actor.lora.target_modules=[q_proj,embed_tokens]"], "folded",
@@ -132,7 +132,7 @@ def test_auto_serves_an_adapter_where_vllm_can_and_says_why_not(overrides, mode,
     (["weight_sync.lora=adapter"], "config weight_sync.lora='adapter' is invalid: serves a LoRA adapter, and "
                                    "actor.lora.rank is 0"),
     (["weight_sync.lora=adapter", "actor.lora.rank=8", "rollout=hf"],
-     "config weight_sync.lora='adapter' is invalid: rollout.backend=hf generates with a copy of the actor's model: "
+     "config weight_sync.lora='adapter' is invalid: rollout.backend=hf serves no LoRA adapter (it generates with a copy of the whole model): "
      "set weight_sync.lora=folded"),
     (["weight_sync.lora=both"], "config weight_sync.lora='both' is invalid: one of ['auto', 'adapter', 'folded']"),
 ])

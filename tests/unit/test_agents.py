@@ -251,7 +251,8 @@ def test_sft_demonstrations_train_the_model_turns_and_attend_to_the_tool_output(
 
 
 def test_agent_config_keys_are_checked_before_anything_starts():
-    from hybridflow.config.schema import RolloutBackend, RolloutConfig
+    from hybridflow.config import compose
+    from hybridflow.config.schema import RolloutConfig
 
     assert RolloutConfig(agent="hybridflow.data.calculator:calc").agent == ["hybridflow.data.calculator:calc"]
     assert RolloutConfig().agent == []
@@ -259,7 +260,8 @@ def test_agent_config_keys_are_checked_before_anything_starts():
         RolloutConfig(agent=["calc"])
     with pytest.raises(ValueError, match="does not exist"):
         RolloutConfig(agent=["no/such/file.py:calc"])
-    with pytest.raises(ValueError, match="rollout=vllm only"):
-        RolloutConfig(agent=["hybridflow.data.calculator:calc"], backend=RolloutBackend.hf)
+    with pytest.raises(ValueError, match=r"rollout.backend='hf' is invalid: agent rollouts \(rollout.agent\) run on an "
+                       r"engine that runs them: \['vllm'\]"):
+        compose(["recipe=grpo", "rollout=hf", "rollout.agent=hybridflow.data.calculator:calc"])
     with pytest.raises(ValueError, match="rollout.max_turns"):
         RolloutConfig(max_turns=0)

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 from hydra.errors import ConfigCompositionException
 
 from hybridflow.config.stages import compose_command
 from hybridflow.config import CONF_DIR, ConfigError, compose
-from hybridflow.config.schema import RolloutBackend
 
 GROUPS = sorted(p.name for p in CONF_DIR.iterdir() if p.is_dir())
 REQUIRED_VALUES = {  # options whose '???' values a user must supply
@@ -36,13 +37,12 @@ def test_groups_cover_the_design():
 
 def test_defaults_and_overrides_are_typed():
     config = compose(["rollout=hf", "rollout.temperature=0.5", "placement=split"])
-    assert config.rollout.backend is RolloutBackend.hf and config.rollout.temperature == 0.5
+    assert config.rollout.backend == "hf" and config.rollout.temperature == 0.5
     assert config.placement.roles["critic"] == "critic"
 
 
 @pytest.mark.parametrize("override,expected", [
     (["model.no_such_key=1"], "model.no_such_key"),
-    (["rollout.backend=sglang"], "rollout.backend"),
     (["rollout.max_response_tokens=many"], "rollout.max_response_tokens"),
 ])
 def test_unknown_keys_and_bad_types_fail_in_composition(override, expected):
@@ -50,6 +50,15 @@ def test_unknown_keys_and_bad_types_fail_in_composition(override, expected):
         compose(override)
     cause = str(info.value.__cause__)
     assert any(s in cause for s in ("not in", "Invalid value", "could not be converted"))
+
+
+def test_an_unknown_rollout_engine_is_refused_naming_the_registered_ones():
+    with pytest.raises(ValueError, match=re.escape("config rollout.backend='sglang' is invalid: one of ['hf', 'vllm'], "
+                                                   "or 'package.module:NAME' naming a RolloutEngine")):
+        compose(["rollout.backend=sglang"])
+    with pytest.raises(ValueError, match=r"rollout.backend='hybridflow.config.engines:ROLLOUT_ENGINES' is invalid: "
+                                         r"hybridflow.config.engines:ROLLOUT_ENGINES is a Registry, not a RolloutEngine"):
+        compose(["rollout.backend=hybridflow.config.engines:ROLLOUT_ENGINES"])
 
 
 @pytest.mark.parametrize("override,message", [

@@ -1,7 +1,15 @@
-"""Rollout workers: generation backends returning token ids, masks and sampler log-probs.
+"""Rollout workers: generation engines returning token ids, masks and sampler log-probs.
 
-`ReceivingEnd` holds the weight methods every backend shares: each delegates to the
-backend's receiver (`hybridflow.resharding.receiver`), built when its engine starts.
+The rollout protocol every engine's worker class follows (its entry, what it can do, is a
+`RolloutEngine` in hybridflow/config/engines.py, named by `rollout.backend`):
+- `start()`: load the model and build `self.receiver`, the receiving end of the weight path
+  (`hybridflow.resharding.receiver.Receiver`: load what a transport delivers, checksums, probe);
+  an engine in the actor's processes also registers it (`register_local`) for the colocated sync;
+- `generate(prompts, greedy=False)` (DP_SPLIT): the prompts' batch with `response_ids`,
+  `response_mask`, `sampler_log_probs` (of the tempered distribution it sampled), `behavior_version`
+  and the objects `response` (text) and `finish_reason`;
+- `sleep()` / `wake_up(parts)`: free and take back device memory around training (False: nothing to do);
+- the weight methods below (`ReceivingEnd`), each delegating to the receiver.
 """
 
 from __future__ import annotations

@@ -1,0 +1,67 @@
+"""Rollout engines: what the rest of the system may ask of each one (`rollout.backend` names it).
+
+An engine is a worker class with the rollout protocol (workers/rollout/__init__.py): `start`
+(load the model, build the receiving end of the weight path, `self.receiver`), `generate` (the
+response batch every recipe reads: ids, masks, sampler log-probs, the policy version, text),
+`sleep` / `wake_up`, and the weight methods of `ReceivingEnd`, each delegating to the receiver
+(`hybridflow.resharding.receiver`: load what a transport delivers, verify, probe). Beside the class,
+a `RolloutEngine` entry says what the engine can do; the config rules, the memory floor, the input
+checks and the role builder read the entry, never the engine's name.
+
+Two are registered: `vllm` (vLLM, tensor parallel, on any pool, LoRA adapters, agents) and `hf`
+(Hugging Face `generate`, one model per rank in the actor's processes). Another is one entry:
+`register_rollout_engine(RolloutEngine("mine", "my_package.module:MyRollout", ...))` in code the
+driver imports, or `rollout.backend=my_package.module:ENGINE` naming a `RolloutEngine` object
+(tests/e2e/test_toy_rollout_engine.py adds one that generates with a plain sampling loop).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from hybridflow.registry import Registry
+
+
+@dataclass(frozen=True)
+class RolloutEngine:
+    name: str
+    worker: str  # 'package.module:Class' of the worker class; loaded where the rollout role is built
+    tensor_parallel: bool = False  # one engine can span several ranks (rollout.tensor_parallel_size > 1)
+    own_pool: bool = False  # can run on a pool of its own (weights over a transport); else in the actor's processes
+    serves_adapters: bool = False  # can serve a LoRA adapter beside its base model (weight_sync.lora=adapter)
+    agents: bool = False  # runs multi-turn agent rollouts (rollout.agent)
+    # holds its own weights and a KV cache of rollout.kv_cache_space_gib, which the memory floor counts
+    engine_memory: bool = False
+    # 'module:function' (config, model_path: str | None) -> list[str]: what stops this engine, said before Ray;
+    # called once with None (what it needs installed) and, with a model.path, once with it (what the model needs)
+    checks: str | None = None
+
+
+ROLLOUT_ENGINES: Registry[RolloutEngine] = Registry("rollout engine", "a RolloutEngine (hybridflow.config.engines)")
+
+
+def register_rollout_engine(engine: RolloutEngine) -> RolloutEngine:
+    ROLLOUT_ENGINES.add(engine.name, engine)
+    return engine
+
+
+def rollout_engine(backend: str) -> RolloutEngine:
+    """The engine `rollout.backend` names: a registered name, or a 'module:object' reference to a
+    `RolloutEngine`. A ValueError names the key, the value and the engines there are."""
+    if ":" not in backend and backend not in ROLLOUT_ENGINES:
+        raise ValueError(f"config rollout.backend={backend!r} is invalid: one of {ROLLOUT_ENGINES.names()}, or "
+                         "'package.module:NAME' naming a RolloutEngine (hybridflow/config/engines.py)")
+    try:
+        engine = ROLLOUT_ENGINES.get(backend)
+    except (ImportError, AttributeError, ValueError, FileNotFoundError) as exc:
+        raise ValueError(f"config rollout.backend={backend!r} is invalid: {exc}") from None
+    if not isinstance(engine, RolloutEngine):
+        raise ValueError(f"config rollout.backend={backend!r} is invalid: {backend} is a {type(engine).__name__}, "
+                         "not a RolloutEngine (hybridflow.config.engines)")
+    return engine
+
+
+register_rollout_engine(RolloutEngine(
+    "vllm", "workers.rollout.vllm_rollout:VLLMRollout", tensor_parallel=True, own_pool=True, serves_adapters=True,
+    agents=True, engine_memory=True, checks="hybridflow.model_checks:vllm_checks"))
+register_rollout_engine(RolloutEngine("hf", "workers.rollout.hf_rollout:HFRollout"))

@@ -1,0 +1,132 @@
+"""A third rollout engine, added by this file alone: registered, chosen by `rollout.backend`, and run
+through a GRPO step end to end (real Ray, a real FSDP2 actor, the colocated weight sync and its probe).
+
+`ToyRollout` generates with a plain sampling loop over the Hugging Face model: each new token is one
+forward pass over the whole sequence (no KV cache), sampled from the tempered softmax with the step's
+seed, its log-probability recorded for the trainer's engine-parity check. It implements the rollout
+protocol (workers/rollout/__init__.py: `start` builds the receiving end, `generate`, `sleep`/`wake_up`)
+and its entry (`RolloutEngine`) says what it can do: one whole model per rank, in the actor's
+processes. Nothing outside this file changes.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from hybridflow.batch import Batch
+from hybridflow.config.engines import ROLLOUT_ENGINES, RolloutEngine, register_rollout_engine
+from hybridflow.controller import Dispatch, register
+from tests.e2e.test_rl_recipes import ONE_RANK, SMALL
+from workers.rollout import ReceivingEnd
+
+pytestmark = pytest.mark.usefixtures("shared_ray_head")  # its runs join one Ray head (tests/ray_head.py)
+
+TOY = RolloutEngine("toy", "tests.e2e.test_toy_rollout_engine:ToyRollout")  # TP 1, in the actor's processes
+
+
+class ToyRollout(ReceivingEnd):
+    def __init__(self, ctx, model_path: str, rollout, max_prompt_tokens: int, eos_token_id: int, pad_token_id: int,
+                 verifiable_weights: bool = False, trust_remote_code: bool = False) -> None:
+        self.ctx, self.model_path, self.cfg = ctx, model_path, rollout
+        self.eos_token_id, self.pad_token_id = eos_token_id, pad_token_id
+        self.model = None
+
+    @register(Dispatch.ONE_TO_ALL)
+    def start(self) -> float:
+        from transformers import AutoModelForCausalLM
+
+        from hybridflow.resharding.receiver import ModuleReceiver, register_local
+
+        if self.cfg.top_p != 1.0:
+            raise ValueError(f"rollout.backend=toy samples the whole softmax; rollout.top_p={self.cfg.top_p} needs 1.0")
+        self.model = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=getattr(torch, self.cfg.dtype.value))
+        self.model.eval().requires_grad_(False)
+        self.receiver = ModuleReceiver(self.model, self.pad_token_id)  # the receiving end: weights copied by name
+        register_local(self.ctx.group_name, self.receiver)
+        return 0.0
+
+    @register(Dispatch.ONE_TO_ALL)
+    def sleep(self) -> bool:
+        return False
+
+    @register(Dispatch.ONE_TO_ALL)
+    def wake_up(self, parts: list[str] | None = None) -> bool:
+        return False
+
+    @register(Dispatch.DP_SPLIT)
+    @torch.no_grad()
+    def generate(self, prompts: Batch, greedy: bool = False) -> Batch:
+        rows, width = len(prompts), self.cfg.max_response_tokens
+        sample = not greedy and self.cfg.temperature > 0
+        generator = torch.Generator().manual_seed(int(prompts["sample_seed"][0]) if "sample_seed" in prompts else 0)
+        ids, mask = prompts["prompt_ids"].clone(), prompts["prompt_mask"].clone()
+        out = torch.full((rows, width), self.pad_token_id, dtype=torch.long)
+        response_mask = torch.zeros((rows, width), dtype=torch.bool)
+        sampler = torch.zeros((rows, width), dtype=torch.float32)
+        running = torch.ones(rows, dtype=torch.bool)
+        for t in range(width):
+            positions = (mask.long().cumsum(1) - 1).clamp(min=0)
+            logits = self.model(input_ids=ids, attention_mask=mask.long(), position_ids=positions).logits[:, -1].float()
+            log_probs = torch.log_softmax(logits / self.cfg.temperature if sample else logits, dim=-1)
+            token = torch.multinomial(log_probs.exp(), 1, generator=generator)[:, 0] if sample else log_probs.argmax(-1)
+            token = torch.where(running, token, self.pad_token_id)  # a finished row continues with padding
+            out[:, t], response_mask[:, t] = token, running
+            sampler[:, t] = torch.where(running, log_probs.gather(-1, token[:, None])[:, 0], 0.0)
+            ids, mask = torch.cat([ids, token[:, None]], 1), torch.cat([mask, running[:, None]], 1)
+            running = running & (token != self.eos_token_id)  # the EOS itself is a response token
+            if not running.any():
+                break
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(self.model_path)
+        texts = [tokenizer.decode(row[m], skip_special_tokens=True) for row, m in zip(out, response_mask)]
+        finish = ["length" if bool(r) else "stop" for r in running]
+        version = torch.full((rows,), self.receiver.version, dtype=torch.long)
+        return prompts.union(Batch(tensors={"response_ids": out, "response_mask": response_mask,
+                                            "sampler_log_probs": sampler, "behavior_version": version},
+                                   objects={"response": texts, "finish_reason": finish}))
+
+
+@pytest.fixture
+def toy_registered():
+    register_rollout_engine(TOY)
+    yield
+    ROLLOUT_ENGINES.remove(TOY.name)
+
+
+def test_a_third_rollout_engine_registered_in_one_file_runs_a_grpo_step(toy_registered, tmp_path):
+    from hybridflow.cli import run
+    from hybridflow.config.stages import compose_command
+
+    args = ["recipe=grpo", "rollout.backend=toy", "trainer.total_steps=1", "trainer.val_every_steps=1", ONE_RANK,
+            *SMALL, f"logger.output_root={tmp_path}", "logger.run_name=toy"]
+    run(compose_command(args))
+    run_dir = tmp_path / "toy"
+    (row,) = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert row["step"] == 1 and row["response/length_mean"] > 0
+    assert row["rollout/log_prob_diff"] < 1e-3  # the toy's sampler log-probs are the actor's on the same weights
+    assert "weight_sync/seconds" in row and "val/accuracy" in row  # synced into the toy, validated with it
+    assert json.loads((run_dir / "config.json").read_text())["rollout"]["backend"] == "toy"
+
+
+def test_an_engine_that_cannot_split_a_model_or_serve_adapters_is_refused_where_it_would_be_asked_to():
+    from hybridflow.config import compose
+
+    register_rollout_engine(TOY)
+    try:
+        with pytest.raises(ValueError, match=r"rollout.tensor_parallel_size=2 is invalid: rollout=toy generates with "
+                                             r"one whole model per rank"):
+            compose(["recipe=grpo", "rollout.backend=toy", "rollout.tensor_parallel_size=2"])
+        with pytest.raises(ValueError, match=r"placement.roles.rollout='gen' is invalid: rollout=toy receives "
+                                             r"weights only in the actor's processes: set placement.roles.rollout=train"):
+            compose(["recipe=grpo", "placement=disaggregated", "rollout.backend=toy"])
+        with pytest.raises(ValueError, match=r"weight_sync.lora='adapter' is invalid: rollout.backend=toy serves no "
+                                             r"LoRA adapter"):
+            compose(["recipe=grpo", "rollout.backend=toy", "actor.lora.rank=8", "weight_sync.lora=adapter"])
+    finally:
+        ROLLOUT_ENGINES.remove(TOY.name)
+    with pytest.raises(ValueError, match=r"rollout.backend='toy' is invalid: one of \['hf', 'vllm'\]"):
+        compose(["recipe=grpo", "rollout.backend=toy"])
