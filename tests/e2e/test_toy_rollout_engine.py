@@ -98,12 +98,17 @@ def toy_registered():
 
 
 def test_a_third_rollout_engine_registered_in_one_file_runs_a_grpo_step(toy_registered, tmp_path):
+    import ray
+
     from hybridflow.cli import run
     from hybridflow.config.stages import compose_command
 
     args = ["recipe=grpo", "rollout.backend=toy", "trainer.total_steps=1", "trainer.val_every_steps=1", ONE_RANK,
             *SMALL, f"logger.output_root={tmp_path}", "logger.run_name=toy"]
-    run(compose_command(args))
+    try:
+        run(compose_command(args))  # the command's code, in this process: the toy is registered here
+    finally:
+        ray.shutdown()  # this test process joined the shared head; later tests here expect no Ray
     run_dir = tmp_path / "toy"
     (row,) = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert row["step"] == 1 and row["response/length_mean"] > 0
