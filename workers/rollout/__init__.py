@@ -8,7 +8,7 @@ The rollout protocol every engine's worker class follows (its entry, what it can
 - `generate(prompts, greedy=False)` (DP_SPLIT): the prompts' batch with `response_ids`,
   `response_mask`, `sampler_log_probs` (of the tempered distribution it sampled), `behavior_version`
   and the objects `response` (text) and `finish_reason`;
-- `sleep()` / `wake_up(parts)`: free and take back device memory around training (False: nothing to do);
+- `sleep()` / `wake_up(parts)`: free and take back device memory around training (`ReceivingEnd`'s: nothing to free);
 - the weight methods below (`ReceivingEnd`), each delegating to the receiver.
 """
 
@@ -22,6 +22,16 @@ from hybridflow.controller import Dispatch, register
 class ReceivingEnd:
     receiver = None  # set by start
     ctx = None
+
+    @register(Dispatch.ONE_TO_ALL)
+    def sleep(self) -> bool:
+        """Free device memory while the actor trains; an engine that holds none to free says False."""
+        return False
+
+    @register(Dispatch.ONE_TO_ALL)
+    def wake_up(self, parts: list[str] | None = None) -> bool:
+        """Take back what `sleep` freed (`parts`: some of it); False: nothing was freed."""
+        return False
 
     @register(Dispatch.ONE_TO_ALL)
     def weight_needs(self, shapes: dict[str, list[int]]) -> dict[str, tuple]:

@@ -40,14 +40,6 @@ class HFRollout(ReceivingEnd):
         register_local(self.ctx.group_name, self.receiver)
         return time.perf_counter() - start
 
-    @register(Dispatch.ONE_TO_ALL)
-    def sleep(self) -> bool:
-        return False
-
-    @register(Dispatch.ONE_TO_ALL)
-    def wake_up(self, parts: list[str] | None = None) -> bool:
-        return False
-
     @register(Dispatch.DP_SPLIT)
     @torch.no_grad()
     def generate(self, prompts: Batch, greedy: bool = False) -> Batch:
