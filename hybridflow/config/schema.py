@@ -143,7 +143,6 @@ class PlacementConfig:
         return self.roles["rollout"] == self.roles["actor"]
 
 
-
 def model_heads(model: "ModelConfig") -> tuple[int, int]:
     """(attention heads, key/value heads) from the tiny model config or model.path's config.json
     (`ModelFacts`); (0, 0) when the directory cannot tell (checked again when the model loads)."""
