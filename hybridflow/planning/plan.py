@@ -79,7 +79,9 @@ class Plan:
         pin = placement.pin_cpus if placement.pin_cpus is not None else \
             schedule_class(config.trainer.max_staleness).overlaps
         plan = cls(tuple(pools), config.rollout.tensor_parallel_size, config.trainer.max_staleness, pin)
-        return plan.with_transport("cuda" if placement.device.value == "cuda" else "cpu")
+        from hybridflow.precision import device_of
+
+        return plan.with_transport(device_of(placement.device.value))  # auto: the device the config's dtypes chose
 
     def with_transport(self, device: str) -> "Plan":
         """The plan with the registered transport that serves its placement on `device`."""
