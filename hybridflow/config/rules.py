@@ -18,7 +18,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from hybridflow.config.recipes import recipe_spec
-from hybridflow.config.engines import rollout_engine
+from hybridflow.config.engines import ROLLOUT_ENGINES, rollout_engine
 from hybridflow.config.schema import Dtype, model_heads, model_layers
 
 if TYPE_CHECKING:
@@ -97,13 +97,7 @@ def check_rollout_engine(config: HybridFlowConfig) -> None:
     engine = rollout_engine(config.rollout.backend)
     require(not config.rollout.agent or engine.agents, "rollout.backend", config.rollout.backend,
             f"agent rollouts (rollout.agent) run on an engine that runs them: "
-            f"{[e.name for e in _engines() if e.agents]}")
-
-
-def _engines():
-    from hybridflow.config.engines import ROLLOUT_ENGINES
-
-    return ROLLOUT_ENGINES.values()
+            f"{[e.name for e in ROLLOUT_ENGINES.values() if e.agents]}")
 
 
 def resolve_precision(config: HybridFlowConfig) -> None:
