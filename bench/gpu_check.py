@@ -410,8 +410,10 @@ def floor_terms(config, model_dir: Path, shape: dict) -> dict:
     """The project's memory floor for this actor (`hybridflow.memory_budget.process_terms`, one rank,
     the batch's widths), term by term in GiB: data for a GPU memory model, beside the peaks."""
     from hybridflow.memory_budget import GIB, ModelShape, process_terms
+    from hybridflow.planning.plan import Plan
 
-    terms = process_terms(sized_config(config, model_dir, shape), ModelShape.from_dir(model_dir), {"actor"},
+    sized = sized_config(config, model_dir, shape)
+    terms = process_terms(sized, Plan.from_config(sized), ModelShape.from_dir(model_dir), {"actor"},
                           rows=shape["micro"], checkpointing=False)
     return {k: round(v / GIB, 3) for k, v in terms.items()} | {"total": round(sum(terms.values()) / GIB, 3)}
 
@@ -631,6 +633,7 @@ def check_handover(root: Path, size: str, device: str, dtype: str, shape: dict, 
     from hybridflow.controller import WorkerContext
     from hybridflow.controller.memory import phase_peak_bytes
     from hybridflow.memory_budget import GIB, ModelShape, gpu_phase_terms
+    from hybridflow.planning.plan import Plan
     from hybridflow.resharding.layout import buckets, numel
     from hybridflow.resharding.receiver import register_local
     from hybridflow.resharding.sender import SyncPlan
@@ -683,7 +686,7 @@ def check_handover(root: Path, size: str, device: str, dtype: str, shape: dict, 
     out["policy_loss"], out["sync_received_bytes"] = stats["actor/loss"], sent.get("received_bytes")
     gpu = gpu_bytes(device)
     sized = sized_config(config, model_dir, shape, DeviceKind.cuda)  # the GPU model, also in the dry run
-    model = gpu_phase_terms(sized, ModelShape.from_dir(model_dir), {"actor", "rollout"}, gpu)
+    model = gpu_phase_terms(sized, Plan.from_config(sized), ModelShape.from_dir(model_dir), {"actor", "rollout"}, gpu)
     out["phases"] = {}
     for phase, terms in model.items():
         floor = sum(terms.values()) / GIB

@@ -55,6 +55,7 @@ def floor_gib(run_dir: Path) -> tuple[float, dict]:
     chosen size, or the rows a rank holds when fewer)."""
     from hybridflow.config import compose
     from hybridflow.memory_budget import GIB, ModelShape, actor_pool_roles, process_terms
+    from hybridflow.planning.plan import Plan
 
     saved = json.loads((run_dir / "config.json").read_text())
     pool = saved["placement"]["pools"][saved["placement"]["roles"]["actor"]]
@@ -67,7 +68,8 @@ def floor_gib(run_dir: Path) -> tuple[float, dict]:
                       f"rollout.max_response_tokens={saved['rollout']['max_response_tokens']}",
                       f"actor.samples_per_micro_batch={rows}",
                       f"actor.gradient_checkpointing={str(saved['actor']['gradient_checkpointing']).lower()}"])
-    terms = process_terms(config, ModelShape.from_dir(saved["model"]["path"]), actor_pool_roles(config))
+    plan = Plan.from_config(config)
+    terms = process_terms(config, plan, ModelShape.from_dir(saved["model"]["path"]), actor_pool_roles(config, plan))
     return sum(terms.values()) / GIB, {k: v / GIB for k, v in terms.items()}
 
 

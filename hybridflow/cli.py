@@ -54,13 +54,8 @@ def run(config: HybridFlowConfig) -> dict:
     check_inputs(config)  # first: a refused run never pays for importing the recipe's torch and vLLM
     recipe = recipe_function(config.recipe.name)
     name = config.recipe.name.split(":")[-1]
-    chosen = None
-    if not recipe_spec(config.recipe.name).pipeline:  # each stage of a pipeline chooses its own (run_stage)
-        from hybridflow.memory_budget import resolve_micro_batches
-
-        config, chosen = resolve_micro_batches(config)
     run_dir = make_run_dir(config.logger.output_root, config.logger.run_name, name)
-    save_config(config, run_dir)  # with the micro-batch sizes chosen, as the run uses them
+    save_config(config, run_dir)  # run_stage saves it again with the micro-batch sizes it chooses
     from hybridflow.launch import release_all
     from hybridflow.runner import run_stage
 
@@ -69,8 +64,6 @@ def run(config: HybridFlowConfig) -> dict:
     with console.session(run_dir, config.logger.verbose) as log_dir:
         where = "" if config.logger.verbose else f" (library and worker output: {log_dir})"
         console.say(f"hybridflow: run directory {run_dir}{where}")
-        if chosen:
-            console.say(chosen)
         try:
             with console.stage(name):
                 return runner(recipe, config, run_dir)

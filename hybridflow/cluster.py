@@ -1,7 +1,8 @@
 """Running past one machine, at the edge where config meets the cluster (docs/cluster.md).
 
-- `reserve_pools`: one placement plan for every pool about to be spawned, from what each node
-  has free (hybridflow.controller.placement), printed and saved as run_dir/placement_plan.json;
+- `reserve_pools`: the nodes every pool of the stage's plan about to be spawned lands on, from what
+  each node has free (hybridflow.controller.placement), printed and saved as the "nodes" section of
+  the stage's plan file, run_dir/plan.json;
   the shared-storage check on the nodes it uses (hybridflow.controller.storage); then the pools,
   each pinned to its planned nodes. A plan that cannot fit raises before any pool is reserved.
 - `code_files`: the code files the config names, shipped with the job when it joins a cluster.
@@ -16,12 +17,13 @@ import time
 from pathlib import Path
 
 from hybridflow import console
-from hybridflow.config.schema import HybridFlowConfig, PlacementConfig
-from hybridflow.controller.placement import PlacementError, PlacementPlan
+from hybridflow.config.schema import HybridFlowConfig
+from hybridflow.controller.placement import NodeAssignment, PlacementError
 from hybridflow.controller.pools import PoolSpec, ResourcePool
+from hybridflow.planning.plan import Plan, PoolPlan, add_to_plan_file
 
-PLAN_FILE = "placement_plan.json"
-_STATE: dict = {"run_dir": None, "plan": None, "storage_checked": set()}
+# the stage's Plan, and its NodeAssignment once its pools are reserved
+_STATE: dict = {"run_dir": None, "plan": None, "nodes": None, "storage_checked": set()}
 _REPORT_LAG_S = 5.0  # Ray's per-node free resources trail a release by up to about a second
 
 
@@ -31,23 +33,28 @@ class NodeLostError(RuntimeError):
 
 def use_run_dir(run_dir: Path | None) -> None:
     """Where the plan is saved and which directory the storage check writes (set by the runner)."""
-    _STATE.update(run_dir=None if run_dir is None else Path(run_dir), plan=None, storage_checked=set())
+    _STATE.update(run_dir=None if run_dir is None else Path(run_dir), plan=None, nodes=None, storage_checked=set())
 
 
-def pool_spec(placement: PlacementConfig, name: str, gpu: bool) -> PoolSpec:
-    p = placement.pools[name]
-    return PoolSpec(name, p.nodes, p.devices_per_node, gpu, p.cpus_per_device, p.node_affinity, p.exclusive_nodes)
+def pool_spec(pool: PoolPlan, gpu: bool) -> PoolSpec:
+    return PoolSpec(pool.name, pool.nodes, pool.devices_per_node, gpu, pool.cpus_per_device, pool.node_affinity,
+                    pool.exclusive_nodes)
 
 
-def make_plan(config: HybridFlowConfig, pool_roles: dict[str, list[str]], gpu: bool) -> PlacementPlan:
-    """The plan for these pools from the cluster's free resources now. A plan that would fit the
-    nodes' totals is retried for a moment, so a release that Ray has not reported yet does not
-    refuse it; one that cannot fit even an empty cluster is refused at once."""
+def _pool_specs(plan: Plan, names) -> list[PoolSpec]:
+    pools = {p.name: p for p in plan.pools}
+    return [pool_spec(pools[name], plan.device == "cuda") for name in names]
+
+
+def assign_nodes(plan: Plan, pool_roles: dict[str, list[str]]) -> NodeAssignment:
+    """The nodes of these pools of `plan` from the cluster's free resources now. An assignment that
+    would fit the nodes' totals is retried for a moment, so a release that Ray has not reported yet
+    does not refuse it; one that cannot fit even an empty cluster is refused at once."""
     import dataclasses
 
     from hybridflow.controller.placement import cluster_nodes, plan_placement
 
-    specs = [pool_spec(config.placement, name, gpu) for name in pool_roles]
+    specs = _pool_specs(plan, pool_roles)
     deadline = time.monotonic() + _REPORT_LAG_S
     while True:
         nodes = cluster_nodes()
@@ -70,24 +77,23 @@ def _fits(specs: list[PoolSpec], nodes) -> bool:
         return False
 
 
-def reserve_pools(config: HybridFlowConfig, pool_roles: dict[str, list[str]], gpu: bool) -> dict[str, ResourcePool]:
-    """Plan, show, save and check; then one ResourcePool per pool pinned to its planned nodes."""
-    plan = make_plan(config, pool_roles, gpu)
-    _STATE["plan"] = plan
+def reserve_pools(config: HybridFlowConfig, plan: Plan, pool_roles: dict[str, list[str]]) -> dict[str, ResourcePool]:
+    """Assign nodes, show, save and check; then one ResourcePool per pool pinned to its nodes."""
+    assigned = assign_nodes(plan, pool_roles)
+    _STATE["nodes"], _STATE["plan"] = assigned, plan
     run_dir = _STATE["run_dir"]
     saved = ""
     if run_dir is not None:
-        (run_dir / PLAN_FILE).write_text(plan.to_json())
-        saved = f"; saved to {run_dir / PLAN_FILE}"
-    console.say(f"hybridflow: placement plan ({len(plan.node_ids())} of {len(plan.nodes)} node(s){saved}):\n"
-                + "\n".join(plan.lines()))
+        saved = f"; saved to {add_to_plan_file(run_dir, 'nodes', assigned.to_dict())}"
+    console.say(f"hybridflow: placement plan ({len(assigned.node_ids())} of {len(assigned.nodes)} node(s){saved}):\n"
+                + "\n".join(assigned.lines()))
     if config.placement.check_storage:
-        check_plan_storage(config, plan)
-    return {name: ResourcePool(pool_spec(config.placement, name, gpu), list(p.node_ids))
-            for name, p in plan.pools.items()}
+        check_plan_storage(config, assigned)
+    specs = dict(zip(pool_roles, _pool_specs(plan, pool_roles)))
+    return {name: ResourcePool(specs[name], list(p.node_ids)) for name, p in assigned.pools.items()}
 
 
-def check_plan_storage(config: HybridFlowConfig, plan: PlacementPlan) -> None:
+def check_plan_storage(config: HybridFlowConfig, plan: NodeAssignment) -> None:
     """The storage check on every planned node other than the driver's own (whose disk the
     preflight already read), once per node per run."""
     import ray
@@ -128,7 +134,7 @@ _DIED_NODE = re.compile(r"node has died\. Node Id: ([0-9a-f]+)")
 def lost_nodes(error: BaseException) -> str | None:
     """When planned nodes left the cluster: a message naming each, with the pools and ranks it
     hosted; None when every planned node is alive (the failure was something else)."""
-    plan: PlacementPlan | None = _STATE["plan"]
+    plan: NodeAssignment | None = _STATE["nodes"]
     if plan is None:
         return None
     from hybridflow.controller.placement import dead_nodes
@@ -141,19 +147,18 @@ def lost_nodes(error: BaseException) -> str | None:
     return "; ".join(parts)
 
 
-def wait_until_plan_fits(config: HybridFlowConfig, wait_s: float) -> None:
-    """Return once the last plan's pools fit the cluster's free resources (on the remaining nodes,
+def wait_until_plan_fits(wait_s: float) -> None:
+    """Return once the pools last reserved fit the cluster's free resources (on the remaining nodes,
     or on nodes that joined since); past `wait_s` raise the refusal, naming pools and nodes."""
-    plan: PlacementPlan | None = _STATE["plan"]
-    if plan is None:
+    assigned: NodeAssignment | None = _STATE["nodes"]
+    if assigned is None:
         return
-    pool_roles = {name: list(p.roles) for name, p in plan.pools.items()}
-    gpu = any("GPU" in p.bundle for p in plan.pools.values())
+    pool_roles = {name: list(p.roles) for name, p in assigned.pools.items()}
     deadline = time.monotonic() + wait_s
     announced = False
     while True:
         try:
-            make_plan(config, pool_roles, gpu)
+            assign_nodes(_STATE["plan"], pool_roles)
             return
         except PlacementError as exc:
             if time.monotonic() > deadline:

@@ -1,9 +1,9 @@
 """Building a run from config at the edge: model, data, Ray, pools and worker groups.
 
 Recipes call these so that inner code receives built objects (the workers' role specs are
-built in recipes/roles.py: the framework does not import workers/). Placement is configuration:
-`placement.roles` maps each role to a pool, and all roles on one pool are fused into one
-process per device.
+built in recipes/roles.py: the framework does not import workers/). Placement is the stage's
+`Plan` (hybridflow/planning/plan.py, decided once by the runner): each role on one of its pools,
+all roles on one pool fused into one process per device, the rollout's replicas its TP ranks.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from pathlib import Path
 
 from hybridflow import console
 from hybridflow.builders import build_tiny_model
-from hybridflow.config.schema import DeviceKind, HybridFlowConfig, PlacementConfig
+from hybridflow.config.schema import HybridFlowConfig
 from hybridflow.cluster import code_files, reserve_pools
 from hybridflow.controller import RoleSpec, WorkerGroup, spawn_workers
 from hybridflow.controller.pools import CoreLedger
@@ -137,43 +137,35 @@ def fit_data(config: HybridFlowConfig, rows: list[dict], tokenizer, where: str, 
     return rows
 
 
-def slots_needed(placement: PlacementConfig) -> float:
-    used = set(placement.roles.values())
-    return sum(p.nodes * p.devices_per_node * p.cpus_per_device for name, p in placement.pools.items() if name in used)
-
-
-def start_ray(config: HybridFlowConfig) -> str:
+def start_ray(config: HybridFlowConfig, plan: Plan) -> str:
+    """Join the cluster (ray.address), or start a local Ray with the CPUs the plan's pools reserve, and
+    one for the driver (ray.num_cpus overrides)."""
     r = config.ray
-    num_cpus = r.num_cpus or max(1, math.ceil(slots_needed(config.placement)) + 1)
+    num_cpus = r.num_cpus or max(1, math.ceil(plan.cpus) + 1)
     return connect(address=r.address, num_cpus=num_cpus, dashboard=r.dashboard,
                    dashboard_host=r.dashboard_host, namespace=r.namespace, log_to_driver=not console.quiet(),
                    code_files=code_files(config))
 
 
-def use_gpu(placement: PlacementConfig) -> bool:
-    if placement.device is DeviceKind.auto:
-        import ray
+def spawn_roles(config: HybridFlowConfig, plan: Plan, roles: dict[str, RoleSpec],
+                env_vars: dict[str, str] | None = None) -> dict[str, WorkerGroup]:
+    """Spawn `roles` on their pools of `plan`, on its device; roles sharing a pool share processes, and
+    each role's replicas span `plan.replica_size(role)` ranks (the rollout's TP)."""
+    import dataclasses
 
-        return ray.cluster_resources().get("GPU", 0) > 0
-    return placement.device is DeviceKind.cuda
-
-
-def spawn_roles(config: HybridFlowConfig, roles: dict[str, RoleSpec], env_vars: dict[str, str] | None = None
-                ) -> dict[str, WorkerGroup]:
-    """Spawn `roles` on their pools (from placement.roles); roles sharing a pool share processes."""
-    placement = config.placement
-    gpu = use_gpu(placement)
     by_pool: dict[str, dict[str, RoleSpec]] = {}
     for role, spec in roles.items():
-        if role not in placement.roles:
-            raise KeyError(f"role {role!r} has no pool: add placement.roles.{role}=<pool name>")
-        by_pool.setdefault(placement.roles[role], {})[role] = spec
+        try:
+            pool = plan.pool_of(role).name
+        except KeyError:
+            raise KeyError(f"role {role!r} has no pool: add placement.roles.{role}=<pool name>") from None
+        by_pool.setdefault(pool, {})[role] = dataclasses.replace(spec, replica_size=plan.replica_size(role))
     groups: dict[str, WorkerGroup] = {}
-    pools = reserve_pools(config, {name: list(pool_roles) for name, pool_roles in by_pool.items()}, gpu)
-    cores = CoreLedger() if Plan.from_config(config).pin_cpus else None  # one ledger: the pools on a node get disjoint cores
+    pools = reserve_pools(config, plan, {name: list(pool_roles) for name, pool_roles in by_pool.items()})
+    cores = CoreLedger() if plan.pin_cpus else None  # one ledger: the pools on a node get disjoint cores
     for pool_name, pool_roles in by_pool.items():
         groups.update(spawn_workers(pools[pool_name], pool_roles, env_vars=env_vars,
-                                    collective_timeout_s=placement.collective_timeout_s,
+                                    collective_timeout_s=config.placement.collective_timeout_s,
                                     log_dir=console.worker_log_dir(), cores=cores))
     _SPAWNED.extend(groups.values())
     return groups
@@ -202,20 +194,17 @@ def vllm_env(config: HybridFlowConfig) -> dict[str, str]:
     }
 
 
-def build_weight_sync(config: HybridFlowConfig, actor: WorkerGroup, rollout: WorkerGroup):
-    """The one object that moves the actor's weights into the rollout each step, by the registered
-    transport that serves the placement and the device (hybridflow.resharding.transports)."""
+def build_weight_sync(config: HybridFlowConfig, plan: Plan, actor: WorkerGroup, rollout: WorkerGroup):
+    """The one object that moves the actor's weights into the rollout each step, by the transport the
+    stage's `plan` chose for its placement and device (hybridflow.resharding.transports)."""
     from hybridflow import console
     from hybridflow.resharding.sync import AdapterSync, WeightSync
     from hybridflow.resharding.transports import build_transport
-
-    device = "cuda" if use_gpu(config.placement) else "cpu"
-    plan = Plan.from_config(config).with_transport(device)
     from hybridflow.config.rules import lora_sync
 
     mode, why = lora_sync(config)
     if mode:
         console.say(f"LoRA weight sync: {'the adapter alone' if mode == 'adapter' else 'the folded model'} ({why})")
     cls = AdapterSync if mode == "adapter" else WeightSync
-    return cls(actor, rollout, config.weight_sync, build_transport(plan.rollout_colocated, device, plan.transport),
+    return cls(actor, rollout, config.weight_sync, build_transport(plan.rollout_colocated, plan.device, plan.transport),
                config.rollout.dtype.value)

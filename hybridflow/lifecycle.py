@@ -2,7 +2,9 @@
 
 A recipe is `run(config, run_dir)`. It calls `start_run` for what every recipe needs before its
 first step — the model directory, the tokenizer, its data (read and checked before Ray starts),
-Ray, and its role groups on their pools, each started by the same one call, `start` — and, if it
+Ray, and its role groups on the pools of the stage's plan (the one `Plan` the runner decided before
+the recipe started, `hybridflow.planning.plan.carrying`; a recipe called on its own gets its config's), each started by the
+same one call, `start` — and, if it
 trains, `Run.training` for the rest: the checkpointer and the state it resumes from, the prompt
 loader (at the resumed position), the metrics logger, the weight sync (set up, when a rollout
 runs) and the step hooks. The recipe keeps only its own step loop, and ends with `Run.finish`
@@ -18,7 +20,7 @@ from typing import Any, Callable, Sequence
 
 from hybridflow.config.schema import HybridFlowConfig
 from hybridflow.controller import RoleSpec, WorkerGroup
-
+from hybridflow.planning.plan import Plan, carried_plan
 
 @dataclass
 class Training:
@@ -45,6 +47,7 @@ class Run:
     tokenizer: Any
     data: Any  # what `start_run`'s `data` built (the datasets by default)
     groups: dict[str, WorkerGroup]
+    plan: Plan  # where the groups run: the stage's pools, device, rollout TP and weight transport
     started: dict[str, list] = field(default_factory=dict)  # per role, what each rank's `start` returned
     ray_address: str = ""
 
@@ -68,7 +71,7 @@ class Run:
             loader.load_state_dict(state["loader"])
         weight_sync = None
         if "rollout" in self.groups and "actor" in self.groups:
-            weight_sync = build_weight_sync(config, self.groups["actor"], self.groups["rollout"])
+            weight_sync = build_weight_sync(config, self.plan, self.groups["actor"], self.groups["rollout"])
             weight_sync.setup()
         hooks = StepHooks.build(t.training_hooks, self.run_dir, loader)
         from hybridflow.planning.auto import predicted_metrics
@@ -100,12 +103,13 @@ def start_run(config: HybridFlowConfig, run_dir: Path,
     from hybridflow.data.tokenizer import load_tokenizer
     from hybridflow.launch import prepare_data, prepare_model, spawn_roles, start_ray, vllm_env
 
+    plan = carried_plan(config)
     model_dir = prepare_model(config, run_dir)
     tokenizer = load_tokenizer(model_dir, config.model.trust_remote_code)
     built = (data or prepare_data)(config, run_dir, tokenizer)
-    address = start_ray(config)
+    address = start_ray(config, plan)
     specs = roles(model_dir, tokenizer)
-    groups = spawn_roles(config, specs, env_vars=vllm_env(config) if "rollout" in specs else None)
+    groups = spawn_roles(config, plan, specs, env_vars=vllm_env(config) if "rollout" in specs else None)
     futures = {role: group.start.remote() for role, group in groups.items()}  # issued together
     started = {role: future.get() for role, future in futures.items()}
-    return Run(config, run_dir, model_dir, tokenizer, built, groups, started, address)
+    return Run(config, run_dir, model_dir, tokenizer, built, groups, plan, started, address)

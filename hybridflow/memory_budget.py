@@ -75,15 +75,14 @@ class ModelShape:
                    tied_embeddings=facts.tied_embeddings)
 
 
-def process_terms(config, shape: ModelShape, roles: set[str], rows: int | None = None,
+def process_terms(config, plan, shape: ModelShape, roles: set[str], rows: int | None = None,
                   checkpointing: bool | None = None) -> dict[str, float]:
-    """Bytes per process of the actor's pool while it trains, term by term; `roles`: the roles placed
+    """Bytes per process of the actor's pool while it trains, term by term, under `plan` (the stage's
+    `hybridflow.planning.plan.Plan`: the actor's ranks, the rollout's TP); `roles`: the roles placed
     on that pool; `rows`, `checkpointing`: the micro-batch's, where not the config's. On GPUs the
     GPU's bytes (see the module docstring)."""
-    from hybridflow.model_checks import on_cpu
-
-    cpu = on_cpu(config)
-    ranks = config.placement.world_size("actor")
+    cpu = plan.device == "cpu"
+    ranks = plan.devices_of("actor")
     master, compute = DTYPE_BYTES[config.model.master_dtype.value], DTYPE_BYTES[config.model.dtype.value]
     p = shape.parameters
     trained = p if not config.actor.lora.rank else 0  # LoRA's adapter is small next to the rest
@@ -96,7 +95,7 @@ def process_terms(config, shape: ModelShape, roles: set[str], rows: int | None =
         terms["critic parameters, gradients and AdamW moments (FSDP shard)"] = 4 * p * master / ranks
     engine = "rollout" in roles and _engine_memory(config)
     if engine and cpu:  # on a GPU a colocated engine sleeps while the actor trains
-        tp = config.rollout.tensor_parallel_size
+        tp = plan.rollout_tp
         terms[f"vLLM weights (rollout.dtype, 1/{tp} of the model)"] = p * DTYPE_BYTES[config.rollout.dtype.value] / tp
         terms["vLLM KV cache (rollout.kv_cache_space_gib)"] = config.rollout.kv_cache_space_gib * GIB
     if cpu:  # on a GPU the host runtime is not GPU memory
@@ -147,30 +146,29 @@ class MicroBatchChoice:
     why: str  # one console line
 
 
-def choose_micro_batch(config, shape: ModelShape | None, node_bytes: int | None = None,
+def choose_micro_batch(config, plan, shape: ModelShape | None, node_bytes: int | None = None,
                        gpu_bytes: int | None = None) -> MicroBatchChoice:
     """The actor's rows per micro-batch and activation checkpointing: the config's where set, else
     the most rows whose floor (`process_terms`) fits AUTO_SHARE of a process's share of the node (on
     GPUs: of one GPU, `gpu_bytes` or `gpu_memory_bytes`), without checkpointing when that fits
     AUTO_MIN_ROWS_WITHOUT_CHECKPOINTING rows, else with it."""
-    from hybridflow.model_checks import on_cpu
-
     rows_set, ckpt_set = config.actor.samples_per_micro_batch, config.actor.gradient_checkpointing
-    cpu = on_cpu(config)
+    cpu = plan.device == "cpu"
     gpu = None if cpu else (gpu_bytes or gpu_memory_bytes(config))
     if shape is None or (not cpu and gpu is None):
         return MicroBatchChoice(rows_set or (AUTO_MAX_ROWS if cpu else GPU_DEFAULT_ROWS), bool(ckpt_set),
                                 "the model's size is unknown before start" if shape is None else
                                 "the GPU's memory is unknown before start: no GPU on this machine; set "
                                 "placement.gpu_memory_gib")
-    pool = config.placement.pools[config.placement.roles["actor"]]
+    pool = plan.pool_of("actor")
     if cpu:
         budget = AUTO_SHARE * NODE_MEMORY_SHARE * (node_bytes or node_memory_bytes()) / pool.devices_per_node
         where = "one process of the actor's pool may use"
     else:  # one GPU per process
         budget, where = AUTO_SHARE * gpu, "one GPU holds"
     # every term but the micro-batch's: the whole floor at one row, less that row's terms
-    fixed = (sum(process_terms(config, shape, actor_pool_roles(config), rows=1, checkpointing=False).values())
+    fixed = (sum(process_terms(config, plan, shape, actor_pool_roles(config, plan), rows=1,
+                               checkpointing=False).values())
              - sum(micro_batch_terms(config, shape, 1, False, attention_probabilities=cpu).values()))
 
     def fits(rows: int, ckpt: bool) -> bool:
@@ -198,10 +196,11 @@ def choose_micro_batch(config, shape: ModelShape | None, node_bytes: int | None 
     return MicroBatchChoice(rows, ckpt, f"the floor at that size fits {share}")
 
 
-def resolve_micro_batches(config, node_bytes: int | None = None, model_dir: str | Path | None = None,
+def resolve_micro_batches(config, plan, node_bytes: int | None = None, model_dir: str | Path | None = None,
                           gpu_bytes: int | None = None):
     """`config` with actor/critic.samples_per_micro_batch and actor.gradient_checkpointing filled in
-    where null (`choose_micro_batch`, for the model in `model_dir`, default `model.path`), and the
+    where null (`choose_micro_batch`, for the model in `model_dir`, default `model.path`, under the
+    stage's `plan`), and the
     console line that says what was chosen (None when everything was set)."""
     import dataclasses
 
@@ -210,7 +209,7 @@ def resolve_micro_batches(config, node_bytes: int | None = None, model_dir: str 
         return config, None
     model_dir = model_dir or config.model.path
     shape = ModelShape.from_dir(model_dir) if model_dir else None
-    choice = choose_micro_batch(config, shape, node_bytes, gpu_bytes)
+    choice = choose_micro_batch(config, plan, shape, node_bytes, gpu_bytes)
     chosen = {}
     if not actor.samples_per_micro_batch:
         chosen["actor.samples_per_micro_batch"] = choice.rows
@@ -262,14 +261,14 @@ def _engine_memory(config) -> bool:
     return rollout_engine(config.rollout.backend).engine_memory
 
 
-def gpu_phase_terms(config, shape: ModelShape, roles: set[str], gpu_bytes: int) -> dict[str, dict[str, float]]:
+def gpu_phase_terms(config, plan, shape: ModelShape, roles: set[str], gpu_bytes: int) -> dict[str, dict[str, float]]:
     """GPU bytes per process of the actor's pool in each phase of a step, term by term (floors; the
     module docstring). "training" always; "start", "weight sync" and "generation" with a colocated vLLM
     engine (`roles` holds the rollout)."""
-    phases = {"training": process_terms(config, shape, roles)}
+    phases = {"training": process_terms(config, plan, shape, roles)}
     if not ("rollout" in roles and _engine_memory(config)):
         return phases
-    ranks = config.placement.world_size("actor")
+    ranks = plan.devices_of("actor")
     master, compute = DTYPE_BYTES[config.model.master_dtype.value], DTYPE_BYTES[config.model.dtype.value]
     p = shape.parameters
     trained = p if not config.actor.lora.rank else 0
@@ -286,7 +285,7 @@ def gpu_phase_terms(config, shape: ModelShape, roles: set[str], gpu_bytes: int) 
     actor_weights = {"actor parameters (model.master_dtype, FSDP shard)": p * master / ranks}
     state = {**actor_weights, "actor gradients (FSDP shard)": trained * master / ranks,
              "actor AdamW moments (2 per parameter, FSDP shard)": 2 * trained * master / ranks}
-    tp = config.rollout.tensor_parallel_size
+    tp = plan.rollout_tp
     phases["start"] = {**actor_weights, **loaded, **engine}
     phases["weight sync"] = {
         **state, **stays,
@@ -297,11 +296,10 @@ def gpu_phase_terms(config, shape: ModelShape, roles: set[str], gpu_bytes: int) 
     return phases
 
 
-def actor_pool_roles(config) -> set[str]:
-    """The roles that share the actor's processes in this run (a reference only when a KL term needs
-    one and LoRA does not stand in for it; a critic only with algorithm.use_critic)."""
-    pool = config.placement.roles["actor"]
-    roles = {role for role, p in config.placement.roles.items() if p == pool}
+def actor_pool_roles(config, plan) -> set[str]:
+    """The roles that share the actor's processes in this run under `plan` (a reference only when a
+    KL term needs one and LoRA does not stand in for it; a critic only with algorithm.use_critic)."""
+    roles = set(plan.pool_of("actor").roles)
     if not config.reference_role_runs:
         roles.discard("reference")
     if not config.algorithm.use_critic:
@@ -309,24 +307,22 @@ def actor_pool_roles(config) -> set[str]:
     return roles
 
 
-def memory_problems(config, roles: set[str] | None = None, node_bytes: int | None = None,
+def memory_problems(config, plan, roles: set[str] | None = None, node_bytes: int | None = None,
                     gpu_bytes: int | None = None) -> list[str]:
     """The refusal, with its arithmetic, of a run whose actor pool cannot fit on a node of this
     machine's memory (`node_bytes`), or on GPUs in one GPU's memory (`gpu_bytes`, else
     `gpu_memory_bytes`: training, and a colocated engine's weight sync); empty when it may fit or the
     check does not apply."""
-    from hybridflow.model_checks import on_cpu
-
     if config.model.path is None:
         return []
     shape = ModelShape.from_dir(config.model.path)
     if shape is None:
         return []
-    if not on_cpu(config):
-        return _gpu_problems(config, shape, roles, gpu_bytes or gpu_memory_bytes(config))
-    config, _ = resolve_micro_batches(config, node_bytes)  # null sizes: the choice the run would make
-    pool = config.placement.pools[config.placement.roles["actor"]]
-    terms = process_terms(config, shape, actor_pool_roles(config) if roles is None else roles)
+    if plan.device != "cpu":
+        return _gpu_problems(config, plan, shape, roles, gpu_bytes or gpu_memory_bytes(config))
+    config, _ = resolve_micro_batches(config, plan, node_bytes)  # null sizes: the choice the run would make
+    pool = plan.pool_of("actor")
+    terms = process_terms(config, plan, shape, actor_pool_roles(config, plan) if roles is None else roles)
     per_process = sum(terms.values())
     node = pool.devices_per_node * per_process
     available = NODE_MEMORY_SHARE * (node_bytes or node_memory_bytes())
@@ -346,13 +342,13 @@ def _lines(terms: dict[str, float]) -> str:
     return "".join(f"\n      {v / GIB:7.2f} GiB  {k}" for k, v in terms.items())
 
 
-def _gpu_problems(config, shape: ModelShape, roles: set[str] | None, gpu: int | None) -> list[str]:
+def _gpu_problems(config, plan, shape: ModelShape, roles: set[str] | None, gpu: int | None) -> list[str]:
     if gpu is None:  # unknown before start (said when the micro-batch is chosen)
         return []
-    config, _ = resolve_micro_batches(config, gpu_bytes=gpu)
-    roles = actor_pool_roles(config) if roles is None else roles
+    config, _ = resolve_micro_batches(config, plan, gpu_bytes=gpu)
+    roles = actor_pool_roles(config, plan) if roles is None else roles
     model = f"model.path={config.model.path!r} ({shape.parameters / 1e6:.0f}M parameters, {shape.layers} layers)"
-    phases = gpu_phase_terms(config, shape, roles, gpu)
+    phases = gpu_phase_terms(config, plan, shape, roles, gpu)
     more = "more GPUs in the actor's pool (FSDP2 shards the parameters, gradients and AdamW moments over them)"
     problems = []
     for phase, terms in phases.items():

@@ -74,7 +74,9 @@ def vllm_problems(config: HybridFlowConfig, model_path: str) -> list[str]:
     heads, kv_heads, head_dim = shape
     where = f"model.path={model_path!r} ({facts.model_type or '?'}: {heads} attention heads, " \
             f"{kv_heads} key/value heads, head size {head_dim})"
-    tp = config.rollout.tensor_parallel_size
+    from hybridflow.planning.plan import Plan
+
+    tp = Plan.from_config(config).rollout_tp  # the config's own plan (placement=auto's choices pass the same rule)
     problems = [f"{where}: rollout.tensor_parallel_size={tp} {why}" for why in tp_head_problems(tp, heads, kv_heads)]
     if on_cpu(config) and head_dim not in CPU_ATTENTION_HEAD_SIZES:
         problems.append(f"{where}: vLLM's CPU attention runs head sizes {list(CPU_ATTENTION_HEAD_SIZES)} only "

@@ -88,8 +88,9 @@ def check_run(config: HybridFlowConfig, check_model: bool = True) -> list[str]:
         problems += check_model_dir(model_path, "model.path") + engine_checks(config, model_path)
         if recipe_spec(config.recipe.name).trains and not problems and not config.placement.planner.auto:
             from hybridflow.memory_budget import memory_problems  # placement=auto: the planner's rules check memory
+            from hybridflow.planning.plan import Plan
 
-            problems += memory_problems(config)
+            problems += memory_problems(config, Plan.from_config(config))
     if config.reward.reward_model.path is not None:
         problems += check_model_dir(config.reward.reward_model.path, "reward.reward_model.path")
     needed = _needed_columns(config, functions)

@@ -228,22 +228,24 @@ def run_training_hooks(config: HybridFlowConfig, step: int, actor: WorkerGroup, 
 
 
 def run_stage(recipe, config: HybridFlowConfig, run_dir: Path) -> dict:
-    """Run one recipe in `run_dir` (a run, or one stage of a pipeline) under its own deadlines
+    """Run one recipe in `run_dir` (a run, or one stage of a pipeline) on the stage's one plan (decided
+    here, before anything starts: hybridflow.planning.auto.stage_plan), under its own deadlines
     (`trainer.stage_timeout_s`, `trainer.default_stage_timeout_s`) and restarts (`trainer.max_restarts`):
     a restart resumes it from its own last complete checkpoint."""
     from hybridflow.memory_budget import resolve_micro_batches
     from hybridflow.model_checks import half_precision_note
-    from hybridflow.planning.auto import resolve_placement
+    from hybridflow.planning.auto import stage_plan
+    from hybridflow.planning.plan import carrying
     from hybridflow.precision import device_of, precision_line
     from hybridflow.tracking import save_config
 
-    config, planned = resolve_placement(config, run_dir)  # placement=auto: before anything starts
+    plan, planned = stage_plan(config, run_dir)  # placement=auto's, or the config's own: before anything starts
     if planned:
         console.say(planned)
-        save_config(config, run_dir)  # as the run uses it
-    config, chosen = resolve_micro_batches(config)  # a no-op when cli.run chose already (single runs)
+    config, chosen = resolve_micro_batches(config, plan)  # for the plan's pools
     if chosen:
         console.say(chosen)
+        save_config(config, run_dir)  # as the run uses it
     if config.model.path or {config.model.dtype.value, config.rollout.dtype.value} != {"float32"}:
         # the built tiny model computes in float32 by its own config (conf/model/tiny.yaml): nothing to say
         console.say(precision_line(config.model.dtype.value, config.rollout.dtype.value,
@@ -252,7 +254,8 @@ def run_stage(recipe, config: HybridFlowConfig, run_dir: Path) -> dict:
     if note:
         console.say(note)
     deadlines.configure(dict(config.trainer.stage_timeout_s), config.trainer.default_stage_timeout_s)
-    return run_with_restarts(recipe, config, run_dir)
+    with carrying(plan):  # the recipe's start_run spawns on it
+        return run_with_restarts(recipe, config, run_dir)
 
 
 def run_with_restarts(recipe, config: HybridFlowConfig, run_dir: Path) -> dict:
@@ -291,7 +294,7 @@ def run_with_restarts(recipe, config: HybridFlowConfig, run_dir: Path) -> dict:
                 f.write(json.dumps({"restart": restarts, "step": step, "error": type(exc).__name__, "message": str(exc)[:2000],
                                     "time": time.time()}) + "\n")
             release_all()
-            cluster.wait_until_plan_fits(config, config.placement.node_wait_s)
+            cluster.wait_until_plan_fits(config.placement.node_wait_s)
             config = dataclasses.replace(config, trainer=dataclasses.replace(config.trainer, resume=True))
 
 

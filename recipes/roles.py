@@ -15,6 +15,7 @@ from hybridflow.config.engines import rollout_engine
 from hybridflow.config.schema import HybridFlowConfig
 from hybridflow.registry import load_object
 from hybridflow.controller import RoleSpec
+from hybridflow.planning.plan import carried_plan
 from hybridflow.memory_budget import resolve_micro_batches
 from workers.actor import ActorWorker
 from workers.critic import CriticWorker
@@ -24,9 +25,9 @@ from workers.reward import RewardWorker
 
 def sized(config: HybridFlowConfig, model_dir: str | Path) -> HybridFlowConfig:
     """`config` with the micro-batch sizes left null chosen for the model in `model_dir` (a run has
-    chosen them before start, so this changes nothing there; a worker built on its own, as in tests,
-    gets the same choice)."""
-    return resolve_micro_batches(config, model_dir=model_dir)[0]
+    chosen them before start for its stage's plan, so this changes nothing there; a worker built on
+    its own, as in tests, gets the choice for its config's own plan)."""
+    return resolve_micro_batches(config, carried_plan(config), model_dir=model_dir)[0]
 
 
 def actor_role(config: HybridFlowConfig, model_dir: str | Path) -> RoleSpec:
@@ -63,12 +64,12 @@ def reward_role(config: HybridFlowConfig) -> RoleSpec:
 
 def rollout_role(config: HybridFlowConfig, model_dir: str | Path, tokenizer) -> RoleSpec:
     """The worker of the engine `rollout.backend` names (hybridflow/config/engines.py: vLLM, Hugging Face
-    generate, or one of the user's); one replica spans the tensor-parallel ranks."""
+    generate, or one of the user's); the launcher makes one replica span the plan's tensor-parallel
+    ranks (`Plan.replica_size`), which the worker reads from its context."""
     rollout_cls = load_object(rollout_engine(config.rollout.backend).worker)
     return RoleSpec(rollout_cls, dict(
         model_path=str(model_dir), rollout=config.rollout, max_prompt_tokens=config.data.max_prompt_tokens,
         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
         verifiable_weights=config.weight_sync.checksum_every_steps > 0,
         trust_remote_code=config.model.trust_remote_code,
-        **({"lora_rank": config.actor.lora.rank} if lora_sync(config)[0] == "adapter" else {})),
-        replica_size=config.rollout.tensor_parallel_size)
+        **({"lora_rank": config.actor.lora.rank} if lora_sync(config)[0] == "adapter" else {})))

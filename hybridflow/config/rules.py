@@ -23,6 +23,7 @@ from hybridflow.config.schema import Dtype, model_heads, model_layers
 
 if TYPE_CHECKING:
     from hybridflow.config.schema import HybridFlowConfig
+    from hybridflow.planning.plan import Plan
 
 
 def require(ok: bool, key: str, value: Any, allowed: str) -> None:
@@ -30,9 +31,10 @@ def require(ok: bool, key: str, value: Any, allowed: str) -> None:
         raise ValueError(f"config {key}={value!r} is invalid: {allowed}")
 
 
-def check_config(config: HybridFlowConfig) -> HybridFlowConfig:
-    """Every rule of this module, in order; resolves model.dtype/rollout.dtype=auto and a null
-    weight_sync.probe_tolerance in place. Returns `config`."""
+def check_config(config: HybridFlowConfig, plan: Plan | None = None) -> HybridFlowConfig:
+    """Every rule of this module, in order, the placement rules on `plan` (the stage's plan:
+    placement=auto's choice; default the config's own, `Plan.from_config`); resolves
+    model.dtype/rollout.dtype=auto and a null weight_sync.probe_tolerance in place. Returns `config`."""
     check_registered_names(config)
     check_rollout_engine(config)
     resolve_precision(config)
@@ -44,17 +46,21 @@ def check_config(config: HybridFlowConfig) -> HybridFlowConfig:
             f"{unserved}: set weight_sync.lora=folded (or auto, which chooses it here)")
     if recipe_spec(config.recipe.name).pipeline:
         return config  # its stages compose their own configs, each checked by these rules (recipes/pipeline.py)
-    check_rollout_layout(config)
+    if plan is None:
+        from hybridflow.planning.plan import Plan
+
+        plan = Plan.from_config(config)
+    check_rollout_layout(config, plan)
     check_tiny_model_context(config)
     if config.weight_sync.probe_tolerance is None:
         from hybridflow.resharding.verify import probe_tolerance
 
         config.weight_sync.probe_tolerance = probe_tolerance(config.model.dtype.value, config.rollout.dtype.value,
                                                              model_layers(config.model))
-    check_step_split(config)
+    check_step_split(config, plan)
     check_hooks(config)
     check_algorithm_needs(config)
-    check_async(config)
+    check_async(config, plan)
     return config
 
 
@@ -143,18 +149,17 @@ def adapter_unserved(config: HybridFlowConfig) -> str:
     return ""
 
 
-def check_rollout_layout(config: HybridFlowConfig) -> None:
+def check_rollout_layout(config: HybridFlowConfig, plan: Plan) -> None:
     """Every placement x tensor-parallel combination that cannot run, refused with what would."""
     from hybridflow.planning.layout import rollout_layout_problems
 
-    placement, rollout = config.placement, config.rollout
+    rollout = config.rollout
     heads, kv_heads = model_heads(config.model)
+    tp, ranks = plan.rollout_tp, plan.devices_of("rollout")
     for key, value, allowed in rollout_layout_problems(
-            rollout.tensor_parallel_size, placement.world_size("rollout"), placement.roles["rollout"], heads,
-            kv_heads, engine=rollout_engine(rollout.backend), colocated=placement.rollout_colocated,
-            actor_pool=placement.roles["actor"]):
+            tp, ranks, plan.pool_of("rollout").name, heads, kv_heads, engine=rollout_engine(rollout.backend),
+            colocated=plan.rollout_colocated, actor_pool=plan.pool_of("actor").name):
         require(False, key, value, allowed)
-    tp, ranks = rollout.tensor_parallel_size, placement.world_size("rollout")
     # several engines of TP > 1 in one pool are vLLM's data parallel: their steps run in lockstep, and agent
     # rollouts call the engine a different number of times on each
     require(not (rollout.agent and 1 < tp < ranks), "rollout.tensor_parallel_size", tp,
@@ -178,10 +183,10 @@ def check_tiny_model_context(config: HybridFlowConfig) -> None:
             "or raise model.tiny.max_position_embeddings")
 
 
-def check_step_split(config: HybridFlowConfig) -> None:
+def check_step_split(config: HybridFlowConfig, plan: Plan) -> None:
     """The step's samples (and a pretraining step's sequences) divide over the actor's ranks, and a
     mini-batch is a whole number of rows per rank."""
-    world = config.placement.world_size("actor")
+    world = plan.devices_of("actor")
     samples = config.trainer.prompts_per_step * config.rollout.samples_per_prompt
     require(samples % world == 0, "trainer.prompts_per_step", config.trainer.prompts_per_step,
             f"prompts_per_step x rollout.samples_per_prompt ({samples}) must divide evenly over the "
@@ -232,14 +237,14 @@ def check_algorithm_needs(config: HybridFlowConfig) -> None:
             f"recipe={config.recipe.name} trains a critic: set algorithm.use_critic=true")
 
 
-def check_async(config: HybridFlowConfig) -> None:
+def check_async(config: HybridFlowConfig, plan: Plan) -> None:
     """What the schedule trainer.max_staleness chooses needs (hybridflow/rollout_schedules.py,
     docs/async.md): overlapping generation with training, staged pushes, no weight reloads."""
     from hybridflow.planning.layout import overlap_problems
     from hybridflow.rollout_schedules import schedule_class
     from hybridflow.training.hooks import STEP_HOOKS
 
-    d, rollout, placement = config.trainer.max_staleness, config.rollout, config.placement
+    d, rollout = config.trainer.max_staleness, config.rollout
     schedule = schedule_class(d)
     require(config.algorithm.behavior_is_cap >= 0, "algorithm.behavior_is_cap", config.algorithm.behavior_is_cap,
             "must be >= 0 (0: no importance weight)")
@@ -253,7 +258,7 @@ def check_async(config: HybridFlowConfig) -> None:
         return
     require(recipe_spec(config.recipe.name).overlaps_generation, "trainer.max_staleness", d,
             f"only the RL recipes (grpo, ppo) generate while training, not recipe={config.recipe.name}")
-    for key, value, allowed in overlap_problems(d, placement.rollout_colocated, placement.roles["rollout"]):
+    for key, value, allowed in overlap_problems(d, plan.rollout_colocated, plan.pool_of("rollout").name):
         require(False, key, value, allowed)
     # rollout=hf on a pool of its own is refused by check_rollout_layout (it loads in-process)
     hooks = [h.name for h in config.trainer.training_hooks

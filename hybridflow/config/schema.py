@@ -133,15 +133,6 @@ class PlacementConfig:
         _require(self.gpu_memory_gib is None or self.gpu_memory_gib > 0, "placement.gpu_memory_gib",
                  self.gpu_memory_gib, "must be > 0 (GiB of one GPU), or null to read this machine's")
 
-    def world_size(self, role: str) -> int:
-        pool = self.pools[self.roles[role]]
-        return pool.nodes * pool.devices_per_node
-
-    @property
-    def rollout_colocated(self) -> bool:
-        """The rollout shares the actor's processes (weights move in-process), or has a pool of its own."""
-        return self.roles["rollout"] == self.roles["actor"]
-
 
 def model_heads(model: "ModelConfig") -> tuple[int, int]:
     """(attention heads, key/value heads) from the tiny model config or model.path's config.json

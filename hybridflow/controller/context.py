@@ -8,7 +8,7 @@ Ray, so a worker file can be imported, built and tested in a process with no Ray
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 
@@ -29,6 +29,7 @@ class WorkerContext:
     master_addr: str = "127.0.0.1"
     master_port: int = 0
     group_name: str = "local"  # the worker group's name: roles fused into one process share it
+    replica_size: int = 1  # this role's ranks per replica (a tensor-parallel engine's TP; RoleSpec.replica_size)
 
 
 @dataclass
@@ -47,4 +48,6 @@ class RoleSpec:
 
     def build(self, ctx: WorkerContext) -> Any:
         """The worker for one rank (in a WorkerHost, or in-process in a test)."""
+        if self.replica_size != getattr(ctx, "replica_size", 1):
+            ctx = replace(ctx, replica_size=self.replica_size)
         return self.cls(ctx, **self.kwargs)

@@ -1,5 +1,7 @@
-"""One placement plan for every pool of a run, made before any pool is reserved.
+"""The nodes every pool of a stage's plan lands on, assigned before any pool is reserved.
 
+The stage's `Plan` (hybridflow/planning/plan.py) says how many nodes and devices each pool has;
+this module says which nodes (a `NodeAssignment`, saved as the "nodes" section of the plan's file).
 `plan_placement(pools, nodes)` is a pure function: given each pool's needs (nodes x devices per
 node x one bundle per device, an optional node affinity, whether it keeps its nodes to itself)
 and what each node of the cluster has *free*, it assigns every pool its nodes, or raises
@@ -17,7 +19,6 @@ custom resource the node has (`ray start --resources='{"gen_node": 1}'`).
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -58,7 +59,9 @@ class PoolPlacement:
 
 
 @dataclass(frozen=True)
-class PlacementPlan:
+class NodeAssignment:
+    """Where each pool of the stage's plan (hybridflow/planning/plan.py) landed: its nodes and ranks."""
+
     pools: dict[str, PoolPlacement]
     nodes: list[NodeInfo]  # as they were when the plan was made
 
@@ -86,15 +89,15 @@ class PlacementPlan:
                        f"{p.devices_per_node} x {_res(p.bundle)} -> {where}")
         return out
 
-    def to_json(self) -> str:
-        return json.dumps({
+    def to_dict(self) -> dict:
+        return {
             "pools": {name: {"roles": list(p.roles), "devices_per_node": p.devices_per_node, "bundle": p.bundle,
                              "nodes": [{"node_id": n, "address": self.node(n).address, "ranks": p.ranks_on(n)}
                                        for n in dict.fromkeys(p.node_ids)]}
                       for name, p in self.pools.items()},
             "nodes": [{"node_id": n.node_id, "address": n.address, "total": n.total, "free_before": n.free,
                        "labels": n.labels} for n in self.nodes],
-        }, indent=2)
+        }
 
 
 def node_need(spec: "PoolSpec") -> dict[str, float]:
@@ -103,7 +106,7 @@ def node_need(spec: "PoolSpec") -> dict[str, float]:
 
 
 def plan_placement(pools: list["PoolSpec"], nodes: list[NodeInfo], roles: dict[str, list[str]] | None = None
-                   ) -> PlacementPlan:
+                   ) -> NodeAssignment:
     """Every pool's nodes from what each node has free; raises PlacementError when they do not fit."""
     roles = roles or {}
     free = {n.node_id: dict(n.free) for n in nodes}
@@ -127,7 +130,7 @@ def plan_placement(pools: list["PoolSpec"], nodes: list[NodeInfo], roles: dict[s
             if spec.exclusive_nodes:
                 exclusive.add(best.node_id)
         placed[spec.name] = tuple(chosen)
-    return PlacementPlan({s.name: PoolPlacement(s.name, tuple(roles.get(s.name, ())), placed[s.name],
+    return NodeAssignment({s.name: PoolPlacement(s.name, tuple(roles.get(s.name, ())), placed[s.name],
                                                 s.devices_per_node, s.bundle()) for s in pools}, list(nodes))
 
 

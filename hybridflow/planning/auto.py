@@ -1,12 +1,13 @@
-"""placement=auto: the planner's best plan for this run, chosen before Ray starts.
+"""The stage's plan, decided once before Ray starts; placement=auto: the planner's best plan for it.
 
-`resolve_placement(config, run_dir)` (called by hybridflow.runner.run_stage, before the recipe
-starts anything) searches the plans of the run's workload on its cluster — this machine, or the Ray
-cluster the run joins (`ray.address`, or RAY_ADDRESS under `ray job submit`) — with the rates of
+`stage_plan(config, run_dir)` (called by hybridflow.runner.run_stage, before the recipe starts
+anything) decides the stage's one `Plan`: the config's own, or with placement.planner.auto the best
+of the plans of the run's workload on its cluster — this machine, or the Ray cluster the run joins (`ray.address`, or RAY_ADDRESS under `ray job submit`) — with the rates of
 `placement.planner.rates` (or the device's built-in profile), keeps the run's own
-`trainer.max_staleness` (a learning choice, not a placement one), and returns the config with the
-best plan's pools, roles and rollout tensor-parallel size. It writes run_dir/plan.json (the plan,
-its prediction per stage, the rates' source and the runners-up); the metrics logger then adds
+`trainer.max_staleness` (a learning choice, not a placement one), and returns the best plan (its
+pools, roles and rollout tensor-parallel size; the config itself is not rewritten), which the runner
+hands to everything that places, sizes or moves. It writes run_dir/plan.json (the plan, its
+prediction per stage, the rates' source and the runners-up); the metrics logger then adds
 `plan/predicted_<stage>_s` to every step, beside the measured `timing/<stage>_s`. When no plan fits,
 it raises `InputError` listing why the first candidates were refused (each memory term, in GiB): no
 worker has started.
@@ -19,11 +20,10 @@ import json
 from pathlib import Path
 
 from hybridflow.planning.cost import STAGES, Rates, build_cost_model
-from hybridflow.planning.plan import Plan
+from hybridflow.planning.plan import PLAN_FILE, Plan, read_plan_file, save_plan
 from hybridflow.planning.search import SearchOptions, SearchResult, build_policy, search
 from hybridflow.planning.workload import Cluster, Workload
 
-PLAN_FILE = "plan.json"
 RUNNERS_UP = 4
 
 
@@ -44,22 +44,6 @@ def cluster_for(config) -> Cluster:
         ray.shutdown()
 
 
-def apply_plan(config, plan: Plan):
-    """`config` with `plan`'s pools, roles (a role the plan does not place, such as a reward
-    function or an unused critic, goes on the actor's pool) and rollout tensor-parallel size, checked
-    by the config's rules as a composed config is."""
-    from hybridflow.config.rules import check_config
-    from hybridflow.config.schema import PoolConfig
-
-    placement = config.placement
-    pools = {p.name: PoolConfig(nodes=p.nodes, devices_per_node=p.devices_per_node,
-                                cpus_per_device=placement.pools[placement.roles["actor"]].cpus_per_device)
-             for p in plan.pools}
-    return check_config(dataclasses.replace(
-        config, placement=dataclasses.replace(placement, pools=pools, roles=plan.role_pools()),
-        rollout=dataclasses.replace(config.rollout, tensor_parallel_size=plan.rollout_tp)))
-
-
 def plan_search(config, cluster: Cluster, rates: Rates, depths: tuple[int, ...] | None = None) -> SearchResult:
     planner = config.placement.planner
     cost = build_cost_model(planner.cost_model, rates)
@@ -68,14 +52,20 @@ def plan_search(config, cluster: Cluster, rates: Rates, depths: tuple[int, ...] 
                   SearchOptions(depths=depths))
 
 
-def resolve_placement(config, run_dir: Path):
-    """(config, console line): the config with the best plan applied, or unchanged (None) when
-    placement.planner.auto is off."""
+def stage_plan(config, run_dir: Path) -> tuple[Plan, str | None]:
+    """The stage's plan, decided once before anything starts, and saved as run_dir/plan.json: the
+    config's own (`Plan.from_config`), or with placement.planner.auto the planner's best for this
+    cluster, checked by the config's rules as the config's own plan is (and the console line that
+    says what it chose). The runner hands it to the launcher, the memory budget and the weight sync;
+    the config is not rewritten."""
     if not config.placement.planner.auto:
-        return config, None
+        plan = Plan.from_config(config)
+        save_plan(run_dir, plan)
+        return plan, None
+    from hybridflow.config.rules import check_config
     from hybridflow.data.checks import InputError
-
     from hybridflow.planning.device_rates import choose_rates
+    from hybridflow.precision import device_of
 
     try:
         cluster = cluster_for(config)
@@ -87,27 +77,32 @@ def resolve_placement(config, run_dir: Path):
     if not result.ranked:
         raise InputError(f"placement=auto on {cluster.describe()}: {result.why_none()}")
     best = result.best
-    (Path(run_dir) / PLAN_FILE).write_text(json.dumps({
-        "plan": best.plan.with_transport(cluster.device).to_dict(), "prediction": best.prediction.to_dict(),
-        "cluster": dataclasses.asdict(cluster), "rates": rates.to_dict(), "rates_choice": choice.to_dict(),
-        "search": {"considered": result.considered, "refused": len(result.refused), "seconds": result.seconds},
-        "runners_up": [c.to_dict() for c in result.ranked[1:1 + RUNNERS_UP]]}, indent=2))
+    own = Plan.from_config(config)  # what the search does not choose: each process's CPUs, pinning
+    cpus = own.pool_of("actor").cpus_per_device
+    placed = best.plan.placing_every_role()
+    plan = dataclasses.replace(placed, pin_cpus=own.pin_cpus,
+                               pools=tuple(dataclasses.replace(p, cpus_per_device=cpus) for p in placed.pools))
+    plan = plan.with_transport(device_of(config.placement.device.value))  # the device the config's dtypes chose
+    check_config(config, plan)
+    path = save_plan(run_dir, plan, prediction=best.prediction.to_dict(), cluster=dataclasses.asdict(cluster),
+                     rates=rates.to_dict(), rates_choice=choice.to_dict(),
+                     search={"considered": result.considered, "refused": len(result.refused), "seconds": result.seconds},
+                     runners_up=[c.to_dict() for c in result.ranked[1:1 + RUNNERS_UP]])
     seconds = (f"{best.prediction.step_s:.2f} s/step (" + ", ".join(f"{s} {best.prediction.stages[s]:.2f}"
                                                                  for s in STAGES) + ")")
     said = (f"ranked with rates {choice.note}; on that device: {seconds}" if choice.borrowed
             else f"predicted {seconds} with rates {choice.note}")
     line = (f"hybridflow: placement=auto chose {best.plan.describe()} on {cluster.describe()}: {said}, best of "
             f"{len(result.ranked)} plans that fit ({result.considered} considered in {result.seconds:.2f} s; "
-            f"{run_dir}/{PLAN_FILE})")
-    return apply_plan(config, best.plan), line
+            f"{path})")
+    return plan, line
 
 
 def predicted_metrics(run_dir: Path) -> dict[str, float]:
     """`plan/predicted_<stage>_s` and `plan/predicted_step_s` from run_dir/plan.json ({} without one)."""
-    path = Path(run_dir) / PLAN_FILE
-    if not path.is_file():
+    prediction = read_plan_file(run_dir).get("prediction")
+    if prediction is None:
         return {}
-    prediction = json.loads(path.read_text())["prediction"]
     out = {f"plan/predicted_{stage}_s": float(seconds) for stage, seconds in prediction["stages"].items()}
     out["plan/predicted_step_s"] = float(prediction["step_s"])
     return out
@@ -118,7 +113,7 @@ def compare_measured(run_dir: Path) -> str | None:
     first (the first warms caches), saved into plan.json beside the prediction, and one console
     line comparing them; None without a plan or with fewer than two steps."""
     path, metrics = Path(run_dir) / PLAN_FILE, Path(run_dir) / "metrics.jsonl"
-    if not path.is_file() or not metrics.is_file():
+    if "prediction" not in read_plan_file(run_dir) or not metrics.is_file():
         return None
     from hybridflow.planning.calibrate import stage_means
     from hybridflow.tracking import read_metrics

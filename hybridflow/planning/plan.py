@@ -13,7 +13,11 @@ the cluster's free resources (hybridflow/controller/placement.py).
 from __future__ import annotations
 
 import json
+from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterator
 
 from hybridflow.planning.workload import MODEL_ROLES
 
@@ -25,6 +29,8 @@ class PoolPlan:
     devices_per_node: int
     roles: tuple[str, ...]  # the roles on the pool, fused into one process per device
     cpus_per_device: float = 1.0
+    node_affinity: str | None = None  # a node label the pool's nodes must carry (placement.pools.<name>.node_affinity)
+    exclusive_nodes: bool = False  # no other pool shares its nodes
 
     @property
     def devices(self) -> int:
@@ -39,6 +45,7 @@ class Plan:
     pin_cpus: bool = False
     old_log_probs: str = ""  # set when the depth needs another trainer.old_log_probs than the config's ('' keeps it)
     transport: str = field(default="", compare=False)  # filled by `with_transport`; not a search choice
+    device: str = field(default="", compare=False)  # 'cpu' or 'cuda', filled by `with_transport`; not a search choice
 
     # --- what consumers ask ---------------------------------------------------------------
     def pool_of(self, role: str) -> PoolPlan:
@@ -62,34 +69,41 @@ class Plan:
     def devices(self) -> int:
         return sum(p.devices for p in self.pools)
 
+    @property
+    def cpus(self) -> float:
+        """The CPUs its pools reserve (devices x cpus_per_device): what a local Ray must have."""
+        return sum(p.devices * p.cpus_per_device for p in self.pools)
+
+    def replica_size(self, role: str) -> int:
+        """Ranks that work as one replica of `role`: the rollout's tensor-parallel size, else 1."""
+        return self.rollout_tp if role == "rollout" else 1
+
     # --- making one -----------------------------------------------------------------------
     @classmethod
     def from_config(cls, config) -> "Plan":
         """The plan a config selects: its pools (those placement.roles names; every role the config
         maps is on one, whether or not the recipe starts it), rollout TP, staleness, CPU pinning
         (placement.pin_cpus, or the schedule's `overlaps`) and transport."""
-        from hybridflow.rollout_schedules import schedule_class
-
         placement = config.placement
         pools = []
         for name, pool in placement.pools.items():
             roles = tuple(r for r in MODEL_ROLES if placement.roles.get(r) == name)
             if roles:
-                pools.append(PoolPlan(name, pool.nodes, pool.devices_per_node, roles, pool.cpus_per_device))
-        pin = placement.pin_cpus if placement.pin_cpus is not None else \
-            schedule_class(config.trainer.max_staleness).overlaps
-        plan = cls(tuple(pools), config.rollout.tensor_parallel_size, config.trainer.max_staleness, pin)
+                pools.append(PoolPlan(name, pool.nodes, pool.devices_per_node, roles, pool.cpus_per_device,
+                                      pool.node_affinity, pool.exclusive_nodes))
+        plan = cls(tuple(pools), config.rollout.tensor_parallel_size, config.trainer.max_staleness, pins_cpus(config))
         from hybridflow.precision import device_of
 
         return plan.with_transport(device_of(placement.device.value))  # auto: the device the config's dtypes chose
 
     def with_transport(self, device: str) -> "Plan":
-        """The plan with the registered transport that serves its placement on `device`."""
+        """The plan on `device` ('cpu' or 'cuda'), with the registered transport that serves its
+        placement there."""
         from dataclasses import replace
 
         from hybridflow.resharding.transports import transport_class
 
-        return replace(self, transport=transport_class(self.rollout_colocated, device).name)
+        return replace(self, device=device, transport=transport_class(self.rollout_colocated, device).name)
 
     # --- showing one ----------------------------------------------------------------------
     def overrides(self) -> list[str]:
@@ -105,6 +119,17 @@ class Plan:
         if self.old_log_probs:
             out.append(f"trainer.old_log_probs={self.old_log_probs}")
         return out
+
+    def placing_every_role(self) -> "Plan":
+        """The plan with every role it does not place (a reward function, an unused critic) on the
+        actor's pool, as a config that maps no pool of its own for them runs them."""
+        from dataclasses import replace
+
+        placed = {r for p in self.pools for r in p.roles}
+        extra = tuple(r for r in MODEL_ROLES if r not in placed)
+        actor = self.pool_of("actor").name
+        return replace(self, pools=tuple(replace(p, roles=p.roles + extra) if p.name == actor else p
+                                         for p in self.pools))
 
     def role_pools(self) -> dict[str, str]:
         """Every role's pool; a role the plan does not place goes on the actor's pool."""
@@ -126,10 +151,67 @@ class Plan:
 
     def to_dict(self) -> dict:
         return {"pools": {p.name: {"nodes": p.nodes, "devices_per_node": p.devices_per_node, "roles": list(p.roles),
-                                   "cpus_per_device": p.cpus_per_device} for p in self.pools},
+                                   "cpus_per_device": p.cpus_per_device, "node_affinity": p.node_affinity,
+                                   "exclusive_nodes": p.exclusive_nodes} for p in self.pools},
                 "rollout_tensor_parallel_size": self.rollout_tp, "rollout_replicas": self.rollout_replicas,
-                "max_staleness": self.max_staleness, "pin_cpus": self.pin_cpus, "transport": self.transport,
+                "max_staleness": self.max_staleness, "pin_cpus": self.pin_cpus, "device": self.device,
+                "transport": self.transport,
                 "family": self.family(), "overrides": self.overrides()}
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), indent=2)
+
+
+def pins_cpus(config) -> bool:
+    """Whether the pools pin their cores: placement.pin_cpus, else whether the schedule overlaps
+    generation with training (trainer.max_staleness)."""
+    from hybridflow.rollout_schedules import schedule_class
+
+    pin = config.placement.pin_cpus
+    return pin if pin is not None else schedule_class(config.trainer.max_staleness).overlaps
+
+
+_STAGE_PLAN: ContextVar[Plan | None] = ContextVar("stage_plan", default=None)
+
+
+@contextmanager
+def carrying(plan: Plan) -> Iterator[Plan]:
+    """Within it, `hybridflow.lifecycle.start_run` spawns on `plan`: the runner decides a stage's plan
+    once, before the recipe starts, and carries it here (a recipe keeps its `run(config, run_dir)` form)."""
+    token = _STAGE_PLAN.set(plan)
+    try:
+        yield plan
+    finally:
+        _STAGE_PLAN.reset(token)
+
+
+def carried_plan(config) -> Plan:
+    """The plan the runner carries, else (a recipe called on its own) the config's own."""
+    return _STAGE_PLAN.get() or Plan.from_config(config)
+
+
+# --- the plan file: one per stage, run_dir/plan.json -----------------------------------------------
+PLAN_FILE = "plan.json"
+
+
+def save_plan(run_dir, plan: Plan, **sections) -> Path:
+    """Write run_dir/plan.json: {"plan": the plan, **sections} (placement=auto adds its prediction,
+    rates and runners-up; the launcher adds "nodes", where each pool landed)."""
+    path = Path(run_dir) / PLAN_FILE
+    path.write_text(json.dumps({"plan": plan.to_dict(), **sections}, indent=2))
+    return path
+
+
+def add_to_plan_file(run_dir, key: str, value) -> Path:
+    """Add (or replace) one section of run_dir/plan.json."""
+    path = Path(run_dir) / PLAN_FILE
+    saved = json.loads(path.read_text()) if path.is_file() else {}
+    saved[key] = value
+    path.write_text(json.dumps(saved, indent=2))
+    return path
+
+
+def read_plan_file(run_dir) -> dict:
+    """run_dir/plan.json's sections ({} without one)."""
+    path = Path(run_dir) / PLAN_FILE
+    return json.loads(path.read_text()) if path.is_file() else {}

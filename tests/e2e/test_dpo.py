@@ -50,7 +50,7 @@ def test_dpo_on_trl_format_files_ranks_the_chosen_responses_first(tmp_path):
     result = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
     run_dir = tmp_path / "dpo"
-    plan = json.loads((run_dir / "placement_plan.json").read_text())
+    plan = json.loads((run_dir / "plan.json").read_text())["nodes"]
     assert "reference" in json.dumps(plan)  # the starting model scores the pairs: the reference role ran
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     held_out = [r for r in rows if "val/preference_loss" in r]

@@ -9,6 +9,7 @@ from hydra.errors import ConfigCompositionException
 
 from hybridflow.config.stages import compose_command
 from hybridflow.config import CONF_DIR, ConfigError, compose
+from hybridflow.planning.plan import Plan
 
 GROUPS = sorted(p.name for p in CONF_DIR.iterdir() if p.is_dir())
 REQUIRED_VALUES = {  # options whose '???' values a user must supply
@@ -131,7 +132,8 @@ def test_rollout_tp_is_any_divisor_of_the_pool_and_several_engines_are_refused_w
     of one pool would step in lockstep through different numbers of turns, so only 1 or the whole pool."""
     four = ["placement.pools.global.devices_per_node=4"]
     config = compose_command(["recipe=grpo", *four, "rollout.tensor_parallel_size=2"])
-    assert (config.rollout.tensor_parallel_size, config.placement.world_size("rollout")) == (2, 4)
+    plan = Plan.from_config(config)
+    assert (plan.rollout_tp, plan.devices_of("rollout"), plan.rollout_replicas) == (2, 4, 2)
     with pytest.raises(ConfigError, match=r"4 rank\(s\), which 3-rank engines do not divide: use one of \[1, 2, 4\]"):
         compose_command(["recipe=grpo", *four, "rollout.tensor_parallel_size=3"])
     (tmp_path / "guess.py").write_text("class Guess:\n    stop = ('?',)\n    def reset(self, ground_truth):\n"

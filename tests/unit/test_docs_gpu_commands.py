@@ -66,6 +66,7 @@ GPU_COMMANDS = gpu_commands()
 def test_every_documented_gpu_command_fits_the_gpu_its_page_names(command, tmp_path, monkeypatch, tiny_model_dir):
     from hybridflow.config.stages import compose_command
     from hybridflow.memory_budget import GIB, ModelShape, actor_pool_roles, gpu_phase_terms, memory_problems
+    from hybridflow.planning.plan import Plan
 
     page = PAGES[command.where.split(":")[0]].read_text()
     gpu_gib = int(STATED_GPU.search(page)[1])
@@ -84,13 +85,14 @@ def test_every_documented_gpu_command_fits_the_gpu_its_page_names(command, tmp_p
             arg = arg.replace(user_file, str(made))
         args.append(arg)
     config = compose_command([*args, f"placement.gpu_memory_gib={gpu_gib}"])
-    problems = memory_problems(config)
+    problems = memory_problems(config, Plan.from_config(config))  # the plan the run would carry
     assert problems == [], f"{command.where} does not fit {gpu_gib} GB GPUs:\n" + "\n".join(problems)
     from hybridflow.memory_budget import AUTO_SHARE, resolve_micro_batches
 
-    resolved, said = resolve_micro_batches(config, gpu_bytes=gpu_gib * GIB)
+    resolved, said = resolve_micro_batches(config, Plan.from_config(config), gpu_bytes=gpu_gib * GIB)
     assert "WARNING" not in (said or ""), f"{command.where}: {said}"  # room for peaks above the floor
-    phases = gpu_phase_terms(resolved, ModelShape.from_dir(resolved.model.path), actor_pool_roles(resolved),
+    plan = Plan.from_config(resolved)
+    phases = gpu_phase_terms(resolved, plan, ModelShape.from_dir(resolved.model.path), actor_pool_roles(resolved, plan),
                              gpu_gib * GIB)
     assert sum(phases["training"].values()) <= AUTO_SHARE * gpu_gib * GIB, command.where
     for phase, terms in phases.items():  # the page shows the floor of each phase the run has, to a tenth of a GiB

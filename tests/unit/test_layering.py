@@ -189,3 +189,44 @@ def test_the_schema_import_check_fails_on_a_planted_runtime_import(tmp_path):
     planted.write_text("import enum\nfrom hybridflow.config.recipes import recipe_spec\n"
                        "def check():\n    from hybridflow.algos import POLICY_LOSSES\n")
     assert _outside_config_and_stdlib(planted) == ["schema.py:4 imports hybridflow.algos.POLICY_LOSSES"]
+
+
+PLACEMENT_READS = {"pools", "roles"}  # config.placement.<these>: the plan's pools and roles' pools
+
+
+def placement_reads(path: Path) -> list[str]:
+    """Where a file reads what the stage's plan decides from the config instead of the plan:
+    `<...>.placement.pools`, `<...>.placement.roles` (or a local `placement.pools`) and any
+    `.tensor_parallel_size`. The schema's own checks of its fields (`self.<field>`) are not reads."""
+    tree = ast.parse(path.read_text(), filename=str(path))
+    found = []
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.Attribute):
+            continue
+        owner = node.value
+        if node.attr in PLACEMENT_READS and (
+                (isinstance(owner, ast.Attribute) and owner.attr == "placement")
+                or (isinstance(owner, ast.Name) and owner.id == "placement")):
+            found.append(f"{path}:{node.lineno} reads placement.{node.attr}")
+        elif node.attr == "tensor_parallel_size" and not (isinstance(owner, ast.Name) and owner.id == "self"):
+            found.append(f"{path}:{node.lineno} reads .tensor_parallel_size")
+    return found
+
+
+def test_only_the_planner_reads_pools_roles_and_rollout_tp_from_the_config():
+    """The stage's `Plan` (hybridflow/planning/plan.py) is built once (from the config, or by
+    placement=auto's search) and carried: the launcher, pool reservation, role spawning, the memory
+    model, the config's rules and the workers ask it, so placement=auto's choice reaches all of them."""
+    root = FRAMEWORK.parent
+    files = [p for package in ("hybridflow", "workers", "recipes") for p in sorted((root / package).rglob("*.py"))
+             if "planning" not in p.relative_to(root).parts[:2]]
+    offenders = [hit for path in files for hit in placement_reads(path)]
+    assert not offenders, "\n".join(offenders)
+
+
+def test_the_placement_scan_sees_each_kind_of_read(tmp_path):
+    sample = tmp_path / "sample.py"
+    sample.write_text("a = config.placement.pools['x']\nb = placement.roles['actor']\n"
+                      "c = config.rollout.tensor_parallel_size\nd = self.cfg.tensor_parallel_size\n"
+                      "e = self.tensor_parallel_size\nf = plan.pools\ng = config.placement.device\n")
+    assert sorted(int(hit.split(":")[1].split()[0]) for hit in placement_reads(sample)) == [1, 2, 3, 4]

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from hybridflow.config import compose
+from hybridflow.planning.plan import Plan
 from hybridflow.memory_budget import (GIB, ModelShape, choose_micro_batch, memory_problems, process_terms,
                                       resolve_micro_batches)
 
@@ -26,6 +27,16 @@ QWEN05 = {"vocab_size": 151936, "hidden_size": 896, "intermediate_size": 4864, "
 # model.dtype=auto chooses by the CPU (hybridflow/precision.py); these numbers were worked out for bfloat16
 # compute over float32 masters with a float32 engine, so they pin that on every CPU kind
 PINNED = ["model.dtype=bfloat16", "rollout.dtype=float32"]
+
+
+def plan_of(config) -> Plan:
+    """The plan a run of `config` carries (placement=auto off): its pools, ranks and rollout TP."""
+    return Plan.from_config(config)
+
+
+def with_plan(config) -> tuple:
+    """(config, its plan): the first two arguments of the memory model's functions."""
+    return config, plan_of(config)
 
 
 def qwen05_shapes() -> dict[str, list[int]]:
@@ -80,7 +91,8 @@ def test_process_terms_worked_example():
     shape = ModelShape(parameters=134_515_008, layers=30, hidden=576, intermediate=1536, heads=9, vocab=49152)
     config = compose(["model=local_hf", "model.path=/m", "model.dtype=float32", "data.max_prompt_tokens=64",
                       "rollout.max_response_tokens=64", "actor.samples_per_micro_batch=16"])
-    terms = {k.split(" (")[0]: v / GIB for k, v in process_terms(config, shape, {"actor", "rollout"}).items()}
+    terms = {k.split(" (")[0]: v / GIB
+             for k, v in process_terms(*with_plan(config), shape, {"actor", "rollout"}).items()}
     assert terms["actor parameters"] == pytest.approx(134_515_008 * 4 / 2 / GIB)
     assert terms["actor AdamW moments"] == pytest.approx(2 * terms["actor gradients"])
     assert terms["vLLM weights"] == pytest.approx(134_515_008 * 4 / GIB) and terms["vLLM KV cache"] == 1.0
@@ -89,23 +101,26 @@ def test_process_terms_worked_example():
     assert terms["the process's own runtime"] == 0.75
     assert terms["actor embeddings gathered, and their gradient"] == pytest.approx(2 * 49152 * 576 * 4 / GIB)
     untied = dataclasses.replace(shape, tied_embeddings=False)
-    alone = {k.split(" (")[0]: v / GIB for k, v in process_terms(config, untied, {"actor"}).items()}
+    alone = {k.split(" (")[0]: v / GIB for k, v in process_terms(config, plan_of(config), untied, {"actor"}).items()}
     assert alone["actor embeddings gathered, and their gradient"] == pytest.approx(4 * 49152 * 576 * 4 / GIB)
     assert alone["the process's own runtime"] == 0.5 and "vLLM weights" not in alone
     one_rank = compose(["model=local_hf", "model.path=/m", "model.dtype=float32", "placement.pools.global.devices_per_node=1"])
-    assert not any(k.startswith("actor embeddings") for k in process_terms(one_rank, shape, {"actor"}, rows=1))
+    assert not any(k.startswith("actor embeddings")
+                   for k in process_terms(*with_plan(one_rank), shape, {"actor"}, rows=1))
     checkpointed = compose(["model=local_hf", "model.path=/m", "model.dtype=float32", "rollout.max_response_tokens=64",
                             "actor.gradient_checkpointing=true", "actor.samples_per_micro_batch=16"])
-    activations = [v for k, v in process_terms(checkpointed, shape, {"actor"}).items() if k.startswith("activations")]
+    activations = [v for k, v in process_terms(*with_plan(checkpointed), shape, {"actor"}).items()
+                   if k.startswith("activations")]
     assert activations[0] < 0.2 * GIB  # one hidden vector per layer, and one layer recomputed
 
 
 def test_a_run_that_cannot_fit_is_refused_with_the_arithmetic(tmp_path, tiny_model_dir):
     model = header_only_model(tmp_path / "qwen05", tiny_model_dir)
     base = ["model=local_hf", f"model.path={model}", "placement.device=cpu", *PINNED]
-    assert memory_problems(compose(base), node_bytes=24 * GIB) == []  # 2 processes of ~7 GiB fit in 24 GiB
+    assert memory_problems(*with_plan(compose(base)), node_bytes=24 * GIB) == []  # 2 processes of ~7 GiB fit in 24 GiB
     # 8 processes on the node: each still holds the engine's full copy (1.84 GiB) and a 1 GiB KV cache
-    refused = memory_problems(compose([*base, "placement.pools.global.devices_per_node=8"]), node_bytes=24 * GIB)
+    refused = memory_problems(*with_plan(compose([*base, "placement.pools.global.devices_per_node=8"])),
+                              node_bytes=24 * GIB)
     assert len(refused) == 1
     text = refused[0]
     assert "494M parameters, 24 layers" in text and "each of the 8 processes" in text
@@ -139,17 +154,18 @@ def test_left_unset_the_micro_batch_is_the_most_rows_whose_floor_fits_the_memory
     runtime 0.75, the gathered embeddings and their gradient 2 x 49,152 x 576 x 4 B = 0.21); a row costs
     128 x 30 x 14,208 x 4 B = 0.2032 GiB of activations and 2 x 64 x 49,152 x 4 B = 0.0234 GiB of logits:
     (7.6 - 3.46) / 0.2267 = 18.3, so 18 rows, without checkpointing (18 >= 8)."""
-    choice = choose_micro_batch(compose([*REAL, "model.dtype=float32"]), SMOLLM2, node_bytes=24 * GIB)
+    choice = choose_micro_batch(*with_plan(compose([*REAL, "model.dtype=float32"])), SMOLLM2, node_bytes=24 * GIB)
     assert (choice.rows, choice.gradient_checkpointing) == (18, False)
     # a 0.5B model with a bfloat16 engine leaves room for no row without checkpointing: recompute, 15 rows
-    qwen = choose_micro_batch(compose([*REAL, "rollout.dtype=bfloat16"]), QWEN05_SHAPE, node_bytes=24 * GIB)
+    qwen = choose_micro_batch(*with_plan(compose([*REAL, "rollout.dtype=bfloat16"])), QWEN05_SHAPE, node_bytes=24 * GIB)
     assert (qwen.rows, qwen.gradient_checkpointing) == (15, True)
     # with a float32 engine even its fixed terms (8.3 GiB) pass the share: the smallest, and a warning
-    fp32 = choose_micro_batch(compose([*REAL, "model.dtype=float32"]), QWEN05_SHAPE, node_bytes=24 * GIB)
+    fp32 = choose_micro_batch(*with_plan(compose([*REAL, "model.dtype=float32"])), QWEN05_SHAPE, node_bytes=24 * GIB)
     assert (fp32.rows, fp32.gradient_checkpointing) == (1, True)
     assert fp32.why.startswith("WARNING") and "rollout.dtype" in fp32.why
     # on a large node the cap: 64 rows
-    assert choose_micro_batch(compose([*REAL, "model.dtype=float32"]), SMOLLM2, node_bytes=512 * GIB).rows == 64
+    assert choose_micro_batch(*with_plan(compose([*REAL, "model.dtype=float32"])), SMOLLM2,
+                              node_bytes=512 * GIB).rows == 64
 
 
 def test_the_choice_is_the_largest_that_fits_and_respects_what_the_user_set():
@@ -158,29 +174,32 @@ def test_the_choice_is_the_largest_that_fits_and_respects_what_the_user_set():
     for extra in ([], ["model.dtype=float32"], ["rollout.max_response_tokens=512"],
                   ["placement.pools.global.devices_per_node=1"]):
         config = compose([*REAL, *extra])
-        choice = choose_micro_batch(config, SMOLLM2, node_bytes=24 * GIB)
+        choice = choose_micro_batch(config, plan_of(config), SMOLLM2, node_bytes=24 * GIB)
         budget = AUTO_SHARE * NODE_MEMORY_SHARE * 24 * GIB / config.placement.pools["global"].devices_per_node
 
         def floor(rows: int) -> float:
-            return sum(process_terms(config, SMOLLM2, actor_pool_roles(config), rows,
+            return sum(process_terms(*with_plan(config), SMOLLM2, actor_pool_roles(*with_plan(config)), rows,
                                      choice.gradient_checkpointing).values())
         assert floor(choice.rows) <= budget and (choice.rows == 64 or floor(choice.rows + 1) > budget), extra
-    set_rows = choose_micro_batch(compose([*REAL, "actor.samples_per_micro_batch=4"]), SMOLLM2, node_bytes=24 * GIB)
+    set_rows = choose_micro_batch(*with_plan(compose([*REAL, "actor.samples_per_micro_batch=4"])), SMOLLM2,
+                                  node_bytes=24 * GIB)
     assert (set_rows.rows, set_rows.gradient_checkpointing) == (4, False)
-    forced = choose_micro_batch(compose([*REAL, "actor.gradient_checkpointing=true"]), SMOLLM2, node_bytes=24 * GIB)
+    forced = choose_micro_batch(*with_plan(compose([*REAL, "actor.gradient_checkpointing=true"])), SMOLLM2,
+                                node_bytes=24 * GIB)
     assert forced.gradient_checkpointing and forced.rows == 64  # checkpointed rows are cheap
 
 
 def test_resolve_fills_in_only_the_null_keys_and_says_what_it_chose(tmp_path, tiny_model_dir):
     model = header_only_model(tmp_path / "qwen05", tiny_model_dir)
-    config, said = resolve_micro_batches(compose(["model=local_hf", f"model.path={model}", "placement.device=cpu",
-                                                  "model.dtype=float32"]), node_bytes=24 * GIB)
+    config, said = resolve_micro_batches(*with_plan(compose(["model=local_hf", f"model.path={model}",
+                                                             "placement.device=cpu", "model.dtype=float32"])),
+                                         node_bytes=24 * GIB)
     assert config.actor.samples_per_micro_batch == config.critic.samples_per_micro_batch >= 1
     assert config.actor.gradient_checkpointing is True
     assert "actor.samples_per_micro_batch=" in said and "actor.gradient_checkpointing=true" in said
-    again, nothing = resolve_micro_batches(config, node_bytes=24 * GIB)
+    again, nothing = resolve_micro_batches(config, plan_of(config), node_bytes=24 * GIB)
     assert again == config and nothing is None
-    tiny, _ = resolve_micro_batches(compose(["recipe=grpo"]))  # the tiny model: its size is known only at start
+    tiny, _ = resolve_micro_batches(*with_plan(compose(["recipe=grpo"])))  # the tiny model: size known only at start
     assert tiny.actor.samples_per_micro_batch == 64 and tiny.actor.gradient_checkpointing is False
 
 
@@ -203,7 +222,7 @@ def test_the_gpu_floor_is_below_the_measured_h200_peaks_within_one_and_a_half_ti
     config = compose([*GPU, "placement.pools.global.devices_per_node=1", "actor.samples_per_micro_batch=16",
                       "actor.gradient_checkpointing=false"])
     for name, shape, floor_gib in (("0.5B", QWEN05_SHAPE, 28.1), ("1.5B", QWEN15_SHAPE, 61.3)):
-        terms = process_terms(config, shape, {"actor", "rollout"})
+        terms = process_terms(config, plan_of(config), shape, {"actor", "rollout"})
         assert not any("runtime" in k or "vLLM" in k for k in terms), terms  # asleep while training; host memory
         floor = sum(terms.values()) / GIB
         assert floor == pytest.approx(floor_gib, abs=0.05), name
@@ -211,7 +230,7 @@ def test_the_gpu_floor_is_below_the_measured_h200_peaks_within_one_and_a_half_ti
             assert floor <= peak <= 1.5 * floor, (name, floor, peak)
     cpu = compose([*GPU[:2], "placement.device=cpu", *GPU[3:], "placement.pools.global.devices_per_node=1",
                    "actor.samples_per_micro_batch=16", "actor.gradient_checkpointing=false"])
-    assert sum(process_terms(cpu, QWEN15_SHAPE, {"actor"}).values()) / GIB > 73  # eager attention's probabilities
+    assert sum(process_terms(*with_plan(cpu), QWEN15_SHAPE, {"actor"}).values()) / GIB > 73  # eager attention's probabilities
 
 
 def test_on_a_gpu_the_micro_batch_is_chosen_from_its_memory(tmp_path, monkeypatch):
@@ -221,30 +240,30 @@ def test_on_a_gpu_the_micro_batch_is_chosen_from_its_memory(tmp_path, monkeypatc
 
     config = compose([*GPU, "placement.pools.global.devices_per_node=1"])
     for shape, rows in ((QWEN15_SHAPE, 12), (QWEN05_SHAPE, 35)):
-        choice = choose_micro_batch(config, shape, gpu_bytes=80 * GIB)
+        choice = choose_micro_batch(config, plan_of(config), shape, gpu_bytes=80 * GIB)
         assert (choice.rows, choice.gradient_checkpointing) == (rows, False), choice
         assert "of the 80.0 GiB one GPU holds" in choice.why
 
         def floor(r: int) -> float:
-            return sum(process_terms(config, shape, actor_pool_roles(config), r, False).values())
+            return sum(process_terms(*with_plan(config), shape, actor_pool_roles(*with_plan(config)), r, False).values())
         assert floor(rows) <= AUTO_SHARE * 80 * GIB < floor(rows + 1)
     # 40 GiB: (26.7 - 23.9) / 2.34 is 1 row without checkpointing, so recompute: a row is then 768 x
     # (1536 x 28 + 51,200) x 2 B = 0.135 GiB of activations and still 0.29 of logits, 6 rows
-    small = choose_micro_batch(config, QWEN15_SHAPE, gpu_bytes=40 * GIB)
+    small = choose_micro_batch(config, plan_of(config), QWEN15_SHAPE, gpu_bytes=40 * GIB)
     assert (small.rows, small.gradient_checkpointing) == (6, True)
     from hybridflow import memory_budget
 
     fake = tmp_path / "bin"
     fake.mkdir()
     monkeypatch.setenv("PATH", str(fake))  # no nvidia-smi: a driver without a GPU
-    unknown = choose_micro_batch(config, QWEN15_SHAPE)  # and no placement.gpu_memory_gib
+    unknown = choose_micro_batch(config, plan_of(config), QWEN15_SHAPE)  # and no placement.gpu_memory_gib
     assert unknown.rows == 16 and "placement.gpu_memory_gib" in unknown.why
     (fake / "nvidia-smi").write_text("#!/bin/sh\necho 81559\n")  # this machine's GPU as nvidia-smi reports it (MiB)
     (fake / "nvidia-smi").chmod(0o755)
     assert memory_budget.gpu_memory_bytes(config) == 81559 * 2 ** 20
-    assert choose_micro_batch(config, QWEN15_SHAPE).rows == 12
-    told = choose_micro_batch(compose([*GPU, "placement.pools.global.devices_per_node=1",
-                                       "placement.gpu_memory_gib=80"]), QWEN15_SHAPE)
+    assert choose_micro_batch(config, plan_of(config), QWEN15_SHAPE).rows == 12
+    told = choose_micro_batch(*with_plan(compose([*GPU, "placement.pools.global.devices_per_node=1",
+                                       "placement.gpu_memory_gib=80"])), QWEN15_SHAPE)
     assert (told.rows, told.gradient_checkpointing) == (12, False)
 
 
@@ -259,19 +278,20 @@ def test_on_a_gpu_each_phase_of_the_colocated_hand_over_is_checked_with_its_arit
 
     model = header_only_model(tmp_path / "qwen05", tiny_model_dir)
     base = ["model=local_hf", f"model.path={model}", *GPU[2:], "placement.pools.global.devices_per_node=1"]
-    config = resolve_micro_batches(compose(base), gpu_bytes=12 * GIB)[0]
-    phases = {k: sum(v.values()) / GIB for k, v in gpu_phase_terms(config, QWEN05_SHAPE, actor_pool_roles(config),
-                                                                   12 * GIB).items()}
+    config = resolve_micro_batches(*with_plan(compose(base)), gpu_bytes=12 * GIB)[0]
+    plan = plan_of(config)
+    phases = {k: sum(v.values()) / GIB
+              for k, v in gpu_phase_terms(config, plan, QWEN05_SHAPE, actor_pool_roles(config, plan), 12 * GIB).items()}
     assert list(phases) == ["training", "start", "weight sync", "generation"]
     assert (round(phases["start"], 2), round(phases["weight sync"], 2), phases["generation"]) == (7.84, 8.34, 6.0)
-    assert memory_problems(compose(base), gpu_bytes=12 * GIB) == []
-    problems = memory_problems(compose([*base, "rollout.gpu_memory_utilization=0.9"]), gpu_bytes=12 * GIB)
+    assert memory_problems(*with_plan(compose(base)), gpu_bytes=12 * GIB) == []
+    problems = memory_problems(*with_plan(compose([*base, "rollout.gpu_memory_utilization=0.9"])), gpu_bytes=12 * GIB)
     assert len(problems) == 1 and "does not fit when the colocated vLLM engine starts" in problems[0], problems
     assert "12.64 GiB" in problems[0] and "rollout.gpu_memory_utilization=0.85 or lower" in problems[0]
     own_pool = [*base, "rollout.gpu_memory_utilization=0.9", "+placement.pools.gen={devices_per_node:1}",
                 "placement.roles.rollout=gen"]
-    assert memory_problems(compose(own_pool), gpu_bytes=12 * GIB) == []  # no engine beside the actor
-    training = memory_problems(compose(base), gpu_bytes=6 * GIB)
+    assert memory_problems(*with_plan(compose(own_pool)), gpu_bytes=12 * GIB) == []  # no engine beside the actor
+    training = memory_problems(*with_plan(compose(base)), gpu_bytes=6 * GIB)
     assert "does not fit while it trains" in training[0] and "more GPUs in the actor's pool" in training[0]
 
 
@@ -292,11 +312,11 @@ def test_a_weight_sync_that_cannot_fit_an_80_gib_gpu_is_refused_with_the_arithme
     model = qwen14_model(tmp_path / "qwen14", tiny_model_dir)
     base = ["model=local_hf", f"model.path={model}", *GPU[2:], "placement.pools.global.devices_per_node=4",
             "placement.gpu_memory_gib=80"]
-    problems = memory_problems(compose(base))
+    problems = memory_problems(*with_plan(compose(base)))
     assert len(problems) == 1 and "does not fit at the weight sync" in problems[0], problems
     assert "82.60 GiB" in problems[0] and "27.51 GiB  vLLM weights awake (rollout.dtype, 1/1 of the model" in problems[0]
     assert "a larger rollout.tensor_parallel_size" in problems[0]
-    assert memory_problems(compose([*base, "rollout.tensor_parallel_size=4"])) == []
+    assert memory_problems(*with_plan(compose([*base, "rollout.tensor_parallel_size=4"]))) == []
 
 
 def test_a_gpu_run_whose_weight_sync_cannot_fit_is_refused_before_ray_starts(tmp_path, tiny_model_dir):
@@ -332,7 +352,8 @@ def test_each_phase_floor_is_below_its_h200_peak_within_one_and_a_half_times(rep
         config = compose([*GPU, "placement.pools.global.devices_per_node=1", "rollout.dtype=bfloat16",
                           f"actor.samples_per_micro_batch={part['rows_per_micro_batch']}",
                           "actor.gradient_checkpointing=false", f"rollout.gpu_memory_utilization={part['share']}"])
-        floors = gpu_phase_terms(config, sizes[part["size"]], {"actor", "rollout"}, int(part["gpu_gib"] * GIB))
+        floors = gpu_phase_terms(*with_plan(config), sizes[part["size"]], {"actor", "rollout"},
+                                 int(part["gpu_gib"] * GIB))
         for phase, row in part["phases"].items():
             floor = sum(floors[phase].values()) / GIB
             assert floor == pytest.approx(row["floor_gib"], abs=0.01), (part["size"], phase)

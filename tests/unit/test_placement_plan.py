@@ -106,7 +106,7 @@ def test_plan_json_and_console_lines():
     nodes = [node("n1", 2), node("n2", 4)]
     plan = plan_placement([PoolSpec("global", nodes=2, devices_per_node=2, cpus_per_device=1)], nodes,
                           {"global": ["actor", "rollout"]})
-    saved = json.loads(plan.to_json())
+    saved = json.loads(json.dumps(plan.to_dict()))  # as the plan file holds it
     assert saved["pools"]["global"]["roles"] == ["actor", "rollout"]
     assert [n["ranks"] for n in saved["pools"]["global"]["nodes"]] == [[0, 1], [2, 3]]
     assert [n["free_before"]["CPU"] for n in saved["nodes"]] == [2, 4]
@@ -115,23 +115,24 @@ def test_plan_json_and_console_lines():
     assert "ranks 0-1" in line and "ranks 2-3" in line
 
 
-def test_make_plan_refuses_at_once_what_no_node_could_hold_and_waits_out_a_stale_release(monkeypatch):
-    """hybridflow.cluster.make_plan reads Ray's per-node free view, which trails a release: a plan
-    that fits the nodes' totals is retried for a moment; one that cannot fit them is refused at once."""
+def test_assign_nodes_refuses_at_once_what_no_node_could_hold_and_waits_out_a_stale_release(monkeypatch):
+    """hybridflow.cluster.assign_nodes reads Ray's per-node free view, which trails a release: pools
+    that fit the nodes' totals are retried for a moment; pools that cannot fit them are refused at once."""
     import time
 
     from hybridflow import cluster
     from hybridflow.config import compose
     from hybridflow.controller import placement
+    from hybridflow.planning.plan import Plan
 
     config = compose(["placement.pools.global.devices_per_node=1", "placement.pools.global.cpus_per_device=2"])
     views = [[node("n1", 2, free={"CPU": 0})], [node("n1", 2)]]  # a release not yet reported, then reported
     monkeypatch.setattr(placement, "cluster_nodes", lambda: views.pop(0) if len(views) > 1 else views[0])
-    plan = cluster.make_plan(config, {"global": ["actor"]}, gpu=False)
+    plan = cluster.assign_nodes(Plan.from_config(config).with_transport("cpu"), {"global": ["actor"]})
     assert nodes_of(plan, "global") == ["n1"] and not views[1:]
 
     monkeypatch.setattr(placement, "cluster_nodes", lambda: [node("n1", 1)])
     start = time.monotonic()
     with pytest.raises(PlacementError, match="needs 1 node"):
-        cluster.make_plan(config, {"global": ["actor"]}, gpu=False)
+        cluster.assign_nodes(Plan.from_config(config).with_transport("cpu"), {"global": ["actor"]})
     assert time.monotonic() - start < 2.5  # refused at once, not after the 5 s retry for a late release

@@ -183,26 +183,30 @@ def test_a_toy_policy_and_a_toy_cost_model_are_one_class_each():
         plan_search(config, TWO_CPUS, ONES)
 
 
-def test_placement_auto_applies_the_best_plan_and_saves_its_prediction(tmp_path, monkeypatch):
+def test_placement_auto_hands_over_the_best_plan_and_saves_its_prediction(tmp_path, monkeypatch):
     from hybridflow.planning import auto
 
     monkeypatch.setattr(Cluster, "this_machine", classmethod(lambda cls: TWO_CPUS))
     rates = tmp_path / "rates.json"
     rates.write_text(json.dumps(ONES.to_dict()))
     config = compose_command([*PPO, "placement=auto", f"placement.planner.rates={rates}"])
-    planned, line = auto.resolve_placement(config, tmp_path)
+    chosen, line = auto.stage_plan(config, tmp_path)
     saved = json.loads((tmp_path / "plan.json").read_text())
     best = search(Workload.from_config(config), TWO_CPUS, Analytical(ONES), options=SearchOptions(depths=(0,))).best
-    chosen = Plan.from_config(planned)  # a reward function joins the actor's pool
     assert [(p.devices, set(p.roles) - {"reward"}) for p in chosen.pools] == \
-        [(p.devices, set(p.roles)) for p in best.plan.pools]
-    assert chosen.rollout_tp == best.plan.rollout_tp and saved["plan"]["overrides"] == best.plan.overrides()
+        [(p.devices, set(p.roles)) for p in best.plan.pools]  # a reward function joins the actor's pool
+    assert "reward" in chosen.pool_of("actor").roles and chosen.device == "cpu" and chosen.transport
+    assert chosen.rollout_tp == best.plan.rollout_tp and saved["plan"] == chosen.to_dict()
+    assert config.placement.planner.auto and config.rollout.tensor_parallel_size == 1  # the config is not rewritten
     assert saved["prediction"]["step_s"] == pytest.approx(best.prediction.step_s)
     assert "placement=auto chose" in line and "s/step" in line
     metrics = auto.predicted_metrics(tmp_path)
     assert metrics["plan/predicted_step_s"] == pytest.approx(best.prediction.step_s)
     assert set(metrics) == {f"plan/predicted_{s}_s" for s in ("generate", "score", "update", "transition", "step")}
-    assert auto.resolve_placement(compose_command(PPO), tmp_path)[1] is None  # off: unchanged
+    own, said = auto.stage_plan(compose_command(PPO), tmp_path)  # off: the config's own plan, saved as well
+    assert said is None and own == Plan.from_config(compose_command(PPO))
+    assert json.loads((tmp_path / "plan.json").read_text()) == {"plan": own.to_dict()}
+    assert auto.predicted_metrics(tmp_path) == {}
 
 
 def test_placement_auto_refuses_when_nothing_fits_naming_memory_terms(tmp_path, monkeypatch):
@@ -211,7 +215,7 @@ def test_placement_auto_refuses_when_nothing_fits_naming_memory_terms(tmp_path, 
 
     monkeypatch.setattr(Cluster, "this_machine", classmethod(lambda cls: Cluster(1, 2, 0.9 * GIB)))
     with pytest.raises(InputError, match="(?s)placement=auto on 1 node.*no plan fits.*GiB  rollout KV cache"):
-        auto.resolve_placement(compose_command([*PPO, "placement=auto"]), tmp_path)
+        auto.stage_plan(compose_command([*PPO, "placement=auto"]), tmp_path)
     assert not (tmp_path / "plan.json").exists()
 
 
@@ -266,7 +270,7 @@ def test_placement_auto_names_a_bad_rates_file_before_anything_starts(tmp_path):
     bad = tmp_path / "rates.json"
     bad.write_text("{}")
     with pytest.raises(InputError, match=f"placement=auto: placement.planner.rates='{bad}': not a rates file"):
-        auto.resolve_placement(compose_command([*PPO, "placement=auto", f"placement.planner.rates={bad}"]), tmp_path)
+        auto.stage_plan(compose_command([*PPO, "placement=auto", f"placement.planner.rates={bad}"]), tmp_path)
 
 
 def test_a_policy_and_a_cost_model_can_be_named_by_module_and_class():

@@ -63,7 +63,7 @@ class VLLMRollout(ReceivingEnd):
             raise ValueError("rollout.dtype=auto reached the vLLM engine unresolved: build the RolloutConfig through "
                              "HybridFlowConfig (which resolves it, hybridflow/precision.py) or give a dtype")
         register_engine()
-        tp = self.cfg.tensor_parallel_size
+        tp = self.ctx.replica_size  # the plan's TP: one engine spans a replica's ranks
         if tp > 1:
             _launcher_environment(self.ctx)
         start = time.perf_counter()
