@@ -13,6 +13,10 @@ norms, projections, MLP and eager attention's probabilities), or one hidden vect
 with `actor.gradient_checkpointing`; on SmolLM2-135M in float32, 16 rows of 110 tokens, it gives
 2.7 GiB against 3.1 GiB measured (bench/logprob_memory.py, docs/performance.md "Memory").
 
+The terms are one function, `device_terms` (any roles on a pool of any size), that the run's own
+check (`process_terms`, from the config and the stage's plan) and the planner's
+(`hybridflow.planning.rules.memory_terms`, from its workload) both call: one memory model.
+
 `memory_problems` refuses before anything starts a run whose floor, summed over the processes
 one node holds, is above the node's memory (CPU pools on the local machine). The terms are lower
 bounds, so a refused run cannot fit; one that passes may still need more (the update's and the
@@ -75,54 +79,119 @@ class ModelShape:
                    tied_embeddings=facts.tied_embeddings)
 
 
-def process_terms(config, plan, shape: ModelShape, roles: set[str], rows: int | None = None,
-                  checkpointing: bool | None = None) -> dict[str, float]:
-    """Bytes per process of the actor's pool while it trains, term by term, under `plan` (the stage's
-    `hybridflow.planning.plan.Plan`: the actor's ranks, the rollout's TP); `roles`: the roles placed
-    on that pool; `rows`, `checkpointing`: the micro-batch's, where not the config's. On GPUs the
-    GPU's bytes (see the module docstring)."""
-    cpu = plan.device == "cpu"
-    ranks = plan.devices_of("actor")
-    master, compute = DTYPE_BYTES[config.model.master_dtype.value], DTYPE_BYTES[config.model.dtype.value]
-    p = shape.parameters
-    trained = p if not config.actor.lora.rank else 0  # LoRA's adapter is small next to the rest
-    terms = {"actor parameters (model.master_dtype, FSDP shard)": p * master / ranks,
-             "actor gradients (FSDP shard)": trained * master / ranks,
-             "actor AdamW moments (2 per parameter, FSDP shard)": 2 * trained * master / ranks}
+@dataclass(frozen=True)
+class MemoryInputs:
+    """What a device's floor depends on besides where the roles run: the model, the precisions (bytes
+    per value), one training micro-batch, the engine's KV cache on a CPU. Built from a config
+    (`from_config`) or from the planner's workload (`hybridflow.planning.workload.Workload.memory_inputs`):
+    one memory model for the run's own check and the planner's."""
+
+    shape: ModelShape
+    compute_bytes: int  # model.dtype
+    master_bytes: int  # model.master_dtype
+    rollout_bytes: int  # rollout.dtype
+    rows: int  # one training micro-batch's rows
+    prompt_tokens: int
+    response_tokens: int
+    checkpointing: bool  # activation checkpointing
+    kv_cache_bytes: float  # a CPU engine's fixed KV cache (rollout.kv_cache_space_gib)
+    lora: bool = False  # the actor trains a LoRA adapter: its gradients and moments are small next to the rest
+    engine_memory: bool = True  # the rollout engine holds weights and a KV cache of its own (vLLM; not hf)
+    reward_parameters: int = 0  # a reward model's parameters (0: a reward function, no model)
+
+    @property
+    def tokens(self) -> int:
+        return self.prompt_tokens + self.response_tokens
+
+    @classmethod
+    def from_config(cls, config, shape: ModelShape, rows: int | None = None,
+                    checkpointing: bool | None = None) -> "MemoryInputs":
+        """The config's (`rows`, `checkpointing`: the micro-batch's, where not the config's)."""
+        reward = config.reward.reward_model.path
+        reward_shape = ModelShape.from_dir(reward) if reward else None
+        return cls(shape=shape, compute_bytes=DTYPE_BYTES[config.model.dtype.value],
+                   master_bytes=DTYPE_BYTES[config.model.master_dtype.value],
+                   rollout_bytes=DTYPE_BYTES[config.rollout.dtype.value],
+                   rows=config.actor.samples_per_micro_batch if rows is None else rows,
+                   prompt_tokens=config.data.max_prompt_tokens, response_tokens=config.rollout.max_response_tokens,
+                   checkpointing=bool(config.actor.gradient_checkpointing if checkpointing is None else checkpointing),
+                   kv_cache_bytes=config.rollout.kv_cache_space_gib * GIB, lora=bool(config.actor.lora.rank),
+                   engine_memory=_engine_memory(config),
+                   reward_parameters=reward_shape.parameters if reward_shape is not None else 0)
+
+
+TRAINED_ROLES = ("actor", "critic")
+MODEL_ROLES_ON_DEVICES = ("actor", "critic", "reference", "reward")  # a micro-batch passes through each
+
+
+def device_terms(inputs: MemoryInputs, roles, ranks: int, tp: int, device: str, training: bool = True,
+                 kv: tuple[str, float] | None = None) -> dict[str, float]:
+    """Bytes one device (one process) of a pool of `ranks` devices holds, term by term, with `roles` on
+    it: the trained roles' parameters, gradients and AdamW moments and the other models' weights
+    sharded over the pool by FSDP2, the rollout engine's 1/`tp` of the weights and its KV cache
+    (`kv`: (label, bytes) where not the CPU's fixed cache), the process's runtime (on a CPU; on a GPU
+    the host runtime is not GPU memory) and, while a micro-batch trains (`training`), the actor's
+    gathered embeddings and one micro-batch's activations and logits. The one memory model: the run's
+    check (`process_terms`) and the planner's (`hybridflow.planning.rules.memory_terms`) both call it."""
+    s, p, cpu = inputs.shape, inputs.shape.parameters, device == "cpu"
+    master, compute = inputs.master_bytes, inputs.compute_bytes
+    trained = 0 if inputs.lora else p  # LoRA's adapter is small next to the rest
+    terms: dict[str, float] = {}
+    if "actor" in roles:
+        terms["actor parameters (model.master_dtype, FSDP shard)"] = p * master / ranks
+        terms["actor gradients (FSDP shard)"] = trained * master / ranks
+        terms["actor AdamW moments (2 per parameter, FSDP shard)"] = 2 * trained * master / ranks
     if "reference" in roles:
         terms["reference weights (model.dtype, FSDP shard)"] = p * compute / ranks
     if "critic" in roles:
         terms["critic parameters, gradients and AdamW moments (FSDP shard)"] = 4 * p * master / ranks
-    engine = "rollout" in roles and _engine_memory(config)
-    if engine and cpu:  # on a GPU a colocated engine sleeps while the actor trains
-        tp = plan.rollout_tp
-        terms[f"vLLM weights (rollout.dtype, 1/{tp} of the model)"] = p * DTYPE_BYTES[config.rollout.dtype.value] / tp
-        terms["vLLM KV cache (rollout.kv_cache_space_gib)"] = config.rollout.kv_cache_space_gib * GIB
+    if "reward" in roles and inputs.reward_parameters:
+        terms["reward model weights (model.dtype, FSDP shard)"] = inputs.reward_parameters * compute / ranks
+    engine = "rollout" in roles and inputs.engine_memory
+    if engine:
+        terms[f"vLLM weights (rollout.dtype, 1/{tp} of the model)"] = p * inputs.rollout_bytes / tp
+        label, kv_bytes = kv or ("vLLM KV cache (rollout.kv_cache_space_gib)", inputs.kv_cache_bytes)
+        terms[label] = kv_bytes
     if cpu:  # on a GPU the host runtime is not GPU memory
         terms[f"the process's own runtime (Python, torch, Ray{', vLLM' if engine else ''}; measured)"] = (
             RUNTIME_BYTES_WITH_VLLM if engine else RUNTIME_BYTES)
-    if ranks > 1 or compute != master:  # FSDP2: the root's parameters stay gathered from forward to backward
-        embeddings = shape.vocab * shape.hidden * (1 if shape.tied_embeddings else 2)
+    if training and "actor" in roles and (ranks > 1 or compute != master):
+        # FSDP2: the root's parameters stay gathered from forward to backward
+        embeddings = s.vocab * s.hidden * (1 if s.tied_embeddings else 2)
         terms["actor embeddings gathered, and their gradient (model.dtype, whole)"] = 2 * embeddings * compute
-    terms.update(micro_batch_terms(config, shape, rows, checkpointing, attention_probabilities=cpu))
+    if training and any(r in roles for r in MODEL_ROLES_ON_DEVICES):
+        terms.update(micro_batch_terms(inputs, attention_probabilities=cpu))
     return terms
 
 
-def micro_batch_terms(config, shape: ModelShape, rows: int | None = None,
-                      checkpointing: bool | None = None, attention_probabilities: bool = True) -> dict[str, float]:
-    """One actor micro-batch's activations (kept for the backward pass) and logits, in bytes; `rows`
-    and `checkpointing` default to the config's (resolved by `resolve_micro_batches`);
-    `attention_probabilities`: whether attention keeps its (heads x sequence) probabilities per token
-    (priced on CPUs, where it was measured; GPU kernels never store them)."""
-    rows = config.actor.samples_per_micro_batch if rows is None else rows
-    checkpointing = config.actor.gradient_checkpointing if checkpointing is None else checkpointing
-    tokens = config.data.max_prompt_tokens + config.rollout.max_response_tokens
-    compute = DTYPE_BYTES[config.model.dtype.value]
+def process_terms(config, plan, shape: ModelShape, roles: set[str], rows: int | None = None,
+                  checkpointing: bool | None = None) -> dict[str, float]:
+    """Bytes per process of the actor's pool while it trains, term by term, under `plan` (the stage's
+    `hybridflow.planning.plan.Plan`: the actor's ranks, the rollout's TP, the device); `roles`: the
+    roles placed on that pool; `rows`, `checkpointing`: the micro-batch's, where not the config's. On
+    GPUs the GPU's bytes, a colocated engine asleep (see the module docstring)."""
+    roles = set(roles) | {"actor"}
+    if plan.device != "cpu":
+        roles.discard("rollout")  # on a GPU a colocated engine sleeps while the actor trains
+    return device_terms(MemoryInputs.from_config(config, shape, rows, checkpointing), roles,
+                        plan.devices_of("actor"), plan.rollout_tp, plan.device)
+
+
+def micro_batch_terms(inputs: MemoryInputs, rows: int | None = None, checkpointing: bool | None = None,
+                      attention_probabilities: bool = True) -> dict[str, float]:
+    """One micro-batch's activations (kept for the backward pass) and logits, in bytes; `rows` and
+    `checkpointing` default to the inputs'; `attention_probabilities`: whether attention keeps its
+    (heads x sequence) probabilities per token (priced on CPUs, where it was measured; GPU kernels
+    never store them)."""
+    shape = inputs.shape
+    rows = inputs.rows if rows is None else rows
+    checkpointing = inputs.checkpointing if checkpointing is None else checkpointing
+    tokens, compute = inputs.tokens, inputs.compute_bytes
     if checkpointing:  # one hidden vector per layer, and one layer's worth recomputed
         per_token = shape.hidden * shape.layers + _layer_floats(shape, tokens, attention_probabilities)
     else:
         per_token = _layer_floats(shape, tokens, attention_probabilities) * shape.layers
-    logits = rows * config.rollout.max_response_tokens * shape.vocab
+    logits = rows * inputs.response_tokens * shape.vocab
     return {f"activations of one micro-batch ({rows} rows x {tokens} tokens, actor.samples_per_micro_batch)":
             rows * tokens * per_token * compute,
             "its logits and their gradient (response positions x vocabulary)": 2 * logits * compute}
@@ -167,12 +236,13 @@ def choose_micro_batch(config, plan, shape: ModelShape | None, node_bytes: int |
     else:  # one GPU per process
         budget, where = AUTO_SHARE * gpu, "one GPU holds"
     # every term but the micro-batch's: the whole floor at one row, less that row's terms
+    inputs = MemoryInputs.from_config(config, shape, rows=1, checkpointing=False)
     fixed = (sum(process_terms(config, plan, shape, actor_pool_roles(config, plan), rows=1,
                                checkpointing=False).values())
-             - sum(micro_batch_terms(config, shape, 1, False, attention_probabilities=cpu).values()))
+             - sum(micro_batch_terms(inputs, attention_probabilities=cpu).values()))
 
     def fits(rows: int, ckpt: bool) -> bool:
-        return fixed + sum(micro_batch_terms(config, shape, rows, ckpt, attention_probabilities=cpu).values()) <= budget
+        return fixed + sum(micro_batch_terms(inputs, rows, ckpt, attention_probabilities=cpu).values()) <= budget
 
     def most_rows(ckpt: bool) -> int:
         candidates = [rows_set] if rows_set else range(AUTO_MAX_ROWS, 0, -1)
@@ -187,7 +257,7 @@ def choose_micro_batch(config, plan, shape: ModelShape | None, node_bytes: int |
     share = f"{AUTO_SHARE:.0%} of the {budget / AUTO_SHARE / GIB:.1f} GiB {where}"
     if rows == 0:  # the smallest; memory_problems refuses it when even its floor cannot fit
         rows, ckpt = rows_set or 1, ckpt_set if ckpt_set is not None else True
-        floor = fixed + sum(micro_batch_terms(config, shape, rows, ckpt, attention_probabilities=cpu).values())
+        floor = fixed + sum(micro_batch_terms(inputs, rows, ckpt, attention_probabilities=cpu).values())
         fix = ("Set rollout.dtype=bfloat16 (or model.master_dtype=bfloat16), or lower rollout.kv_cache_space_gib"
                if cpu else "Put more GPUs in the actor's pool (FSDP2 shards the training state), or set "
                "model.master_dtype=bfloat16")
@@ -297,14 +367,10 @@ def gpu_phase_terms(config, plan, shape: ModelShape, roles: set[str], gpu_bytes:
 
 
 def actor_pool_roles(config, plan) -> set[str]:
-    """The roles that share the actor's processes in this run under `plan` (a reference only when a
-    KL term needs one and LoRA does not stand in for it; a critic only with algorithm.use_critic)."""
-    roles = set(plan.pool_of("actor").roles)
-    if not config.reference_role_runs:
-        roles.discard("reference")
-    if not config.algorithm.use_critic:
-        roles.discard("critic")
-    return roles
+    """The roles with a model that share the actor's processes in this run under `plan`
+    (`config.model_roles`: a reference only when a KL term needs one and LoRA does not stand in for
+    it, a critic only with algorithm.use_critic, a reward only as a reward model)."""
+    return set(plan.pool_of("actor").roles) & set(config.model_roles)
 
 
 def memory_problems(config, plan, roles: set[str] | None = None, node_bytes: int | None = None,

@@ -343,9 +343,9 @@ def build_roles(config: HybridFlowConfig, model_dir: Path, tokenizer) -> dict[st
         "rollout": rollout_role(config, model_dir, tokenizer),
         "reward": reward_role(config),
     }
-    if config.reference_role_runs:
+    if "reference" in config.model_roles:
         roles["reference"] = reference_role(config, model_dir)
-    if config.algorithm.use_critic:
+    if "critic" in config.model_roles:
         roles["critic"] = critic_role(config, model_dir)
     return roles
 

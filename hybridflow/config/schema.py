@@ -719,3 +719,13 @@ class HybridFlowConfig:
         """Whether the reference role is started: reference log-probs are needed and no LoRA adapter
         stands in for it (with LoRA the actor computes them with its adapter disabled)."""
         return self.needs_reference and not self.actor.lora.rank
+
+    @property
+    def model_roles(self) -> tuple[str, ...]:
+        """The roles of an RL step that hold a model: the actor and the rollout engine always; the
+        critic with algorithm.use_critic; the reference when `reference_role_runs`; the reward when a
+        reward model scores (reward.reward_model.path). Decided here once, for the recipes' roles,
+        the memory model and the planner's workload."""
+        return ("actor", "rollout", *(("critic",) if self.algorithm.use_critic else ()),
+                *(("reference",) if self.reference_role_runs else ()),
+                *(("reward",) if self.reward.reward_model.path is not None else ()))

@@ -7,22 +7,24 @@ the same functions the config check raises with (`hybridflow.planning.layout`: `
 pools need, and memory: each device's terms (`memory_terms`) against what a device holds. The
 planner drops a candidate with any problem and prints the memory terms of those it drops for memory.
 
-The memory terms are the floor of hybridflow/memory_budget.py written for a plan instead of a
-config: the roles on a pool share its devices and all stay resident (no offload between stages);
-FSDP shards the trained roles' parameters, gradients and AdamW moments and the reference over the
-pool; the rollout holds 1/tp of the weights and a KV cache (on a CPU, vLLM's fixed
-`rollout.kv_cache_space_gib`; on a GPU, at least one sequence at full length: the
-rest of the device holds the cache, and generation runs in waves when the sequences do not all fit); one micro-batch's activations (`Workload.micro_batch_rows` rows; with `checkpointing`, one hidden vector per
-layer and one layer's worth recomputed).
+The memory terms are the run's own memory model (hybridflow/memory_budget.py `device_terms`, the
+floor the preflight refuses a configured run with), given the workload instead of a config and
+each pool of the plan instead of the actor's: the roles on a pool share its devices and all stay
+resident (no offload between stages; on GPUs the actor and a colocated rollout take turns, `phases`);
+FSDP shards the trained roles' parameters, gradients and AdamW moments and the other models' weights
+over the pool; the rollout holds 1/tp of the weights and a KV cache (on a CPU, vLLM's fixed
+`rollout.kv_cache_space_gib`; on a GPU, at least one sequence at full length: the rest of the device
+holds the cache, and generation runs in waves when the sequences do not all fit); one micro-batch's
+activations and logits (`Workload.micro_batch_rows` rows; with `checkpointing`, one hidden vector per
+layer and one layer's worth recomputed); the actor's gathered embeddings; on a CPU the process's
+measured runtime.
 """
 
 from __future__ import annotations
 
 from hybridflow.planning.plan import Plan, PoolPlan
-from hybridflow.memory_budget import RUNTIME_BYTES, RUNTIME_BYTES_WITH_VLLM  # measured per CPU process
+from hybridflow.memory_budget import device_terms
 from hybridflow.planning.workload import GIB, Cluster, Workload
-
-GPU_RUNTIME_BYTES = 2.0 * GIB  # CUDA context, NCCL buffers, allocator slack
 
 
 def problems(plan: Plan, workload: Workload, cluster: Cluster, any_tp: bool = False) -> list[str]:
@@ -59,22 +61,17 @@ def problems(plan: Plan, workload: Workload, cluster: Cluster, any_tp: bool = Fa
     return out
 
 
-ROLLOUT_TERMS = ("rollout weights", "rollout KV cache")
-ACTOR_TERMS = ("actor parameters",)
-
-
 def phases(plan: Plan, pool: PoolPlan, workload: Workload, cluster: Cluster) -> dict[str, dict[str, float]]:
     """The memory terms a device of `pool` holds at once, per phase of the step. On GPUs the
     rollout and the actor on one pool take turns (the colocated transport moves the actor's training
     state to host memory while vLLM generates, and vLLM sleeps, releasing its KV cache and weights,
     while training runs): a phase each, `" while generating"` and `" while training"`. Otherwise one
     phase, `""`, with every term."""
-    terms = memory_terms(plan, pool, workload, cluster)
     if cluster.device != "cuda" or not {"actor", "rollout"} <= set(pool.roles):
-        return {"": terms}
-    training = {k: v for k, v in terms.items() if not k.startswith(ROLLOUT_TERMS)}
-    generating = {k: v for k, v in terms.items() if not k.startswith(ACTOR_TERMS) and "micro-batch" not in k}
-    return {" while generating": generating, " while training": training}
+        return {"": memory_terms(plan, pool, workload, cluster)}
+    roles = set(pool.roles)
+    return {" while generating": memory_terms(plan, pool, workload, cluster, roles - {"actor"}, training=False),
+            " while training": memory_terms(plan, pool, workload, cluster, roles - {"rollout"})}
 
 
 def device_problems(plan: Plan, cluster: Cluster) -> list[str]:
@@ -105,35 +102,14 @@ def kv_per_sequence(plan: Plan, workload: Workload) -> float:
     return (w.prompt_tokens + w.response_tokens) * w.kv_bytes_per_token() / plan.rollout_tp
 
 
-def memory_terms(plan: Plan, pool: PoolPlan, workload: Workload, cluster: Cluster) -> dict[str, float]:
-    """Bytes per device of `pool`, term by term."""
-    w, n, p = workload, pool.devices, workload.parameters
-    rows, checkpointing = w.micro_batch_rows, w.checkpointing
-    terms: dict[str, float] = {}
-    if "actor" in pool.roles:
-        terms["actor parameters, gradients, AdamW moments (master dtype, FSDP shard)"] = 4 * p * w.master_bytes / n
-    if "critic" in pool.roles:
-        terms["critic parameters, gradients, AdamW moments (FSDP shard)"] = 4 * p * w.master_bytes / n
-    if "reference" in pool.roles:
-        terms["reference weights (compute dtype, FSDP shard)"] = p * w.compute_bytes / n
-    if "reward" in pool.roles:
-        terms["reward model weights (compute dtype, FSDP shard)"] = p * w.compute_bytes / n
-    if "rollout" in pool.roles:
-        terms[f"rollout weights (1/{plan.rollout_tp} of the model)"] = p * w.rollout_bytes / plan.rollout_tp
-        if cluster.device == "cpu":
-            terms["rollout KV cache (rollout.kv_cache_space_gib)"] = w.kv_cache_gib * GIB
-        else:  # vLLM runs the sequences in waves when they do not all fit: one at full length is the floor
-            terms[f"rollout KV cache (one sequence at full length, 1/{plan.rollout_tp})"] = kv_per_sequence(plan, w)
-    if any(r in pool.roles for r in ("actor", "critic", "reference", "reward")):
-        tokens = rows * (w.prompt_tokens + w.response_tokens)
-        layer = 10 * w.hidden + 4 * 4 * w.hidden  # memory_budget._layer_floats, without attention scores
-        per_token = w.hidden * w.layers + layer if checkpointing else layer * w.layers
-        terms[f"one micro-batch's activations ({rows} rows"
-              + (", checkpointed" if checkpointing else "") + ") and logits"] = (
-            tokens * per_token * w.compute_bytes
-            + 2 * rows * w.response_tokens * w.vocab * w.compute_bytes)
-    if cluster.device == "cpu":
-        terms["the process's runtime"] = RUNTIME_BYTES_WITH_VLLM if "rollout" in pool.roles else RUNTIME_BYTES
-    else:
-        terms["the process's runtime (CUDA context, NCCL)"] = GPU_RUNTIME_BYTES
-    return terms
+def memory_terms(plan: Plan, pool: PoolPlan, workload: Workload, cluster: Cluster, roles=None,
+                 training: bool = True) -> dict[str, float]:
+    """Bytes per device of `pool` (of its `roles`, default all), term by term: the memory model of
+    hybridflow/memory_budget.py (`device_terms`), with the KV cache on a GPU at its floor, one sequence
+    at full length (the rest of the device holds more, and generation runs in waves when the
+    sequences do not all fit)."""
+    kv = None if cluster.device == "cpu" else (
+        f"rollout KV cache (one sequence at full length, 1/{plan.rollout_tp})", kv_per_sequence(plan, workload))
+    held = [r for r in (pool.roles if roles is None else roles) if r in workload.roles]  # roles with a model
+    return device_terms(workload.memory_inputs(), held, pool.devices, plan.rollout_tp, cluster.device,
+                        training=training, kv=kv)

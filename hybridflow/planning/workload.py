@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 
-from hybridflow.memory_budget import DTYPE_BYTES, GIB  # noqa: F401  (GIB: the planner's modules read it here)
+from hybridflow.memory_budget import DTYPE_BYTES, GIB, MemoryInputs, ModelShape  # noqa: F401  (GIB: the planner's modules read it here)
 
 MODEL_ROLES = ("actor", "rollout", "critic", "reference", "reward")  # in the order plans print them
 
@@ -42,6 +42,10 @@ class Workload:
     micro_batch_rows: int = 4  # rows of one training micro-batch (its activations are a memory term)
     checkpointing: bool = False  # activation checkpointing: less memory, a recomputed forward (8·P·T, not 6)
     kv_cache_gib: float = 1.0  # a CPU engine's KV cache (rollout.kv_cache_space_gib)
+    intermediate: int = 0  # the MLP's width (0: 4 x hidden, as the paper's models)
+    tied_embeddings: bool = True
+    lora: bool = False  # the actor trains a LoRA adapter
+    engine_memory: bool = True  # the rollout engine holds weights and a KV cache of its own
     name: str = "workload"
 
     @property
@@ -65,20 +69,28 @@ class Workload:
     def kv_bytes_per_token(self) -> int:
         return 2 * self.layers * self.kv_heads * self.head_dim * self.rollout_bytes
 
+    def memory_inputs(self) -> MemoryInputs:
+        """What the memory model (hybridflow/memory_budget.py `device_terms`) needs of this step; a
+        reward model, when the workload has one, is taken to be the actor's size."""
+        shape = ModelShape(parameters=self.parameters, layers=self.layers, hidden=self.hidden,
+                           intermediate=self.intermediate or 4 * self.hidden, heads=self.heads, vocab=self.vocab,
+                           tied_embeddings=self.tied_embeddings)
+        return MemoryInputs(shape=shape, compute_bytes=self.compute_bytes, master_bytes=self.master_bytes,
+                            rollout_bytes=self.rollout_bytes, rows=self.micro_batch_rows,
+                            prompt_tokens=self.prompt_tokens, response_tokens=self.response_tokens,
+                            checkpointing=self.checkpointing, kv_cache_bytes=self.kv_cache_gib * GIB, lora=self.lora,
+                            engine_memory=self.engine_memory,
+                            reward_parameters=self.parameters if "reward" in self.roles else 0)
+
     @classmethod
     def from_config(cls, config, name: str = "workload") -> "Workload":
         """The step the config describes, for its model (model.path's config.json and weights, or
         model.tiny's shape)."""
         shape = model_shape(config)
         a, t = config.actor, config.trainer
-        roles = ["actor", "rollout"]
-        if config.algorithm.use_critic:
-            roles.append("critic")
-        if config.reference_role_runs:
-            roles.append("reference")
-        if config.reward.reward_model.path is not None:
-            roles.append("reward")
+        roles = config.model_roles
         from hybridflow.batch_keys import clips_against_sampler
+        from hybridflow.config.engines import rollout_engine
 
         sequences = t.prompts_per_step * config.rollout.samples_per_prompt
         mini = a.samples_per_mini_batch or sequences
@@ -86,7 +98,7 @@ class Workload:
                    heads=shape["heads"], kv_heads=shape["kv_heads"], vocab=shape["vocab"],
                    prompts_per_step=t.prompts_per_step, samples_per_prompt=config.rollout.samples_per_prompt,
                    prompt_tokens=config.data.max_prompt_tokens, response_tokens=config.rollout.max_response_tokens,
-                   roles=tuple(roles), actor_forward=not clips_against_sampler(config), old_log_probs=t.old_log_probs,
+                   roles=roles, actor_forward=not clips_against_sampler(config), old_log_probs=t.old_log_probs,
                    epochs=a.epochs_per_step,
                    optimizer_steps=a.epochs_per_step * max(1, sequences // max(mini, 1)),
                    compute_bytes=DTYPE_BYTES[config.model.dtype.value],
@@ -94,7 +106,8 @@ class Workload:
                    rollout_bytes=DTYPE_BYTES[config.rollout.dtype.value],
                    micro_batch_rows=min(a.samples_per_micro_batch or 4, sequences),
                    checkpointing=bool(a.gradient_checkpointing), kv_cache_gib=config.rollout.kv_cache_space_gib,
-                   name=name)
+                   intermediate=shape["intermediate"], tied_embeddings=shape["tied_embeddings"], lora=bool(a.lora.rank),
+                   engine_memory=rollout_engine(config.rollout.backend).engine_memory, name=name)
 
 
 def model_shape(config) -> dict[str, int]:
@@ -108,8 +121,9 @@ def model_shape(config) -> dict[str, int]:
         per_layer = h * h * 2 + 2 * h * kv + 3 * h * i + 2 * h + (h + 2 * kv)  # q,o; k,v; MLP; norms; biases
         vocab = tiny_vocab_size()
         embeddings = vocab * h * (1 if tiny.tie_word_embeddings else 2)
-        return {"parameters": n * per_layer + embeddings + h, "layers": n, "hidden": h,
-                "heads": tiny.num_attention_heads, "kv_heads": tiny.num_key_value_heads, "vocab": vocab}
+        return {"parameters": n * per_layer + embeddings + h, "layers": n, "hidden": h, "intermediate": i,
+                "heads": tiny.num_attention_heads, "kv_heads": tiny.num_key_value_heads, "vocab": vocab,
+                "tied_embeddings": tiny.tie_word_embeddings}
     from hybridflow.config.model_facts import ModelFacts
 
     facts = ModelFacts.from_dir(config.model.path)
@@ -118,7 +132,8 @@ def model_shape(config) -> dict[str, int]:
                          "to count the model's parameters")
     heads = facts.heads or 1
     return {"parameters": facts.parameters, "layers": facts.layers or 1, "hidden": facts.hidden,
-            "heads": heads, "kv_heads": facts.kv_heads or heads, "vocab": facts.vocab}
+            "intermediate": facts.intermediate, "heads": heads, "kv_heads": facts.kv_heads or heads,
+            "vocab": facts.vocab, "tied_embeddings": facts.tied_embeddings}
 
 
 @dataclass(frozen=True)

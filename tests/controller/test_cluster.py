@@ -380,7 +380,7 @@ def test_placement_auto_refuses_a_run_no_plan_fits_before_any_worker_starts(two_
                          cluster.address, tmp_path, "auto-refused")
     assert result.returncode == 2, result.stdout[-3000:] + result.stderr[-3000:]
     assert "placement=auto on 2 node(s) x 2 cpu device(s)" in result.stderr  # the head (0 slots) is not a node
-    assert "no plan fits" in result.stderr and "4096.00 GiB  rollout KV cache" in result.stderr
+    assert "no plan fits" in result.stderr and "4096.00 GiB  vLLM KV cache" in result.stderr
     assert not list((tmp_path / "auto-refused" / "logs").rglob("*rank*.log")), "a worker started"
 
 
