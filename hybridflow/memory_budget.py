@@ -305,23 +305,34 @@ def node_memory_bytes() -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
-def gpu_memory_bytes(config) -> int | None:
-    """One GPU's memory: `placement.gpu_memory_gib`, else this machine's first GPU's, else None
-    (unknown before start: a driver without a GPU submitting to a cluster). Read through NVML
-    (`nvidia-smi`), not torch.cuda: the driver must not open a CUDA context on a GPU its workers use."""
-    if config.placement.gpu_memory_gib:
-        return int(config.placement.gpu_memory_gib * GIB)
+def local_gpus() -> list[tuple[str, int]]:
+    """This machine's GPUs as (name, bytes of memory), read through NVML (`nvidia-smi`), not
+    torch.cuda: the driver must not open a CUDA context on a GPU its workers use. Empty without
+    nvidia-smi, or when it reports no GPU it can read."""
     import shutil
     import subprocess
 
     if shutil.which("nvidia-smi") is None:
-        return None
+        return []
     try:
-        out = subprocess.run(["nvidia-smi", "--query-gpu=memory.total", "--format=csv,noheader,nounits"],
+        out = subprocess.run(["nvidia-smi", "--query-gpu=name,memory.total", "--format=csv,noheader,nounits"],
                              capture_output=True, text=True, timeout=10, check=True).stdout
-        return int(float(out.split()[0]) * 2 ** 20)  # MiB
-    except (subprocess.SubprocessError, OSError, ValueError, IndexError):  # no GPU it can read: unknown
-        return None
+        gpus = []
+        for line in out.strip().splitlines():
+            name, _, mib = line.rpartition(",")
+            gpus.append((name.strip() or "unknown GPU", int(float(mib) * 2 ** 20)))
+        return gpus
+    except (subprocess.SubprocessError, OSError, ValueError):  # no GPU it can read
+        return []
+
+
+def gpu_memory_bytes(config) -> int | None:
+    """One GPU's memory: `placement.gpu_memory_gib`, else this machine's first GPU's (`local_gpus`),
+    else None (unknown before start: a driver without a GPU submitting to a cluster)."""
+    if config.placement.gpu_memory_gib:
+        return int(config.placement.gpu_memory_gib * GIB)
+    gpus = local_gpus()
+    return gpus[0][1] if gpus else None
 
 
 def _engine_memory(config) -> bool:

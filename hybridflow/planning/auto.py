@@ -34,7 +34,9 @@ def cluster_for(config) -> Cluster:
 
     address = join_address(config.ray.address)
     if address is None:
-        return Cluster.this_machine()
+        from hybridflow.precision import device_of
+
+        return Cluster.this_machine(device_of(config.placement.device.value))  # the device the plan runs on
     import ray
 
     ray.init(address=address, namespace=config.ray.namespace, log_to_driver=False)

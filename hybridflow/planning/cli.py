@@ -51,7 +51,9 @@ def parser() -> argparse.ArgumentParser:
 
 def make_cluster(args, config) -> Cluster:
     if args.cluster == "here":
-        return Cluster.this_machine()
+        from hybridflow.precision import device_of
+
+        return Cluster.this_machine(args.device or device_of(config.placement.device.value))
     if args.cluster == "ray":
         from hybridflow.planning.auto import cluster_for
 

@@ -66,12 +66,13 @@ def this_device(kind: str) -> DeviceIdentity:
     """The identity of this machine's `kind` device (cpu | cuda)."""
     override = os.environ.get(IDENTITY_VAR)
     if kind == "cuda":
-        import torch
+        from hybridflow.memory_budget import local_gpus
 
-        if override or not torch.cuda.is_available():
+        gpus = [] if override else local_gpus()  # nvidia-smi: the driver opens no CUDA context
+        if not gpus:
             return DeviceIdentity("cuda", override or "unknown GPU")
-        props = torch.cuda.get_device_properties(0)
-        return DeviceIdentity("cuda", props.name, (), round(props.total_memory / 2 ** 30))
+        name, memory = gpus[0]
+        return DeviceIdentity("cuda", name, (), round(memory / 2 ** 30))
     from hybridflow.precision import cpu_model_name, cpu_speed_flags
 
     return DeviceIdentity("cpu", override or cpu_model_name(), cpu_speed_flags(), len(os.sched_getaffinity(0)))

@@ -157,11 +157,21 @@ class Cluster:
                 f"{self.device_memory_bytes / GIB:.1f} GiB each")
 
     @classmethod
-    def this_machine(cls) -> "Cluster":
-        """One node: this machine's cores, one device per core, the memory Ray lets it use split evenly."""
-        from hybridflow.memory_budget import NODE_MEMORY_SHARE, node_memory_bytes
+    def this_machine(cls, device: str = "cpu") -> "Cluster":
+        """One node: on `device` cuda, this machine's GPUs (their count, the smallest one's memory, their
+        name as a label; the cores shared among them); on cpu, its cores, one device per core, the
+        memory Ray lets it use split evenly."""
+        from hybridflow.memory_budget import NODE_MEMORY_SHARE, local_gpus, node_memory_bytes
 
         cores = len(os.sched_getaffinity(0))
+        if device == "cuda":
+            gpus = local_gpus()
+            if not gpus:
+                raise ValueError("placement.device=cuda, and this machine shows no GPU (nvidia-smi): run the driver "
+                                 "on a GPU node, or describe the cluster with `hybridflow plan --cluster NODESxDEVICES "
+                                 "--device cuda --device-memory-gib G` and run the overrides it prints")
+            return cls(1, len(gpus), min(b for _, b in gpus), "cuda", max(1.0, cores / len(gpus)),
+                       labels={"gpu": gpus[0][0]})
         return cls(1, cores, NODE_MEMORY_SHARE * node_memory_bytes() / cores)
 
     @classmethod
@@ -176,14 +186,15 @@ class Cluster:
             raise ValueError("the Ray cluster has no alive node with a CPU slot to place a pool on")
         gpus = min(int(n["Resources"].get("GPU", 0)) for n in nodes)
         if gpus:
-            import torch
+            from hybridflow.memory_budget import local_gpus
 
-            if not torch.cuda.is_available():  # Ray's resources do not say how much memory a GPU has
+            here = local_gpus()
+            if not here:  # Ray's resources do not say how much memory a GPU has
                 raise ValueError("the Ray cluster has GPUs, but this process sees none, so it cannot tell how much "
                                  "memory each has: run the driver on a GPU node, or describe the cluster with "
                                  "`hybridflow plan --cluster NODESxDEVICES --device cuda --device-memory-gib G` and "
                                  "run the overrides it prints")
-            return cls(len(nodes), gpus, torch.cuda.get_device_properties(0).total_memory, "cuda")
+            return cls(len(nodes), gpus, min(b for _, b in here), "cuda", labels={"gpu": here[0][0]})
         cpus = min(int(n["Resources"].get("CPU", 1)) for n in nodes)
         memory = min(n["Resources"].get("memory", 0) for n in nodes)
         return cls(len(nodes), max(1, cpus), memory / max(1, cpus))

@@ -258,7 +258,7 @@ def test_on_a_gpu_the_micro_batch_is_chosen_from_its_memory(tmp_path, monkeypatc
     monkeypatch.setenv("PATH", str(fake))  # no nvidia-smi: a driver without a GPU
     unknown = choose_micro_batch(config, plan_of(config), QWEN15_SHAPE)  # and no placement.gpu_memory_gib
     assert unknown.rows == 16 and "placement.gpu_memory_gib" in unknown.why
-    (fake / "nvidia-smi").write_text("#!/bin/sh\necho 81559\n")  # this machine's GPU as nvidia-smi reports it (MiB)
+    (fake / "nvidia-smi").write_text("#!/bin/sh\necho \"NVIDIA A100-SXM4-80GB, 81559\"\n")  # as nvidia-smi reports it (MiB)
     (fake / "nvidia-smi").chmod(0o755)
     assert memory_budget.gpu_memory_bytes(config) == 81559 * 2 ** 20
     assert choose_micro_batch(config, plan_of(config), QWEN15_SHAPE).rows == 12

@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import os
 
 import pytest
 
@@ -206,7 +207,7 @@ def test_a_toy_policy_and_a_toy_cost_model_are_one_class_each():
 def test_placement_auto_hands_over_the_best_plan_and_saves_its_prediction(tmp_path, monkeypatch):
     from hybridflow.planning import auto
 
-    monkeypatch.setattr(Cluster, "this_machine", classmethod(lambda cls: TWO_CPUS))
+    monkeypatch.setattr(Cluster, "this_machine", classmethod(lambda cls, device="cpu": TWO_CPUS))
     rates = tmp_path / "rates.json"
     rates.write_text(json.dumps(ONES.to_dict()))
     config = compose_command([*PPO, "placement=auto", f"placement.planner.rates={rates}"])
@@ -233,10 +234,43 @@ def test_placement_auto_refuses_when_nothing_fits_naming_memory_terms(tmp_path, 
     from hybridflow.data.checks import InputError
     from hybridflow.planning import auto
 
-    monkeypatch.setattr(Cluster, "this_machine", classmethod(lambda cls: Cluster(1, 2, 0.9 * GIB)))
+    monkeypatch.setattr(Cluster, "this_machine", classmethod(lambda cls, device="cpu": Cluster(1, 2, 0.9 * GIB)))
     with pytest.raises(InputError, match="(?s)placement=auto on 1 node.*no plan fits.*GiB  vLLM KV cache"):
         auto.stage_plan(compose_command([*PPO, "placement=auto"]), tmp_path)
     assert not (tmp_path / "plan.json").exists()
+
+
+def fake_gpus(tmp_path, monkeypatch, count: int, name: str = "NVIDIA H100 80GB HBM3", mib: int = 81559) -> None:
+    """A machine whose nvidia-smi reports `count` GPUs (the driver reads GPUs through NVML, not torch)."""
+    fake = tmp_path / f"bin{count}"
+    fake.mkdir()
+    (fake / "nvidia-smi").write_text("#!/bin/sh\n" + "".join(f"echo '{name}, {mib}'\n" for _ in range(count)))
+    (fake / "nvidia-smi").chmod(0o755)
+    monkeypatch.setenv("PATH", f"{fake}:{os.environ['PATH']}")
+
+
+def test_placement_auto_and_the_plan_command_plan_this_machines_gpus(tmp_path, monkeypatch, capsys):
+    """A GPU machine is planned as its GPUs, with their memory and their kind's rates (issue 41 found
+    `placement=auto` planning its CPU cores, then asking Ray for as many GPUs as cores)."""
+    from hybridflow.planning import auto
+    from hybridflow.planning.cli import main
+
+    fake_gpus(tmp_path, monkeypatch, 8)
+    monkeypatch.setenv("HYBRIDFLOW_RATES_CACHE", str(tmp_path / "rates"))  # no cached rates of the user's
+    cores = len(os.sched_getaffinity(0))
+    assert Cluster.this_machine("cuda") == Cluster(1, 8, 81559 * 2 ** 20, "cuda", max(1.0, cores / 8))
+    (tmp_path / "run").mkdir()
+    plan, line = auto.stage_plan(compose_command([*PPO, "placement=auto", "placement.device=cuda"]), tmp_path / "run")
+    assert plan.device == "cuda" and plan.devices <= 8 and plan.transport in ("colocated", "broadcast")
+    assert "on 1 node(s) x 8 cuda device(s), 79.6 GiB each" in line and "H100" in line
+    saved = json.loads((tmp_path / "run" / "plan.json").read_text())
+    assert saved["cluster"]["device"] == "cuda" and saved["plan"]["device"] == "cuda"
+    assert main(["--device", "cuda", "--top", "2", *PPO]) == 0  # `hybridflow plan` on this machine
+    assert "8 cuda device(s)" in capsys.readouterr().out
+    assert Cluster.this_machine("cpu").device == "cpu"  # placement.device=cpu plans the cores
+    fake_gpus(tmp_path, monkeypatch, 0)  # nvidia-smi, and no GPU it can read
+    with pytest.raises(ValueError, match="shows no GPU"):
+        Cluster.this_machine("cuda")
 
 
 @pytest.mark.parametrize("model, gpus, family", [("13B", 32, "colocate"), ("34B", 128, "split")])
