@@ -13,8 +13,9 @@ step's. `Analytical` (the default, registered as "analytical") follows HybridFlo
 - within a pool the roles' times add (they take turns on its devices), across pools a stage takes
   the slowest pool, and the stages add up: generate + score (forward passes) + update;
 - unlike the paper, the weight transition is a stage of its own (`transition`): the bytes the
-  resharding engine moves per rollout rank (colocated: what its FSDP shard lacks; on a pool of its
-  own: its 1/tp of the weights) at the bandwidth between them, and on GPUs with the actor and
+  resharding engine moves (colocated: what each rank's FSDP shard lacks; on a pool of its own: the
+  broadcast transport's, each TP rank's slice once to all its replicas at once, so the whole model
+  once over the training side's link) at the bandwidth between them, and on GPUs with the actor and
   rollout on one pool the trips to host memory that let them take turns (the actor's training
   state out and back, vLLM's weights out and back when it sleeps); and at `max_staleness >= 1` generation
   overlaps scoring and updating, so a step takes max(generate + the work of the roles sharing the
@@ -223,10 +224,11 @@ class Analytical(CostModel):
             if r.host_bytes_per_s and cluster.device == "cuda":  # the two take turns on the devices
                 actor_state = 4 * w.parameters * w.master_bytes / n  # parameters, gradients, moments
                 seconds += 2 * (actor_state + engine_bytes) / r.host_bytes_per_s  # out and back, each
-        else:
+        else:  # the broadcast transport: each layout's slice (one per TP rank) broadcast to its ranks at once,
+            # the layouts together: the whole model once over the training side's link, whatever the replicas
             same_node = plan.devices <= cluster.devices_per_node
             send = (r.send_bytes_per_s or r.intra_node_bytes_per_s) if same_node else r.inter_node_bytes_per_s
-            seconds = engine_bytes / send
+            seconds = engine_bytes * plan.rollout_tp / send
         return r.sync_s + seconds
 
 

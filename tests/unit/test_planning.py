@@ -113,6 +113,19 @@ def test_a_plan_that_does_not_fit_names_each_memory_term():
     assert terms == device_terms(w.memory_inputs(), plan.pools[0].roles, 2, 1, "cpu")
 
 
+def test_a_separate_pools_transition_is_priced_as_the_broadcast_transport_moves_it():
+    """hybridflow/resharding/transports/broadcast.py sends each TP rank's slice once to every replica
+    at once: the whole model once, however many engines, whatever the TP (the planner priced one
+    rank's slice, 1/TP of it)."""
+    w = workload()
+    model_bytes = w.parameters * w.rollout_bytes
+    for tp, replicas in ((1, 1), (1, 2), (2, 1), (2, 2)):
+        plan = Plan((PoolPlan("train", 1, 2, ("actor", "critic", "reference")),
+                     PoolPlan("gen", 1, tp * replicas, ("rollout",))), rollout_tp=tp)
+        seconds = Analytical(ONES).predict(plan, w, Cluster(1, 8, 8 * GIB)).stages["transition"]
+        assert seconds == pytest.approx(ONES.sync_s + model_bytes / ONES.intra_node_bytes_per_s), (tp, replicas)
+
+
 def test_the_planner_prices_a_pool_as_the_runs_own_memory_check_does():
     """One memory model: placement=auto's verdict on the configured plan is the preflight's (issue 39
     found the two with different formulas, so placement=auto switched the verdict from one to the other)."""
