@@ -98,6 +98,8 @@ class MemoryInputs:
     lora: bool = False  # the actor trains a LoRA adapter: its gradients and moments are small next to the rest
     engine_memory: bool = True  # the rollout engine holds weights and a KV cache of its own (vLLM; not hf)
     reward_parameters: int = 0  # a reward model's parameters (0: a reward function, no model)
+    gpu_memory_utilization: float = 0.5  # the share of a GPU the vLLM engine takes (rollout.gpu_memory_utilization)
+    bucket_bytes: int = 0  # one weight-sync bucket (weight_sync.bucket_mb)
 
     @property
     def tokens(self) -> int:
@@ -117,7 +119,9 @@ class MemoryInputs:
                    checkpointing=bool(config.actor.gradient_checkpointing if checkpointing is None else checkpointing),
                    kv_cache_bytes=config.rollout.kv_cache_space_gib * GIB, lora=bool(config.actor.lora.rank),
                    engine_memory=_engine_memory(config),
-                   reward_parameters=reward_shape.parameters if reward_shape is not None else 0)
+                   reward_parameters=reward_shape.parameters if reward_shape is not None else 0,
+                   gpu_memory_utilization=config.rollout.gpu_memory_utilization,
+                   bucket_bytes=config.weight_sync.bucket_mb * 2 ** 20)
 
 
 TRAINED_ROLES = ("actor", "critic")
@@ -344,15 +348,34 @@ def _engine_memory(config) -> bool:
 
 def gpu_phase_terms(config, plan, shape: ModelShape, roles: set[str], gpu_bytes: int) -> dict[str, dict[str, float]]:
     """GPU bytes per process of the actor's pool in each phase of a step, term by term (floors; the
-    module docstring). "training" always; "start", "weight sync" and "generation" with a colocated vLLM
-    engine (`roles` holds the rollout)."""
-    phases = {"training": process_terms(config, plan, shape, roles)}
-    if not ("rollout" in roles and _engine_memory(config)):
+    module docstring): `gpu_device_phases` for the config's run on the stage's plan."""
+    return gpu_device_phases(MemoryInputs.from_config(config, shape), set(roles) | {"actor"},
+                             plan.devices_of("actor"), plan.rollout_tp, gpu_bytes)
+
+
+def gpu_device_phases(inputs: MemoryInputs, roles, ranks: int, tp: int, gpu_bytes: float
+                      ) -> dict[str, dict[str, float]]:
+    """GPU bytes per device of a pool of `ranks` GPUs holding `roles`, in each phase of a step, term by
+    term: "training" when a model trains or scores there; with a vLLM engine there, "start" (the
+    models' weights beside the engine's whole share, `gpu_memory_utilization` of the GPU: vLLM refuses
+    to start when it is not free), "weight sync" (with the actor: its training state beside the
+    engine's weights alone, 1/`tp`, and one bucket in flight) and "generation" (the engine's share
+    beside what does not offload: only the actor moves to the host). With the actor on the pool the
+    engine sleeps while it trains (the colocated hand-over, hybridflow/resharding/transports/colocated.py);
+    without it the engine stays awake. The run's GPU check and the planner's both call it."""
+    roles = set(roles)
+    engine_here = "rollout" in roles and inputs.engine_memory
+    share = inputs.gpu_memory_utilization
+    engine = {f"vLLM's share: weights, activations and KV cache (rollout.gpu_memory_utilization={share} of "
+              f"{gpu_bytes / GIB:.1f} GiB)": share * gpu_bytes} if engine_here else {}
+    phases = {}
+    if roles & set(MODEL_ROLES_ON_DEVICES):
+        phases["training"] = {**device_terms(inputs, roles - {"rollout"}, ranks, tp, "cuda"),
+                              **({} if "actor" in roles else engine)}
+    if not engine_here:
         return phases
-    ranks = plan.devices_of("actor")
-    master, compute = DTYPE_BYTES[config.model.master_dtype.value], DTYPE_BYTES[config.model.dtype.value]
-    p = shape.parameters
-    trained = p if not config.actor.lora.rank else 0
+    p, master, compute = inputs.shape.parameters, inputs.master_bytes, inputs.compute_bytes
+    trained = 0 if inputs.lora else p
     stays, loaded = {}, {}  # what does not offload around generation (only the actor moves); what start loads
     if "reference" in roles:
         stays["reference weights (model.dtype, FSDP shard)"] = p * compute / ranks
@@ -360,19 +383,19 @@ def gpu_phase_terms(config, plan, shape: ModelShape, roles: set[str], gpu_bytes:
     if "critic" in roles:
         stays["critic parameters, gradients and AdamW moments (FSDP shard)"] = 4 * p * master / ranks
         loaded["critic parameters (FSDP shard)"] = p * master / ranks
-    share = config.rollout.gpu_memory_utilization
-    engine = {f"vLLM's share: weights, activations and KV cache (rollout.gpu_memory_utilization={share} of "
-              f"{gpu_bytes / GIB:.1f} GiB)": share * gpu_bytes}
-    actor_weights = {"actor parameters (model.master_dtype, FSDP shard)": p * master / ranks}
-    state = {**actor_weights, "actor gradients (FSDP shard)": trained * master / ranks,
-             "actor AdamW moments (2 per parameter, FSDP shard)": 2 * trained * master / ranks}
-    tp = plan.rollout_tp
+    if "reward" in roles and inputs.reward_parameters:
+        stays["reward model weights (model.dtype, FSDP shard)"] = inputs.reward_parameters * compute / ranks
+        loaded["reward model weights (model.dtype, FSDP shard)"] = inputs.reward_parameters * compute / ranks
+    actor_weights = {"actor parameters (model.master_dtype, FSDP shard)": p * master / ranks} if "actor" in roles else {}
     phases["start"] = {**actor_weights, **loaded, **engine}
-    phases["weight sync"] = {
-        **state, **stays,
-        f"vLLM weights awake (rollout.dtype, 1/{tp} of the model; its KV cache still freed)":
-            p * DTYPE_BYTES[config.rollout.dtype.value] / tp,
-        "one bucket in flight (weight_sync.bucket_mb)": config.weight_sync.bucket_mb * 2 ** 20}
+    if "actor" in roles:
+        state = {**actor_weights, "actor gradients (FSDP shard)": trained * master / ranks,
+                 "actor AdamW moments (2 per parameter, FSDP shard)": 2 * trained * master / ranks}
+        phases["weight sync"] = {
+            **state, **stays,
+            f"vLLM weights awake (rollout.dtype, 1/{tp} of the model; its KV cache still freed)":
+                p * inputs.rollout_bytes / tp,
+            "one bucket in flight (weight_sync.bucket_mb)": inputs.bucket_bytes}
     phases["generation"] = {**stays, **engine}
     return phases
 

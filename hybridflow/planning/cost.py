@@ -36,7 +36,7 @@ from dataclasses import asdict, dataclass, field
 
 from hybridflow.config.schema import STEP_STAGES
 from hybridflow.planning.plan import Plan, PoolPlan
-from hybridflow.planning.rules import kv_per_sequence, phases
+from hybridflow.planning.rules import kv_per_sequence
 from hybridflow.planning.workload import Cluster, Workload
 from hybridflow.registry import Registry
 
@@ -234,11 +234,11 @@ class Analytical(CostModel):
 
 def kv_capacity(plan: Plan, workload: Workload, cluster: Cluster) -> int:
     """Sequences at full length one engine holds at once: on a CPU, rollout.kv_cache_space_gib; on a
-    GPU, what its devices have left after every other memory term of the pool."""
-    per_sequence = kv_per_sequence(plan, workload)
+    GPU, what the engine's share of each device (rollout.gpu_memory_utilization, as vLLM sizes its
+    cache) leaves after its 1/tp of the weights."""
+    w = workload
+    per_sequence = kv_per_sequence(plan, w)
     if cluster.device == "cpu":
-        return max(1, int(workload.kv_cache_gib * 2 ** 30 / per_sequence))
-    pool = plan.pool_of("rollout")
-    generating = list(phases(plan, pool, workload, cluster).values())[0]
-    used = sum(v for k, v in generating.items() if "KV cache" not in k)
-    return max(1, int((cluster.device_memory_bytes - used) / per_sequence))
+        return max(1, int(w.kv_cache_gib * 2 ** 30 / per_sequence))
+    free = w.gpu_memory_utilization * cluster.device_memory_bytes - w.parameters * w.rollout_bytes / plan.rollout_tp
+    return max(1, int(free / per_sequence))

@@ -23,7 +23,7 @@ measured runtime.
 from __future__ import annotations
 
 from hybridflow.planning.plan import Plan, PoolPlan
-from hybridflow.memory_budget import device_terms
+from hybridflow.memory_budget import device_terms, gpu_device_phases
 from hybridflow.planning.workload import GIB, Cluster, Workload
 
 
@@ -51,6 +51,13 @@ def problems(plan: Plan, workload: Workload, cluster: Cluster, any_tp: bool = Fa
     out += [f"{key}={value}: {allowed}"
             for key, value, allowed in overlap_problems(plan.max_staleness, plan.rollout_colocated, rollout.name)]
     out += device_problems(plan, cluster)
+    if cluster.device == "cuda" and workload.engine_memory:
+        share = workload.gpu_memory_utilization * cluster.device_memory_bytes
+        need = workload.parameters * workload.rollout_bytes / plan.rollout_tp + kv_per_sequence(plan, workload)
+        if share < need:
+            out.append(f"rollout.gpu_memory_utilization={workload.gpu_memory_utilization}: the engine's share, "
+                       f"{share / GIB:.1f} GiB of each GPU, is below its 1/{plan.rollout_tp} of the weights and one "
+                       f"sequence's KV cache ({need / GIB:.1f} GiB)")
     for pool in plan.pools:
         for phase, terms in phases(plan, pool, workload, cluster).items():
             if sum(terms.values()) > cluster.device_memory_bytes:
@@ -62,16 +69,15 @@ def problems(plan: Plan, workload: Workload, cluster: Cluster, any_tp: bool = Fa
 
 
 def phases(plan: Plan, pool: PoolPlan, workload: Workload, cluster: Cluster) -> dict[str, dict[str, float]]:
-    """The memory terms a device of `pool` holds at once, per phase of the step. On GPUs the
-    rollout and the actor on one pool take turns (the colocated transport moves the actor's training
-    state to host memory while vLLM generates, and vLLM sleeps, releasing its KV cache and weights,
-    while training runs): a phase each, `" while generating"` and `" while training"`. Otherwise one
-    phase, `""`, with every term."""
-    if cluster.device != "cuda" or not {"actor", "rollout"} <= set(pool.roles):
+    """The memory terms a device of `pool` holds at once, per phase of the step: on GPUs the run's own
+    GPU phases (hybridflow/memory_budget.py `gpu_device_phases`: training, and with a vLLM engine
+    its start, the weight sync and generation, the engine taking its `gpu_memory_utilization` share;
+    `" (training)"` ...), on CPUs one phase, `""`, with every term."""
+    if cluster.device != "cuda":
         return {"": memory_terms(plan, pool, workload, cluster)}
-    roles = set(pool.roles)
-    return {" while generating": memory_terms(plan, pool, workload, cluster, roles - {"actor"}, training=False),
-            " while training": memory_terms(plan, pool, workload, cluster, roles - {"rollout"})}
+    held = [r for r in pool.roles if r in workload.roles]
+    return {f" ({name})": terms for name, terms in gpu_device_phases(
+        workload.memory_inputs(), held, pool.devices, plan.rollout_tp, cluster.device_memory_bytes).items()}
 
 
 def device_problems(plan: Plan, cluster: Cluster) -> list[str]:

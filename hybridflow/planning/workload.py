@@ -46,6 +46,8 @@ class Workload:
     tied_embeddings: bool = True
     lora: bool = False  # the actor trains a LoRA adapter
     engine_memory: bool = True  # the rollout engine holds weights and a KV cache of its own
+    gpu_memory_utilization: float = 0.5  # a GPU engine's share of its GPU (rollout.gpu_memory_utilization)
+    bucket_bytes: int = 0  # one weight-sync bucket (weight_sync.bucket_mb)
     name: str = "workload"
 
     @property
@@ -80,7 +82,8 @@ class Workload:
                             prompt_tokens=self.prompt_tokens, response_tokens=self.response_tokens,
                             checkpointing=self.checkpointing, kv_cache_bytes=self.kv_cache_gib * GIB, lora=self.lora,
                             engine_memory=self.engine_memory,
-                            reward_parameters=self.parameters if "reward" in self.roles else 0)
+                            reward_parameters=self.parameters if "reward" in self.roles else 0,
+                            gpu_memory_utilization=self.gpu_memory_utilization, bucket_bytes=self.bucket_bytes)
 
     @classmethod
     def from_config(cls, config, name: str = "workload") -> "Workload":
@@ -107,7 +110,9 @@ class Workload:
                    micro_batch_rows=min(a.samples_per_micro_batch or 4, sequences),
                    checkpointing=bool(a.gradient_checkpointing), kv_cache_gib=config.rollout.kv_cache_space_gib,
                    intermediate=shape["intermediate"], tied_embeddings=shape["tied_embeddings"], lora=bool(a.lora.rank),
-                   engine_memory=rollout_engine(config.rollout.backend).engine_memory, name=name)
+                   engine_memory=rollout_engine(config.rollout.backend).engine_memory,
+                   gpu_memory_utilization=config.rollout.gpu_memory_utilization,
+                   bucket_bytes=config.weight_sync.bucket_mb * 2 ** 20, name=name)
 
 
 def model_shape(config) -> dict[str, int]:

@@ -140,6 +140,28 @@ def test_the_planner_prices_a_pool_as_the_runs_own_memory_check_does():
         assert planned == run and run, extra
 
 
+def test_on_gpus_the_planner_checks_the_runs_own_phases_and_the_engines_share():
+    """The planner's GPU phases are the run's (start, training, the weight sync, generation, the engine
+    taking its rollout.gpu_memory_utilization share), and a share that cannot hold the engine's weights
+    and one sequence's KV cache is refused (issue 41: the sync phase and vLLM's share in the rules)."""
+    import dataclasses
+
+    from hybridflow.memory_budget import actor_pool_roles, gpu_phase_terms
+    from hybridflow.planning.rules import phases
+
+    config = compose_command([*PPO, "placement.device=cuda", "actor.samples_per_micro_batch=4",
+                              "actor.gradient_checkpointing=false"])
+    plan, w = Plan.from_config(config), Workload.from_config(config)
+    gpus = Cluster(1, 2, 80 * GIB, "cuda")
+    run = gpu_phase_terms(config, plan, w.memory_inputs().shape, actor_pool_roles(config, plan), 80 * GIB)
+    assert list(run) == ["training", "start", "weight sync", "generation"]
+    assert phases(plan, plan.pool_of("actor"), w, gpus) == {f" ({name})": terms for name, terms in run.items()}
+    assert not [p for p in problems(plan, w, gpus) if "does not fit" in p or "gpu_memory_utilization" in p]
+    starved = dataclasses.replace(w, gpu_memory_utilization=1e-6)
+    assert any(p.startswith("rollout.gpu_memory_utilization=1e-06: the engine's share")
+               for p in problems(plan, starved, gpus))
+
+
 def test_analytical_cost_by_hand():
     """One pool of 2 devices, every role on it; the arithmetic of each stage written out."""
     w = workload(actor_forward=True)
