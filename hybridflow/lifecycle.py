@@ -1,15 +1,15 @@
 """One lifecycle for recipes: the start every recipe shares, built once, and its end.
 
 A recipe is `run(config, run_dir)`. It calls `start_run` for what every recipe needs before its
-first step — the model directory, the tokenizer, its data (read and checked before Ray starts),
-Ray, and its role groups on the pools of the stage's plan (the one `Plan` the runner decided before
-the recipe started, `hybridflow.planning.plan.carrying`; a recipe called on its own gets its config's), each started by the
-same one call, `start` — and, if it
-trains, `Run.training` for the rest: the checkpointer and the state it resumes from, the prompt
-loader (at the resumed position), the metrics logger, the weight sync (set up, when a rollout
-runs) and the step hooks. The recipe keeps only its own step loop, and ends with `Run.finish`
-(the final export and the logger's close). This is torchtune's recipe lifecycle (setup, train,
-save, cleanup) written once here rather than in each recipe.
+first step — the model directory, the tokenizer, its data (read and checked before Ray starts), Ray,
+and its role groups on the pools of the stage's plan (the one `Plan` the runner decided before the
+recipe started, `hybridflow.planning.plan.carrying`; a recipe called on its own gets its config's),
+each started by the same one call, `start` — and, if it trains, `Run.training` for the rest: the
+checkpointer and the state it resumes from, the prompt loader (at the resumed position), the metrics
+logger, the weight sync (set up, when a rollout runs) and the step hooks. The recipe keeps only its
+own step loop, and ends with `Run.finish` (the final export and the logger's close). This is
+torchtune's recipe lifecycle (setup, train, save, cleanup) written once here rather than in each
+recipe.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from typing import Any, Callable, Sequence
 from hybridflow.config.schema import HybridFlowConfig
 from hybridflow.controller import RoleSpec, WorkerGroup
 from hybridflow.planning.plan import Plan, carried_plan
+
 
 @dataclass
 class Training:

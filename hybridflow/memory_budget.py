@@ -386,7 +386,8 @@ def gpu_device_phases(inputs: MemoryInputs, roles, ranks: int, tp: int, gpu_byte
     if "reward" in roles and inputs.reward_parameters:
         stays["reward model weights (model.dtype, FSDP shard)"] = inputs.reward_parameters * compute / ranks
         loaded["reward model weights (model.dtype, FSDP shard)"] = inputs.reward_parameters * compute / ranks
-    actor_weights = {"actor parameters (model.master_dtype, FSDP shard)": p * master / ranks} if "actor" in roles else {}
+    actor_weights = ({"actor parameters (model.master_dtype, FSDP shard)": p * master / ranks}
+                     if "actor" in roles else {})
     phases["start"] = {**actor_weights, **loaded, **engine}
     if "actor" in roles:
         state = {**actor_weights, "actor gradients (FSDP shard)": trained * master / ranks,

@@ -2,7 +2,9 @@
 
 `stage_plan(config, run_dir)` (called by hybridflow.runner.run_stage, before the recipe starts
 anything) decides the stage's one `Plan`: the config's own, or with placement.planner.auto the best
-of the plans of the run's workload on its cluster — this machine, or the Ray cluster the run joins (`ray.address`, or RAY_ADDRESS under `ray job submit`) — with the rates of
+of the plans of the run's workload on its cluster — this machine (its GPUs or its cores, on the
+device the run computes on), or the Ray cluster the run joins (`ray.address`, or RAY_ADDRESS under
+`ray job submit`) — with the rates of
 `placement.planner.rates` (or the device's built-in profile), keeps the run's own
 `trainer.max_staleness` (a learning choice, not a placement one), and returns the best plan (its
 pools, roles and rollout tensor-parallel size; the config itself is not rewritten), which the runner
@@ -88,7 +90,8 @@ def stage_plan(config, run_dir: Path) -> tuple[Plan, str | None]:
     check_config(config, plan)
     path = save_plan(run_dir, plan, prediction=best.prediction.to_dict(), cluster=dataclasses.asdict(cluster),
                      rates=rates.to_dict(), rates_choice=choice.to_dict(),
-                     search={"considered": result.considered, "refused": len(result.refused), "seconds": result.seconds},
+                     search={"considered": result.considered, "refused": len(result.refused),
+                             "seconds": result.seconds},
                      runners_up=[c.to_dict() for c in result.ranked[1:1 + RUNNERS_UP]])
     seconds = (f"{best.prediction.step_s:.2f} s/step (" + ", ".join(f"{s} {best.prediction.stages[s]:.2f}"
                                                                  for s in STAGES) + ")")

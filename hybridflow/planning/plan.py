@@ -1,13 +1,17 @@
 """The run's plan: which devices each role gets and how generation is laid out, as one frozen value.
 
-A `Plan` holds what placement decides — the pools (nodes x devices per node), which pool each
-role runs on, the rollout's tensor-parallel size (and so its replicas), the weight transport that
-serves the placement, the schedule depth (`trainer.max_staleness`) and whether pools pin their
-cores. `Plan.from_config` makes it once from a config; the launcher, the weight sync and the
-feasibility rules (hybridflow/planning/rules.py) read it, and the planner
-(hybridflow/planning/search.py) makes candidates of the same type and prints the overrides
-(`Plan.overrides`) that select each one. Which nodes a pool lands on is decided later, against
-the cluster's free resources (hybridflow/controller/placement.py).
+A `Plan` holds what placement decides — the pools (nodes x devices per node, CPUs per device, node
+affinity), which pool each role runs on, the rollout's tensor-parallel size (and so its replicas),
+the device (cpu or cuda) and the weight transport that serves the placement there, the schedule
+depth (`trainer.max_staleness`) and whether pools pin their cores. Each stage decides one before
+anything starts (hybridflow/planning/auto.py `stage_plan`: `Plan.from_config`, or placement=auto's
+best), saves it as run_dir/plan.json and carries it (`carrying`, `carried_plan`): the launcher,
+the pool reservation, role spawning, the memory model, the config's rules and the weight sync read
+it, and nothing outside this package reads the config's pools, roles' pools or rollout TP
+(tests/unit/test_layering.py). The planner (hybridflow/planning/search.py) makes candidates of the
+same type and prints the overrides (`Plan.overrides`) that select each one. Which nodes a pool lands
+on is decided later, against the cluster's free resources (hybridflow/controller/placement.py),
+and saved in the same file.
 """
 
 from __future__ import annotations
@@ -83,7 +87,8 @@ class Plan:
     def from_config(cls, config) -> "Plan":
         """The plan a config selects: its pools (those placement.roles names; every role the config
         maps is on one, whether or not the recipe starts it), rollout TP, staleness, CPU pinning
-        (placement.pin_cpus, or the schedule's `overlaps`) and transport."""
+        (placement.pin_cpus, or the schedule's `overlaps`), the device (`precision.device_of`, as the
+        dtypes decide it) and the transport that serves them."""
         placement = config.placement
         pools = []
         for name, pool in placement.pools.items():

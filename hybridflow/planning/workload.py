@@ -10,7 +10,8 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 
-from hybridflow.memory_budget import DTYPE_BYTES, GIB, MemoryInputs, ModelShape  # noqa: F401  (GIB: the planner's modules read it here)
+# GIB: the planner's modules read it here
+from hybridflow.memory_budget import DTYPE_BYTES, GIB, MemoryInputs, ModelShape  # noqa: F401
 
 MODEL_ROLES = ("actor", "rollout", "critic", "reference", "reward")  # in the order plans print them
 

@@ -1,8 +1,9 @@
 """How weights travel from the actor group to the rollout group: one module per transport.
 
 `WeightSync` (sync.py) plans the buckets, runs the checks and reports metrics; `WeightSender`
-(sender.py) produces the buckets in every actor process; the rollout's receiver (receiver.py)
-and our vLLM transfer engine (vllm_side.py) load what arrives. Everything that depends on *how*
+(sender.py) produces the buckets in every actor process; the rollout's receiver (the protocol in
+receiver.py; vLLM's `VLLMReceiver` beside its worker, workers/rollout/vllm_rollout.py) and our vLLM
+transfer engine (vllm_side.py) load what arrives. Everything that depends on *how*
 the bytes move lives in one module here, both ends of it:
 
 - controller side: opening the route (`rendezvous`, `setup_calls`), the calls one sync makes

@@ -21,7 +21,7 @@ receive them together (a broadcast, not one send after another), and the layouts
 
 Receiving: each generation rank receives its layout's buffer per bucket inside vLLM's update
 session (`receive_bucket`), or, at trainer.max_staleness >= 2, into host memory while the engine
-generates (`stage_bucket`), loaded between two batches later (receiver.py).
+generates (`stage_bucket`), loaded between two batches later (the engine's receiver).
 """
 
 from __future__ import annotations
