@@ -34,16 +34,17 @@ def cluster_for(config) -> Cluster:
     `ray job submit`; read, then disconnected), or this machine."""
     from hybridflow.controller.runtime import join_address
 
+    from hybridflow.precision import device_of
+
+    device = device_of(config.placement.device.value)  # the device the plan runs on, as the dtypes chose it
     address = join_address(config.ray.address)
     if address is None:
-        from hybridflow.precision import device_of
-
-        return Cluster.this_machine(device_of(config.placement.device.value))  # the device the plan runs on
+        return Cluster.this_machine(device)
     import ray
 
     ray.init(address=address, namespace=config.ray.namespace, log_to_driver=False)
     try:
-        return Cluster.from_ray()
+        return Cluster.from_ray(device)
     finally:
         ray.shutdown()
 

@@ -181,17 +181,21 @@ class Cluster:
         return cls(1, cores, NODE_MEMORY_SHARE * node_memory_bytes() / cores)
 
     @classmethod
-    def from_ray(cls) -> "Cluster":
+    def from_ray(cls, device: str = "cpu") -> "Cluster":
         """The alive nodes of the Ray cluster this process is connected to that can host a pool (a
-        head started with no slots, as the driver's node often is, is left out); the smallest
-        describes them all: the planner assumes identical nodes."""
+        head started with no slots, as the driver's node often is, is left out), as `device` ones (the
+        device the run computes on: its GPUs, or its CPU slots); the smallest describes them all: the
+        planner assumes identical nodes."""
         import ray
 
         nodes = [n for n in ray.nodes() if n.get("Alive") and n["Resources"].get("CPU", 0) >= 1]
         if not nodes:
             raise ValueError("the Ray cluster has no alive node with a CPU slot to place a pool on")
         gpus = min(int(n["Resources"].get("GPU", 0)) for n in nodes)
-        if gpus:
+        if device == "cuda" and not gpus:
+            raise ValueError(f"placement.device=cuda, and {'a node' if len(nodes) > 1 else 'the node'} of the Ray "
+                             "cluster has no GPU: run on GPU nodes, or set placement.device=cpu")
+        if device == "cuda":
             from hybridflow.memory_budget import local_gpus
 
             here = local_gpus()

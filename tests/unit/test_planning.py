@@ -308,6 +308,22 @@ def test_placement_auto_and_the_plan_command_plan_this_machines_gpus(tmp_path, m
         Cluster.this_machine("cuda")
 
 
+def test_a_joined_ray_cluster_is_planned_on_the_device_the_run_computes_on(tmp_path, monkeypatch):
+    """One decider for the device: the Ray cluster's GPUs when the run computes on CUDA, its CPU slots
+    when on the CPU, and a CUDA run on nodes without GPUs refused naming the fix."""
+    import ray
+
+    gpu_nodes = [{"Alive": True, "Resources": {"CPU": 32.0, "GPU": 8.0, "memory": 512 * GIB}} for _ in range(2)]
+    monkeypatch.setattr(ray, "nodes", lambda: gpu_nodes)
+    fake_gpus(tmp_path, monkeypatch, 8, "NVIDIA H200", 143771)
+    cuda = Cluster.from_ray("cuda")
+    assert (cuda.nodes, cuda.devices_per_node, cuda.device, cuda.device_memory_bytes) == (2, 8, "cuda", 143771 * 2 ** 20)
+    assert (Cluster.from_ray("cpu").device, Cluster.from_ray("cpu").devices_per_node) == ("cpu", 32)
+    monkeypatch.setattr(ray, "nodes", lambda: [{"Alive": True, "Resources": {"CPU": 4.0, "memory": 16 * GIB}}])
+    with pytest.raises(ValueError, match="placement.device=cuda, and the node of the Ray cluster has no GPU"):
+        Cluster.from_ray("cuda")
+
+
 @pytest.mark.parametrize("model, gpus, family", [("13B", 32, "colocate"), ("34B", 128, "split")])
 def test_paper_scale_search_picks_the_papers_family(model, gpus, family):
     """How long the search takes is bench/paper_placement.py's to measure (docs/placement.md)."""
