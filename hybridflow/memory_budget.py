@@ -128,14 +128,14 @@ TRAINED_ROLES = ("actor", "critic")
 MODEL_ROLES_ON_DEVICES = ("actor", "critic", "reference", "reward")  # a micro-batch passes through each
 
 
-def device_terms(inputs: MemoryInputs, roles, ranks: int, tp: int, device: str, training: bool = True,
+def device_terms(inputs: MemoryInputs, roles, ranks: int, tp: int, device: str,
                  kv: tuple[str, float] | None = None) -> dict[str, float]:
     """Bytes one device (one process) of a pool of `ranks` devices holds, term by term, with `roles` on
     it: the trained roles' parameters, gradients and AdamW moments and the other models' weights
     sharded over the pool by FSDP2, the rollout engine's 1/`tp` of the weights and its KV cache
     (`kv`: (label, bytes) where not the CPU's fixed cache), the process's runtime (on a CPU; on a GPU
-    the host runtime is not GPU memory) and, while a micro-batch trains (`training`), the actor's
-    gathered embeddings and one micro-batch's activations and logits. The one memory model: the run's
+    the host runtime is not GPU memory) and, while a micro-batch trains, the actor's gathered
+    embeddings and one micro-batch's activations and logits. The one memory model: the run's
     check (`process_terms`) and the planner's (`hybridflow.planning.rules.memory_terms`) both call it."""
     s, p, cpu = inputs.shape, inputs.shape.parameters, device == "cpu"
     master, compute = inputs.master_bytes, inputs.compute_bytes
@@ -159,11 +159,11 @@ def device_terms(inputs: MemoryInputs, roles, ranks: int, tp: int, device: str, 
     if cpu:  # on a GPU the host runtime is not GPU memory
         terms[f"the process's own runtime (Python, torch, Ray{', vLLM' if engine else ''}; measured)"] = (
             RUNTIME_BYTES_WITH_VLLM if engine else RUNTIME_BYTES)
-    if training and "actor" in roles and (ranks > 1 or compute != master):
+    if "actor" in roles and (ranks > 1 or compute != master):
         # FSDP2: the root's parameters stay gathered from forward to backward
         embeddings = s.vocab * s.hidden * (1 if s.tied_embeddings else 2)
         terms["actor embeddings gathered, and their gradient (model.dtype, whole)"] = 2 * embeddings * compute
-    if training and any(r in roles for r in MODEL_ROLES_ON_DEVICES):
+    if any(r in roles for r in MODEL_ROLES_ON_DEVICES):
         terms.update(micro_batch_terms(inputs, attention_probabilities=cpu))
     return terms
 

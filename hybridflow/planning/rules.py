@@ -10,11 +10,12 @@ planner drops a candidate with any problem and prints the memory terms of those 
 The memory terms are the run's own memory model (hybridflow/memory_budget.py `device_terms`, the
 floor the preflight refuses a configured run with), given the workload instead of a config and
 each pool of the plan instead of the actor's: the roles on a pool share its devices and all stay
-resident (no offload between stages; on GPUs the actor and a colocated rollout take turns, `phases`);
+resident (no offload between stages; on GPUs the run's own phases, `phases`: a colocated actor and
+engine take turns, and the engine takes its `rollout.gpu_memory_utilization` share);
 FSDP shards the trained roles' parameters, gradients and AdamW moments and the other models' weights
 over the pool; the rollout holds 1/tp of the weights and a KV cache (on a CPU, vLLM's fixed
-`rollout.kv_cache_space_gib`; on a GPU, at least one sequence at full length: the rest of the device
-holds the cache, and generation runs in waves when the sequences do not all fit); one micro-batch's
+`rollout.kv_cache_space_gib`; on a GPU what its share leaves, at least one sequence at full length,
+and generation runs in waves when the sequences do not all fit); one micro-batch's
 activations and logits (`Workload.micro_batch_rows` rows; with `checkpointing`, one hidden vector per
 layer and one layer's worth recomputed); the actor's gathered embeddings; on a CPU the process's
 measured runtime.
@@ -108,14 +109,11 @@ def kv_per_sequence(plan: Plan, workload: Workload) -> float:
     return (w.prompt_tokens + w.response_tokens) * w.kv_bytes_per_token() / plan.rollout_tp
 
 
-def memory_terms(plan: Plan, pool: PoolPlan, workload: Workload, cluster: Cluster, roles=None,
-                 training: bool = True) -> dict[str, float]:
-    """Bytes per device of `pool` (of its `roles`, default all), term by term: the memory model of
-    hybridflow/memory_budget.py (`device_terms`), with the KV cache on a GPU at its floor, one sequence
-    at full length (the rest of the device holds more, and generation runs in waves when the
-    sequences do not all fit)."""
+def memory_terms(plan: Plan, pool: PoolPlan, workload: Workload, cluster: Cluster) -> dict[str, float]:
+    """Bytes per device of `pool` with every role on it, term by term: the memory model of
+    hybridflow/memory_budget.py (`device_terms`), the KV cache on a GPU at its floor, one sequence at
+    full length (the CPU's rule, and what `hybridflow plan` prints; on GPUs the rules check `phases`)."""
     kv = None if cluster.device == "cpu" else (
         f"rollout KV cache (one sequence at full length, 1/{plan.rollout_tp})", kv_per_sequence(plan, workload))
-    held = [r for r in (pool.roles if roles is None else roles) if r in workload.roles]  # roles with a model
-    return device_terms(workload.memory_inputs(), held, pool.devices, plan.rollout_tp, cluster.device,
-                        training=training, kv=kv)
+    held = [r for r in pool.roles if r in workload.roles]  # roles with a model
+    return device_terms(workload.memory_inputs(), held, pool.devices, plan.rollout_tp, cluster.device, kv=kv)
