@@ -384,8 +384,9 @@ def gpu_device_phases(inputs: MemoryInputs, roles, ranks: int, tp: int, gpu_byte
         stays["critic parameters, gradients and AdamW moments (FSDP shard)"] = 4 * p * master / ranks
         loaded["critic parameters (FSDP shard)"] = p * master / ranks
     if "reward" in roles and inputs.reward_parameters:
-        stays["reward model weights (model.dtype, FSDP shard)"] = inputs.reward_parameters * compute / ranks
-        loaded["reward model weights (model.dtype, FSDP shard)"] = inputs.reward_parameters * compute / ranks
+        reward = {"reward model weights (model.dtype, FSDP shard)": inputs.reward_parameters * compute / ranks}
+        stays.update(reward)
+        loaded.update(reward)
     actor_weights = ({"actor parameters (model.master_dtype, FSDP shard)": p * master / ranks}
                      if "actor" in roles else {})
     phases["start"] = {**actor_weights, **loaded, **engine}
