@@ -335,7 +335,7 @@ def test_a_gpu_run_whose_weight_sync_cannot_fit_is_refused_before_ray_starts(tmp
     assert not output_root.exists()  # nothing was made
 
 
-@pytest.mark.parametrize("report", ["gpu_handover_h200.json", "gpu_handover_3b_80gib_h200.json"])
+@pytest.mark.parametrize("report", ["gpu_handover_h200.json", "gpu_handover_3b_80gib_h200.json", "gpu_check_h200.json"])
 def test_each_phase_floor_is_below_its_h200_peak_within_one_and_a_half_times(report):
     """bench/gpu_check.py part 4 on one NVIDIA H200 (docs/resharding.md "The colocated hand-over on GPUs"):
     the colocated hand-over through the transport's own sequence, each phase's measured peak at or above
