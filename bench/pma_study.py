@@ -12,6 +12,9 @@
     done
     flock /tmp/hybridflow-heavy.lock .venv/bin/python bench/pma_study.py spike      # ~6 min
     .venv/bin/python bench/pma_study.py report    # tables (printed), docs/pma.png, pma_spike.png, pma_grpo*.png
+    # the same on stand-in runs of the tiny model, in seconds (train nothing; write only under --work):
+    .venv/bin/python bench/pma_study.py constant --dry-run --seeds 0 --work /tmp/pma_dry [--out dry.json]
+    .venv/bin/python bench/pma_study.py report --dry-run --work /tmp/pma_dry   # its plots in /tmp/pma_dry/docs
 
 Every training run is a real recipe (`hybridflow.cli.run`, in this process: Ray starts once) in
 runs/pma_study/<name>; a finished run (its DONE file) is reused. Checkpoints are saved often and
@@ -32,14 +35,22 @@ pmainit_grpo: the default pipeline's GRPO stage (its first 60 of 250 steps, or w
   loss / approx KL / reward, gradient-norm spikes, held-out accuracy every 10 (25) steps.
 spike: the constant run of seed 0 with the lr multiplied by 100 for the update of step 200,
   without and with the spike_recovery hook.
+
+--dry-run: each run's command composed and checked as `hybridflow` checks it (the config must hold
+  every override the study gives), then a stand-in run in its place (`StandIn`: the recipe's
+  metrics.jsonl keys, checkpoints of the tiny model at its smallest shape); the merges are then
+  made and scored as above on the smallest held-out sets, and the results, tables and plots
+  written under --work (runs/, docs/). `--seeds` chooses every experiment's seeds there.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import statistics
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -84,23 +95,28 @@ def grpo_suffix(steps: int) -> str:
 
 
 SPIKE_RATIO = 3.0  # a gradient-norm spike: above this many times the run's median
+# A dry run (`dry_run`) sets these: stand-in runs instead of training, and the smallest held-out sets to
+# score on (two pretraining sequences, two SFT prompts); the real study leaves them as they are.
+STAND_IN: StandIn | None = None
+SCORED_SHAPE: list[str] = []
 
 
 # ------------------------------------------------------------------------------ running
 
 
 def train(overrides: list[str], name: str) -> Path:
-    """Run a recipe into runs/pma_study/<name> unless a finished run is there."""
-    import shutil
-
+    """Run a recipe into runs/pma_study/<name> unless a finished run is there (a dry run: `StandIn`)."""
+    overrides = [*overrides, f"logger.output_root={RUNS}", f"logger.run_name={name}", "logger.backends=[jsonl]"]
+    run_dir = RUNS / name
+    if STAND_IN is not None:
+        return STAND_IN.run(overrides, run_dir)
     from hybridflow.cli import run
     from hybridflow.config import compose
 
-    run_dir = RUNS / name
     if (run_dir / "DONE").is_file():
         return run_dir
     shutil.rmtree(run_dir, ignore_errors=True)
-    config = compose([*overrides, f"logger.output_root={RUNS}", f"logger.run_name={name}", "logger.backends=[jsonl]"])
+    config = compose(overrides)
     start = time.perf_counter()
     run(config)
     (run_dir / "DONE").write_text(f"{time.perf_counter() - start:.1f}\n")
@@ -193,7 +209,7 @@ def constant_lr() -> None:
         shared = [(a["actor/loss"], b["actor/loss"]) for a, b in zip(metrics(const), metrics(fork))
                   if a["step"] <= T - DECAY]
         scorer = Scorer(const / "base_model")
-        corpus = build_corpus(compose([*PRETRAIN, *seeds]).pretrain, scorer.tokenizer)
+        corpus = build_corpus(compose([*PRETRAIN, *seeds, *SCORED_SHAPE]).pretrain, scorer.tokenizer)
         val = sequence_batch(corpus.val, corpus.start_token_id)
         row = {"fork_max_loss_diff_before_decay": max(abs(a - b) for a, b in shared),
                "last": scorer.load(read_weights(hf(const, T))).loss(val),
@@ -223,7 +239,7 @@ def sft(schedule: str, trajectory_only: bool = False) -> None:
     for seed in SEEDS:
         overrides = [*SFT, f"seed={seed}", f"model.tiny.seed={seed}", f"actor.optim.lr_schedule={schedule}"]
         run_dir = train(overrides, f"sft-{schedule}-s{seed}")
-        config = compose(overrides)
+        config = compose([*overrides, *SCORED_SHAPE])
         scorer = Scorer(run_dir / "base_model")
         rows = prepare_data(config, run_dir, scorer.tokenizer).val
         prompts = encode_prompts(rows, scorer.tokenizer, config.data.max_prompt_tokens)
@@ -345,6 +361,125 @@ def _save(name: str, results: dict) -> None:
     RUNS.mkdir(parents=True, exist_ok=True)
     (RUNS / f"{name}.json").write_text(json.dumps(results, indent=1))
     print(f"wrote {RUNS / f'{name}.json'}", flush=True)
+
+
+# ----------------------------------------------------------------------------- dry run
+
+
+DRY_SCORED_SHAPE = ["pretrain.val_sequences=2", "pretrain.generated.train_documents=8",
+                    "pretrain.generated.val_documents=4", "pretrain.generated.world_entities=4",
+                    "pretrain.sequences_per_step=1", "data.synthetic.train_rows=8", "data.synthetic.val_rows=2",
+                    "trainer.val_prompts=2"]
+STAND_IN_MODEL = dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+                      num_key_value_heads=1)  # the tiny model's smallest shape: a merge or a score in milliseconds
+
+
+class StandIn:
+    """A dry run's `train`: the run's command composed and checked as `hybridflow` checks it, printed,
+    and a stand-in run written where the run would be, in the layout the recipe writes: metrics.jsonl
+    (through the recipes' logger) with the keys this study reads, a checkpoint's hf/ every
+    trainer.save_every_steps, base_model/, final_model/ and DONE, every model one tiny model at its
+    smallest shape. A command is checked even where a finished stand-in is reused."""
+
+    def __init__(self, work: Path) -> None:
+        from hybridflow.builders import build_tiny_model
+        from hybridflow.config.schema import TinyModelConfig
+
+        self.model = build_tiny_model(work / "stand_in_model", TinyModelConfig(**STAND_IN_MODEL))
+        self.commands: dict[str, list[str]] = {}
+
+    def run(self, overrides: list[str], run_dir: Path) -> Path:
+        from hybridflow.config.stages import compose_command
+
+        config = compose_command(overrides)
+        missing = not_carried(config, overrides)
+        if missing:
+            raise SystemExit(f"{run_dir.name}: the composed config does not hold {missing}; a preset or a rule "
+                             "overrides what the study sets")
+        print(f"{run_dir.name}: hybridflow {' '.join(overrides)}", flush=True)
+        self.commands[run_dir.name] = overrides
+        if not (run_dir / "DONE").is_file():
+            self.write(config, run_dir)
+        return run_dir
+
+    def write(self, config, run_dir: Path) -> None:
+        from hybridflow.tracking import MetricsLogger, save_config
+
+        shutil.rmtree(run_dir, ignore_errors=True)
+        run_dir.mkdir(parents=True)
+        save_config(config, run_dir)
+        trainer = config.trainer
+        logger = MetricsLogger(run_dir, config.logger, total_steps=trainer.total_steps)
+        for step in range(1, trainer.total_steps + 1):
+            logger.log(step, stand_in_metrics(config, step))
+            if trainer.save_every_steps and step % trainer.save_every_steps == 0:
+                hf(run_dir, step).parent.mkdir(parents=True)
+                hf(run_dir, step).symlink_to(self.model)
+        logger.close()
+        for name in ("base_model", "final_model") if trainer.export_hf else ("base_model",):
+            (run_dir / name).symlink_to(self.model)
+        (run_dir / "DONE").write_text("0.0\n")
+
+
+def stand_in_metrics(config, step: int) -> dict[str, float]:
+    """A step's metrics under the keys its recipe logs them (recipes/pretrain.py, sft.py, ppo.py;
+    hybridflow/training/hooks.py) and this study reads, the values made up: a falling loss, a rising
+    reward and accuracy, a gradient-norm spike every 50 steps; held-out numbers when the run validates."""
+    from hybridflow.runner import validation_due
+    from hybridflow.training.hooks import GRAD_NORM_KEY, LOSS_KEY, REWARD_KEY
+
+    recipe, progress = config.recipe.name, step / config.trainer.total_steps
+    metrics = {LOSS_KEY: 3.0 - progress, GRAD_NORM_KEY: 5.0 if step % 50 == 0 else 1.0}
+    if recipe == "grpo":
+        metrics.update({REWARD_KEY: progress, "approx_kl": 1e-3 * progress})
+    if any(hook.name == "spike_recovery" for hook in config.trainer.training_hooks):
+        metrics["spike_recovery/fired"] = 0.0
+    if validation_due(config, step):
+        metrics.update({"val/loss": 3.0 - progress} if recipe == "pretrain" else {"val/accuracy": progress})
+    return metrics
+
+
+def not_carried(config, overrides: list[str]) -> list[str]:
+    """The overrides whose value the composed `config` does not hold (a config group: its name; a key
+    given twice: its last value, as Hydra composes it)."""
+    from enum import Enum
+
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from omegaconf import OmegaConf
+
+    node, missing = OmegaConf.structured(config), []
+    last = {o.key_or_group: o for o in OverridesParser.create().parse_overrides(overrides)}
+    for override in last.values():
+        held, wanted = OmegaConf.select(node, override.key_or_group), override.value()
+        held = OmegaConf.to_container(held) if OmegaConf.is_config(held) else held
+        if isinstance(held, dict) and isinstance(wanted, str):  # recipe=pretrain
+            held = held["name"]
+        if not _holds(held.value if isinstance(held, Enum) else held, wanted):
+            missing.append(override.input_line)
+    return missing
+
+
+def _holds(held, wanted) -> bool:
+    """`held` has every value `wanted` gives (a dict may hold more: the schema's defaults)."""
+    if isinstance(wanted, dict):
+        return isinstance(held, dict) and all(_holds(held.get(k), v) for k, v in wanted.items())
+    if isinstance(wanted, list):
+        return isinstance(held, list) and len(held) == len(wanted) and all(map(_holds, held, wanted))
+    return held == wanted
+
+
+def dry_run(args) -> dict:
+    """`args.experiment` on stand-in runs under `args.work` (runs/, docs/; a new temporary directory if
+    none): every run's command checked, the merges made and scored, the results, tables and plots
+    written there. Returns what it composed and wrote."""
+    global RUNS, DOCS, SEEDS, STAND_IN, SCORED_SHAPE
+    work = args.work or Path(tempfile.mkdtemp(prefix="pma_study_dry_"))
+    RUNS, DOCS, SEEDS = work / "runs", work / "docs", tuple(args.seeds)
+    DOCS.mkdir(parents=True, exist_ok=True)
+    STAND_IN, SCORED_SHAPE = StandIn(work), DRY_SCORED_SHAPE
+    run_experiment(args)
+    return {"experiment": args.experiment, "work": str(work), "commands": STAND_IN.commands,
+            "results": sorted(p.name for p in RUNS.glob("*.json")), "plots": sorted(p.name for p in DOCS.glob("*.png"))}
 
 
 # ------------------------------------------------------------------------------ report
@@ -517,10 +652,28 @@ def main() -> None:
     parser.add_argument("--grpo-steps", type=int, choices=sorted(GRPO_STEPS), default=60,
                         help="pmainit_grpo: the stage's first 60 steps, or all 250")
     parser.add_argument("--seeds", type=int, nargs="+", choices=SEEDS, default=list(SEEDS),
-                        help="pmainit_grpo: train only these seeds now")
+                        help="pmainit_grpo: train only these seeds now; a dry run: every experiment's seeds")
     parser.add_argument("--trajectory", action="store_true", help="sft: score each of the last 11 checkpoints")
+    parser.add_argument("--dry-run", action="store_true",
+                        help="check each run's command and score stand-in runs under --work; train nothing")
+    parser.add_argument("--work", type=Path, default=None,
+                        help="a dry run's runs/ and docs/ (default: a new temporary directory)")
+    parser.add_argument("--out", type=Path, default=None, help="a dry run's report (JSON): commands, results, plots")
     args = parser.parse_args()
-    torch.set_num_threads(2)
+    if not args.dry_run and (args.work or args.out):
+        parser.error("--work and --out are a dry run's: add --dry-run, or leave them out")
+    torch.set_num_threads(1 if args.dry_run else 2)  # a dry run's tensors are too small to share out
+    if args.dry_run:
+        done = dry_run(args)
+        print(f"dry run: {len(done['commands'])} command(s) checked; results {done['results']}, plots "
+              f"{done['plots']} under {done['work']}")
+        if args.out:
+            args.out.write_text(json.dumps(done, indent=1) + "\n")
+        return
+    run_experiment(args)
+
+
+def run_experiment(args) -> None:
     if args.experiment == "constant":
         constant_lr()
     elif args.experiment == "sft":

@@ -1,6 +1,10 @@
 """Plot reward per step of GRPO runs (bench/precision_curves.sh) and print a table.
 
     .venv/bin/python bench/precision_curves.py OUT.png RUN_DIR [RUN_DIR ...]
+
+Each RUN_DIR is a GRPO run directory (its metrics.jsonl); the table gives the reward's mean over
+the first and the last 5 steps. No dry run of its own: tests/unit/test_bench_dry_runs_studies.py
+composes the driver's three commands and runs this on run directories in their format.
 """
 
 from __future__ import annotations
@@ -28,8 +32,10 @@ def main() -> None:
         ax.plot(steps, [x["reward/score"] for x in r], marker="o", markersize=3, label=run.name)
         gap_ax.semilogy(steps, [max(x["rollout/log_prob_diff"], 1e-9) for x in r], label=run.name)
         mean = lambda xs: sum(xs) / len(xs)  # noqa: E731
-        print(f"{run.name}: reward steps 1-5 {mean([x['reward/score'] for x in r[:5]]):.3f}, "
-              f"steps 26-30 {mean([x['reward/score'] for x in r[-5:]]):.3f}; rollout/log_prob_diff step 1 "
+        first, last = r[:5], r[-5:]
+        print(f"{run.name}: reward steps {first[0]['step']}-{first[-1]['step']} "
+              f"{mean([x['reward/score'] for x in first]):.3f}, steps {last[0]['step']}-{last[-1]['step']} "
+              f"{mean([x['reward/score'] for x in last]):.3f}; rollout/log_prob_diff step {r[0]['step']} "
               f"{r[0]['rollout/log_prob_diff']:.2g}, median {sorted(x['rollout/log_prob_diff'] for x in r)[len(r) // 2]:.2g}; "
               f"probe gap max {max(x.get('weight_sync/probe_log_prob_gap', 0) for x in r):.2g}")
     ax.set(xlabel="step", ylabel="reward/score (share of digits)", title="GRPO on the tiny model")

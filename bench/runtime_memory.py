@@ -1,6 +1,7 @@
 """What a worker process holds before any model: the runtime term of the memory floor.
 
     PYTHONPATH=. .venv/bin/python bench/runtime_memory.py [--work /tmp/runtime_memory]
+    PYTHONPATH=. .venv/bin/python bench/runtime_memory.py --dry-run --out x.json   # compose and check; run nothing
 
 Runs the embedded default GRPO (the tiny model, a few MB of weights and optimizer state) for 3
 steps with the rollout on a pool of its own (`placement=disaggregated`), twice: with
@@ -8,6 +9,12 @@ steps with the rollout on a pool of its own (`placement=disaggregated`), twice: 
 runtime without vLLM (Python, torch, Ray, gloo); the rollout pool's, less its KV cache, is the
 runtime with vLLM; the difference between the two runs' rollout pools shows how much of the KV
 cache is resident. hybridflow/memory_budget.py's RUNTIME_BYTES* are these numbers, rounded down.
+
+The measurement is two whole runs (Ray, vLLM, minutes), so the dry run (tests/unit/
+test_bench_dry_runs_measure.py) runs neither: it composes both commands and checks them as
+`hybridflow` does before anything starts, and checks that the pools whose metrics the summary reads
+(`memory/<pool>_rss_gib`) are the placement's pools of the actor and of the rollout, with the KV cache
+each run asks for; its JSON names the commands, the metric keys and memory_budget.py's numbers.
 """
 
 from __future__ import annotations
@@ -20,28 +27,72 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
+
+from report import emit  # noqa: E402
+
+POOLS = {"actor": "train", "rollout": "gen"}  # placement=disaggregated: the role -> its pool, whose metrics are read
+KV_CACHE_GIB = (1, 2)
+
+
+def command(work: Path, kv_gib: int) -> list[str]:
+    """The run with a `kv_gib` KV cache: the embedded default GRPO, its rollout on a pool of its own."""
+    return [str(Path(sys.executable).parent / "hybridflow"), "recipe=grpo", "placement=disaggregated",
+            "trainer.total_steps=3", "trainer.val_every_steps=0", "trainer.save_every_steps=0",
+            "trainer.export_hf=false", f"rollout.kv_cache_space_gib={kv_gib}", f"logger.output_root={work / f'kv{kv_gib}'}",
+            "logger.run_name=runtime", "logger.backends=[jsonl]"]
+
+
+def metric_keys() -> dict[str, str]:
+    train, gen = POOLS["actor"], POOLS["rollout"]
+    return {"train": f"memory/{train}_rss_gib", "gen": f"memory/{gen}_rss_gib", "gen_peak": f"memory/{gen}_peak_gib"}
 
 
 def run(work: Path, kv_gib: int) -> dict[str, float]:
     out = work / f"kv{kv_gib}"
     shutil.rmtree(out, ignore_errors=True)
-    command = [str(Path(sys.executable).parent / "hybridflow"), "recipe=grpo", "placement=disaggregated",
-               "trainer.total_steps=3", "trainer.val_every_steps=0", "trainer.save_every_steps=0",
-               "trainer.export_hf=false", f"rollout.kv_cache_space_gib={kv_gib}", f"logger.output_root={out}",
-               "logger.run_name=runtime", "logger.backends=[jsonl]"]
-    print(" ".join(command[1:]), flush=True)
-    subprocess.run(command, cwd=ROOT, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    argv = command(work, kv_gib)
+    print(" ".join(argv[1:]), flush=True)
+    subprocess.run(argv, cwd=ROOT, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     rows = [json.loads(line) for line in (out / "runtime" / "metrics.jsonl").read_text().splitlines()]
-    last = rows[-1]
-    return {"train": last["memory/train_rss_gib"], "gen": last["memory/gen_rss_gib"],
-            "gen_peak": max(r["memory/gen_peak_gib"] for r in rows)}
+    last, keys = rows[-1], metric_keys()
+    return {"train": last[keys["train"]], "gen": last[keys["gen"]], "gen_peak": max(r[keys["gen_peak"]] for r in rows)}
+
+
+def dry_run(work: Path) -> dict:
+    """Both runs' commands composed and checked as `hybridflow` checks them, nothing run: each places the
+    actor and the rollout on the pools whose metrics `run` reads, with the KV cache it names."""
+    from hybridflow.config.stages import compose_command
+    from hybridflow.memory_budget import RUNTIME_BYTES, RUNTIME_BYTES_WITH_VLLM
+
+    commands = {}
+    for kv_gib in KV_CACHE_GIB:
+        argv = command(work, kv_gib)
+        if not Path(argv[0]).exists():
+            raise SystemExit(f"{argv[0]} does not exist: install the project into this environment (pip install -e .)")
+        config = compose_command(argv[1:])
+        placed = {role: config.placement.roles[role] for role in POOLS}
+        rollout = (config.rollout.backend, config.rollout.kv_cache_space_gib)
+        if placed != POOLS or rollout != ("vllm", kv_gib):
+            raise SystemExit(f"kv {kv_gib}: the command places {placed} with a rollout (backend, KV GiB) of "
+                             f"{rollout}; the summary reads the pools {POOLS} of a vLLM rollout with {kv_gib} GiB: "
+                             "update POOLS or command() in bench/runtime_memory.py")
+        commands[kv_gib] = {"command": " ".join(argv), "roles": placed, "rollout_backend": config.rollout.backend,
+                            "total_steps": config.trainer.total_steps}
+    return {"dry_run": True, "commands": commands, "metric_keys": metric_keys(),
+            "runtime_bytes": RUNTIME_BYTES, "runtime_bytes_with_vllm": RUNTIME_BYTES_WITH_VLLM}
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--work", type=Path, default=Path("/tmp/runtime_memory"))
+    p.add_argument("--dry-run", action="store_true", help="compose and check both commands; run nothing")
+    p.add_argument("--out", default="", help="the dry run's report as JSON")
     args = p.parse_args()
-    one, two = run(args.work, 1), run(args.work, 2)
+    if args.dry_run:
+        return emit(dry_run(args.work), args.out)
+    one, two = (run(args.work, kv_gib) for kv_gib in KV_CACHE_GIB)
     print(f"training process, no engine: {one['train']:.2f} / {two['train']:.2f} GiB resident at the end of step 3")
     print(f"rollout process: {one['gen']:.2f} GiB with a 1 GiB KV cache, {two['gen']:.2f} GiB with 2 GiB "
           f"(resident share of the second GiB: {two['gen'] - one['gen']:.2f})")

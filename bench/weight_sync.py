@@ -1,6 +1,7 @@
 """Benchmark: the weight sync in every placement, against the layout minimum and a plain copy.
 
     PYTHONPATH=. .venv/bin/python bench/weight_sync.py [--models tiny,100m] [--syncs 5]
+    PYTHONPATH=. .venv/bin/python bench/weight_sync.py --dry-run --models tiny [--out dry.json]  # seconds; no Ray
 
 For each model (the tiny default, and a ~100M-parameter Qwen2 built offline from a config)
 and each mode — colocated TP 1 and TP 2 over 2 FSDP2 ranks, disaggregated 1 -> 1, 2 -> 1 and
@@ -11,11 +12,17 @@ layout minimum for the pair of layouts (from the shapes), and the ratio to the c
 a plain `torch` copy, on the same machine, of the bytes one rank's engine holds (its whole
 generation slice: the least any sync must write). Checks are off while timing (the probe
 costs a generation). Results go to docs/resharding_benchmark.md.
+
+--dry-run starts nothing: each model is built and counted, and each mode's placement composed
+and checked as `hybridflow` would run it (`command`: GRPO on that model, float32, checks off),
+then held against what `run_mode` would spawn: its pools, its roles' specs (built, not started)
+and its transport. One line per mode; `--out` writes them as JSON.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import sys
 import tempfile
@@ -39,31 +46,44 @@ MODELS = {
 }
 
 
-def run_mode(model_dir: Path, actor_ranks: int, rollout_ranks: int | None, tp: int, syncs: int) -> dict:
+def mode_roles(model_dir: Path, tp: int) -> dict:
+    """The actor's and the rollout's specs for one mode (the rollout's engines `tp` ranks wide)."""
     from transformers import AutoTokenizer
 
-    from hybridflow.config.schema import HybridFlowConfig, RolloutConfig, WeightSyncConfig
-    from hybridflow.controller import PoolSpec, ResourcePool, RoleSpec, spawn_workers
-    from hybridflow.resharding.sync import WeightSync
-    from hybridflow.resharding.transports import build_transport
+    from hybridflow.config.schema import HybridFlowConfig, RolloutConfig
+    from hybridflow.controller import RoleSpec
     from recipes.roles import actor_role
     from workers.rollout.vllm_rollout import VLLMRollout
 
-    env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1"}
     tok = AutoTokenizer.from_pretrained(model_dir)
     rollout = RoleSpec(VLLMRollout, dict(model_path=str(model_dir), rollout=RolloutConfig(tensor_parallel_size=tp),
                                          max_prompt_tokens=16, eos_token_id=tok.eos_token_id,
                                          pad_token_id=tok.pad_token_id), replica_size=tp)
-    actor = actor_role(HybridFlowConfig(), model_dir)
-    tag = f"{actor_ranks}{rollout_ranks}{tp}{time.monotonic_ns() % 10000}"
+    return {"actor": actor_role(HybridFlowConfig(), model_dir), "rollout": rollout}
+
+
+def mode_pools(actor_ranks: int, rollout_ranks: int | None, tag: str) -> list:
+    """(pool, the roles it hosts) for one mode: one pool for both (colocated), or one each."""
+    from hybridflow.controller import PoolSpec
+
     if rollout_ranks is None:
-        groups = spawn_workers(ResourcePool(PoolSpec(f"b{tag}", devices_per_node=actor_ranks)),
-                               {"actor": actor, "rollout": rollout}, env_vars=env)
-    else:
-        groups = spawn_workers(ResourcePool(PoolSpec(f"t{tag}", devices_per_node=actor_ranks)), {"actor": actor},
-                               env_vars=env)
-        groups.update(spawn_workers(ResourcePool(PoolSpec(f"g{tag}", devices_per_node=rollout_ranks)),
-                                    {"rollout": rollout}, env_vars=env))
+        return [(PoolSpec(f"b{tag}", devices_per_node=actor_ranks), ["actor", "rollout"])]
+    return [(PoolSpec(f"t{tag}", devices_per_node=actor_ranks), ["actor"]),
+            (PoolSpec(f"g{tag}", devices_per_node=rollout_ranks), ["rollout"])]
+
+
+def run_mode(model_dir: Path, actor_ranks: int, rollout_ranks: int | None, tp: int, syncs: int) -> dict:
+    from hybridflow.config.schema import WeightSyncConfig
+    from hybridflow.controller import ResourcePool, spawn_workers
+    from hybridflow.resharding.sync import WeightSync
+    from hybridflow.resharding.transports import build_transport
+
+    env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1"}
+    roles = mode_roles(model_dir, tp)
+    tag = f"{actor_ranks}{rollout_ranks}{tp}{time.monotonic_ns() % 10000}"
+    groups = {}
+    for pool, hosted in mode_pools(actor_ranks, rollout_ranks, tag):
+        groups.update(spawn_workers(ResourcePool(pool), {role: roles[role] for role in hosted}, env_vars=env))
     try:
         for future in [groups["actor"].start.remote(), groups["rollout"].start.remote()]:
             future.get()
@@ -98,6 +118,66 @@ print("RELOAD", sorted(times[1:])[1])
 """
 
 
+def command(name: str, actor_ranks: int, rollout_ranks: int | None, tp: int) -> list[str]:
+    """The `hybridflow` overrides of a GRPO run on model `name` in one mode's placement, its weights
+    synced as the bench syncs them (float32, no check)."""
+    if rollout_ranks is None:
+        placement = ["placement=colocated", f"placement.pools.global.devices_per_node={actor_ranks}"]
+    else:
+        placement = ["placement=disaggregated", f"placement.pools.train.devices_per_node={actor_ranks}",
+                     f"placement.pools.gen.devices_per_node={rollout_ranks}"]
+    return ["recipe=grpo", *(f"model.tiny.{key}={value}" for key, value in MODELS[name].items()), *placement,
+            f"rollout.tensor_parallel_size={tp}", "model.dtype=float32", "rollout.dtype=float32",
+            "weight_sync.check=none"]
+
+
+def differences(config, name: str, pools: list, roles: dict) -> dict[str, tuple]:
+    """What the composed `config` of model `name` gives otherwise than the bench spawns it (`pools`,
+    `roles`): {what: (the config's, the bench's)}; empty when they agree."""
+    placement, rollout = config.placement, roles["rollout"]
+    spawned = {role: pool.devices_per_node for pool, hosted in pools for role in hosted}
+    checks = {
+        "ranks per role": ({r: placement.pools[placement.roles[r]].devices_per_node for r in spawned}, spawned),
+        "one pool for both": (placement.roles["actor"] == placement.roles["rollout"], len(pools) == 1),
+        "engine TP": (config.rollout.tensor_parallel_size, rollout.kwargs["rollout"].tensor_parallel_size),
+        "ranks per engine": (config.rollout.tensor_parallel_size, rollout.replica_size),
+        "dtypes": ((config.model.dtype.value, config.rollout.dtype.value),
+                   (roles["actor"].kwargs["dtype"], rollout.kwargs["rollout"].dtype.value)),
+        "model": ({key: getattr(config.model.tiny, key) for key in MODELS[name]}, MODELS[name])}
+    return {what: pair for what, pair in checks.items() if pair[0] != pair[1]}
+
+
+def dry_run(models: list[str]) -> dict:
+    """Each model built and counted, each mode's command composed and checked (hybridflow.config.stages)
+    and held against what `run_mode` spawns (`differences`), its roles' specs and transport built.
+    Nothing started."""
+    from hybridflow.builders import build_tiny_model
+    from hybridflow.config.schema import TinyModelConfig
+    from hybridflow.config.stages import compose_command
+    from hybridflow.resharding.transports import build_transport
+
+    report = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for name in models:
+            model_dir = build_tiny_model(Path(tmp) / name, TinyModelConfig(**MODELS[name]))
+            params = _parameters(model_dir)
+            for mode, actor_ranks, rollout_ranks, tp in MODES:
+                overrides = command(name, actor_ranks, rollout_ranks, tp)
+                pools, roles = mode_pools(actor_ranks, rollout_ranks, "dry"), mode_roles(model_dir, tp)
+                wrong = differences(compose_command(overrides), name, pools, roles)
+                if wrong:
+                    raise SystemExit(f"{name}, {mode}: `hybridflow {' '.join(overrides)}` is not what the bench "
+                                     f"spawns: " + "; ".join(f"{what} {ours} there, {theirs} here"
+                                                             for what, (ours, theirs) in wrong.items()))
+                transport = build_transport(colocated=len(pools) == 1)
+                print(f"{name}, {mode}: hybridflow {' '.join(overrides)} ({transport} transport)")
+                report[f"{name}, {mode}"] = {
+                    "overrides": overrides, "parameters": params, "pools": len(pools), "tensor_parallel_size": tp,
+                    "ranks": {role: pool.devices_per_node for pool, hosted in pools for role in hosted},
+                    "transport": str(transport)}
+    return report
+
+
 def vllm_reload_seconds(model_dir: Path) -> float:
     """vLLM's own reload of the whole model from memory (median of 3 after a warm-up)."""
     import subprocess
@@ -112,7 +192,17 @@ def main() -> None:
     parser.add_argument("--models", default="tiny,100m")
     parser.add_argument("--syncs", type=int, default=5)
     parser.add_argument("--output", default=str(ROOT / "docs" / "resharding_benchmark.md"))
+    parser.add_argument("--dry-run", action="store_true",
+                        help="build the models, compose and check each mode's command; start nothing")
+    parser.add_argument("--out", default=None, help="a dry run's report (JSON)")
     args = parser.parse_args()
+    if args.out and not args.dry_run:
+        parser.error("--out is a dry run's report: add --dry-run (the benchmark writes --output)")
+    if args.dry_run:
+        report = dry_run(args.models.split(","))
+        if args.out:
+            Path(args.out).write_text(json.dumps(report, indent=1) + "\n")
+        return
 
     import ray
 

@@ -53,6 +53,9 @@ FILE_SECONDS = {
         "tests/e2e/test_agent_rollout.py": 45, "tests/controller/test_core_pinning.py": 30,
         "tests/unit/test_fsdp_start.py": 25, "tests/unit/test_resume_rank_count.py": 20, "tests/unit/test_precision.py": 20,
         "tests/e2e/test_preflight.py": 20, "tests/unit/test_host_reads.py": 20,
+        # the bench dry runs added at 26b6760, measured on a 2-core Xeon with AMX (one process) and doubled
+        "tests/unit/test_bench_dry_runs_measure.py": 60, "tests/unit/test_bench_dry_runs_studies.py": 20,
+        "tests/unit/test_bench_dry_runs_runs.py": 15,
     },
     "slow": {
         "tests/e2e/test_real_model.py": 820, "tests/e2e/test_async.py": 570, "tests/e2e/test_architectures.py": 460,

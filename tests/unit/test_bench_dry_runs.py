@@ -126,3 +126,45 @@ def test_the_placement_validation_bench_ranks_each_workloads_plans_and_composes_
         assert len(ranks) == min(5, result["candidates"])
         for run in result["runs"]:
             assert run["predicted"]["step"] > 0 and run["composed_total_steps"] == 6, run
+
+
+def test_the_paper_placement_bench_prints_one_case_of_its_table():
+    """bench/paper_placement.py --dry-run: 13B on 16 simulated A100s through the same table as the whole run,
+    the planner's family beside the paper's (colocate for both)."""
+    done = subprocess.run([sys.executable, "bench/paper_placement.py", "--dry-run"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    rows = [line for line in done.stdout.splitlines() if line.startswith("| 13B")]
+    assert len(rows) == 1 and rows[0].split("|")[3:5] == [" colocate ", " colocate "], done.stdout
+    assert "agrees with the paper in 1 of 1 published cases" in done.stdout
+
+
+# Run only inside TRL's own virtual environment (bench/trl_env.sh), which the tests do not build: their
+# command lines are composed by the dry runs of the benches that start them.
+RUN_BY_ANOTHER_BENCH = {"trl_grpo_steps.py": "grpo_vs_trl.py, real_learning_vs_trl.py",
+                        "trl_dpo_steps.py": "dpo_vs_trl.py"}
+
+
+def scripts_without_a_dry_run(bench_dir: Path, tests: list[Path]) -> list[str]:
+    """The bench scripts (files with a `__main__` block) that no dry-run test names (`bench/<script>`, or
+    `"<script>"` given to `_dry_run`), less RUN_BY_ANOTHER_BENCH."""
+    named = "".join(t.read_text() for t in tests)
+    return sorted(p.name for p in bench_dir.glob("*.py") if 'if __name__ == "__main__":' in p.read_text()
+                  and p.name not in RUN_BY_ANOTHER_BENCH and f"bench/{p.name}" not in named and f'"{p.name}"' not in named)
+
+
+def dry_run_tests() -> list[Path]:
+    return sorted((ROOT / "tests" / "unit").glob("test_bench_*.py"))
+
+
+def test_every_bench_script_has_a_dry_run_that_a_test_runs(tmp_path):
+    """A bench whose results docs quote cannot rot unseen: every script in bench/ with a `__main__` is named
+    by a test in tests/unit/test_bench_*.py (the dry runs above); a script added without one is caught."""
+    assert scripts_without_a_dry_run(ROOT / "bench", dry_run_tests()) == []
+    for name in RUN_BY_ANOTHER_BENCH:
+        assert (ROOT / "bench" / name).exists(), name  # an exception for a script that is gone is stale
+    planted, script = tmp_path / "bench", "planted_" + "bench.py"  # a name no test file spells out
+    planted.mkdir()
+    (planted / script).write_text('if __name__ == "__main__":\n    print(1)\n')
+    (planted / "helper.py").write_text("X = 1\n")  # a module, not a script
+    assert scripts_without_a_dry_run(planted, dry_run_tests()) == [script]
