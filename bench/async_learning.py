@@ -321,6 +321,9 @@ def main() -> None:
     parser.add_argument("--dry-run", action="store_true",
                         help="compose and check every run's command, report on small metrics written here; run nothing")
     args = parser.parse_args()
+    if args.val_every < 3:
+        parser.error(f"--val-every {args.val_every}: a step is timed between two steps without a validation, "
+                     "and the curve needs validations; give 3 or more")
     if args.dry_run:
         dry_run(args)
         return

@@ -107,6 +107,8 @@ def main() -> None:
     parser.add_argument("--dry-run", action="store_true", help="compose and check each schedule's command, read a "
                                                                "small metrics.jsonl written here; run nothing")
     args = parser.parse_args()
+    if args.steps < 4:
+        parser.error(f"--steps {args.steps}: the first two steps are warm-up and a median needs two more; give 4 or more")
     with tempfile.TemporaryDirectory() as tmp:
         if args.dry_run:
             dry_run(args.steps, args.extra, Path(tmp))

@@ -145,9 +145,6 @@ def dry_run(args, extra: list[str], work: Path) -> str:
     from hybridflow.tracking import save_config
     from tests.real_model import write_chat_addition
 
-    if args.steps < 10:
-        raise SystemExit(f"--steps {args.steps}: the table compares step 10's peak with the last one's; "
-                         "give 10 or more")
     train, val = write_chat_addition(work / "data", train_rows=2000, val_rows=args.val_prompts)
     run_dir = work / "runs" / "memory"
     overrides = overrides_of(args, build_tiny_model(work / "model"), train, val, run_dir, extra)
@@ -186,6 +183,8 @@ def main() -> None:
                                                           "render the table from small metrics into a temporary "
                                                           "copy of the doc")
     args, extra = p.parse_known_args()
+    if args.steps < 10:
+        p.error(f"--steps {args.steps}: the table compares step 10's peak with the last one's; give 10 or more")
     if args.dry_run:
         import tempfile
 
