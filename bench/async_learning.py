@@ -48,7 +48,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bench"))
 
-from composed import carried  # noqa: E402
+from composed import carried, write_metrics  # noqa: E402
 GRPO = ["recipe=grpo", "trainer.prompts_per_step=64", "rollout.samples_per_prompt=8",
         "actor.samples_per_micro_batch=512", "actor.samples_per_mini_batch=128", "actor.clip_ratio_high=0.28",
         "actor.optim.lr=1e-4", "actor.optim.warmup_steps=10", "actor.optim.lr_schedule=cosine",
@@ -279,8 +279,6 @@ def dry_run(args) -> None:
 
     with tempfile.TemporaryDirectory() as tmp:
         sft = args.sft.resolve() if args.sft else build_tiny_model(Path(tmp) / "sft")  # the tiny model as "SFT"
-        if not (sft / "config.json").exists():
-            sys.exit(f"--sft {sft}: no config.json there; pass a checkpoint's hf/ directory")
         fake_root = Path(tmp) / "runs"
         for seed in args.seeds:
             for k in args.schedules:
@@ -292,10 +290,7 @@ def dry_run(args) -> None:
                 if missed:
                     raise SystemExit(f"({k}) seed {seed}: the composed config does not carry {' '.join(missed)}")
                 print(f"{run_dir(args.root, k, seed).name}: hybridflow {' '.join(overrides)}")
-                path = run_dir(fake_root, k, seed)
-                path.mkdir(parents=True)
-                (path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n"
-                                                            for r in dry_run_rows(config, args.steps)))
+                write_metrics(run_dir(fake_root, k, seed), dry_run_rows(config, args.steps))
         results = report(fake_root, args.schedules, args.seeds, args.steps)
         if any(len(runs) != len(args.seeds) for runs in results.values()):
             raise SystemExit("the report did not read every run's metrics.jsonl as finished")
@@ -324,14 +319,14 @@ def main() -> None:
     if args.val_every < 3:
         parser.error(f"--val-every {args.val_every}: a step is timed between two steps without a validation, "
                      "and the curve needs validations; give 3 or more")
+    if args.sft is None and not args.dry_run:
+        parser.error("the following arguments are required: --sft")
+    if args.sft is not None and not (args.sft / "config.json").exists():
+        sys.exit(f"--sft {args.sft}: no config.json there; pass a checkpoint's hf/ directory "
+                 "(docs/learning.md section 1 makes one)")
     if args.dry_run:
         dry_run(args)
         return
-    if args.sft is None:
-        parser.error("the following arguments are required: --sft")
-    if not (args.sft / "config.json").exists():
-        sys.exit(f"--sft {args.sft}: no config.json there; pass a checkpoint's hf/ directory "
-                 "(docs/learning.md section 1 makes one)")
     args.root.mkdir(parents=True, exist_ok=True)
     if not args.report_only:
         for seed in args.seeds:

@@ -30,7 +30,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bench"))
 
-from composed import carried  # noqa: E402
+from composed import carried, write_metrics  # noqa: E402
 SCHEDULES = {
     "colocated, sync": ["placement=colocated"],
     "disaggregated, sync": ["placement=disaggregated"],
@@ -92,10 +92,7 @@ def dry_run(steps: int, extra: list[str], root: Path) -> list[list[str]]:
         print(f"{name}: hybridflow {' '.join(composed)}")
         rows = [{"step": s, "time/elapsed_s": 5.0 * min(s, 2) + DRY_RUN_STEP_S * max(s - 2, 0),
                  **{key: 9.0 if s <= 2 else 0.5 for key in KEYS}} for s in range(1, steps + 1)]
-        run_dir = root / run_name(name)
-        run_dir.mkdir(parents=True, exist_ok=True)
-        (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-        print(result_line(name, summarize(run_dir)))
+        print(result_line(name, summarize(write_metrics(root / run_name(name), rows).parent)))
         commands.append(composed)
     return commands
 

@@ -1,8 +1,20 @@
 """What the bench scripts' dry runs share: a composed `hybridflow` command checked against what the
 bench sets, so a bench whose overrides stop reaching the config (a key renamed, a placement file
-changed) fails its dry run instead of measuring something else."""
+changed) fails its dry run instead of measuring something else; and a stand-in run's metrics.jsonl
+for their readers of finished runs."""
 
 from __future__ import annotations
+
+import json
+from pathlib import Path
+
+
+def write_metrics(run_dir: Path, rows: list[dict]) -> Path:
+    """`rows` (one per step) as a run writes them: one JSON object a line in run_dir/metrics.jsonl."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    path = run_dir / "metrics.jsonl"
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return path
 
 
 def carried(config, override: str) -> bool:

@@ -44,7 +44,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
-from composed import check_composed  # noqa: E402
+from composed import check_composed, write_metrics  # noqa: E402
 from doc_markers import write_between  # noqa: E402
 from trl_side import trl_process_env  # noqa: E402
 from flop_floor import StepTokens, floor_seconds, grpo_step_flops, matmul_flops_per_s  # noqa: E402
@@ -305,9 +305,7 @@ def stand_in_metrics(path: Path, steps: int, response_tokens: int) -> Path:
     rows = [{"step": step, **{f"timing/{s}_s": 0.1 * (i + 1) for i, s in enumerate(STAGES)},
              "weight_sync/seconds": 0.2, "response/tokens": float(response_tokens), "time/elapsed_s": 2.0 * step}
             for step in range(1, steps + 1)]
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return path
+    return write_metrics(path.parent, rows)
 
 
 def stand_in_trl_result(path: Path, steps: int, response_tokens: int, processes: int) -> Path:

@@ -34,7 +34,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
-from composed import carried  # noqa: E402
+from composed import carried, write_metrics  # noqa: E402
 from doc_markers import write_between  # noqa: E402
 
 BEGIN, END = "<!-- memory_steps:begin -->", "<!-- memory_steps:end -->"
@@ -160,7 +160,7 @@ def dry_run(args, extra: list[str], work: Path) -> str:
     run_dir.mkdir(parents=True)
     save_config(config, run_dir)
     rows = dry_run_rows(args)
-    (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    write_metrics(run_dir, rows)
     floor, terms = floor_gib(run_dir)
     text = render(rows, floor, terms, ["hybridflow", *overrides], args, run_dir)
     doc = work / args.doc.name

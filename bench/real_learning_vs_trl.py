@@ -42,7 +42,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
-from composed import check_composed  # noqa: E402
+from composed import check_composed, write_metrics  # noqa: E402
 from doc_markers import write_between  # noqa: E402
 from trl_side import trl_process_env  # noqa: E402
 
@@ -215,9 +215,7 @@ def stand_in_metrics(path: Path, steps: int, val_every: int) -> Path:
     """A GRPO run's metrics.jsonl with made-up numbers, in the keys hybridflow_result reads."""
     rows = [{"step": step, "timing/generate_s": 1.0, "timing/step_s": 3.0, "time/elapsed_s": 3.0 * step,
              **({"val/accuracy": 0.2 + 0.1 * step} if step % val_every == 0 else {})} for step in range(1, steps + 1)]
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return path
+    return write_metrics(path.parent, rows)
 
 
 def stand_in_trl_result(path: Path, steps: int, val_every: int) -> Path:

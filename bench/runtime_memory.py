@@ -65,6 +65,7 @@ def dry_run(work: Path) -> dict:
     actor and the rollout on the pools whose metrics `run` reads, with the KV cache it names."""
     from hybridflow.config.stages import compose_command
     from hybridflow.memory_budget import RUNTIME_BYTES, RUNTIME_BYTES_WITH_VLLM
+    from hybridflow.planning.plan import Plan
 
     commands = {}
     for kv_gib in KV_CACHE_GIB:
@@ -72,7 +73,8 @@ def dry_run(work: Path) -> dict:
         if not Path(argv[0]).exists():
             raise SystemExit(f"{argv[0]} does not exist: install the project into this environment (pip install -e .)")
         config = compose_command(argv[1:])
-        placed = {role: config.placement.roles[role] for role in POOLS}
+        plan = Plan.from_config(config)  # the pools a run places its roles on
+        placed = {role: plan.pool_of(role).name for role in POOLS}
         rollout = (config.rollout.backend, config.rollout.kv_cache_space_gib)
         if placed != POOLS or rollout != ("vllm", kv_gib):
             raise SystemExit(f"kv {kv_gib}: the command places {placed} with a rollout (backend, KV GiB) of "

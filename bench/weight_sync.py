@@ -134,13 +134,15 @@ def command(name: str, actor_ranks: int, rollout_ranks: int | None, tp: int) -> 
 def differences(config, name: str, pools: list, roles: dict) -> dict[str, tuple]:
     """What the composed `config` of model `name` gives otherwise than the bench spawns it (`pools`,
     `roles`): {what: (the config's, the bench's)}; empty when they agree."""
-    placement, rollout = config.placement, roles["rollout"]
+    from hybridflow.planning.plan import Plan
+
+    plan, rollout = Plan.from_config(config), roles["rollout"]  # the config's pools and TP, as a run reads them
     spawned = {role: pool.devices_per_node for pool, hosted in pools for role in hosted}
     checks = {
-        "ranks per role": ({r: placement.pools[placement.roles[r]].devices_per_node for r in spawned}, spawned),
-        "one pool for both": (placement.roles["actor"] == placement.roles["rollout"], len(pools) == 1),
-        "engine TP": (config.rollout.tensor_parallel_size, rollout.kwargs["rollout"].tensor_parallel_size),
-        "ranks per engine": (config.rollout.tensor_parallel_size, rollout.replica_size),
+        "ranks per role": ({r: plan.devices_of(r) for r in spawned}, spawned),
+        "one pool for both": (plan.rollout_colocated, len(pools) == 1),
+        "engine TP": (plan.rollout_tp, rollout.kwargs["rollout"].tensor_parallel_size),
+        "ranks per engine": (plan.replica_size("rollout"), rollout.replica_size),
         "dtypes": ((config.model.dtype.value, config.rollout.dtype.value),
                    (roles["actor"].kwargs["dtype"], rollout.kwargs["rollout"].dtype.value)),
         "model": ({key: getattr(config.model.tiny, key) for key in MODELS[name]}, MODELS[name])}
