@@ -23,6 +23,15 @@ states are per rank, so rank r < N gets saved rank r's, the states of saved rank
 dropped, and a rank r >= N is seeded with `derived_seed(saved rank 0's state, r)`. A rank's
 `extra` is its own saved one, or rank 0's when it has none; if the saved ranks' extras differ
 the load is refused (a per-rank value cannot be spread over another rank count).
+
+One rank saves and loads without DCP's collectives (`no_dist`): on a one-rank group they exchange
+nothing, and on a CPU they cost every later step. DCP gathers the save plans over gloo; gloo
+copies the pickled plans (hundreds of kB) in its own thread, and that copy, large enough to run
+on torch's OpenMP threads, gives that thread an OpenMP team of its own. From then on libgomp
+counts more threads than cores and stops spinning at its barriers: each parallel region of the
+training thread waits for a sleeping thread to wake (~80 us on these VMs), and the default
+pipeline's SFT step went from 0.10 to 0.15 s after its first checkpoint, for the rest of the
+stage (docs/performance.md, "The SFT step beside a plain loop").
 """
 
 from __future__ import annotations
@@ -80,7 +89,7 @@ def save_training_state(directory: "str | os.PathLike[str]", *, model: torch.nn.
 
     model_state, optim_state = get_state_dict(model, optimizer, options=StateDictOptions(**OPTIONS))
     with _single_process_quiet():
-        dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=directory)
+        dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=directory, no_dist=world_size == 1)
     digests = _hash_own_shards(directory, rank)
     digests[rng_file(rank)] = atomic_torch_save(directory / rng_file(rank), rng)
     if extra is not None:
@@ -169,7 +178,7 @@ def _load_sharded(directory: Path, model: torch.nn.Module, optimizer: torch.opti
     state = {"model": model_state, "optim": optim_state}
     try:
         with _single_process_quiet():
-            dcp.load(state, checkpoint_id=directory)
+            dcp.load(state, checkpoint_id=directory, no_dist=world_size == 1)
     except (Exception, CheckpointException) as exc:  # DCP wraps every rank's failure in one, a BaseException
         counts = f" (saved by {saved} ranks, loading on {world_size})" if saved != world_size else ""
         raise CheckpointError(f"{directory}: loading the sharded model/optimizer state failed on rank {rank}"

@@ -127,8 +127,8 @@ KILL_SCRIPT = textwrap.dedent("""
     run_dir, where = sys.argv[1], sys.argv[2]
     real_dcp_save, real_write = dcp.save, files.atomic_write_bytes
 
-    def die_in_shard(state, checkpoint_id):  # the shard half on disk, no .metadata: a kill mid-write
-        real_dcp_save(state, checkpoint_id=checkpoint_id)
+    def die_in_shard(state, checkpoint_id, **options):  # the shard half on disk, no .metadata: a kill mid-write
+        real_dcp_save(state, checkpoint_id=checkpoint_id, **options)
         shard = Path(checkpoint_id) / "__0_0.distcp"
         shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
         (Path(checkpoint_id) / ".metadata").unlink()

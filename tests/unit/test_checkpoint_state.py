@@ -74,6 +74,37 @@ def test_single_process_round_trip(tmp_path):
         assert torch.equal(value, expected[key]), key
 
 
+def test_one_rank_of_a_process_group_saves_and_loads_without_a_collective(tmp_path, monkeypatch):
+    """DCP's plan exchange over gloo on a one-rank group exchanges nothing and slows every later CPU
+    step (hybridflow/checkpoint/training_state.py): a rank alone in its group saves and loads with none."""
+    import socket
+
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        pytest.skip("this process already has a process group")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    calls = []
+    for name in ("gather_object", "all_gather_object", "scatter_object_list", "broadcast_object_list",
+                 "all_reduce", "barrier", "gather", "all_gather", "broadcast"):
+        monkeypatch.setattr(dist, name, lambda *a, _name=name, **k: calls.append(_name))
+    try:
+        model, optimizer, scheduler = _tiny_training()
+        _step(model, optimizer, scheduler)
+        save_training_state(tmp_path / "actor", model=model, optimizer=optimizer, scheduler=scheduler, rank=0)
+        expected = {k: v.clone() for k, v in model.state_dict().items()}
+        model, optimizer, scheduler = _tiny_training(seed=7)
+        load_training_state(tmp_path / "actor", model=model, optimizer=optimizer, scheduler=scheduler, rank=0)
+    finally:
+        dist.destroy_process_group()
+    assert calls == []
+    for key, value in model.state_dict().items():
+        assert torch.equal(value, expected[key]), key
+
+
 def test_load_errors_name_path_and_fix(tmp_path):
     model, optimizer, scheduler = _tiny_training()
     directory = tmp_path / "actor"
