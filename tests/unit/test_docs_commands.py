@@ -197,7 +197,7 @@ def test_a_planted_mismatch_is_caught(tmp_path, monkeypatch):
     monkeypatch.setattr(stages, "route", lambda config: {s.name: [] for s in config.pipeline.stages})
     assert sorted(problems_of(planted[0])) == [
         "reward.fn=math_answer: grpo has reward.fn='exact_match'", "reward.fn=math_answer: sft has reward.fn='exact_match'",
-        "stages.grpo.trainer.total_steps=9: grpo has trainer.total_steps=250"]
+        "stages.grpo.trainer.total_steps=9: grpo has trainer.total_steps=150"]
 
 
 def test_the_cluster_pages_command_composes_to_what_the_page_says(tmp_path, monkeypatch):
