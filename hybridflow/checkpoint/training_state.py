@@ -26,7 +26,7 @@ the load is refused (a per-rank value cannot be spread over another rank count).
 
 One rank saves and loads without DCP's collectives (`no_dist`): on a one-rank group they exchange
 nothing, and on a CPU they cost every later step. DCP gathers the save plans over gloo; gloo
-copies the pickled plans (hundreds of kB) in its own thread, and that copy, large enough to run
+copies the pickled plans in its own thread, and that copy, large enough to run
 on torch's OpenMP threads, gives that thread an OpenMP team of its own. From then on libgomp
 counts more threads than cores and stops spinning at its barriers: each parallel region of the
 training thread waits for a sleeping thread to wake (~80 us on these VMs), and the default
