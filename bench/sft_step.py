@@ -1,7 +1,7 @@
 """The actor's SFT step beside a plain PyTorch loop on the same model, batch and optimizer.
 
-    python bench/sft_step.py [--steps 40] [--rows 128] [--out docs/sft_step.json]
-    python bench/sft_step.py --dry-run      # 2 steps of 8 rows: what tests/unit/test_bench_dry_runs.py runs
+    python bench/sft_step.py [--steps 40] [--rows 128] [--save-every 25] [--out docs/sft_step.json]
+    python bench/sft_step.py --dry-run      # 2 steps of 8 rows, a save after the first: what tests/unit/test_bench_dry_runs.py runs
 
 The default pipeline's SFT stage (conf/recipe/pipeline.yaml: the tiny model, 128 arithmetic rows a
 step in one micro-batch, lr 3e-3, one rank with both cores) spends nearly all its time in
@@ -9,7 +9,11 @@ step in one micro-batch, lr 3e-3, one rank with both cores) spends nearly all it
 runs it) against the loop a user writes without a framework: the same float32 model, the same
 inputs with all-padding columns trimmed, cross-entropy on the answer tokens, `clip_grad_norm_`,
 AdamW. Each side runs `--steps` updates on the same batches, alternated A B A B (timings on these
-machines drift), and the medians and their ratio are printed and written as JSON.
+machines drift), and the medians and their ratio are printed and written as JSON. The actor saves
+a checkpoint every `--save-every` steps (25, as the stage does; not timed): a save once left every
+later step 1.5x slower (docs/performance.md, "The step after a checkpoint"), so the bench runs the
+step as the stage does and also reports the actor's median after its first save, and its ratio to
+the median before it (the plain loop runs in the same process and would slow alike).
 """
 
 from __future__ import annotations
@@ -72,12 +76,14 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--rows", type=int, default=128)
     parser.add_argument("--warmup", type=int, default=3)
-    parser.add_argument("--dry-run", action="store_true", help="2 steps of 8 rows, no warm-up")
+    parser.add_argument("--save-every", type=int, default=25,
+                        help="the actor saves a checkpoint every N steps, as the SFT stage does (0: never)")
+    parser.add_argument("--dry-run", action="store_true", help="2 steps of 8 rows, no warm-up, a save after the first")
     parser.add_argument("--padded", action="store_true", help="the actor with model.pack_sequences=false")
     parser.add_argument("--out", default="")
     args = parser.parse_args()
     if args.dry_run:
-        args.steps, args.rows, args.warmup = 2, 8, 0
+        args.steps, args.rows, args.warmup, args.save_every = 2, 8, 0, 1
 
     import torch.distributed as dist
     from transformers import AutoModelForCausalLM
@@ -102,19 +108,26 @@ def main() -> None:
         plain.train()
         optimizer = torch.optim.AdamW(plain.parameters(), lr=lr, betas=(0.9, 0.999), weight_decay=0.0)
         batches = sft_batches(model_dir, args.rows, args.warmup + args.steps)
-        ours, theirs, losses = [], [], []
+        ours, theirs, losses, saved_at = [], [], [], None
         for i, batch in enumerate(batches):
             t_ours = timed(lambda: losses.append(actor.train_sft(batch)["actor/loss"]))
             t_plain = timed(lambda: plain_step(plain, optimizer, batch))
             if i >= args.warmup:
                 ours.append(t_ours)
                 theirs.append(t_plain)
+            if args.save_every and (i + 1) % args.save_every == 0 and i + 1 < len(batches):
+                actor.save_checkpoint(str(Path(tmp) / f"step_{i + 1}"))
+                saved_at = len(ours) if saved_at is None else saved_at  # the steps timed before the first save
     dist.destroy_process_group()
     report = {"cpu": cpu_description(), "torch": torch.__version__, "threads": torch.get_num_threads(),
               "rows_per_step": args.rows, "steps": args.steps, "actor_packed": not args.padded,
               "actor_sft_step_s": statistics.median(ours), "plain_loop_step_s": statistics.median(theirs),
-              "first_loss": losses[0], "last_loss": losses[-1]}
+              "first_loss": losses[0], "last_loss": losses[-1], "save_every": args.save_every,
+              "actor_sft_step_s_after_first_save": statistics.median(ours[saved_at:]) if saved_at is not None else None}
     report["ratio"] = report["actor_sft_step_s"] / report["plain_loop_step_s"]
+    if saved_at:  # the plain loop shares the process, so a save that slows it too leaves `ratio` at 1: this does not
+        report["actor_after_over_before_first_save"] = (report["actor_sft_step_s_after_first_save"]
+                                                        / statistics.median(ours[:saved_at]))
     emit(report, args.out)
 
 

@@ -24,6 +24,8 @@ def test_the_sft_step_bench_times_the_actor_and_the_plain_loop(tmp_path):
     assert report["ratio"] == report["actor_sft_step_s"] / report["plain_loop_step_s"]
     assert report["last_loss"] < report["first_loss"]  # both sides train: the actor's loss falls
     assert report["cpu"] and report["rows_per_step"] == 8
+    assert report["save_every"] == 1 and report["actor_sft_step_s_after_first_save"] > 0  # timed after a checkpoint
+    assert report["actor_after_over_before_first_save"] > 0
 
 
 def test_the_packed_sequences_bench_times_both_paths_and_compares_their_log_probs(tmp_path):
