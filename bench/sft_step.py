@@ -117,17 +117,18 @@ def main() -> None:
                 theirs.append(t_plain)
             if args.save_every and (i + 1) % args.save_every == 0 and i + 1 < len(batches):
                 actor.save_checkpoint(str(Path(tmp) / f"step_{i + 1}"))
-                saved_at = len(ours) if saved_at is None else saved_at  # the steps timed before the first save
+                if saved_at is None:
+                    saved_at = len(ours)  # the steps timed before the first save
     dist.destroy_process_group()
     report = {"cpu": cpu_description(), "torch": torch.__version__, "threads": torch.get_num_threads(),
               "rows_per_step": args.rows, "steps": args.steps, "actor_packed": not args.padded,
               "actor_sft_step_s": statistics.median(ours), "plain_loop_step_s": statistics.median(theirs),
-              "first_loss": losses[0], "last_loss": losses[-1], "save_every": args.save_every,
-              "actor_sft_step_s_after_first_save": statistics.median(ours[saved_at:]) if saved_at is not None else None}
+              "first_loss": losses[0], "last_loss": losses[-1], "save_every": args.save_every}
     report["ratio"] = report["actor_sft_step_s"] / report["plain_loop_step_s"]
     if saved_at:  # the plain loop shares the process, so a save that slows it too leaves `ratio` at 1: this does not
-        report["actor_after_over_before_first_save"] = (report["actor_sft_step_s_after_first_save"]
-                                                        / statistics.median(ours[:saved_at]))
+        after = statistics.median(ours[saved_at:])
+        report["actor_sft_step_s_after_first_save"] = after
+        report["actor_after_over_before_first_save"] = after / statistics.median(ours[:saved_at])
     emit(report, args.out)
 
 
