@@ -3,6 +3,7 @@ runs would start and reads a small metrics.jsonl it writes as a finished run's, 
 
 from __future__ import annotations
 
+import json
 import re
 import runpy
 import sys
@@ -102,3 +103,35 @@ def test_the_qwen05_bench_builds_a_tiny_shaped_model_with_its_builder_and_compos
     assert "trainer.total_steps=2 " in command and command.endswith("rollout.dtype=bfloat16")
     assert lines[2:] == ["step 1: peak 4.25 GiB, resident at the end 3.50 GiB, update 60 s, generate 30 s",
                          "step 2: peak 4.50 GiB, resident at the end 3.50 GiB, update 120 s, generate 30 s"]
+
+
+def test_the_learning_seeds_bench_composes_grpo_and_ppo_from_each_seeds_merge_and_reads_their_curves(
+        monkeypatch, capsys, tmp_path):
+    """bench/learning_seeds.py: --dry-run composes each seed's GRPO and PPO command from that seed's PMA
+    merge; without the merges it refuses before running anything, naming the pipeline bench that makes
+    them; and a finished run's curve gives the table's columns (+20 points, 5 minutes, the gain)."""
+    pipelines = tmp_path / "p"
+    lines = _dry_run(monkeypatch, capsys, "learning_seeds.py", "--seeds", "0", "2", "--pipelines", str(pipelines),
+                     "trainer.total_steps=9")
+    assert [line.split(":")[0] for line in lines] == ["seed 0 grpo", "seed 0 ppo", "seed 2 grpo", "seed 2 ppo"]
+    assert f"model.path={pipelines / 'seed2' / '01-grpo' / 'init_model'} seed=2" in lines[3]
+    assert all(line.endswith("trainer.total_steps=9") for line in lines)  # extra overrides win: they come last
+
+    monkeypatch.setattr(sys, "argv", ["learning_seeds.py", "--seeds", "1", "--pipelines", str(pipelines),
+                                      "--root", str(tmp_path / "r")])
+    with pytest.raises(SystemExit, match=r"bench/pipeline_seeds.py --seeds 1 --root"):
+        runpy.run_path(str(ROOT / "bench" / "learning_seeds.py"), run_name="__main__")
+    assert not (tmp_path / "r").exists()
+
+    bench = runpy.run_path(str(ROOT / "bench" / "learning_seeds.py"))
+    run = tmp_path / "run"
+    run.mkdir()
+    rows = [{"step": 1, "actor/loss": 0.5}] + [{"step": s, "time/elapsed_s": m * 60, "val/accuracy": a}
+                                               for s, m, a in [(25, 1.0, 0.55), (50, 2.0, 0.66), (150, 6.0, 0.8)]]
+    (run / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    summary = bench["summarize"](run, start=0.45)
+    assert summary["first_plus_20_points"] == [50, 2.0, 0.66] == summary["last_within_5_minutes"]
+    assert summary["end"] == [150, 6.0, 0.8] and summary["gain"] == 0.35
+    assert ("| 0 | grpo | 0.450 | 0.660 at 2.0 min | 0.660 (2.0 min) | 0.800 at 6.0 min | **+35.0** |"
+            in bench["table"]({"0/grpo": summary}))
+    assert bench["summarize"](run, start=0.70)["first_plus_20_points"] is None  # +20 never reached
