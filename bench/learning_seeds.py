@@ -12,8 +12,9 @@ by `bench/pipeline_seeds.py --seeds s --root <pipelines>`; its held-out accuracy
 own evaluation of it (`01-grpo/init_eval/metrics.jsonl`). So each run starts where the SFT curve has
 levelled off, on every seed, not in the middle of a climb. Each recipe then runs its
 docs/learning.md command (RECIPES below) with `seed=<s>`, one run after another in
-`<root>/seed<s>/<recipe>`, with `trainer.resume=true`: a rerun skips what finished. Extra
-`key=value` arguments go to every run (a learning rate, a length).
+`<root>/seed<s>/<recipe>`: a rerun keeps a run whose metrics.jsonl already holds its last step's
+validation and runs the others again (`trainer.resume=true`; the runs save no checkpoints, so an
+interrupted one starts over). Extra `key=value` arguments go to every run (a learning rate, a length).
 
 Written: `--out` (JSON: the CPU, the commands, per seed and recipe the start, every validation with
 its minutes, the first validation 20 points above the start, the accuracy at 5 minutes, the end
@@ -67,6 +68,16 @@ def start_model(pipelines: Path, seed: int) -> tuple[Path, float | None]:
 def run_overrides(recipe: str, seed: int, merge: Path, root: Path, extra: list[str]) -> list[str]:
     return [*RECIPES[recipe], *COMMON, f"model.path={merge}", f"seed={seed}",
             f"logger.output_root={root / f'seed{seed}'}", f"logger.run_name={recipe}", "trainer.resume=true", *extra]
+
+
+def finished(run_dir: Path, overrides: list[str]) -> bool:
+    """Whether the run's metrics.jsonl already holds the validation of its last step (the last
+    `trainer.total_steps=` of `overrides` wins, as on the command line)."""
+    total = [o.split("=", 1)[1] for o in overrides if o.startswith("trainer.total_steps=")][-1]
+    metrics = run_dir / "metrics.jsonl"
+    return metrics.is_file() and any(
+        row.get("step") == int(total) and "val/accuracy" in row
+        for row in map(json.loads, metrics.read_text().splitlines()))
 
 
 def summarize(run_dir: Path, start: float) -> dict:
@@ -141,12 +152,16 @@ def main() -> None:
         for recipe in args.recipes:
             overrides = run_overrides(recipe, seed, merge, args.root, args.extra)
             report["commands"][f"{seed}/{recipe}"] = "hybridflow " + " ".join(overrides)
-            print(f"seed {seed} {recipe}: hybridflow {' '.join(overrides)}", flush=True)
-            done = subprocess.run([str(hybridflow), *overrides], cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
             run_dir = args.root / f"seed{seed}" / recipe
-            if done.returncode != 0:
-                raise SystemExit(f"seed {seed} {recipe}: exited with status {done.returncode}; its logs are under "
-                                 f"{run_dir / 'logs'}")
+            if finished(run_dir, overrides):
+                print(f"seed {seed} {recipe}: finished before, kept ({run_dir})", flush=True)
+            else:
+                print(f"seed {seed} {recipe}: hybridflow {' '.join(overrides)}", flush=True)
+                done = subprocess.run([str(hybridflow), *overrides], cwd=ROOT,
+                                      env={**os.environ, "PYTHONPATH": str(ROOT)})
+                if done.returncode != 0 or not finished(run_dir, overrides):
+                    raise SystemExit(f"seed {seed} {recipe}: exited with status {done.returncode} without its last "
+                                     f"step's validation; its logs are under {run_dir / 'logs'}")
             report["runs"][f"{seed}/{recipe}"] = summarize(run_dir, start)
             if args.out:  # after every run: a long study stopped midway keeps what it measured
                 args.out.write_text(json.dumps(report, indent=2) + "\n")

@@ -135,3 +135,6 @@ def test_the_learning_seeds_bench_composes_grpo_and_ppo_from_each_seeds_merge_an
     assert ("| 0 | grpo | 0.450 | 0.660 at 2.0 min | 0.660 (2.0 min) | 0.800 at 6.0 min | **+35.0** |"
             in bench["table"]({"0/grpo": summary}))
     assert bench["summarize"](run, start=0.70)["first_plus_20_points"] is None  # +20 never reached
+    assert bench["finished"](run, ["trainer.total_steps=500", "trainer.total_steps=150"])  # the last one wins
+    assert not bench["finished"](run, ["trainer.total_steps=151"])  # stopped before its last validation
+    assert not bench["finished"](tmp_path / "never_ran", ["trainer.total_steps=150"])
