@@ -33,6 +33,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
+
+from learning_curves import curve  # noqa: E402
 
 from hybridflow.precision import cpu_description  # noqa: E402
 
@@ -74,19 +77,12 @@ def finished(run_dir: Path, overrides: list[str]) -> bool:
     """Whether the run's metrics.jsonl already holds the validation of its last step (the last
     `trainer.total_steps=` of `overrides` wins, as on the command line)."""
     total = [o.split("=", 1)[1] for o in overrides if o.startswith("trainer.total_steps=")][-1]
-    metrics = run_dir / "metrics.jsonl"
-    return metrics.is_file() and any(
-        row.get("step") == int(total) and "val/accuracy" in row
-        for row in map(json.loads, metrics.read_text().splitlines()))
+    return (run_dir / "metrics.jsonl").is_file() and any(step == int(total) for step, _, _ in curve(run_dir))
 
 
 def summarize(run_dir: Path, start: float) -> dict:
     """A finished run's validations: (step, minutes, accuracy) each, and the columns of the table."""
-    points = []
-    for line in (run_dir / "metrics.jsonl").read_text().splitlines():
-        row = json.loads(line)
-        if "val/accuracy" in row:
-            points.append([row["step"], round(row["time/elapsed_s"] / 60, 2), round(row["val/accuracy"], 4)])
+    points = [[step, round(minutes, 2), round(accuracy, 4)] for step, minutes, accuracy in curve(run_dir)]
     if not points:
         raise SystemExit(f"{run_dir}/metrics.jsonl has no val/accuracy: did the run validate?")
     reached = next((p for p in points if p[2] >= start + GAIN_MARK), None)
