@@ -25,6 +25,17 @@ os.environ.setdefault("RAY_AUTH_TOKEN", secrets.token_hex(32))
 # one-test pytest run 5-16% slower in two `farm-bench` A/B pairs; this setting 0.97-1.05x Ray's defaults in three).
 os.environ.setdefault("RAY_prestart_worker_first_driver", "0")
 os.environ.setdefault("REPORTER_UPDATE_INTERVAL_MS", "60000")
+# One OpenMP thread in every process the tests start that does not size its own pool (the test processes,
+# the drivers, a run's single rank given both cores): the suite runs in two pytest-xdist workers on two cores
+# (pyproject.toml's addopts), so a process with two OpenMP threads nearly always shares its cores with the
+# other worker's, and libgomp's threads spin at each barrier (its active wait) for a partner the OS has
+# descheduled. Measured on a 2-core Xeon: a small torch training loop with two threads, 435 steps/s alone,
+# ran at 55-60 steps/s beside a second copy of itself and at 10 beside a one-thread process; with one thread
+# each, 306-316. The default tier: 8:27 -> 7:40, its tests' durations 986 -> 891 s in sum (DPO's one-rank
+# run 35 -> 15 s, tests/unit/test_precision.py 15.5 -> 4.4). Runs that pin their ranks still size each
+# rank's pool to its cores (hybridflow/controller/worker_group.py `pin_threads`); a test about threads
+# sets its own count. Set, not defaulted: like `-n 2` in addopts, it is how the suite runs.
+os.environ["OMP_NUM_THREADS"] = "1"
 
 
 @pytest.fixture(scope="module")

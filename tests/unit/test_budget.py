@@ -102,3 +102,15 @@ def test_heavy_files_go_first_and_each_file_keeps_its_tests_in_order(monkeypatch
     slow = [item("e/heavy.py::s1", slow=True), item("e/mid.py::s1", slow=True)]
     budget.heaviest_first(slow)  # a slow run orders by the slow tier's seconds
     assert [i.nodeid for i in slow] == ["e/mid.py::s1", "e/heavy.py::s1"]
+
+
+def test_the_test_processes_and_the_runs_they_start_use_one_openmp_thread():
+    """tests/conftest.py: two pytest-xdist workers share two cores, so a second OpenMP thread in a test
+    process only spins at barriers beside the other worker's processes; a `hybridflow` run started
+    from here (and its Ray workers) inherits the setting."""
+    import torch
+
+    assert torch.get_num_threads() == 1 and os.environ["OMP_NUM_THREADS"] == "1"
+    child = subprocess.run([sys.executable, "-c", "import torch; print(torch.get_num_threads())"],
+                           capture_output=True, text=True, check=True)
+    assert child.stdout.strip() == "1"
