@@ -103,43 +103,34 @@ def finite_steps(rows: list[dict], steps: int) -> None:
 
 
 @pytest.mark.slow
-def test_grpo_one_step_off_on_the_real_model(tmp_path, real_model_dir, chat_addition):
-    """trainer.max_staleness=1: batch s+1 generates while step s trains, at real shapes."""
+def test_lora_grpo_one_step_off_on_the_real_model_serves_the_adapter_at_a_twentieth_of_the_model(tmp_path, real_model_dir,
+                                                                                                chat_addition):
+    """trainer.max_staleness=1 on pools of their own (batch s+1 generates while step s trains) with LoRA
+    (rank 16 on every linear layer of the decoder) served by vLLM as an adapter (weight_sync.lora=auto), at
+    real shapes: one run for the two claims (each real-model start is minutes of CI's time on a CPU without
+    bf16, tests/budget.py). Each sync moves at most 5% of the whole model's bytes, the engine's adapter
+    matches the actor's checksums, and the first-batch check and every probe hold. The whole model's
+    float32 sync at 30 layers (probe < 1e-3) is the pipeline test's below."""
     run_hybridflow([*real_overrides(real_model_dir, *chat_addition), "recipe=grpo", *REAL_SMALL,
                     "trainer.total_steps=2", "trainer.val_every_steps=0", "trainer.max_staleness=1",
-                    "trainer.old_log_probs=actor", "placement=disaggregated",
-                    f"logger.output_root={tmp_path}", "logger.run_name=async"], timeout_s=1500)
-    rows = metrics(tmp_path / "async")
+                    "trainer.old_log_probs=actor", "placement=disaggregated", "actor.lora.rank=16", "actor.lora.alpha=16",
+                    "actor.lora.target_modules=[q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj]",
+                    "actor.optim.lr=1e-4", f"logger.output_root={tmp_path}", "logger.run_name=lora_async"], timeout_s=1500)
+    rows = metrics(tmp_path / "lora_async")
     finite_steps(rows, 2)  # memory within bounds on each pool, finite losses
     assert [r["async/trained_version"] for r in rows] == [0, 1]
     assert rows[1]["async/staleness_max"] == 1 and rows[0]["response/length_mean"] > 8
-    # parity, float32 on both sides: the step-1 batch's sampler log-probs are the actor's, and every
-    # sync's probe (at start-up and wherever one ran) sees the same model
-    assert rows[0]["rollout/log_prob_diff"] < 1e-3
-    gaps = [r["weight_sync/probe_log_prob_gap_mean"] for r in rows if "weight_sync/probe_log_prob_gap_mean" in r]
-    assert gaps and max(gaps) < 1e-3, gaps
-
-
-@pytest.mark.slow
-def test_lora_grpo_on_the_real_model_serves_the_adapter_at_a_twentieth_of_the_model(tmp_path, real_model_dir,
-                                                                                    chat_addition):
-    """LoRA (rank 16 on every linear layer of the decoder), the adapter served by vLLM
-    (weight_sync.lora=auto): each sync moves at most 5% of the whole model's bytes, the engine's
-    adapter matches the actor's checksums and the first-batch check holds every step."""
-    run_hybridflow([*real_overrides(real_model_dir, *chat_addition), "recipe=grpo", *REAL_SMALL,
-                    "trainer.total_steps=2", "trainer.val_every_steps=0", "actor.lora.rank=16", "actor.lora.alpha=16",
-                    "actor.lora.target_modules=[q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj]",
-                    "actor.optim.lr=1e-4", ONE_RANK, f"logger.output_root={tmp_path}", "logger.run_name=lora"],
-                   timeout_s=1500)
-    rows = metrics(tmp_path / "lora")
-    finite_steps(rows, 2)
-    for row in rows:
-        assert row["weight_sync/adapter_fraction"] <= 0.05  # float32 both sides: 4.9 M of 135 M values
+    # the step-1 batch was sampled by the weights the actor scores it with: vLLM's LoRA kernels against
+    # peft's forward, float32 both sides
+    assert rows[0]["rollout/log_prob_diff"] < 1e-2 and "rollout/log_prob_diff" not in rows[1]
+    synced = [r for r in rows if "weight_sync/adapter_fraction" in r]
+    assert synced, rows
+    for row in synced:
+        assert row["weight_sync/adapter_fraction"] <= 0.05  # 4.9 M of 135 M values
         assert row["weight_sync/bytes_received_per_rank"] == pytest.approx(
             row["weight_sync/adapter_fraction"] * row["weight_sync/engine_bytes_per_rank"])
-        # 30 layers x 7 modules x (A, B); float32 both sides: vLLM's LoRA kernels against peft's forward
+        # 30 layers x 7 modules x (A, B), checked against the actor's checksums
         assert row["weight_sync/verified_tensors"] == 420 and row["weight_sync/probe_log_prob_gap_mean"] < 1e-2
-        assert row["rollout/log_prob_diff"] < 1e-2
 
 
 @pytest.mark.slow

@@ -259,7 +259,8 @@ def test_the_marks_are_read_as_pytest_reads_them():
     sync = "tests/e2e/test_weight_sync.py::test_disaggregated_sync_over_a_gloo_group"
     assert slow(f"{sync}[2to1]") is False  # its ids from a list
     assert slow("tests/e2e/test_resume_rank_count.py::test_resume_on_another_rank_count_matches_the_uninterrupted_run")
-    assert slow("tests/e2e/test_real_model.py::test_grpo_one_step_off_on_the_real_model") is True
+    assert slow("tests/e2e/test_real_model.py::test_lora_grpo_one_step_off_on_the_real_model_serves_the_adapter_at_"
+                "a_twentieth_of_the_model") is True
     assert slow("tests/unit/test_agents.py::"
                 "test_a_tool_that_raises_hangs_or_returns_a_non_string_gives_a_counted_error_observation") is False
     assert slow("tests/unit/test_config.py::test_unknown_keys_and_bad_types_fail_in_composition") is False
