@@ -26,7 +26,7 @@ os.environ.setdefault("RAY_AUTH_TOKEN", secrets.token_hex(32))
 os.environ.setdefault("RAY_prestart_worker_first_driver", "0")
 os.environ.setdefault("REPORTER_UPDATE_INTERVAL_MS", "60000")
 # One OpenMP thread in every process the tests start that does not size its own pool (the test processes,
-# the drivers, a run's single rank given both cores): the suite runs in two pytest-xdist workers on two cores
+# the drivers, the ranks of a run whose pools are not pinned: torch's default is a thread per core): the suite runs in two pytest-xdist workers on two cores
 # (pyproject.toml's addopts), so a process with two OpenMP threads nearly always shares its cores with the
 # other worker's, and libgomp's threads spin at each barrier (its active wait) for a partner the OS has
 # descheduled. Measured on a 2-core Xeon: a small torch training loop with two threads, 435 steps/s alone,
