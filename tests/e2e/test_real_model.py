@@ -161,7 +161,7 @@ def test_an_sft_merge_ppo_pipeline_on_the_real_model(tmp_path, real_model_dir, c
             "trainer.prompts_per_step=16", "actor.optim.lr=1e-4", "actor.optim.warmup_steps=0",
             "actor.optim.lr_schedule=constant"]),
         StageConfig(name="ppo", recipe="ppo", init=HookConfig("pma_sma", {"last": 2}), evaluate_init=False,
-                    overrides=["trainer.total_steps=1", "critic.samples_per_micro_batch=8"]),
+                    overrides=["trainer.total_steps=1", "trainer.prompts_per_step=2", "critic.samples_per_micro_batch=8"]),
     ]
     try:
         result = run(config)
