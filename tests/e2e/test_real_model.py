@@ -114,8 +114,9 @@ def test_lora_grpo_one_step_off_on_the_real_model_serves_the_adapter_at_a_twenti
     matches the actor's checksums, and the first-batch check and every probe hold. The whole model's
     float32 sync at 30 layers (probe < 1e-3) is the pipeline test's below."""
     run_hybridflow([*real_overrides(real_model_dir, *chat_addition), "recipe=grpo", *REAL_SMALL,
-                    "trainer.total_steps=2", "trainer.val_every_steps=0", "trainer.max_staleness=1",
-                    "trainer.old_log_probs=actor", "placement=disaggregated", "actor.lora.rank=16", "actor.lora.alpha=16",
+                    "trainer.total_steps=2", "trainer.val_every_steps=0", "trainer.val_prompts=4",  # at its end only
+                    "trainer.max_staleness=1", "trainer.old_log_probs=actor", "placement=disaggregated",
+                    "actor.lora.rank=16", "actor.lora.alpha=16",
                     "actor.lora.target_modules=[q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj]",
                     "actor.optim.lr=1e-4", f"logger.output_root={tmp_path}", "logger.run_name=lora_async"], timeout_s=1500)
     rows = metrics(tmp_path / "lora_async")
