@@ -1,38 +1,64 @@
 """Run the `hybridflow` command's code (hybridflow.cli.run_command: `main` less its end of the process)
-once per argument list, in this one process,
-and print each run's exit status, output, seconds and whether Ray was started, as JSON.
+in this process: `run` for one command, as a `subprocess.CompletedProcess` with its exit status and
+what it printed; or, as a module, once per argument list, printing each run's exit status, output,
+seconds and whether Ray was started, as JSON.
 
     python -m tests.e2e.cli_in_one_process '{"case": ["recipe=grpo", ...], ...}'
 
-For tests of commands refused before anything starts: each is the command's own code path (Hydra's
-composition, the config checks, the input checks, the exit status), without paying a fresh
-interpreter's imports per command (3-4 s each on 2 cores, 0.2-0.4 s here)."""
+A fresh interpreter's start is 3.5-5 core-seconds of every command (Python, Hydra, torch and
+transformers imported again; measured: a tiny one-rank GRPO run joining a running Ray head took
+4.9-5.2 core-seconds in its own `hybridflow` process, two of them 6.6 in one process), so the
+whole-stack tests whose claims are about the run, not about the command's process, run it here:
+the same code path from Hydra's composition to the exit status. Tests of the process itself (a
+driver killed or interrupted, the console's bytes on the terminal, Python-level stdout against
+what libraries write to the file descriptors) start `hybridflow` as a user does."""
 
 from __future__ import annotations
 
 import contextlib
 import io
 import json
+import os
+import subprocess
 import sys
 import time
 
 
-def main() -> None:
+def run(argv: list[str], env: dict[str, str] | None = None, keep_ray: bool = False) -> subprocess.CompletedProcess:
+    """`hybridflow *argv` in this process, with `env` added to the environment for its duration.
+    Its Ray connection is closed afterwards (the run's worker processes end with it), whatever the
+    outcome, unless `keep_ray` (the refusal tests ask whether a command started Ray at all); stdout
+    and stderr are what the run printed through Python's sys.stdout and sys.stderr."""
     from hybridflow import cli
 
-    results = {}
-    for name, argv in json.loads(sys.argv[1]).items():
-        stdout, stderr = io.StringIO(), io.StringIO()
-        sys.argv = ["hybridflow", *argv]
-        start = time.perf_counter()
-        code = 0
+    saved_argv, saved_env = sys.argv, dict(os.environ)
+    os.environ.update(env or {})
+    stdout, stderr = io.StringIO(), io.StringIO()
+    sys.argv = ["hybridflow", *argv]
+    code = 0
+    try:
         with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr):
             try:
                 code = cli.run_command()
             except SystemExit as exc:
                 code = exc.code if isinstance(exc.code, int) else 1
+    finally:
+        sys.argv = saved_argv
+        os.environ.clear()
+        os.environ.update(saved_env)
         ray = sys.modules.get("ray")
-        results[name] = {"returncode": code, "stdout": stdout.getvalue(), "stderr": stderr.getvalue(),
+        if not keep_ray and ray is not None and ray.is_initialized():
+            ray.shutdown()
+    return subprocess.CompletedProcess(["hybridflow", *argv], code, stdout.getvalue(), stderr.getvalue())
+
+
+def main() -> None:
+    results = {}
+    for name, argv in json.loads(sys.argv[1]).items():
+        start = time.perf_counter()
+        done = run(argv, keep_ray=True)
+        ray = sys.modules.get("ray")
+        results[name] = {"returncode": done.returncode, "stdout": done.stdout, "stderr": done.stderr,
                          "seconds": time.perf_counter() - start,
                          "ray_started": bool(ray is not None and ray.is_initialized())}
     print(json.dumps(results))

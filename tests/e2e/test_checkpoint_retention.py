@@ -11,16 +11,15 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
+from tests.e2e import cli_in_one_process
 from tests.e2e.test_rl_recipes import ONE_RANK
 
 pytestmark = pytest.mark.usefixtures("shared_ray_head")  # its runs join one Ray head (tests/ray_head.py)
 
-VENV_BIN = Path(sys.executable).parent
 SMALL = ["recipe=sft", "trainer.prompts_per_step=4", "rollout.max_response_tokens=4", "trainer.val_prompts=8",
          "data.synthetic.train_rows=200", "data.synthetic.val_rows=16", "actor.samples_per_micro_batch=8",
          "trainer.val_every_steps=0", "trainer.export_hf=false", "trainer.save_every_steps=1",
@@ -29,9 +28,7 @@ SMALL = ["recipe=sft", "trainer.prompts_per_step=4", "rollout.max_response_token
 
 
 def hybridflow(args: list[str], output_root: Path, run_name: str) -> subprocess.CompletedProcess:
-    cmd = [str(VENV_BIN / "hybridflow"), *SMALL, *args, f"logger.output_root={output_root}",
-           f"logger.run_name={run_name}"]
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    return cli_in_one_process.run([*SMALL, *args, f"logger.output_root={output_root}", f"logger.run_name={run_name}"])
 
 
 def losses(run_dir: Path) -> list[tuple[int, float]]:

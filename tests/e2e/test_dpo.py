@@ -8,19 +8,17 @@ from __future__ import annotations
 
 import json
 import math
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from hybridflow.data import ArithmeticSpec, make_arithmetic_split
 from hybridflow.data.preference import synthetic_pairs
+from tests.e2e import cli_in_one_process
 from tests.e2e.test_rl_recipes import ONE_RANK
 
 pytestmark = pytest.mark.usefixtures("shared_ray_head")  # its runs join one Ray head (tests/ray_head.py)
 
-VENV_BIN = Path(sys.executable).parent
 
 
 def write_preference_files(root: Path, train_rows: int = 512, val_rows: int = 128) -> tuple[Path, Path]:
@@ -42,12 +40,11 @@ def write_preference_files(root: Path, train_rows: int = 512, val_rows: int = 12
 
 def test_dpo_on_trl_format_files_ranks_the_chosen_responses_first(tmp_path):
     train, val = write_preference_files(tmp_path)
-    cmd = [str(VENV_BIN / "hybridflow"), "recipe=dpo", f"data.train_path={train}", f"data.val_path={val}",
-           "trainer.total_steps=40", "trainer.val_every_steps=20", "trainer.prompts_per_step=32",
-           "trainer.val_prompts=128", "trainer.save_every_steps=20", "actor.optim.lr=2e-3",
-           "actor.optim.lr_schedule=constant", "actor.optim.warmup_steps=0", ONE_RANK,
-           f"logger.output_root={tmp_path}", "logger.run_name=dpo"]
-    result = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    result = cli_in_one_process.run(["recipe=dpo", f"data.train_path={train}", f"data.val_path={val}",
+                                     "trainer.total_steps=40", "trainer.val_every_steps=20", "trainer.prompts_per_step=32",
+                                     "trainer.val_prompts=128", "trainer.save_every_steps=20", "actor.optim.lr=2e-3",
+                                     "actor.optim.lr_schedule=constant", "actor.optim.warmup_steps=0", ONE_RANK,
+                                     f"logger.output_root={tmp_path}", "logger.run_name=dpo"])
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
     run_dir = tmp_path / "dpo"
     plan = json.loads((run_dir / "plan.json").read_text())["nodes"]

@@ -14,16 +14,15 @@ from __future__ import annotations
 
 import json
 import runpy
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
+from tests.e2e import cli_in_one_process
+
 pytestmark = pytest.mark.usefixtures("shared_ray_head")  # its runs join one Ray head (tests/ray_head.py)
 
-VENV_BIN = Path(sys.executable).parent
 ROOT = Path(__file__).resolve().parents[2]
 RANK, ALPHA = 4, 8.0
 TARGETS = ("q_proj", "v_proj")
@@ -61,9 +60,8 @@ def bpe_model_and_chat_data(tmp_path_factory) -> tuple[Path, Path, Path]:
 def grpo_lora(tmp_path: Path, name: str, *extra: str) -> Path:
     reward = tmp_path / "spread.py"
     reward.write_text(SPREAD_REWARD)
-    cmd = [str(VENV_BIN / "hybridflow"), *SMALL, f"reward.fn={reward}:score", *extra,
-           f"logger.output_root={tmp_path}", f"logger.run_name={name}"]
-    result = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    result = cli_in_one_process.run([*SMALL, f"reward.fn={reward}:score", *extra, f"logger.output_root={tmp_path}",
+                                     f"logger.run_name={name}"])
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
     run_dir = tmp_path / name
     (run_dir / "console.txt").write_text(result.stdout)

@@ -10,12 +10,11 @@ from __future__ import annotations
 
 import json
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
+from tests.e2e import cli_in_one_process
 from tests.e2e.test_rl_recipes import ONE_RANK
 
 pytestmark = pytest.mark.usefixtures("shared_ray_head")  # its runs join one Ray head (tests/ray_head.py)
@@ -35,9 +34,7 @@ COMPARED = ["reward/score", "actor/loss", "actor/grad_norm", "actor/entropy", "r
 
 def pipeline(args: list[str], root: Path, name: str) -> tuple[dict[int, dict], str]:
     """The GRPO stage's metrics by step, and what the command printed."""
-    done = subprocess.run([str(Path(sys.executable).parent / "hybridflow"), *PIPELINE, *args,
-                           f"logger.output_root={root}", f"logger.run_name={name}"],
-                          cwd=ROOT, capture_output=True, text=True, timeout=900)
+    done = cli_in_one_process.run([*PIPELINE, *args, f"logger.output_root={root}", f"logger.run_name={name}"])
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
     assert "pipeline: stage grpo gets" in done.stdout
     lines = (root / name / "01-grpo" / "metrics.jsonl").read_text().splitlines()

@@ -15,6 +15,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from tests.e2e import cli_in_one_process
 from tests.e2e.test_rl_recipes import ONE_RANK
 
 pytestmark = pytest.mark.usefixtures("shared_ray_head")  # its runs join one Ray head (tests/ray_head.py)
@@ -28,9 +29,7 @@ HOOK = "{name: spike_recovery, params: {last: 3, window: 8, warmup: 5}}"
 
 
 def hybridflow(args: list[str], output_root: Path, run_name: str) -> subprocess.CompletedProcess:
-    cmd = [str(VENV_BIN / "hybridflow"), *SMALL, *args, f"logger.output_root={output_root}",
-           f"logger.run_name={run_name}"]
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    return cli_in_one_process.run([*SMALL, *args, f"logger.output_root={output_root}", f"logger.run_name={run_name}"])
 
 
 def metrics(run_dir: Path) -> list[dict]:

@@ -12,24 +12,20 @@ machine's device."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from hybridflow.planning.cost import STAGES, Rates
+from tests.e2e import cli_in_one_process
 
-VENV_BIN = Path(sys.executable).parent
 GRPO = ["recipe=grpo", "placement=auto", "trainer.total_steps=5", "trainer.prompts_per_step=8",
         "rollout.samples_per_prompt=8", "rollout.max_response_tokens=32", "trainer.val_every_steps=0",
         "trainer.save_every_steps=0", "trainer.export_hf=false"]
 
 
 def _run(tmp_path: Path, name: str, env: dict) -> tuple[str, dict]:
-    done = subprocess.run([str(VENV_BIN / "hybridflow"), *GRPO, f"logger.output_root={tmp_path}",
-                           f"logger.run_name={name}"], capture_output=True, text=True, timeout=600, env=env)
+    done = cli_in_one_process.run([*GRPO, f"logger.output_root={tmp_path}", f"logger.run_name={name}"], env=env)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     return done.stdout + done.stderr, json.loads((tmp_path / name / "plan.json").read_text())
 
@@ -49,8 +45,7 @@ def _plan_second(tmp_path: Path, name: str) -> tuple[str, dict]:
 @pytest.mark.budget(60)  # one whole 5-step GRPO run of the `hybridflow` command
 def test_the_second_run_on_an_unknown_device_predicts_what_the_first_measured(tmp_path, monkeypatch):
     identity = {"HYBRIDFLOW_DEVICE_IDENTITY": "Simulated CPU for rates", "HYBRIDFLOW_RATES_CACHE": str(tmp_path / "rates")}
-    env = {**os.environ, **identity}
-    first_out, first = _run(tmp_path, "first", env)
+    first_out, first = _run(tmp_path, "first", identity)
     assert first["rates_choice"]["provenance"] == "borrowed"
     chose = first_out.split("placement=auto chose")[1].split("\n")[0]
     assert "ranked with rates BORROWED from another device" in chose and "predicted" not in chose

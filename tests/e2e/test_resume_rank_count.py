@@ -17,26 +17,24 @@ from __future__ import annotations
 import json
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
+from tests.e2e import cli_in_one_process
 # Two CLI runs: left out of the default run (`pytest -m slow` runs it);
 # tests/unit/test_resume_rank_count.py covers 2 -> 1 and 1 -> 2 with the real actor by default.
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("shared_ray_head")]  # its runs join one Ray head (tests/ray_head.py)
 
-VENV_BIN = Path(sys.executable).parent
 SMALL = ["recipe=sft", "trainer.prompts_per_step=4", "rollout.max_response_tokens=4", "trainer.val_prompts=8",
          "data.synthetic.train_rows=200", "data.synthetic.val_rows=16", "actor.samples_per_micro_batch=2",
          "trainer.val_every_steps=0", "trainer.save_every_steps=2", "trainer.total_steps=3"]
 
 
 def hybridflow(args: list[str], output_root: Path, run_name: str, ranks: int) -> subprocess.CompletedProcess:
-    cmd = [str(VENV_BIN / "hybridflow"), *SMALL, *args, f"placement.pools.global.devices_per_node={ranks}",
-           f"logger.output_root={output_root}", f"logger.run_name={run_name}"]
-    result = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    result = cli_in_one_process.run([*SMALL, *args, f"placement.pools.global.devices_per_node={ranks}",
+                                     f"logger.output_root={output_root}", f"logger.run_name={run_name}"])
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
     return result
 

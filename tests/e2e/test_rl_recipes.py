@@ -1,7 +1,9 @@
 """GRPO and PPO end to end on the tiny model: real Ray, real vLLM on the CPU, 2 training ranks.
 
-Each run goes through the `hybridflow` command; the assertions read what the recipe itself
-wrote: metrics.jsonl, checkpoints and the final Hugging Face model.
+Each run goes through the `hybridflow` command's code, in this process (`hybridflow` below:
+tests/e2e/cli_in_one_process.py) or, where the claim is about the command's process (its console
+output as written, a driver killed), as a command of its own; the assertions read what the recipe
+itself wrote: metrics.jsonl, checkpoints and the final Hugging Face model.
 """
 
 from __future__ import annotations
@@ -15,6 +17,8 @@ import time
 from pathlib import Path
 
 import pytest
+
+from tests.e2e import cli_in_one_process
 
 pytestmark = pytest.mark.usefixtures("shared_ray_head")  # its runs join one Ray head (tests/ray_head.py)
 
@@ -38,10 +42,10 @@ def score(response, ground_truth, data_source):
 '''
 
 
-def hybridflow(args: list[str], output_root: Path, run_name: str, timeout_s: int = 600, **popen):
-    cmd = [str(VENV_BIN / "hybridflow"), *args, *SMALL, f"logger.output_root={output_root}",
-           f"logger.run_name={run_name}"]
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, **popen)
+def hybridflow(args: list[str], output_root: Path, run_name: str) -> subprocess.CompletedProcess:
+    """`hybridflow` with the tiny shapes, run in this process (tests/e2e/cli_in_one_process.py: the
+    command's code path without a fresh interpreter's imports, CI's time, tests/budget.py)."""
+    return cli_in_one_process.run([*args, *SMALL, f"logger.output_root={output_root}", f"logger.run_name={run_name}"])
 
 
 def metrics(run_dir: Path) -> list[dict]:

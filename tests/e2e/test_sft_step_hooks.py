@@ -8,8 +8,6 @@ loader (`data: reshuffle`), and the weight sync that follows carries the merged 
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -17,11 +15,11 @@ import torch
 from safetensors.torch import load_file
 
 from hybridflow.merge.api import merge_state_dicts
+from tests.e2e import cli_in_one_process
 from tests.e2e.test_rl_recipes import ONE_RANK
 
 pytestmark = pytest.mark.usefixtures("shared_ray_head")  # its runs join one Ray head (tests/ray_head.py)
 
-VENV_BIN = Path(sys.executable).parent
 SMALL = ["recipe=sft", "trainer.prompts_per_step=4", "rollout.max_response_tokens=4", "trainer.val_prompts=8",
          "data.synthetic.train_rows=200", "data.synthetic.val_rows=16", "actor.samples_per_micro_batch=8",
          "trainer.val_every_steps=0", "trainer.save_every_steps=1", "trainer.keep_last_checkpoints=1",
@@ -45,9 +43,8 @@ def weights(directory: Path) -> dict[str, torch.Tensor]:
 
 @pytest.mark.slow  # CI's slow tier, for the default run's 20 minutes on a CPU without bf16 (README "Two commands")
 def test_spike_recovery_fires_in_sft_and_the_sync_carries_the_merge(tmp_path):
-    cmd = [str(VENV_BIN / "hybridflow"), *SMALL, "trainer.total_steps=7", f"trainer.training_hooks={HOOKS}",
-           f"logger.output_root={tmp_path}", "logger.run_name=sft"]
-    result = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    result = cli_in_one_process.run([*SMALL, "trainer.total_steps=7", f"trainer.training_hooks={HOOKS}",
+                                     f"logger.output_root={tmp_path}", "logger.run_name=sft"])
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
     run_dir = tmp_path / "sft"
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
