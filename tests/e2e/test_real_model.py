@@ -11,22 +11,22 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from tests.e2e.test_rl_recipes import ONE_RANK
+from tests.e2e import cli_in_one_process
 from tests.real_model import real_overrides
 
 pytestmark = pytest.mark.usefixtures("shared_ray_head")  # its runs join one Ray head (tests/ray_head.py)
 
 ROOT = Path(__file__).resolve().parents[2]
-HYBRIDFLOW = str(Path(sys.executable).parent / "hybridflow")
 
 
-def run_hybridflow(args: list[str], timeout_s: int = 900) -> subprocess.CompletedProcess:
-    done = subprocess.run([HYBRIDFLOW, *args], cwd=ROOT, capture_output=True, text=True, timeout=timeout_s)
+def run_hybridflow(args: list[str]) -> subprocess.CompletedProcess:
+    """The `hybridflow` command's code in this process (tests/e2e/cli_in_one_process.py)."""
+    done = cli_in_one_process.run(args)
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
     return done
 
@@ -66,6 +66,7 @@ def test_evaluate_samples_128_seeded_chat_requests_in_one_engine_call(tmp_path, 
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(1500)  # in this process (the stages' own deadlines apply); a bf16 backward is ~20x float32 here
 def test_grpo_in_bfloat16_on_the_real_model_passes_the_parity_checks(tmp_path, real_model_dir, chat_addition):
     """The model's own bfloat16 compute (float32 masters) against a float32 engine: the same weights
     pass the probe and the first-batch check at 30 layers; the first sync's probe stopped here before
@@ -76,8 +77,7 @@ def test_grpo_in_bfloat16_on_the_real_model_passes_the_parity_checks(tmp_path, r
                     "model.dtype=bfloat16", "rollout.dtype=float32", "trainer.prompts_per_step=2", "rollout.samples_per_prompt=2", "rollout.max_response_tokens=16",
                     "trainer.val_every_steps=0", "trainer.val_prompts=2", "trainer.export_hf=false",
                     "actor.samples_per_micro_batch=2", "weight_sync.checksum_every_steps=1", ONE_RANK,
-                    f"logger.output_root={tmp_path}", "logger.run_name=bf16"],
-                   timeout_s=1500)
+                    f"logger.output_root={tmp_path}", "logger.run_name=bf16"])
     row = metrics(tmp_path / "bf16")[0]
     assert 1e-4 < row["weight_sync/probe_log_prob_gap_mean"] < 0.06  # rounding, within the 30-layer tolerance
     assert row["weight_sync/verified_tensors"] > 0 and row["rollout/log_prob_diff"] < 0.06
@@ -105,6 +105,7 @@ def finite_steps(rows: list[dict], steps: int) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(1500)  # in this process (the stages' own deadlines apply), past pyproject.toml's 600 s
 def test_lora_grpo_one_step_off_on_the_real_model_serves_the_adapter_at_a_twentieth_of_the_model(tmp_path, real_model_dir,
                                                                                                 chat_addition):
     """trainer.max_staleness=1 on pools of their own (batch s+1 generates while step s trains) with LoRA
@@ -118,7 +119,7 @@ def test_lora_grpo_one_step_off_on_the_real_model_serves_the_adapter_at_a_twenti
                     "trainer.max_staleness=1", "trainer.old_log_probs=actor", "placement=disaggregated",
                     "actor.lora.rank=16", "actor.lora.alpha=16",
                     "actor.lora.target_modules=[q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj]",
-                    "actor.optim.lr=1e-4", f"logger.output_root={tmp_path}", "logger.run_name=lora_async"], timeout_s=1500)
+                    "actor.optim.lr=1e-4", f"logger.output_root={tmp_path}", "logger.run_name=lora_async"])
     rows = metrics(tmp_path / "lora_async")
     finite_steps(rows, 2)  # memory within bounds on each pool, finite losses
     assert [r["async/trained_version"] for r in rows] == [0, 1]
