@@ -19,6 +19,7 @@ import pytest
 from hybridflow.controller import PoolSpec, ResourcePool, RoleSpec, spawn_workers
 from tests.conftest import REPO_ROOT
 from tests.controller.workers import EchoWorker
+from tests.e2e import cli_in_one_process
 
 VENV_BIN = Path(sys.executable).parent
 
@@ -193,11 +194,11 @@ def two_workers():
         cluster.shutdown()
 
 
-def _hybridflow(args: list[str], address: str, output_root: Path, run_name: str, timeout_s: int = 600, **popen):
-    cmd = [str(VENV_BIN / "hybridflow"), *GRPO, *args, f"ray.address={address}", f"logger.output_root={output_root}",
-           f"logger.run_name={run_name}"]
-    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, env=env, **popen)
+def _hybridflow(args: list[str], address: str, output_root: Path, run_name: str) -> subprocess.CompletedProcess:
+    """A run on the simulated cluster, the command's code in this process (tests/e2e/cli_in_one_process.py);
+    the run that loses its nodes is a command of its own (its nodes go while it runs)."""
+    return cli_in_one_process.run([*GRPO, *args, f"ray.address={address}", f"logger.output_root={output_root}",
+                                   f"logger.run_name={run_name}"], env={"PYTHONPATH": str(REPO_ROOT)})
 
 
 def _rows(run_dir: Path) -> list[dict]:
