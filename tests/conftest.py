@@ -39,14 +39,15 @@ os.environ["OMP_NUM_THREADS"] = "1"
 
 
 @pytest.fixture(scope="module")
-def ray_local():
-    """A local Ray instance for one test module (Ray workers can import the tests package)."""
+def ray_local(_ray_head_address):
+    """Ray for one test module, this process connected as its driver (Ray workers can import the tests
+    package): this test process's head (tests/ray_head.py), which the module's worker groups leave
+    when it disconnects. A Ray instance of its own per module was 6-8 s and about 10 core-seconds each
+    of ten modules."""
     import ray
 
     ray.init(
-        address="local",  # a new instance, never a cluster another process started
-        num_cpus=8,
-        include_dashboard=False,
+        address=_ray_head_address,
         namespace="hybridflow-tests",
         runtime_env={"env_vars": {"PYTHONPATH": str(REPO_ROOT)}},
         log_to_driver=False,

@@ -5,7 +5,8 @@ the end: 6-8 s and ~10 core-seconds on a 2-core CPU, every run (measured: the sa
 44-48 s and 70-73 core-s with its own Ray, 37-38 s and 60-62 core-s joining a running head). A run
 joins the head named by RAY_ADDRESS as it would under `ray job submit` (hybridflow.controller.runtime),
 so a module that asks for the `shared_ray_head` fixture (tests/conftest.py) has its runs join one
-head instead. Modules whose claim is the local start itself (tests/controller/test_cluster.py's stale
+head instead, and a module that drives worker groups from the test process (the `ray_local` fixture)
+connects to that head as its driver. Modules whose claim is the local start itself (tests/controller/test_cluster.py's stale
 cluster record, the refusals before Ray starts in tests/e2e/test_preflight.py) do not ask for it; a
 single test can leave it with `monkeypatch.delenv("RAY_ADDRESS")`.
 
