@@ -20,7 +20,6 @@ from tests.e2e.test_rl_recipes import ONE_RANK
 pytestmark = pytest.mark.usefixtures("shared_ray_head")  # its runs join one Ray head (tests/ray_head.py)
 
 
-
 def write_preference_files(root: Path, train_rows: int = 512, val_rows: int = 128) -> tuple[Path, Path]:
     """TRL-format .jsonl files from the arithmetic task: every other row's responses as chat messages."""
     train, val = make_arithmetic_split(train_rows, val_rows, ArithmeticSpec(), seed=0)

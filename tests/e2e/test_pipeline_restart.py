@@ -19,7 +19,6 @@ from tests.e2e.test_rl_recipes import ONE_RANK
 
 pytestmark = pytest.mark.usefixtures("shared_ray_head")  # its runs join one Ray head (tests/ray_head.py)
 
-ROOT = Path(__file__).resolve().parents[2]
 PIPELINE = ["trainer.prompts_per_step=4", "rollout.max_response_tokens=4", "trainer.val_prompts=8",
             "data.synthetic.train_rows=200", "data.synthetic.val_rows=16", "actor.samples_per_micro_batch=8",
             "actor.samples_per_mini_batch=0", "trainer.save_every_steps=1", "trainer.val_every_steps=0",

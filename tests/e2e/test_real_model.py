@@ -15,13 +15,11 @@ from pathlib import Path
 
 import pytest
 
-from tests.e2e.test_rl_recipes import ONE_RANK
 from tests.e2e import cli_in_one_process
+from tests.e2e.test_rl_recipes import ONE_RANK
 from tests.real_model import real_overrides
 
 pytestmark = pytest.mark.usefixtures("shared_ray_head")  # its runs join one Ray head (tests/ray_head.py)
-
-ROOT = Path(__file__).resolve().parents[2]
 
 
 def run_hybridflow(args: list[str]) -> subprocess.CompletedProcess:
