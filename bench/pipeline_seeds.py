@@ -2,6 +2,7 @@
 held-out accuracy and minutes per seed, the CPU named by its instruction sets.
 
     python bench/pipeline_seeds.py [--seeds 0 1 2] [--root runs/pipeline_seeds] [--out docs/pipeline_seeds.json] [key=value ...]
+    python bench/pipeline_seeds.py --kernels avx2 ...    # torch's CPU kernels limited to AVX2: another rounding
     python bench/pipeline_seeds.py --dry-run            # compose and check every seed's command; run nothing
     python bench/pipeline_seeds.py --summarize RUN_DIR  # the table row of one finished pipeline run
 
@@ -12,6 +13,14 @@ the seeds and stages already finished. Extra `key=value` arguments go to every s
 candidate stage length, learning rate or task). A stage's minutes are wall clock between the
 `STAGE_COMPLETE` markers (the first from the command's start), so start-up and the merged model's
 evaluation are counted where they happen; the whole run's minutes are the command's own.
+
+`--kernels avx2` runs every seed with torch's CPU kernels limited to AVX2 (`AVX2_KERNELS`: ATen's
+vectorised kernels, MKL's GEMMs and oneDNN), so a CPU with AVX-512 rounds its sums in another order,
+as a CPU without AVX-512 does: a check that a gain is the recipe's, not one machine's rounding,
+without the other machine. It does not reproduce an AVX2-only CPU's numbers (seed 0's SFT accuracy
+at step 300 was 0.256 on a 2-core AMD EPYC with AVX2 only, 0.220 forced here, 0.140 unforced, and none
+of MKL's other code paths gave 0.256; docs/pipeline.md), nor its speed, and vLLM's own kernels stay
+those the CPU has.
 
 Written: `--out` (JSON: the CPU, the commands, per seed the stages' starting and final accuracy,
 minutes, and GRPO's gain over its start), and the same as a markdown table on stdout.
@@ -31,6 +40,19 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from hybridflow.precision import cpu_description  # noqa: E402
+
+# torch's CPU kernels limited to AVX2 (--kernels avx2): ATen's dispatch, MKL's and oneDNN's code paths
+AVX2_KERNELS = {"ATEN_CPU_CAPABILITY": "avx2", "MKL_ENABLE_INSTRUCTIONS": "AVX2", "ONEDNN_MAX_CPU_ISA": "AVX2"}
+KERNELS = {"native": {}, "avx2": AVX2_KERNELS}
+
+
+def kernels_in_effect(env: dict[str, str]) -> str:
+    """ATen's CPU capability in a Python started with `env` (what torch says, not what was asked)."""
+    probe = "import torch; print(torch.backends.cpu.get_cpu_capability())"
+    done = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, timeout=120)
+    if done.returncode != 0:
+        raise SystemExit(f"torch did not start with {env}: {done.stderr[-2000:]}")
+    return done.stdout.strip()
 
 
 def seed_overrides(seed: int, root: Path, extra: list[str]) -> list[str]:
@@ -75,9 +97,12 @@ def table(rows: dict[int, dict]) -> str:
     return "\n".join(lines)
 
 
-def dry_run(seeds: list[int], root: Path, extra: list[str]) -> None:
-    """Every seed's command composed and checked as the command checks it, nothing run."""
+def dry_run(seeds: list[int], root: Path, extra: list[str], kernels: str) -> None:
+    """Every seed's command composed and checked as the command checks it, and the kernels torch
+    runs with `--kernels`; nothing run."""
     from hybridflow.config.stages import compose_command
+
+    print(f"kernels: {kernels} (torch: {kernels_in_effect({**os.environ, **KERNELS[kernels]})})")
 
     for seed in seeds:
         config, by_name = compose_command(seed_overrides(seed, root, extra), with_stages=True)
@@ -95,21 +120,27 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument("--dry-run", action="store_true")
     parser.add_argument("--summarize", type=Path, default=None)
+    parser.add_argument("--kernels", choices=sorted(KERNELS), default="native",
+                        help="avx2: torch's CPU kernels limited to AVX2 (another rounding on a CPU with AVX-512)")
     parser.add_argument("extra", nargs="*", help="key=value overrides for every seed's command")
     args = parser.parse_args()
     if args.summarize:
         print(json.dumps(summarize(args.summarize), indent=2))
         return
     if args.dry_run:
-        dry_run(args.seeds, args.root, args.extra)
+        dry_run(args.seeds, args.root, args.extra, args.kernels)
         return
     hybridflow = Path(sys.executable).with_name("hybridflow")
-    report = {"cpu": cpu_description(), "extra_overrides": args.extra, "seeds": {}}
+    env = {**os.environ, **KERNELS[args.kernels], "PYTHONPATH": str(ROOT)}
+    cpu = cpu_description()
+    if args.kernels != "native":
+        cpu += f", torch's kernels limited to {kernels_in_effect(env)} ({', '.join(f'{k}={v}' for k, v in KERNELS[args.kernels].items())})"
+    report = {"cpu": cpu, "kernels": args.kernels, "extra_overrides": args.extra, "seeds": {}}
     for seed in args.seeds:
         command = [str(hybridflow), *seed_overrides(seed, args.root, args.extra)]
         print(f"seed {seed}: {' '.join(command)}", flush=True)
         started_s = time.time()
-        done = subprocess.run(command, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
+        done = subprocess.run(command, cwd=ROOT, env=env)
         if done.returncode != 0:
             raise SystemExit(f"seed {seed}: the pipeline exited with status {done.returncode}; "
                              f"its logs are under {args.root / f'seed{seed}' / 'logs'}")

@@ -70,14 +70,16 @@ def test_the_gpu_check_runs_on_the_cpu_without_ray_or_vllm(tmp_path):
 
 def test_the_pipeline_seeds_bench_composes_every_seeds_command(tmp_path):
     """bench/pipeline_seeds.py --dry-run: each seed's command composed and checked as `hybridflow`
-    checks it, the seed reaching every stage (its table from a finished run: tests/e2e/test_pipeline.py)."""
-    done = subprocess.run([sys.executable, "bench/pipeline_seeds.py", "--dry-run", "--seeds", "0", "3",
+    checks it, the seed reaching every stage (its table from a finished run: tests/e2e/test_pipeline.py),
+    and `--kernels avx2` reaching torch: its CPU kernels limited to AVX2 on whatever CPU this is."""
+    done = subprocess.run([sys.executable, "bench/pipeline_seeds.py", "--dry-run", "--seeds", "0", "3", "--kernels", "avx2",
                            "--root", str(tmp_path), "stages.sft.trainer.total_steps=7"], cwd=ROOT,
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     lines = done.stdout.strip().splitlines()
-    assert [line.split(":")[0] for line in lines] == ["seed 0", "seed 3"]
-    assert "seed=3 model.tiny.seed=3" in lines[1] and "(2 stages: sft, grpo)" in lines[1]
+    assert lines[0] == "kernels: avx2 (torch: AVX2)"
+    assert [line.split(":")[0] for line in lines[1:]] == ["seed 0", "seed 3"]
+    assert "seed=3 model.tiny.seed=3" in lines[2] and "(2 stages: sft, grpo)" in lines[2]
 
 
 def test_the_dpo_bench_builds_trl_format_pairs_and_a_command_hybridflow_accepts(tmp_path):
