@@ -36,7 +36,7 @@ install() {  # pip install's arguments: with uv when it can, else pip
   for ((i = 0; i < ${#uv_flags[@]}; i += 2)); do
     if [ "${uv_flags[i]}" = --cert ]; then cert=${uv_flags[i+1]}; else args+=("${uv_flags[i]}" "${uv_flags[i+1]}"); fi
   done
-  if [ -x "$UV" ] && env ${cert:+SSL_CERT_FILE="$cert"} "$UV" pip install --quiet --python "$VENV/bin/python" \
+  if [ -x "$UV" ] && env ${cert:+SSL_CERT_FILE="$cert"} "$UV" pip install --quiet --compile-bytecode --python "$VENV/bin/python" \
       --index-strategy unsafe-best-match "${args[@]}" "$@"; then
     return 0
   fi
