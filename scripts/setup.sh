@@ -19,8 +19,11 @@ fi
 PIP="$VENV/bin/python -m pip"
 $PIP install --quiet --upgrade pip
 
-# uv installs what pip would, resolving and unpacking in parallel: a fresh clone's whole setup took 45 s
-# where pip's took 1:36-1:57 (a 2-core Xeon, packages on the local disk; README "Two commands"). It gets
+# uv installs what pip would, resolving, unpacking and compiling in parallel: a fresh clone's whole setup
+# took 58 s where pip's took 1:36-1:57 (a 2-core Xeon, packages on the local disk, uv's cache empty;
+# README "Two commands"). It compiles the bytecode at install as pip does (--compile-bytecode): with
+# PYTHONDONTWRITEBYTECODE=1, as on these machines, nothing is compiled later, and without it every
+# import compiled anew (the default tier 15:14 instead of ~8 minutes). It gets
 # pip's own configuration (its index, extra indexes, find-links, constraints and certificate, from
 # pip's files and PIP_* variables; scripts/uv_flags.py) and, as pip does, takes a version from any
 # of those indexes. Where uv cannot be installed or fails, pip installs instead.
