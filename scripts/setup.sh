@@ -29,18 +29,15 @@ $PIP install --quiet --upgrade pip
 # of those indexes. Where uv cannot be installed or fails, pip installs instead.
 UV="$VENV/bin/uv"
 $PIP install --quiet uv >/dev/null 2>&1 || true
-uv_flags=()
+uv_args=() uv_cert=""  # uv's flags for pip's configuration; its certificate goes in SSL_CERT_FILE
 if [ -x "$UV" ]; then
-  while IFS= read -r flag; do if [ -n "$flag" ]; then uv_flags+=("$flag"); fi; done \
-    < <($PIP config list | "$VENV/bin/python" scripts/uv_flags.py)
+  while IFS= read -r flag && IFS= read -r value; do
+    if [ "$flag" = --cert ]; then uv_cert=$value; else uv_args+=("$flag" "$value"); fi
+  done < <($PIP config list | "$VENV/bin/python" scripts/uv_flags.py)
 fi
 install() {  # pip install's arguments: with uv when it can, else pip
-  local args=() cert=""
-  for ((i = 0; i < ${#uv_flags[@]}; i += 2)); do
-    if [ "${uv_flags[i]}" = --cert ]; then cert=${uv_flags[i+1]}; else args+=("${uv_flags[i]}" "${uv_flags[i+1]}"); fi
-  done
-  if [ -x "$UV" ] && env ${cert:+SSL_CERT_FILE="$cert"} "$UV" pip install --quiet --compile-bytecode --python "$VENV/bin/python" \
-      --index-strategy unsafe-best-match "${args[@]}" "$@"; then
+  if [ -x "$UV" ] && env ${uv_cert:+SSL_CERT_FILE="$uv_cert"} "$UV" pip install --quiet --compile-bytecode \
+      --python "$VENV/bin/python" --index-strategy unsafe-best-match "${uv_args[@]}" "$@"; then
     return 0
   fi
   [ -x "$UV" ] && echo "setup: uv could not install $*; pip installs it" >&2
