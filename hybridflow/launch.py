@@ -61,7 +61,7 @@ def synthetic_rows(config: HybridFlowConfig, tokenizer) -> tuple[list[dict], lis
     spec = ArithmeticSpec(syn.min_digits, syn.max_digits, tuple(syn.operations))
     train, val = make_arithmetic_split(syn.train_rows, syn.val_rows, spec, seed=config.data.seed)
     if syn.train_first_operand_below is not None:
-        train = first_operand_below(train, syn.train_first_operand_below)
+        train = first_operand_below(train, syn.train_first_operand_below, syn.train_rows_not_below)
     train = fit_data(config, train, tokenizer, "the synthetic training rows", trained=True)
     val = fit_data(config, val, tokenizer, "the synthetic validation rows")
     if syn.calculator_demonstrations:

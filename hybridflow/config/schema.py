@@ -219,6 +219,11 @@ class SyntheticTaskConfig:
     # whole task). An SFT stage then demonstrates part of the task, and RL on the whole task's prompts
     # has the rest to learn (the default pipeline, docs/pipeline.md). null: every row.
     train_first_operand_below: Optional[int] = None
+    # With train_first_operand_below: the first this many training rows whose first operand is not below
+    # it are kept too, after the others (all of them where there are fewer). A few demonstrations of the
+    # rest give every seed's SFT model a foothold there, which RL then widens (docs/pipeline.md, "A
+    # foothold in the other half"). 0: none.
+    train_rows_not_below: int = 0
 
     def __post_init__(self) -> None:
         _require(1 <= self.min_digits <= self.max_digits <= 9, "data.synthetic.min_digits/max_digits",
@@ -230,6 +235,12 @@ class SyntheticTaskConfig:
         _require(self.train_first_operand_below is None or self.train_first_operand_below >= 1,
                  "data.synthetic.train_first_operand_below", self.train_first_operand_below,
                  "must be >= 1 (training rows whose first operand is below it), or null for every row")
+        _require(self.train_rows_not_below >= 0, "data.synthetic.train_rows_not_below", self.train_rows_not_below,
+                 "must be >= 0")
+        _require(not self.train_rows_not_below or self.train_first_operand_below is not None,
+                 "data.synthetic.train_rows_not_below", self.train_rows_not_below,
+                 "keeps rows past data.synthetic.train_first_operand_below, which is null (every row is kept): "
+                 "set that bound, or leave this at 0")
 
 
 @dataclass

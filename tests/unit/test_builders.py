@@ -98,6 +98,34 @@ def test_training_rows_shown_in_part_keep_the_whole_held_out_set(tmp_path, tiny_
         compose(["data.synthetic.train_first_operand_below=0"])
 
 
+def test_a_few_rows_of_the_rest_are_kept_after_the_part_shown(tmp_path, tiny_model_dir):
+    """data.synthetic.train_rows_not_below: an SFT stage that demonstrates first operands below 50 also
+    demonstrates the first 200 rows whose first operand is 50 or more, after the others, so every
+    seed's model has a foothold there for GRPO to widen (docs/pipeline.md)."""
+    train, _ = make_arithmetic_split(7700, 500, ArithmeticSpec(), seed=0)
+    part = first_operand_below(train, 50, rows_not_below=200)
+    below = first_operand_below(train, 50)
+    rest = [r for r in train if int(r["prompt"].split("+")[0]) >= 50]
+    assert part == below + rest[:200] and len(rest) > 200
+    # a short run's 200 rows hold fewer than 200 of the rest: all of them are kept, after the others
+    short_below = first_operand_below(train[:200], 50)
+    assert first_operand_below(train[:200], 50, rows_not_below=200) == \
+        short_below + [r for r in train[:200] if r not in short_below]
+    from transformers import AutoTokenizer
+
+    from hybridflow.config import compose
+    from hybridflow.launch import prepare_data
+
+    config = compose(["data.synthetic.train_rows=7700", "data.synthetic.val_rows=500",
+                      "data.synthetic.train_first_operand_below=50", "data.synthetic.train_rows_not_below=200"])
+    assert [r["prompt"] for r in prepare_data(config, tmp_path, AutoTokenizer.from_pretrained(tiny_model_dir)).train] == \
+        [r["prompt"] for r in part]
+    with pytest.raises(ValueError, match="train_rows_not_below=5 is invalid: keeps rows past"):
+        compose(["data.synthetic.train_rows_not_below=5"])  # no bound: every row is kept already
+    with pytest.raises(ValueError, match="train_rows_not_below"):
+        compose(["data.synthetic.train_first_operand_below=50", "data.synthetic.train_rows_not_below=-1"])
+
+
 @pytest.mark.parametrize("suffix", [".parquet", ".jsonl"])
 def test_row_files_round_trip(tmp_path, suffix):
     rows = make_arithmetic_rows(10, ArithmeticSpec(), seed=0)

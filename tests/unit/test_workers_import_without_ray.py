@@ -3,6 +3,7 @@ worker can be built and tested in a process without them (STYLE 8; the GPU check
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 
@@ -13,11 +14,33 @@ WORKER_MODULES = ["workers.actor", "workers.critic", "workers.reference", "worke
                   "recipes.roles"]  # the role specs built from config: how a test or a GPU check builds a worker
 
 
-@pytest.mark.parametrize("module", WORKER_MODULES)
-def test_importing_a_worker_pulls_in_no_ray_or_vllm(module):
-    code = f"import sys, {module}; print(sorted(m for m in ('ray', 'vllm') if m in sys.modules))"
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
-    assert out.strip() == "[]", f"importing {module} imported {out.strip()}"
+# One process imports the modules in turn and names the first that brought Ray or vLLM in: what each
+# import adds is checked against what the ones before it left, so a module that pulls either in is
+# named as surely as in a process of its own (one process: ~2 s of imports, not ~2 s a module).
+IMPORT_EACH = """
+import importlib, json, sys
+pulled = {}
+for module in sys.argv[1:]:
+    importlib.import_module(module)
+    pulled[module] = sorted(m for m in ('ray', 'vllm') if m in sys.modules)
+print(json.dumps(pulled))
+"""
+
+
+def test_importing_a_worker_pulls_in_no_ray_or_vllm():
+    out = subprocess.run([sys.executable, "-c", IMPORT_EACH, *WORKER_MODULES], capture_output=True, text=True,
+                         check=True).stdout
+    pulled = json.loads(out)
+    assert list(pulled) == WORKER_MODULES, out  # every module was imported
+    first = next((module for module, found in pulled.items() if found), None)
+    assert first is None, f"importing {first} imported {pulled[first]}"
+
+
+def test_a_module_that_pulls_in_ray_is_named():
+    out = subprocess.run([sys.executable, "-c", IMPORT_EACH, "workers.actor", "ray", "workers.critic"],
+                         capture_output=True, text=True, check=True).stdout
+    pulled = json.loads(out)
+    assert pulled["workers.actor"] == [] and pulled["ray"] == ["ray"] and next(m for m, f in pulled.items() if f) == "ray"
 
 
 def test_the_ray_side_of_the_controller_is_still_reachable_from_the_package():
