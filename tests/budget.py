@@ -4,7 +4,7 @@ tier that grows past the tier's, fails the run and names itself.
 CI has 90 minutes on whichever 2-core machine a stop runs on (README "Two commands"), and the
 machines differ: a CPU without bfloat16 instructions (`avx512_bf16` / `amx_bf16`) runs the suite
 about 1.9x slower. So the budgets below are seconds on a CPU with them, multiplied by
-`NO_BF16_FACTOR` on one without, and by `DRIFT_MARGIN` for the ±30% these machines drift.
+`NO_BF16_FACTOR` on one without, and by `DRIFT_MARGIN` for how far one machine drifts within a day.
 
 - Each test (setup + call + teardown, pytest's own durations) has `DEFAULT_TEST_BUDGET_S` for its
   tier, or what its `@pytest.mark.budget(seconds)` says: seconds alone on the machine, multiplied
@@ -30,10 +30,14 @@ DEFAULT_TEST_BUDGET_S = {"default": 60.0, "slow": 180.0}
 # Wall clock with two pytest-xdist workers on a CPU with bfloat16 instructions (README "Two commands"): the
 # default tier's 20 minutes on a CPU without them (600 s x 2), and room for the slow tier's drift. Measured
 # on a 2-core EPYC without bf16 at 95f44b3: the default tier 17:59, the slow tier 36:04 (the limits there,
-# with the drift margin: 26 and 52 minutes); a CPU with bf16 ran both about 1.9x faster before (19397d6).
+# with the drift margin, 1.3 then: 26 and 52 minutes); a CPU with bf16 ran both about 1.9x faster before (19397d6).
 TIER_BUDGET_S = {"default": 600.0, "slow": 1200.0}
 NO_BF16_FACTOR = 2.0
-DRIFT_MARGIN = 1.3
+# 1.3 until 2026-11-29, when the same 2-core Xeon ran a fresh clone's slow tier in 17:25 in the morning and
+# 27:28 that afternoon (b296299, the same tests; the default tier 8:35 and 9:55; single tests up to 3.4x,
+# the SFT bench's step 1.45x): every test passed and the margin failed the run. A margin a machine's own
+# drift crosses blocks every change for nothing; 1.6 still fails a test or tier that doubles.
+DRIFT_MARGIN = 1.6
 SHARED_CORES_FACTOR = 1.7
 
 # Seconds each heavy file took (setup + calls, summed over its tests, under two workers), by tier, on a

@@ -74,10 +74,9 @@ def make_arithmetic_split(train_rows: int, val_rows: int, spec: ArithmeticSpec, 
 
 def first_operand_below(rows: list[dict], bound: int, rows_not_below: int = 0) -> list[dict]:
     """The rows whose first operand is below `bound`, then the first `rows_not_below` of the others (all
-    of them where there are fewer: a short test run of the default pipeline): a task shown in part (an
-    SFT stage's demonstrations), with a few examples of the rest so the model has a foothold there,
-    while its held-out rows and RL prompts cover all of it. An empty result is an error naming the
-    bound."""
+    of them where there are fewer, as in a short run's few rows): a task shown in part (an SFT stage's
+    demonstrations), with a few examples of the rest so the model has a foothold there, while its
+    held-out rows and RL prompts cover all of it. An empty result is an error naming the bound."""
     first = lambda row: int(re.match(r"\d+", row["prompt"]).group())  # noqa: E731  "37+45=" -> 37
     kept = [row for row in rows if first(row) < bound]
     if not kept:
