@@ -36,7 +36,7 @@ NO_BF16_FACTOR = 2.0
 # 1.3 until 2026-11-29, when the same 2-core Xeon ran a fresh clone's slow tier in 17:25 in the morning and
 # 27:28 that afternoon (b296299, the same tests; the default tier 8:35 and 9:55; single tests up to 3.4x,
 # the SFT bench's step 1.45x): every test passed and the margin failed the run. A margin a machine's own
-# drift crosses blocks every change for nothing; 1.6 still fails a test or tier that doubles.
+# drift crosses blocks every change for nothing; 1.6 still fails a tier that doubles.
 DRIFT_MARGIN = 1.6
 SHARED_CORES_FACTOR = 1.7
 
