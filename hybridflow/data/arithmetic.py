@@ -77,9 +77,10 @@ def first_operand_below(rows: list[dict], bound: int, rows_not_below: int = 0) -
     of them where there are fewer, as in a short run's few rows): a task shown in part (an SFT stage's
     demonstrations), with a few examples of the rest so the model has a foothold there, while its
     held-out rows and RL prompts cover all of it. An empty result is an error naming the bound."""
-    first = lambda row: int(re.match(r"\d+", row["prompt"]).group())  # noqa: E731  "37+45=" -> 37
-    kept = [row for row in rows if first(row) < bound]
+    kept, others = [], []
+    for row in rows:
+        (kept if int(re.match(r"\d+", row["prompt"]).group()) < bound else others).append(row)  # "37+45=" -> 37
     if not kept:
         raise ValueError(f"data.synthetic.train_first_operand_below={bound} leaves none of the {len(rows)} training "
                          "rows; raise it (operands start at 0)")
-    return kept + [row for row in rows if first(row) >= bound][:rows_not_below]
+    return kept + others[:rows_not_below]
