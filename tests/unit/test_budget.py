@@ -10,7 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.budget import DRIFT_MARGIN, SHARED_CORES_FACTOR, TIER_BUDGET_S, violations
+from tests.budget import (DRIFT_MARGIN, MAX_SLOWDOWN, SHARED_CORES_FACTOR, TIER_BUDGET_S, slowdown,
+                          violations, workload_s)
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -18,9 +19,9 @@ PLANTED = '''
 import time
 import pytest
 
-@pytest.mark.budget(0.05)
+@pytest.mark.budget(0.02)
 def test_planted_slow():
-    time.sleep(0.5)
+    time.sleep(1.0)  # past 0.02 s x every scale the check may apply (2 x 1.6 x 1.7 x a slowdown of 3: 0.33 s)
 
 @pytest.mark.budget(5)
 def test_within_budget():
@@ -45,6 +46,7 @@ def test_a_planted_slow_test_fails_the_run_and_is_named(tmp_path, flags):
     assert "over the time budget" in done.stdout and "test_planted.py::test_planted_slow" in done.stdout
     assert "test_within_budget" not in done.stdout.split("over the time budget")[1]
     assert done.stdout.count("test_planted.py::test_planted_slow:") == 1
+    assert "tests/budget.py: this machine ran tests/budget.py's fixed workload in" in done.stdout  # asked first
 
 
 def test_the_check_can_be_turned_off(tmp_path):
@@ -68,6 +70,31 @@ def test_budgets_scale_with_the_machine_and_the_tier_total_counts():
     # durations that parallel workers overlap.
     assert violations({"a": over, "b": over}, {"a": over, "b": over}, 1.0, "default", wall_s=over - 2) == []
     assert violations({"a": 1.0}, {"a": 10.0}, 1.0, "default", wall_s=over)[-1].startswith("the default tier")
+
+
+def test_a_machine_measured_slower_than_its_usual_scales_the_budgets_by_that(monkeypatch):
+    import tests.budget as budget
+
+    monkeypatch.setattr(budget, "USUAL_WORKLOAD_S", {"bf16": 0.1, "no_bf16": 0.2})
+    assert slowdown(0.25, 1.0) == pytest.approx(2.5)  # a CPU with bfloat16, 2.5x its usual
+    assert slowdown(0.25, 2.0) == pytest.approx(1.25)  # the same seconds on a CPU kind whose usual is slower
+    assert slowdown(0.05, 1.0) == 1.0  # faster than usual never tightens the budgets
+    assert slowdown(10.0, 1.0) == MAX_SLOWDOWN  # nor does a stalled machine excuse any time at all
+    monkeypatch.setattr(budget, "USUAL_WORKLOAD_S", {"bf16": None, "no_bf16": 0.2})
+    assert slowdown(0.25, 1.0) == 1.0  # no usual recorded for this kind: no scaling
+    limit = 10.0 * DRIFT_MARGIN
+    assert violations({"a": 2 * limit}, {"a": 10.0}, 1.0, None) != []
+    scaled = violations({"a": 2 * limit}, {"a": 10.0}, 1.0, None, slower=1.9)
+    assert scaled and "x 1.90 slower than usual now" in scaled[0]
+    assert violations({"a": 2 * limit}, {"a": 10.0}, 1.0, None, slower=2.1) == []
+
+
+def test_the_workload_is_timed_in_one_thread_and_leaves_the_thread_count_alone():
+    import torch
+
+    before = torch.get_num_threads()
+    seconds = workload_s(repeats=1)
+    assert 0.0 < seconds < 30.0 and torch.get_num_threads() == before
 
 
 def test_only_a_whole_tier_is_held_to_the_tier_total():
