@@ -8,7 +8,9 @@ instruction sets.
 
 The starting model of seed s is the default pipeline's PMA merge of that seed's SFT stage
 (`<pipelines>/seed<s>/01-grpo/init_model`, the model the pipeline's GRPO stage starts from), written
-by `bench/pipeline_seeds.py --seeds s --root <pipelines>`; its held-out accuracy is the pipeline's
+by `bench/pipeline_seeds.py --seeds s --root <pipelines> stages.sft.data.synthetic.train_rows_not_below=0`
+for docs/learning.md's runs (the default pipeline's SFT stage before it showed 200 rows of the other half,
+docs/pipeline.md); its held-out accuracy is the pipeline's
 own evaluation of it (`01-grpo/init_eval/metrics.jsonl`). So each run starts where the SFT curve has
 levelled off, on every seed, not in the middle of a climb. Each recipe then runs its
 docs/learning.md command (RECIPES below) with `seed=<s>`, one run after another in
