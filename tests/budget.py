@@ -130,10 +130,15 @@ def workload_s(repeats: int = 7) -> float:
         torch.set_num_threads(threads)
 
 
+def usual_workload_s(factor: float) -> float | None:
+    """`USUAL_WORKLOAD_S` of the CPU kind whose `machine_factor` is `factor`."""
+    return USUAL_WORKLOAD_S["bf16" if factor == 1.0 else "no_bf16"]
+
+
 def slowdown(measured_s: float, factor: float) -> float:
     """How many times slower than its usual this CPU kind runs `workload_s` now: 1 at or under its
     usual (or where no usual is recorded), at most MAX_SLOWDOWN."""
-    usual_s = USUAL_WORKLOAD_S["bf16" if factor == 1.0 else "no_bf16"]
+    usual_s = usual_workload_s(factor)
     return 1.0 if not usual_s else min(MAX_SLOWDOWN, max(1.0, measured_s / usual_s))
 
 
@@ -223,7 +228,7 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
     if found:  # before failing the run: is the machine itself slower than usual now?
         measured_s = workload_s()
         slower = slowdown(measured_s, factor)
-        usual_s = USUAL_WORKLOAD_S["bf16" if factor == 1.0 else "no_bf16"]
+        usual_s = usual_workload_s(factor)
         _notes.append(f"this machine ran tests/budget.py's fixed workload in {measured_s:.3f} s; "
                       + (f"its CPU kind's usual is {usual_s:.3f} s, so the budgets are x {slower:.2f} "
                          f"(at most {MAX_SLOWDOWN:g})" if usual_s else
