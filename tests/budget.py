@@ -49,7 +49,7 @@ SHARED_CORES_FACTOR = 1.7
 # `workload_s()` on each CPU kind at its usual speed, alone on the machine. A machine that runs it slower
 # than this is slower than usual (a busy host), and a run over its budget there gets the budgets scaled by
 # the ratio (at most MAX_SLOWDOWN) before it fails. Stop 66's CI: the default tier in 20.2 min on a 2-core
-# Xeon with amx_bf16 whose usual is 8.5-10 (budget 16.0), every test passing.
+# CPU with bf16 instructions (the Xeon's usual is 8.5-10; budget 16.0), every test passing.
 # no_bf16: a 2-core AMD EPYC with AVX2 only, 0.194-0.200 s in three runs on 2026-11-29, the day it ran the whole
 # .ci/run in 30:29. bf16: estimated as that / 1.5 (the 2-core Xeon with amx_bf16 ran the tiny model's float32 SFT
 # step 1.9x as fast, Python about as fast); replace it with a measurement there:
