@@ -2,11 +2,11 @@
 
     PYTHONPATH=. .venv/bin/python bench/async_learning.py --sft SFT_HF_DIR \
         [--steps 120] [--seeds 0 1 2] [--schedules a b c d] [--root runs/async_learning] \
-        [--plot docs/async_learning.png] [--start ACC] [--report-only]
+        [--plot bench/results/async_learning.png] [--start ACC] [--report-only]
     PYTHONPATH=. .venv/bin/python bench/async_learning.py --dry-run [--steps 6 --val-every 3] [--seeds 0 1] \
         [--plot x.png]   # compose and check every run's command, report on small metrics; run nothing
 
-The same GRPO task (docs/learning.md section 2: 64 prompts x 8 samples, four mini-batches,
+The same GRPO task (docs/results/learning.md section 2: 64 prompts x 8 samples, four mini-batches,
 clip-higher, lr 1e-4 cosine, 500 held-out prompts) from the same SFT model, in four schedules:
 
   (a) colocated, synchronous: one rank holds both cores and both roles;
@@ -323,7 +323,7 @@ def main() -> None:
         parser.error("the following arguments are required: --sft")
     if args.sft is not None and not (args.sft / "config.json").exists():
         sys.exit(f"--sft {args.sft}: no config.json there; pass a checkpoint's hf/ directory "
-                 "(docs/learning.md section 1 makes one)")
+                 "(docs/results/learning.md section 1 makes one)")
     if args.dry_run:
         dry_run(args)
         return

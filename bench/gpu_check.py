@@ -4,7 +4,7 @@ one process, without Ray or vLLM.
     python bench/gpu_check.py [--sizes 0.5b,1.5b] [--model 100m] [--dtype bfloat16] [--out gpu_check.json]
     python bench/gpu_check.py --dry-run --out x.json   # the CPU over gloo at the tiny shapes (a test runs it)
 
-Run by hand where a GPU is lent (docs/performance.md "On a GPU" says how to carry the three wheels
+Run by hand where a GPU is lent (docs/results/gpu.md "On a GPU" says how to carry the three wheels
 it needs there). The GPU machines here have torch and transformers but neither Ray nor vLLM, so
 the worker classes are built in-process (they import neither) and a plain transformers module on
 the GPU stands in for the vLLM engine at the receiving end. The JSON is rewritten after every part,

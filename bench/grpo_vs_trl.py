@@ -19,7 +19,7 @@ process on 2 threads, and 2 processes (torchrun, DDP over gloo) on 1 thread each
 HybridFlow's 2 ranks. The first `--warmup` steps of each are dropped; the table reports the
 median of the next `--steps`. The FLOP floor (bench/flop_floor.py) uses each side's own token
 counts and the best float32 matmul rate of this machine on 2 threads. Results go between the
-markers in docs/performance.md and, whole, to `<work>/results.json`. Run nothing else heavy
+markers in docs/results/performance.md and, whole, to `<work>/results.json`. Run nothing else heavy
 meanwhile: these are timings.
 
 `--dry-run` starts neither side: it prepares each model's inputs, composes and checks HybridFlow's
@@ -390,7 +390,7 @@ def main() -> None:
     p.add_argument("--trl-port", type=int, default=29517, help="torchrun's rendezvous port for trl-ddp")
     p.add_argument("--work", default=str(ROOT / "bench" / ".work"))
     p.add_argument("--trl-venv", default=str(ROOT / "bench" / ".trl-venv"))
-    p.add_argument("--doc", default=str(ROOT / "docs" / "performance.md"))
+    p.add_argument("--doc", default=str(ROOT / "docs" / "results" / "performance.md"))
     p.add_argument("--no-doc", action="store_true", help="only print and write <work>/results.json")
     p.add_argument("--render-only", action="store_true", help="rewrite the doc from <work>/results.json, run nothing")
     p.add_argument("--dry-run", action="store_true",

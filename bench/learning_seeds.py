@@ -1,19 +1,19 @@
 """GRPO and PPO (with a critic) from the default pipeline's SFT model, on several seeds: the learning
-claims of docs/learning.md and the README, each seed's curve and its gain, the CPU named by its
+claims of docs/results/learning.md and the README, each seed's curve and its gain, the CPU named by its
 instruction sets.
 
     python bench/learning_seeds.py [--seeds 0 1 2] [--pipelines runs/pipeline_seeds] [--root runs/learning_seeds]
-                                   [--recipes grpo ppo] [--out docs/learning_seeds.json] [key=value ...]
+                                   [--recipes grpo ppo] [--out bench/results/learning_seeds.json] [key=value ...]
     python bench/learning_seeds.py --dry-run   # compose and check every run's command; run nothing
 
 The starting model of seed s is the default pipeline's PMA merge of that seed's SFT stage
 (`<pipelines>/seed<s>/01-grpo/init_model`, the model the pipeline's GRPO stage starts from), written
 by `bench/pipeline_seeds.py --seeds s --root <pipelines> stages.sft.data.synthetic.train_rows_not_below=0`
-for docs/learning.md's runs (the default pipeline's SFT stage before it showed 200 rows of the other half,
-docs/pipeline.md); its held-out accuracy is the pipeline's
+for docs/results/learning.md's runs (the default pipeline's SFT stage before it showed 200 rows of the other half,
+docs/results/default_pipeline.md); its held-out accuracy is the pipeline's
 own evaluation of it (`01-grpo/init_eval/metrics.jsonl`). So each run starts where the SFT curve has
 levelled off, on every seed, not in the middle of a climb. Each recipe then runs its
-docs/learning.md command (RECIPES below) with `seed=<s>`, one run after another in
+docs/results/learning.md command (RECIPES below) with `seed=<s>`, one run after another in
 `<root>/seed<s>/<recipe>`: a rerun keeps a run whose metrics.jsonl already holds its last step's
 validation and runs the others again (`trainer.resume=true`; the runs save no checkpoints, so an
 interrupted one starts over). Extra `key=value` arguments go to every run (a learning rate, a length).
@@ -41,7 +41,7 @@ from learning_curves import curve  # noqa: E402
 
 from hybridflow.precision import cpu_description  # noqa: E402
 
-# The tiny model, one rank with both cores, the whole task: what every docs/learning.md command takes.
+# The tiny model, one rank with both cores, the whole task: what every docs/results/learning.md command takes.
 COMMON = ["placement.pools.global.devices_per_node=1", "placement.pools.global.cpus_per_device=2",
           "data.synthetic.train_rows=7700", "data.synthetic.val_rows=500", "trainer.val_prompts=500",
           "trainer.val_every_steps=25", "trainer.prompts_per_step=64", "actor.clip_ratio_high=0.28",
@@ -55,7 +55,7 @@ RECIPES = {
             "critic.samples_per_micro_batch=256", "critic.samples_per_mini_batch=64",
             "critic.optim.lr=5e-4", "critic.optim.warmup_steps=5", "trainer.critic_warmup_steps=10"],
 }
-GAIN_MARK = 0.20  # the "+20 points reached" column of docs/learning.md
+GAIN_MARK = 0.20  # the "+20 points reached" column of docs/results/learning.md
 MINUTES_MARK = 5.0
 
 

@@ -1,7 +1,7 @@
 """LoRA GRPO on the real model, the adapter served by vLLM beside the folded whole-model sync.
 
     PYTHONPATH=. .venv/bin/python bench/lora_adapter_sync.py [--steps 30] [--rank 16] [--lr 1e-4] \
-        [--modes adapter,folded] [--out docs/lora_adapter_sync.json]
+        [--modes adapter,folded] [--out bench/results/lora_adapter_sync.json]
     PYTHONPATH=. .venv/bin/python bench/lora_adapter_sync.py --dry-run   # each mode's command composed and checked
     PYTHONPATH=. .venv/bin/python bench/lora_adapter_sync.py --render-only A.json B.json   # one table, seeds as rows
 
@@ -9,7 +9,7 @@ The same `recipe=grpo` run twice, from the same seed, on SmolLM2-135M-Instruct (
 with a LoRA actor (rank `--rank` on every linear layer of the decoder): once with
 `weight_sync.lora=adapter` (the factors alone, registered with vLLM under a new id each sync) and
 once with `weight_sync.lora=folded` (the whole model with W + (alpha/r)BA folded in). The task and
-shapes are docs/learning.md's real-model GRPO run (two-digit additions as chat, 8 prompts x 8
+shapes are docs/results/learning.md's real-model GRPO run (two-digit additions as chat, 8 prompts x 8
 samples, answers of up to 64 tokens, bfloat16). Reported per mode, from the runs' own
 metrics.jsonl: bytes each rollout rank received per sync, the whole model's bytes
 (`weight_sync/engine_bytes_per_rank`) and their ratio, the sync's median seconds, the median step,
@@ -141,7 +141,7 @@ def main() -> None:
     p.add_argument("--lr", type=float, default=1e-4)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--work", default="/tmp/lora_adapter_sync")
-    p.add_argument("--out", default=str(ROOT / "docs" / "lora_adapter_sync.json"))
+    p.add_argument("--out", default=str(ROOT / "bench" / "results" / "lora_adapter_sync.json"))
     p.add_argument("--dry-run", action="store_true", help="compose and check each mode's command on the tiny model; "
                                                           "run nothing")
     p.add_argument("--doc", default=str(ROOT / "docs" / "resharding.md"), help="where the table goes (not in a dry run)")

@@ -9,7 +9,7 @@ with a bfloat16 engine, micro-batch sizes left to the run (chosen from the memor
 reads `memory/global_peak_gib` and `memory/global_rss_gib` of every step from its metrics and
 compares them with the floor of hybridflow/memory_budget.py for the configuration the run saved.
 The verdict the issue asks for: the last step's peak at most 1.1 x step 10's, every peak at most
-1.5 x the floor. The table goes between the markers in docs/performance.md.
+1.5 x the floor. The table goes between the markers in docs/results/memory.md.
 
 `--dry-run` composes and checks the command as `hybridflow` checks it (the step count, batch,
 validation, dtypes and the `global` pool whose memory metrics the table reads must reach the
@@ -177,7 +177,7 @@ def main() -> None:
     p.add_argument("--val-every", type=int, default=50)
     p.add_argument("--val-prompts", type=int, default=100)
     p.add_argument("--work", type=Path, default=Path("/tmp/memory_steps"))
-    p.add_argument("--doc", type=Path, default=ROOT / "docs" / "performance.md")
+    p.add_argument("--doc", type=Path, default=ROOT / "docs" / "results" / "memory.md")
     p.add_argument("--render-only", action="store_true")
     p.add_argument("--dry-run", action="store_true", help="compose and check the command on the tiny model, "
                                                           "render the table from small metrics into a temporary "

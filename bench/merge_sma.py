@@ -6,7 +6,7 @@ plain read of the inputs.
 
 Generates N random fp32 safetensors checkpoints of about --size-mb each (an untied
 embedding and lm_head, the largest tensors, plus 1024x1024 layers, norms and an int buffer)
-in a temporary directory, deletes them at the end, and writes docs/merge_benchmark.md (and,
+in a temporary directory, deletes them at the end, and writes docs/results/merge_benchmark.md (and,
 with --out, the measurements as JSON). The dry run (tests/unit/test_bench_dry_runs_measure.py)
 measures the same four rows in fresh processes at 256-wide layers and a 4 MiB embedding, once
 each, without the warm-up read (the inputs were just written), and writes no document: its
@@ -206,7 +206,7 @@ def main() -> None:
     parser.add_argument("--checkpoints", type=int, default=10)
     parser.add_argument("--size-mb", type=int, default=200)
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--doc", default=str(ROOT / "docs" / "merge_benchmark.md"))
+    parser.add_argument("--doc", default=str(ROOT / "docs" / "results" / "merge_benchmark.md"))
     parser.add_argument("--dry-run", action="store_true",
                         help="2 checkpoints of 9 MiB, one run of each row, no warm-up; writes no --doc")
     parser.add_argument("--out", default="", help="the measurements and the document's text as JSON")

@@ -1,6 +1,6 @@
 """The actor's log-prob pass and policy update, padded against packed (`model.pack_sequences`), on the CPU.
 
-    python bench/packed_sequences.py [--rows 32] [--prompt 64] [--response 64] [--out docs/packed_sequences.json]
+    python bench/packed_sequences.py [--rows 32] [--prompt 64] [--response 64] [--out bench/results/packed_sequences.json]
     python bench/packed_sequences.py --dry-run      # the tiny model, 8 rows: what tests/unit/test_bench_dry_runs.py runs
 
 The real model (SmolLM2-135M-Instruct, tests/real_model.py; `--model-dir` for another) as a run

@@ -1,7 +1,7 @@
 """The default pipeline (`hybridflow`, conf/recipe/pipeline.yaml) on several seeds: each stage's
 held-out accuracy and minutes per seed, the CPU named by its instruction sets.
 
-    python bench/pipeline_seeds.py [--seeds 0 1 2] [--root runs/pipeline_seeds] [--out docs/pipeline_seeds.json] [key=value ...]
+    python bench/pipeline_seeds.py [--seeds 0 1 2] [--root runs/pipeline_seeds] [--out bench/results/pipeline_seeds.json] [key=value ...]
     python bench/pipeline_seeds.py --kernels avx2 ...    # torch's CPU kernels limited to AVX2: another rounding
     python bench/pipeline_seeds.py --dry-run            # compose and check every seed's command; run nothing
     python bench/pipeline_seeds.py --summarize RUN_DIR  # the table row of one finished pipeline run
@@ -19,7 +19,7 @@ vectorised kernels, MKL's GEMMs and oneDNN), so a CPU with AVX-512 rounds its su
 as a CPU without AVX-512 does: a check that a gain is the recipe's, not one machine's rounding,
 without the other machine. It does not reproduce an AVX2-only CPU's numbers (seed 0's SFT accuracy
 at step 300 was 0.256 on a 2-core AMD EPYC with AVX2 only, 0.220 forced here, 0.140 unforced, and none
-of MKL's other code paths gave 0.256; docs/pipeline.md), nor its speed, and vLLM's own kernels stay
+of MKL's other code paths gave 0.256; docs/results/default_pipeline.md), nor its speed, and vLLM's own kernels stay
 those the CPU has.
 
 Written: `--out` (JSON: the CPU, the commands, per seed the stages' starting and final accuracy,

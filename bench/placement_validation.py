@@ -4,7 +4,7 @@ For each workload: calibrate the rates on it (`hybridflow plan --calibrate`: pro
 2 devices), rank every plan, run the top three and two others (the median and the slowest predicted)
 for STEPS steps each through the `hybridflow` command, and compare each stage's prediction with the
 mean of its measured `timing/<stage>_s` over the steps after the first. Writes JSON to OUT
-(default docs/placement_validation.json; another CPU kind's to a file of its own), each workload's
+(default bench/results/placement_validation.json; another CPU kind's to a file of its own), each workload's
 results with the device they were measured on; docs/placement.md has the tables.
 
     .venv/bin/python bench/placement_validation.py [gen|update ...] [--out OUT]
@@ -110,7 +110,7 @@ def validate(name: str, overrides: list[str], root: Path) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("workloads", nargs="*", help=f"of {sorted(WORKLOADS)} (default: all)")
-    parser.add_argument("--out", default=str(ROOT / "docs" / "placement_validation.json"),
+    parser.add_argument("--out", default=str(ROOT / "bench" / "results" / "placement_validation.json"),
                         help="the JSON report; a workload already in it is replaced")
     parser.add_argument("--dry-run", action="store_true",
                         help="rank each workload's plans with the rates this machine has, compose the chosen "

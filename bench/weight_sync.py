@@ -11,7 +11,7 @@ recipes use), and records per sync: seconds, bytes received per rank (max over r
 layout minimum for the pair of layouts (from the shapes), and the ratio to the copy floor:
 a plain `torch` copy, on the same machine, of the bytes one rank's engine holds (its whole
 generation slice: the least any sync must write). Checks are off while timing (the probe
-costs a generation). Results go to docs/resharding_benchmark.md.
+costs a generation). Results go to docs/results/resharding_benchmark.md.
 
 --dry-run starts nothing: each model is built and counted, and each mode's placement composed
 and checked as `hybridflow` would run it (`command`: GRPO on that model, float32, checks off),
@@ -193,7 +193,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--models", default="tiny,100m")
     parser.add_argument("--syncs", type=int, default=5)
-    parser.add_argument("--output", default=str(ROOT / "docs" / "resharding_benchmark.md"))
+    parser.add_argument("--output", default=str(ROOT / "docs" / "results" / "resharding_benchmark.md"))
     parser.add_argument("--dry-run", action="store_true",
                         help="build the models, compose and check each mode's command; start nothing")
     parser.add_argument("--out", default=None, help="a dry run's report (JSON)")

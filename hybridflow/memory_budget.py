@@ -11,7 +11,7 @@ and one micro-batch's activations and logits. The activation estimate per token 
 layer is 10 x hidden + 4 x intermediate + 2 x heads x sequence floats (the saved inputs of the
 norms, projections, MLP and eager attention's probabilities), or one hidden vector per layer
 with `actor.gradient_checkpointing`; on SmolLM2-135M in float32, 16 rows of 110 tokens, it gives
-2.7 GiB against 3.1 GiB measured (bench/logprob_memory.py, docs/performance.md "Memory").
+2.7 GiB against 3.1 GiB measured (bench/logprob_memory.py, docs/memory.md "Memory").
 
 The terms are one function, `device_terms` (any roles on a pool of any size), that the run's own
 check (`process_terms`, from the config and the stage's plan) and the planner's
@@ -28,7 +28,7 @@ order (hybridflow/resharding/transports/colocated.py). Training: the same terms,
 no probabilities (sdpa's flash, memory-efficient and cuDNN kernels and the packed varlen kernel never
 store the sequence x sequence matrix), and a colocated engine sleeps (its weights on the host, its KV
 cache freed) so it holds nothing; the host runtime is not GPU memory. Checked against
-`torch.cuda.max_memory_allocated` on an H200 (bench/gpu_check.py, docs/performance.md "A GPU memory
+`torch.cuda.max_memory_allocated` on an H200 (bench/gpu_check.py, docs/memory.md "A GPU memory
 model"): Qwen2.5-0.5B and -1.5B shapes, 16 rows of 256 + 512 tokens, floor 28.1 and 61.3 GiB, peaks
 32.0-34.4 and 65.6-69.8 GiB (1.07-1.22x). With a colocated vLLM engine three more: start (the training
 roles' weights loaded while the engine takes its whole `rollout.gpu_memory_utilization` share: vLLM
@@ -204,7 +204,7 @@ def micro_batch_terms(inputs: MemoryInputs, rows: int | None = None, checkpointi
 # actor/critic.samples_per_micro_batch and actor.gradient_checkpointing left null are chosen before
 # start: the most rows (at most AUTO_MAX_ROWS) whose floor stays within AUTO_SHARE of what one process
 # of the actor's pool may use. The floor is a lower bound (measured peaks were at most 1.5x it, on
-# SmolLM2 and a 0.5B model, docs/performance.md), hence the share; beyond 64 rows a micro-batch gains
+# SmolLM2 and a 0.5B model, docs/results/memory.md), hence the share; beyond 64 rows a micro-batch gains
 # little on a CPU.
 AUTO_MAX_ROWS = 64
 AUTO_SHARE = 2 / 3
@@ -298,7 +298,7 @@ def resolve_micro_batches(config, plan, node_bytes: int | None = None, model_dir
     if shape is None:  # the tiny model (always fits) or a size unknown before start: nothing worth a line
         return config, None
     said = ", ".join(f"{k}={str(v).lower()}" for k, v in chosen.items())
-    return config, f"hybridflow: chose {said} ({choice.why}; docs/performance.md, \"Memory\")"
+    return config, f"hybridflow: chose {said} ({choice.why}; docs/memory.md, \"Memory\")"
 
 
 def _layer_floats(shape: ModelShape, tokens: int, attention_probabilities: bool = True) -> int:

@@ -359,7 +359,7 @@ class ActorWorker(TrainingStateMixin):
         are freed first (the next update makes new ones) and every tensor is copied into page-locked
         memory: a non-blocking device-to-host copy gets a pinned destination from PyTorch's caching
         host allocator, which keeps the blocks for the next offload, so they are allocated once.
-        A pageable copy moved 1.5-2 GB/s on an H200 whose link moves 55 (docs/performance.md "On a
+        A pageable copy moved 1.5-2 GB/s on an H200 whose link moves 55 (docs/results/gpu.md "On a
         GPU"). Parameters wait for their own copy before the next one starts: FSDP2 re-pads an
         unevenly sharded parameter on the host as it is moved, which must read a finished copy.
         Back to the device the copies are non-blocking from pinned memory, ordered on the stream."""

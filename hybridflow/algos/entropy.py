@@ -76,7 +76,7 @@ FLOAT32_CHUNK_BYTES = 64 * 2 ** 20  # float32 logits reduced at once (a chunk of
 # Qwen2.5-0.5B shapes on an H200 took 2.12 s so and 1.72 s with the vocabulary in one chunk per
 # micro-batch (peak 21.3 -> 32.9 GiB; the plain loop's 43.7), bench/gpu_check.py --diagnose. 1 GiB
 # (~1,800 such tokens a chunk): 1.18 s against one chunk's 1.09 s, peak 32.0 against 44.5 GiB (and
-# 4% slower, 12.5 GiB less at 1.5B; docs/performance.md "No host waits inside a micro-batch").
+# 4% slower, 12.5 GiB less at 1.5B; docs/results/gpu.md "No host waits inside a micro-batch").
 CUDA_FLOAT32_CHUNK_BYTES = 2 ** 30
 
 

@@ -31,7 +31,7 @@ on torch's OpenMP threads, gives that thread an OpenMP team of its own. From the
 counts more threads than cores and stops spinning at its barriers: each parallel region of the
 training thread waits for a sleeping thread to wake (~80 us on these VMs), and the default
 pipeline's SFT step went from 0.10 to 0.15 s after its first checkpoint, for the rest of the
-stage (docs/performance.md, "The SFT step beside a plain loop").
+stage (docs/results/performance.md, "The SFT step beside a plain loop").
 """
 
 from __future__ import annotations

@@ -36,7 +36,7 @@ MEANINGS = {
     "reward": "reward functions and reward model (docs/rewards.md)",
     "actor": "the trained policy: optimizer, batch sizes, loss",
     "trainer": "the step loop: steps, batch, validation, checkpoints, restarts",
-    "placement": "resource pools and which role runs on which (README, Placement)",
+    "placement": "resource pools and which role runs on which (docs/pools.md)",
     "logger": "run directory and metrics backends",
     "ray": "the Ray cluster: join one or start a local one",
     "pipeline": "recipe=pipeline's stages (docs/pipeline.md)",
@@ -101,7 +101,7 @@ MEANINGS = {
     "actor.lora.target_modules": "module names that get adapters",
     "actor.samples_per_micro_batch": "samples per forward/backward on a rank (gradient accumulation inside a "
                                      "mini-batch); null: the most (up to 64) that fit the memory available, chosen "
-                                     "before start and printed (docs/performance.md, Memory)",
+                                     "before start and printed (docs/memory.md, Memory)",
     "actor.epochs_per_step": "passes over the step's samples",
     "actor.policy_loss": "ppo_clip, gspo, ... (docs/algorithms.md)",
     "actor.clip_ratio_low": "PPO clip below: ratio >= 1 - clip_ratio_low",

@@ -221,7 +221,7 @@ class SyntheticTaskConfig:
     train_first_operand_below: Optional[int] = None
     # With train_first_operand_below: the first this many training rows whose first operand is not below
     # it are kept too, after the others (all of them where there are fewer). A few demonstrations of the
-    # rest give every seed's SFT model a foothold there, which RL then widens (docs/pipeline.md, "A
+    # rest give every seed's SFT model a foothold there, which RL then widens (docs/results/default_pipeline.md, "A
     # foothold in the other half"). 0: none.
     train_rows_not_below: int = 0
 
@@ -447,7 +447,7 @@ class ActorConfig:
     lora: LoraConfig = field(default_factory=LoraConfig)
     samples_per_mini_batch: int = 0  # global; 0: the step's whole batch is one mini-batch (on-policy)
     # per rank; null: the most rows (up to 64) that fit the memory available, chosen before start
-    # (hybridflow/memory_budget.py, docs/performance.md "Memory")
+    # (hybridflow/memory_budget.py, docs/memory.md "Memory")
     samples_per_micro_batch: Optional[int] = None
     # per rank; the most tokens a micro-batch holds (its real tokens when packed, rows x its longest
     # prompt + response when padded), rows grouped by length and balanced (training/sequences.py); null:

@@ -149,7 +149,7 @@ def memory_kill(error_text: str) -> str | None:
     text = error_text.lower()
     if "low on memory" in text or "memory usage threshold" in text or "outofmemoryerror" in text:
         return ("killed for memory: Ray's memory monitor stopped this worker because the node ran out of memory; "
-                "the memory/<pool>_peak_gib metrics of the steps before show what each pool held (docs/performance.md, "
+                "the memory/<pool>_peak_gib metrics of the steps before show what each pool held (docs/memory.md, "
                 "\"Memory\"): lower actor.samples_per_micro_batch, turn on actor.gradient_checkpointing, or lower "
                 "rollout.kv_cache_space_gib / rollout.max_num_seqs")
     if "sigkill" in text:

@@ -65,7 +65,7 @@ def default_rates(device: str) -> Rates:
     return CPU_XEON_2CORE
 
 # This project's machine (2-core Intel Xeon with AMX, 23.5 GiB): the rates `hybridflow plan --calibrate`
-# fitted on bench/placement_validation.py's generation-heavy GRPO workload (docs/placement_validation.json).
+# fitted on bench/placement_validation.py's generation-heavy GRPO workload (bench/results/placement_validation.json).
 # They are rates per nominal FLOP (every answer at rollout.max_response_tokens; the tiny model's answers
 # stop earlier, hence a "FLOP rate" above the cores'), and fit that workload; calibrate on your own.
 CPU_XEON_2CORE = Rates(

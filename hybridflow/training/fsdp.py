@@ -171,7 +171,7 @@ def accumulating(model: torch.nn.Module, micro_batches: Iterable) -> Iterator:
     would then hold a whole unsharded float32 gradient, so every micro-batch is reduced as it comes.
     Measured on an H200 at Qwen2.5-0.5B shapes together with `reshard_after_forward` off on one rank
     (`shard_model`): a third fewer copies in the update, its time unchanged within the runs' noise
-    (docs/performance.md "On a GPU")."""
+    (docs/results/gpu.md "On a GPU")."""
     items = list(micro_batches)
     hold = hasattr(model, "set_requires_gradient_sync") and dist.is_initialized() and dist.get_world_size() == 1
     for i, item in enumerate(items):
@@ -187,7 +187,7 @@ def attention_for_changing_shapes() -> None:
     plan for every new shape. Training-side shapes change with every micro-batch (trimmed to its
     longest prompt and response, rows shuffled anew each update), so a run builds plans all the
     time: on an H200 the policy update at Qwen2.5-0.5B shapes took 4.43 s with cuDNN and 1.82 s
-    without it, against 1.33-1.46 s for a plain loop (bench/gpu_check.py, docs/performance.md
+    without it, against 1.33-1.46 s for a plain loop (bench/gpu_check.py, docs/results/gpu.md
     "On a GPU"). PyTorch then takes its flash or memory-efficient kernels, which need no plan."""
     torch.backends.cuda.enable_cudnn_sdp(False)
 
@@ -203,7 +203,7 @@ def build_optimizer(model: torch.nn.Module, optim: OptimConfig, total_steps: int
     trainer's) when that is null. `optim` is the role's `<role>.optim` config node; the schedule
     steps once per trainer step. On CUDA, PyTorch's fused AdamW (one kernel over all parameters,
     FSDP2's sharded ones included): on an H200 at Qwen2.5-0.5B it took the policy update from 1.54 to
-    1.38 s (docs/performance.md "On a GPU"); CPUs keep the default implementation."""
+    1.38 s (docs/results/gpu.md "On a GPU"); CPUs keep the default implementation."""
     params = [p for p in model.parameters() if p.requires_grad]
     if not params:
         raise ValueError("the model has no trainable parameters")

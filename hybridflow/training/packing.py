@@ -1,7 +1,7 @@
 """Packed sequences: a micro-batch's real tokens in one row, attention kept inside each sequence.
 
 A padded micro-batch computes every column up to its longest prompt and response for every row;
-in a GRPO batch whose lengths vary that is 40-50% padding (docs/performance.md "On a GPU").
+in a GRPO batch whose lengths vary that is 40-50% padding (docs/results/gpu.md "On a GPU").
 Packed, the model sees one row of T real tokens (the rows' prompt and response tokens,
 concatenated), positions that restart at 0 for each sequence, and attention that never crosses
 a sequence boundary, so every matrix product runs on real tokens only. The results are the

@@ -1,7 +1,7 @@
 """Bad inputs are refused before anything starts: one `hybridflow` command per row of the table,
 each exiting with status 2, naming the file or key, the row, the column, the value's type, creating no
 run directory (so no model was built) and never starting Ray. How long a refusal takes is a speed
-claim: bench/refusal_seconds.py measures it (docs/performance.md "Refusals"), no test times it.
+claim: bench/refusal_seconds.py measures it (docs/results/performance.md "Refusals"), no test times it.
 
 The table's commands run through the entry point one after another in one process
 (tests/e2e/cli_in_one_process.py: the same code path, without a fresh interpreter's imports per

@@ -3,7 +3,7 @@ chat prompts of ~46 tokens, hundreds of seeded requests in one engine call, 64-t
 
 These run the `hybridflow` command as a user would. On a CPU without bfloat16 arithmetic (an AMD
 EPYC without AVX-512 ran some of these sessions) a bfloat16 forward of this model is ~6x and a backward
-~20x slower than float32 (docs/performance.md, "Real model"), so every test computes in float32 but the
+~20x slower than float32 (docs/results/performance.md, "Real model"), so every test computes in float32 but the
 one whose claim is about bfloat16 (its parity checks at 30 layers), which asks for it and keeps its
 shapes small; float32 also holds the engine and the trainer to the tight probe tolerance."""
 

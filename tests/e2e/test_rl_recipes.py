@@ -127,7 +127,7 @@ def test_grpo_learns_what_its_reward_asks_for(tmp_path):
     """Learning, read from the recipe's own metrics: the default GRPO on the tiny model, rewarded for
     the distinct characters of its answer (tests/e2e/fixtures/varied_reward.py), raises its mean
     reward within 10 steps (0.78 -> 1.41 here, 30 s). Held-out accuracy on the arithmetic task takes
-    minutes (docs/learning.md)."""
+    minutes (docs/results/learning.md)."""
     reward = Path(__file__).parent / "fixtures" / "varied_reward.py"
     done = subprocess.run([str(VENV_BIN / "hybridflow"), "recipe=grpo", "trainer.total_steps=10", "actor.optim.lr=1e-3",
                            f"reward.fn={reward}:score", "trainer.export_hf=false", "trainer.val_every_steps=0",

@@ -35,7 +35,7 @@ def test_the_merge_bench_holds_the_largest_tensor_in_a_merge_and_none_in_a_read(
     The merges' heap peaks hold at least the largest tensor (their accumulator), the plain read's and the
     hashing's only their blocks (2 MiB, 1 MiB: under the 4 MiB tensor), so the sampler sees what each holds;
     the document is composed and the real one left alone."""
-    doc = ROOT / "docs" / "merge_benchmark.md"
+    doc = ROOT / "docs" / "results" / "merge_benchmark.md"
     doc_before = doc.stat().st_mtime_ns if doc.exists() else None
     _in_process(monkeypatch, "merge_sma.py", "--dry-run", "--out", str(tmp_path / "merge.json"))
     report = json.loads((tmp_path / "merge.json").read_text())

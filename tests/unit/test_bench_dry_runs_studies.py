@@ -159,7 +159,7 @@ def test_the_weight_sync_bench_composes_each_placement_as_it_spawns_it(tmp_path,
     last = report["tiny, disaggregated 1->2 (TP2)"]["overrides"]
     assert {"placement=disaggregated", "placement.pools.gen.devices_per_node=2", "rollout.tensor_parallel_size=2",
             "weight_sync.check=none"} <= set(last)
-    assert {m["parameters"] for m in report.values()} == {1_001_600}  # the tiny model (docs/performance.md: 1.0M)
+    assert {m["parameters"] for m in report.values()} == {1_001_600}  # the tiny model (docs/results/performance.md: 1.0M)
 
     from hybridflow.builders import build_tiny_model
     from hybridflow.config.stages import compose_command

@@ -25,8 +25,8 @@ def test_the_grpo_vs_trl_bench_composes_each_sides_command_and_renders_the_table
     """bench/grpo_vs_trl.py --dry-run: the tiny model's inputs prepared, HybridFlow's command composed
     and checked (the shapes both sides share, HybridFlow's micro-batch half of TRL's over its 2 ranks),
     TRL's command lines (one process; torchrun over 2) composed, and stand-in results read, summarised
-    against the FLOP floor and rendered into a copy of docs/performance.md, which stays as it was."""
-    doc = ROOT / "docs" / "performance.md"
+    against the FLOP floor and rendered into a copy of docs/results/performance.md, which stays as it was."""
+    doc = ROOT / "docs" / "results" / "performance.md"
     before = doc.read_text()
     bench = _dry_run(monkeypatch, "grpo_vs_trl.py", "--work", str(tmp_path), "--out", str(tmp_path / "dry.json"),
                      "--prompts-per-step", "4", "--samples-per-prompt", "2", "--samples-per-micro-batch", "8",
@@ -75,7 +75,7 @@ def test_the_real_learning_bench_composes_the_run_and_its_step_0_evaluation_and_
     evaluation composed and checked with the answer length TRL gets (the command once kept 64 tokens
     whatever --max-response-tokens said), TRL's command composed, and stand-in results read (the step
     seconds from timing/step_s), plotted and rendered into copies; docs/ stays as it was."""
-    doc, png = ROOT / "docs" / "learning.md", ROOT / "docs" / "learning_real_vs_trl.png"
+    doc, png = ROOT / "docs" / "results" / "learning.md", ROOT / "bench" / "results" / "learning_real_vs_trl.png"
     before = doc.read_text(), png.read_bytes()
     bench = _dry_run(monkeypatch, "real_learning_vs_trl.py", "--work", str(tmp_path), "--out",
                      str(tmp_path / "dry.json"), "--max-response-tokens", "32", "--prompts-per-step", "4",

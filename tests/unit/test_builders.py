@@ -101,7 +101,7 @@ def test_training_rows_shown_in_part_keep_the_whole_held_out_set(tmp_path, tiny_
 def test_a_few_rows_of_the_rest_are_kept_after_the_part_shown(tmp_path, tiny_model_dir):
     """data.synthetic.train_rows_not_below: an SFT stage that demonstrates first operands below 50 also
     demonstrates the first 200 rows whose first operand is 50 or more, after the others, so every
-    seed's model has a foothold there for GRPO to widen (docs/pipeline.md)."""
+    seed's model has a foothold there for GRPO to widen (docs/results/default_pipeline.md)."""
     train, _ = make_arithmetic_split(7700, 500, ArithmeticSpec(), seed=0)
     part = first_operand_below(train, 50, rows_not_below=200)
     below = first_operand_below(train, 50)

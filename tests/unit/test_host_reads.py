@@ -3,7 +3,7 @@
 On a GPU, reading a tensor's value (`float()`, `.item()`, `.tolist()`, `bool()`), asking for a
 data-dependent shape (`nonzero`, boolean-mask indexing) or copying to the host makes the host wait
 until the GPU has finished everything queued before it; between two such waits the host cannot run
-ahead, and a model whose kernels are short runs at the host's launch speed (docs/performance.md,
+ahead, and a model whose kernels are short runs at the host's launch speed (docs/results/gpu.md,
 "On a GPU": 172 waits in one policy update at Qwen2.5-0.5B shapes, the plain loop none). On the CPU
 nothing waits, so `DeviceReads` counts what would: every such read of a tensor that would live on the
 device. A tensor is a host tensor when it came from a copy to the host (`cpu()`, `tolist()`), was made

@@ -208,7 +208,7 @@ def test_resolve_fills_in_only_the_null_keys_and_says_what_it_chose(tmp_path, ti
 QWEN15_SHAPE = ModelShape(parameters=1_543_714_304, layers=28, hidden=1536, intermediate=8960, heads=12, vocab=151936)
 GPU = ["model=local_hf", "model.path=/m", "placement.device=cuda", "model.dtype=bfloat16", "model.master_dtype=float32",
        "data.max_prompt_tokens=256", "rollout.max_response_tokens=512"]
-# bench/gpu_check.py on one NVIDIA H200, 2026-11-27 (docs/performance.md "A GPU memory model"): the actor,
+# bench/gpu_check.py on one NVIDIA H200, 2026-11-27 (docs/memory.md "A GPU memory model"): the actor,
 # one rank, 16 rows of 256 + 512 tokens, no checkpointing; torch.cuda.max_memory_allocated in the update,
 # GiB, (padded, packed)
 H200_PEAKS_GIB = {"0.5B": (34.4, 32.0), "1.5B": (69.8, 65.6)}
@@ -345,7 +345,7 @@ def test_each_phase_floor_is_below_its_h200_peak_within_one_and_a_half_times(rep
     sizes = {"0.5b": QWEN05_SHAPE, "1.5b": QWEN15_SHAPE,
              "3b": ModelShape(parameters=3_085_938_688, layers=36, hidden=2048, intermediate=11008, heads=16,
                               vocab=151936)}
-    measured = json.loads((ROOT / "docs" / report).read_text())
+    measured = json.loads((ROOT / "bench" / "results" / report).read_text())
     parts = [v for k, v in measured.items() if k.startswith("handover_")]
     assert parts
     for part in parts:
