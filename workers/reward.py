@@ -45,14 +45,26 @@ class RewardWorker:
                            f"it has objects {list(batch.objects)}")
         rows = [{k: v[i] for k, v in batch.objects.items()} for i in range(len(batch))]
         # DP_SPLIT hands rank r the r-th of equal chunks, so this is the sample's index in the whole batch.
-        result = self.composer.score(rows, first_index=self.ctx.rank * len(batch))
-        return Batch(result.tensors(self._extra_names_of_all_ranks(sorted(result.extras))))
+        try:
+            result, failure = self.composer.score(rows, first_index=self.ctx.rank * len(batch)), None
+        except Exception as exc:  # raised after the gather below, which every rank must join
+            result, failure = None, exc
+        names = self._extra_names_of_all_ranks(None if failure else sorted(result.extras))
+        if failure is not None:
+            raise failure
+        # names None: another rank failed, and its error is the one the controller raises; this rank's
+        # own result goes back unused
+        return Batch(result.tensors(names if names is not None else sorted(result.extras)))
 
-    def _extra_names_of_all_ranks(self, names: list[str]) -> list[str]:
+    def _extra_names_of_all_ranks(self, names: list[str] | None) -> list[str] | None:
         """The union of extra names over ranks: the controller concatenates the ranks' Batches,
-        which must then have the same keys, but extras depend on the data each rank scored."""
+        which must then have the same keys, but extras depend on the data each rank scored. None
+        when a rank failed (`names` None there): every rank still joins the gather, so the ranks
+        that scored never wait for one that raised."""
         if self.ctx.world_size == 1 or not dist.is_initialized():
             return names
         gathered: list = [None] * self.ctx.world_size
         dist.all_gather_object(gathered, names)
+        if any(rank_names is None for rank_names in gathered):
+            return None
         return sorted({name for rank_names in gathered for name in rank_names})

@@ -11,7 +11,7 @@ import math
 import re
 
 from hybridflow.registry import Registry
-from hybridflow.rewards.math_verify import score_math_verify
+from hybridflow.rewards.math_verify import score_math
 from hybridflow.rewards.reasoning_gym import score_reasoning_gym
 
 REWARD_FUNCTIONS: Registry = Registry(
@@ -59,12 +59,13 @@ def exact_match(response: str, ground_truth: str, **_) -> dict:
     return {"score": s, "accuracy": s}
 
 
-@REWARD_FUNCTIONS.register("math_answer")
-def math_answer(response: str, ground_truth: str, **_) -> dict:
-    """1.0 when the response's final number equals the ground truth's numerically (GSM8K style).
+@REWARD_FUNCTIONS.register("last_number")
+def last_number(response: str, ground_truth: str, **_) -> dict:
+    """1.0 when the response's last number equals the ground truth's numerically: a regex, no parser.
 
     Both sides go through `extract_answer`, so a ground truth may be a bare number ("1,234")
-    or a full GSM8K solution ending in "#### 1234".
+    or a full GSM8K solution ending in "#### 1234". Blind to fractions, boxes and cut responses (a
+    response cut while writing "123" scores for 12): `math_answer` compares by value instead.
     """
     s = 1.0 if _same_number(extract_answer(response), extract_answer(ground_truth)) else 0.0
     return {"score": s, "accuracy": s}
@@ -88,4 +89,6 @@ def digit_match(response: str, ground_truth: str, **_) -> dict:
 
 
 REWARD_FUNCTIONS.add("reasoning_gym", score_reasoning_gym)
-REWARD_FUNCTIONS.add("math_verify", score_math_verify)
+math_answer = score_math  # the math reward by value (hybridflow/rewards/math_verify.py), the presets' default
+REWARD_FUNCTIONS.add("math_answer", score_math)
+REWARD_FUNCTIONS.add("math_verify", score_math)  # the same function under the name of its parser

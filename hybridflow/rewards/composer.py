@@ -115,8 +115,9 @@ class RewardComposer:
         own: list[float] = [math.nan] * size
         namespaced = len(self.functions) > 1
         first = out.first_error()
-        if first is not None and self.on_error == "raise":
-            raise first
+        setup = next((e for e in out.errors if e is not None and e.kind not in FALLBACK_CAUSES), None)
+        if setup is not None or (first is not None and self.on_error == "raise"):
+            raise setup or first  # a setup error fails every sample alike: never scored with the fallback
         if first is not None:
             log.warning("reward function %s fell back to %s on %d of %d samples; first error: %s",
                         fn.reference, self.fallback_score, sum(e is not None for e in out.errors), size, first)

@@ -37,7 +37,8 @@ class RewardFunctionError(ValueError):
     """A reward function failed on a sample.
 
     `kind` is the cause: "raised", "bad_value", "timeout" (these three may fall back), or a
-    setup error, always raised: "load", "bad_signature", "missing_argument", "argument_clash".
+    setup error, always raised: "load", "bad_signature", "missing_argument", "argument_clash",
+    "needs_main_thread" (a function using signals, called in a thread).
     """
 
     FALLBACK_KINDS = ("raised", "bad_value", "timeout")
@@ -212,6 +213,14 @@ class RewardFunction:
             raise self._sample_error(index, row, f"timed out after {timeout_s:g} s{note}", "timeout")
         if outcome.error is not None:
             exc = outcome.error
+            if _needs_main_thread(exc):  # fails the same way on every sample: never a fallback score
+                raise self._sample_error(index, row, f"raised {type(exc).__name__}: {exc}. It uses signals "
+                                         f"(e.g. signal.alarm for its own timeout), which work only in a "
+                                         f"process's main thread, and the reward role calls functions in "
+                                         f"threads; fix: turn the function's own timeout off (math-verify: "
+                                         f"parse(..., parsing_timeout=None), verify(..., timeout_seconds=None)): "
+                                         f"reward.timeout_s={timeout_s:g} is the deadline of every call",
+                                         "needs_main_thread")
             raise self._sample_error(index, row, f"raised {type(exc).__name__}: {exc}", "raised")
         try:
             return check_result(outcome.value)
@@ -224,6 +233,13 @@ class RewardFunction:
             where += " in a batched call"
         return RewardFunctionError(f"reward function {self.reference!r} ({self.key}) on {where}: {cause}",
                                    function=self.reference, sample=index, kind=kind)
+
+
+def _needs_main_thread(exc: BaseException) -> bool:
+    """Whether `exc` is Python's refusal of a signal handler off the main thread (or math-verify's
+    rewording of it)."""
+    text = str(exc)
+    return isinstance(exc, ValueError) and ("main thread" in text or "threaded environment" in text)
 
 
 def batched_reward(fn):

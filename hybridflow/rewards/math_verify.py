@@ -1,59 +1,107 @@
-"""The `math_verify` reward: the response's final answer checked against the ground truth by
-Hugging Face's math-verify (an optional extra: `pip install -e '.[math]'`).
+"""The math reward by value (`math_answer`, also registered as `math_verify`): the response's final
+answer checked against the ground truth with Hugging Face's math-verify, a dependency of HybridFlow.
 
-math-verify parses both sides into sympy objects, so `\\boxed{\\frac{1}{2}}`, `0.5`, `1/2` and `50\\%`
-agree, LaTeX and plain expressions alike; the regex of `math_answer` (the last number) cannot see a
-fraction or a boxed expression. It is used here rather than a hand-written parser because answer
-formats are where hand-written graders fail silently (a truncated "12" matching a "123" that was
-being written, a fraction read as its numerator).
+math-verify parses both sides into sympy objects, so `\\boxed{\\frac{1}{2}}`, `0.5`, `1/2` agree, LaTeX
+and plain expressions alike. It is used rather than a hand-written parser because answer formats are
+where hand-written graders fail silently (a truncated "12" matching a "123" that was being written, a
+fraction read as its numerator). What this module adds around it, each a case math-verify alone
+scores wrong (docs/rewards.md has the table, written by tests/unit/test_rewards_math_table.py):
 
-- A response cut at `rollout.max_response_tokens` (`finish_reason` "length", set by the rollout for
+- the response's answer is its **last** `\\boxed{}` alone (math-verify reads `First \\boxed{3}, finally
+  \\boxed{4}` as the set {3, 4}); without one, the number right after its last `####` (GSM8K's form);
+  else the whole response, where math-verify takes the last expression;
+- a percent (`50\\%`, `50%`) equals its number or its hundredth (0.5 and 50 both);
+- a thousands separator (`1,234`) is a separator, not a tuple;
+- a response cut at `rollout.max_response_tokens` (`finish_reason` "length", set by the rollout for
   every sample) scores 0 whatever its last number: it never gave an answer.
-- A GSM8K ground truth ("... #### 1234") is read after its last `####`; so is a response that uses it.
-  A bare ground truth (MATH's `\\sqrt{8}`) is read as LaTeX.
-- The response's answer is its last `\\boxed{}` when it has one, else its last expression.
-
-Not the default for `math_answer`: a reward that changes with what is installed would score the same
-run differently on two machines, so the choice is the config's (`reward.fn=math_verify`).
+- math-verify's own timeout is off: it uses `signal.alarm`, which fails in the reward role's worker
+  threads on every call; the project's deadline, `reward.timeout_s`, is the one that counts.
 """
 
 from __future__ import annotations
 
 import importlib.util
+import re
 
-INSTALL = "pip install -e '.[math]' (or pip install 'math-verify[antlr4_9_3]')"
+INSTALL = "pip install 'math-verify[antlr4_9_3]>=0.9' (a dependency of hybridflow: pip install -e .)"
 _FINAL_MARK = "####"
+_THOUSANDS = re.compile(r"(?<![\d.,])\d{1,3}(?:,\d{3})+(?![\d,])")
+_GSM8K_NUMBER = re.compile(r"\s*\$?\s*(-?[\d,]*\.?\d+)")
+_PERCENT = re.compile(r"^(.*?)\s*\\?%\s*$", re.S)
 
 
 def require_math_verify() -> None:
     """ImportError naming the fix when math-verify is not installed; found without importing it, when
     the reward function is loaded (the input checks run it before anything starts)."""
     if importlib.util.find_spec("math_verify") is None:
-        raise ImportError(f"reward.fn=math_verify needs the math-verify package, which is not installed; fix: {INSTALL}")
+        raise ImportError(f"the math rewards (math_answer, math_verify) need the math-verify package, which "
+                          f"is not installed; fix: {INSTALL}")
 
 
-def _after_final_mark(text: str) -> str:
-    return text.rsplit(_FINAL_MARK, 1)[1] if _FINAL_MARK in text else text
+def last_boxed(text: str) -> str | None:
+    """The content of the last `\\boxed{...}` (or `\\fbox{...}`) of `text`, braces balanced; None if none."""
+    start = max(text.rfind("\\boxed{"), text.rfind("\\fbox{"))
+    if start < 0:
+        return None
+    i = text.index("{", start) + 1
+    depth, begin = 1, i
+    while i < len(text) and depth:
+        depth += {"{": 1, "}": -1}.get(text[i], 0)
+        i += 1
+    return text[begin:i - 1] if depth == 0 else None  # an unclosed box gave no answer
 
 
-def _parsed(text: str):
+def final_answer_text(response: str) -> tuple[str, bool]:
+    """(the text holding the final answer, whether it is LaTeX math): the last `\\boxed{}`'s content,
+    else what follows the last `####`, else the whole response."""
+    boxed = last_boxed(response)
+    if boxed is not None:
+        return boxed, True
+    if _FINAL_MARK in response:
+        after = response.rsplit(_FINAL_MARK, 1)[1]
+        number = _GSM8K_NUMBER.match(after)  # GSM8K's own answer: the number right after '####'
+        return (number.group(1) if number else after), False
+    return response, False
+
+
+def _parse(text: str, math: bool) -> list:
     from math_verify import ExprExtractionConfig, LatexExtractionConfig, parse
 
-    return parse(text, extraction_config=[LatexExtractionConfig(), ExprExtractionConfig()])
+    text = _THOUSANDS.sub(lambda m: m.group(0).replace(",", ""), text)
+    return parse(f"${text}$" if math else text, parsing_timeout=None,
+                 extraction_config=[LatexExtractionConfig(), ExprExtractionConfig()])
 
 
-def score_math_verify(response: str, ground_truth: str, finish_reason: str | None = None, **_) -> dict:
-    """1.0 when math-verify finds the response's final answer equal to the ground truth; 0.0 for a
-    response cut by the length limit. Also reported: `answer_found`, `truncated`."""
+def _candidates(text: str, math: bool) -> list[list]:
+    """The parsed readings of an answer: one, or for a percent its number and its hundredth."""
+    percent = _PERCENT.match(text.strip().strip("$").strip())
+    if percent and percent.group(1).strip():
+        number = percent.group(1).strip()
+        return [p for p in (_parse(number, True), _parse(f"({number})/100", True)) if p]
+    parsed = _parse(text, math)
+    return [parsed] if parsed else []
+
+
+def _gold(ground_truth: str) -> list[list]:
+    truth = str(ground_truth)
+    truth = truth.rsplit(_FINAL_MARK, 1)[1].strip() if _FINAL_MARK in truth else truth.strip()
+    boxed = last_boxed(truth)
+    if boxed is not None:
+        return _candidates(boxed, True)
+    return _candidates(truth.strip("$"), True)  # a bare answer (MATH's `\\sqrt{8}`) is LaTeX too
+
+
+def score_math(response: str, ground_truth: str, finish_reason: str | None = None, **_) -> dict:
+    """1.0 when the response's final answer equals the ground truth by value; 0.0 for a response cut by
+    the length limit. Also reported: `accuracy` (= score), `answer_found`, `truncated`."""
     from math_verify import verify
 
     if finish_reason == "length":
         return {"score": 0.0, "accuracy": 0.0, "answer_found": 0.0, "truncated": 1.0}
-    truth = _after_final_mark(str(ground_truth)).strip()
-    gold = _parsed(truth if "$" in truth or "\\boxed" in truth else f"${truth}$")  # a bare answer is LaTeX too
-    answer = _parsed(_after_final_mark(str(response)))
-    score = float(bool(gold) and bool(answer) and verify(gold, answer))
-    return {"score": score, "accuracy": score, "answer_found": float(bool(answer)), "truncated": 0.0}
+    golds = _gold(ground_truth)
+    answers = _candidates(*final_answer_text(str(response)))
+    score = float(any(verify(gold, answer, timeout_seconds=None) for gold in golds for answer in answers))
+    return {"score": score, "accuracy": score, "answer_found": float(bool(answers)), "truncated": 0.0}
 
 
-score_math_verify.reward_requires = require_math_verify  # checked when the function is loaded
+score_math.reward_requires = require_math_verify  # checked when the function is loaded

@@ -17,6 +17,11 @@ USER_FILE = textwrap.dedent('''
         s = float(response.strip() == ground_truth)
         return {"score": s, f"{data_source}_accuracy": s}
 
+    def uses_signal_alarm(response):
+        import signal
+        signal.signal(signal.SIGALRM, lambda *_: None)  # what math-verify's own timeout does
+        return 1.0
+
     def fails_on_boom(response):
         if response == "boom":
             raise RuntimeError("boom is not a number")
@@ -39,9 +44,11 @@ def groups(ray_local, user_file):
         RewardFunctionConfig(fn=f"{user_file}:fails_on_boom", weight=0.5),
     ])
     strict = RewardConfig(fn=f"{user_file}:fails_on_boom")
-    groups = spawn_workers(ResourcePool(PoolSpec("reward", devices_per_node=2)),
-                           {"lenient": RoleSpec(RewardWorker, {"reward": lenient}),
-                            "strict": RoleSpec(RewardWorker, {"reward": strict})})
+    signals = RewardConfig(fn=f"{user_file}:uses_signal_alarm", on_error="fallback")
+    roles = {"lenient": RoleSpec(RewardWorker, {"reward": lenient}), "strict": RoleSpec(RewardWorker, {"reward": strict}),
+             "signals": RoleSpec(RewardWorker, {"reward": signals})}
+    roles.update({name: RoleSpec(RewardWorker, {"reward": RewardConfig(fn=name)}) for name in ("math_answer", "math_verify")})
+    groups = spawn_workers(ResourcePool(PoolSpec("reward", devices_per_node=2)), roles)
     for group in groups.values():
         group.start()
     return groups
@@ -78,3 +85,24 @@ def test_error_names_function_sample_and_rank(groups):
     assert "RewardWorker.compute_rewards failed on rank 1 of 2" in text
     # Rank 1 holds rows 2-3: the sample number is the row's index in the whole batch.
     assert "fails_on_boom' (reward.fn) on sample 3 (prompt 'd'): raised RuntimeError: boom is not a number" in text
+
+
+@pytest.mark.parametrize("name", ["math_answer", "math_verify"])
+def test_the_math_reward_scores_every_answer_form_right_in_the_roles_threads(groups, name):
+    """Through the role as a run calls it (two Ray ranks, each function call in a worker thread, where
+    math-verify's own signal-based timeout raised on every sample): the docs' table of answer forms."""
+    from tests.unit.test_rewards_math_table import FORMS
+
+    batch = Batch(objects={"prompt": [form for form, *_ in FORMS], "response": [r for _, r, *_ in FORMS],
+                           "ground_truth": [g for _, _, g, *_ in FORMS], "finish_reason": [f for *_, f, _ in FORMS]})
+    out = groups[name].compute_rewards(batch)
+    assert not out["reward_fallback"].any()
+    assert dict(zip(batch.objects["prompt"], out["sequence_rewards"].tolist())) == {f[0]: f[-1] for f in FORMS}
+    assert out["reward_extra/truncated"].tolist() == [float(f[3] == "length") for f in FORMS]
+
+
+def test_a_function_using_signals_is_refused_with_the_fix_not_scored_with_the_fallback(groups):
+    batch = Batch(objects={"prompt": ["a", "b"], "response": ["1", "2"]})
+    with pytest.raises(WorkerError, match=r"uses_signal_alarm.*uses signals.*reward role calls functions in "
+                                          r"threads; fix: turn the function's own timeout off.*reward.timeout_s=30"):
+        groups["signals"].compute_rewards(batch)

@@ -45,7 +45,7 @@ def test_fn_and_functions_together_name_both_keys():
     (dict(fn=None, functions=[RewardFunctionConfig(), RewardFunctionConfig(fn="math_answer", weight=float("nan"))]),
      r"config reward.functions\[1\].weight=nan is invalid: must be a finite number"),
     (dict(fn="no_such_reward"),
-     r"config reward.fn='no_such_reward' is invalid: not a registered reward function \(digit_match, exact_match, math_answer, math_verify, reasoning_gym\)"),
+     r"config reward.fn='no_such_reward' is invalid: not a registered reward function \(digit_match, exact_match, last_number, math_answer, math_verify, reasoning_gym\)"),
     (dict(fn="missing_file.py:f"), r"reward.fn='missing_file.py:f' is invalid: file .*missing_file.py does not exist"),
     (dict(fn=None, functions=[RewardFunctionConfig(fn="mod:a"), RewardFunctionConfig(fn="other:a")]),
      r"reward.functions\[1\].name=None is invalid: reward.functions\[0\] is also named 'a'"),
