@@ -153,8 +153,13 @@ class Batches:
 
 
 def draw_prompts(r: Step, step: int) -> Batch:
-    """The next `trainer.prompts_per_step` rows drawn for `step`, encoded, one group id per prompt."""
-    prompts = encode_prompts(r.loader.next_rows(step), r.tokenizer, r.config.data.max_prompt_tokens,
+    """The next `trainer.prompts_per_step` rows drawn for `step` (with dynamic sampling, the round's
+    algorithm.dynamic_sampling_prompts_per_round: several loader batches), encoded, one group id per prompt."""
+    a = r.config.algorithm
+    per_round = a.dynamic_sampling_prompts_per_round if a.dynamic_sampling_rounds else 0
+    batches = max(1, per_round // r.config.trainer.prompts_per_step)
+    rows = [row for _ in range(batches) for row in r.loader.next_rows(step)]
+    prompts = encode_prompts(rows, r.tokenizer, r.config.data.max_prompt_tokens,
                              truncation=r.config.data.prompt_truncation)
     prompts.tensors["group_ids"] = torch.arange(len(prompts))
     return prompts
@@ -186,25 +191,38 @@ def submit_generation(r: Step, step: int, prompts: Batch, version: int, staged: 
 
 
 def refill_groups(r: Step, step: int, groups: int, samples: Batch, staged_args: dict) -> Batch:
-    """DAPO's dynamic sampling: `samples` scored, the groups whose rewards all agree dropped, and more
-    prompts drawn and generated (with the same policy-version bound as the step's batch, so the
-    staleness bound holds) until `groups` informative groups are in hand or
-    algorithm.dynamic_sampling_rounds extra rounds are spent; then topped up with dropped groups if
-    still short, so the step trains on a full batch. The batch keeps its rewards (`score` does not
-    ask again) and says what happened in `dynamic_sampling/*` (Batch.meta)."""
+    """DAPO's dynamic sampling: `samples` scored, the groups whose algorithm.dynamic_sampling_metric all
+    agrees dropped, and more prompts drawn and generated (with the same policy-version bound as the
+    step's batch, so the staleness bound holds) until `groups` informative groups are in hand or
+    algorithm.dynamic_sampling_rounds extra rounds are spent. Still short: an error saying the numbers
+    (dynamic_sampling_on_limit=raise, as verl), or topped up with groups that agree (top_up), so the step
+    trains on a full batch. The batch keeps its rewards (`score` does not ask again) and says what
+    happened in `dynamic_sampling/*` (Batch.meta)."""
+    a = r.config.algorithm
     scored = add_rewards(r, samples, r.reward.compute_rewards.remote(text_only(samples)).get())
-    (kept, dropped), rounds = _split_groups(scored), 0
-    while len(kept) < groups and rounds < r.config.algorithm.dynamic_sampling_rounds:
+    (kept, dropped), rounds = _split_groups(scored, a.dynamic_sampling_metric), 0
+    while len(kept) < groups and rounds < a.dynamic_sampling_rounds:
         rounds += 1
         more = r.rollout.generate.remote(samples_of(r, draw_prompts(r, step), step, rounds), **staged_args).get()
         more = add_rewards(r, more, r.reward.compute_rewards.remote(text_only(more)).get())
-        new_kept, new_dropped = _split_groups(more)
+        new_kept, new_dropped = _split_groups(more, a.dynamic_sampling_metric)
         kept, dropped = kept + new_kept, dropped + new_dropped
+    generated = len(kept) + len(dropped)
+    if len(kept) < groups and a.dynamic_sampling_on_limit == "raise":
+        raise RuntimeError(
+            f"dynamic sampling at step {step}: {len(kept)} of the {groups} groups a step trains (trainer."
+            f"prompts_per_step) differ in their {a.dynamic_sampling_metric} after {rounds} extra rounds "
+            f"(algorithm.dynamic_sampling_rounds={a.dynamic_sampling_rounds}): {generated} groups generated, "
+            f"{len(dropped)} all alike. Fix: raise algorithm.dynamic_sampling_rounds or algorithm.dynamic_sampling_"
+            f"prompts_per_round, use data the model solves sometimes but not always, or set algorithm.dynamic_"
+            f"sampling_on_limit=top_up to train on groups that agree")
     informative = min(len(kept), groups)
     chosen = (kept + dropped)[:groups]
     batch = Batch.concat(_same_columns(chosen))
     batch.tensors["group_ids"] = torch.arange(groups).repeat_interleave(r.n)  # one id per group again
     batch.meta.update({"dynamic_sampling/rounds": float(rounds), "dynamic_sampling/informative_groups": float(informative),
+                       "dynamic_sampling/generated_groups": float(generated),
+                       "dynamic_sampling/kept_groups": float(len(kept)),
                        "dynamic_sampling/dropped_groups": float(len(dropped)),
                        "dynamic_sampling/short_groups": float(groups - informative)})
     return batch
@@ -223,15 +241,34 @@ def _same_columns(groups: list[Batch]) -> list[Batch]:
     return out
 
 
-def _split_groups(samples: Batch) -> tuple[list[Batch], list[Batch]]:
-    """(informative groups, groups whose rewards all agree), each group a Batch of its samples."""
+def _split_groups(samples: Batch, metric: str) -> tuple[list[Batch], list[Batch]]:
+    """(informative groups, groups whose `metric` all agrees), each group a Batch of its samples."""
     ids = samples["group_ids"]
-    informative = set(informative_groups(samples["sequence_rewards"], ids).tolist())
+    informative = set(informative_groups(filter_values(samples, metric), ids).tolist())
     kept, dropped = [], []
     for g in dict.fromkeys(ids.tolist()):
         group = samples.index(torch.nonzero(ids == g)[:, 0])
         (kept if g in informative else dropped).append(group)
     return kept, dropped
+
+
+def filter_values(samples: Batch, metric: str) -> torch.Tensor:
+    """(B,) what dynamic sampling compares within a group (algorithm.dynamic_sampling_metric): the
+    reward's `accuracy` extra (a sample scored with the fallback, NaN there, counts as -1), the reward
+    role's total before the overlong shaping, or the shaped reward the advantages see."""
+    if metric == "shaped_reward":
+        return samples["sequence_rewards"]
+    if metric == "reward":
+        penalty = samples.tensors.get(EXTRA_PREFIX + "overlong_penalty")
+        return samples["sequence_rewards"] - (penalty if penalty is not None else 0.0)
+    keys = [k for k in samples.tensors if k == EXTRA_PREFIX + "accuracy"] or \
+        [k for k in samples.tensors if k.startswith(EXTRA_PREFIX) and k.endswith("/accuracy")]
+    if len(keys) != 1:
+        found = "no reward function returns one" if not keys else f"several do ({', '.join(keys)})"
+        raise ValueError(f"algorithm.dynamic_sampling_metric=accuracy keeps the groups whose samples' `accuracy` "
+                         f"differs, and {found}; fix: return {{'score': ..., 'accuracy': ...}} from one reward "
+                         f"function, or set algorithm.dynamic_sampling_metric=reward (the total reward)")
+    return samples[keys[0]].nan_to_num(nan=-1.0)
 
 
 def add_rewards(r: Step, samples: Batch, rewards: Batch) -> Batch:

@@ -410,9 +410,18 @@ class ActorWorker(TrainingStateMixin):
     def lora_adapter(self, dtype: str) -> dict | None:
         """Collective: the LoRA adapter for the rollout, from rank 0 (weight_sync.lora=adapter;
         hybridflow.resharding.adapter.adapter_payload): factors in `dtype`, config, checksums."""
+        from hybridflow.resharding import faults
         from hybridflow.resharding.adapter import adapter_payload
 
-        return adapter_payload(self.model, self.ctx.rank, dtype)
+        return faults.before_sending_adapter(adapter_payload(self.model, self.ctx.rank, dtype))
+
+    @register(Dispatch.ONE_TO_ALL)
+    def lora_checksums(self, dtype: str) -> dict | None:
+        """Collective: rank 0's checksums of the live LoRA weights, as the adapter must hold them
+        (hybridflow.resharding.adapter.live_adapter_checksums); the others None."""
+        from hybridflow.resharding.adapter import live_adapter_checksums
+
+        return live_adapter_checksums(self.model, self.ctx.rank, dtype)
 
     @register(Dispatch.ONE_TO_ALL)
     def weight_checksums(self) -> list[dict[str, tuple[float, float]]]:

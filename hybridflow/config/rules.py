@@ -230,6 +230,10 @@ def check_algorithm_needs(config: HybridFlowConfig) -> None:
             "algorithm.dynamic_sampling_rounds", a.dynamic_sampling_rounds,
             "the spike_recovery hook puts back whole steps' prompts, and dynamic sampling draws a varying "
             "number per step: use one of the two")
+    per_round = a.dynamic_sampling_prompts_per_round
+    require(not per_round or per_round % t.prompts_per_step == 0, "algorithm.dynamic_sampling_prompts_per_round",
+            per_round, f"draws whole loader batches: set a multiple of trainer.prompts_per_step ({t.prompts_per_step}), "
+            f"e.g. {3 * t.prompts_per_step}, or 0")
     require(a.overlong_buffer_tokens <= config.rollout.max_response_tokens, "algorithm.overlong_buffer_tokens",
             a.overlong_buffer_tokens, f"must be at most rollout.max_response_tokens "
             f"({config.rollout.max_response_tokens}): the shaping starts that many tokens before the limit")

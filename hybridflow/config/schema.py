@@ -347,6 +347,9 @@ class WeightSyncConfig:
                  self.probe_tolerance, "must be > 0, or null for the default of the dtypes")
 
 
+DYNAMIC_SAMPLING_METRICS = ("accuracy", "reward", "shaped_reward")  # algorithm.dynamic_sampling_metric
+
+
 @dataclass
 class AlgorithmConfig:
     # A registered advantage estimator (gae, grpo, dr_grpo, rloo, reinforce_plus_plus, remax) or 'module:fn'.
@@ -366,6 +369,16 @@ class AlgorithmConfig:
     # agree is dropped and more prompts are generated, up to this many extra rounds per step, so the
     # step trains on trainer.prompts_per_step groups that carry a signal (0: off)
     dynamic_sampling_rounds: int = 0
+    # what a group's samples must differ in to be kept: accuracy (the reward's `accuracy` extra; verl's
+    # filter_groups.metric=acc, as its DAPO recipe sets), reward (the reward role's total; verl's
+    # seq_reward), shaped_reward (after the overlong shaping, what the advantages see; verl's seq_final_reward)
+    dynamic_sampling_metric: str = "accuracy"
+    # when the extra rounds run out short of trainer.prompts_per_step informative groups: raise (as verl
+    # does past max_num_gen_batches), or top_up (train a full batch topped up with groups that agree)
+    dynamic_sampling_on_limit: str = "raise"
+    # prompts drawn and generated per round (verl's data.gen_batch_size; its DAPO recipe draws 3x the
+    # training batch), a multiple of trainer.prompts_per_step; 0: trainer.prompts_per_step
+    dynamic_sampling_prompts_per_round: int = 0
     # DAPO's overlong shaping: a response within this many tokens of rollout.max_response_tokens loses
     # up to overlong_penalty from its reward, linearly, the whole of it at the limit (0: off)
     overlong_buffer_tokens: int = 0
@@ -383,6 +396,12 @@ class AlgorithmConfig:
                  "(e.g. 0.05), or use algorithm.kl_controller=fixed")
         _require(self.dynamic_sampling_rounds >= 0, "algorithm.dynamic_sampling_rounds", self.dynamic_sampling_rounds,
                  "must be >= 0 (0: off)")
+        _require(self.dynamic_sampling_metric in DYNAMIC_SAMPLING_METRICS, "algorithm.dynamic_sampling_metric",
+                 self.dynamic_sampling_metric, f"must be one of {list(DYNAMIC_SAMPLING_METRICS)}")
+        _require(self.dynamic_sampling_on_limit in ("raise", "top_up"), "algorithm.dynamic_sampling_on_limit",
+                 self.dynamic_sampling_on_limit, "must be raise (stop the run) or top_up (train on groups that agree)")
+        _require(self.dynamic_sampling_prompts_per_round >= 0, "algorithm.dynamic_sampling_prompts_per_round",
+                 self.dynamic_sampling_prompts_per_round, "must be >= 0 (0: trainer.prompts_per_step)")
         _require(not self.dynamic_sampling_rounds or self.advantage_estimator != "remax",
                  "algorithm.dynamic_sampling_rounds", self.dynamic_sampling_rounds,
                  "ReMax's baseline is a greedy response, not the group: dynamic sampling needs a group estimator "

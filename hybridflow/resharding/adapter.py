@@ -18,8 +18,9 @@ The trip, one sync (`hybridflow.resharding.sync.AdapterSync`):
   files), removes the previous one, and deletes the directory, which vLLM has read into host
   memory (`VLLMReceiver.load_adapter`);
 - the checks, by default at every sync: the checksums of the adapter vLLM registered under the id
-  the rollout now serves (`engine_adapter_checksums`, read inside vLLM's worker) against the
-  actor's (`verify_adapter`), and the log-prob probe, generated with that adapter. Every batch's
+  the rollout now serves (`engine_adapter_checksums`, read inside vLLM's worker) against those of the
+  actor's live LoRA weights, read again by another path (`live_adapter_checksums`; not the payload's
+  own, which a payload built from the wrong weights would match) (`verify_adapter`), and the log-prob probe, generated with that adapter. Every batch's
   outputs must carry the served adapter's id (`check_served`): a rollout that sends a request
   without it (the base model) or with an older one stops there. An adapter that never reaches the
   engine therefore stops the run at its first sync, naming what the engine serves instead.
@@ -106,6 +107,30 @@ def adapter_payload(model: torch.nn.Module, rank: int, dtype: str) -> dict | Non
                               "weight_sync.lora=folded or give actor.lora.rank")
     return {"tensors": tensors, "config": config, "checksums": sums,
             "bytes": sum(t.numel() * t.element_size() for t in tensors.values())}
+
+
+def live_adapter_checksums(model: torch.nn.Module, rank: int, dtype: str) -> dict | None:
+    """Collective over the actor's ranks: the checksums the engine's adapter must match, taken from the
+    actor's live LoRA weights as peft's own state dict names them (`get_peft_model_state_dict`), cast
+    and scaled as the payload sends them, by a path that shares nothing with `adapter_payload` but the
+    arithmetic: a payload built from other weights (another version, a wrong module, a wrong scaling)
+    is caught even though it matches its own checksums. Rank 0 returns {module: {"A": .., "B": ..}}."""
+    from peft import get_peft_model_state_dict
+
+    config = model.peft_config["default"]
+    if config.rank_pattern or config.alpha_pattern:
+        raise WeightSyncError("adapter sync: per-module LoRA ranks or alphas (rank_pattern / alpha_pattern) are not "
+                              "served as an adapter; set weight_sync.lora=folded")
+    scale = config.lora_alpha / (config.r ** 0.5 if config.use_rslora else config.r)
+    target, sums = getattr(torch, dtype), {}
+    for name, tensor in get_peft_model_state_dict(model).items():  # the same order on every rank
+        value = full_tensor(tensor.detach())
+        if rank != 0 or not name.endswith((".lora_A.weight", ".lora_B.weight")):
+            continue
+        key, factor = module_key(name.rsplit(".lora_", 1)[0]), name.rsplit(".lora_", 1)[1][0]
+        value = value.to("cpu", target) if factor == "A" else (value.float().cpu() * scale).to(target)
+        sums.setdefault(key, {})[factor] = checksum(value.contiguous())
+    return sums if rank == 0 else None
 
 
 def _adapter_config(model: torch.nn.Module, r: int) -> dict:

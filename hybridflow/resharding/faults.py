@@ -15,6 +15,7 @@ _EXIT_SENDING: set[int] = set()
 _HOLD_STAGED: dict[int, float] = {}
 _DROP_ADAPTER: set[int] = set()
 _BASE_ONLY: list[bool] = [False]
+_OTHER_WEIGHTS: list[bool] = [False]
 
 
 def corrupt_bucket(index: int) -> None:
@@ -47,6 +48,25 @@ def drop_adapter(version: int) -> None:
 def serve_base_model() -> None:
     """Every request from now on is sent without the adapter (the base model generates)."""
     _BASE_ONLY[0] = True
+
+
+def adapter_from_other_weights() -> None:
+    """The next adapter payload the actor sends is built from other weights than it holds (+1 on its
+    first B factor), its own checksums recomputed to match it: consistent with itself, not the actor."""
+    _OTHER_WEIGHTS[0] = True
+
+
+def before_sending_adapter(payload: dict | None) -> dict | None:
+    if payload is None or not _OTHER_WEIGHTS[0]:
+        return payload
+    from hybridflow.resharding.verify import checksum
+
+    _OTHER_WEIGHTS[0] = False
+    name = next(n for n in payload["tensors"] if n.endswith(".lora_B.weight"))
+    payload["tensors"][name] = payload["tensors"][name] + 1
+    module = name.removeprefix("base_model.model.").removesuffix(".lora_B.weight")
+    payload["checksums"][module]["B"] = checksum(payload["tensors"][name])
+    return payload
 
 
 def adapter_registered(version: int) -> bool:

@@ -217,6 +217,7 @@ class AdapterSync(WeightSync):
         # here; a failure on the actor's side reaches us as the rollout's (its argument failed)
         payload = self.actor.lora_adapter.remote(self.dtype)
         loaded = self._wait([self.rollout.load_adapter.remote(version, payload)], f"step {step}")[0]
+        live = self._live_checksums()  # the actor's weights, read again: not the payload's own checksums
         seconds = time.perf_counter() - start
         self.syncs += 1
         nbytes = max(r["received_bytes"] for r in loaded)
@@ -227,13 +228,16 @@ class AdapterSync(WeightSync):
                    "weight_sync/adapter_fraction": nbytes / max(self.engine_bytes, 1),
                    "weight_sync/seconds": seconds,
                    "weight_sync/load_s": max(r["load_seconds"] for r in loaded)}
-        checked = [verify_adapter(r["found"], r["expected"], r["served"], version, rank)
-                   for rank, r in enumerate(loaded)]
+        checked = [verify_adapter(r["found"], live, r["served"], version, rank) for rank, r in enumerate(loaded)]
         metrics["weight_sync/verified_tensors"] = min(c["weight_sync/verified_tensors"] for c in checked)
         if self.cfg.check == "probe":
             metrics.update(self.probe())
         self._wait([self.rollout.set_weight_version.remote(version)], "labelling the engine")
         return metrics
+
+    def _live_checksums(self) -> dict:
+        """Actor rank 0's checksums of its live LoRA weights (every rank joins the gather)."""
+        return self._wait([self.actor.lora_checksums.remote(self.dtype)], "reading the actor's adapter")[0][0]
 
     def stage(self, step: int, version: int):
         raise WeightSyncError("a staged weight push (trainer.max_staleness >= 2) moves the folded model; the adapter "
@@ -241,8 +245,8 @@ class AdapterSync(WeightSync):
 
     def verify_checksums(self) -> dict[str, float]:
         found = self._wait([self.rollout.served_adapter.remote()], "the adapter check")[0]
-        checked = [verify_adapter(r["found"], r["expected"], r["served"], r["version"], rank)
-                   for rank, r in enumerate(found)]
+        live = self._live_checksums()
+        checked = [verify_adapter(r["found"], live, r["served"], r["version"], rank) for rank, r in enumerate(found)]
         return {"weight_sync/verified_tensors": min(c["weight_sync/verified_tensors"] for c in checked)}
 
 

@@ -86,6 +86,16 @@ def test_each_sync_moves_the_adapter_alone_and_a_stale_one_is_caught(ray, tiny_m
     adapter of version 2 never registered, so the engine still serves version 1's (the run stops)."""
     groups, sync, tok, setup = _spawn(tiny_model_dir, 2, None, "adapter-co")
     try:
+        # a payload built from other weights than the actor holds, consistent with its own checksums:
+        # compared with what was sent it passed; against the actor's live weights it stops the sync (the
+        # probe is off, as it cannot see a B that is zero at the first sync)
+        groups["rollout"].plant_adapter_fault("other_weights")
+        unprobed = AdapterSync(groups["actor"], groups["rollout"], WeightSyncConfig(timeout_s=60.0, check="none"),
+                               build_transport(True), "float32")
+        unprobed.setup()
+        with pytest.raises(WeightSyncError, match=r"policy version 0: the adapter the engine serves .* is not the "
+                                                  r"actor's: 1 difference\(s\): .*lora_B: engine sum="):
+            unprobed.sync(step=0, version=0)
         first = sync.sync(step=0, version=0)
         assert first["weight_sync/bytes_received_per_rank"] == _adapter_bytes(tiny_model_dir)
         assert first["weight_sync/adapter_fraction"] == pytest.approx(
@@ -104,7 +114,7 @@ def test_each_sync_moves_the_adapter_alone_and_a_stale_one_is_caught(ray, tiny_m
         _train_one_step(groups, tok, seed=3)
         groups["rollout"].plant_adapter_fault("drop", 2)
         with pytest.raises(WeightSyncError, match=r"policy version 2: the adapter the engine serves "
-                                                  r"\(adapter policy-v1 \(id 2\)\) is not the actor's"):
+                                                  r"\(adapter policy-v1 \(id 3\)\) is not the actor's"):  # id 1: the refused payload
             sync.sync(step=2, version=2)
     finally:
         _shutdown(groups)

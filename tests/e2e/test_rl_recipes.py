@@ -98,29 +98,49 @@ def test_grpo_with_a_reward_function_from_a_file(tmp_path):
 
 DIGIT_FIRST = '''
 def score(response, ground_truth):
-    """1 when the answer starts with a digit: the untrained model's groups sometimes all agree."""
-    return float(response[:1].isdigit())
+    """Accuracy: whether the answer starts with a digit (the untrained model's groups sometimes all
+    agree); the score is the same for every sample, so only a filter that reads the accuracy keeps a group."""
+    return {"score": 1.0, "accuracy": float(response[:1].isdigit())}
 '''
 
 
 @pytest.mark.slow  # CI's slow tier, for the default run's 20 minutes on a CPU without bf16 (README "Two commands")
 def test_grpo_with_dynamic_sampling_trains_full_batches_of_groups_with_a_signal(tmp_path):
-    """DAPO's dynamic sampling end to end: each step trains prompts_per_step groups; the groups whose
-    rewards all agree in the trained batch are exactly the top-ups of a step whose extra rounds ran out
-    (the estimator's own zero_std_fraction), and the refill ran; the overlong shaping is reported."""
+    """DAPO's dynamic sampling end to end, filtering on accuracy (verl's DAPO recipe): each step trains
+    prompts_per_step groups; the reward's score never varies, so every group kept was kept for its
+    accuracy; the refill ran; the overlong shaping lowers the reward as DAPO's eq. 13 bounds it."""
     reward_file = tmp_path / "digit_first.py"
     reward_file.write_text(DIGIT_FIRST)
     result = hybridflow(["recipe=grpo", "trainer.total_steps=4", f"reward.fn={reward_file}:score",
-                         "algorithm.dynamic_sampling_rounds=3", "algorithm.overlong_buffer_tokens=2",
-                         "trainer.val_every_steps=0", "trainer.export_hf=false", ONE_RANK], tmp_path, "dapo")
+                         "algorithm.dynamic_sampling_rounds=3", "algorithm.dynamic_sampling_on_limit=top_up",
+                         "algorithm.overlong_buffer_tokens=2", "trainer.val_every_steps=0", "trainer.export_hf=false",
+                         ONE_RANK], tmp_path, "dapo")
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
     rows = metrics(tmp_path / "dapo")
     assert len(rows) == 4
     for r in rows:
         assert r["dynamic_sampling/informative_groups"] + r["dynamic_sampling/short_groups"] == 4  # full batches
-        assert r["advantages/zero_std_fraction"] == r["dynamic_sampling/short_groups"] / 4, r
-        assert r["reward/overlong_penalty"] <= 0
+        assert r["dynamic_sampling/generated_groups"] == 4 * (1 + r["dynamic_sampling/rounds"])
+        # limit 4, buffer 2: a response of L tokens loses max(0, L - 2) / 2, so by Jensen the mean penalty
+        # lies between -length_mean / 4 and -max(0, length_mean - 2) / 2
+        length, penalty = r["response/length_mean"], r["reward/overlong_penalty"]
+        assert -length / 4 - 1e-6 <= penalty <= -max(0.0, length - 2) / 2 + 1e-6, r
+    assert sum(r["dynamic_sampling/informative_groups"] for r in rows) > 0  # kept for accuracy: the score is flat
     assert sum(r["dynamic_sampling/rounds"] for r in rows) > 0 and sum(r["dynamic_sampling/dropped_groups"] for r in rows) > 0
+
+
+@pytest.mark.slow  # CI's slow tier, for the default run's 20 minutes on a CPU without bf16 (README "Two commands")
+def test_grpo_with_reward_fn_math_verify_scores_every_batch_in_the_reward_roles_threads(tmp_path):
+    """math-verify's own timeout (signal.alarm) raised in the role's threads on every sample, so a run with
+    reward.fn=math_verify stopped at its first batch (reward.on_error=raise, the default); now it scores."""
+    result = hybridflow(["recipe=grpo", "trainer.total_steps=2", "reward.fn=math_verify", "trainer.val_every_steps=0",
+                         "trainer.export_hf=false", ONE_RANK], tmp_path, "math")
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
+    rows = metrics(tmp_path / "math")
+    assert [r["step"] for r in rows] == [1, 2]
+    for r in rows:  # the function's own extras, from every sample: no fallback
+        assert 0 <= r["reward/answer_found"] <= 1 and r["reward/fallback_count"] == 0, r
+        assert 0 <= r["reward/truncated"] <= 1 and r["reward/accuracy"] <= r["reward/answer_found"], r
 
 
 def test_grpo_learns_what_its_reward_asks_for(tmp_path):

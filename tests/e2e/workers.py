@@ -126,11 +126,14 @@ class AdapterFaultVLLMRollout(VLLMRollout):
     @register(Dispatch.ONE_TO_ALL)
     def plant_adapter_fault(self, kind: str, version: int = 0) -> bool:
         """`drop`: the adapter of policy `version` arrives but is never registered with the engine;
-        `base`: every request from now on goes out without the adapter."""
+        `other_weights`: the actor's next payload is built from other weights than it holds (colocated
+        only: the actor shares this process); `base`: every request from now on goes out without the adapter."""
         from hybridflow.resharding import faults
 
         if kind == "drop":
             faults.drop_adapter(version)
+        elif kind == "other_weights":  # the actor's side: it shares this process when colocated
+            faults.adapter_from_other_weights()
         else:
             faults.serve_base_model()
         return True

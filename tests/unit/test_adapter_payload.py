@@ -146,3 +146,19 @@ def test_the_payload_config_is_what_vllm_reads(peft_model, tmp_path):
                          / "adapter_config.json").read_text())
     assert config["peft_type"] == "LORA" and config["use_rslora"] is False and config["bias"] == "none"
     assert config["target_modules"] == ["down_proj", "k_proj", "q_proj", "v_proj"]
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_the_live_checksums_read_the_actors_weights_by_another_path_than_the_payload(peft_model, dtype):
+    """Equal to the payload's own checksums when the payload is the actor's; a payload built from other
+    weights matches its own checksums and not these (what the adapter sync now compares against)."""
+    from hybridflow.resharding import faults
+    from hybridflow.resharding.adapter import live_adapter_checksums
+
+    live = live_adapter_checksums(peft_model, 0, dtype)
+    assert live == adapter_payload(peft_model, 0, dtype)["checksums"]
+    faults.adapter_from_other_weights()
+    other = faults.before_sending_adapter(adapter_payload(peft_model, 0, dtype))
+    changed = [m for m in live if other["checksums"][m] != live[m]]
+    assert len(changed) == 1 and other["checksums"][changed[0]]["A"] == live[changed[0]]["A"]
+    assert live_adapter_checksums(peft_model, 1, dtype) is None  # rank 0 returns them

@@ -232,10 +232,85 @@ def check_claims(text: str, root: Path = ROOT) -> list[str]:
     return problems
 
 
+# ---- whether a cited test exercises its claim ------------------------------------------------------
+
+SPAN = re.compile(r"`([^`]+)`")
+NAME = re.compile(r"[A-Za-z_]\w*")
+# words of a backticked span too common to say which key or function a test exercises
+COMMON = {"true", "false", "none", "null", "venv", "python", "pytest", "hybridflow", "with", "tests", "docs",
+          "recipe", "bench"}
+
+
+def claim_names(claim: str) -> set[str]:
+    """The config keys' parts and the names of functions and commands in the claim's backticked spans
+    (`trainer.max_staleness=1` -> trainer, max_staleness), four letters or more."""
+    return {part for span in SPAN.findall(claim) for key in re.findall(r"[A-Za-z_][\w.]*", span)
+            for part in key.split(".") if len(part) >= 4 and part.lower() not in COMMON}
+
+
+@cache
+def module_definitions(path: Path) -> dict[str, str]:
+    """Each top-level or nested def/class's source, and each module-level assignment's, by name."""
+    text = path.read_text()
+    tree, found = ast.parse(text), {}
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            found.setdefault(node.name, ast.get_source_segment(text, node) or "")
+    for node in tree.body:
+        targets = node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(node, ast.AnnAssign) else []
+        found.update({t.id: ast.get_source_segment(text, node) or "" for t in targets if isinstance(t, ast.Name)})
+    return found
+
+
+def cited_source(path: Path, names: str, depth: int = 2) -> str:
+    """A test function's source and, `depth` levels down, that of the module's fixtures, helpers and
+    constants it names (a fixture's run arguments are a constant of the module)."""
+    definitions = module_definitions(path)
+    seen = [names.split("::")[-1]]
+    for _ in range(depth):
+        named = set(NAME.findall("\n".join(definitions.get(n, "") for n in seen))) & set(definitions)
+        seen += sorted(named - set(seen))
+    return "\n".join(definitions.get(n, "") for n in seen)
+
+
+def exercise_problems(text: str, root: Path = ROOT) -> list[str]:
+    """Each cited test (default and slow rows) whose source names none of its claim's backticked keys,
+    functions or commands: a test that does not exercise what the row claims."""
+    problems = []
+    for row in table_rows(text):
+        if len(row.cells) != len(HEADER) or row.cells[-1] not in ("default", "slow"):
+            continue
+        names = claim_names(row.cells[0])
+        for entry in filter(None, (ENTRY.match(e.strip()) for e in row.cells[2].split("<br>")) if names else []):
+            node = NODE_ID.match(entry["ref"])
+            if node and (root / node["path"]).is_file() and not any(
+                    n in cited_source(root / node["path"], node["names"]) for n in names):
+                problems.append(f"line {row.line}: `{entry['ref']}` names none of the claim's {sorted(names)}; "
+                                f"cite a test that exercises the claim, or name in the claim (in backticks) the key "
+                                f"or function this test calls")
+    return problems
+
+
 # ---- tests -----------------------------------------------------------------------------------------
 
 def test_every_claim_names_tests_that_exist_with_the_tier_their_marks_give():
     assert check_claims(CLAIMS.read_text()) == []
+
+
+def test_every_cited_test_names_the_key_or_function_its_claim_is_about():
+    assert exercise_problems(CLAIMS.read_text()) == []
+
+
+def test_a_cited_test_that_never_calls_the_claims_function_is_reported(tmp_path):
+    root = fake_repo(tmp_path)
+    (root / "tests" / "unit" / "test_fake.py").write_text(FAKE_TESTS + "\n\nUSED = 'reward.fn'\n\n\n"
+                                                           "def test_uses_a_constant():\n    assert USED\n")
+    fake = "tests/unit/test_fake.py"
+    text = page(f"| `reward.fn=math_verify` scores by value | README.md | `{fake}::test_fast` | default |",
+                f"| `reward.fn=x` is read | README.md | `{fake}::test_uses_a_constant` | default |")
+    assert exercise_problems(text, root) == [
+        f"line 5: `{fake}::test_fast` names none of the claim's ['math_verify', 'reward']; cite a test that exercises "
+        f"the claim, or name in the claim (in backticks) the key or function this test calls"]
 
 
 def test_the_page_maps_the_headline_claims_and_is_linked():

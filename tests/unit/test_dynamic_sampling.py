@@ -57,8 +57,10 @@ class _Rollout:
 
 class _Reward:
     def __init__(self):
+        # score: the response as a number; accuracy: whether it is "1" (so "2" and "0" differ in score only)
         self.compute_rewards = _Remote(lambda batch: Batch(tensors={
             "sequence_rewards": torch.tensor([float(r) for r in batch.objects["response"]]),
+            "reward_extra/accuracy": torch.tensor([float(r == "1") for r in batch.objects["response"]]),
             **({"reward_extra/parsed": torch.ones(len(batch))} if "2" in batch.objects["response"] else {})}))
 
 
@@ -91,10 +93,11 @@ def _tokenizer(tiny_model_dir):
     _step.tokenizer = load_tokenizer(tiny_model_dir)
 
 
-def _config(rounds: int, buffer: int = 0):
+def _config(rounds: int, buffer: int = 0, metric: str = "reward", on_limit: str = "top_up", per_round: int = 0):
     return compose(["recipe=grpo", "trainer.prompts_per_step=2", "rollout.samples_per_prompt=2",
                     f"algorithm.dynamic_sampling_rounds={rounds}", f"algorithm.overlong_buffer_tokens={buffer}",
-                    "rollout.max_response_tokens=4"])
+                    f"algorithm.dynamic_sampling_metric={metric}", f"algorithm.dynamic_sampling_on_limit={on_limit}",
+                    f"algorithm.dynamic_sampling_prompts_per_round={per_round}", "rollout.max_response_tokens=4"])
 
 
 def test_refill_keeps_full_groups_with_a_signal_and_generates_under_the_same_version_bound():
@@ -118,6 +121,53 @@ def test_refill_keeps_full_groups_with_a_signal_and_generates_under_the_same_ver
     assert torch.isnan(batch["reward_extra/parsed"][:2]).all() and (batch["reward_extra/parsed"][2:] == 1).all()
     assert batch.meta["dynamic_sampling/rounds"] == 2 and batch.meta["dynamic_sampling/informative_groups"] == 2
     assert batch.meta["dynamic_sampling/dropped_groups"] == 3 and batch.meta["dynamic_sampling/short_groups"] == 0
+    assert batch.meta["dynamic_sampling/generated_groups"] == 6 and batch.meta["dynamic_sampling/kept_groups"] == 3  # 6+6= too
+
+
+SCRIPT = {"1+1=": ["1"], "2+2=": ["0"], "3+3=": ["0", "1"], "4+4=": ["1", "1"], "5+5=": ["2", "0"], "6+6=": ["0", "1"],
+          "7+7=": ["1", "0"], "8+8=": ["0"]}
+
+
+def test_by_default_the_filter_reads_accuracy_as_verls_dapo_recipe_and_the_round_limit_raises_with_the_numbers():
+    """5+5= answers 2 and 0: its rewards differ, its accuracy (both wrong) does not, so the default drops it
+    where the reward filter keeps it; with one extra round the step is short, which raises as verl does."""
+    from recipes.ppo import refill_groups
+
+    rows = [{"prompt": p} for p in SCRIPT]
+    defaults = compose(["recipe=grpo"]).algorithm
+    assert (defaults.dynamic_sampling_metric, defaults.dynamic_sampling_on_limit) == ("accuracy", "raise")
+    r = _step(_config(rounds=1, metric="accuracy", on_limit="raise"), SCRIPT, rows)
+    with pytest.raises(RuntimeError, match=r"dynamic sampling at step 3: 1 of the 2 groups .* differ in their accuracy "
+                                           r"after 1 extra rounds \(algorithm.dynamic_sampling_rounds=1\): 4 groups "
+                                           r"generated, 3 all alike. Fix: .*dynamic_sampling_on_limit=top_up"):
+        refill_groups(r, 3, 2, r.rollout.generate.remote(_samples(r, rows[:2], step=3)).get(), {})
+    kept = {}
+    for metric in ("accuracy", "reward"):
+        r = _step(_config(rounds=2, metric=metric, on_limit="raise"), SCRIPT, rows)
+        batch = refill_groups(r, 3, 2, r.rollout.generate.remote(_samples(r, rows[:2], step=3)).get(), {})
+        kept[metric] = list(dict.fromkeys(batch.objects["prompt"]))
+    assert kept == {"accuracy": ["3+3=", "6+6="], "reward": ["3+3=", "5+5="]}
+
+
+def test_a_generation_round_larger_than_the_training_batch_draws_whole_loader_batches_and_trains_the_first_kept():
+    from recipes.ppo import refill_groups
+
+    rows = [{"prompt": p} for p in SCRIPT]
+    r = _step(_config(rounds=2, metric="accuracy", on_limit="raise", per_round=4), SCRIPT, rows)
+    batch = refill_groups(r, 5, 2, r.rollout.generate.remote(_samples(r, rows[:2], step=5)).get(), {})
+    # one extra round of 4 prompts (two loader batches) holds 3 groups with a signal: the first two train
+    assert [c["prompts"] for c in r.rollout.calls][1:] == [["3+3=", "4+4=", "5+5=", "6+6="]]
+    assert batch.objects["prompt"] == ["3+3=", "3+3=", "6+6=", "6+6="]
+    assert batch.meta["dynamic_sampling/generated_groups"] == 6 and batch.meta["dynamic_sampling/kept_groups"] == 2
+    with pytest.raises(ValueError, match=r"dynamic_sampling_prompts_per_round=3 .* a multiple of trainer.prompts_per_step \(2\)"):
+        _config(rounds=2, per_round=3)
+
+
+def test_the_accuracy_filter_without_an_accuracy_says_the_fix():
+    from recipes.ppo import filter_values
+
+    with pytest.raises(ValueError, match=r"no reward function returns one; fix: return .*dynamic_sampling_metric=reward"):
+        filter_values(Batch(tensors={"sequence_rewards": torch.zeros(2)}), "accuracy")
 
 
 def test_refill_stops_after_its_rounds_and_tops_up_with_groups_that_agree():
@@ -125,7 +175,7 @@ def test_refill_stops_after_its_rounds_and_tops_up_with_groups_that_agree():
 
     script = {"1+1=": ["1"], "2+2=": ["0"], "3+3=": ["0", "1"], "4+4=": ["1", "1"]}
     rows = [{"prompt": p} for p in script]
-    r = _step(_config(rounds=1, buffer=2), script, rows)
+    r = _step(_config(rounds=1, buffer=2, metric="shaped_reward"), script, rows)
     batch = refill_groups(r, 1, 2, r.rollout.generate.remote(_samples(r, rows[:2], step=1)).get(), {})
     assert len(r.rollout.calls) == 2 and batch.objects["prompt"] == ["3+3=", "3+3=", "1+1=", "1+1="]
     assert batch.meta["dynamic_sampling/short_groups"] == 1 and batch.meta["dynamic_sampling/informative_groups"] == 1
