@@ -43,6 +43,9 @@ BEGIN, END = "<!-- dpo_vs_trl:begin -->", "<!-- dpo_vs_trl:end -->"
 LABELS = {"hybridflow": "HybridFlow recipe=dpo (1 FSDP2 rank + reference, 2 cores)",
           "trl": "TRL DPOTrainer (1 process, 2 threads)"}
 METRICS = ("preference_accuracy", "reward_accuracy", "reward_margin", "preference_loss")
+# the run's held-out metric of each (TRL's names: rewards/accuracies, rewards/margins)
+RUN_METRICS = {"preference_accuracy": "val/preference_accuracy", "reward_accuracy": "val/rewards/accuracies",
+               "reward_margin": "val/rewards/margins", "preference_loss": "val/preference_loss"}
 
 
 def as_pairs(rows: list[dict], seed: int) -> list[dict]:
@@ -92,7 +95,7 @@ def run_hybridflow(args, inputs: dict, work: Path) -> dict:
                        stderr=subprocess.STDOUT, check=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
     rows = [json.loads(line) for line in (work / "runs" / "hybridflow" / "metrics.jsonl").read_text().splitlines()]
     started = rows[0].get("time/elapsed_s", 0.0)  # the step-0 validation, before training
-    curve = [{"step": r["step"], **{m: r[f"val/{m}"] for m in METRICS},
+    curve = [{"step": r["step"], **{m: r[RUN_METRICS[m]] for m in METRICS},
               "elapsed_s": r["time/elapsed_s"] - started if r["step"] else 0.0}
              for r in rows if "val/preference_loss" in r]
     return {"command": ["hybridflow", *overrides], "validation": curve,

@@ -78,33 +78,46 @@ def write_synthetic(train: list[dict], val: list[dict], run_dir: Path) -> Datase
 
 
 def prepare_preference_data(config: HybridFlowConfig, run_dir: Path, tokenizer) -> Datasets:
-    """recipe=dpo's pairs before Ray starts: rows with `prompt`, `chosen` and `rejected` from
-    data.train_path / val_path (TRL's preference format, hybridflow/data/preference.py), or the
-    synthetic task's rows with the right answer chosen and a near miss rejected. Prompts are fitted
-    as every recipe's are; a response longer than rollout.max_response_tokens raises InputError
-    naming the file, column and rows. The held-out pairs are the first trainer.val_prompts."""
+    """recipe=dpo's pairs before Ray starts: rows in TRL's preference formats from data.train_path /
+    val_path (explicit or implicit prompt, text or conversational, multi-turn: hybridflow/data/preference.py),
+    each normalised to a prompt and two response texts, or the synthetic task's rows with the right
+    answer chosen and a near miss rejected. A row that fits no format raises InputError naming the
+    file, row and fix. Prompts are fitted as every recipe's are; a pair over its limits
+    (rollout.max_response_tokens, dpo.max_length) raises InputError naming the file, column and rows,
+    or with dpo.truncation_mode=keep_start|keep_end is cut, said on the console. The held-out pairs
+    are the first trainer.val_prompts."""
     from hybridflow.data.checks import InputError
-    from hybridflow.data.preference import RESPONSE_COLUMNS, long_response_problems, synthetic_pairs
+    from hybridflow.data.preference import pair_limit_problems, preference_rows, synthetic_pairs
+    from hybridflow.data.rows import iter_rows
+    from hybridflow.data.tokenizer import say_once
 
-    data = config.data
-    if data.train_path is None:
-        task_train, task_val = synthetic_rows(config, tokenizer)
-        written = write_synthetic(synthetic_pairs(task_train, data.seed), synthetic_pairs(task_val, data.seed + 1), run_dir)
-        train, val, paths = written.train, written.val, (written.train_path, written.val_path)
-        places = ("the synthetic training pairs", "the synthetic validation pairs")
-    else:
-        paths = (Path(data.train_path), Path(data.val_path))
-        places = tuple(f"data file {path} ({key})" for path, key in zip(paths, ("data.train_path", "data.val_path")))
-        required = ("prompt", *RESPONSE_COLUMNS)
-        train = fit_data(config, read_rows(paths[0], required), tokenizer, places[0], trained=True)
-        val = fit_data(config, read_rows(paths[1], required), tokenizer, places[1])
+    data, dpo = config.data, config.dpo
     try:
-        problems = [problem for rows, where in zip((train, val), places)
-                    for problem in long_response_problems(rows, tokenizer, config.rollout.max_response_tokens, where)]
-    except ValueError as exc:  # a response that is neither text nor chat messages, named by response_text
+        if data.train_path is None:
+            task_train, task_val = synthetic_rows(config, tokenizer)
+            written = write_synthetic(synthetic_pairs(task_train, data.seed), synthetic_pairs(task_val, data.seed + 1),
+                                      run_dir)
+            train, val, paths = written.train, written.val, (written.train_path, written.val_path)
+            places = ("the synthetic training pairs", "the synthetic validation pairs")
+        else:
+            paths = (Path(data.train_path), Path(data.val_path))
+            places = tuple(f"data file {path} ({key})" for path, key in zip(paths, ("data.train_path", "data.val_path")))
+            train, val = (fit_data(config, preference_rows(list(iter_rows(path)), where), tokenizer, where, trained=i == 0)
+                          for i, (path, where) in enumerate(zip(paths, places)))
+        checked = [pair_limit_problems(rows, tokenizer, data.max_prompt_tokens, config.rollout.max_response_tokens,
+                                       dpo.max_length, where) for rows, where in zip((train, val), places)]
+    except ValueError as exc:  # a row that fits no format, named by preference_row
         raise InputError(str(exc)) from None
-    if problems:
-        raise InputError("\n".join(problems))
+    if dpo.truncation_mode == "error":
+        problems = [problem for found, _ in checked for problem in found]
+        if problems:
+            raise InputError("\n".join(problems))
+    else:
+        for (_, over), rows, where in zip(checked, (train, val), places):
+            if over:
+                say_once(f"hybridflow: dpo.truncation_mode={dpo.truncation_mode}: {len(over)} of {len(rows)} pairs of "
+                         f"{where} are cut to fit (rollout.max_response_tokens={config.rollout.max_response_tokens}"
+                         f", dpo.max_length={dpo.max_length}), e.g. row {over[0]}")
     return Datasets(train, val[: config.trainer.val_prompts], *paths)
 
 

@@ -100,7 +100,8 @@ def check_run(config: HybridFlowConfig, check_model: bool = True) -> list[str]:
     files = {}
     for key, path, min_rows in (("data.train_path", config.data.train_path, train_rows),
                                 ("data.val_path", config.data.val_path, val_rows)):
-        files[key] = facts = check_data_file(path, key, needed, min_rows, config.data.validate_rows, functions)
+        files[key] = facts = check_data_file(path, key, needed, min_rows, config.data.validate_rows, functions,
+                                             rows_as=_preference_row if recipe_spec(config.recipe.name).preference else None)
         problems += facts.problems
         if facts.first_chat_row is not None and model_path is not None and not has_chat_template(model_path):
             problems.append(f"data file {path} ({key}), column 'prompt', row {facts.first_chat_row}: a list of chat "
@@ -255,13 +256,15 @@ class FileFacts:
 
 
 def check_data_file(path: str, key: str, needed: dict[str, str], min_rows: tuple[str, int] | None,
-                    mode: str, functions: list = ()) -> FileFacts:
-    """Check one data file: readable, columns present, rows well-typed (per `mode`), enough rows."""
+                    mode: str, functions: list = (), rows_as=None) -> FileFacts:
+    """Check one data file: readable, columns present, rows well-typed (per `mode`), enough rows.
+    `rows_as(row, index, where)`: each row as the recipe reads it (recipe=dpo: TRL's preference
+    formats, whose implicit prompt is no column of the file), raising ValueError naming a bad row."""
     from hybridflow.data.rows import count_rows
 
     where = f"data file {path} ({key})"
     try:
-        columns, checker, rows_read = _read_rows(path, needed, mode)
+        columns, checker, rows_read = _read_rows(path, needed, mode, rows_as, where)
         need = max(min_rows[1] if min_rows else 1, rows_read + 1)  # +1: are there rows beyond those read?
         total, exact = (rows_read, True) if mode == "all" else count_rows(path, at_least=need)
     except (OSError, ValueError) as exc:  # unreadable: a missing file, bad JSON, not parquet (ArrowInvalid)
@@ -284,7 +287,7 @@ def check_data_file(path: str, key: str, needed: dict[str, str], min_rows: tuple
     return facts
 
 
-def _read_rows(path: str, needed: dict[str, str], mode: str):
+def _read_rows(path: str, needed: dict[str, str], mode: str, rows_as=None, where: str = ""):
     """(columns, RowChecker over the rows read, rows read): every row with `all`, the first
     SAMPLE_ROWS with `sample`, and with `none` the first row only, for a JSON lines file's columns."""
     from hybridflow.data.checks import RowChecker
@@ -296,11 +299,23 @@ def _read_rows(path: str, needed: dict[str, str], mode: str):
     limit = None if mode == "all" else SAMPLE_ROWS if mode == "sample" else 1
     rows_read = 0
     for index, row in enumerate(iter_rows(path, limit)):
+        if rows_as is not None:
+            row = rows_as(row, index, where)
         columns += [c for c in row if c not in columns]  # JSON lines: the union of the rows' keys
         if mode != "none":
             checker.check(index, row)
         rows_read += 1
     return columns, checker, rows_read
+
+
+def _preference_row(row: dict, index: int, where: str) -> dict:
+    """recipe=dpo's rows: TRL's preference formats (hybridflow/data/preference.py); a row with too
+    little to judge (a missing response column) is left to the column checks."""
+    from hybridflow.data.preference import RESPONSE_COLUMNS, preference_row
+
+    if any(row.get(column) is None for column in RESPONSE_COLUMNS):
+        return row
+    return preference_row(row, index, where)
 
 
 def _column_problems(where: str, columns: list[str], needed: dict[str, str], functions) -> list[str]:

@@ -140,7 +140,9 @@ class ActorWorker(TrainingStateMixin):
                          simpo_gamma: float = 0.5) -> dict:
         """One preference step on a pair batch (hybridflow.data.preference): the loss `loss` of
         `PREFERENCE_LOSSES` over every pair, one optimizer step. Needs `ref_chosen_log_probs` and
-        `ref_rejected_log_probs` (B,) (summed, or per token for the length-normalised losses).
+        `ref_rejected_log_probs` (B,) (summed, or per token for the length-normalised losses). Returns
+        `actor/loss`, `actor/grad_norm`, `actor/lr` and the loss's statistics under TRL's names
+        (`rewards/chosen`, `rewards/margins`, `logps/chosen`, ...).
 
         Each micro-batch holds `actor.samples_per_micro_batch` sequences, i.e. half as many pairs, both
         halves of a pair in one forward pass; its loss is its pairs' share of the mean over all pairs
@@ -166,8 +168,8 @@ class ActorWorker(TrainingStateMixin):
             (part * world).backward()
             loss_total = loss_total + part.detach()
             share = len(micro) / len(pairs)
-            for k, v in micro_stats.items():  # means over this rank's pairs
-                stats[f"actor/{k}"] = stats.get(f"actor/{k}", 0.0) + v * share
+            for k, v in micro_stats.items():  # means over this rank's pairs, under TRL's names (rewards/chosen, ...)
+                stats[k] = stats.get(k, 0.0) + v * share
         stats["actor/loss"] = loss_total
         read_floats(stats)  # the one wait for the device in this step
         grad_norm = self._clipped_step("or dpo.beta")

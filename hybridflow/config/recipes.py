@@ -72,7 +72,7 @@ for _spec in (
                         "actor.kl_loss_coef", "actor.kl_loss_estimator", "actor.entropy_coef", "actor.epochs_per_step",
                         "actor.loss_aggregation",
                         "actor.samples_per_mini_batch", "actor.skip_zero_advantage_samples", "trainer.max_staleness"),
-               trains=True, step_hooks=True, preference=True, stage=True),
+               trains=True, reference=True, step_hooks=True, preference=True, stage=True),
 ):
     RECIPE_SPECS.add(_spec.name, _spec)
 

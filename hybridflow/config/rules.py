@@ -208,7 +208,7 @@ def check_hooks(config: HybridFlowConfig) -> None:
     reference_hooks = [h.name for h in t.training_hooks if h.name not in STEP_HOOKS]
     require(not reference_hooks or config.needs_reference, "trainer.training_hooks", reference_hooks,
             "the hooks update the reference model, which runs only with algorithm.kl_penalty_coef > 0 or "
-            "actor.kl_loss_coef > 0")
+            "actor.kl_loss_coef > 0 (recipe=dpo: with a dpo.loss tied to the reference and dpo.reference_free=false)")
     require(not (spec.step_hooks and not spec.reference) or not reference_hooks, "trainer.training_hooks",
             reference_hooks, f"recipe={config.recipe.name} has no reference model; its hooks are the step hooks "
             f"{STEP_HOOKS.names()}")

@@ -17,6 +17,8 @@ from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
 
 from hybridflow.config.pretrain import PretrainConfig
+from hybridflow.config.dpo import (  # noqa: F401 - recipe=dpo's section; the names re-exported
+    PREFERENCE_LOSS_BETAS, PREFERENCE_LOSS_NAMES, REFERENCE_FREE_LOSSES, TRUNCATION_MODES, DPOConfig)
 from hybridflow.config.recipes import RECIPE_SPECS, recipe_spec, stage_recipes
 from hybridflow.config.model_facts import ModelFacts
 from hybridflow.config.hooks import HookConfig
@@ -647,31 +649,6 @@ class LoggerConfig:
 
 
 RECIPE_NAMES = tuple(RECIPE_SPECS.names())
-
-
-# The built-in losses of hybridflow.algos.preference.PREFERENCE_LOSSES (a test keeps the two the same;
-# the schema names them without importing torch); the reference-free ones need no reference model.
-PREFERENCE_LOSS_NAMES = ("sigmoid", "robust", "ipo", "simpo")
-REFERENCE_FREE_LOSSES = ("simpo",)
-
-
-@dataclass
-class DPOConfig:
-    # recipe=dpo's loss (docs/algorithms.md, "Preference losses"): sigmoid (DPO; conservative
-    # DPO with label_smoothing > 0), robust, ipo, simpo (reference-free)
-    loss: str = "sigmoid"
-    beta: float = 0.1  # strength of the tie to the reference (SimPO: its reward scale, usually 2.0-2.5)
-    label_smoothing: float = 0.0  # assumed share of flipped preference labels (sigmoid, robust), in [0, 0.5)
-    simpo_gamma: float = 0.5  # SimPO's target reward margin
-
-    def __post_init__(self) -> None:
-        _require(self.loss in PREFERENCE_LOSS_NAMES, "dpo.loss", self.loss, f"one of {list(PREFERENCE_LOSS_NAMES)}")
-        _require(self.beta > 0, "dpo.beta", self.beta, "must be > 0")
-        _require(0 <= self.label_smoothing < 0.5, "dpo.label_smoothing", self.label_smoothing, "must be in [0, 0.5)")
-
-    @property
-    def needs_reference(self) -> bool:
-        return self.loss not in REFERENCE_FREE_LOSSES
 
 
 @dataclass

@@ -1,8 +1,10 @@
 """recipe=dpo end to end on the tiny model (real Ray; the actor and the reference role on one
 training rank), through the `hybridflow` command, on preference files in TRL's format (text and
 conversational responses): the held-out DPO loss falls below log 2 and the implicit rewards rank the
-chosen responses first; checkpoints and the final model are written. And the pipeline SFT -> DPO ->
-GRPO, each stage starting from the one before it."""
+chosen responses first; the held-out preference accuracy equals one recomputed from the final model;
+the metrics carry TRL's names; the reference log-probs of each training pair are computed once (the
+first epoch) and reused after; checkpoints and the final model are written. And the pipeline SFT ->
+DPO -> GRPO, each stage starting from the one before it."""
 
 from __future__ import annotations
 
@@ -52,15 +54,46 @@ def test_dpo_on_trl_format_files_ranks_the_chosen_responses_first(tmp_path):
     held_out = [r for r in rows if "val/preference_loss" in r]
     assert [r["step"] for r in held_out] == [0, 20, 40]
     start, *later = held_out
-    assert start["val/preference_loss"] == pytest.approx(math.log(2)) and start["val/reward_margin"] == 0
+    assert start["val/preference_loss"] == pytest.approx(math.log(2)) and start["val/rewards/margins"] == 0
     for r in later:  # DPO's own objective on pairs it never trained on
         assert r["val/preference_loss"] < math.log(2) - 0.02, r
-        assert r["val/reward_margin"] > 0.1 and r["val/reward_accuracy"] > 0.5, r  # 0.29-0.33 and 0.59-0.62 here
-        assert 0 <= r["val/preference_accuracy"] <= 1
-    trained = [r for r in rows if "actor/preference_loss" in r]
-    assert len(trained) == 40 and all(r["actor/loss"] == pytest.approx(r["actor/preference_loss"]) for r in trained)
+        assert r["val/rewards/margins"] > 0.1 and r["val/rewards/accuracies"] > 0.5, r  # 0.29-0.33 and 0.59-0.62 here
+    # the policy's own preference accuracy at step 40 is the final model's, recomputed here pair by pair
+    accuracy, chosen_mean = preference_accuracy(run_dir / "final_model", val)
+    assert later[-1]["val/preference_accuracy"] == pytest.approx(accuracy, abs=1.5 / 128)
+    assert later[-1]["val/logps/chosen"] == pytest.approx(chosen_mean, rel=1e-4)
+    trained = [r for r in rows if "actor/loss" in r]
+    assert len(trained) == 40 and all({"rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins",
+                                       "logps/chosen", "logps/rejected"} <= set(r) for r in trained)
+    # 512 pairs, 32 a step: the first epoch (steps 1-16) scores each pair once; the reference is not run after
+    scored = [r["dpo/reference_pairs_scored"] for r in trained]
+    assert scored == [32] * 16 + [0] * 24, scored
+    assert "reference log-probs of each pair are computed once" in result.stdout
+    assert "dpo.loss=sigmoid runs with beta=0.1 (the loss's own default" in result.stdout
     assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["step_00000020", "step_00000040"]
     assert (run_dir / "final_model" / "config.json").is_file()
+
+
+def preference_accuracy(model_dir: Path, val_path: Path) -> tuple[float, float]:
+    """(share of the held-out pairs whose chosen response `model_dir` gives the higher log-probability,
+    mean chosen log-prob), computed outside the run: the model as transformers loads it."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from hybridflow.config import compose
+    from hybridflow.data.preference import encode_pairs
+    from hybridflow.data.tokenizer import load_tokenizer
+    from hybridflow.training.sequences import pair_log_probs
+
+    config = compose(["recipe=dpo"])
+    rows = [json.loads(line) for line in val_path.read_text().splitlines()]
+    pairs = encode_pairs(rows, load_tokenizer(model_dir), config.data.max_prompt_tokens,
+                         config.rollout.max_response_tokens)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    with torch.no_grad():
+        scored = pair_log_probs(model, pairs, rows_per_micro_batch=64)
+    chosen, rejected = scored["chosen_log_probs"], scored["rejected_log_probs"]
+    return float((chosen > rejected).float().mean()), float(chosen.mean())
 
 
 @pytest.mark.slow  # ~90 s: three stages, each starting the stack
