@@ -50,6 +50,9 @@ from hybridflow.config.model_facts import ModelFacts
 GIB = 2 ** 30
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 NODE_MEMORY_SHARE = 0.95  # Ray's memory monitor kills a worker past this share of the node's memory
+# A GPU's share the floor may fill: the terms leave out the CUDA context, NCCL's buffers, the caching
+# allocator's fragmentation and cuBLAS workspaces, which take a few GiB on an 80 GiB GPU
+GPU_MEMORY_SHARE = 0.9
 # What a worker process holds besides the model: the interpreter, torch, Ray's core worker and, with an
 # engine, vLLM; the resident set of the tiny model's workers at the end of a step, 0.56 GiB without an
 # engine and 0.77 GiB with one (less its KV cache), rounded down (bench/runtime_memory.py)
@@ -453,9 +456,10 @@ def _gpu_problems(config, plan, shape: ModelShape, roles: set[str] | None, gpu: 
     phases = gpu_phase_terms(config, plan, shape, roles, gpu)
     more = "more GPUs in the actor's pool (FSDP2 shards the parameters, gradients and AdamW moments over them)"
     problems = []
+    usable = GPU_MEMORY_SHARE * gpu
     for phase, terms in phases.items():
         total = sum(terms.values())
-        if total <= gpu:
+        if total <= usable:
             continue
         if phase == "training":
             why, fix = "while it trains", (f"actor.gradient_checkpointing=true, a smaller actor.samples_per_micro_batch, "
@@ -466,7 +470,7 @@ def _gpu_problems(config, plan, shape: ModelShape, roles: set[str] | None, gpu: 
                    "roles' weights are loaded (vLLM refuses to start when that share is not free)" if phase == "start"
                    else "while the colocated vLLM engine generates: its whole share of the GPU beside what does not "
                    "offload (only the actor moves to the host)")
-            fix = (f"rollout.gpu_memory_utilization={max(0.0, (gpu - beside) / gpu):.2f} or lower, {more}, "
+            fix = (f"rollout.gpu_memory_utilization={max(0.0, (usable - beside) / gpu):.2f} or lower, {more}, "
                    "or a rollout pool of its own (placement.roles.rollout)")
         else:
             why = ("at the weight sync: the actor keeps its training state on the GPU while the colocated engine's "
@@ -474,5 +478,7 @@ def _gpu_problems(config, plan, shape: ModelShape, roles: set[str] | None, gpu: 
             fix = (f"{more}, a larger rollout.tensor_parallel_size (each engine rank holds 1/TP of the weights), "
                    "model.master_dtype=bfloat16, or a rollout pool of its own (placement.roles.rollout)")
         problems.append(f"{model} does not fit {why}: each GPU of the actor's pool holds at least {total / GIB:.2f} "
-                        f"GiB:{_lines(terms)}\n    above the GPU's {gpu / GIB:.1f} GiB. Fix: {fix}")
+                        f"GiB:{_lines(terms)}\n    above {GPU_MEMORY_SHARE:.0%} of the GPU's {gpu / GIB:.1f} GiB "
+                        f"({usable / GIB:.1f} GiB: the rest is left to the CUDA context, NCCL's buffers and the "
+                        f"allocator's fragmentation, which the terms do not count). Fix: {fix}")
     return problems

@@ -52,6 +52,7 @@ def run(config: HybridFlowConfig, run_dir: Path) -> dict:
                 metrics.update(weight_sync.sync(step, version=step))  # SFT's policy version: its step
             with weight_sync.generating():  # GPU: vLLM's KV cache is released again for training
                 metrics.update(validate(config, rollout, reward, data.val, tokenizer, step))
+            metrics.update(weight_sync.handover_seconds())  # the hand-over's steps, and the sync's probe if deferred
         metrics.update(pool_memory_metrics(groups))  # each pool's peak since the last step's read
         logger.log(step, metrics)
         if training.checkpointer.due(step):

@@ -1,15 +1,17 @@
 """Rollout engines: what the rest of the system may ask of each one (`rollout.backend` names it).
 
-An engine is a worker class with the rollout protocol (workers/rollout/__init__.py): `start`
-(load the model, build the receiving end of the weight path, `self.receiver`), `generate` (the
-response batch every recipe reads: ids, masks, sampler log-probs, the policy version, text),
-`sleep` / `wake_up`, and the weight methods of `ReceivingEnd`, each delegating to the receiver
-(`hybridflow.resharding.receiver`: load what a transport delivers, verify, probe). Beside the class,
+An engine is a worker class that inherits the engine contract (workers/rollout/__init__.py
+`RolloutEngineBase`): `start` (load the model, serve the receiving end of the weight path),
+`generate` (the response batch every recipe reads: ids, masks, sampler log-probs, the policy
+version, text), optionally `release` / `restore` (memory freed while the actor trains); the base
+keeps which parts sleep, checks every call against it, and delegates the weight methods to the
+receiver (`hybridflow.resharding.receiver`: load what a transport delivers, verify, probe). Beside the class,
 a `RolloutEngine` entry says what the engine can do; the config rules, the memory floor, the input
 checks and the role builder read the entry, never the engine's name.
 
 Two are registered: `vllm` (vLLM, tensor parallel, on any pool, LoRA adapters, agents) and `hf`
-(Hugging Face `generate`, one model per rank in the actor's processes). Another is one entry:
+(a Hugging Face model with a KV-cached decode loop of its own, one model per rank in the actor's
+processes; it sleeps on GPUs). Another is one entry:
 `register_rollout_engine(RolloutEngine("mine", "my_package.module:MyRollout", ...))` in code the
 driver imports, or `rollout.backend=my_package.module:ENGINE` naming a `RolloutEngine` object
 (tests/e2e/test_toy_rollout_engine.py adds one that generates with a plain sampling loop).

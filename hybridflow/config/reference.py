@@ -77,7 +77,7 @@ MEANINGS = {
     "rollout.dtype": "dtype of the rollout engine's weights",
     "rollout.tensor_parallel_size": "ranks one vLLM engine spans: 1, or every rank of the rollout pool",
     "rollout.max_num_seqs": "vLLM's most sequences in one batch",
-    "rollout.enforce_eager": "vLLM without CUDA graphs (always eager on a CPU)",
+    "rollout.enforce_eager": "vLLM without CUDA graphs; null: eager on a CPU, CUDA graphs on a GPU (as vLLM's users run it)",
     "rollout.seed": "seed of the rollout engine's sampler",
     "algorithm.advantage_estimator": "gae, grpo, dr_grpo, rloo, reinforce_plus_plus, remax (docs/algorithms.md)",
     "algorithm.use_critic": "train a critic (PPO with GAE)",

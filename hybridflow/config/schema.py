@@ -286,7 +286,7 @@ class RolloutConfig:
     kv_cache_space_gib: int = 1  # vLLM's KV cache on a CPU (VLLM_CPU_KVCACHE_SPACE)
     gpu_memory_utilization: float = 0.5  # share of a GPU vLLM may take when colocated with training
     max_num_seqs: int = 256
-    enforce_eager: bool = True
+    enforce_eager: Optional[bool] = None  # null: eager on a CPU (no CUDA graphs there), CUDA graphs on a GPU
     seed: int = 0
     # Multi-turn agent rollouts (docs/agents.md): tools (typed functions) and environment classes,
     # each 'path/to/file.py:Name' or 'package.module:Name'; empty: one response per prompt. Typed Any

@@ -3,7 +3,7 @@
     hybridflow plan [--cluster here|ray|NODESxDEVICES] [--device cpu|cuda] [--device-memory-gib G]
                     [--rates FILE | --profile NAME | --calibrate [--save-rates FILE]]
                     [--intra-node-gb-s B] [--inter-node-gb-s B] [--top K] [--refused K]
-                    [--depths 0,1] [--any-tp] [--policy NAME] [--cost-model NAME] [--json FILE]
+                    [--depths 0,1] [--tp-1-or-pool] [--policy NAME] [--cost-model NAME] [--json FILE]
                     [OVERRIDE ...]
 
 The overrides are the run's (`recipe=ppo rollout.max_response_tokens=64 ...`): the workload is the
@@ -22,7 +22,7 @@ import sys
 from pathlib import Path
 
 from hybridflow.planning.cost import STAGES
-from hybridflow.planning.rules import memory_terms
+from hybridflow.planning.rules import phases
 from hybridflow.planning.workload import GIB, Cluster
 
 
@@ -41,7 +41,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--top", type=int, default=10)
     p.add_argument("--refused", type=int, default=3, help="how many refused plans to show, with why")
     p.add_argument("--depths", default="0,1", help="trainer.max_staleness values to try")
-    p.add_argument("--any-tp", action="store_true", help="any tensor-parallel size dividing a pool within a node")
+    p.add_argument("--any-tp", action="store_true", help="kept for older command lines: every tensor-parallel size "
+                   "dividing a pool within a node is searched by default")
+    p.add_argument("--tp-1-or-pool", action="store_true", help="search rollout TP 1 or the whole pool only")
     p.add_argument("--policy", default=None)
     p.add_argument("--cost-model", default=None)
     p.add_argument("--json", help="write every ranked plan and its prediction here")
@@ -121,7 +123,7 @@ def main(argv: list[str]) -> int:
 
         p = config.placement.planner
         result = search(workload, cluster, build_cost_model(p.cost_model, rates), build_policy(p.policy),
-                        SearchOptions(any_tp=args.any_tp, depths=depths))
+                        SearchOptions(any_tp=not args.tp_1_or_pool, depths=depths))
     except (ConfigError, ValueError, KeyError, RuntimeError) as exc:
         print(f"hybridflow plan: {exc}", file=sys.stderr)
         return 2
@@ -155,12 +157,12 @@ def report(result, workload, cluster, rates, top: int, refused: int = 3, note: s
     for i, c in enumerate(result.ranked[:top], 1):
         lines.append(f"{i:>3} " + shlex.join(c.plan.overrides()))
     best = result.best.plan
-    lines += ["", "memory per device of the best plan:"]
+    lines += ["", "memory per device of the best plan (what the check counts, per phase of the step):"]
     for pool in best.pools:
-        terms = memory_terms(best, pool, workload, cluster)
-        lines.append(f"  pool {pool.name!r} ({'+'.join(pool.roles)} on {pool.devices}): "
-                     f"{sum(terms.values()) / GIB:.2f} of {cluster.device_memory_bytes / GIB:.1f} GiB")
-        lines += [f"      {v / GIB:8.3f} GiB  {k}" for k, v in terms.items()]
+        for phase, terms in phases(best, pool, workload, cluster).items():
+            lines.append(f"  pool {pool.name!r} ({'+'.join(pool.roles)} on {pool.devices}){phase}: "
+                         f"{sum(terms.values()) / GIB:.2f} of {cluster.device_memory_bytes / GIB:.1f} GiB")
+            lines += [f"      {v / GIB:8.3f} GiB  {k}" for k, v in terms.items()]
     if result.refused and refused:
         lines += ["", f"refused ({len(result.refused)}), the first {min(refused, len(result.refused))}:"]
         for plan, problems in result.refused[:refused]:

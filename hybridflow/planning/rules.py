@@ -24,7 +24,7 @@ measured runtime.
 from __future__ import annotations
 
 from hybridflow.planning.plan import Plan, PoolPlan
-from hybridflow.memory_budget import device_terms, gpu_device_phases
+from hybridflow.memory_budget import GPU_MEMORY_SHARE, device_terms, gpu_device_phases
 from hybridflow.planning.workload import GIB, Cluster, Workload
 
 
@@ -59,12 +59,13 @@ def problems(plan: Plan, workload: Workload, cluster: Cluster, any_tp: bool = Fa
             out.append(f"rollout.gpu_memory_utilization={workload.gpu_memory_utilization}: the engine's share, "
                        f"{share / GIB:.1f} GiB of each GPU, is below its 1/{plan.rollout_tp} of the weights and one "
                        f"sequence's KV cache ({need / GIB:.1f} GiB)")
+    usable = (GPU_MEMORY_SHARE if cluster.device == "cuda" else 1.0) * cluster.device_memory_bytes
     for pool in plan.pools:
         for phase, terms in phases(plan, pool, workload, cluster).items():
-            if sum(terms.values()) > cluster.device_memory_bytes:
+            if sum(terms.values()) > usable:
                 out.append(f"pool {pool.name!r} ({'+'.join(pool.roles)} on {pool.devices} device(s)) does not fit"
                            f"{phase}: {sum(terms.values()) / GIB:.1f} GiB per device, above "
-                           f"{cluster.device_memory_bytes / GIB:.1f} GiB:"
+                           f"{usable / GIB:.1f} GiB (of {cluster.device_memory_bytes / GIB:.1f}):"
                            + "".join(f"\n      {v / GIB:8.2f} GiB  {k}" for k, v in terms.items()))
     return out
 

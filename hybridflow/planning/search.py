@@ -29,7 +29,8 @@ from hybridflow.registry import Registry
 
 @dataclass(frozen=True)
 class SearchOptions:
-    any_tp: bool = False  # any TP dividing the pool within a node (the paper's engines), not just 1 or the pool
+    # any rollout TP that divides the pool within a node, as the runtime runs (the default); False: 1 or the pool
+    any_tp: bool = True
     depths: tuple[int, ...] = (0, 1)  # the schedule depths tried (trainer.max_staleness)
 
 

@@ -49,10 +49,19 @@ def copy_floor_seconds(nbytes: int, repeats: int = 3) -> float:
     return best
 
 
+ENGINE_PARTS = ("weights", "kv_cache")  # what an engine may free while the actor trains, by vLLM's wake-up tags
+
+
+class EngineStateError(RuntimeError):
+    """A rollout engine asked for a call its state cannot serve (a part it needs asleep):
+    workers.rollout.RolloutEngineBase keeps the state."""
+
+
 class Receiver:
     """Interface every rollout engine's receiver implements."""
 
     version = -1  # the policy version of the weights the engine computes with (-1: none given yet)
+    engine_state = None  # the engine that serves it (workers.rollout.RolloutEngineBase.serve_weights): its state
 
     def set_version(self, version: int) -> None:
         self.version = version

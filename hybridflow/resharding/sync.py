@@ -28,6 +28,7 @@ from hybridflow.config.schema import WeightSyncConfig
 from hybridflow.controller import WorkerError, WorkerGroup, deadlines, wait_all
 from hybridflow.resharding.adapter import verify_adapter
 from hybridflow.resharding.layout import Box, buckets, layout_minimum, numel
+from hybridflow.resharding.receiver import ENGINE_PARTS
 from hybridflow.resharding.sender import SyncPlan
 from hybridflow.resharding.transports import Transport
 from hybridflow.resharding.verify import (
@@ -48,6 +49,8 @@ class WeightSync:
         self.actor, self.rollout, self.cfg = actor, rollout, config
         self.transport, self.dtype = transport, dtype
         self.syncs = 0
+        self.probe_due = False  # a sync's probe waits for the engine to wake whole (`generating`)
+        self.probed: dict[str, float] = {}  # the last deferred probe's metrics, read by handover_seconds
         self.floor_seconds = 0.0
         self.min_bytes = self.engine_bytes = 0
 
@@ -72,13 +75,21 @@ class WeightSync:
 
     @contextmanager
     def generating(self) -> Iterator[None]:
-        """Around generation: the transport's device memory steps (colocated on GPUs)."""
+        """Around generation: the transport's device memory steps (colocated on GPUs). A probe the
+        last sync deferred runs here: the engine's half once it is awake whole (the actor's training
+        state has left the device), the actor's half once the training state is back."""
+        due, self.probe_due = self.probe_due, False
         with self.transport.generating(self.actor, self.rollout):
+            engine_probes = self._engine_probes() if due else None
             yield
+        if due:
+            self.probed = self._compare_probes(engine_probes)
 
     def handover_seconds(self) -> dict[str, float]:
-        """The last `generating`'s device memory steps, each timed (the transport's)."""
-        return self.transport.handover_seconds()
+        """The last `generating`'s device memory steps, each timed (the transport's), and the probe
+        it ran for the sync before it."""
+        probed, self.probed = self.probed, {}
+        return {**self.transport.handover_seconds(), **probed}
 
     def sync(self, step: int, version: int) -> dict[str, float]:
         """Move the actor's current weights into the rollout engines, check them, and measure.
@@ -132,14 +143,29 @@ class WeightSync:
         every = self.cfg.checksum_every_steps
         if every and self.syncs % every == 0:
             out.update(self.verify_checksums())
-        if self.cfg.check == "probe":
-            out.update(self.probe())
-        return out
+        return {**out, **self._probe_or_defer()}
+
+    def _probe_or_defer(self) -> dict[str, float]:
+        """The probe now when the engine is awake whole; else (a colocated engine whose KV cache
+        sleeps until the actor's training state leaves the device) at the next `generating`."""
+        if self.cfg.check != "probe":
+            return {}
+        if all(set(parts) == set(ENGINE_PARTS) for parts in self.rollout.awake_parts()):
+            return self.probe()
+        self.probe_due = True
+        return {}
 
     def probe(self) -> dict[str, float]:
         """Every rollout rank's greedy log-probs on the probe prompts against the actor's own: the
         mean, 90th percentile and largest gap per token of the worst rank (verify.py)."""
-        probes = self._wait([self.rollout.probe_log_probs.remote(PROBE_PROMPTS, PROBE_NEW_TOKENS)], "the probe")[0]
+        return self._compare_probes(self._engine_probes())
+
+    def _engine_probes(self) -> list:
+        """Each rollout rank's greedy tokens and their log-probs on the probe prompts (it generates)."""
+        return self._wait([self.rollout.probe_log_probs.remote(PROBE_PROMPTS, PROBE_NEW_TOKENS)], "the probe")[0]
+
+    def _compare_probes(self, probes: list) -> dict[str, float]:
+        """The engine's probe log-probs against the actor's on the same tokens, worst rank first."""
         worst, actor_lp = None, {}
         tolerance = self.cfg.probe_tolerance or PROBE_TOLERANCE
         for rank, (tokens, rollout_lp) in enumerate(probes):
@@ -167,6 +193,7 @@ class WeightSync:
                 "different models at this precision. Set weight_sync.checksum_every_steps=1 to compare every "
                 "tensor exactly: if they match, the gap is the engines' arithmetic (raise weight_sync.probe_tolerance "
                 f"above {stats['mean']:.3g}, or compute in float32: model.dtype=float32 rollout.dtype=float32)")
+        self._wait([self.rollout.wake_up.remote(["weights"])], "waking the engine's weights")  # a deferred probe's
         self.verify_checksums()  # raises naming the tensors when the weights differ
         raise WeightSyncError(
             f"{found}, although the engine holds exactly the actor's weights (every tensor's checksum matches): "
@@ -230,8 +257,7 @@ class AdapterSync(WeightSync):
                    "weight_sync/load_s": max(r["load_seconds"] for r in loaded)}
         checked = [verify_adapter(r["found"], live, r["served"], version, rank) for rank, r in enumerate(loaded)]
         metrics["weight_sync/verified_tensors"] = min(c["weight_sync/verified_tensors"] for c in checked)
-        if self.cfg.check == "probe":
-            metrics.update(self.probe())
+        metrics.update(self._probe_or_defer())
         self._wait([self.rollout.set_weight_version.remote(version)], "labelling the engine")
         return metrics
 

@@ -143,6 +143,19 @@ def test_grpo_with_reward_fn_math_verify_scores_every_batch_in_the_reward_roles_
         assert 0 <= r["reward/truncated"] <= 1 and r["reward/accuracy"] <= r["reward/answer_found"], r
 
 
+def test_grpo_with_the_hf_engine_samples_what_the_actor_computes(tmp_path):
+    """The `hf` engine (its own KV-cached decode loop, workers/rollout/hf_rollout.py) through GRPO steps:
+    its sampler log-probs are the actor's on the same weights, and the weight probe passes."""
+    result = hybridflow(["recipe=grpo", "rollout.backend=hf", "trainer.total_steps=2", "trainer.val_every_steps=2",
+                         "trainer.export_hf=false", ONE_RANK], tmp_path, "hf")
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
+    rows = metrics(tmp_path / "hf")
+    assert [r["step"] for r in rows] == [1, 2] and "val/accuracy" in rows[1]
+    for r in rows:
+        assert r["rollout/log_prob_diff"] < 1e-3 and r["response/length_mean"] > 0, r
+    assert rows[0]["weight_sync/probe_log_prob_gap"] < 1e-3
+
+
 def test_grpo_learns_what_its_reward_asks_for(tmp_path):
     """Learning, read from the recipe's own metrics: the default GRPO on the tiny model, rewarded for
     the distinct characters of its answer (tests/e2e/fixtures/varied_reward.py), raises its mean

@@ -1,38 +1,115 @@
 """Rollout workers: generation engines returning token ids, masks and sampler log-probs.
 
-The rollout protocol every engine's worker class follows (its entry, what it can do, is a
-`RolloutEngine` in hybridflow/config/engines.py, named by `rollout.backend`):
-- `start()`: load the model and build `self.receiver`, the receiving end of the weight path
-  (`hybridflow.resharding.receiver.Receiver`: load what a transport delivers, checksums, probe);
-  an engine in the actor's processes also registers it (`register_local`) for the colocated sync;
-- `generate(prompts, greedy=False)` (DP_SPLIT): the prompts' batch with `response_ids`,
+`RolloutEngineBase` is the contract every engine's worker class inherits (its entry, what it can do,
+is a `RolloutEngine` in hybridflow/config/engines.py, named by `rollout.backend`):
+- required: `start()` loads the model and builds `self.receiver`, the receiving end of the weight path
+  (`hybridflow.resharding.receiver.Receiver`: load what a transport delivers, checksums, probe), which
+  `self.serve_weights(receiver)` registers (an engine in the actor's processes: for the colocated sync);
+  `generate(prompts, greedy=False)` (DP_SPLIT) returns the prompts' batch with `response_ids`,
   `response_mask`, `sampler_log_probs` (of the tempered distribution it sampled), `behavior_version`
   and the objects `response` (text) and `finish_reason`;
-- `sleep()` / `wake_up(parts)`: free and take back device memory around training (`ReceivingEnd`'s: nothing to free);
-- the weight methods below (`ReceivingEnd`), each delegating to the receiver.
+- optional, for an engine that frees device memory while the actor trains: `release()` frees it and
+  says whether it freed anything, `restore(parts)` takes back some of its parts ("weights",
+  "kv_cache"); the base's `sleep()` / `wake_up(parts)` call them;
+- kept by the base: which parts are awake. `generate` and the probe need both; loading, staging and
+  checking weights need the weights. A call in the wrong state raises `EngineStateError` naming the
+  call, what sleeps and the fix, on every engine alike (the colocated hand-over's order rests on it:
+  hybridflow/resharding/transports/colocated.py).
 """
 
 from __future__ import annotations
 
+import abc
+import functools
+
 import torch
 
 from hybridflow.controller import Dispatch, register
+from hybridflow.resharding.receiver import ENGINE_PARTS as PARTS, EngineStateError  # noqa: F401 - the contract's
 
 
-class ReceivingEnd:
+def _when_awake(method, call: str):
+    """`method`, refused unless every part is awake; the dispatch metadata of `register` kept."""
+    @functools.wraps(method)
+    def checked(self, *args, **kwargs):
+        self.require_awake(call, PARTS)
+        return method(self, *args, **kwargs)
+    return checked
+
+
+class RolloutEngineBase(abc.ABC):
     receiver = None  # set by start
     ctx = None
+    _asleep: frozenset = frozenset()  # the parts freed by the last sleep and not woken since
+
+    def __init_subclass__(cls, **kwargs) -> None:
+        super().__init_subclass__(**kwargs)
+        if "generate" in cls.__dict__:  # every engine's generate is checked, whoever writes it
+            cls.generate = _when_awake(cls.__dict__["generate"], f"{cls.__name__}.generate")
+
+    # ---- the engine's own ---------------------------------------------------------------------
+    @abc.abstractmethod
+    def start(self) -> float:
+        """Load the model, build the receiver (`serve_weights`); returns the seconds it took."""
+
+    @abc.abstractmethod
+    def generate(self, prompts, greedy: bool = False):
+        """The prompts' batch with the response keys (module docstring)."""
+
+    def release(self) -> bool:
+        """Free device memory while the actor trains (every part in `PARTS`); False: nothing to free."""
+        return False
+
+    def restore(self, parts: list[str]) -> None:
+        """Take back `parts` of what `release` freed."""
+
+    def serve_weights(self, receiver) -> None:
+        """Make `receiver` this engine's receiving end, and the one the colocated sync in this process
+        delivers to; it refuses a load while the weights sleep."""
+        from hybridflow.resharding.receiver import register_local
+
+        self.receiver = receiver
+        receiver.engine_state = self
+        register_local(self.ctx.group_name, receiver)
+
+    # ---- the state, kept here -------------------------------------------------------------------
+    def require_awake(self, call: str, parts) -> None:
+        asleep = [p for p in parts if p in self._asleep]
+        if asleep:
+            awake = [p for p in PARTS if p not in self._asleep] or ["nothing"]
+            raise EngineStateError(
+                f"{call} needs the engine's {' and '.join(asleep)} awake; asleep: {', '.join(sorted(self._asleep))}, "
+                f"awake: {', '.join(awake)}; fix: wake_up({asleep!r}) first. A colocated run wakes the KV cache "
+                f"once the actor's training state has left the device (WeightSync.generating): a call between "
+                f"the weight sync and generation must not need it")
+
+    @register(Dispatch.ONE_TO_ALL)
+    def awake_parts(self) -> list[str]:
+        """The parts awake now (of `PARTS`)."""
+        return [p for p in PARTS if p not in self._asleep]
 
     @register(Dispatch.ONE_TO_ALL)
     def sleep(self) -> bool:
-        """Free device memory while the actor trains; an engine that holds none to free says False."""
-        return False
+        """Free device memory while the actor trains; False when asleep already or nothing to free."""
+        if self._asleep or not self.release():
+            return False
+        self._asleep = frozenset(PARTS)
+        return True
 
     @register(Dispatch.ONE_TO_ALL)
     def wake_up(self, parts: list[str] | None = None) -> bool:
-        """Take back what `sleep` freed (`parts`: some of it); False: nothing was freed."""
-        return False
+        """Take back those of `parts` (None: all) that sleep; returns whether anything woke."""
+        unknown = sorted(set(parts or ()) - set(PARTS))
+        if unknown:
+            raise ValueError(f"{type(self).__name__}.wake_up: unknown parts {unknown}; known: {list(PARTS)}")
+        wanted = [p for p in (parts or PARTS) if p in self._asleep]
+        if not wanted:
+            return False
+        self.restore(wanted)
+        self._asleep = self._asleep - set(wanted)
+        return True
 
+    # ---- the weight path, each call delegating to the receiver ---------------------------------
     @register(Dispatch.ONE_TO_ALL)
     def weight_needs(self, shapes: dict[str, list[int]]) -> dict[str, tuple]:
         """Per checkpoint tensor, the region this rank's engine reads from it."""
@@ -47,6 +124,7 @@ class ReceivingEnd:
     @register(Dispatch.ONE_TO_ALL)
     def receive_weights(self) -> dict[str, float]:
         """Disaggregated: receive every bucket of one sync and load it."""
+        self.require_awake(f"{type(self).__name__}.receive_weights", ["weights"])
         return self.receiver.receive()
 
     @register(Dispatch.ONE_TO_ALL, lane="weights")
@@ -59,12 +137,14 @@ class ReceivingEnd:
     @register(Dispatch.ONE_TO_ALL)
     def load_staged_weights(self, min_version: int, timeout_s: float) -> dict[str, float]:
         """Load the newest staged weights now (at least policy `min_version`): a drain's."""
+        self.require_awake(f"{type(self).__name__}.load_staged_weights", ["weights"])
         return self.receiver.load_staged(min_version, timeout_s)
 
     @register(Dispatch.ONE_TO_ALL)
     def load_adapter(self, version: int, payload: dict) -> dict:
         """weight_sync.lora=adapter: serve the actor's LoRA adapter of policy `version` from now on
         (hybridflow/resharding/adapter.py); returns its checks' inputs and what moved."""
+        self.require_awake(f"{type(self).__name__}.load_adapter", ["weights"])
         return self.receiver.load_adapter(version, payload)
 
     @register(Dispatch.ONE_TO_ALL)
@@ -90,8 +170,11 @@ class ReceivingEnd:
         this rank needs; raises WeightSyncError naming what differs."""
         from hybridflow.resharding.receiver import verify
 
+        self.require_awake(f"{type(self).__name__}.verify_weights", ["weights"])
         return verify(self.receiver, expected_per_rank[self.ctx.rank])
 
     @register(Dispatch.ONE_TO_ALL)
     def probe_log_probs(self, prompts: list[list[int]], new_tokens: int) -> tuple[list[list[int]], torch.Tensor]:
+        """Greedy continuations of `prompts` and their log-probs: it generates, so both parts must be awake."""
+        self.require_awake(f"{type(self).__name__}.probe_log_probs", PARTS)
         return self.receiver.probe(prompts, new_tokens)

@@ -1,7 +1,21 @@
-"""Rollout with Hugging Face `generate`: the fallback backend (no vLLM needed).
+"""The `hf` engine: generation with a Hugging Face model and its own KV cache, where vLLM is not
+(the lent GPU machines, a model vLLM does not support, a reference to check vLLM against). Returns
+the same Batch layout as the vLLM engine.
 
-Slower than vLLM but dependable: useful for models vLLM does not support, and as a
-reference to check vLLM against. Returns the same Batch layout as the vLLM rollout.
+A decode loop of its own rather than `model.generate`: `generate` can only return the log-probs it
+sampled from by keeping every step's scores (rows x response tokens x vocabulary floats: 128 x 512 x
+151,936 in float32 is 40 GB), where this loop keeps one step's and gathers the sampled token's
+log-prob from it. Each step is one forward pass of the new tokens over transformers' `DynamicCache`
+(the prompt's keys and values computed once), sampled from the tempered, top-p filtered distribution
+(what vLLM's `processed_logprobs` report) with one generator per batch, seeded by the batch's first
+sample seed. Peak memory: the weights, the KV cache (rows x (prompt + response) tokens), one step's
+logits.
+
+Sleep (GPU, colocated with the actor): the weights go to host memory and the device's cached blocks
+are returned; the KV cache lives only inside a `generate` call, so nothing else is held. On the CPU
+there is nothing to free. The engine keeps a copy of the model of its own (a sync loads the actor's
+weights into it); generating from the actor's own gathered weights is not done: the actor's FSDP2
+shards are gathered per layer and its parameters are in the training dtype.
 """
 
 from __future__ import annotations
@@ -13,10 +27,10 @@ import torch
 from hybridflow.batch import Batch
 from hybridflow.config.schema import RolloutConfig
 from hybridflow.controller import Dispatch, WorkerContext, register
-from workers.rollout import ReceivingEnd
+from workers.rollout import RolloutEngineBase
 
 
-class HFRollout(ReceivingEnd):
+class HFRollout(RolloutEngineBase):
     def __init__(self, ctx: WorkerContext, model_path: str, rollout: RolloutConfig, max_prompt_tokens: int,
                  eos_token_id: int, pad_token_id: int, verifiable_weights: bool = False,
                  trust_remote_code: bool = False) -> None:
@@ -30,49 +44,87 @@ class HFRollout(ReceivingEnd):
     def start(self) -> float:
         from transformers import AutoModelForCausalLM
 
-        from hybridflow.resharding.receiver import ModuleReceiver, register_local
+        from hybridflow.resharding.receiver import ModuleReceiver
 
         start = time.perf_counter()
         self.model = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=getattr(torch, self.cfg.dtype.value),
                                                           trust_remote_code=self.trust_remote_code)
         self.model.to(self.ctx.device).eval().requires_grad_(False)
-        self.receiver = ModuleReceiver(self.model, self.pad_token_id)
-        register_local(self.ctx.group_name, self.receiver)
+        self.serve_weights(ModuleReceiver(self.model, self.pad_token_id))
         return time.perf_counter() - start
+
+    def release(self) -> bool:
+        """GPU: the weights to host memory, the allocator's cached blocks returned; the CPU: nothing."""
+        if self.ctx.device != "cuda":
+            return False
+        self.model.to("cpu")
+        torch.cuda.empty_cache()
+        return True
+
+    def restore(self, parts: list[str]) -> None:
+        if "weights" in parts:
+            self.model.to(self.ctx.device)  # the KV cache is made by each generate call
 
     @register(Dispatch.DP_SPLIT)
     @torch.no_grad()
     def generate(self, prompts: Batch, greedy: bool = False) -> Batch:
         """Same contract as VLLMRollout.generate: response ids, mask, sampler log-probs, version, text."""
-        width = self.cfg.max_response_tokens
         sample = not greedy and self.cfg.temperature > 0
-        if sample and "sample_seed" in prompts:
-            torch.manual_seed(int(prompts["sample_seed"][0]))  # one stream per chunk: reproducible per step
-        out = self.model.generate(
-            prompts["prompt_ids"].to(self.ctx.device), attention_mask=prompts["prompt_mask"].long().to(self.ctx.device),
-            max_new_tokens=width, do_sample=sample, temperature=self.cfg.temperature if sample else None,
-            top_p=self.cfg.top_p if sample else None, top_k=0 if sample else None, output_scores=True,
-            return_dict_in_generate=True, eos_token_id=self.eos_token_id, pad_token_id=self.pad_token_id)
-        new = out.sequences[:, prompts["prompt_ids"].shape[1]:].cpu()  # (B, <=R)
-        scores = torch.stack(out.scores, dim=1).float().cpu()  # (B, <=R, V) after temperature / top-p
-        log_probs = torch.log_softmax(scores, -1).gather(-1, new[..., None])[..., 0]
-        is_eos = (new == self.eos_token_id).long()
-        mask = (is_eos.cumsum(1) - is_eos) == 0  # up to and including the first EOS
-        ids = torch.full((len(prompts), width), self.pad_token_id, dtype=torch.long)
-        response_mask = torch.zeros((len(prompts), width), dtype=torch.bool)
-        sampler = torch.zeros((len(prompts), width), dtype=torch.float32)
-        n = new.shape[1]
-        ids[:, :n] = torch.where(mask, new, torch.full_like(new, self.pad_token_id))
-        response_mask[:, :n] = mask
-        sampler[:, :n] = torch.where(mask, log_probs, torch.zeros_like(log_probs))
-        texts = self._decode(ids, response_mask)
-        finish = ["stop" if bool(row.any()) else "length" for row in (new == self.eos_token_id)]
+        generator = torch.Generator(self.ctx.device)
+        generator.manual_seed(int(prompts["sample_seed"][0]) if sample and "sample_seed" in prompts else 0)
+        ids, response_mask, sampler, running = self._decode(
+            prompts["prompt_ids"].to(self.ctx.device), prompts["prompt_mask"].to(self.ctx.device), sample, generator)
+        finish = ["length" if bool(r) else "stop" for r in running]  # still running at the limit: cut
         version = torch.full((len(prompts),), self.receiver.version, dtype=torch.long)
         return prompts.union(Batch(tensors={"response_ids": ids, "response_mask": response_mask,
                                             "sampler_log_probs": sampler, "behavior_version": version},
-                                   objects={"response": texts, "finish_reason": finish}))
+                                   objects={"response": self._texts(ids, response_mask), "finish_reason": finish}))
 
-    def _decode(self, ids: torch.Tensor, mask: torch.Tensor) -> list[str]:
+    def _decode(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, sample: bool, generator: torch.Generator):
+        """The decode loop over a KV cache: (response ids, response mask, sampler log-probs, rows still
+        running at the limit), on the CPU. Prompts are left-padded; a row's EOS is its last response token."""
+        from transformers import DynamicCache
+
+        rows, width, device = len(prompt_ids), self.cfg.max_response_tokens, prompt_ids.device
+        ids = torch.full((rows, width), self.pad_token_id, dtype=torch.long, device=device)  # (B, R)
+        response_mask = torch.zeros((rows, width), dtype=torch.bool, device=device)
+        sampler = torch.zeros((rows, width), dtype=torch.float32, device=device)
+        running = torch.ones(rows, dtype=torch.bool, device=device)
+        attention = prompt_mask.long()
+        positions = (attention.cumsum(1) - 1).clamp(min=0)  # (B, P): left padding shifts nothing
+        cache = DynamicCache()
+        logits = self.model(input_ids=prompt_ids, attention_mask=attention, position_ids=positions,
+                            past_key_values=cache, use_cache=True).logits[:, -1]
+        position = positions[:, -1:] + 1
+        for t in range(width):
+            log_probs = self._processed_log_probs(logits.float(), sample)  # (B, V): this step's only
+            token = torch.multinomial(log_probs.exp(), 1, generator=generator)[:, 0] if sample else log_probs.argmax(-1)
+            token = torch.where(running, token, self.pad_token_id)  # a finished row continues with padding
+            ids[:, t], response_mask[:, t] = token, running
+            sampler[:, t] = torch.where(running, log_probs.gather(-1, token[:, None])[:, 0], 0.0)
+            running = running & (token != self.eos_token_id)
+            if not running.any() or t == width - 1:
+                break
+            attention = torch.cat([attention, torch.ones_like(attention[:, :1])], dim=1)
+            logits = self.model(input_ids=token[:, None], attention_mask=attention, position_ids=position,
+                                past_key_values=cache, use_cache=True).logits[:, -1]
+            position = position + 1
+        return ids.cpu(), response_mask.cpu(), sampler.cpu(), running.cpu()
+
+    def _processed_log_probs(self, logits: torch.Tensor, sample: bool) -> torch.Tensor:
+        """(B, V) log-probs of the distribution sampled from: tempered, then top-p filtered (the
+        smallest set of tokens whose probability reaches top_p; the rest -inf), as vLLM reports them."""
+        if not sample:
+            return torch.log_softmax(logits, dim=-1)
+        logits = logits / self.cfg.temperature
+        if self.cfg.top_p < 1.0:
+            sorted_logits, order = logits.sort(dim=-1, descending=True)
+            before = sorted_logits.softmax(-1).cumsum(-1) - sorted_logits.softmax(-1)  # mass before each token
+            drop = torch.zeros_like(logits, dtype=torch.bool).scatter(-1, order, before >= self.cfg.top_p)
+            logits = logits.masked_fill(drop, float("-inf"))
+        return torch.log_softmax(logits, dim=-1)
+
+    def _texts(self, ids: torch.Tensor, mask: torch.Tensor) -> list[str]:
         if not hasattr(self, "_tokenizer"):
             from transformers import AutoTokenizer
 

@@ -30,10 +30,10 @@ from hybridflow.resharding import faults
 from hybridflow.resharding.adapter import check_served
 from hybridflow.resharding.receiver import Receiver, verify
 from hybridflow.resharding.verify import WeightSyncError
-from workers.rollout import ReceivingEnd
+from workers.rollout import RolloutEngineBase
 
 
-class VLLMRollout(ReceivingEnd):
+class VLLMRollout(RolloutEngineBase):
     def __init__(self, ctx: WorkerContext, model_path: str, rollout: RolloutConfig, max_prompt_tokens: int,
                  eos_token_id: int, pad_token_id: int, verifiable_weights: bool = False,
                  trust_remote_code: bool = False, lora_rank: int = 0) -> None:
@@ -44,7 +44,6 @@ class VLLMRollout(ReceivingEnd):
         self.verifiable_weights = verifiable_weights  # keep weights readable for checksum checks
         self.lora_rank = lora_rank  # > 0: the actor's LoRA is served as an adapter of this rank (weight_sync.lora)
         self.engine = self.receiver = None
-        self.sleeping: set[str] = set()  # parts of the engine asleep (GPU, colocated: between generations)
         self.agents = None  # hybridflow.agents.AgentSet, loaded by start when rollout.agent is set
         self.batches_stepped = 0  # stepwise batches so far (their request ids)
 
@@ -53,7 +52,6 @@ class VLLMRollout(ReceivingEnd):
         """Build the engine; returns the seconds it took."""
         from vllm import LLM
 
-        from hybridflow.resharding.receiver import register_local
         from hybridflow.resharding.vllm_side import ENGINE_NAME, register_engine
 
         if self.verifiable_weights and self.ctx.device == "cpu":
@@ -80,7 +78,7 @@ class VLLMRollout(ReceivingEnd):
             model=self.model_path,
             dtype=self.cfg.dtype.value,
             seed=self.cfg.seed + self.ctx.rank // tp,  # the ranks of one TP engine must sample alike
-            enforce_eager=self.cfg.enforce_eager,
+            enforce_eager=self.ctx.device != "cuda" if self.cfg.enforce_eager is None else self.cfg.enforce_eager,
             max_model_len=self.max_prompt_tokens + self.cfg.max_response_tokens,
             max_num_seqs=self.cfg.max_num_seqs,
             gpu_memory_utilization=self.cfg.gpu_memory_utilization,
@@ -96,38 +94,23 @@ class VLLMRollout(ReceivingEnd):
         from hybridflow.patches import transformers_backend_classes_stay_callable
 
         transformers_backend_classes_stay_callable(self.engine)  # a colocated actor's model of that class
-        self.receiver = VLLMReceiver(self.engine, self.ctx.rank, tp_size=tp)
-        register_local(self.ctx.group_name, self.receiver)
+        self.serve_weights(VLLMReceiver(self.engine, self.ctx.rank, tp_size=tp))
         return time.perf_counter() - start
 
-    SLEEPING_PARTS = ("weights", "kv_cache")  # what vLLM's level-1 sleep releases, by its wake-up tags
-
-    @register(Dispatch.ONE_TO_ALL)
-    def sleep(self) -> bool:
+    def release(self) -> bool:
         """Release the KV cache and move the weights to host memory while training runs (vLLM's
         level-1 sleep). The CPU backend has no sleep mode (its KV cache is a fixed
-        VLLM_CPU_KVCACHE_SPACE buffer); returns whether it slept."""
-        if self.ctx.device != "cuda" or self.sleeping:
+        VLLM_CPU_KVCACHE_SPACE buffer): nothing to free there."""
+        if self.ctx.device != "cuda":
             return False
         self.engine.sleep(level=1)
-        self.sleeping = set(self.SLEEPING_PARTS)
         return True
 
-    @register(Dispatch.ONE_TO_ALL)
-    def wake_up(self, parts: list[str] | None = None) -> bool:
-        """Bring back those of `parts` ("weights", "kv_cache"; None: both) that sleep: a weight sync
-        wakes the weights alone while the actor's training state is still on the device, and the KV
-        cache comes back once it has left (hybridflow/resharding/transports/colocated.py). Returns
-        whether anything woke."""
-        wanted = [p for p in (parts or self.SLEEPING_PARTS) if p in self.sleeping]
-        unknown = set(parts or ()) - set(self.SLEEPING_PARTS)
-        if unknown:
-            raise ValueError(f"VLLMRollout.wake_up: unknown parts {sorted(unknown)}; known: {list(self.SLEEPING_PARTS)}")
-        if not wanted:
-            return False
-        self.engine.wake_up(tags=wanted)
-        self.sleeping -= set(wanted)
-        return True
+    def restore(self, parts: list[str]) -> None:
+        """vLLM's wake-up by tags: a weight sync wakes the weights alone while the actor's training
+        state is still on the device, the KV cache comes back once it has left
+        (hybridflow/resharding/transports/colocated.py)."""
+        self.engine.wake_up(tags=parts)
 
     # ---- generation ---------------------------------------------------------------------------
 

@@ -57,9 +57,11 @@ class Colocated(Transport):
         return out
 
     # The device hand-over of one colocated step (GPUs), in this order, the one sequence of it:
-    #   [train] -> wake vLLM's weights only -> sync -> offload the training state (gradients freed)
-    #   -> wake vLLM's KV cache -> generate -> vLLM sleeps (weights to the host, KV cache freed)
-    #   -> reload the training state -> [train]
+    #   [train] -> wake vLLM's weights only -> sync (and the checksums) -> offload the training state
+    #   (gradients freed) -> wake vLLM's KV cache -> [the engine's half of the sync's probe] -> generate
+    #   -> vLLM sleeps (weights to the host, KV cache freed) -> reload the training state -> [the actor's
+    #   half of the probe] -> [train]; the engine's state (workers/rollout/__init__.py) refuses a
+    #   generation, a probe among them, while its KV cache sleeps (WeightSync._probe_or_defer)
     # so the device never holds the training state and vLLM's KV cache at once: the sync's peak is
     # the training state plus vLLM's weights, generation's vLLM's weights and KV cache alone
     # (`sync_calls` above, `generating` here).
@@ -111,7 +113,10 @@ class Colocated(Transport):
         from hybridflow.controller.memory import phase_peak_bytes
 
         phase_peak_bytes()  # GPUs: what came before (the update) is its own phase
-        loaded = local_receiver(group_name).load(buckets, route=self)
+        receiver = local_receiver(group_name)
+        if receiver.engine_state is not None:  # the engine's weights must be awake to take a load
+            receiver.engine_state.require_awake("the colocated weight load", ["weights"])
+        loaded = receiver.load(buckets, route=self)
         stats["load_seconds"] = loaded["load_seconds"]
         peak = phase_peak_bytes()  # the sync phase: the training state and vLLM's weights on the device
         if peak is not None:

@@ -1,0 +1,187 @@
+"""The rollout engine contract (workers/rollout/__init__.py `RolloutEngineBase`): the required methods
+are abstract, the base keeps which parts sleep, and each call a state cannot serve is refused naming the
+call, what sleeps and the fix. Then one conformance test that every engine runnable in this process
+passes on the CPU: start, generate, sleep, wake by parts, load weights, probe."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from hybridflow.batch import Batch
+from hybridflow.controller import Dispatch, register
+from workers.rollout import EngineStateError, RolloutEngineBase
+
+
+class _Receiver:
+    engine_state = None
+
+    def probe(self, prompts, new_tokens):
+        return [[1]], torch.zeros(1)
+
+    def receive(self):
+        return {}
+
+    def load_staged(self, min_version, timeout_s):
+        return {}
+
+    def load_adapter(self, version, payload):
+        return {}
+
+    def checksums(self):
+        return {"sums": {}, "packed": {}, "empty": []}
+
+
+class _Sleepy(RolloutEngineBase):
+    """Frees memory on sleep; records what it frees and takes back."""
+
+    def __init__(self) -> None:
+        self.ctx, self.calls = SimpleNamespace(rank=0, group_name="contract"), []
+
+    @register(Dispatch.ONE_TO_ALL)
+    def start(self) -> float:
+        self.serve_weights(_Receiver())
+        return 0.0
+
+    @register(Dispatch.DP_SPLIT)
+    def generate(self, prompts: Batch, greedy: bool = False) -> Batch:
+        self.calls.append("generate")
+        return prompts
+
+    def release(self) -> bool:
+        self.calls.append("release")
+        return True
+
+    def restore(self, parts: list[str]) -> None:
+        self.calls.append(("restore", parts))
+
+
+def _asleep() -> _Sleepy:
+    engine = _Sleepy()
+    engine.start()
+    assert engine.sleep() is True and engine.awake_parts() == []
+    return engine
+
+
+def test_an_engine_without_start_or_generate_cannot_be_built_and_generate_keeps_its_dispatch():
+    class NoGenerate(RolloutEngineBase):
+        def start(self) -> float:
+            return 0.0
+
+    with pytest.raises(TypeError, match="abstract method.*generate"):
+        NoGenerate()
+    from hybridflow.controller.decorators import registered_methods
+
+    assert registered_methods(_Sleepy)["generate"].dispatch == Dispatch.DP_SPLIT  # the check wraps, the spec stays
+
+
+def test_sleep_and_wake_by_parts_keep_the_state_and_call_the_engine_once_per_part():
+    engine = _asleep()
+    assert engine.sleep() is False  # asleep already
+    assert engine.wake_up(["weights"]) is True and engine.awake_parts() == ["weights"]
+    assert engine.wake_up(["weights"]) is False  # awake: nothing to do
+    assert engine.wake_up() is True and engine.awake_parts() == ["weights", "kv_cache"]
+    assert engine.calls == ["release", ("restore", ["weights"]), ("restore", ["kv_cache"])]
+    with pytest.raises(ValueError, match=r"_Sleepy.wake_up: unknown parts \['kv'\]; known: \['weights', 'kv_cache'\]"):
+        engine.wake_up(["kv"])
+
+
+def test_an_engine_with_nothing_to_free_stays_awake():
+    class Plain(_Sleepy):
+        def release(self) -> bool:
+            return False
+
+    engine = Plain()
+    assert engine.sleep() is False and engine.awake_parts() == ["weights", "kv_cache"]
+    engine.generate(Batch(tensors={"x": torch.zeros(1)}))
+
+
+@pytest.mark.parametrize("woken", [[], ["weights"]])
+def test_generate_with_the_kv_cache_asleep_is_refused_naming_the_state_and_the_fix(woken):
+    engine = _asleep()
+    engine.wake_up(woken) if woken else None
+    with pytest.raises(EngineStateError, match=r"_Sleepy.generate needs the engine's .*kv_cache awake.*fix: "
+                                               r"wake_up\(\[.*'kv_cache'\]\) first"):
+        engine.generate(Batch(tensors={"x": torch.zeros(1)}))
+    assert "generate" not in engine.calls
+
+
+def test_the_probe_generates_so_it_needs_the_kv_cache_too():
+    engine = _asleep()
+    engine.wake_up(["weights"])  # what the colocated sync wakes
+    with pytest.raises(EngineStateError, match=r"_Sleepy.probe_log_probs needs the engine's kv_cache awake; asleep: "
+                                               r"kv_cache, awake: weights"):
+        engine.probe_log_probs([[1]], 1)
+    engine.wake_up(["kv_cache"])
+    engine.probe_log_probs([[1]], 1)
+
+
+@pytest.mark.parametrize("call, args", [("receive_weights", ()), ("load_staged_weights", (0, 1.0)),
+                                        ("load_adapter", (0, {})), ("verify_weights", ([{}],))])
+def test_a_weight_load_or_check_with_the_weights_asleep_is_refused(call, args):
+    engine = _asleep()
+    with pytest.raises(EngineStateError, match=rf"_Sleepy.{call} needs the engine's weights awake"):
+        getattr(engine, call)(*args)
+    engine.wake_up(["weights"])  # enough: none of them generates
+    getattr(engine, call)(*args)
+
+
+def test_the_colocated_load_asks_the_engine_that_serves_the_receiver():
+    from hybridflow.resharding.receiver import local_receiver
+
+    engine = _asleep()
+    receiver = local_receiver("contract")
+    assert receiver is engine.receiver and receiver.engine_state is engine
+    with pytest.raises(EngineStateError, match="the colocated weight load needs the engine's weights awake"):
+        receiver.engine_state.require_awake("the colocated weight load", ["weights"])
+
+
+# ---- every engine that runs in this process, on the CPU ------------------------------------------
+
+def _toy(ctx, tiny_model_dir, rollout, tok):
+    from tests.e2e.test_toy_rollout_engine import ToyRollout
+
+    return ToyRollout(ctx, str(tiny_model_dir), rollout, 8, tok.eos_token_id, tok.pad_token_id)
+
+
+def _hf(ctx, tiny_model_dir, rollout, tok):
+    from workers.rollout.hf_rollout import HFRollout
+
+    return HFRollout(ctx, str(tiny_model_dir), rollout, 8, tok.eos_token_id, tok.pad_token_id)
+
+
+@pytest.mark.parametrize("build", [_hf, _toy], ids=["hf", "toy"])
+def test_every_engine_starts_generates_sleeps_wakes_by_parts_loads_weights_and_probes(build, tiny_model_dir):
+    """vLLM passes the same steps in its own tests (tests/e2e/test_vllm_rollout.py, test_weight_sync.py):
+    starting it costs a process of its own."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from hybridflow.config.schema import Dtype, RolloutConfig
+    from hybridflow.data import ArithmeticSpec, make_arithmetic_rows
+    from hybridflow.data.prompts import encode_prompts
+
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    ctx = SimpleNamespace(rank=0, world_size=1, device="cpu", group_name=f"conformance-{build.__name__}")
+    engine = build(ctx, tiny_model_dir, RolloutConfig(max_response_tokens=4, dtype=Dtype.float32), tok)
+    engine.start()
+    prompts = encode_prompts(make_arithmetic_rows(4, ArithmeticSpec(), seed=0), tok, 8)
+    out = engine.generate(prompts, greedy=True)
+    assert out["response_ids"].shape == (4, 4) and out["response_mask"][:, 0].all()
+    slept = engine.sleep()
+    if slept:  # an engine that frees memory refuses to generate until it is awake whole
+        with pytest.raises(EngineStateError):
+            engine.generate(prompts, greedy=True)
+        assert engine.wake_up(["weights"]) and engine.awake_parts() == ["weights"]
+    torch.manual_seed(1)
+    moved = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    for p in moved.parameters():
+        p.data.add_(torch.randn_like(p) * 0.05)
+    engine.receiver.load([[(n, p.detach()) for n, p in moved.named_parameters()]], route=None)  # what a transport hands over
+    engine.wake_up()
+    assert engine.awake_parts() == ["weights", "kv_cache"]
+    tokens, log_probs = engine.probe_log_probs([prompts["prompt_ids"][0][prompts["prompt_mask"][0]].tolist()], 3)
+    ids = torch.tensor([prompts["prompt_ids"][0][prompts["prompt_mask"][0]].tolist() + tokens[0]])
+    expected = torch.log_softmax(moved(ids).logits[0, -4:-1].double(), -1).gather(-1, torch.tensor(tokens[0])[:, None])
+    torch.testing.assert_close(log_probs, expected[:, 0], atol=1e-4, rtol=1e-4)  # it computes with the loaded weights
