@@ -72,7 +72,7 @@ SCHEDULES = {
 DEFAULT_SCHEDULES = ["a", "b", "c", "d"]
 STAGE_KEYS = ["timing/generate_s", "timing/generate_wait_s", "timing/update_s", "timing/weight_sync_s",
               "timing/overlap_fraction", "async/rollout_weights_wait_s"]
-MEAN_KEYS = ["async/staleness_mean", "async/is_weight_mean", "async/is_clipped_frac"]
+MEAN_KEYS = ["async/staleness_mean", "rollout_correction/weight_mean", "rollout_correction/clipped_fraction"]
 MAX_KEYS = ["async/staleness_max", "async/version_span_max"]
 REACH_MARGIN = 0.03
 
@@ -165,8 +165,8 @@ def report(root: Path, schedules: list[str], seeds: list[int], steps: int) -> di
                      if any("async/staleness_mean" in r for r in runs) else "0 / 0")
         print(f"| ({k}) {SCHEDULES[k][0]} | {mean('step_s')} | {mean('timing/generate_s')} | "
               f"{mean('timing/generate_wait_s')} | {mean('timing/update_s')} | {mean('timing/weight_sync_s')} | "
-              f"{mean('timing/overlap_fraction', '{:.2f}')} | {staleness} | {mean('async/is_weight_mean', '{:.4f}')} | "
-              f"{mean('async/is_clipped_frac', '{:.4f}')} | {statistics.fmean(accs):.3f}{spread} | "
+              f"{mean('timing/overlap_fraction', '{:.2f}')} | {staleness} | {mean('rollout_correction/weight_mean', '{:.4f}')} | "
+              f"{mean('rollout_correction/clipped_fraction', '{:.4f}')} | {statistics.fmean(accs):.3f}{spread} | "
               f"{mean('minutes', '{:.1f}')} |")
     val_steps = sorted({s for runs in results.values() for r in runs.values() for s, _, _ in r["curve"]})
     print("\nHeld-out accuracy by step, mean over seeds:\n")
@@ -260,7 +260,7 @@ def dry_run_rows(config, steps: int) -> list[dict]:
             row.update({"async/staleness_mean": 1.0, "async/staleness_max": float(t.max_staleness),
                         "async/rollout_weights_wait_s": 0.0})
             if t.old_log_probs == "actor":
-                row.update({"async/is_weight_mean": 0.99, "async/is_clipped_frac": 0.01})
+                row.update({"rollout_correction/weight_mean": 0.99, "rollout_correction/clipped_fraction": 0.01})
         if config.rollout.on_update == "recompute":
             row["async/version_span_max"] = 1.0
         if t.val_every_steps and step % t.val_every_steps == 0 or step == steps:  # hybridflow.runner.validation_due

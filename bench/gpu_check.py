@@ -36,6 +36,15 @@ FSDP2's mixed precision, which needs FSDP2 even on one rank: float32 on one rank
    log-softmax + gather in float32, PPO-clip, `clip_grad_norm_`, fused AdamW); and a profile of
    our log-prob pass and update (the ten costliest operators).
 
+6. `--product` (on by default): the product itself, as a user runs it, in one process with
+   `placement=local` (no Ray, no vLLM: the `hf` engine, which sleeps on the GPU): (a) the default
+   pipeline end to end (SFT -> PMA merge -> GRPO on the tiny model and the arithmetic task) with its
+   accuracies; (b) per `--product-sizes` entry, GRPO steps at that model's shapes (random weights,
+   `--product-steps` steps of 16 prompts x 8 samples, prompts up to 256 and responses up to 512
+   tokens): each stage's seconds (generate, score, update, weight sync, the hand-over's phases) and the
+   device peaks the run reads, from its own metrics.jsonl. The dry run: a shortened pipeline and two
+   GRPO steps at the tiny shapes on the CPU.
+
 One GPU means one training rank: the all-to-all between training ranks (two or more GPUs) and
 the cross-pool transfer did not run here.
 """
@@ -732,6 +741,60 @@ def check_packed_attention(device: str, dtype: str) -> dict:
             "grad_scale": max(float(b.float().abs().max()) for b in ref_grads)}
 
 
+WITHOUT_RAY = ("import sys; sys.path.insert(0, {root!r}); sys.modules['ray'] = None; "
+               "from hybridflow.cli import main; sys.exit(main())")
+PRODUCT_KEYS = ("timing/generate_s", "timing/score_s", "timing/update_s", "timing/weight_sync_s", "timing/step_s",
+                "timing/offload_s", "timing/engine_wake_s", "timing/engine_sleep_s", "timing/reload_s",
+                "memory/global_device_peak_gib", "memory/global_peak_gib", "weight_sync/probe_log_prob_gap",
+                "rollout/log_prob_diff", "reward/score", "val/accuracy")
+
+
+def run_product(root: Path, name: str, overrides: list[str], timeout_s: float) -> dict:
+    """`hybridflow placement=local rollout=hf <overrides>` as a command of its own (Ray blocked); its
+    wall seconds, its stages' summaries (a pipeline) and, per step, the keys of `PRODUCT_KEYS` it logged."""
+    import subprocess
+
+    start = time.perf_counter()
+    done = subprocess.run([sys.executable, "-c", WITHOUT_RAY.format(root=str(ROOT)), "placement=local", "rollout=hf",
+                           *overrides, f"logger.output_root={root}", f"logger.run_name={name}"],
+                          capture_output=True, text=True, timeout=timeout_s)
+    out = {"seconds": round(time.perf_counter() - start, 1), "returncode": done.returncode}
+    if done.returncode != 0:
+        out["error"] = (done.stdout[-2000:] + done.stderr[-3000:])
+        return out
+    run_dir = root / name
+    for stage_file in sorted(run_dir.glob("*/STAGE_COMPLETE")):
+        stage = json.loads(stage_file.read_text())
+        out.setdefault("stages", {})[stage_file.parent.name] = {
+            k: stage.get(k) for k in ("init_accuracy", "final_accuracy", "steps")}
+    metric_files = sorted(run_dir.glob("**/metrics.jsonl"))
+    if metric_files:
+        rows = [json.loads(line) for line in metric_files[-1].read_text().splitlines()]
+        out["steps"] = [{k: r[k] for k in ("step", *PRODUCT_KEYS) if k in r} for r in rows]
+    return out
+
+
+def check_product(root: Path, args, shape_sizes: list[str]) -> dict:
+    """Part 6: the default pipeline and GRPO runs at model sizes, through the product in one process."""
+    device = f"placement.device={args.device}"
+    small = ["trainer.prompts_per_step=4", "rollout.samples_per_prompt=4", "rollout.max_response_tokens=4",
+             "trainer.val_prompts=8", "data.synthetic.train_rows=200", "data.synthetic.val_rows=16"]
+    short = [*small, "stages.sft.trainer.total_steps=8",  # a plain key reaches every stage that reads it
+             "stages.sft.trainer.save_every_steps=2", "stages.grpo.trainer.total_steps=2",
+             "stages.grpo.actor.samples_per_mini_batch=16"] if args.dry_run else []
+    report = {"pipeline": run_product(root, "pipeline", [device, *short], 3600)}
+    for size in shape_sizes:
+        model_dir = sized_model_dir(root, size, "cpu")
+        dims = ["rollout.max_response_tokens=16", "data.max_prompt_tokens=16"] if args.dry_run else \
+            ["rollout.max_response_tokens=512", "data.max_prompt_tokens=256"]
+        report[f"grpo_{size}"] = run_product(root, f"grpo-{size}", [
+            device, "recipe=grpo", "model=local_hf", f"model.path={model_dir}", f"model.dtype={args.dtype}",
+            f"trainer.total_steps={2 if args.dry_run else args.product_steps}", "trainer.prompts_per_step=16",
+            "rollout.samples_per_prompt=8", "trainer.val_every_steps=0", "trainer.export_hf=false",
+            "trainer.save_every_steps=0", "weight_sync.check=none", *dims], 3600)
+    return report
+
+
 class Report:
     """The JSON report, rewritten after every part (a run cut short keeps what it measured)."""
 
@@ -777,12 +840,16 @@ def main() -> None:
                         "(0: part 5's)")
     parser.add_argument("--gpu-gib", type=float, default=0.0, help="cap the allocator at this many GiB "
                         "(torch.cuda.set_per_process_memory_fraction): a smaller GPU on a larger one")
+    parser.add_argument("--product", action=argparse.BooleanOptionalAction, default=True,
+                        help="part 6: the pipeline and GRPO runs through the product (placement=local)")
+    parser.add_argument("--product-sizes", default="0.5b,1.5b", help="part 6's GRPO model sizes ('' skips them)")
+    parser.add_argument("--product-steps", type=int, default=3)
     parser.add_argument("--out", default="")
     args = parser.parse_args()
     shape = GRPO_SHAPE
     if args.dry_run:
         args.device, args.model, args.sizes, args.syncs, args.repeats, shape = "cpu", "tiny", "tiny", 1, 1, DRY_SHAPE
-        args.handover = "tiny"
+        args.handover, args.product_sizes = "tiny", "tiny"
 
     import torch.distributed as dist
 
@@ -816,6 +883,8 @@ def main() -> None:
         for size in filter(None, args.sizes.split(",")):
             report.add(f"speed_{size}", lambda: check_speed(Path(tmp), size, args.device, args.dtype, shape,
                                                             args.repeats, args.diagnose))
+        if args.product:
+            report.add("product", lambda: check_product(Path(tmp), args, list(filter(None, args.product_sizes.split(",")))))
     dist.destroy_process_group()
 
 

@@ -54,16 +54,20 @@ STEP_KEYS: dict[str, Key] = {
     "token_rewards": Key(DRIVER, (), "(B, R)", "sequence reward on the last token minus the KL penalty"),
     "advantages": Key(DRIVER, (ACTOR,), "(B, R)", "the estimator's advantages"),
     "returns": Key(DRIVER, (CRITIC,), "(B, R)", "the critic's targets"),
-    "behavior_weights": Key(DRIVER, (ACTOR,), "(B, R)", "min(exp(old - sampler), C), 0 outside loss_mask"),
+    "behavior_weights": Key(DRIVER, (ACTOR,), "(B, R)", "the rollout correction's weight of each token (e.g. "
+                            "min(exp(old - sampler), C); 0 where it masks), 0 outside loss_mask"),
 }
 
 
 def clips_against_sampler(config) -> bool:
     """Whether the update's π_old is the sampler's log-probs (no actor forward pass): chosen with
-    trainer.old_log_probs, or, on 'auto', when the run is on-policy with one update per step."""
+    trainer.old_log_probs, or, on 'auto', when the run is on-policy with one update per step and no
+    rollout correction preset asks for the actor's π_old (algorithm.rollout_correction)."""
     t, a = config.trainer, config.actor
     if t.old_log_probs != "auto":
         return t.old_log_probs == "sampler"
+    if config.algorithm.rollout_correction not in ("auto", "none"):
+        return False
     return t.use_sampler_log_probs and a.epochs_per_step == 1 and \
         a.samples_per_mini_batch in (0, t.prompts_per_step * config.rollout.samples_per_prompt)
 

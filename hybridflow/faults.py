@@ -11,8 +11,6 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import ray
-
 from hybridflow.config.schema import HybridFlowConfig
 from hybridflow.console import say
 from hybridflow.controller import WorkerGroup
@@ -41,6 +39,8 @@ def inject_faults(config: HybridFlowConfig, step: int, groups: dict[str, WorkerG
         host = group.hosts[fault.rank]
         say(f"hybridflow: fault injection: {fault.kind} {fault.role} rank {fault.rank}"
             + (f" method {fault.method}" if fault.method else "") + f" at step {step}")
+        import ray  # kill and hang are refused with placement.backend=local (config rules)
+
         if fault.kind == "kill":
             ray.kill(host, no_restart=True)
         else:

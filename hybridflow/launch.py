@@ -152,7 +152,14 @@ def fit_data(config: HybridFlowConfig, rows: list[dict], tokenizer, where: str, 
 
 def start_ray(config: HybridFlowConfig, plan: Plan) -> str:
     """Join the cluster (ray.address), or start a local Ray with the CPUs the plan's pools reserve, and
-    one for the driver (ray.num_cpus overrides)."""
+    one for the driver (ray.num_cpus overrides); with placement.backend=local nothing ("one process")."""
+    if config.placement.one_process:
+        return "one process"
+    import importlib.util
+
+    if importlib.util.find_spec("ray") is None:
+        raise ImportError("placement.backend=ray needs Ray, which is not installed; fix: pip install 'ray[default]', "
+                          "or run in one process on one device without Ray: placement=local")
     r = config.ray
     num_cpus = r.num_cpus or max(1, math.ceil(plan.cpus) + 1)
     return connect(address=r.address, num_cpus=num_cpus, dashboard=r.dashboard,
@@ -174,6 +181,19 @@ def spawn_roles(config: HybridFlowConfig, plan: Plan, roles: dict[str, RoleSpec]
             raise KeyError(f"role {role!r} has no pool: add placement.roles.{role}=<pool name>") from None
         by_pool.setdefault(pool, {})[role] = dataclasses.replace(spec, replica_size=plan.replica_size(role))
     groups: dict[str, WorkerGroup] = {}
+    if config.placement.one_process:  # one process, one device: every role here (hybridflow/controller/local.py)
+        import os
+
+        from hybridflow.controller.local import spawn_local
+
+        os.environ.update(env_vars or {})  # what a worker process's environment would carry (vLLM's)
+        if console.quiet():  # vLLM's records to the driver's log, as a worker's output goes to its log file
+            os.environ.setdefault("VLLM_CONFIGURE_LOGGING", "0")
+        (pool_name, pool_roles), = by_pool.items()
+        groups = spawn_local(f"{pool_name}:{'+'.join(pool_roles)}", plan.device, pool_roles,
+                             config.placement.collective_timeout_s)
+        _SPAWNED.extend(groups.values())
+        return groups
     pools = reserve_pools(config, plan, {name: list(pool_roles) for name, pool_roles in by_pool.items()})
     cores = CoreLedger() if plan.pin_cpus else None  # one ledger: the pools on a node get disjoint cores
     for pool_name, pool_roles in by_pool.items():
@@ -192,9 +212,9 @@ def release_all() -> None:
     seen = set()
     while _SPAWNED:
         group = _SPAWNED.pop()
-        if group.pool is not None and id(group.pool) in seen:
+        if (id(group.pool) if group.pool is not None else id(group.hosts[0])) in seen:
             continue
-        seen.add(id(group.pool))
+        seen.add(id(group.pool) if group.pool is not None else id(group.hosts[0]))
         group.shutdown()
 
 

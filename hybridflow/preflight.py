@@ -62,6 +62,11 @@ def _cluster_problems(config: HybridFlowConfig) -> list[str]:
     """The cluster the run joins (ray.address, else RAY_ADDRESS), when nothing answers there."""
     from hybridflow.controller.runtime import join_address, unreachable_head
 
+    if config.placement.one_process:  # one process: no cluster to join, and none asked for
+        address = join_address(config.ray.address)
+        return [f"RAY_ADDRESS={address!r} (the environment) asks to join a Ray cluster, and placement.backend=local "
+                "runs in this one process: unset RAY_ADDRESS, or use placement.backend=ray to run on that cluster"
+                ] if address else []
     key = "ray.address" if config.ray.address else "RAY_ADDRESS (the environment)"
     problem = unreachable_head(join_address(config.ray.address), key)
     return [problem] if problem else []

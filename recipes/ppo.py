@@ -12,7 +12,11 @@ rollout pool while this one trains (docs/async.md).
 The update clips against π_old: the sampler's log-probs when the run is on-policy with one
 update per step (no second forward pass; the update reports how far they are from the actor's
 own, `rollout/log_prob_diff`) or with `trainer.old_log_probs=sampler`, else the actor's
-recomputed `old_log_probs` (hybridflow/batch_keys.py names every key). Step hooks
+recomputed `old_log_probs` (hybridflow/batch_keys.py names every key). Every step reports the
+rollout–training mismatch of the batch it trains (`rollout_mismatch/*`, hybridflow.algos.mismatch:
+`old_log_probs` against the sampler's, or, clipping against the sampler, the update's first
+mini-batch before its optimizer step), and a rollout correction preset (algorithm.rollout_correction,
+hybridflow.algos.rollout_correction) weighs the update's tokens when π_old is recomputed. Step hooks
 (`trainer.training_hooks`, hybridflow/training/hooks.py, e.g. spike_recovery) run around the
 actor update, before the reference hooks and the weight sync: weights a hook loads into the
 actor are synced to the rollout at the end of the same step, so the next step generates with
@@ -25,10 +29,12 @@ from pathlib import Path
 import torch
 
 from hybridflow.algos import apply_kl_penalty, build_kl_controller, compute_advantages, masked_mean
-from hybridflow.algos.policy_loss import behavior_weights
+from hybridflow.algos.mismatch import mismatch_metrics
+from hybridflow.algos.rollout_correction import rollout_correction, token_band
 from hybridflow.algos.rewards import informative_groups, overlong_penalty, place_sequence_rewards
 from hybridflow.batch import Batch, from_json, to_json
 from hybridflow.batch_keys import clips_against_sampler, proximal_key, require
+from hybridflow import console
 from hybridflow.config.schema import HybridFlowConfig
 from hybridflow.controller import RoleSpec
 from hybridflow.data.loader import PromptLoader
@@ -116,14 +122,23 @@ class Step:
         self.n = config.rollout.samples_per_prompt
         self.clip_against_sampler = clips_against_sampler(config)
         self.proximal = proximal_key(self.clip_against_sampler)
-        self.weighted = uses_behavior_weights(config, self.proximal)
+        self.weighted = applied_correction(config, self.proximal) != "none"
+        a = config.algorithm
+        self.mismatch_band = token_band(a.rollout_correction, a.rollout_correction_cap, a.rollout_correction_low,
+                                        a.rollout_correction_high)
 
 
-def uses_behavior_weights(config: HybridFlowConfig, proximal: str) -> bool:
-    """Whether the step's tokens carry `behavior_weights`: a stale run whose update clips against
-    the actor's recomputed log-probs, with algorithm.behavior_is_cap > 0."""
-    return schedule_class(config.trainer.max_staleness).stale and proximal == "old_log_probs" and \
-        config.algorithm.behavior_is_cap > 0
+def applied_correction(config: HybridFlowConfig, proximal: str) -> str:
+    """The rollout correction preset the step's update applies (hybridflow.algos.rollout_correction):
+    none when the update clips against the sampler (π_old is μ itself); with algorithm.rollout_correction
+    =auto, token_tis on a stale run's batches (trainer.max_staleness > 0), none on a synchronous one;
+    else the preset chosen, on every batch."""
+    preset = config.algorithm.rollout_correction
+    if proximal != "old_log_probs":
+        return "none"
+    if preset == "auto":
+        return "token_tis" if schedule_class(config.trainer.max_staleness).stale else "none"
+    return preset
 
 
 class Batches:
@@ -325,7 +340,8 @@ def update(r: Step, step: int, samples: Batch, actor_learns: bool) -> dict[str, 
     if actor_learns:
         require(samples, [r.proximal, "advantages", *(["ref_log_probs"] if r.config.actor.kl_loss_coef else []),
                           *(["behavior_weights"] if r.weighted else [])], "actor.update_policy")
-        actor_metrics = r.actor.update_policy(samples, old_log_probs_key=r.proximal, weighted=r.weighted)[0]
+        actor_metrics = r.actor.update_policy(samples, old_log_probs_key=r.proximal, weighted=r.weighted,
+                                              mismatch_band=r.mismatch_band)[0]
     critic_metrics = critic_update.get()[0] if critic_update is not None else {}
     if actor_learns:  # step hooks first: a reference EMA then follows weights they loaded
         hook_metrics.update(r.hooks.after_update(step, {**reward_metrics(samples), **actor_metrics}, r.actor))
@@ -350,6 +366,12 @@ def step_metrics(r: Step, samples: Batch, trained_version: int, stale: bool, act
     elif not r.clip_against_sampler and not staleness.any():
         metrics["rollout/log_prob_diff"] = float(masked_mean(
             (samples["old_log_probs"] - samples["sampler_log_probs"]).abs(), loss_mask(samples)))
+    if not r.clip_against_sampler:  # π_old recomputed: on every batch; else the update measured it (rollout_mismatch/*)
+        mismatch = mismatch_metrics(
+            trainer_log_probs=samples["old_log_probs"], sampler_log_probs=samples["sampler_log_probs"],
+            response_mask=loss_mask(samples), band_low=r.mismatch_band[0], band_high=r.mismatch_band[1])
+        metrics.update({f"rollout_mismatch/{k}": v for k, v in mismatch.items()})
+    warn_mismatch(r.config, metrics)
     if "weights_wait_s" in samples:  # staged pushes: how long the rollout waited for the weights it needed
         metrics["async/rollout_weights_wait_s"] = float(samples["weights_wait_s"].max())
     if "token_versions" in samples:  # rollout.on_update=recompute: versions a sample's tokens span
@@ -362,6 +384,17 @@ def step_metrics(r: Step, samples: Batch, trained_version: int, stale: bool, act
                         "async/behavior_version_min": float(samples["behavior_version"].min()),
                         "async/trained_version": float(trained_version)})
     return metrics
+
+
+def warn_mismatch(config: HybridFlowConfig, metrics: dict[str, float]) -> None:
+    """A console line when the step's per-token KL(sampler ‖ trainer) passes algorithm.mismatch_warn_kl."""
+    threshold, kl = config.algorithm.mismatch_warn_kl, metrics.get("rollout_mismatch/k3_kl")
+    if threshold is not None and kl is not None and kl > threshold:
+        console.say(f"hybridflow: the sampler's log-probs are off the trainer's: KL {kl:.3g} per token (k3) > "
+                    f"algorithm.mismatch_warn_kl={threshold:g}; "
+                    f"{metrics['rollout_mismatch/outside_band_fraction']:.2%} of the tokens outside the ratio band, "
+                    f"largest |log-ratio| {metrics['rollout_mismatch/abs_diff_max']:.3g} (docs/algorithms.md "
+                    f"\"Rollout correction\")")
 
 
 def needs_greedy_baseline(config: HybridFlowConfig) -> bool:
@@ -398,8 +431,8 @@ def add_advantages(samples: Batch, config: HybridFlowConfig, kl_coef: float, pro
                    ) -> tuple[Batch, dict[str, float]]:
     """Token rewards (sequence reward on the last token, minus the KL penalty), then the
     configured advantage estimator. Adds `token_rewards`, `advantages`, `returns`, and when the
-    update clips against the actor's `old_log_probs` of a batch from an older policy
-    (trainer.max_staleness > 0, algorithm.behavior_is_cap > 0) `behavior_weights`.
+    update clips against the actor's `old_log_probs` and a rollout correction applies
+    (`applied_correction`) `behavior_weights`, with the correction's statistics (`rollout_correction/*`).
 
     Reads `sequence_rewards`, `loss_mask` (the sampled tokens: tool output gets no reward or
     advantage, and the estimators skip over it), `group_ids`, the `proximal` log-probs and
@@ -424,11 +457,13 @@ def add_advantages(samples: Batch, config: HybridFlowConfig, kl_coef: float, pro
         values=samples["values"] if a.use_critic else None, group_ids=samples["group_ids"],
         baseline_token_rewards=baseline_token_rewards, gamma=a.gamma, lam=a.lam)
     added = {"token_rewards": token_rewards, "advantages": advantages, "returns": returns}
-    if uses_behavior_weights(config, proximal):
-        added["behavior_weights"], is_stats = behavior_weights(
-            old_log_probs=samples["old_log_probs"], sampler_log_probs=samples["sampler_log_probs"],
-            response_mask=mask, cap=a.behavior_is_cap)
-        metrics.update({f"async/{k}": v for k, v in is_stats.items()})
+    preset = applied_correction(config, proximal)
+    if preset != "none":
+        added["behavior_weights"], correction_stats = rollout_correction(
+            preset, old_log_probs=samples["old_log_probs"], sampler_log_probs=samples["sampler_log_probs"],
+            response_mask=mask, cap=a.rollout_correction_cap, low=a.rollout_correction_low,
+            high=a.rollout_correction_high)
+        metrics.update({f"rollout_correction/{k}": v for k, v in correction_stats.items()})
     samples = samples.union(Batch(added))
     metrics.update({f"advantages/{k}": v for k, v in stats.items()})
     return samples, metrics

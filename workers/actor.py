@@ -26,6 +26,7 @@ from hybridflow.algos import (
     micro_batch_stat,
     vanishes_at_zero_advantage,
 )
+from hybridflow.algos.mismatch import MISMATCH_MAX_KEYS, mismatch_metrics
 from hybridflow.algos.preference import LENGTH_NORMALISED, compute_preference_loss
 from hybridflow.batch import Batch
 from hybridflow.config.schema import ActorConfig
@@ -71,6 +72,7 @@ class ActorWorker(TrainingStateMixin):
         self.model = self.optimizer = self.scheduler = None
         self.sender = None  # built by setup_weight_sender
         self.updates = 0
+        self._sampled = None  # update_policy against the sampler: its first mini-batch's log-probs, for the mismatch
 
     # ---- set-up ---------------------------------------------------------------------------
 
@@ -120,15 +122,32 @@ class ActorWorker(TrainingStateMixin):
     # ---- training ---------------------------------------------------------------------------
 
     @register(Dispatch.DP_SPLIT)
-    def update_policy(self, batch: Batch, old_log_probs_key: str = "old_log_probs", weighted: bool = False) -> dict:
+    def update_policy(self, batch: Batch, old_log_probs_key: str = "old_log_probs", weighted: bool = False,
+                      mismatch_band: tuple[float, float] | None = None) -> dict:
         """One step's policy update. Needs response tokens, the proximal log-probs (the column
         `old_log_probs_key`: the actor's `old_log_probs` or the `sampler_log_probs`), `advantages`,
         `ref_log_probs` when kl_loss_coef > 0 and, when `weighted`, `behavior_weights`
-        (hybridflow.batch_keys). Returns metrics averaged over ranks."""
+        (hybridflow.batch_keys). Returns metrics averaged over ranks.
+
+        Clipping against the sampler with a `mismatch_band`, the rollout–training mismatch of the first
+        mini-batch (`rollout_mismatch/*`, hybridflow.algos.mismatch): its log-probs before the optimizer
+        step, which are π_old's, against the sampler's, over the rows trained (as verl's bypass mode
+        reports its rollout-correction metrics from π_θ); maxima over ranks, the rest averaged."""
         start = time.perf_counter()
-        stats = self._train(batch, partial(self._policy_loss, old_key=old_log_probs_key, weighted=weighted))
+        self._sampled = [] if old_log_probs_key == "sampler_log_probs" and mismatch_band else None
+        after_first = partial(self._mismatch, mismatch_band) if self._sampled is not None else None
+        stats = self._train(batch, partial(self._policy_loss, old_key=old_log_probs_key, weighted=weighted),
+                            after_first_mini_batch=after_first)
         stats["timing/actor_update_s"] = time.perf_counter() - start
         return stats
+
+    def _mismatch(self, band: tuple[float, float]) -> dict[str, float]:
+        """`rollout_mismatch/*` of the log-probs `_policy_loss` kept (one rank's trained rows); stops keeping."""
+        log_probs, sampler, mask = (torch.cat(parts) for parts in zip(*self._sampled))
+        self._sampled = None
+        stats = mismatch_metrics(trainer_log_probs=log_probs, sampler_log_probs=sampler, response_mask=mask,
+                                 band_low=band[0], band_high=band[1])
+        return {f"rollout_mismatch/{k}": all_reduce_max(v) if k in MISMATCH_MAX_KEYS else v for k, v in stats.items()}
 
     @register(Dispatch.DP_SPLIT)
     def train_sft(self, batch: Batch) -> dict:
@@ -219,6 +238,8 @@ class ActorWorker(TrainingStateMixin):
             loss = loss - bonus
         stats["actor/entropy"] = masked_mean(entropy.detach(), mask)  # 0-dim tensors: read once per mini-batch
         stats["actor/log_prob_diff_from_old"] = masked_mean((log_probs.detach() - micro[old_key]).abs(), mask)
+        if self._sampled is not None:  # the first mini-batch's, for the mismatch (update_policy)
+            self._sampled.append((log_probs.detach(), micro["sampler_log_probs"], mask))
         if self.cfg.kl_loss_coef:
             kl, kl_stats = kl_loss(log_probs=log_probs, ref_log_probs=micro["ref_log_probs"], response_mask=mask,
                                    estimator=self.cfg.kl_loss_estimator, aggregation=self.cfg.loss_aggregation, **counts)
@@ -232,7 +253,11 @@ class ActorWorker(TrainingStateMixin):
         loss = aggregate_loss(nll, loss_mask(micro), "token-mean", global_token_count=tokens)
         return loss, {}  # the mini-batch loss is reported as actor/loss
 
-    def _train(self, batch: Batch, loss_fn, epochs: int | None = None, whole_batch: bool = False) -> dict:
+    def _train(self, batch: Batch, loss_fn, epochs: int | None = None, whole_batch: bool = False,
+               after_first_mini_batch=None) -> dict:
+        """`epochs` passes over `batch` in mini-batches of `actor.samples_per_mini_batch`, an optimizer step
+        each; the statistics averaged over mini-batches and ranks. `after_first_mini_batch()` returns
+        statistics of the first mini-batch alone, already combined over ranks."""
         self.model.train()
         batch = batch.to(self.ctx.device)
         world = self.ctx.world_size
@@ -240,12 +265,14 @@ class ActorWorker(TrainingStateMixin):
             self.cfg.samples_per_mini_batch // world
         generator = torch.Generator().manual_seed(self.seed * 100003 + self.updates)
         totals: dict[str, float] = {}
-        n_mini, first = 0, {}
+        n_mini, first, once = 0, {}, {}
         for _ in range(epochs or self.cfg.epochs_per_step):
             for mini in mini_batches(batch, rows_per_mini, generator):
                 mini_stats = self._train_mini_batch(mini, loss_fn, world)
                 for k, v in mini_stats.items():
                     totals[k] = totals.get(k, 0.0) + v
+                if not first and after_first_mini_batch is not None:
+                    once = after_first_mini_batch()
                 first = first or mini_stats
                 n_mini += 1
         self.scheduler.step()
@@ -254,7 +281,7 @@ class ActorWorker(TrainingStateMixin):
         if "actor/log_prob_diff_from_old" in first:  # the first mini-batch's, before any optimizer step:
             stats["log_prob_diff_before_update"] = first["actor/log_prob_diff_from_old"]  # the recipe's, no metric
         stats["actor/lr"] = self.scheduler.get_last_lr()[0]
-        return all_reduce_mean_dict(stats)
+        return {**all_reduce_mean_dict(stats), **once}
 
     def _train_mini_batch(self, mini: Batch, loss_fn, world: int) -> dict:
         mask = loss_mask(mini)

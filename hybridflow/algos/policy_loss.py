@@ -13,11 +13,12 @@ Every entry of `POLICY_LOSSES` has one keyword-only signature (see the registry)
             s_i ∇log π_t. The paper's objective averages over sequences: use it with
             aggregation="seq-mean-token-mean" (and its small clip ranges, ~3e-4 / 4e-4).
 
-Off-policy correction (trainer.max_staleness > 0, docs/async.md): when π_old is the actor's
-recomputed log-probs but the samples came from an older sampler policy μ, each token's clipped
-loss is multiplied by the truncated importance weight w_t = min(π_old(y_t)/μ(y_t), C)
-(`behavior_weights`; truncated IS as in Espeholt et al. 2018's V-trace and the decoupled PPO
-objective of Hilton et al. 2022). Without weights the losses are unchanged, bit for bit.
+Rollout correction (algorithm.rollout_correction, hybridflow.algos.rollout_correction): when π_old is
+the actor's recomputed log-probs and the samples came from the engine's policy μ (another precision,
+other kernels, or an older version), each token's clipped loss is multiplied by the preset's weight
+w_t (`behavior_weights`), e.g. the truncated importance weight min(π_old(y_t)/μ(y_t), C) (V-trace,
+Espeholt et al. 2018; the decoupled PPO objective of Hilton et al. 2022), or 0 where a mask drops the
+token. Without weights the losses are unchanged, bit for bit.
 
 Departure for stability: log-ratios are clamped to ±LOG_RATIO_BOUND before `exp`.
 """
@@ -73,25 +74,6 @@ def clipped_surrogate(
         dual_clipped = (advantages < 0) & (loss > bound)
         loss = torch.where(dual_clipped, bound, loss)
     return loss, clipped, dual_clipped
-
-
-def behavior_weights(*, old_log_probs: torch.Tensor, sampler_log_probs: torch.Tensor, response_mask: torch.Tensor,
-                     cap: float) -> tuple[torch.Tensor, dict[str, float]]:
-    """w = min(exp(old - sampler), cap) per token, 0 where `response_mask` is False; detached.
-
-    (B, T) in and out; `response_mask` True on trained tokens. `old` is the proximal policy π_old
-    (the actor before this update), `sampler` the behaviour policy μ that generated the tokens,
-    so w = π_old/μ corrects the clipped objective's expectation from μ to π_old, truncated at
-    `cap` against variance. Stats: the mean weight and the fraction of tokens at the cap."""
-    check_mask(response_mask, old_log_probs)
-    log_ratio = (old_log_probs - sampler_log_probs).detach().clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND)
-    ratio = torch.exp(log_ratio)
-    weights = torch.where(response_mask, ratio.clamp(max=cap), torch.zeros_like(ratio))
-    stats = {"is_weight_mean": float(masked_mean(weights, response_mask)),
-             "is_clipped_frac": float(masked_mean((ratio > cap).float(), response_mask)),
-             # KL(μ || π_old) per token with the k3 estimator, samples from μ: (r - 1) - log r
-             "behavior_kl": float(masked_mean(torch.expm1(log_ratio) - log_ratio, response_mask))}
-    return weights, stats
 
 
 def _finish(loss_mat, log_ratio, clipped, dual_clipped, mask, aggregation, global_token_count,

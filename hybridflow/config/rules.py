@@ -44,6 +44,7 @@ def check_config(config: HybridFlowConfig, plan: Plan | None = None) -> HybridFl
     unserved = adapter_unserved(config) if config.weight_sync.lora == "adapter" else ""
     require(not unserved, "weight_sync.lora", config.weight_sync.lora,
             f"{unserved}: set weight_sync.lora=folded (or auto, which chooses it here)")
+    check_local_backend(config)
     if recipe_spec(config.recipe.name).pipeline:
         return config  # its stages compose their own configs, each checked by these rules (recipes/pipeline.py)
     if plan is None:
@@ -60,8 +61,32 @@ def check_config(config: HybridFlowConfig, plan: Plan | None = None) -> HybridFl
     check_step_split(config, plan)
     check_hooks(config)
     check_algorithm_needs(config)
+    check_rollout_correction(config)
     check_async(config, plan)
     return config
+
+
+def check_local_backend(config: HybridFlowConfig) -> None:
+    """placement.backend=local runs the driver and every role in one process on one device: refuse
+    what needs more (pools, devices, a cluster, processes to kill or hang), naming the fix."""
+    p = config.placement
+    if not p.one_process:
+        return
+    fix = "use placement=local (one pool of one device), or placement.backend=ray"
+    require(len(p.pools) == 1, "placement.pools", sorted(p.pools),
+            f"placement.backend=local runs one process on one device, so one pool: {fix}")
+    (name, pool), = p.pools.items()
+    require(pool.nodes == 1 and pool.devices_per_node == 1, f"placement.pools.{name}", f"{pool.nodes} node(s) x "
+            f"{pool.devices_per_node} device(s)", f"placement.backend=local runs on one device: set "
+            f"placement.pools.{name}.devices_per_node=1 and nodes=1 ({fix})")
+    require(not p.planner.auto, "placement.planner.auto", True,
+            "placement=auto plans pools over a Ray cluster; placement.backend=local has one process on one device: "
+            "use placement=local")
+    require(config.ray.address is None, "ray.address", config.ray.address,
+            "placement.backend=local joins no cluster: unset ray.address, or use placement.backend=ray")
+    faults = [f"{f.kind} of {f.role}" for f in config.trainer.fault_injection if f.kind in ("kill", "hang")]
+    require(not faults, "trainer.fault_injection", faults, "a fault that kills or hangs a worker process would "
+            "kill or hang the one process of placement.backend=local: use placement.backend=ray for them")
 
 
 def check_registered_names(config: HybridFlowConfig) -> None:
@@ -94,8 +119,18 @@ def check_registered_names(config: HybridFlowConfig) -> None:
     require(not schedule_class(t.max_staleness).stale or t.old_log_probs != "auto", "trainer.old_log_probs",
             t.old_log_probs,
             f"trainer.max_staleness={t.max_staleness} trains on samples from an older policy: choose the "
-            "correction, trainer.old_log_probs=actor (recomputed, with algorithm.behavior_is_cap) or "
+            "correction, trainer.old_log_probs=actor (recomputed, with algorithm.rollout_correction) or "
             "trainer.old_log_probs=sampler (clip against the sampler)")
+
+
+def check_rollout_correction(config: HybridFlowConfig) -> None:
+    """A rollout correction preset compares the sampler's log-probs with the actor's recomputed π_old: a run
+    that clips against the sampler has no π_old of its own to correct towards."""
+    preset, t = config.algorithm.rollout_correction, config.trainer
+    require(preset in ("auto", "none") or t.old_log_probs != "sampler", "algorithm.rollout_correction", preset,
+            "corrects from the sampler's log-probs to the actor's recomputed π_old, and trainer.old_log_probs=sampler "
+            "clips against the sampler itself (nothing to correct): set trainer.old_log_probs=actor (or auto), or "
+            "algorithm.rollout_correction=none")
 
 
 def check_rollout_engine(config: HybridFlowConfig) -> None:
@@ -250,8 +285,6 @@ def check_async(config: HybridFlowConfig, plan: Plan) -> None:
 
     d, rollout = config.trainer.max_staleness, config.rollout
     schedule = schedule_class(d)
-    require(config.algorithm.behavior_is_cap >= 0, "algorithm.behavior_is_cap", config.algorithm.behavior_is_cap,
-            "must be >= 0 (0: no importance weight)")
     require(rollout.on_update == "finish" or schedule.stages_weights, "rollout.on_update", rollout.on_update,
             f"weights land while requests run only when pushes are staged, with trainer.max_staleness >= 2 (it is "
             f"{d}, the {schedule.name} schedule): use rollout.on_update=finish, or raise trainer.max_staleness")

@@ -99,9 +99,17 @@ class PlannerConfig:
     cost_model: str = "analytical"  # a registered cost model (hybridflow.planning.cost.COST_MODELS)
 
 
+PLACEMENT_BACKENDS = ("ray", "local")  # placement.backend
+ONE_PROCESS_BACKENDS = frozenset({"local"})  # hybridflow/controller/local.py
+
+
 @dataclass
 class PlacementConfig:
     device: DeviceKind = DeviceKind.auto
+    # ray: worker processes placed through Ray (the default, and the only way past one device); local:
+    # the driver and every role in one process on one device, no Ray (hybridflow/controller/local.py;
+    # conf/placement/local.yaml; what one process cannot do is refused before start)
+    backend: str = "ray"
     # name -> PoolConfig. Typed as Any so that a pool can be added from the command line
     # (`+placement.pools.gen={devices_per_node:1}`: OmegaConf refuses a new entry of a typed dict);
     # each entry is checked and turned into a PoolConfig in __post_init__.
@@ -125,6 +133,8 @@ class PlacementConfig:
     planner: PlannerConfig = field(default_factory=PlannerConfig)
 
     def __post_init__(self) -> None:
+        _require(self.backend in PLACEMENT_BACKENDS, "placement.backend", self.backend,
+                 f"one of {list(PLACEMENT_BACKENDS)} (local: one process on one device, no Ray)")
         _require(bool(self.pools), "placement.pools", self.pools, "define at least one pool")
         self.pools = {name: _pool(name, p) for name, p in self.pools.items()}
         for role, pool in self.roles.items():
@@ -134,6 +144,11 @@ class PlacementConfig:
         _require(self.node_wait_s >= 0, "placement.node_wait_s", self.node_wait_s, "must be >= 0")
         _require(self.gpu_memory_gib is None or self.gpu_memory_gib > 0, "placement.gpu_memory_gib",
                  self.gpu_memory_gib, "must be > 0 (GiB of one GPU), or null to read this machine's")
+
+    @property
+    def one_process(self) -> bool:
+        """placement.backend=local: the driver and every role in this one process (no Ray)."""
+        return self.backend in ONE_PROCESS_BACKENDS
 
 
 def model_heads(model: "ModelConfig") -> tuple[int, int]:
@@ -350,6 +365,9 @@ class WeightSyncConfig:
 
 
 DYNAMIC_SAMPLING_METRICS = ("accuracy", "reward", "shaped_reward")  # algorithm.dynamic_sampling_metric
+# algorithm.rollout_correction: auto and hybridflow.algos.rollout_correction's presets (the schema imports
+# no runtime module; tests/unit/test_rollout_mismatch.py checks the two lists agree)
+ROLLOUT_CORRECTION_PRESETS = ("auto", "none", "token_tis", "seq_tis", "token_mis", "seq_mis", "geo_mask", "icepop")
 
 
 @dataclass
@@ -364,9 +382,22 @@ class AlgorithmConfig:
     kl_controller: str = "fixed"  # fixed | adaptive (starts at kl_penalty_coef, which must then be > 0)
     kl_target: float = 0.1  # adaptive controller's target KL per sequence
     kl_horizon: int = 10000  # adaptive controller's horizon, in samples
-    # Off-policy correction when trainer.old_log_probs=actor: the clipped loss of each token is
-    # weighted by min(π_old / π_sampler, C) (truncated importance sampling); 0: no weight.
-    behavior_is_cap: float = 2.0
+    # Rollout correction (docs/algorithms.md "Rollout correction"): how the update corrects for sampling
+    # from the engine's policy μ instead of π_old. auto: token_tis on batches from an older policy whose
+    # π_old the actor recomputes (trainer.old_log_probs=actor), nothing otherwise; none, token_tis,
+    # seq_tis, token_mis, seq_mis, geo_mask, icepop: on every batch, fresh or stale (the actor then
+    # recomputes π_old: trainer.old_log_probs=auto chooses actor, =sampler is refused)
+    rollout_correction: str = "auto"
+    rollout_correction_cap: float = 2.0  # C of token_tis and seq_tis (and auto): the weight is min(ratio, C)
+    # the ratio band [low, high] outside which token_mis, seq_mis, geo_mask and icepop mask; null: the
+    # preset's own (token_mis, seq_mis [0.5, 2]; geo_mask [0.999, 1.001]; icepop [0.5, 5])
+    rollout_correction_low: Optional[float] = None
+    rollout_correction_high: Optional[float] = None
+    # Folded into rollout_correction_cap; kept only to name the fix when a config still sets it.
+    behavior_is_cap: Optional[float] = None
+    # A console line when a step's per-token KL(sampler ‖ trainer) (k3, `rollout_mismatch/k3_kl`) is
+    # above this; null: no line
+    mismatch_warn_kl: Optional[float] = None
     # DAPO's dynamic sampling (docs/algorithms.md "Dynamic sampling"): a group whose samples' rewards all
     # agree is dropped and more prompts are generated, up to this many extra rounds per step, so the
     # step trains on trainer.prompts_per_step groups that carry a signal (0: off)
@@ -411,10 +442,32 @@ class AlgorithmConfig:
         _require(self.overlong_buffer_tokens >= 0, "algorithm.overlong_buffer_tokens", self.overlong_buffer_tokens,
                  "must be >= 0 (0: off)")
         _require(self.overlong_penalty >= 0, "algorithm.overlong_penalty", self.overlong_penalty, "must be >= 0")
+        self._check_rollout_correction()
         _require(self.kl_target > 0, "algorithm.kl_target", self.kl_target,
                  "must be > 0 (the adaptive controller's target KL per sequence)")
         _require(self.kl_horizon > 0, "algorithm.kl_horizon", self.kl_horizon,
                  "must be > 0 (the adaptive controller's horizon in samples; Ziegler et al. use 10000)")
+
+    def _check_rollout_correction(self) -> None:
+        preset, low, high = self.rollout_correction, self.rollout_correction_low, self.rollout_correction_high
+        _require(self.behavior_is_cap is None, "algorithm.behavior_is_cap", self.behavior_is_cap,
+                 "was folded into algorithm.rollout_correction (docs/algorithms.md \"Rollout correction\"): set "
+                 "algorithm.rollout_correction_cap to the same cap (rollout_correction=auto applies it to stale "
+                 "batches, as behavior_is_cap did), or algorithm.rollout_correction=none for no weight (cap 0)")
+        _require(preset in ROLLOUT_CORRECTION_PRESETS, "algorithm.rollout_correction", preset,
+                 f"must be one of {list(ROLLOUT_CORRECTION_PRESETS)}")
+        _require(self.rollout_correction_cap >= 1, "algorithm.rollout_correction_cap", self.rollout_correction_cap,
+                 "must be >= 1 (a weight capped below 1 would shrink every token whose ratio is 1)")
+        masks = preset in ("token_mis", "seq_mis", "geo_mask", "icepop")
+        for key, value in (("algorithm.rollout_correction_low", low), ("algorithm.rollout_correction_high", high)):
+            _require(value is None or masks, key, value, f"only token_mis, seq_mis, geo_mask and icepop read a band, "
+                     f"and algorithm.rollout_correction={preset}: drop the key, or choose one of them")
+        _require(low is None or 0 < low <= 1, "algorithm.rollout_correction_low", low,
+                 "must be in (0, 1]: the band must hold ratio 1 (the sampler agreeing with the trainer)")
+        _require(high is None or high >= 1, "algorithm.rollout_correction_high", high,
+                 "must be >= 1: the band must hold ratio 1 (the sampler agreeing with the trainer)")
+        _require(self.mismatch_warn_kl is None or self.mismatch_warn_kl > 0, "algorithm.mismatch_warn_kl",
+                 self.mismatch_warn_kl, "must be > 0 (a per-token KL, e.g. 0.001), or null for no console line")
 
 
 @dataclass
@@ -571,8 +624,9 @@ class TrainerConfig:
     # N >= 2: up to N batches in flight, new weights received while the rollout generates.
     max_staleness: int = 0
     # What the update clips against (π_old): 'auto' (at max_staleness 0: the sampler's log-probs
-    # when on-policy, see use_sampler_log_probs, else the actor's), 'actor' (recomputed by the
-    # actor, with algorithm.behavior_is_cap correcting for the sampler) or 'sampler'.
+    # when on-policy, see use_sampler_log_probs, and no algorithm.rollout_correction preset is chosen;
+    # else the actor's), 'actor' (recomputed by the actor, with algorithm.rollout_correction
+    # correcting for the sampler) or 'sampler'.
     old_log_probs: str = "auto"
     # Engine parity (docs/recipes.md#engine-parity): on the first batch, before any update, the
     # sampler's and the actor's log-probs of the same tokens (`rollout/log_prob_diff`) must agree

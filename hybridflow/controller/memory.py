@@ -109,14 +109,18 @@ def pool_memory_metrics(groups: dict) -> dict[str, float]:
     `memory/<pool>_rss_gib` (the largest resident set now) and, on GPUs, `memory/<pool>_device_peak_gib`,
     for every pool of `groups` (role -> WorkerGroup; roles sharing a pool share its processes)."""
     pools: dict[str, object] = {}
+    local = {}  # placement.backend=local: the one process, read here
     for group in groups.values():
         if group is not None and group.pool is not None:
             pools.setdefault(group.pool.spec.name, group)
+        elif group is not None:
+            local.setdefault(group.name.split(":")[0], group)
     calls = {name: [h.memory.options(concurrency_group=MONITOR_LANE).remote() for h in group.hosts]
              for name, group in pools.items()}
     out = {}
-    for name, refs in calls.items():
-        reads = _answers(refs)
+    reads_by_pool = {name: [read_and_reset(g.hosts[0].device == "cuda")] for name, g in local.items()}
+    reads_by_pool.update({name: _answers(refs) for name, refs in calls.items()})
+    for name, reads in reads_by_pool.items():
         if not reads:
             continue
         out[f"memory/{name}_peak_gib"] = max(r["rss_peak_bytes"] for r in reads) / GIB

@@ -13,9 +13,10 @@ itself alone, from what is free now.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import ray
-from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
+if TYPE_CHECKING:  # Ray is imported where a pool is reserved: specs and plans need none
+    from ray.util.placement_group import PlacementGroup
 
 NODE_ID_LABEL = "ray.io/node-id"
 
@@ -75,6 +76,9 @@ class ResourcePool:
         """Reserve the pool's bundles; raises naming the pool if the cluster cannot hold it."""
         if self._groups:
             return self
+        import ray
+        from ray.util.placement_group import placement_group
+
         nodes = self.node_ids or self._pick_nodes()
         for i, node_id in enumerate(nodes):
             bundles = [self.spec.bundle() for _ in range(self.spec.devices_per_node)]
@@ -113,6 +117,8 @@ class ResourcePool:
         return slots
 
     def remove(self) -> None:
+        from ray.util.placement_group import remove_placement_group
+
         for pg, _ in self._groups:
             remove_placement_group(pg)
         self._groups = []

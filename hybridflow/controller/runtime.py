@@ -15,8 +15,6 @@ from __future__ import annotations
 import logging
 import os
 
-import ray
-
 log = logging.getLogger(__name__)
 
 
@@ -56,6 +54,8 @@ def connect(*, address: str | None, num_cpus: int | None, dashboard: bool, dashb
     `log_to_driver=False` (hybridflow.console, a quiet run): Ray neither forwards the workers'
     output to the driver's console nor gives its own logger a console handler; its messages go
     where the driver's root logger sends them (the run's logs/driver.log)."""
+    import ray
+
     if ray.is_initialized():
         return "already connected"
     if not log_to_driver:

@@ -12,6 +12,11 @@ object store, never through the controller.
 Failures: every rank's result is awaited with `ray.wait`, so the first rank that raises is
 reported at once as a `WorkerError` naming the class, method and rank, with the remote
 traceback, even while the other ranks are still blocked in a collective waiting for it.
+
+The one-process backend (placement.backend=local, hybridflow/controller/local.py) builds the same
+groups over a `LocalHost` in the driver's process: calls run when submitted, their results or
+errors wait in a `LocalRef` until awaited, and nothing here imports Ray on that path (Ray is
+imported where a Ray host, ref or pool is first met).
 """
 
 from __future__ import annotations
@@ -24,11 +29,7 @@ import time
 import traceback
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Sequence
-
-import ray
-from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
-from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+from typing import TYPE_CHECKING, Any, Sequence
 
 from hybridflow.batch import Batch
 from hybridflow.controller.memory import MONITOR_LANE, cpu_kernel_cache_env, memory_kill
@@ -36,7 +37,15 @@ from hybridflow.controller import deadlines
 from hybridflow.controller.context import RoleSpec, WorkerContext
 from hybridflow.controller.decorators import Dispatch, Execute, MethodSpec, lanes, registered_methods
 from hybridflow.controller.errors import WorkerError, WorkerGroupBroken
-from hybridflow.controller.pools import CoreLedger, ResourcePool
+if TYPE_CHECKING:
+    import ray
+
+    from hybridflow.controller.pools import CoreLedger, ResourcePool
+
+
+def is_local(obj: Any) -> bool:
+    """A host or result of the one-process backend (hybridflow/controller/local.py), which marks them."""
+    return getattr(obj, "one_process", False)
 
 
 class WorkerHost:
@@ -66,6 +75,8 @@ class WorkerHost:
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
             s.bind(("", 0))
             port = s.getsockname()[1]
+        import ray
+
         return ray.util.get_node_ip_address(), port
 
     def setup(self, master_addr: str, master_port: int, collective_timeout_s: float,
@@ -124,18 +135,28 @@ class WorkerHost:
 # ---- moving futures between groups without the controller ------------------------------------
 
 
-@ray.remote(num_cpus=0)
 def _gather(dispatch: Dispatch, pad: int, *parts: Any) -> Any:
     return _collect(dispatch, list(parts), pad)
 
 
-@ray.remote(num_cpus=0)
 def _gather_and_split(dispatch: Dispatch, pad: int, ranks: int, *parts: Any) -> tuple:
     batch = _collect(dispatch, list(parts), pad)
     if not isinstance(batch, Batch):
         raise TypeError(f"a data-parallel call needs a Batch argument, the future holds {type(batch).__name__}")
     padded, new_pad = batch.pad_to_multiple(ranks)
     return (*padded.chunk(ranks), new_pad)
+
+
+_TASKS: dict = {}
+
+
+def _ray_task(fn):
+    """`fn` as a Ray task (made on first use: the local backend never imports Ray)."""
+    if fn not in _TASKS:
+        import ray
+
+        _TASKS[fn] = ray.remote(num_cpus=0)(fn)
+    return _TASKS[fn]
 
 
 def _collect(dispatch: Dispatch, results: list[Any], pad: int) -> Any:
@@ -160,7 +181,13 @@ class GroupFuture:
 
     def collect(self, results: list) -> Any:
         """The call's result from every rank's result (in rank order)."""
-        pad = ray.get(self.pad) if isinstance(self.pad, ray.ObjectRef) else self.pad
+        pad = self.pad
+        if is_local(pad):
+            pad = pad.get()
+        elif not isinstance(pad, int):  # a Ray object reference, from a gather in the cluster
+            import ray
+
+            pad = ray.get(pad)
         if self.spec.execute is Execute.RANK_ZERO:
             return results[0]
         if self.spec.dispatch is Dispatch.DP_SPLIT:
@@ -176,14 +203,20 @@ class GroupFuture:
         """One reference to the gathered result (gathered in the cluster, not the controller)."""
         if self.spec.execute is Execute.RANK_ZERO or self.spec.dispatch is Dispatch.RANK_ZERO:
             return self.refs[0]
-        return _gather.remote(self.spec.dispatch, self.pad, *self._data_refs())
+        if is_local(self.refs[0]):
+            return type(self.refs[0]).of(_gather, self.spec.dispatch, self.pad, *self._data_refs())
+        return _ray_task(_gather).remote(self.spec.dispatch, self.pad, *self._data_refs())
 
     def split_refs(self, ranks: int) -> tuple[list[ray.ObjectRef], int | ray.ObjectRef]:
         """`ranks` references to equal chunks of the gathered Batch, and the pad they carry."""
         refs = self._data_refs()
         if self.spec.dispatch is Dispatch.DP_SPLIT and len(refs) == ranks:
             return list(refs), self.pad
-        out = _gather_and_split.options(num_returns=ranks + 1).remote(self.spec.dispatch, self.pad, ranks, *refs)
+        if is_local(refs[0]):
+            out = type(refs[0]).of(_gather_and_split, self.spec.dispatch, self.pad, ranks, *refs).parts(ranks + 1)
+        else:
+            out = _ray_task(_gather_and_split).options(num_returns=ranks + 1).remote(
+                self.spec.dispatch, self.pad, ranks, *refs)
         return list(out[:ranks]), out[ranks]
 
 
@@ -233,6 +266,9 @@ class WorkerGroup:
             raise WorkerGroupBroken(f"worker group {self.name!r} failed earlier ({self._broken}); start a new one")
         ranks = [0] if spec.execute is Execute.RANK_ZERO else list(range(self.world_size))
         per_rank, pad = _split_arguments(spec.dispatch, self.world_size, args, kwargs, self.replica_size)
+        if is_local(self.hosts[0]):  # one process: the call runs now, its result waits to be awaited
+            refs = [self.hosts[r].submit(self.role, method, *per_rank[r][0], **per_rank[r][1]) for r in ranks]
+            return GroupFuture(self, method, spec, refs, ranks, pad)
         call = (lambda h: h.call.options(concurrency_group=spec.lane)) if spec.lane else (lambda h: h.call)
         refs = [call(self.hosts[r]).remote(self.role, method, *per_rank[r][0], **per_rank[r][1]) for r in ranks]
         return GroupFuture(self, method, spec, refs, ranks, pad)
@@ -242,6 +278,15 @@ class WorkerGroup:
         return _await([(self, method, ref, rank) for ref, rank in zip(refs, ranks)], timeout_s)
 
     def _get_one(self, method: str, ref: ray.ObjectRef, rank: int) -> Any:
+        if is_local(ref):
+            try:
+                return ref.get()
+            except WorkerError as error:
+                self._broken = f"{error.worker_class}.{error.method} on rank {error.rank}"
+                raise
+        import ray
+        from ray.exceptions import RayActorError, RayTaskError
+
         try:
             return ray.get(ref)
         except RayTaskError as exc:
@@ -260,7 +305,15 @@ class WorkerGroup:
         return [info["node_id"] for info in self.infos]
 
     def shutdown(self) -> None:
-        """Kill this group's processes (shared with colocated roles) and release its pool."""
+        """Kill this group's processes (shared with colocated roles) and release its pool; one process:
+        free its workers' models (hybridflow/controller/local.py)."""
+        if is_local(self.hosts[0]):
+            for host in self.hosts:
+                host.teardown()
+            self._broken = "shut down"
+            return
+        import ray
+
         for host in self.hosts:
             ray.kill(host, no_restart=True)
         if self.pool is not None:
@@ -345,6 +398,9 @@ def spawn_workers(
     (`pin_threads`)."""
     if not roles:
         raise ValueError("spawn_workers needs at least one role")
+    import ray
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
     name = name or f"{pool.spec.name}:{'+'.join(roles)}"
     slots = pool.create().slots()
     spec = pool.spec
@@ -406,6 +462,11 @@ def wait_all(futures: list[GroupFuture], timeout_s: float | None = None) -> list
     (`hybridflow.controller.deadlines`).
     """
     calls = [(f.group, f.method, ref, rank) for f in futures for ref, rank in zip(f.refs, f.ranks)]
+    if all(is_local(ref) for _, _, ref, _ in calls):  # one process: every call has finished
+        results = [group._get_one(method, ref, rank) for group, method, ref, rank in calls]
+        return _collected(futures, results)
+    from ray.exceptions import GetTimeoutError
+
     bound = deadlines.earliest([deadlines.caller(timeout_s) if timeout_s is not None else None,
                                 deadlines.current(), *(f.deadline for f in futures)])
     try:
@@ -414,6 +475,10 @@ def wait_all(futures: list[GroupFuture], timeout_s: float | None = None) -> list
         if bound is None or bound.by_caller:
             raise
         raise deadlines.overrun(bound.stage, bound.timeout_s, str(exc)) from None
+    return _collected(futures, results)
+
+
+def _collected(futures: list[GroupFuture], results: list) -> list:
     out, start = [], 0
     for f in futures:
         out.append(f.collect(results[start:start + len(f.refs)]))
@@ -425,6 +490,9 @@ def _await(calls: list[tuple[WorkerGroup, str, ray.ObjectRef, int]], timeout_s: 
            named_s: float | None = None) -> list:
     """Each (group, method, ref, rank)'s result, in order; the first failure raises at once.
     Past `timeout_s` the error says `named_s` (the whole deadline, when part of it has passed)."""
+    import ray
+    from ray.exceptions import GetTimeoutError
+
     position = {ref: i for i, (_, _, ref, _) in enumerate(calls)}
     results: list[Any] = [None] * len(calls)
     pending = list(position)

@@ -27,6 +27,11 @@ def register_local(group_name: str, receiver: "Receiver") -> None:
     _LOCAL[group_name] = receiver
 
 
+def forget_local(group_name: str) -> None:
+    """Drop the receiver registered for `group_name` (a one-process stage's teardown frees its engine)."""
+    _LOCAL.pop(group_name, None)
+
+
 def local_receiver(group_name: str) -> "Receiver":
     receiver = _LOCAL.get(group_name)
     if receiver is None:

@@ -83,7 +83,7 @@ class WeightSync:
             engine_probes = self._engine_probes() if due else None
             yield
         if due:
-            self.probed = self._compare_probes(engine_probes)
+            self.probed = self._compare_probes(engine_probes, deferred=True)
 
     def handover_seconds(self) -> dict[str, float]:
         """The last `generating`'s device memory steps, each timed (the transport's), and the probe
@@ -164,8 +164,9 @@ class WeightSync:
         """Each rollout rank's greedy tokens and their log-probs on the probe prompts (it generates)."""
         return self._wait([self.rollout.probe_log_probs.remote(PROBE_PROMPTS, PROBE_NEW_TOKENS)], "the probe")[0]
 
-    def _compare_probes(self, probes: list) -> dict[str, float]:
-        """The engine's probe log-probs against the actor's on the same tokens, worst rank first."""
+    def _compare_probes(self, probes: list, deferred: bool = False) -> dict[str, float]:
+        """The engine's probe log-probs against the actor's on the same tokens, worst rank first
+        (`deferred`: after generation, the engine asleep again)."""
         worst, actor_lp = None, {}
         tolerance = self.cfg.probe_tolerance or PROBE_TOLERANCE
         for rank, (tokens, rollout_lp) in enumerate(probes):
@@ -174,12 +175,13 @@ class WeightSync:
                 actor_lp[key] = self.actor.probe_log_probs(PROBE_PROMPTS, [list(t) for t in tokens])[0]
             stats = gap_statistics(rollout_lp - actor_lp[key])
             if not probe_passes(stats, tolerance):
-                self._probe_failed(rank, stats, tolerance, len(rollout_lp))
+                self._probe_failed(rank, stats, tolerance, len(rollout_lp), deferred)
             worst = stats if worst is None or stats["mean"] > worst["mean"] else worst
         return {"weight_sync/probe_log_prob_gap": worst["max"], "weight_sync/probe_log_prob_gap_mean": worst["mean"],
                 "weight_sync/probe_log_prob_gap_q90": worst["q90"]}
 
-    def _probe_failed(self, rank: int, stats: dict[str, float], tolerance: float, tokens: int) -> None:
+    def _probe_failed(self, rank: int, stats: dict[str, float], tolerance: float, tokens: int,
+                      deferred: bool = False) -> None:
         """Raise, saying which question failed: does the engine hold the actor's weights (exact,
         the checksums, run now when the engine can show its weights), or do the two engines compute
         the same model (the probe's statistic, which rounding in 16 bits moves)."""
@@ -193,7 +195,8 @@ class WeightSync:
                 "different models at this precision. Set weight_sync.checksum_every_steps=1 to compare every "
                 "tensor exactly: if they match, the gap is the engines' arithmetic (raise weight_sync.probe_tolerance "
                 f"above {stats['mean']:.3g}, or compute in float32: model.dtype=float32 rollout.dtype=float32)")
-        self._wait([self.rollout.wake_up.remote(["weights"])], "waking the engine's weights")  # a deferred probe's
+        if deferred:  # the engine slept again after generating: its weights back to read their checksums
+            self._wait([self.rollout.wake_up.remote(["weights"])], "waking the engine's weights")
         self.verify_checksums()  # raises naming the tensors when the weights differ
         raise WeightSyncError(
             f"{found}, although the engine holds exactly the actor's weights (every tensor's checksum matches): "

@@ -33,6 +33,8 @@ ONE_RANK = "placement.pools.global.devices_per_node=1"
 STEP_KEYS = ["reward/score", "reward/accuracy", "actor/entropy", "clip_fraction", "response/length_mean",
              "perf/tokens_per_s", "timing/weight_sync_s", "weight_sync/seconds", "rollout/log_prob_diff",
              "timing/generate_s", "timing/update_s"]
+MISMATCH = [f"rollout_mismatch/{k}" for k in ("abs_diff_mean", "abs_diff_max", "outside_band_fraction", "k1_kl",
+                                              "k3_kl", "seq_log_ratio_mean", "seq_log_ratio_abs_max")]
 REWARD_FILE = '''
 def score(response, ground_truth, data_source):
     """Exact match, plus extras: the response length in characters, and a score that varies within
@@ -176,10 +178,19 @@ def test_grpo_learns_what_its_reward_asks_for(tmp_path):
     # the engine's KV cache (1 GiB, rollout.kv_cache_space_gib), and the resident set at the end is below it
     for row in rows:  # 1.86 and 1.79 GiB here
         assert row["memory/global_peak_gib"] >= 1.0 and 0 < row["memory/global_rss_gib"] <= row["memory/global_peak_gib"]
+    # the rollout-training mismatch of every step's batch (issue 73), clipping against the sampler: the
+    # update's first mini-batch before its optimizer step against the engine's log-probs, fp32 both
+    for row in rows:
+        assert set(MISMATCH) <= set(row), row
+        assert row["rollout_mismatch/abs_diff_max"] < 1e-3 and row["rollout_mismatch/k3_kl"] < 1e-6, row
+        assert row["rollout_mismatch/outside_band_fraction"] == 0.0 and "rollout_correction/weight_mean" not in row
 
 
 def test_ppo_with_critic_warmup_kl_penalty_and_a_reference_reset_hook(tmp_path):
+    # algorithm.rollout_correction=icepop: the actor recomputes π_old (trainer.old_log_probs=auto chooses it)
+    # and ICEPOP weighs every fresh batch's tokens (issue 73)
     result = hybridflow(["recipe=ppo", "trainer.total_steps=4", "trainer.critic_warmup_steps=1",
+                         "algorithm.rollout_correction=icepop",
                          "algorithm.kl_penalty_coef=0.05", "trainer.export_hf=false", "actor.optim.lr=1e-3",
                          "trainer.training_hooks=[{name:reference_reset,params:{every_steps:3}}]", ONE_RANK], tmp_path, "ppo")
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
@@ -193,6 +204,12 @@ def test_ppo_with_critic_warmup_kl_penalty_and_a_reference_reset_hook(tmp_path):
     assert abs(kl[2]) > 1e-6  # step 3: the actor moved away from the reference at step 2
     assert [r["hooks/applied"] for r in rows[1:]] == [0.0, 1.0, 0.0]
     assert kl[3] == pytest.approx(0.0, abs=1e-5)  # step 4: the reference was reset to the actor after step 3
+    for row in rows:  # the mismatch of each batch trained, π_old recomputed: the critic's warm-up step too
+        assert set(MISMATCH) <= set(row), row
+        assert 0 <= row["rollout_mismatch/abs_diff_mean"] <= row["rollout_mismatch/abs_diff_max"] < 1e-3, row
+        assert abs(row["rollout_mismatch/seq_log_ratio_mean"]) <= row["rollout_mismatch/seq_log_ratio_abs_max"] < 1e-2
+        # fp32 sampler and actor agree: ICEPOP's band [0.5, 5] masks nothing and every weight is 1
+        assert row["rollout_correction/masked_fraction"] == 0.0 and row["rollout_correction/weight_mean"] == 1.0
 
 
 RESUMABLE = ["recipe=grpo", "trainer.total_steps=3", "trainer.save_every_steps=1", "trainer.val_every_steps=2",

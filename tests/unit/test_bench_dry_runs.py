@@ -42,10 +42,11 @@ def test_the_gpu_check_runs_on_the_cpu_without_ray_or_vllm(tmp_path):
     code = ("import runpy, sys; sys.modules['ray'] = sys.modules['vllm'] = None; "
             f"sys.argv = ['gpu_check.py', '--dry-run', '--out', {str(out)!r}]; "
             "runpy.run_path('bench/gpu_check.py', run_name='__main__')")
-    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     report = json.loads(out.read_text())
-    parts = ["packed_attention", "reference_and_critic", "training", "offload", "sync", "handover_tiny", "speed_tiny"]
+    parts = ["packed_attention", "reference_and_critic", "training", "offload", "sync", "handover_tiny", "speed_tiny",
+             "product"]
     assert [p for p in parts if "error" in report[p]] == [], {p: report[p].get("error") for p in parts}
     assert report["training"]["first_param_changed"] and report["reference_and_critic"]["critic_values_changed"]
     assert report["offload"]["log_probs_equal_after_reload"]
@@ -66,6 +67,12 @@ def test_the_gpu_check_runs_on_the_cpu_without_ray_or_vllm(tmp_path):
     assert speed["ratio_packed_update_s"] == speed["ours_packed"]["update_s"] / speed["plain"]["update_s"]
     assert speed["real_tokens"] < speed["padded_tokens"]  # the batch has padding to trim
     assert speed["ours_packed"]["profile_update"]["ops"]  # the profile names operators
+    product = report["product"]  # the product itself in one process (placement=local, the hf engine, no Ray)
+    assert [p.get("error") for p in product.values()] == [None, None], product
+    assert sorted(product["pipeline"]["stages"]) == ["00-sft", "01-grpo"]
+    assert product["pipeline"]["stages"]["01-grpo"]["final_accuracy"] is not None
+    assert [s["step"] for s in product["grpo_tiny"]["steps"]] == [1, 2]
+    assert all(s["timing/generate_s"] > 0 and s["timing/update_s"] > 0 for s in product["grpo_tiny"]["steps"])
 
 
 def test_the_pipeline_seeds_bench_composes_every_seeds_command(tmp_path):

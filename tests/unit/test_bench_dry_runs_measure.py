@@ -94,3 +94,16 @@ def test_the_engine_gaps_bench_finds_vllm_and_the_actor_agree_in_float32(tmp_pat
     assert (report["model"], report["engine_dtype"], report["actor_dtype"]) == ("tiny", "float32", "float32")
     assert report["prompts"] == 5 and 0 < report["tokens"] <= report["prompts"] * report["new_tokens"] == 20
     assert 0 <= report["mean"] <= report["max"] and report["q90"] <= report["max"] < 1e-4, report
+
+
+def test_the_hf_engine_memory_bench_measures_both_sides_against_the_floor(tmp_path):
+    """bench/hf_engine_memory.py --dry-run: the engine's loop and transformers' generate (keeping every
+    step's scores) each in a process of its own on the tiny model; both generate, and each side's
+    floor terms (weights, KV cache, one step's logits) and the plain side's scores are computed."""
+    report = _own_process("hf_engine_memory.py", tmp_path / "hf.json")
+    for side in ("engine", "plain"):
+        assert report[side]["generated_tokens"] > 0 and report[side]["peak_after_generate_gib"] >= \
+            report[side]["peak_after_load_gib"]
+        assert set(report[side]["floor_gib"]) == {"weights", "kv_cache", "one_step_logits"}
+    assert report["plain"]["plain_scores_gib"] == report["engine"]["plain_scores_gib"] > 0
+    assert report["engine_peak_over_floor"] > 0 and report["plain_peak_over_floor"] > 0

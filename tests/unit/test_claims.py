@@ -315,7 +315,7 @@ def test_a_cited_test_that_never_calls_the_claims_function_is_reported(tmp_path)
 
 def test_the_page_maps_the_headline_claims_and_is_linked():
     rows = table_rows(CLAIMS.read_text())
-    assert 40 <= len(rows) <= 90, len(rows)  # headline claims, not every test: a page that stays readable
+    assert 40 <= len(rows) <= 95, len(rows)  # headline claims, not every test: a page that stays readable
     assert {r.cells[-1] for r in rows} == set(TIERS)
     for page in ("README.md", "docs/reliability.md"):
         assert "claims.md" in (ROOT / page).read_text(), f"{page} does not link docs/claims.md"

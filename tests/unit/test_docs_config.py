@@ -69,7 +69,7 @@ def test_every_key_has_a_type_default_and_meaning():
 
 def test_every_metric_the_code_writes_is_in_the_metrics_table():
     written = repo_metrics()
-    assert {"actor/loss", "critic/value_loss", "critic/grad_norm", "advantages/baseline_mean", "async/behavior_kl",
+    assert {"actor/loss", "critic/value_loss", "critic/grad_norm", "advantages/baseline_mean", "rollout_mismatch/k3_kl",
             "async/staleness_mean", "timing/overlap_fraction", "agent/turns_mean", "val/agent/turns_mean", "kl_loss",
             "policy_loss", "memory/<name>_peak_gib", "timing/<stage>_s"} <= set(written)
     assert not {"kl", "kl_per_sequence", "entropy", "value_loss", "score_mean", "is_weight_mean"} & set(written)
