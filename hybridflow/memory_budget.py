@@ -103,6 +103,7 @@ class MemoryInputs:
     reward_parameters: int = 0  # a reward model's parameters (0: a reward function, no model)
     gpu_memory_utilization: float = 0.5  # the share of a GPU the vLLM engine takes (rollout.gpu_memory_utilization)
     bucket_bytes: int = 0  # one weight-sync bucket (weight_sync.bucket_mb)
+    fp32_head: bool = False  # actor.fp32_lm_head: the logits in float32 whatever the compute dtype
 
     @property
     def tokens(self) -> int:
@@ -124,7 +125,7 @@ class MemoryInputs:
                    engine_memory=_engine_memory(config),
                    reward_parameters=reward_shape.parameters if reward_shape is not None else 0,
                    gpu_memory_utilization=config.rollout.gpu_memory_utilization,
-                   bucket_bytes=config.weight_sync.bucket_mb * 2 ** 20)
+                   bucket_bytes=config.weight_sync.bucket_mb * 2 ** 20, fp32_head=config.actor.fp32_lm_head)
 
 
 TRAINED_ROLES = ("actor", "critic")
@@ -201,7 +202,8 @@ def micro_batch_terms(inputs: MemoryInputs, rows: int | None = None, checkpointi
     logits = rows * inputs.response_tokens * shape.vocab
     return {f"activations of one micro-batch ({rows} rows x {tokens} tokens, actor.samples_per_micro_batch)":
             rows * tokens * per_token * compute,
-            "its logits and their gradient (response positions x vocabulary)": 2 * logits * compute}
+            "its logits and their gradient (response positions x vocabulary"
+            + (", float32: actor.fp32_lm_head)" if inputs.fp32_head else ")"): 2 * logits * (4 if inputs.fp32_head else compute)}
 
 
 # actor/critic.samples_per_micro_batch and actor.gradient_checkpointing left null are chosen before

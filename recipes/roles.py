@@ -54,7 +54,7 @@ def reference_role(config: HybridFlowConfig, model_dir: str | Path) -> RoleSpec:
     return RoleSpec(ReferenceWorker, dict(
         model_path=str(model_dir), dtype=config.model.dtype.value, keep_dropout=config.model.keep_dropout,
         samples_per_micro_batch=config.actor.samples_per_micro_batch, temperature=config.rollout.temperature,
-        tokens_per_micro_batch=config.actor.tokens_per_micro_batch,
+        tokens_per_micro_batch=config.actor.tokens_per_micro_batch, fp32_lm_head=config.actor.fp32_lm_head,
         trust_remote_code=config.model.trust_remote_code, pack_sequences=config.model.pack_sequences))
 
 

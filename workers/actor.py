@@ -34,6 +34,7 @@ from hybridflow.controller import Dispatch, WorkerContext, register
 from hybridflow.data.preference import pair_sequences, pair_sums
 from hybridflow.training.fsdp import (
     accumulating,
+    fp32_output_head,
     all_reduce_max,
     all_reduce_mean_dict,
     all_reduce_sum,
@@ -85,6 +86,8 @@ class ActorWorker(TrainingStateMixin):
                            on_meta=self.ctx.world_size > 1 and self.ctx.rank != 0)
         packed = choose_packing(model, self.pack_sequences)
         self.model = shard_model(model, self.ctx.device, compute_dtype=self.dtype)
+        if self.cfg.fp32_lm_head:
+            fp32_output_head(self.model)
         self.optimizer, self.scheduler = build_optimizer(self.model, self.cfg.optim, self.total_steps)
         trainable = sum(p.numel() for p in self.model.parameters() if p.requires_grad)
         return {"trainable_parameters_on_rank": trainable, "packed_sequences": packed}

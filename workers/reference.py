@@ -13,7 +13,7 @@ import torch
 
 from hybridflow.batch import Batch
 from hybridflow.controller import Dispatch, WorkerContext, register
-from hybridflow.training.fsdp import load_model, shard_model
+from hybridflow.training.fsdp import fp32_output_head, load_model, shard_model
 from hybridflow.training.packing import choose_packing
 from hybridflow.training.sequences import log_probs_and_entropy, pair_log_probs
 
@@ -21,15 +21,16 @@ from hybridflow.training.sequences import log_probs_and_entropy, pair_log_probs
 class ReferenceWorker:
     def __init__(self, ctx: WorkerContext, *, model_path: str, dtype: str, keep_dropout: bool,
                  samples_per_micro_batch: int, temperature: float, trust_remote_code: bool,
-                 pack_sequences: bool | None = None, tokens_per_micro_batch: int | None = None) -> None:
+                 pack_sequences: bool | None = None, tokens_per_micro_batch: int | None = None,
+                 fp32_lm_head: bool = False) -> None:
         """Values from the config, built by recipes/roles.py: `model.dtype` (frozen, so the parameters
         are held in the compute dtype: no master copy), `model.keep_dropout`,
         `actor.samples_per_micro_batch`, `rollout.temperature`, `model.trust_remote_code`, `model.pack_sequences`,
-        `actor.tokens_per_micro_batch`."""
+        `actor.tokens_per_micro_batch`, `actor.fp32_lm_head` (the reference scores as the actor does)."""
         self.ctx, self.model_path, self.dtype, self.keep_dropout = ctx, model_path, dtype, keep_dropout
         self.samples_per_micro_batch, self.temperature = samples_per_micro_batch, temperature
         self.trust_remote_code, self.pack_sequences = trust_remote_code, pack_sequences
-        self.tokens_per_micro_batch = tokens_per_micro_batch
+        self.tokens_per_micro_batch, self.fp32_lm_head = tokens_per_micro_batch, fp32_lm_head
         self.model = None
 
     @register(Dispatch.ONE_TO_ALL)
@@ -40,6 +41,8 @@ class ReferenceWorker:
         model.requires_grad_(False)
         choose_packing(model, self.pack_sequences)
         self.model = shard_model(model, self.ctx.device)
+        if self.fp32_lm_head:
+            fp32_output_head(self.model)
 
     @register(Dispatch.DP_SPLIT)
     def compute_ref_log_probs(self, batch: Batch) -> Batch:

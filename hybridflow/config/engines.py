@@ -34,6 +34,7 @@ class RolloutEngine:
     agents: bool = False  # runs multi-turn agent rollouts (rollout.agent)
     # holds its own weights and a KV cache of rollout.kv_cache_space_gib, which the memory floor counts
     engine_memory: bool = False
+    fp32_lm_head: bool = False  # can compute its output head in float32 (rollout.fp32_lm_head)
     # 'module:function' (config, model_path: str | None) -> list[str]: what stops this engine, said before Ray;
     # called once with None (what it needs installed) and, with a model.path, once with it (what the model needs)
     checks: str | None = None
@@ -66,4 +67,4 @@ def rollout_engine(backend: str) -> RolloutEngine:
 register_rollout_engine(RolloutEngine(
     "vllm", "workers.rollout.vllm_rollout:VLLMRollout", tensor_parallel=True, own_pool=True, serves_adapters=True,
     agents=True, engine_memory=True, checks="hybridflow.model_checks:vllm_checks"))
-register_rollout_engine(RolloutEngine("hf", "workers.rollout.hf_rollout:HFRollout"))
+register_rollout_engine(RolloutEngine("hf", "workers.rollout.hf_rollout:HFRollout", fp32_lm_head=True))

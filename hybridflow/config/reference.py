@@ -78,6 +78,8 @@ MEANINGS = {
     "rollout.dtype": "dtype of the rollout engine's weights",
     "rollout.tensor_parallel_size": "ranks one vLLM engine spans: 1, or every rank of the rollout pool",
     "rollout.max_num_seqs": "vLLM's most sequences in one batch",
+    "rollout.fp32_lm_head": "the engine's output head (matmul and logits) in float32 when it computes in a 16-bit dtype; engines that can: hf (vLLM here computes it in rollout.dtype)",
+    "actor.fp32_lm_head": "the actor's (and the reference's) output head in float32 when the model computes in a 16-bit dtype: the bf16 head's rounding is much of the gap between the engine's and the trainer's log-probs; its logits then take float32 memory (priced)",
     "rollout.enforce_eager": "vLLM without CUDA graphs; null: eager on a CPU, CUDA graphs on a GPU (as vLLM's users run it)",
     "rollout.seed": "seed of the rollout engine's sampler",
     "algorithm.advantage_estimator": "gae, grpo, dr_grpo, rloo, reinforce_plus_plus, remax (docs/algorithms.md)",

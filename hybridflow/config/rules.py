@@ -139,6 +139,9 @@ def check_rollout_engine(config: HybridFlowConfig) -> None:
     require(not config.rollout.agent or engine.agents, "rollout.backend", config.rollout.backend,
             f"agent rollouts (rollout.agent) run on an engine that runs them: "
             f"{[e.name for e in ROLLOUT_ENGINES.values() if e.agents]}")
+    require(not config.rollout.fp32_lm_head or engine.fp32_lm_head, "rollout.fp32_lm_head", True,
+            f"rollout.backend={config.rollout.backend} computes its output head in rollout.dtype; engines that compute "
+            f"it in float32: {[e.name for e in ROLLOUT_ENGINES.values() if e.fp32_lm_head]} (or set it to false)")
 
 
 def resolve_precision(config: HybridFlowConfig) -> None:

@@ -301,6 +301,7 @@ class RolloutConfig:
     kv_cache_space_gib: int = 1  # vLLM's KV cache on a CPU (VLLM_CPU_KVCACHE_SPACE)
     gpu_memory_utilization: float = 0.5  # share of a GPU vLLM may take when colocated with training
     max_num_seqs: int = 256
+    fp32_lm_head: bool = False  # the engine's output head in float32 (engines that can: hf; vLLM cannot here)
     enforce_eager: Optional[bool] = None  # null: eager on a CPU (no CUDA graphs there), CUDA graphs on a GPU
     seed: int = 0
     # Multi-turn agent rollouts (docs/agents.md): tools (typed functions) and environment classes,
@@ -517,6 +518,9 @@ class LoraConfig:
 
 @dataclass
 class ActorConfig:
+    # the output head's matmul and logits in float32 when the model computes in a 16-bit dtype (the
+    # reference's too), as the field's answer to rollout-training mismatch; priced in the memory floor
+    fp32_lm_head: bool = False
     optim: OptimConfig = field(default_factory=OptimConfig)
     lora: LoraConfig = field(default_factory=LoraConfig)
     samples_per_mini_batch: int = 0  # global; 0: the step's whole batch is one mini-batch (on-policy)

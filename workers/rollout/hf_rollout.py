@@ -50,6 +50,10 @@ class HFRollout(RolloutEngineBase):
         self.model = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=getattr(torch, self.cfg.dtype.value),
                                                           trust_remote_code=self.trust_remote_code)
         self.model.to(self.ctx.device).eval().requires_grad_(False)
+        if self.cfg.fp32_lm_head:  # rollout.fp32_lm_head: the head's matmul and logits in float32
+            from hybridflow.training.fsdp import fp32_output_head
+
+            fp32_output_head(self.model)
         self.serve_weights(ModuleReceiver(self.model, self.pad_token_id))
         return time.perf_counter() - start
 

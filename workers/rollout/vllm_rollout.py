@@ -289,8 +289,8 @@ def _responses_to_batch(outputs, prompts: Batch, width: int, pad_token_id: int) 
         tokens = list(sample.token_ids)[:width]
         ids[i, : len(tokens)] = torch.tensor(tokens, dtype=torch.long)
         mask[i, : len(tokens)] = True
-        for t, (token, entry) in enumerate(zip(tokens, sample.logprobs or [])):
-            log_probs[i, t] = entry[token].logprob
+        sampled = [entry[token].logprob for token, entry in zip(tokens, sample.logprobs or [])]
+        log_probs[i, : len(sampled)] = torch.tensor(sampled, dtype=torch.float32)  # one copy a row, not a token
         texts.append(sample.text)
     generated = Batch(tensors={"response_ids": ids, "response_mask": mask, "sampler_log_probs": log_probs},
                       objects={"response": texts, "finish_reason": finish})
