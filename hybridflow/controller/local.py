@@ -8,7 +8,8 @@ its result, or its error, waits in a `LocalRef`: the `WorkerError` is raised whe
 at the wait. What a Ray call gets by crossing processes is kept: the arguments and the result are
 copied (a worker that changes a batch in place does not change the driver's), and the host keeps the
 torch random state of its own, swapped in around each call as a process of its own would have it.
-One torch.distributed group of world size 1 (NCCL on CUDA, gloo on the CPU) serves FSDP2 and vLLM.
+One torch.distributed group of world size 1 (NCCL on CUDA, gloo on the CPU) serves FSDP2 and vLLM, made
+once and kept for the process's life: vLLM keeps its own groups built on it from one engine to the next.
 `teardown` frees the stage's models (the local receiver registry included) before the next stage.
 
 Nothing here imports Ray. What one process cannot do is refused before anything starts

@@ -52,9 +52,14 @@ class Summer:
 def groups():
     from hybridflow.controller.local import spawn_local
 
+    import torch.distributed as dist
+
+    made = not dist.is_initialized()
     groups = spawn_local("one:doubler+summer", "cpu", {"doubler": RoleSpec(Doubler, {}), "summer": RoleSpec(Summer, {})})
     yield groups
     groups["doubler"].shutdown()
+    if made and dist.is_initialized():  # the run's group lives as long as its process; this test's process goes on
+        dist.destroy_process_group()
 
 
 def test_calls_futures_and_the_process_group_of_one(groups):
