@@ -1,4 +1,4 @@
-"""Every `hybridflow` / `hybridflow-merge` command in README.md and docs/*.md runs as written: it
+"""Every `hybridflow` / `hybridflow-merge` command in README.md and docs/ (docs/results/ too) runs as written: it
 composes (Hydra, the schema's rules, the pipeline's routing), and each override it names is in the
 composed config of every stage that should get it. No Ray, no model: composition only."""
 
@@ -15,7 +15,7 @@ from omegaconf import OmegaConf
 from hybridflow.tracking import _jsonable
 
 ROOT = Path(__file__).resolve().parents[2]
-DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("**/*.md"))]  # the guides and the results pages
 COMMAND = re.compile(r"^(?:\S*/)?(hybridflow|hybridflow-merge)$")
 SHELL_STOPS = {">", "2>", "|", "&&", ";", "2>&1", ">>"}
 

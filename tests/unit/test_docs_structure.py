@@ -194,32 +194,6 @@ def test_no_result_data_among_the_docs():
     assert data_problems(ROOT / "docs") == []
 
 
-def results_commands():
-    from tests.unit.test_docs_commands import commands_in
-
-    return [c for page in sorted((ROOT / "docs" / "results").glob("*.md")) for c in commands_in(page)]
-
-
-RESULTS_COMMANDS = results_commands()
-
-
-@pytest.mark.parametrize("command", RESULTS_COMMANDS, ids=[c.where for c in RESULTS_COMMANDS])
-def test_every_command_of_the_results_pages_runs_as_written(command, tmp_path, monkeypatch):
-    """docs/results/ is below the glob of tests/unit/test_docs_commands.py (docs/*.md): its commands are
-    checked here the same way."""
-    from tests.unit.test_docs_commands import Command, problems_of
-
-    monkeypatch.chdir(tmp_path)
-    args = list(command.args)
-    for name in set(re.findall(r"([\w./-]+\.py):", " ".join(args))):
-        made = tmp_path / name.lstrip("/")
-        made.parent.mkdir(parents=True, exist_ok=True)
-        made.touch()
-        if name.startswith("/"):
-            args = [a.replace(name, str(made)) for a in args]
-    assert problems_of(Command(command.where, command.program, args)) == [], command.where
-
-
 # ---- each check catches a planted violation ----------------------------------------------------------
 
 
