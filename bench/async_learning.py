@@ -275,7 +275,7 @@ def dry_run(args) -> None:
     import tempfile
 
     from hybridflow.builders import build_tiny_model
-    from hybridflow.config.stages import compose_command
+    from hybridflow.pipeline_stages import compose_command
 
     with tempfile.TemporaryDirectory() as tmp:
         sft = args.sft.resolve() if args.sft else build_tiny_model(Path(tmp) / "sft")  # the tiny model as "SFT"

@@ -20,11 +20,11 @@ def write_metrics(run_dir: Path, rows: list[dict]) -> Path:
 def carried(config, override: str) -> bool:
     """Whether the composed `config` holds what `override` sets: `placement=<file>` by whether its plan
     puts the rollout on a pool of its own, a dotted `key=value` by the key's value."""
-    from hybridflow.planning.plan import Plan
+    from hybridflow.planning.auto import decide_plan
 
     key, text = override.split("=", 1)
     if key == "placement":
-        return Plan.from_config(config).rollout_colocated == (text != "disaggregated")
+        return decide_plan(config).plan.rollout_colocated == (text != "disaggregated")
     value = config
     for part in key.split("."):
         value = value[part] if isinstance(value, dict) else getattr(value, part)
@@ -39,7 +39,7 @@ def check_composed(overrides: list[str], wanted: dict) -> None:
     carries each dotted key of `wanted` with its value."""
     from functools import reduce
 
-    from hybridflow.config.stages import compose_command
+    from hybridflow.pipeline_stages import compose_command
 
     config = compose_command(overrides)
     got = {key: reduce(getattr, key.split("."), config) for key in wanted}

@@ -121,12 +121,13 @@ def check_reference_and_critic(model_dir: Path, ctx, actor, batch) -> dict:
     """Before any update the reference computes the actor's log-probs; the critic trains on the device."""
     from hybridflow.config.schema import HybridFlowConfig
     from recipes.roles import critic_role, reference_role
+    from hybridflow.stage import prepare_stage
 
-    reference = reference_role(HybridFlowConfig(), model_dir).build(ctx)
+    reference = reference_role(prepare_stage(HybridFlowConfig()).config, model_dir).build(ctx)
     reference.start()
     ref = reference.compute_ref_log_probs(batch)["ref_log_probs"]
     gap = float((ref - actor.compute_log_probs(batch)["old_log_probs"]).abs().max())
-    critic = critic_role(HybridFlowConfig(), model_dir).build(ctx)
+    critic = critic_role(prepare_stage(HybridFlowConfig()).config, model_dir).build(ctx)
     critic.start()
     values = critic.compute_values(batch)["values"]
     returns = torch.ones_like(values) * batch["response_mask"]
@@ -349,12 +350,13 @@ def ours(model_dir: Path, batch, shape: dict, device: str, dtype: str, repeats: 
     `packed`: `model.pack_sequences` true (else false: the padded path, trimmed)."""
     from hybridflow.config.schema import ActorConfig, Dtype, HybridFlowConfig, ModelConfig, OptimConfig
     from hybridflow.controller import WorkerContext
+    from hybridflow.stage import prepare_stage
     from recipes.roles import actor_role
 
     config = HybridFlowConfig(model=ModelConfig(dtype=Dtype(dtype), master_dtype=Dtype.float32, pack_sequences=packed),
                               actor=ActorConfig(optim=OptimConfig(lr=1e-6), samples_per_micro_batch=shape["micro"],
                                                 gradient_checkpointing=False, policy_loss="ppo_clip"))
-    actor = actor_role(config, model_dir).build(WorkerContext(device=device, backend="nccl" if device == "cuda"
+    actor = actor_role(prepare_stage(config).config, model_dir).build(WorkerContext(device=device, backend="nccl" if device == "cuda"
                                                               else "gloo"))
     out: dict = {}
     out["start_s"], started = timed_cuda(actor.start, device)
@@ -419,10 +421,10 @@ def floor_terms(config, model_dir: Path, shape: dict) -> dict:
     """The project's memory floor for this actor (`hybridflow.memory_budget.process_terms`, one rank,
     the batch's widths), term by term in GiB: data for a GPU memory model, beside the peaks."""
     from hybridflow.memory_budget import GIB, ModelShape, process_terms
-    from hybridflow.planning.plan import Plan
+    from hybridflow.planning.auto import decide_plan
 
     sized = sized_config(config, model_dir, shape)
-    terms = process_terms(sized, Plan.from_config(sized), ModelShape.from_dir(model_dir), {"actor"},
+    terms = process_terms(sized, decide_plan(sized).plan, ModelShape.from_dir(model_dir), {"actor"},
                           rows=shape["micro"], checkpointing=False)
     return {k: round(v / GIB, 3) for k, v in terms.items()} | {"total": round(sum(terms.values()) / GIB, 3)}
 
@@ -642,12 +644,13 @@ def check_handover(root: Path, size: str, device: str, dtype: str, shape: dict, 
     from hybridflow.controller import WorkerContext
     from hybridflow.controller.memory import phase_peak_bytes
     from hybridflow.memory_budget import GIB, ModelShape, gpu_phase_terms
-    from hybridflow.planning.plan import Plan
+    from hybridflow.planning.auto import decide_plan
     from hybridflow.resharding.layout import buckets, numel
     from hybridflow.resharding.receiver import register_local
     from hybridflow.resharding.sender import SyncPlan
     from hybridflow.resharding.transports import Colocated
     from hybridflow.resharding.weights import checkpoint_shapes
+    from hybridflow.stage import prepare_stage
     from recipes.roles import actor_role
 
     model_dir = sized_model_dir(root, size, device)
@@ -655,7 +658,7 @@ def check_handover(root: Path, size: str, device: str, dtype: str, shape: dict, 
                               actor=ActorConfig(optim=OptimConfig(lr=1e-6), samples_per_micro_batch=shape["micro"],
                                                 gradient_checkpointing=False, policy_loss="ppo_clip"),
                               rollout=RolloutConfig(dtype=Dtype(dtype), gpu_memory_utilization=share))
-    actor = actor_role(config, model_dir).build(WorkerContext(device=device, backend="nccl" if device == "cuda"
+    actor = actor_role(prepare_stage(config).config, model_dir).build(WorkerContext(device=device, backend="nccl" if device == "cuda"
                                                               else "gloo"))
     phase_peak_bytes()  # what came before is not this part's
     actor.start()
@@ -695,7 +698,7 @@ def check_handover(root: Path, size: str, device: str, dtype: str, shape: dict, 
     out["policy_loss"], out["sync_received_bytes"] = stats["actor/loss"], sent.get("received_bytes")
     gpu = gpu_bytes(device)
     sized = sized_config(config, model_dir, shape, DeviceKind.cuda)  # the GPU model, also in the dry run
-    model = gpu_phase_terms(sized, Plan.from_config(sized), ModelShape.from_dir(model_dir), {"actor", "rollout"}, gpu)
+    model = gpu_phase_terms(sized, decide_plan(sized).plan, ModelShape.from_dir(model_dir), {"actor", "rollout"}, gpu)
     out["phases"] = {}
     for phase, terms in model.items():
         floor = sum(terms.values()) / GIB
@@ -893,6 +896,7 @@ def engine_checks(report: Report, tmp: Path, args) -> None:
     from hybridflow.builders.tiny_model import build_tiny_model
     from hybridflow.config.schema import ActorConfig, Dtype, HybridFlowConfig, ModelConfig, OptimConfig, TinyModelConfig
     from hybridflow.controller import WorkerContext
+    from hybridflow.stage import prepare_stage
     from recipes.roles import actor_role
 
     model_dir = build_tiny_model(tmp / args.model, TinyModelConfig(**MODELS[args.model]))
@@ -901,7 +905,7 @@ def engine_checks(report: Report, tmp: Path, args) -> None:
     config = HybridFlowConfig(model=ModelConfig(dtype=Dtype(args.dtype), master_dtype=Dtype.float32),
                               actor=ActorConfig(optim=OptimConfig(lr=1e-4), samples_per_micro_batch=8,
                                                 gradient_checkpointing=False))
-    actor = actor_role(config, model_dir).build(ctx)
+    actor = actor_role(prepare_stage(config).config, model_dir).build(ctx)
     actor.start()
     report.data["parameters"] = sum(p.numel() for p in actor.model.parameters())
     report.data["parameter_dtypes"] = sorted({str(p.dtype) for p in actor.model.parameters()})  # the masters'

@@ -75,7 +75,7 @@ def floor_gib(run_dir: Path) -> tuple[float, dict]:
     chosen size, or the rows a rank holds when fewer)."""
     from hybridflow.config import compose
     from hybridflow.memory_budget import GIB, ModelShape, actor_pool_roles, process_terms
-    from hybridflow.planning.plan import Plan
+    from hybridflow.planning.auto import decide_plan
 
     saved = json.loads((run_dir / "config.json").read_text())
     pool = saved["placement"]["pools"][saved["placement"]["roles"]["actor"]]
@@ -88,7 +88,7 @@ def floor_gib(run_dir: Path) -> tuple[float, dict]:
                       f"rollout.max_response_tokens={saved['rollout']['max_response_tokens']}",
                       f"actor.samples_per_micro_batch={rows}",
                       f"actor.gradient_checkpointing={str(saved['actor']['gradient_checkpointing']).lower()}"])
-    plan = Plan.from_config(config)
+    plan = decide_plan(config).plan
     terms = process_terms(config, plan, ModelShape.from_dir(saved["model"]["path"]), actor_pool_roles(config, plan))
     return sum(terms.values()) / GIB, {k: v / GIB for k, v in terms.items()}
 
@@ -139,9 +139,9 @@ def dry_run(args, extra: list[str], work: Path) -> str:
     config.json as the run writes it before starting; the table rendered from a small metrics.jsonl
     into a copy of the doc under `work`. Returns the table."""
     from hybridflow.builders import build_tiny_model
-    from hybridflow.config.stages import compose_command
+    from hybridflow.pipeline_stages import compose_command
     from hybridflow.memory_budget import resolve_micro_batches
-    from hybridflow.planning.plan import Plan
+    from hybridflow.planning.auto import decide_plan
     from hybridflow.tracking import save_config
     from tests.real_model import write_chat_addition
 
@@ -150,7 +150,7 @@ def dry_run(args, extra: list[str], work: Path) -> str:
     overrides = overrides_of(args, build_tiny_model(work / "model"), train, val, run_dir, extra)
     config = compose_command(overrides)
     missed = [o for o in varied(args) if not carried(config, o)]
-    plan = Plan.from_config(config)
+    plan = decide_plan(config).plan
     if plan.pool_of("actor").name != "global":  # the table reads memory/global_peak_gib and memory/global_rss_gib
         missed.append(f"the actor on pool 'global' (it is on {plan.pool_of('actor').name!r})")
     if missed:

@@ -38,10 +38,11 @@ def one_side(model_dir: Path, batch, packed: bool) -> dict:
     from hybridflow.config.schema import ActorConfig, HybridFlowConfig, ModelConfig, OptimConfig
     from hybridflow.controller import WorkerContext
     from recipes.roles import actor_role
+    from hybridflow.stage import prepare_stage
 
     config = HybridFlowConfig(model=ModelConfig(pack_sequences=packed),
                               actor=ActorConfig(optim=OptimConfig(lr=1e-6), samples_per_micro_batch=16))
-    actor = actor_role(config, model_dir).build(WorkerContext(device="cpu", backend="gloo"))
+    actor = actor_role(prepare_stage(config).config, model_dir).build(WorkerContext(device="cpu", backend="gloo"))
     assert actor.start()["packed_sequences"] is packed
     start = time.perf_counter()
     old = actor.compute_log_probs(batch)["old_log_probs"]

@@ -25,7 +25,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from hybridflow.config.stages import compose_command  # noqa: E402
+from hybridflow.pipeline_stages import compose_command  # noqa: E402
 from hybridflow.planning.calibrate import calibrate, stage_means  # noqa: E402
 from hybridflow.planning.cost import Analytical  # noqa: E402
 from hybridflow.planning.device_rates import choose_rates, this_device  # noqa: E402

@@ -389,7 +389,7 @@ class StandIn:
         self.commands: dict[str, list[str]] = {}
 
     def run(self, overrides: list[str], run_dir: Path) -> Path:
-        from hybridflow.config.stages import compose_command
+        from hybridflow.pipeline_stages import compose_command
 
         config = compose_command(overrides)
         missing = not_carried(config, overrides)

@@ -88,8 +88,8 @@ def dry_run(steps: int, extra: list[str], work: Path) -> None:
     from hybridflow.builders import build_tiny_model
     from hybridflow.builders.tiny_model import tiny_vocab_size
     from hybridflow.config.model_facts import ModelFacts
-    from hybridflow.config.stages import compose_command
-    from hybridflow.planning.plan import Plan
+    from hybridflow.pipeline_stages import compose_command
+    from hybridflow.planning.auto import decide_plan
     from tests.real_model import write_chat_addition
 
     shape = {**TINY, "vocab_size": tiny_vocab_size()}
@@ -104,7 +104,7 @@ def dry_run(steps: int, extra: list[str], work: Path) -> None:
     train, val = write_chat_addition(work / "data", train_rows=200, val_rows=16)
     overrides = overrides_of(work, model, train, val, steps, "grpo", extra)
     config = compose_command(overrides)
-    ranks = Plan.from_config(config).devices_of("actor")
+    ranks = decide_plan(config).plan.devices_of("actor")
     if (config.model.path, config.trainer.total_steps, ranks) != (str(model), steps, 2):
         raise SystemExit(f"the composed config runs model.path={config.model.path}, trainer.total_steps="
                          f"{config.trainer.total_steps} on {ranks} actor rank(s), not {model}, {steps} on 2")

@@ -63,9 +63,9 @@ def run(work: Path, kv_gib: int) -> dict[str, float]:
 def dry_run(work: Path) -> dict:
     """Both runs' commands composed and checked as `hybridflow` checks them, nothing run: each places the
     actor and the rollout on the pools whose metrics `run` reads, with the KV cache it names."""
-    from hybridflow.config.stages import compose_command
+    from hybridflow.pipeline_stages import compose_command
     from hybridflow.memory_budget import RUNTIME_BYTES, RUNTIME_BYTES_WITH_VLLM
-    from hybridflow.planning.plan import Plan
+    from hybridflow.planning.auto import decide_plan
 
     commands = {}
     for kv_gib in KV_CACHE_GIB:
@@ -73,7 +73,7 @@ def dry_run(work: Path) -> dict:
         if not Path(argv[0]).exists():
             raise SystemExit(f"{argv[0]} does not exist: install the project into this environment (pip install -e .)")
         config = compose_command(argv[1:])
-        plan = Plan.from_config(config)  # the pools a run places its roles on
+        plan = decide_plan(config).plan  # the pools a run places its roles on
         placed = {role: plan.pool_of(role).name for role in POOLS}
         rollout = (config.rollout.backend, config.rollout.kv_cache_space_gib)
         if placed != POOLS or rollout != ("vllm", kv_gib):

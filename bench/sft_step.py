@@ -92,6 +92,7 @@ def main() -> None:
     from hybridflow.config.schema import ActorConfig, Dtype, HybridFlowConfig, ModelConfig, OptimConfig
     from hybridflow.controller import WorkerContext
     from recipes.roles import actor_role
+    from hybridflow.stage import prepare_stage
 
     torch.set_num_threads(min(2, os.cpu_count() or 1))
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
@@ -102,7 +103,7 @@ def main() -> None:
         model_dir = build_tiny_model(Path(tmp) / "tiny")
         config = HybridFlowConfig(model=ModelConfig(dtype=Dtype.float32, pack_sequences=False if args.padded else None),
                                   actor=ActorConfig(optim=OptimConfig(lr=lr), samples_per_micro_batch=args.rows))
-        actor = actor_role(config, model_dir).build(WorkerContext(device="cpu", backend="gloo"))
+        actor = actor_role(prepare_stage(config).config, model_dir).build(WorkerContext(device="cpu", backend="gloo"))
         actor.start()
         plain = AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32)
         plain.train()

@@ -53,13 +53,14 @@ def mode_roles(model_dir: Path, tp: int) -> dict:
     from hybridflow.config.schema import HybridFlowConfig, RolloutConfig
     from hybridflow.controller import RoleSpec
     from recipes.roles import actor_role
+    from hybridflow.stage import prepare_stage
     from workers.rollout.vllm_rollout import VLLMRollout
 
     tok = AutoTokenizer.from_pretrained(model_dir)
     rollout = RoleSpec(VLLMRollout, dict(model_path=str(model_dir), rollout=RolloutConfig(tensor_parallel_size=tp),
                                          max_prompt_tokens=16, eos_token_id=tok.eos_token_id,
                                          pad_token_id=tok.pad_token_id), replica_size=tp)
-    return {"actor": actor_role(HybridFlowConfig(), model_dir), "rollout": rollout}
+    return {"actor": actor_role(prepare_stage(HybridFlowConfig()).config, model_dir), "rollout": rollout}
 
 
 def mode_pools(actor_ranks: int, rollout_ranks: int | None, tag: str) -> list:
@@ -134,9 +135,9 @@ def command(name: str, actor_ranks: int, rollout_ranks: int | None, tp: int) -> 
 def differences(config, name: str, pools: list, roles: dict) -> dict[str, tuple]:
     """What the composed `config` of model `name` gives otherwise than the bench spawns it (`pools`,
     `roles`): {what: (the config's, the bench's)}; empty when they agree."""
-    from hybridflow.planning.plan import Plan
+    from hybridflow.planning.auto import decide_plan
 
-    plan, rollout = Plan.from_config(config), roles["rollout"]  # the config's pools and TP, as a run reads them
+    plan, rollout = decide_plan(config).plan, roles["rollout"]  # the config's pools and TP, as a run reads them
     spawned = {role: pool.devices_per_node for pool, hosted in pools for role in hosted}
     checks = {
         "ranks per role": ({r: plan.devices_of(r) for r in spawned}, spawned),
@@ -150,12 +151,12 @@ def differences(config, name: str, pools: list, roles: dict) -> dict[str, tuple]
 
 
 def dry_run(models: list[str]) -> dict:
-    """Each model built and counted, each mode's command composed and checked (hybridflow.config.stages)
+    """Each model built and counted, each mode's command composed and checked (hybridflow.pipeline_stages)
     and held against what `run_mode` spawns (`differences`), its roles' specs and transport built.
     Nothing started."""
     from hybridflow.builders import build_tiny_model
     from hybridflow.config.schema import TinyModelConfig
-    from hybridflow.config.stages import compose_command
+    from hybridflow.pipeline_stages import compose_command
     from hybridflow.resharding.transports import build_transport
 
     report = {}

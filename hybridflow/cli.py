@@ -11,7 +11,7 @@ before anything starts; a problem there exits with status 2 too, naming file, ro
 
 On a pipeline (the default), what the command line sets reaches every stage that reads it, and
 `stages.<stage>.<key>=value` reaches one stage only; a key no stage reads is refused
-(hybridflow/config/stages.py has the precedence). The first console lines say which stage got what.
+(hybridflow/pipeline_stages.py has the precedence). The first console lines say which stage got what.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from hybridflow import console
 from hybridflow.config import CONF_DIR, ConfigError, to_config
 from hybridflow.config.schema import HybridFlowConfig
 from hybridflow.config.recipes import recipe_spec
-from hybridflow.config.stages import with_command
+from hybridflow.pipeline_stages import with_command
 from hybridflow.tracking import make_run_dir, save_config
 
 
@@ -39,9 +39,12 @@ def recipe_function(name: str) -> Callable:
 
 
 def run(config: HybridFlowConfig) -> dict:
-    """Run the configured recipe in a fresh run directory (printed at start and end), once its
-    inputs pass `check_inputs` (which raises InputError before anything is created)."""
+    """Run the configured recipe in a fresh run directory (printed at start and end), once its stage is
+    prepared (its plan decided and checked, `hybridflow.stage.prepare_stage`: a pipeline prepares each
+    stage as it starts) and its inputs pass `check_inputs` (which raises InputError before anything is
+    created)."""
     from hybridflow.preflight import check_inputs
+    from hybridflow.stage import prepare_stage
 
     from hybridflow.tracking import reused_run_dir
 
@@ -51,22 +54,23 @@ def run(config: HybridFlowConfig) -> dict:
 
         raise InputError(reused)
     check_backends(config)
-    check_inputs(config)  # first: a refused run never pays for importing the recipe's torch and vLLM
+    pipeline = recipe_spec(config.recipe.name).pipeline
+    stage = None if pipeline else prepare_stage(config)
+    check_inputs(config, None if stage is None else stage.plan)  # before the recipe's torch and vLLM are imported
     recipe = recipe_function(config.recipe.name)
     name = config.recipe.name.split(":")[-1]
     run_dir = make_run_dir(config.logger.output_root, config.logger.run_name, name)
-    save_config(config, run_dir)  # run_stage saves it again with the micro-batch sizes it chooses
+    save_config(config, run_dir)  # a stage saves its own, resolved, as it starts (hybridflow.runner.run_stage)
     from hybridflow.launch import release_all
     from hybridflow.runner import run_stage
 
-    # A pipeline runs each stage through run_stage itself, with that stage's deadlines and restarts.
-    runner = _run_pipeline if recipe_spec(config.recipe.name).pipeline else run_stage
     with console.session(run_dir, config.logger.verbose) as log_dir:
         where = "" if config.logger.verbose else f" (library and worker output: {log_dir})"
         console.say(f"hybridflow: run directory {run_dir}{where}")
         try:
             with console.stage(name):
-                return runner(recipe, config, run_dir)
+                # a pipeline runs each stage through run_stage itself, with that stage's deadlines and restarts
+                return recipe(config, run_dir) if pipeline else run_stage(recipe, stage, run_dir)
         finally:
             console.end_progress_lines()  # an error's traceback starts on a line of its own
             release_all()
@@ -76,10 +80,6 @@ def run(config: HybridFlowConfig) -> dict:
 _STAGE_SCOPED: list[str] = []  # main() takes them out of sys.argv: Hydra cannot compose keys of no schema
 
 
-def _run_pipeline(recipe: Callable, config: HybridFlowConfig, run_dir: Path) -> dict:
-    return recipe(config, run_dir)
-
-
 def check_backends(config: HybridFlowConfig) -> None:
     """Raise InputError when a logging backend of the run (of any stage of a pipeline) is not installed."""
     from hybridflow.preflight import InputError
@@ -87,7 +87,7 @@ def check_backends(config: HybridFlowConfig) -> None:
 
     backends = set(config.logger.backends)
     if recipe_spec(config.recipe.name).pipeline:
-        from hybridflow.config.stages import check_stages
+        from hybridflow.pipeline_stages import check_stages
 
         stages = check_stages(config, Path(config.logger.output_root) / (config.logger.run_name or "pipeline"))
         backends |= {b for stage in stages for b in stage.logger.backends}
@@ -111,6 +111,9 @@ def _hydra_main(cfg: DictConfig) -> None:
 
     try:
         run(config)
+    except ConfigError as exc:  # what the stage's plan shows (hybridflow.stage.prepare_stage)
+        print(f"hybridflow: configuration error: {exc}", file=sys.stderr)
+        sys.exit(2)
     except (InputError, PlacementError, StorageError) as exc:  # the cluster cannot hold or read the run
         print(f"hybridflow: {exc}", file=sys.stderr)
         sys.exit(2)
@@ -119,7 +122,7 @@ def _hydra_main(cfg: DictConfig) -> None:
 def run_command() -> int:
     """What `hybridflow` does with sys.argv, as its exit status (0; 2 for a refusal; 1 for an error
     Hydra reported), without ending the process: `main` ends it, a test runs several in one process."""
-    from hybridflow.config.stages import split_stage_scoped
+    from hybridflow.pipeline_stages import split_stage_scoped
 
     try:
         if sys.argv[1:2] == ["plan"]:  # `hybridflow plan ...`: the placement search (hybridflow/planning/cli.py)

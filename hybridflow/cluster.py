@@ -22,8 +22,8 @@ from hybridflow.controller.placement import NodeAssignment, PlacementError
 from hybridflow.controller.pools import PoolSpec, ResourcePool
 from hybridflow.planning.plan import Plan, PoolPlan, add_to_plan_file
 
-# the stage's Plan, and its NodeAssignment once its pools are reserved
-_STATE: dict = {"run_dir": None, "plan": None, "nodes": None, "storage_checked": set()}
+# the stage's run directory, the NodeAssignment of its pools once reserved, and the nodes whose storage was checked
+_STATE: dict = {"run_dir": None, "nodes": None, "storage_checked": set()}
 _REPORT_LAG_S = 5.0  # Ray's per-node free resources trail a release by up to about a second
 
 
@@ -33,7 +33,7 @@ class NodeLostError(RuntimeError):
 
 def use_run_dir(run_dir: Path | None) -> None:
     """Where the plan is saved and which directory the storage check writes (set by the runner)."""
-    _STATE.update(run_dir=None if run_dir is None else Path(run_dir), plan=None, nodes=None, storage_checked=set())
+    _STATE.update(run_dir=None if run_dir is None else Path(run_dir), nodes=None, storage_checked=set())
 
 
 def pool_spec(pool: PoolPlan, gpu: bool) -> PoolSpec:
@@ -80,7 +80,7 @@ def _fits(specs: list[PoolSpec], nodes) -> bool:
 def reserve_pools(config: HybridFlowConfig, plan: Plan, pool_roles: dict[str, list[str]]) -> dict[str, ResourcePool]:
     """Assign nodes, show, save and check; then one ResourcePool per pool pinned to its nodes."""
     assigned = assign_nodes(plan, pool_roles)
-    _STATE["nodes"], _STATE["plan"] = assigned, plan
+    _STATE["nodes"] = assigned
     run_dir = _STATE["run_dir"]
     saved = ""
     if run_dir is not None:
@@ -147,8 +147,8 @@ def lost_nodes(error: BaseException) -> str | None:
     return "; ".join(parts)
 
 
-def wait_until_plan_fits(wait_s: float) -> None:
-    """Return once the pools last reserved fit the cluster's free resources (on the remaining nodes,
+def wait_until_plan_fits(plan: Plan, wait_s: float) -> None:
+    """Return once the pools of `plan` last reserved fit the cluster's free resources (on the remaining nodes,
     or on nodes that joined since); past `wait_s` raise the refusal, naming pools and nodes."""
     assigned: NodeAssignment | None = _STATE["nodes"]
     if assigned is None:
@@ -158,7 +158,7 @@ def wait_until_plan_fits(wait_s: float) -> None:
     announced = False
     while True:
         try:
-            assign_nodes(_STATE["plan"], pool_roles)
+            assign_nodes(plan, pool_roles)
             return
         except PlacementError as exc:
             if time.monotonic() > deadline:

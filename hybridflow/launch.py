@@ -233,7 +233,7 @@ def build_weight_sync(config: HybridFlowConfig, plan: Plan, actor: WorkerGroup, 
     from hybridflow import console
     from hybridflow.resharding.sync import AdapterSync, WeightSync
     from hybridflow.resharding.transports import build_transport
-    from hybridflow.config.rules import lora_sync
+    from hybridflow.checks import lora_sync
 
     mode, why = lora_sync(config)
     if mode:

@@ -1,10 +1,9 @@
 """One lifecycle for recipes: the start every recipe shares, built once, and its end.
 
-A recipe is `run(config, run_dir)`. It calls `start_run` for what every recipe needs before its
-first step — the model directory, the tokenizer, its data (read and checked before Ray starts), Ray,
-and its role groups on the pools of the stage's plan (the one `Plan` the runner decided before the
-recipe started, `hybridflow.planning.plan.carrying`; a recipe called on its own gets its config's),
-each started by the same one call, `start` — and, if it trains, `Run.training` for the rest: the
+A recipe is `run(stage, run_dir)`, its `stage` (hybridflow.stage.Stage) the resolved config and the
+plan decided before it started. It calls `start_run` for what every recipe needs before its first
+step — the model directory, the tokenizer, its data (read and checked before Ray starts), Ray, and
+its role groups on the pools of the stage's plan, each started by the same one call, `start` — and, if it trains, `Run.training` for the rest: the
 checkpointer and the state it resumes from, the prompt loader (at the resumed position), the metrics
 logger, the weight sync (set up, when a rollout runs) and the step hooks. The recipe keeps only its
 own step loop, and ends with `Run.finish` (the final export and the logger's close). This is
@@ -20,7 +19,8 @@ from typing import Any, Callable, Sequence
 
 from hybridflow.config.schema import HybridFlowConfig
 from hybridflow.controller import RoleSpec, WorkerGroup
-from hybridflow.planning.plan import Plan, carried_plan
+from hybridflow.planning.plan import Plan
+from hybridflow.stage import Stage
 
 
 @dataclass
@@ -42,15 +42,23 @@ class Training:
 
 @dataclass
 class Run:
-    config: HybridFlowConfig
+    stage: Stage
     run_dir: Path
     model_dir: Path
     tokenizer: Any
     data: Any  # what `start_run`'s `data` built (the datasets by default)
     groups: dict[str, WorkerGroup]
-    plan: Plan  # where the groups run: the stage's pools, device, rollout TP and weight transport
     started: dict[str, list] = field(default_factory=dict)  # per role, what each rank's `start` returned
     ray_address: str = ""
+
+    @property
+    def config(self) -> HybridFlowConfig:
+        return self.stage.config
+
+    @property
+    def plan(self) -> Plan:
+        """Where the groups run: the stage's pools, device, rollout TP and weight transport."""
+        return self.stage.plan
 
     def training(self, trainable: Sequence[str], rows: Sequence, rows_per_step: int,
                  drawn_ahead: int = 0) -> Training:
@@ -75,10 +83,8 @@ class Run:
             weight_sync = build_weight_sync(config, self.plan, self.groups["actor"], self.groups["rollout"])
             weight_sync.setup()
         hooks = StepHooks.build(t.training_hooks, self.run_dir, loader)
-        from hybridflow.planning.auto import predicted_metrics
-
         logger = MetricsLogger(self.run_dir, config.logger, total_steps=t.total_steps,
-                               predicted=predicted_metrics(self.run_dir))  # placement=auto's, beside each step's
+                               predicted=self.stage.predicted_metrics())  # placement=auto's, beside each step's
         return Training(checkpointer, loader, logger, hooks, weight_sync, state)
 
     def finish(self, training: Training, step: int) -> dict:
@@ -95,7 +101,7 @@ class Run:
         return {"final_model": final_model, "steps": step}
 
 
-def start_run(config: HybridFlowConfig, run_dir: Path,
+def start_run(stage: Stage, run_dir: Path,
               roles: Callable[[Path, Any], dict[str, RoleSpec]],
               data: Callable[[HybridFlowConfig, Path, Any], Any] | None = None) -> Run:
     """The model and tokenizer, `data(config, run_dir, tokenizer)` (default: the task's datasets,
@@ -104,7 +110,7 @@ def start_run(config: HybridFlowConfig, run_dir: Path,
     from hybridflow.data.tokenizer import load_tokenizer
     from hybridflow.launch import prepare_data, prepare_model, spawn_roles, start_ray, vllm_env
 
-    plan = carried_plan(config)
+    config, plan = stage.config, stage.plan
     model_dir = prepare_model(config, run_dir)
     tokenizer = load_tokenizer(model_dir, config.model.trust_remote_code)
     built = (data or prepare_data)(config, run_dir, tokenizer)
@@ -113,4 +119,4 @@ def start_run(config: HybridFlowConfig, run_dir: Path,
     groups = spawn_roles(config, plan, specs, env_vars=vllm_env(config) if "rollout" in specs else None)
     futures = {role: group.start.remote() for role, group in groups.items()}  # issued together
     started = {role: future.get() for role, future in futures.items()}
-    return Run(config, run_dir, model_dir, tokenizer, built, groups, plan, started, address)
+    return Run(stage, run_dir, model_dir, tokenizer, built, groups, started, address)

@@ -50,9 +50,15 @@ from hybridflow.config.model_facts import ModelFacts
 GIB = 2 ** 30
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 NODE_MEMORY_SHARE = 0.95  # Ray's memory monitor kills a worker past this share of the node's memory
-# A GPU's share the floor may fill: the terms leave out the CUDA context, NCCL's buffers, the caching
-# allocator's fragmentation and cuBLAS workspaces, which take a few GiB on an 80 GiB GPU
+# A GPU's share the floor may fill: the rest is left to the caching allocator's fragmentation and the
+# transient buffers the terms do not count
 GPU_MEMORY_SHARE = 0.9
+# What a GPU process holds before any tensor of its own: the CUDA context with its loaded kernels and
+# cuBLAS's workspace (PyTorch's own docs give "a few hundred MiB" for the context; 0.5 GiB is taken for
+# both: an estimate, outside torch.cuda.max_memory_allocated), and in a pool of several GPUs NCCL's
+# buffers (NCCL_BUFFSIZE, 4 MiB, per channel and peer and direction: 0.25 GiB is taken, an estimate)
+CUDA_CONTEXT_BYTES = int(0.5 * GIB)
+NCCL_BUFFER_BYTES = int(0.25 * GIB)
 # What a worker process holds besides the model: the interpreter, torch, Ray's core worker and, with an
 # engine, vLLM; the resident set of the tiny model's workers at the end of a step, 0.56 GiB without an
 # engine and 0.77 GiB with one (less its KV cache), rounded down (bench/runtime_memory.py)
@@ -163,6 +169,8 @@ def device_terms(inputs: MemoryInputs, roles, ranks: int, tp: int, device: str,
     if cpu:  # on a GPU the host runtime is not GPU memory
         terms[f"the process's own runtime (Python, torch, Ray{', vLLM' if engine else ''}; measured)"] = (
             RUNTIME_BYTES_WITH_VLLM if engine else RUNTIME_BYTES)
+    else:
+        terms.update(gpu_process_terms(ranks))
     if "actor" in roles and (ranks > 1 or compute != master):
         # FSDP2: the root's parameters stay gathered from forward to backward
         embeddings = s.vocab * s.hidden * (1 if s.tied_embeddings else 2)
@@ -351,6 +359,15 @@ def _engine_memory(config) -> bool:
     return rollout_engine(config.rollout.backend).engine_memory
 
 
+def gpu_process_terms(ranks: int) -> dict[str, float]:
+    """What every GPU process holds in every phase before its tensors: the CUDA context and cuBLAS's
+    workspace, and with several ranks NCCL's buffers (estimates; see CUDA_CONTEXT_BYTES)."""
+    terms = {"CUDA context and cuBLAS workspace (per GPU process; estimate)": CUDA_CONTEXT_BYTES}
+    if ranks > 1:
+        terms["NCCL buffers (a pool of several GPUs; estimate)"] = NCCL_BUFFER_BYTES
+    return terms
+
+
 def gpu_phase_terms(config, plan, shape: ModelShape, roles: set[str], gpu_bytes: int) -> dict[str, dict[str, float]]:
     """GPU bytes per process of the actor's pool in each phase of a step, term by term (floors; the
     module docstring): `gpu_device_phases` for the config's run on the stage's plan."""
@@ -394,16 +411,17 @@ def gpu_device_phases(inputs: MemoryInputs, roles, ranks: int, tp: int, gpu_byte
         loaded.update(reward)
     actor_weights = ({"actor parameters (model.master_dtype, FSDP shard)": p * master / ranks}
                      if "actor" in roles else {})
-    phases["start"] = {**actor_weights, **loaded, **engine}
+    process = gpu_process_terms(ranks)
+    phases["start"] = {**process, **actor_weights, **loaded, **engine}
     if "actor" in roles:
         state = {**actor_weights, "actor gradients (FSDP shard)": trained * master / ranks,
                  "actor AdamW moments (2 per parameter, FSDP shard)": 2 * trained * master / ranks}
         phases["weight sync"] = {
-            **state, **stays,
+            **process, **state, **stays,
             f"vLLM weights awake (rollout.dtype, 1/{tp} of the model; its KV cache still freed)":
                 p * inputs.rollout_bytes / tp,
             "one bucket in flight (weight_sync.bucket_mb)": inputs.bucket_bytes}
-    phases["generation"] = {**stays, **engine}
+    phases["generation"] = {**process, **stays, **engine}
     return phases
 
 
@@ -481,6 +499,6 @@ def _gpu_problems(config, plan, shape: ModelShape, roles: set[str] | None, gpu: 
                    "model.master_dtype=bfloat16, or a rollout pool of its own (placement.roles.rollout)")
         problems.append(f"{model} does not fit {why}: each GPU of the actor's pool holds at least {total / GIB:.2f} "
                         f"GiB:{_lines(terms)}\n    above {GPU_MEMORY_SHARE:.0%} of the GPU's {gpu / GIB:.1f} GiB "
-                        f"({usable / GIB:.1f} GiB: the rest is left to the CUDA context, NCCL's buffers and the "
-                        f"allocator's fragmentation, which the terms do not count). Fix: {fix}")
+                        f"({usable / GIB:.1f} GiB: the rest is left to the allocator's fragmentation and the "
+                        f"transient buffers the terms do not count). Fix: {fix}")
     return problems

@@ -13,7 +13,6 @@ import importlib.metadata
 
 from hybridflow.config.model_facts import ModelFacts
 from hybridflow.config.schema import HybridFlowConfig
-from hybridflow.planning.layout import tp_head_problems
 
 # vllm 0.32's CPUAttentionBackend.get_supported_head_sizes() (tests/unit/test_model_checks.py compares)
 CPU_ATTENTION_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
@@ -74,10 +73,8 @@ def vllm_problems(config: HybridFlowConfig, model_path: str) -> list[str]:
     heads, kv_heads, head_dim = shape
     where = f"model.path={model_path!r} ({facts.model_type or '?'}: {heads} attention heads, " \
             f"{kv_heads} key/value heads, head size {head_dim})"
-    from hybridflow.planning.plan import Plan
-
-    tp = Plan.from_config(config).rollout_tp  # the config's own plan (placement=auto's choices pass the same rule)
-    problems = [f"{where}: rollout.tensor_parallel_size={tp} {why}" for why in tp_head_problems(tp, heads, kv_heads)]
+    # how tensor parallelism splits the heads is the plan's check (hybridflow.checks.check_rollout_layout)
+    problems = []
     if on_cpu(config) and head_dim not in CPU_ATTENTION_HEAD_SIZES:
         problems.append(f"{where}: vLLM's CPU attention runs head sizes {list(CPU_ATTENTION_HEAD_SIZES)} only "
                         f"(not {head_dim}); fix: run on GPUs, or use a model whose head size (hidden_size / "
@@ -85,14 +82,14 @@ def vllm_problems(config: HybridFlowConfig, model_path: str) -> list[str]:
     return problems
 
 
-def half_precision_note(config: HybridFlowConfig) -> str | None:
+def half_precision_note(config: HybridFlowConfig, device: str) -> str | None:
     """A console note when a run computes in bfloat16 on CPUs without bfloat16 hardware: measured
     on such a CPU (AMD EPYC, AVX2), SmolLM2-135M's forward took 6x and its forward and backward 22x
     as long as in float32, and vLLM generated 4.7x fewer tokens per second (docs/recipes.md,
     "Precision"). A note, not an error: the numbers are right, only slow."""
     from hybridflow.precision import cpu_flags, native_bfloat16
 
-    if not on_cpu(config):
+    if device != "cpu":
         return None
     dtypes = {config.model.dtype.value, config.rollout.dtype.value} - {"float32", "auto"}
     if not dtypes or not cpu_flags() or native_bfloat16("cpu")[0]:

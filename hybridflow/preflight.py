@@ -31,6 +31,7 @@ from typing import Iterator
 from hybridflow.config.recipes import recipe_spec
 from hybridflow.config.schema import HybridFlowConfig
 from hybridflow.data.checks import InputError  # raised here, and by the full read of the data (data/prompts.py)
+from hybridflow.planning.plan import Plan
 
 SAMPLE_ROWS = 1000
 SYNTHETIC_COLUMNS = ("prompt", "ground_truth", "data_source")
@@ -41,17 +42,18 @@ MODEL_FIX = "save the model there with model.save_pretrained(dir) and tokenizer.
 
 
 
-def check_inputs(config: HybridFlowConfig) -> None:
-    """Raise `InputError` listing every problem with the run's data, model and reward functions.
+def check_inputs(config: HybridFlowConfig, plan: Plan | None = None) -> None:
+    """Raise `InputError` listing every problem with the run's data, model and reward functions; `plan`:
+    the run's (hybridflow.stage.Stage.plan), which the memory check prices.
 
-    A pipeline is checked stage by stage (each stage composes its own config); a later stage's
-    model is made by the stage before it, so only the first stage's model directory is checked.
+    A pipeline is checked stage by stage (each stage composes its own config, on its own plan); a later
+    stage's model is made by the stage before it, so only the first stage's model directory is checked.
     """
     if recipe_spec(config.recipe.name).pipeline:
         problems = [f"{label}: {problem}" for label, stage, first in _pipeline_stages(config)
-                    for problem in check_run(stage, check_model=first)]
+                    for problem in check_run(stage, check_model=first, plan=_own_plan(stage))]
     else:
-        problems = check_run(config)
+        problems = check_run(config, plan=plan)
     problems += _cluster_problems(config)
     if problems:
         listed = "\n".join(f"  - {p}" for p in problems)
@@ -81,8 +83,18 @@ def _engine_checks(config: HybridFlowConfig):
     return load_object(engine.checks) if engine.checks else (lambda config, model_path: [])
 
 
-def check_run(config: HybridFlowConfig, check_model: bool = True) -> list[str]:
-    """The problems of one run's inputs (empty when it can start)."""
+def _own_plan(config: HybridFlowConfig) -> Plan | None:
+    """A pipeline stage's plan, when it is its config's own (placement=auto's is decided as the stage starts)."""
+    if config.placement.planner.auto:
+        return None
+    from hybridflow.planning.auto import decide_plan
+
+    return decide_plan(config).plan
+
+
+def check_run(config: HybridFlowConfig, check_model: bool = True, plan: Plan | None = None) -> list[str]:
+    """The problems of one run's inputs (empty when it can start); with its `plan`, whether its training
+    roles fit their devices (placement=auto's search has checked the plan it chose)."""
     # a recipe that scores nothing (dpo, pretrain) needs no reward function's columns
     functions, problems = _reward_functions(config) if recipe_spec(config.recipe.name).reads_key("reward") else ([], [])
     generates = recipe_spec(config.recipe.name).reads_key("rollout.backend")  # not dpo, pretrain
@@ -91,11 +103,11 @@ def check_run(config: HybridFlowConfig, check_model: bool = True) -> list[str]:
     model_path = config.model.path if check_model else None
     if model_path is not None:
         problems += check_model_dir(model_path, "model.path") + engine_checks(config, model_path)
-        if recipe_spec(config.recipe.name).trains and not problems and not config.placement.planner.auto:
+        if recipe_spec(config.recipe.name).trains and not problems and plan is not None \
+                and not config.placement.planner.auto:
             from hybridflow.memory_budget import memory_problems  # placement=auto: the planner's rules check memory
-            from hybridflow.planning.plan import Plan
 
-            problems += memory_problems(config, Plan.from_config(config))
+            problems += memory_problems(config, plan)
     if config.reward.reward_model.path is not None:
         problems += check_model_dir(config.reward.reward_model.path, "reward.reward_model.path")
     needed = _needed_columns(config, functions)
@@ -414,7 +426,7 @@ def _pipeline_stages(config: HybridFlowConfig) -> Iterator[tuple[str, HybridFlow
     """(label, config, is_first) per stage, composed as the pipeline recipe composes them. A stage
     whose overrides do not compose is left to the pipeline's own stage check, which names it."""
     from hybridflow.config import compose
-    from hybridflow.config.stages import stage_overrides
+    from hybridflow.pipeline_stages import stage_overrides
 
     for index, stage in enumerate(config.pipeline.stages):
         model_path = config.model.path if index == 0 else None

@@ -227,38 +227,23 @@ def run_training_hooks(config: HybridFlowConfig, step: int, actor: WorkerGroup, 
     return {"hooks/applied": applied} if reference_hooks else {}
 
 
-def run_stage(recipe, config: HybridFlowConfig, run_dir: Path) -> dict:
-    """Run one recipe in `run_dir` (a run, or one stage of a pipeline) on the stage's one plan (decided
-    here, before anything starts: hybridflow.planning.auto.stage_plan), under its own deadlines
-    (`trainer.stage_timeout_s`, `trainer.default_stage_timeout_s`) and restarts (`trainer.max_restarts`):
-    a restart resumes it from its own last complete checkpoint."""
-    from hybridflow.memory_budget import resolve_micro_batches
-    from hybridflow.model_checks import half_precision_note
-    from hybridflow.planning.auto import stage_plan
-    from hybridflow.planning.plan import carrying
-    from hybridflow.precision import device_of, precision_line
+def run_stage(recipe, stage, run_dir: Path) -> dict:
+    """Run one recipe in `run_dir` (a run, or one stage of a pipeline) on its `stage` (hybridflow.stage.Stage,
+    decided before anything starts: its resolved config and its plan, saved here as plan.json), under its
+    own deadlines (`trainer.stage_timeout_s`, `trainer.default_stage_timeout_s`) and restarts
+    (`trainer.max_restarts`): a restart resumes it from its own last complete checkpoint."""
     from hybridflow.tracking import save_config
 
-    plan, planned = stage_plan(config, run_dir)  # placement=auto's, or the config's own: before anything starts
-    if planned:
-        console.say(planned)
-    config, chosen = resolve_micro_batches(config, plan)  # for the plan's pools
-    if chosen:
-        console.say(chosen)
-        save_config(config, run_dir)  # as the run uses it
-    if config.model.path or {config.model.dtype.value, config.rollout.dtype.value} != {"float32"}:
-        # the built tiny model computes in float32 by its own config (conf/model/tiny.yaml): nothing to say
-        console.say(precision_line(config.model.dtype.value, config.rollout.dtype.value,
-                                   device_of(config.placement.device.value)))
-    note = half_precision_note(config)
-    if note:
-        console.say(note)
-    deadlines.configure(dict(config.trainer.stage_timeout_s), config.trainer.default_stage_timeout_s)
-    with carrying(plan):  # the recipe's start_run spawns on it
-        return run_with_restarts(recipe, config, run_dir)
+    for line in stage.said:
+        console.say(line)
+    stage.save(run_dir)
+    save_config(stage.config, run_dir)  # as the run uses it
+    trainer = stage.config.trainer
+    deadlines.configure(dict(trainer.stage_timeout_s), trainer.default_stage_timeout_s)
+    return run_with_restarts(recipe, stage, run_dir)
 
 
-def run_with_restarts(recipe, config: HybridFlowConfig, run_dir: Path) -> dict:
+def run_with_restarts(recipe, stage, run_dir: Path) -> dict:
     """Run `recipe`; when a worker dies or raises, or a stage overruns its deadline, report it,
     tear the worker groups down and resume from the last complete checkpoint, at most
     `trainer.max_restarts` times. Each restart is a line in run_dir/restarts.jsonl, and every
@@ -273,10 +258,10 @@ def run_with_restarts(recipe, config: HybridFlowConfig, run_dir: Path) -> dict:
     from hybridflow.tracking import last_logged_step
 
     cluster.use_run_dir(run_dir)
-    restarts = 0
+    config, restarts = stage.config, 0
     while True:
         try:
-            return recipe(config, run_dir)
+            return recipe(stage, run_dir)
         except (WorkerError, WorkerGroupBroken, WeightSyncError, TimeoutError) as exc:
             lost = _node_lost(exc, restarts < config.trainer.max_restarts)
             if restarts >= config.trainer.max_restarts:
@@ -294,8 +279,9 @@ def run_with_restarts(recipe, config: HybridFlowConfig, run_dir: Path) -> dict:
                 f.write(json.dumps({"restart": restarts, "step": step, "error": type(exc).__name__, "message": str(exc)[:2000],
                                     "time": time.time()}) + "\n")
             release_all()
-            cluster.wait_until_plan_fits(config.placement.node_wait_s)
+            cluster.wait_until_plan_fits(stage.plan, config.placement.node_wait_s)
             config = dataclasses.replace(config, trainer=dataclasses.replace(config.trainer, resume=True))
+            stage = dataclasses.replace(stage, config=config)
 
 
 def _node_lost(error: BaseException, will_restart: bool):

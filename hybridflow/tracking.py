@@ -11,10 +11,10 @@ import math
 import os
 import time
 import uuid
-from dataclasses import asdict, is_dataclass
-from enum import Enum
 from pathlib import Path
 from typing import Any
+
+from hybridflow.config.schema import plain
 
 
 def reused_run_dir(output_root: str, run_name: str | None, resume: bool) -> str | None:
@@ -39,16 +39,7 @@ def make_run_dir(output_root: str, run_name: str | None, recipe: str) -> Path:
     return run_dir
 
 
-def _jsonable(value: Any) -> Any:
-    if is_dataclass(value):
-        return _jsonable(asdict(value))
-    if isinstance(value, Enum):
-        return value.value
-    if isinstance(value, dict):
-        return {str(k): _jsonable(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_jsonable(v) for v in value]
-    return value
+_jsonable = plain  # the config's plain form (hybridflow/config/schema.py), for configs and metrics alike
 
 
 def save_config(config: Any, run_dir: Path) -> Path:

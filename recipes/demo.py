@@ -10,17 +10,18 @@ from __future__ import annotations
 import time
 
 from hybridflow.batch import Batch
-from hybridflow.config.schema import HybridFlowConfig
 from hybridflow.controller import RoleSpec
 from hybridflow.data.prompts import encode_prompts
 from hybridflow.lifecycle import start_run
+from hybridflow.stage import Stage
 from hybridflow.rewards import exact_match
 from hybridflow.tracking import MetricsLogger
 from workers.rollout.vllm_rollout import VLLMRollout
 
 
-def run(config: HybridFlowConfig, run_dir) -> dict:
-    session = start_run(config, run_dir, lambda model_dir, tokenizer: {"rollout": RoleSpec(VLLMRollout, dict(
+def run(stage: Stage, run_dir) -> dict:
+    config = stage.config
+    session = start_run(stage, run_dir, lambda model_dir, tokenizer: {"rollout": RoleSpec(VLLMRollout, dict(
         model_path=str(model_dir), rollout=config.rollout, max_prompt_tokens=config.data.max_prompt_tokens,
         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
         trust_remote_code=config.model.trust_remote_code))})

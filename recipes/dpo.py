@@ -40,11 +40,13 @@ from hybridflow.controller import WorkerGroup
 from hybridflow.data.preference import encode_pairs
 from hybridflow.launch import prepare_preference_data
 from hybridflow.lifecycle import start_run
+from hybridflow.stage import Stage
 from hybridflow.runner import StageTimer, run_training_hooks, validation_due
 from recipes.roles import actor_role, reference_role
 
 
-def run(config: HybridFlowConfig, run_dir: Path) -> dict:
+def run(stage: Stage, run_dir: Path) -> dict:
+    config = stage.config
     def roles(model_dir: Path, tokenizer) -> dict:
         # log-probs of given responses: no sampling temperature applies
         actor = actor_role(config, model_dir)
@@ -53,7 +55,7 @@ def run(config: HybridFlowConfig, run_dir: Path) -> dict:
             specs["reference"] = reference_role(config, model_dir)
         return specs
 
-    session = start_run(config, run_dir, roles, data=prepare_preference_data)  # pairs checked before Ray
+    session = start_run(stage, run_dir, roles, data=prepare_preference_data)  # pairs checked before Ray
     data, actor, dpo, t = session.data, session.groups["actor"], config.dpo, config.trainer
     console.say(dpo.beta_line())
     per_token = dpo.loss in LENGTH_NORMALISED

@@ -15,14 +15,16 @@ from pathlib import Path
 from hybridflow.config.schema import HybridFlowConfig
 from hybridflow.data.prompts import encode_prompts
 from hybridflow.lifecycle import start_run
+from hybridflow.stage import Stage
 from hybridflow.rewards.composer import EXTRA_PREFIX, SCORE_KEY
 from hybridflow.runner import sample_seeds, validate
 from hybridflow.tracking import MetricsLogger
 from recipes.roles import reward_role, rollout_role
 
 
-def run(config: HybridFlowConfig, run_dir: Path) -> dict:
-    session = start_run(config, run_dir, lambda model_dir, tokenizer: {
+def run(stage: Stage, run_dir: Path) -> dict:
+    config = stage.config
+    session = start_run(stage, run_dir, lambda model_dir, tokenizer: {
         "rollout": rollout_role(config, model_dir, tokenizer), "reward": reward_role(config)})
     groups, data, tokenizer, model_dir = session.groups, session.data, session.tokenizer, session.model_dir
     metrics = validate(config, groups["rollout"], groups["reward"], data.val, tokenizer, step=0)

@@ -19,7 +19,7 @@ import os
 from pathlib import Path
 
 from hybridflow import console
-from hybridflow.config.stages import _retention, _stage_config, check_stages, routing_lines  # noqa: F401 - re-exported
+from hybridflow.pipeline_stages import _retention, _stage_config, check_stages, routing_lines  # noqa: F401 - re-exported
 from hybridflow.config.schema import HybridFlowConfig, StageConfig
 from hybridflow.console import say
 from hybridflow.launch import release_all
@@ -55,6 +55,7 @@ def _run_stage(config: HybridFlowConfig, run_dir: Path, index: int, model_path: 
     """Stage `index`: its starting model (the init hook over the previous stage), then its recipe."""
     from hybridflow.cli import recipe_function
     from hybridflow.runner import run_stage  # torch: not needed to compose and check the stages
+    from hybridflow.stage import prepare_stage
 
     stage = config.pipeline.stages[index]
     stage_dir = run_dir / f"{index:02d}-{stage.name}"
@@ -70,7 +71,8 @@ def _run_stage(config: HybridFlowConfig, run_dir: Path, index: int, model_path: 
     say(f"pipeline: stage {index} {stage.name} ({stage.recipe}) starts from "
         f"{stage_config.model.path or 'the tiny model'}")
     stage_dir.mkdir(parents=True, exist_ok=True)  # a stage that builds no model and merges none writes here first
-    stage_result = run_stage(recipe_function(stage.recipe), stage_config, stage_dir)  # its own restarts, deadlines
+    # its own plan (decided and checked now), restarts and deadlines
+    stage_result = run_stage(recipe_function(stage.recipe), prepare_stage(stage_config), stage_dir)
     release_all()
     validations = [m for m in read_metrics(stage_dir) if "val/accuracy" in m]
     result.update(final_model=stage_result["final_model"],
@@ -79,6 +81,7 @@ def _run_stage(config: HybridFlowConfig, run_dir: Path, index: int, model_path: 
 
 
 def _evaluate(config: HybridFlowConfig, model_path: str, run_dir: Path, index: int) -> float:
+    from hybridflow.stage import prepare_stage
     from recipes.evaluate import run as evaluate
 
     stage = config.pipeline.stages[index]
@@ -86,7 +89,7 @@ def _evaluate(config: HybridFlowConfig, model_path: str, run_dir: Path, index: i
     eval_dir.mkdir(parents=True, exist_ok=True)
     eval_config = _stage_config(config, index, model_path, run_dir, eval_dir.name, extra=["recipe.name=evaluate"])
     with console.stage(f"{stage.name}-init"):  # "grpo-init: held-out accuracy ..."; logs/grpo-init/
-        result = evaluate(eval_config, eval_dir)
+        result = evaluate(prepare_stage(eval_config), eval_dir)
     release_all()
     return result["val/accuracy"]
 

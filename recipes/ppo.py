@@ -42,6 +42,7 @@ from hybridflow.data.prompts import encode_prompts
 from hybridflow.faults import inject_faults
 from hybridflow.controller.memory import pool_memory_metrics
 from hybridflow.lifecycle import start_run
+from hybridflow.stage import Stage
 from hybridflow.resharding.parity import FirstBatchParity
 from hybridflow.rewards import reward_metrics
 from hybridflow.rewards.composer import EXTRA_PREFIX
@@ -59,8 +60,9 @@ from hybridflow.training.sequences import balanced_over_ranks, loss_mask
 from recipes.roles import actor_role, critic_role, reference_role, reward_role, rollout_role
 
 
-def run(config: HybridFlowConfig, run_dir: Path) -> dict:
-    session = start_run(config, run_dir, lambda model_dir, tokenizer: build_roles(config, model_dir, tokenizer))
+def run(stage: Stage, run_dir: Path) -> dict:
+    config = stage.config
+    session = start_run(stage, run_dir, lambda model_dir, tokenizer: build_roles(config, model_dir, tokenizer))
     groups, tokenizer, data = session.groups, session.tokenizer, session.data
     t = config.trainer
     training = session.training([role for role in ("actor", "critic") if role in groups], data.train,

@@ -15,22 +15,23 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
-from hybridflow.config.schema import HybridFlowConfig
 from hybridflow.controller import WorkerGroup
 from hybridflow.data.corpus import Corpus, build_corpus, sequence_batch
 from hybridflow.lifecycle import start_run
+from hybridflow.stage import Stage
 from hybridflow.runner import StageTimer, validation_due
 from recipes.roles import actor_role
 
 
-def run(config: HybridFlowConfig, run_dir: Path) -> dict:
+def run(stage: Stage, run_dir: Path) -> dict:
+    config = stage.config
     def roles(model_dir: Path, tokenizer) -> dict:
         # The held-out loss is the model's own log-probs: no sampling temperature applies.
         role = actor_role(config, model_dir)
         return {"actor": dataclasses.replace(role, kwargs={**role.kwargs, "temperature": 1.0})}
 
     # the corpus is built before Ray starts: a bad file or size fails first
-    session = start_run(config, run_dir, roles, data=lambda config, run_dir, tokenizer: build_corpus(
+    session = start_run(stage, run_dir, roles, data=lambda config, run_dir, tokenizer: build_corpus(
         config.pretrain, tokenizer))
     corpus, actor = session.data, session.groups["actor"]
     training = session.training(["actor"], list(range(len(corpus.train))), config.pretrain.sequences_per_step)

@@ -10,52 +10,58 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from hybridflow.config.rules import lora_sync
+from hybridflow.checks import lora_sync
 from hybridflow.config.engines import rollout_engine
 from hybridflow.config.schema import HybridFlowConfig
 from hybridflow.registry import load_object
 from hybridflow.controller import RoleSpec
-from hybridflow.planning.plan import carried_plan
-from hybridflow.memory_budget import resolve_micro_batches
 from workers.actor import ActorWorker
 from workers.critic import CriticWorker
 from workers.reference import ReferenceWorker
 from workers.reward import RewardWorker
 
 
-def sized(config: HybridFlowConfig, model_dir: str | Path) -> HybridFlowConfig:
-    """`config` with the micro-batch sizes left null chosen for the model in `model_dir` (a run has
-    chosen them before start for its stage's plan, so this changes nothing there; a worker built on
-    its own, as in tests, gets the choice for its config's own plan)."""
-    return resolve_micro_batches(config, carried_plan(config), model_dir=model_dir)[0]
+def _sized(config: HybridFlowConfig, role: str) -> HybridFlowConfig:
+    """`config`, whose micro-batch sizes the stage chose before anything started (hybridflow.stage.prepare_stage)."""
+    unsized = [key for key, value in (("actor.samples_per_micro_batch", config.actor.samples_per_micro_batch),
+                                      ("actor.gradient_checkpointing", config.actor.gradient_checkpointing),
+                                      ("critic.samples_per_micro_batch", config.critic.samples_per_micro_batch))
+               if value is None]
+    if unsized:
+        raise ValueError(f"{role}_role: {', '.join(unsized)} left null; build roles from the stage's config "
+                         "(hybridflow.stage.prepare_stage(config).config), which chooses them for its plan")
+    return config
 
 
 def actor_role(config: HybridFlowConfig, model_dir: str | Path) -> RoleSpec:
-    config = sized(config, model_dir)
+    config = _sized(config, "actor")
     return RoleSpec(ActorWorker, dict(
         actor=config.actor, model_path=str(model_dir), dtype=config.model.dtype.value,
         master_dtype=config.model.master_dtype.value, keep_dropout=config.model.keep_dropout,
         temperature=config.rollout.temperature, total_steps=config.trainer.total_steps,
         trust_remote_code=config.model.trust_remote_code, seed=config.seed,
-        pack_sequences=config.model.pack_sequences))
+        pack_sequences=config.model.pack_sequences,
+        share_prompts=config.model.share_prompts))
 
 
 def critic_role(config: HybridFlowConfig, model_dir: str | Path) -> RoleSpec:
-    config = sized(config, model_dir)
+    config = _sized(config, "critic")
     return RoleSpec(CriticWorker, dict(
         critic=config.critic, model_path=str(model_dir), dtype=config.model.dtype.value,
         master_dtype=config.model.master_dtype.value, keep_dropout=config.model.keep_dropout,
         total_steps=config.trainer.total_steps, trust_remote_code=config.model.trust_remote_code, seed=config.seed,
-        pack_sequences=config.model.pack_sequences))
+        pack_sequences=config.model.pack_sequences,
+        share_prompts=config.model.share_prompts))
 
 
 def reference_role(config: HybridFlowConfig, model_dir: str | Path) -> RoleSpec:
-    config = sized(config, model_dir)
+    config = _sized(config, "reference")
     return RoleSpec(ReferenceWorker, dict(
         model_path=str(model_dir), dtype=config.model.dtype.value, keep_dropout=config.model.keep_dropout,
         samples_per_micro_batch=config.actor.samples_per_micro_batch, temperature=config.rollout.temperature,
         tokens_per_micro_batch=config.actor.tokens_per_micro_batch, fp32_lm_head=config.actor.fp32_lm_head,
-        trust_remote_code=config.model.trust_remote_code, pack_sequences=config.model.pack_sequences))
+        trust_remote_code=config.model.trust_remote_code, pack_sequences=config.model.pack_sequences,
+        share_prompts=config.model.share_prompts))
 
 
 def reward_role(config: HybridFlowConfig) -> RoleSpec:

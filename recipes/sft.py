@@ -12,17 +12,18 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from hybridflow.config.schema import HybridFlowConfig
 from hybridflow.controller.memory import pool_memory_metrics
 from hybridflow.data.answers import encode_sft_targets
 from hybridflow.data.prompts import encode_prompts
 from hybridflow.lifecycle import start_run
+from hybridflow.stage import Stage
 from hybridflow.runner import StageTimer, validate, validation_due
 from recipes.roles import actor_role, reward_role, rollout_role
 
 
-def run(config: HybridFlowConfig, run_dir: Path) -> dict:
-    session = start_run(config, run_dir, lambda model_dir, tokenizer: {
+def run(stage: Stage, run_dir: Path) -> dict:
+    config = stage.config
+    session = start_run(stage, run_dir, lambda model_dir, tokenizer: {
         "actor": actor_role(config, model_dir),
         "rollout": rollout_role(config, model_dir, tokenizer),
         "reward": reward_role(config),

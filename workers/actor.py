@@ -2,7 +2,12 @@
 
 Computes response log-probs and entropy, updates the policy with the configured loss over
 mini-batches and micro-batches, runs supervised fine-tuning steps (the SFT recipe reuses the
-actor), and is the sending end of the weight sync (`hybridflow.resharding`).
+actor) and preference steps. What it does with its weights besides training is composed from the
+framework, each registered method here delegating so that the controller calls it on the worker by
+name: the sending end of the weight sync (`hybridflow.resharding.source.WeightSource`), the moves
+of its training state off and back onto a GPU shared with the rollout engine
+(`hybridflow.training.memory_moves`), and the whole model read, replaced or exported
+(`hybridflow.training.whole_model`).
 
 Gradient accumulation is invariant to the micro-batch split: every micro-batch loss is
 normalised by the token (or sequence) count of the whole mini-batch across all ranks, and
@@ -32,6 +37,8 @@ from hybridflow.batch import Batch
 from hybridflow.config.schema import ActorConfig
 from hybridflow.controller import Dispatch, WorkerContext, register
 from hybridflow.data.preference import pair_sequences, pair_sums
+from hybridflow.resharding.source import WeightSource
+from hybridflow.training import memory_moves, whole_model
 from hybridflow.training.fsdp import (
     accumulating,
     fp32_output_head,
@@ -45,33 +52,38 @@ from hybridflow.training.fsdp import (
     shard_model,
 )
 from hybridflow.training.packing import choose_packing, runs_packed
+from hybridflow.training.shared_prompts import choose_sharing, shares_prompts
 from hybridflow.training.state import TrainingStateMixin
 from hybridflow.training.sequences import (
+    TOKEN_COUNTS,
+    computed_tokens,
     log_probs_and_entropy,
     loss_mask,
-    micro_batches,
+    micro_batch_rows,
     mini_batches,
     pair_log_probs,
     response_log_probs,
+    row_facts,
 )
 
 
 class ActorWorker(TrainingStateMixin):
     def __init__(self, ctx: WorkerContext, actor: ActorConfig, *, model_path: str, dtype: str, master_dtype: str,
                  keep_dropout: bool, temperature: float, total_steps: int, trust_remote_code: bool, seed: int,
-                 pack_sequences: bool | None = None) -> None:
+                 pack_sequences: bool | None = None, share_prompts: bool | None = None) -> None:
         """`actor`: the `actor` config node; the rest come from elsewhere in the config (built by
         recipes/roles.py): `model.dtype` (compute), `model.master_dtype` (parameters and optimizer
         state), `model.keep_dropout`, `rollout.temperature` (log-probs at the sampler's temperature),
         `trainer.total_steps` (the lr schedule's span unless actor.optim.schedule_steps),
-        `model.trust_remote_code`, `seed`, `model.pack_sequences` (None: packed where the model allows)."""
+        `model.trust_remote_code`, `seed`, `model.pack_sequences` (None: packed where the model allows),
+        `model.share_prompts` (None: shared where packed)."""
         self.ctx, self.cfg = ctx, actor
         self.model_path, self.dtype, self.temperature = model_path, dtype, temperature
         self.master_dtype, self.keep_dropout = master_dtype, keep_dropout
         self.total_steps, self.trust_remote_code, self.seed = total_steps, trust_remote_code, seed
-        self.pack_sequences = pack_sequences
+        self.pack_sequences, self.share_prompts = pack_sequences, share_prompts
         self.model = self.optimizer = self.scheduler = None
-        self.sender = None  # built by setup_weight_sender
+        self.weights = None  # this rank's end of the weight path (hybridflow.resharding.source), built by start
         self.updates = 0
         self._sampled = None  # update_policy against the sampler: its first mini-batch's log-probs, for the mismatch
 
@@ -85,12 +97,14 @@ class ActorWorker(TrainingStateMixin):
                            trust_remote_code=self.trust_remote_code, keep_dropout=self.keep_dropout,
                            on_meta=self.ctx.world_size > 1 and self.ctx.rank != 0)
         packed = choose_packing(model, self.pack_sequences)
+        shared = choose_sharing(model, self.share_prompts, packed)
         self.model = shard_model(model, self.ctx.device, compute_dtype=self.dtype)
         if self.cfg.fp32_lm_head:
             fp32_output_head(self.model)
         self.optimizer, self.scheduler = build_optimizer(self.model, self.cfg.optim, self.total_steps)
+        self.weights = WeightSource(self.model, self.ctx.rank, self.ctx.world_size, self.ctx.group_name)
         trainable = sum(p.numel() for p in self.model.parameters() if p.requires_grad)
-        return {"trainable_parameters_on_rank": trainable, "packed_sequences": packed}
+        return {"trainable_parameters_on_rank": trainable, "packed_sequences": packed, "shared_prompts": shared}
 
     # ---- inference ------------------------------------------------------------------------
 
@@ -121,6 +135,18 @@ class ActorWorker(TrainingStateMixin):
         log_probs, _ = log_probs_and_entropy(self.model, batch.to(self.ctx.device), self.cfg.samples_per_micro_batch,
                                              self.temperature, self.cfg.tokens_per_micro_batch, with_entropy=False)
         return Batch(tensors={key: log_probs.cpu()})
+
+    @register(Dispatch.ONE_TO_ALL)
+    @torch.no_grad()
+    def probe_log_probs(self, prompts: list[list[int]], tokens: list[list[int]]) -> torch.Tensor:
+        """Collective: the actor's log-prob of each of `tokens[i]` after `prompts[i]`, concatenated
+        (float64), computed as one left-padded batch the way compute_log_probs reads samples (the
+        weight sync's probe, hybridflow.resharding.verify, compares it with the engine's)."""
+        from hybridflow.resharding.verify import probe_batch
+
+        batch = probe_batch(prompts, tokens)
+        log_probs, _ = log_probs_and_entropy(self.model, batch.to(self.ctx.device), len(batch), with_entropy=False)
+        return log_probs[batch["response_mask"].to(log_probs.device)].double().cpu()
 
     # ---- training ---------------------------------------------------------------------------
 
@@ -268,10 +294,13 @@ class ActorWorker(TrainingStateMixin):
             self.cfg.samples_per_mini_batch // world
         generator = torch.Generator().manual_seed(self.seed * 100003 + self.updates)
         totals: dict[str, float] = {}
+        computed: dict[str, float] = {}  # perf/*_tokens: summed over mini-batches and ranks, not averaged
         n_mini, first, once = 0, {}, {}
         for _ in range(epochs or self.cfg.epochs_per_step):
-            for mini in mini_batches(batch, rows_per_mini, generator):
+            for mini in mini_batches(batch, rows_per_mini, generator, shares_prompts(self.model)):
                 mini_stats = self._train_mini_batch(mini, loss_fn, world)
+                for k in TOKEN_COUNTS:
+                    computed[k] = computed.get(k, 0) + mini_stats.pop(k)
                 for k, v in mini_stats.items():
                     totals[k] = totals.get(k, 0.0) + v
                 if not first and after_first_mini_batch is not None:
@@ -284,7 +313,8 @@ class ActorWorker(TrainingStateMixin):
         if "actor/log_prob_diff_from_old" in first:  # the first mini-batch's, before any optimizer step:
             stats["log_prob_diff_before_update"] = first["actor/log_prob_diff_from_old"]  # the recipe's, no metric
         stats["actor/lr"] = self.scheduler.get_last_lr()[0]
-        return {**all_reduce_mean_dict(stats), **once}
+        reduced = all_reduce_mean_dict({**stats, **computed})
+        return {**reduced, **{k: reduced[k] * world for k in computed}, **once}
 
     def _train_mini_batch(self, mini: Batch, loss_fn, world: int) -> dict:
         mask = loss_mask(mini)
@@ -296,8 +326,11 @@ class ActorWorker(TrainingStateMixin):
         loss_total, weighted = 0.0, {}
         trained = self._rows_with_gradient(mini)
         trained_tokens = loss_mask(trained).sum().clamp(min=1)
-        micros = micro_batches(trained, self.cfg.samples_per_micro_batch, self.cfg.tokens_per_micro_batch,
-                               packed=runs_packed(self.model))
+        packed, share = runs_packed(self.model), shares_prompts(self.model)
+        facts = row_facts(trained, share=packed and share)
+        rows = micro_batch_rows(trained, self.cfg.samples_per_micro_batch, self.cfg.tokens_per_micro_batch,
+                                packed, share, facts)
+        micros = (trained.index(r) for r in rows)
         for micro in accumulating(self.model, micros):  # nothing here waits for the device (read_floats)
             loss, stats = loss_fn(micro, tokens, seqs)
             (loss * world).backward()
@@ -306,6 +339,7 @@ class ActorWorker(TrainingStateMixin):
             for k, v in stats.items():  # loss parts add up, means weigh by tokens: no split changes them
                 weighted[k] = weighted.get(k, 0.0) + micro_batch_stat(k, v, share, world)
         weighted["actor/loss"] = loss_total
+        weighted.update(computed_tokens(facts, rows, packed))
         read_floats(weighted)  # the one wait for the device in this mini-batch's micro-batches
         weighted["actor/trained_sample_fraction"] = len(trained) / len(mini)
         grad_norm = self._clipped_step("or check the advantages/rewards for NaN")
@@ -350,149 +384,81 @@ class ActorWorker(TrainingStateMixin):
             group["lr"] *= factor
         return self.optimizer.param_groups[0]["lr"]
 
-    @register(Dispatch.ONE_TO_ALL)
-    def load_weights(self, weights: dict[str, torch.Tensor], reset_optimizer: bool = False) -> None:
-        """Replace the weights with full tensors under Hugging Face names (e.g. a merge of checkpoints,
-        from the `spike_recovery` step hook); `reset_optimizer` also clears Adam's moments."""
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
-
-        expected = set(self.model.state_dict())
-        tied = {"lm_head.weight"} if getattr(self.model.config, "tie_word_embeddings", False) else set()
-        if set(weights) - expected or expected - set(weights) - tied:
-            raise KeyError(f"actor rank {self.ctx.rank}: the weights to load do not match the model: unexpected "
-                           f"{sorted(set(weights) - expected)[:5]}, missing {sorted(expected - set(weights) - tied)[:5]}")
-        set_model_state_dict(self.model, weights, options=StateDictOptions(full_state_dict=True, strict=False))
-        if reset_optimizer:
-            self.optimizer.state.clear()
-
-    # ---- device memory ------------------------------------------------------------------------
+    # ---- device memory (hybridflow.training.memory_moves) -------------------------------------
 
     @register(Dispatch.ONE_TO_ALL)
     def offload(self) -> bool:
         """Move parameters and optimizer state to host memory while the colocated engine generates.
         Only on a GPU (on the CPU there is nowhere else to put them); returns whether it moved."""
-        return self._move("cpu") if self.ctx.device == "cuda" else False
+        return memory_moves.offload(self.model, self.optimizer, self.ctx.device)
 
     @register(Dispatch.ONE_TO_ALL)
     def reload(self) -> bool:
         """Bring parameters and optimizer state back to the device before training."""
-        return self._move(self.ctx.device) if self.ctx.device == "cuda" else False
+        return memory_moves.reload(self.model, self.optimizer, self.ctx.device)
 
     @register(Dispatch.ONE_TO_ALL)
     def device_peak_bytes(self) -> int | None:
         """GPUs: this process's device memory peak since the last read (one phase of the colocated
         hand-over; the engine shares the process), then reset; None on the CPU."""
-        from hybridflow.controller.memory import phase_peak_bytes
+        return memory_moves.device_peak_bytes(self.ctx.device)
 
-        return phase_peak_bytes() if self.ctx.device == "cuda" else None
-
-    def _move(self, device: str) -> bool:
-        """Parameters and AdamW moments to `device` at the host link's speed. To the host, gradients
-        are freed first (the next update makes new ones) and every tensor is copied into page-locked
-        memory: a non-blocking device-to-host copy gets a pinned destination from PyTorch's caching
-        host allocator, which keeps the blocks for the next offload, so they are allocated once.
-        A pageable copy moved 1.5-2 GB/s on an H200 whose link moves 55 (docs/results/gpu.md "On a
-        GPU"). Parameters wait for their own copy before the next one starts: FSDP2 re-pads an
-        unevenly sharded parameter on the host as it is moved, which must read a finished copy.
-        Back to the device the copies are non-blocking from pinned memory, ordered on the stream."""
-        if device == "cpu":
-            self.optimizer.zero_grad(set_to_none=True)
-
-            def to_host(tensor: torch.Tensor) -> torch.Tensor:
-                moved = tensor.to("cpu", non_blocking=True)
-                torch.cuda.current_stream().synchronize()
-                return moved
-
-            self.model._apply(to_host)  # what Module.to does, with a wait per tensor; FSDP2 re-registers its shards
-        else:
-            self.model.to(device, non_blocking=True)
-        for state in self.optimizer.state.values():
-            for key, value in state.items():
-                if torch.is_tensor(value) and key != "step":
-                    state[key] = value.to(device, non_blocking=True)
-        torch.cuda.synchronize()
-        if device == "cpu":
-            torch.cuda.empty_cache()
-        return True
-
-    # ---- weights (the sending end of hybridflow.resharding.WeightSync) --------------------------
+    # ---- weights (the sending end of hybridflow.resharding.WeightSync: `self.weights`) ------------
 
     @register(Dispatch.RANK_ZERO)
     def weight_shapes(self) -> dict[str, list[int]]:
         """Checkpoint name -> full shape of every weight the rollout receives."""
-        from hybridflow.resharding.weights import checkpoint_shapes
-
-        return checkpoint_shapes(self.model)
+        return self.weights.shapes()
 
     @register(Dispatch.ONE_TO_ALL)
     def setup_weight_sender(self, plan) -> bool:
         """Build this rank's sender from the controller's `SyncPlan` (opens the transfer group if any)."""
-        from hybridflow.resharding.sender import WeightSender
-
-        self.sender = WeightSender(self.model, plan, self.ctx.rank, self.ctx.world_size)
-        self.sender.connect()
+        self.weights.connect(plan)
         return True
 
     @register(Dispatch.ONE_TO_ALL)
     def send_weights(self) -> dict[str, float]:
         """Collective: move the current weights to the rollout (see hybridflow.resharding.sender)."""
-        return self.sender.send(self.ctx.group_name)
+        return self.weights.send()
 
     @register(Dispatch.RANK_ZERO)
     def lora_adapter(self, dtype: str) -> dict | None:
         """Collective: the LoRA adapter for the rollout, from rank 0 (weight_sync.lora=adapter;
         hybridflow.resharding.adapter.adapter_payload): factors in `dtype`, config, checksums."""
-        from hybridflow.resharding import faults
-        from hybridflow.resharding.adapter import adapter_payload
-
-        return faults.before_sending_adapter(adapter_payload(self.model, self.ctx.rank, dtype))
+        return self.weights.adapter(dtype)
 
     @register(Dispatch.ONE_TO_ALL)
     def lora_checksums(self, dtype: str) -> dict | None:
         """Collective: rank 0's checksums of the live LoRA weights, as the adapter must hold them
         (hybridflow.resharding.adapter.live_adapter_checksums); the others None."""
-        from hybridflow.resharding.adapter import live_adapter_checksums
-
-        return live_adapter_checksums(self.model, self.ctx.rank, dtype)
+        return self.weights.adapter_checksums(dtype)
 
     @register(Dispatch.ONE_TO_ALL)
     def weight_checksums(self) -> list[dict[str, tuple[float, float]]]:
         """Collective: per rollout rank, checksums of the part of every tensor it needs."""
-        return self.sender.checksums()
+        return self.weights.checksums()
 
-    @register(Dispatch.ONE_TO_ALL)
-    @torch.no_grad()
-    def probe_log_probs(self, prompts: list[list[int]], tokens: list[list[int]]) -> torch.Tensor:
-        """Collective: the actor's log-prob of each of `tokens[i]` after `prompts[i]`, concatenated
-        (float64), computed as one left-padded batch the way compute_log_probs reads samples."""
-        from hybridflow.resharding.verify import probe_batch
-
-        batch = probe_batch(prompts, tokens)
-        log_probs, _ = log_probs_and_entropy(self.model, batch.to(self.ctx.device), len(batch), with_entropy=False)
-        return log_probs[batch["response_mask"].to(log_probs.device)].double().cpu()
-
-    # ---- checkpoints (save/load: TrainingStateMixin) ----------------------------------------
+    # ---- checkpoints (save/load: TrainingStateMixin; the whole model: hybridflow.training.whole_model) ----
 
     @register(Dispatch.ONE_TO_ALL)
     def export_hf(self, directory: str, tokenizer_source_dir: str) -> str | None:
         """Collective: rank 0 writes the actor (LoRA folded) as a Hugging Face model directory in the
         compute dtype (`model.dtype`: what the model was loaded and is served in), not the master's;
         or, with actor.lora.save_adapter_only, its LoRA adapter as a peft adapter directory."""
-        from hybridflow.checkpoint import export_hf_model, export_lora_adapter
-
-        if self.cfg.lora.rank and self.cfg.lora.save_adapter_only:
-            path = export_lora_adapter(directory, model=self.model, base_model_dir=self.model_path, rank=self.ctx.rank)
-        else:
-            path = export_hf_model(directory, model=self.model, tokenizer_source_dir=tokenizer_source_dir,
-                                   rank=self.ctx.rank, dtype=getattr(torch, self.dtype))
-        return str(path) if path is not None else None
+        return whole_model.export_hf(directory, model=self.model, tokenizer_source_dir=tokenizer_source_dir,
+                                     base_model_dir=self.model_path, rank=self.ctx.rank, dtype=self.dtype,
+                                     adapter_only=bool(self.cfg.lora.rank and self.cfg.lora.save_adapter_only))
 
     @register(Dispatch.RANK_ZERO)
     def full_state_dict(self) -> dict:
         """Collective: the full (unsharded) weights on the CPU, in the compute dtype (`model.dtype`, what
         the reference holds: the reference hooks merge the two); rank 0's copy is returned."""
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+        return whole_model.full_state_dict(self.model, self.dtype)
 
-        state = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-        dtype = getattr(torch, self.dtype)
-        return {k: v.to(dtype) if v.is_floating_point() else v for k, v in state.items()}
+    @register(Dispatch.ONE_TO_ALL)
+    def load_weights(self, weights: dict[str, torch.Tensor], reset_optimizer: bool = False) -> None:
+        """Replace the weights with full tensors under Hugging Face names (e.g. a merge of checkpoints,
+        from the `spike_recovery` step hook); `reset_optimizer` also clears Adam's moments."""
+        whole_model.load_full_state_dict(self.model, weights, f"actor rank {self.ctx.rank}")
+        if reset_optimizer:
+            self.optimizer.state.clear()

@@ -27,6 +27,7 @@ from hybridflow.training.fsdp import (
     shard_model,
 )
 from hybridflow.training.packing import choose_packing, pack, runs_packed
+from hybridflow.training.shared_prompts import choose_sharing, shares_prompts
 from hybridflow.training.state import TrainingStateMixin
 from hybridflow.training.sequences import (
     loss_mask,
@@ -40,8 +41,8 @@ from hybridflow.training.sequences import (
 
 def _values(model: torch.nn.Module, batch: Batch) -> torch.Tensor:
     """Values (B, R) at the positions that predict each response token (0 past every response)."""
-    packed = pack(batch["prompt_ids"], batch["prompt_mask"], batch["response_ids"], batch["response_mask"]) \
-        if runs_packed(model) else None
+    packed = pack(batch["prompt_ids"], batch["prompt_mask"], batch["response_ids"], batch["response_mask"],
+                  share=shares_prompts(model)) if runs_packed(model) else None
     if packed is not None:  # real tokens only (hybridflow.training.packing)
         return packed.scatter(model(**packed.model_kwargs()).logits[0, packed.predicting, 0].float())
     inputs, prompt_len, width = trimmed_inputs(batch)  # all-padding columns cost compute and change nothing
@@ -53,12 +54,13 @@ def _values(model: torch.nn.Module, batch: Batch) -> torch.Tensor:
 class CriticWorker(TrainingStateMixin):
     def __init__(self, ctx: WorkerContext, critic: CriticConfig, *, model_path: str, dtype: str, master_dtype: str,
                  keep_dropout: bool, total_steps: int, trust_remote_code: bool, seed: int,
-                 pack_sequences: bool | None = None) -> None:
+                 pack_sequences: bool | None = None, share_prompts: bool | None = None) -> None:
         """`critic`: the `critic` config node; the rest as for the actor (recipes/roles.py)."""
         self.ctx, self.cfg = ctx, critic
         self.model_path, self.dtype, self.total_steps = model_path, dtype, total_steps
         self.master_dtype, self.keep_dropout = master_dtype, keep_dropout
         self.trust_remote_code, self.seed, self.pack_sequences = trust_remote_code, seed, pack_sequences
+        self.share_prompts = share_prompts
         self.model = self.optimizer = self.scheduler = None
         self.updates = 0
 
@@ -68,7 +70,7 @@ class CriticWorker(TrainingStateMixin):
         model = load_model(self.model_path, self.master_dtype, value_head=True, trust_remote_code=self.trust_remote_code,
                            keep_dropout=self.keep_dropout,
                            on_meta=self.ctx.world_size > 1 and self.ctx.rank != 0)
-        choose_packing(model, self.pack_sequences)
+        choose_sharing(model, self.share_prompts, choose_packing(model, self.pack_sequences))
         self.model = shard_model(model, self.ctx.device, compute_dtype=self.dtype)
         self.optimizer, self.scheduler = build_optimizer(self.model, self.cfg.optim, self.total_steps)
 
@@ -80,7 +82,7 @@ class CriticWorker(TrainingStateMixin):
         batch = batch.to(self.ctx.device)
         values = torch.zeros(batch["response_ids"].shape, dtype=torch.float32, device=batch["response_ids"].device)
         for rows in micro_batch_rows(batch, self.cfg.samples_per_micro_batch, self.cfg.tokens_per_micro_batch,
-                                     packed=runs_packed(self.model)):
+                                     packed=runs_packed(self.model), share=shares_prompts(self.model)):
             micro = batch.index(rows)
             values[torch.tensor(rows, device=values.device)] = _values(self.model, micro) * loss_mask(micro)
         return Batch(tensors={"values": values.cpu()},
@@ -97,7 +99,7 @@ class CriticWorker(TrainingStateMixin):
         generator = torch.Generator().manual_seed(self.seed * 7919 + self.updates)
         totals, n = {}, 0
         for _ in range(self.cfg.epochs_per_step):
-            for mini in mini_batches(batch, rows, generator):
+            for mini in mini_batches(batch, rows, generator, shares_prompts(self.model)):
                 for k, v in self._mini_batch(mini, world).items():
                     totals[k] = totals.get(k, 0.0) + v
                 n += 1
@@ -115,7 +117,7 @@ class CriticWorker(TrainingStateMixin):
         weighted: dict = {}
         tokens = mask.sum().clamp(min=1)
         micros = micro_batches(mini, self.cfg.samples_per_micro_batch, self.cfg.tokens_per_micro_batch,
-                               packed=runs_packed(self.model))
+                               packed=runs_packed(self.model), share=shares_prompts(self.model))
         for micro in accumulating(self.model, micros):
             loss, stats = clipped_value_loss(
                 values=_values(self.model, micro), old_values=micro["values"], returns=micro["returns"],

@@ -7,7 +7,6 @@ from pathlib import Path
 from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, OmegaConf
 
-from hybridflow.config.rules import check_config
 from hybridflow.config.schema import HybridFlowConfig
 
 CONF_DIR = Path(__file__).resolve().parents[2] / "conf"
@@ -24,8 +23,12 @@ def register_schema() -> None:
 
 
 def to_config(cfg: DictConfig) -> HybridFlowConfig:
-    """The composed config as typed dataclasses: each section's own rules run as it is built, then the
-    rules across sections (`hybridflow.config.rules.check_config`)."""
+    """The composed config as typed dataclasses, as this machine runs it: each section's own rules run as it is
+    built, then it is resolved (`hybridflow.checks.resolved`: dtypes, probe tolerance) and every rule across
+    sections the config alone can break is checked (`hybridflow.checks.config_problems`). The rules its plan
+    can break run once the stage's plan is decided (`hybridflow.stage.prepare_stage`)."""
+    from hybridflow.checks import config_problems, resolved
+
     try:
         config = OmegaConf.to_object(cfg)
     except Exception as exc:  # OmegaConf wraps __post_init__ errors; keep only the message
@@ -35,11 +38,13 @@ def to_config(cfg: DictConfig) -> HybridFlowConfig:
         raise ConfigError(f"the composed config is a {type(config).__name__}, not HybridFlowConfig; "
                           f"conf/config.yaml must list '{SCHEMA_NAME}' first in its defaults")
     try:
-        return check_config(config)
-    except ConfigError:
-        raise
-    except ValueError as exc:
+        config = resolved(config)
+        problems = config_problems(config)
+    except ValueError as exc:  # a plug-in's name that does not load, a dtype this machine cannot compute in
         raise ConfigError(str(exc)) from None
+    if problems:
+        raise ConfigError("\n".join(problems))
+    return config
 
 
 def compose(overrides: list[str] | None = None, config_name: str = "config") -> HybridFlowConfig:

@@ -46,7 +46,7 @@ class RecipeSpec:
         return under(self.reads) and not under(self.ignores)
 
 
-RECIPE_SPECS: Registry[RecipeSpec] = Registry("recipe", signature="run(config: HybridFlowConfig, run_dir: Path) -> dict")
+RECIPE_SPECS: Registry[RecipeSpec] = Registry("recipe", signature="run(stage: Stage, run_dir: Path) -> dict")
 
 _RUN = ("model", "data", "placement", "logger", "ray", "seed")
 _TRAIN = (*_RUN, "trainer", "actor", "rollout", "weight_sync", "reward")

@@ -82,6 +82,7 @@ MEANINGS = {
     "actor.fp32_lm_head": "the actor's (and the reference's) output head in float32 when the model computes in a 16-bit dtype: the bf16 head's rounding is much of the gap between the engine's and the trainer's log-probs; its logits then take float32 memory (priced)",
     "rollout.enforce_eager": "vLLM without CUDA graphs; null: eager on a CPU, CUDA graphs on a GPU (as vLLM's users run it)",
     "rollout.seed": "seed of the rollout engine's sampler",
+    "rollout.seed_per_request": "a sampler generator per request (each sample's draws independent of its batch; vLLM samples such requests one by one, slower on GPUs); false: one stream per batch, seeded from its first sample's seed (a resumed step draws the same)",
     "algorithm.advantage_estimator": "gae, grpo, dr_grpo, rloo, reinforce_plus_plus, remax (docs/algorithms.md)",
     "algorithm.use_critic": "train a critic (PPO with GAE)",
     "algorithm.gamma": "discount of GAE / REINFORCE++ returns",
@@ -207,9 +208,9 @@ def _type_name(hint) -> str:
 
 
 def _show(value) -> str:
-    from hybridflow.tracking import _jsonable
+    from hybridflow.config.schema import plain
 
-    value = _jsonable(value)
+    value = plain(value)
     text = "null" if value is None else str(value).lower() if isinstance(value, bool) else str(value)
     return f"`{text}`".replace("|", "\\|")
 

@@ -35,21 +35,21 @@ def check_reference(reference: Optional[str], key: str) -> Optional[str]:
     """Check a function reference's form; a `file.py:name` path is made absolute.
 
     Absolute because the function is loaded inside Ray workers, whose working directory is
-    not the driver's. Returns the (possibly rewritten) reference.
+    not the driver's. Returns the (possibly rewritten) reference. A bare name is a registered
+    function's: that it is registered is checked with the rules that ask the runtime
+    (hybridflow/checks.py `check_reward_names`).
     """
     from hybridflow.config.references import absolute_reference
-    from hybridflow.rewards.builtin import REWARD_FUNCTIONS
 
     _require(isinstance(reference, str) and reference.strip() != "", key, reference,
-             f"name a reward function: one of {REWARD_FUNCTIONS.names()}, 'package.module:name' "
-             "or 'path/to/file.py:name'")
-    if reference in REWARD_FUNCTIONS:
+             "name a reward function: a registered name (docs/rewards.md), 'package.module:name' or "
+             "'path/to/file.py:name'")
+    if ":" not in reference:
         return reference
     try:
         return absolute_reference(reference)
-    except ValueError:
-        _require(False, key, reference, f"not a registered reward function ({', '.join(REWARD_FUNCTIONS.names())}); "
-                 "a custom one is written 'package.module:name' or 'path/to/file.py:name'")
+    except ValueError as exc:
+        _require(False, key, reference, f"{exc}; a registered reward function is named without a colon")
     except FileNotFoundError as exc:
         _require(False, key, reference, str(exc))
 

@@ -4,8 +4,8 @@ Hydra composes conf/ on top of these dataclasses (registered in its ConfigStore)
 unknown key or a value of the wrong type fails during composition, before anything starts.
 Each section's own rules live in its `__post_init__` and run when `to_config` turns the composed
 config into these objects; the rules across sections, and those that ask the runtime (registered
-names, the async schedules, the precision of this hardware), are `hybridflow/config/rules.py`,
-which `to_config` runs next — all before Ray starts. Every error names the key, the value and
+names, the async schedules, the precision of this hardware), are `hybridflow/checks.py`, which
+`to_config` runs next, and the stage once its plan is decided — all before Ray starts. Every error names the key, the value and
 what is allowed. This module imports only the config package and the standard library
 (tests/unit/test_layering.py).
 """
@@ -13,7 +13,7 @@ what is allowed. This module imports only the config package and the standard li
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field, is_dataclass
 from typing import Any, Dict, List, Optional
 
 from hybridflow.config.pretrain import PretrainConfig
@@ -151,6 +151,20 @@ class PlacementConfig:
         return self.backend in ONE_PROCESS_BACKENDS
 
 
+def plain(value: Any) -> Any:
+    """A config (or any value holding dataclasses, enums, dicts and lists) as JSON's types: what
+    config.json saves and the config reference shows."""
+    if is_dataclass(value):
+        return plain(asdict(value))
+    if isinstance(value, enum.Enum):
+        return value.value
+    if isinstance(value, dict):
+        return {str(k): plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [plain(v) for v in value]
+    return value
+
+
 def model_heads(model: "ModelConfig") -> tuple[int, int]:
     """(attention heads, key/value heads) from the tiny model config or model.path's config.json
     (`ModelFacts`); (0, 0) when the directory cannot tell (checked again when the model loads)."""
@@ -213,8 +227,16 @@ class ModelConfig:
     # each sequence, no compute on padding. null: packed wherever the model's attention allows
     # (sdpa, no soft-capping, no active sliding window); true: packed or an error at start; false: padded.
     pack_sequences: Optional[bool] = None
+    # Shared prompts in the packed passes (hybridflow/training/shared_prompts.py): a micro-batch's rows
+    # with equal prompt tokens (a GRPO group's samples) have the prompt computed once, every response
+    # attending to it; the same log-probs, values and gradients. null: wherever packing runs; true:
+    # shared or an error at start; false: every row its own prompt.
+    share_prompts: Optional[bool] = None
 
     def __post_init__(self) -> None:
+        _require(not (self.share_prompts is True and self.pack_sequences is False), "model.share_prompts", True,
+                 "shared prompts are a layout of packed rows: set model.pack_sequences to null or true, "
+                 "or model.share_prompts to null or false")
         _require(self.master_dtype is not Dtype.auto, "model.master_dtype", self.master_dtype.value,
                  "float32 (or model.dtype's own dtype for pure 16-bit training); auto is for model.dtype only")
         _require(self.master_dtype in (Dtype.float32, self.dtype), "model.master_dtype", self.master_dtype.value,
@@ -304,6 +326,12 @@ class RolloutConfig:
     fp32_lm_head: bool = False  # the engine's output head in float32 (engines that can: hf; vLLM cannot here)
     enforce_eager: Optional[bool] = None  # null: eager on a CPU (no CUDA graphs there), CUDA graphs on a GPU
     seed: int = 0
+    # A sampler generator per request (vLLM's SamplingParams.seed, from each sample's `sample_seed`): a
+    # sample's draws then do not depend on the batch it runs in, at the cost of a slower sampler on GPUs
+    # (vLLM samples seeded requests one by one). false: one sampler stream per batch, seeded from its
+    # first sample's seed, so a step still draws what a resumed run of it draws. Agent rollouts always seed
+    # each request (their turns run as separate engine calls).
+    seed_per_request: bool = False
     # Multi-turn agent rollouts (docs/agents.md): tools (typed functions) and environment classes,
     # each 'path/to/file.py:Name' or 'package.module:Name'; empty: one response per prompt. Typed Any
     # so one reference or a list can be given from the command line; __post_init__ makes it a list.
@@ -725,7 +753,7 @@ class PipelineConfig:
     stages: List[StageConfig] = field(default_factory=list)
     common_overrides: List[str] = field(default_factory=list)  # applied to every stage first
     # Set by the `hybridflow` command to what was typed on it: each override goes to the stages whose
-    # recipe reads its key, `stages.<name>.<key>=value` to that stage only (hybridflow/config/stages.py).
+    # recipe reads its key, `stages.<name>.<key>=value` to that stage only (hybridflow/pipeline_stages.py).
     command_overrides: List[str] = field(default_factory=list)
 
     def __post_init__(self) -> None:
@@ -738,7 +766,7 @@ class PipelineConfig:
 
 @dataclass
 class RecipeConfig:
-    # A built-in recipe, or 'package.module:function' / 'path/to/file.py:function' taking the config.
+    # A built-in recipe, or 'package.module:function' / 'path/to/file.py:function' taking the stage (hybridflow.stage.Stage: the resolved config and its plan) and the run directory.
     name: str = "demo"
     demo_prompts: int = 8  # demo recipe: how many validation prompts to generate for
     # evaluate recipe: sampled answers per prompt for val/pass@k and val/sampled_reward_mean (0: greedy only)

@@ -13,7 +13,7 @@ once and kept for the process's life: vLLM keeps its own groups built on it from
 `teardown` frees the stage's models (the local receiver registry included) before the next stage.
 
 Nothing here imports Ray. What one process cannot do is refused before anything starts
-(hybridflow/config/rules.py `check_local_backend`).
+(hybridflow/checks.py `check_local_backend`).
 """
 
 from __future__ import annotations

@@ -1,16 +1,16 @@
 """The stage's plan, decided once before Ray starts; placement=auto: the planner's best plan for it.
 
-`stage_plan(config, run_dir)` (called by hybridflow.runner.run_stage, before the recipe starts
-anything) decides the stage's one `Plan`: the config's own, or with placement.planner.auto the best
+`decide_plan(config)` (called by hybridflow.stage.prepare_stage, before anything starts) decides the
+stage's one `Plan`: the config's own, or with placement.planner.auto the best
 of the plans of the run's workload on its cluster — this machine (its GPUs or its cores, on the
 device the run computes on), or the Ray cluster the run joins (`ray.address`, or RAY_ADDRESS under
 `ray job submit`) — with the rates of
 `placement.planner.rates` (or the device's built-in profile), keeps the run's own
 `trainer.max_staleness` (a learning choice, not a placement one), and returns the best plan (its
 pools, roles and rollout tensor-parallel size; the config itself is not rewritten), which the runner
-hands to everything that places, sizes or moves. It writes run_dir/plan.json (the plan, its
-prediction per stage, the rates' source and the runners-up); the metrics logger then adds
-`plan/predicted_<stage>_s` to every step, beside the measured `timing/<stage>_s`. When no plan fits,
+hands to everything that places, sizes or moves inside the stage (`hybridflow.stage.Stage`). The
+runner saves it as run_dir/plan.json (the plan, its prediction per stage, the rates' source and the
+runners-up); the metrics logger adds the stage's `plan/predicted_<stage>_s` to every step, beside the measured `timing/<stage>_s`. When no plan fits,
 it raises `InputError` listing why the first candidates were refused (each memory term, in GiB): no
 worker has started.
 """
@@ -19,10 +19,11 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from dataclasses import dataclass
 from pathlib import Path
 
 from hybridflow.planning.cost import STAGES, Rates, build_cost_model
-from hybridflow.planning.plan import PLAN_FILE, Plan, read_plan_file, save_plan
+from hybridflow.planning.plan import PLAN_FILE, Plan
 from hybridflow.planning.search import SearchOptions, SearchResult, build_policy, search
 from hybridflow.planning.workload import Cluster, Workload
 
@@ -57,20 +58,26 @@ def plan_search(config, cluster: Cluster, rates: Rates, depths: tuple[int, ...] 
                   SearchOptions(depths=depths))
 
 
-def stage_plan(config, run_dir: Path) -> tuple[Plan, str | None]:
-    """The stage's plan, decided once before anything starts, and saved as run_dir/plan.json: the
-    config's own (`Plan.from_config`), or with placement.planner.auto the planner's best for this
-    cluster, checked by the config's rules as the config's own plan is (and the console line that
-    says what it chose). The runner hands it to the launcher, the memory budget and the weight sync;
-    the config is not rewritten."""
+@dataclass(frozen=True)
+class Decision:
+    """The stage's plan and what placement=auto said of it (`prediction`, `record`, `line`: None, {}, None
+    for the config's own plan)."""
+    plan: Plan
+    prediction: dict | None = None
+    record: dict = dataclasses.field(default_factory=dict)
+    line: str | None = None
+
+
+def decide_plan(config) -> Decision:
+    """The stage's plan, decided once before anything starts: the config's own (`Plan.from_config`, called
+    here only), or with placement.planner.auto the planner's best for this cluster (with the CPUs per
+    device and the pinning of the config's own), and the console line that says what it chose. The
+    config is not rewritten; `hybridflow.stage.prepare_stage` checks the plan."""
+    own = Plan.from_config(config)  # on the device the config's dtypes chose
     if not config.placement.planner.auto:
-        plan = Plan.from_config(config)
-        save_plan(run_dir, plan)
-        return plan, None
-    from hybridflow.config.rules import check_config
+        return Decision(own)
     from hybridflow.data.checks import InputError
     from hybridflow.planning.device_rates import choose_rates
-    from hybridflow.precision import device_of
 
     try:
         cluster = cluster_for(config)
@@ -82,36 +89,21 @@ def stage_plan(config, run_dir: Path) -> tuple[Plan, str | None]:
     if not result.ranked:
         raise InputError(f"placement=auto on {cluster.describe()}: {result.why_none()}")
     best = result.best
-    own = Plan.from_config(config)  # what the search does not choose: each process's CPUs, pinning
-    cpus = own.pool_of("actor").cpus_per_device
+    cpus = own.pool_of("actor").cpus_per_device  # what the search does not choose: each process's CPUs, pinning
     placed = best.plan.placing_every_role()
     plan = dataclasses.replace(placed, pin_cpus=own.pin_cpus,
                                pools=tuple(dataclasses.replace(p, cpus_per_device=cpus) for p in placed.pools))
-    plan = plan.with_transport(device_of(config.placement.device.value))  # the device the config's dtypes chose
-    check_config(config, plan)
-    path = save_plan(run_dir, plan, prediction=best.prediction.to_dict(), cluster=dataclasses.asdict(cluster),
-                     rates=rates.to_dict(), rates_choice=choice.to_dict(),
-                     search={"considered": result.considered, "refused": len(result.refused),
-                             "seconds": result.seconds},
-                     runners_up=[c.to_dict() for c in result.ranked[1:1 + RUNNERS_UP]])
+    record = {"cluster": dataclasses.asdict(cluster), "rates": rates.to_dict(), "rates_choice": choice.to_dict(),
+              "search": {"considered": result.considered, "refused": len(result.refused), "seconds": result.seconds},
+              "runners_up": [c.to_dict() for c in result.ranked[1:1 + RUNNERS_UP]]}
     seconds = (f"{best.prediction.step_s:.2f} s/step (" + ", ".join(f"{s} {best.prediction.stages[s]:.2f}"
                                                                  for s in STAGES) + ")")
     said = (f"ranked with rates {choice.note}; on that device: {seconds}" if choice.borrowed
             else f"predicted {seconds} with rates {choice.note}")
     line = (f"hybridflow: placement=auto chose {best.plan.describe()} on {cluster.describe()}: {said}, best of "
             f"{len(result.ranked)} plans that fit ({result.considered} considered in {result.seconds:.2f} s; "
-            f"{path})")
-    return plan, line
-
-
-def predicted_metrics(run_dir: Path) -> dict[str, float]:
-    """`plan/predicted_<stage>_s` and `plan/predicted_step_s` from run_dir/plan.json ({} without one)."""
-    prediction = read_plan_file(run_dir).get("prediction")
-    if prediction is None:
-        return {}
-    out = {f"plan/predicted_{stage}_s": float(seconds) for stage, seconds in prediction["stages"].items()}
-    out["plan/predicted_step_s"] = float(prediction["step_s"])
-    return out
+            f"saved as the run's {PLAN_FILE})")
+    return Decision(plan.with_transport(own.device), best.prediction.to_dict(), record, line)
 
 
 def compare_measured(run_dir: Path) -> str | None:
@@ -119,7 +111,7 @@ def compare_measured(run_dir: Path) -> str | None:
     first (the first warms caches), saved into plan.json beside the prediction, and one console
     line comparing them; None without a plan or with fewer than two steps."""
     path, metrics = Path(run_dir) / PLAN_FILE, Path(run_dir) / "metrics.jsonl"
-    if "prediction" not in read_plan_file(run_dir) or not metrics.is_file():
+    if not path.is_file() or not metrics.is_file() or "prediction" not in json.loads(path.read_text()):
         return None
     from hybridflow.planning.calibrate import stage_means
     from hybridflow.tracking import read_metrics

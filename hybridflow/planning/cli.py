@@ -76,7 +76,7 @@ def make_cluster(args, config) -> Cluster:
 
 def main(argv: list[str]) -> int:
     args = parser().parse_args(argv)
-    from hybridflow.config.stages import compose_command
+    from hybridflow.pipeline_stages import compose_command
     from hybridflow.config import ConfigError
     from hybridflow.planning.device_rates import load_rates
     from hybridflow.planning.workload import Workload

@@ -4,10 +4,10 @@ A `Plan` holds what placement decides — the pools (nodes x devices per node, C
 affinity), which pool each role runs on, the rollout's tensor-parallel size (and so its replicas),
 the device (cpu or cuda) and the weight transport that serves the placement there, the schedule
 depth (`trainer.max_staleness`) and whether pools pin their cores. Each stage decides one before
-anything starts (hybridflow/planning/auto.py `stage_plan`: `Plan.from_config`, or placement=auto's
-best), saves it as run_dir/plan.json and carries it (`carrying`, `carried_plan`): the launcher,
-the pool reservation, role spawning, the memory model, the config's rules and the weight sync read
-it, and nothing outside this package reads the config's pools, roles' pools or rollout TP
+anything starts (hybridflow/planning/auto.py `decide_plan`: `Plan.from_config`, called there only,
+or placement=auto's best) and passes it by argument in its `hybridflow.stage.Stage`, saved as
+run_dir/plan.json: the launcher, the pool reservation, role spawning, the memory model, the plan's
+checks and the weight sync receive it, and nothing outside this package reads the config's pools, roles' pools or rollout TP
 (tests/unit/test_layering.py). The planner (hybridflow/planning/search.py) makes candidates of the
 same type and prints the overrides (`Plan.overrides`) that select each one. Which nodes a pool lands
 on is decided later, against the cluster's free resources (hybridflow/controller/placement.py),
@@ -17,11 +17,8 @@ and saved in the same file.
 from __future__ import annotations
 
 import json
-from contextlib import contextmanager
-from contextvars import ContextVar
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterator
 
 from hybridflow.planning.workload import MODEL_ROLES
 
@@ -176,25 +173,6 @@ def pins_cpus(config) -> bool:
     return pin if pin is not None else schedule_class(config.trainer.max_staleness).overlaps
 
 
-_STAGE_PLAN: ContextVar[Plan | None] = ContextVar("stage_plan", default=None)
-
-
-@contextmanager
-def carrying(plan: Plan) -> Iterator[Plan]:
-    """Within it, `hybridflow.lifecycle.start_run` spawns on `plan`: the runner decides a stage's plan
-    once, before the recipe starts, and carries it here (a recipe keeps its `run(config, run_dir)` form)."""
-    token = _STAGE_PLAN.set(plan)
-    try:
-        yield plan
-    finally:
-        _STAGE_PLAN.reset(token)
-
-
-def carried_plan(config) -> Plan:
-    """The plan the runner carries, else (a recipe called on its own) the config's own."""
-    return _STAGE_PLAN.get() or Plan.from_config(config)
-
-
 # --- the plan file: one per stage, run_dir/plan.json -----------------------------------------------
 PLAN_FILE = "plan.json"
 
@@ -214,9 +192,3 @@ def add_to_plan_file(run_dir, key: str, value) -> Path:
     saved[key] = value
     path.write_text(json.dumps(saved, indent=2))
     return path
-
-
-def read_plan_file(run_dir) -> dict:
-    """run_dir/plan.json's sections ({} without one)."""
-    path = Path(run_dir) / PLAN_FILE
-    return json.loads(path.read_text()) if path.is_file() else {}

@@ -1,8 +1,9 @@
 """Moving the actor's weights from the training layout to the generation layout.
 
 - `layout`: which part of each tensor a rank holds and needs, the plan, the layout minimum.
-- `sender` / `receiver`: the training and generation ends, which workers delegate to: the sender
-  produces the buckets, the receiver loads them into the engine.
+- `source`, `sender` / `receiver`: the training and generation ends, which workers delegate to: the
+  source is a training rank's end (shapes, sender, adapter, checksums), its sender produces the
+  buckets, the receiver loads them into the engine (`vllm_receiver`: vLLM's).
 - `transports/`: how the bytes move, one module per transport with both ends (`colocated`,
   `broadcast`), the registry `build_transport` chooses from, and flat-buffer packing (`flat`).
 - `vllm_side`: our engine in vLLM's weight-transfer framework (it delegates to the route each

@@ -154,6 +154,13 @@ def register_engine() -> None:
 # ---- functions run inside the vLLM worker through collective_rpc --------------------------------
 
 
+def seed_sampler(worker, seed: int) -> bool:
+    """Seed the default generators vLLM's sampler draws from for requests without a seed of their own
+    (one stream per batch: workers/rollout/vllm_rollout.py), in the worker's process."""
+    torch.manual_seed(seed)
+    return True
+
+
 def received_bytes(worker) -> int:
     return worker.weight_transfer_engine.received_bytes
 

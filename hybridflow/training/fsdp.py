@@ -136,7 +136,13 @@ def shard_model(model: torch.nn.Module, device: str, compute_dtype: str | None =
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     on_meta = any(p.is_meta for p in model.parameters())
-    if not on_meta:
+    from_rank0 = dist.is_initialized() and dist.get_world_size() > 1  # every rank rank 0's weights (a random head too)
+    full, kept_buffers = {}, {}
+    if from_rank0 and not on_meta:  # rank 0: its weights stay in host memory and reach the ranks tensor by tensor
+        full = model.state_dict()
+        kept_buffers = {name: buffer.detach().clone() for name, buffer in model.named_buffers()}
+        _to_meta_keeping_ties(model)  # so it starts like every other rank: no whole model on its device
+    elif not on_meta:
         model.to(device)
     if device == "cuda":
         attention_for_changing_shapes()
@@ -154,30 +160,49 @@ def shard_model(model: torch.nn.Module, device: str, compute_dtype: str | None =
             f"{type(_unwrap(model)).__name__} lists no _no_split_modules; cannot find its decoder blocks to shard")
     policy = MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=torch.float32) if mixed else MixedPrecisionPolicy()
     reshard = dist.get_world_size() > 1  # one rank: the gathered copy is the whole model either way
-    from_rank0 = dist.get_world_size() > 1  # every rank the same weights: rank 0's (a random head too)
-    full = model.state_dict() if from_rank0 and dist.get_rank() == 0 else {}
     for block in blocks:
         fully_shard(block, mp_policy=policy, reshard_after_forward=reshard)
     fully_shard(model, mp_policy=policy, reshard_after_forward=reshard)
     if from_rank0:
-        _fill_from_rank0(model, full, device)
+        _fill_from_rank0(model, full, kept_buffers, device)
     elif on_meta:
         raise ValueError("shard_model: a model built on the meta device needs a group whose rank 0 holds the weights")
     return model
 
 
-def _fill_from_rank0(model: torch.nn.Module, full: dict, device: str) -> None:
-    """Every rank's shards from rank 0's full weights (`full`, empty elsewhere: those ranks built the
-    model on the meta device and read no checkpoint), tensor by tensor through torch.distributed's
-    state-dict API, and the buffers (rotary tables and the like, not in a state dict when not
-    persistent) broadcast as they are. A node's host memory then holds one copy of the checkpoint,
-    not one per rank."""
+def _to_meta_keeping_ties(model: torch.nn.Module) -> None:
+    """`model.to("meta")` with its tied parameters (a tied input embedding and output head) still one
+    parameter: moving to the meta device makes a new parameter per slot, so ranks built on the meta
+    device from the config (tied by transformers) would count one parameter fewer than rank 0."""
+    first, ties = {}, []
+    for module in model.modules():
+        for attr, param in module._parameters.items():
+            if param is None:
+                continue
+            if id(param) in first:
+                ties.append((module, attr, first[id(param)]))
+            else:
+                first[id(param)] = (module, attr)
+    model.to("meta")
+    for module, attr, (owner, owner_attr) in ties:
+        module._parameters[attr] = owner._parameters[owner_attr]
+
+
+def _fill_from_rank0(model: torch.nn.Module, full: dict, kept_buffers: dict, device: str) -> None:
+    """Every rank's shards from rank 0's full weights (`full`, in rank 0's host memory; empty elsewhere:
+    those ranks built the model on the meta device and read no checkpoint), tensor by tensor through
+    torch.distributed's state-dict API, and the buffers (rotary tables and the like, not in a state
+    dict when not persistent; `kept_buffers`, rank 0's) broadcast as they are. Every rank, rank 0
+    too, starts from the meta device, so no device ever holds more than its shards and one tensor in
+    flight (torchtune's loading), and a node's host memory holds one copy of the checkpoint, not one
+    per rank."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
-    if any(p.is_meta for p in model.parameters()):
-        model.to_empty(device=device)
+    model.to_empty(device=device)
     set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
-    for buffer in model.buffers():
+    for name, buffer in model.named_buffers():
+        if name in kept_buffers:
+            buffer.data.copy_(kept_buffers[name])
         dist.broadcast(buffer.data, src=0)
 
 

@@ -40,6 +40,8 @@ from dataclasses import dataclass
 import torch
 
 from hybridflow.batch import host_to_device
+from hybridflow.training.shared_prompts import (SHARED_PROMPTS, SharedPrompts, prompt_groups, shared_attention,
+                                                shared_layout, shared_varlen_attention)
 
 PACKED_ATTENTION = "hybridflow_packed"
 
@@ -58,8 +60,14 @@ class PackedSequences:
     predicting: torch.Tensor
     response_index: torch.Tensor
     response_shape: tuple[int, int]
+    shared: SharedPrompts | None = None
 
     def model_kwargs(self) -> dict:
+        if self.shared is not None:  # virtual sequences (hybridflow/training/shared_prompts.py)
+            s = self.shared
+            return {"input_ids": self.input_ids, "position_ids": self.position_ids,
+                    "cu_seq_lens_q": s.cu_seq_lens_q, "cu_seq_lens_k": s.cu_seq_lens_k,
+                    "max_length_q": s.max_length_q, "max_length_k": s.max_length_k, SHARED_PROMPTS: s}
         return {"input_ids": self.input_ids, "position_ids": self.position_ids,
                 "cu_seq_lens_q": self.cu_seq_lens, "cu_seq_lens_k": self.cu_seq_lens,
                 "max_length_q": self.max_length, "max_length_k": self.max_length}
@@ -76,20 +84,28 @@ class PackedSequences:
 
 
 def pack(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, response_ids: torch.Tensor,
-         response_mask: torch.Tensor) -> PackedSequences | None:
+         response_mask: torch.Tensor, share: bool = False) -> PackedSequences | None:
     """The real tokens of a left-padded prompt + right-padded response batch as one packed row, or
     None when a row has response tokens but no prompt token (its first response token would be
-    predicted by the previous row's last token; the padded path serves such a batch).
+    predicted by the previous row's last token; the padded path serves such a batch). With `share`,
+    rows with equal prompt tokens have their prompt once (hybridflow/training/shared_prompts.py).
 
     The masks are read to the host once and every index is computed there, then sent to the
     device in one copy: on a GPU, boolean-mask indexing and `int()` each make the host wait for the
     device, and a micro-batch had nine such waits here (bench/gpu_check.py --diagnose)."""
     device = prompt_ids.device
-    mask = torch.cat([prompt_mask.bool(), response_mask.bool()], dim=1).cpu()  # the one wait
     prompt_width = prompt_ids.shape[1]
+    host = torch.cat([prompt_mask.long(), response_mask.long(), *([prompt_ids.long()] if share else [])], dim=1)
+    host = host.cpu()  # the one wait
+    mask = host[:, :prompt_width + response_mask.shape[1]].bool()
     host_prompt, host_response = mask[:, :prompt_width], mask[:, prompt_width:]
     if bool((host_response.any(dim=1) & ~host_prompt.any(dim=1)).any()):
         return None
+    if share:
+        packed = _pack_shared(prompt_ids, response_ids, host_prompt, host_response,
+                              prompt_groups(host[:, mask.shape[1]:], host_prompt))
+        if packed is not None:
+            return packed
     positions = mask.long().cumsum(dim=1) - 1
     tokens = mask.reshape(-1).nonzero().squeeze(1)  # where each real token sits in the flattened (B, P+R)
     packed_index = (mask.reshape(-1).long().cumsum(dim=0) - 1).view(mask.shape)  # where each real token lands
@@ -106,6 +122,26 @@ def pack(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, response_ids: torc
                            cu_seq_lens=on_device[2].to(torch.int32), max_length=int(lengths.max()) if len(lengths) else 0,
                            predicting=on_device[3], response_index=on_device[4],
                            response_shape=(response_mask.shape[0], response_mask.shape[1]))
+
+
+def _pack_shared(prompt_ids: torch.Tensor, response_ids: torch.Tensor, host_prompt: torch.Tensor,
+                 host_response: torch.Tensor, groups: list[int]) -> PackedSequences | None:
+    """`pack` with each group's prompt once (`shared_layout`); None where nothing is shared."""
+    from hybridflow.training.shared_prompts import on_device
+
+    layout = shared_layout(host_prompt, host_response, groups)
+    if layout is None:
+        return None
+    tokens, positions, predicting, parts = layout
+    response_index = host_response.reshape(-1).nonzero().squeeze(1)
+    device = prompt_ids.device
+    flat = (tokens, positions, predicting, response_index)
+    moved = host_to_device(torch.cat(flat), device).split([len(t) for t in flat])
+    ids = torch.cat([prompt_ids, response_ids], dim=1).reshape(-1)
+    shared = on_device(parts, device)
+    return PackedSequences(input_ids=ids.index_select(0, moved[0])[None], position_ids=moved[1][None],
+                           cu_seq_lens=shared.cu_seq_lens_q, max_length=shared.max_length_q, predicting=moved[2],
+                           response_index=moved[3], response_shape=tuple(host_response.shape), shared=shared)
 
 
 def packing_unsupported(model: torch.nn.Module) -> str | None:
@@ -196,12 +232,21 @@ def packed_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Te
     if query.shape[0] != 1:
         raise ValueError(f"packed attention takes one packed row, got a batch of {query.shape[0]}")
     dropout = dropout if module.training else 0.0
-    if sliding_window is not None and max_length_q is not None and max_length_q > sliding_window:
-        raise ValueError(f"a packed sequence of {max_length_q} tokens is longer than the model's sliding window "
+    span = max(max_length_q or 0, kwargs.get("max_length_k") or 0)  # shared prompts: keys run longer
+    if sliding_window is not None and span > sliding_window:
+        raise ValueError(f"a packed sequence of {span} tokens is longer than the model's sliding window "
                          f"({sliding_window}); set model.pack_sequences=false for this model")
     groups = query.shape[1] // key.shape[1]
     if groups > 1:  # grouped-query attention: each key/value head serves `groups` query heads in a row
         key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
+    shared = kwargs.get(SHARED_PROMPTS)
+    if shared is not None:  # shared prompts: virtual sequences (hybridflow/training/shared_prompts.py)
+        if _varlen_serves(query, dropout, scaling) and "window_size" in _VARLEN_PARAMS:
+            return shared_varlen_attention(query, key, value, shared, scaling, _varlen_keys), None
+        return shared_attention(query, key, value, shared, scaling, dropout), None
+    if kwargs.get("cu_seq_lens_k") is not None and kwargs["cu_seq_lens_k"] is not cu_seq_lens_q:
+        raise ValueError(f"{type(module).__name__} passed packed attention cu_seq_lens_k but not `{SHARED_PROMPTS}`: "
+                         "this model's layers drop keyword arguments; set model.share_prompts=false")
     if _varlen_serves(query, dropout, scaling):
         out = _varlen(*(t[0].transpose(0, 1).contiguous() for t in (query, key, value)),
                       cu_seq_lens_q, int(max_length_q), scaling)  # (T, H, D)
@@ -275,7 +320,14 @@ def _varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: torch.Tensor,
             scale: float | None) -> torch.Tensor:
     """PyTorch's variable-length flash attention, causal, over (T, H, D) tensors. Its causal switch
     changed name between releases (`is_causal` in 2.9-2.11, `window_size=(-1, 0)` later)."""
+    return _varlen_keys(q, k, v, cu, cu, max_length, max_length, scale)
+
+
+def _varlen_keys(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: torch.Tensor, cu_k: torch.Tensor,
+                 max_q: int, max_k: int, scale: float | None) -> torch.Tensor:
+    """`_varlen` with key sequences of their own (longer than the queries': causal at the bottom right,
+    flash attention's convention for `window_size`; shared prompts call it only where that is the switch)."""
     params = _VARLEN_PARAMS
     causal = {"window_size": (-1, 0)} if "window_size" in params else {"is_causal": True}
     extra = {"scale": scale} if "scale" in params else {}
-    return _VARLEN(q, k, v, cu, cu, max_length, max_length, **causal, **extra)
+    return _VARLEN(q, k, v, cu_q, cu_k, max_q, max_k, **causal, **extra)

@@ -14,12 +14,14 @@ A batch without `loss_mask` (single-turn generation, plain SFT) trains every res
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Iterator
 
 import torch
 
 from hybridflow.batch import Batch, host_to_device
 from hybridflow.training.packing import PackedSequences, pack, runs_packed
+from hybridflow.training.shared_prompts import prompt_groups, shared_tokens, shares_prompts
 
 
 def loss_mask(batch: Batch) -> torch.Tensor:
@@ -84,8 +86,8 @@ def response_log_probs(model: torch.nn.Module, batch: Batch, temperature: float 
     so a large micro-batch's (B, r, V) logits exist once, in the compute dtype."""
     from hybridflow.algos import token_log_probs_and_entropy
 
-    packed = pack(batch["prompt_ids"], batch["prompt_mask"], batch["response_ids"], batch["response_mask"]) \
-        if runs_packed(model) else None
+    packed = pack(batch["prompt_ids"], batch["prompt_mask"], batch["response_ids"], batch["response_mask"],
+                  share=shares_prompts(model)) if runs_packed(model) else None
     if packed is not None:  # one row of real tokens; logits at the N positions that predict response tokens
         logits = packed_logits(model, packed)  # (N, V)
         log_probs, entropy = token_log_probs_and_entropy(
@@ -159,7 +161,7 @@ def balanced_over_ranks(batch: Batch, ranks: int) -> Batch:
 
 
 def token_budget_groups(prompt_lengths: list[int], response_lengths: list[int], budget: int, packed: bool,
-                        groups_at_least: int = 1) -> list[list[int]]:
+                        groups_at_least: int = 1, prompt_groups: list[int] | None = None) -> list[list[int]]:
     """Rows (indices) in micro-batches of at most `budget` tokens each, as few as that allows and at
     least `groups_at_least` (every rank of a group must run as many). Packed, a micro-batch costs its
     rows' real tokens: the fewest micro-batches for which the longest rows first, each into the
@@ -167,35 +169,48 @@ def token_budget_groups(prompt_lengths: list[int], response_lengths: list[int], 
     Padded, it costs its rows x (its longest prompt + its longest response), the width it is trimmed
     to: rows sorted by length fill one micro-batch after another, so rows of like length pad each
     other. A row longer than the budget is a micro-batch of its own. Each micro-batch's rows in
-    their original order."""
+    their original order.
+
+    Packed with `prompt_groups` (a group id per row, `shared_prompts.prompt_groups`), the rows of a
+    group travel together and cost their prompt once (`shared_tokens`), so that a micro-batch shares
+    it; a group over the budget goes row by row, its prompt no longer shared across micro-batches."""
     lengths = [p + r for p, r in zip(prompt_lengths, response_lengths)]
-    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
     groups: list[list[int]] = []
     if packed:
-        groups = [[i] for i in order if lengths[i] > budget]
-        rest = [i for i in order if lengths[i] <= budget]
-        bins = max(1, -(-sum(lengths[i] for i in rest) // budget), groups_at_least - len(groups))
+        items = _budget_items(prompt_lengths, response_lengths, budget, prompt_groups)
+        cost = {tuple(rows): c for rows, c in items}
+        order = sorted(cost, key=lambda rows: -cost[rows])
+        filled_items = [[rows] for rows in order if cost[rows] > budget]
+        rest = [rows for rows in order if cost[rows] <= budget]
+        bins = max(1, -(-sum(cost[rows] for rows in rest) // budget), groups_at_least - len(filled_items))
         while rest:  # the fewest micro-batches whose longest-first, lightest-first filling fits the budget
-            filled: list[list[int]] = [[] for _ in range(min(bins, len(rest)))]
+            filled: list[list[tuple]] = [[] for _ in range(min(bins, len(rest)))]
             loads = [0] * len(filled)
-            for i in rest:
+            for rows in rest:
                 lightest = loads.index(min(loads))
-                filled[lightest].append(i)
-                loads[lightest] += lengths[i]
+                filled[lightest].append(rows)
+                loads[lightest] += cost[rows]
             if max(loads) <= budget:
-                groups += filled
+                filled_items += filled
                 break
             bins += 1
-    else:
-        widest = (0, 0)  # the open micro-batch's longest prompt and longest response
-        for i in order:
-            grown = (max(widest[0], prompt_lengths[i]), max(widest[1], response_lengths[i]))
-            if groups and (len(groups[-1]) + 1) * sum(grown) <= budget:
-                groups[-1].append(i)
-                widest = grown
-            else:
-                groups.append([i])
-                widest = (prompt_lengths[i], response_lengths[i])
+        while len(filled_items) < min(groups_at_least, len(lengths)):  # split the one with the most rows
+            largest = max(range(len(filled_items)), key=lambda g: sum(len(rows) for rows in filled_items[g]))
+            held = filled_items.pop(largest)
+            if len(held) == 1:  # one group of rows: its rows go apart
+                held = [(i,) for i in held[0]]
+            filled_items += [held[0::2], held[1::2]]
+        return [sorted(i for rows in g for i in rows) for g in filled_items]
+    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
+    widest = (0, 0)  # the open micro-batch's longest prompt and longest response
+    for i in order:
+        grown = (max(widest[0], prompt_lengths[i]), max(widest[1], response_lengths[i]))
+        if groups and (len(groups[-1]) + 1) * sum(grown) <= budget:
+            groups[-1].append(i)
+            widest = grown
+        else:
+            groups.append([i])
+            widest = (prompt_lengths[i], response_lengths[i])
     while len(groups) < min(groups_at_least, len(lengths)):  # split the group with the most rows
         largest = max(range(len(groups)), key=lambda g: len(groups[g]))
         rows = groups.pop(largest)
@@ -203,36 +218,129 @@ def token_budget_groups(prompt_lengths: list[int], response_lengths: list[int], 
     return [sorted(g) for g in groups]
 
 
+def _budget_items(prompt_lengths: list[int], response_lengths: list[int], budget: int,
+                  prompt_groups: list[int] | None) -> list[tuple[list[int], int]]:
+    """What packed micro-batching places: (rows, tokens) for each row, or with `prompt_groups` for each
+    group of rows sharing a prompt whose shared tokens fit the budget (the rest row by row)."""
+    if prompt_groups is None:
+        return [([i], p + r) for i, (p, r) in enumerate(zip(prompt_lengths, response_lengths))]
+    members: dict[int, list[int]] = {}
+    for i, group in enumerate(prompt_groups):
+        members.setdefault(group, []).append(i)
+    items = []
+    for rows in members.values():
+        shared = shared_tokens([prompt_lengths[i] for i in rows], [response_lengths[i] for i in rows],
+                               [0] * len(rows))
+        if shared <= budget:
+            items.append((rows, shared))
+        else:
+            items += [([i], prompt_lengths[i] + response_lengths[i]) for i in rows]
+    return items
+
+
+@dataclass(frozen=True)
+class RowFacts:
+    """A batch's rows as micro-batching reads them, from one read of the host: real prompt and response
+    tokens per row, and each row's prompt group (`shared_prompts.prompt_groups`) when prompts are shared."""
+    prompt_lengths: list[int]
+    response_lengths: list[int]
+    prompt_groups: list[int] | None
+    width: int  # the batch's padded prompt + response width
+
+
+def row_facts(batch: Batch, share: bool = False) -> RowFacts:
+    prompt_width = batch["prompt_ids"].shape[1]
+    parts = [batch["prompt_mask"].long(), batch["response_mask"].long(), *([batch["prompt_ids"]] if share else [])]
+    host = torch.cat(parts, dim=1).cpu()  # one read
+    width = prompt_width + batch["response_ids"].shape[1]
+    groups = prompt_groups(host[:, width:], host[:, :prompt_width]) if share else None
+    return RowFacts(host[:, :prompt_width].sum(dim=1).tolist(), host[:, prompt_width:width].sum(dim=1).tolist(),
+                    groups, width)
+
+
 def micro_batch_rows(batch: Batch, rows_per_micro_batch: int, tokens_per_micro_batch: int | None = None,
-                     packed: bool = False) -> list[list[int]]:
+                     packed: bool = False, share: bool = False, facts: RowFacts | None = None) -> list[list[int]]:
     """The rows of each micro-batch of `batch` on this rank: by token budget (`token_budget_groups`),
     `tokens_per_micro_batch`, or when None as many tokens as `rows_per_micro_batch` rows of the
     batch's full width hold (the rows the memory choice priced at full length, so the peak stays
     within it while shorter rows share a micro-batch). Every rank of the process group gets as many
-    micro-batches as the rank that needs the most: FSDP2 gathers in every forward, collectively."""
+    micro-batches as the rank that needs the most: FSDP2 gathers in every forward, collectively.
+    Packed with `share` (the model shares prompts), a group's rows stay together where they fit."""
     from hybridflow.training.fsdp import all_reduce_max
 
-    budget = tokens_per_micro_batch or rows_per_micro_batch * (batch["prompt_ids"].shape[1] +
-                                                               batch["response_ids"].shape[1])
-    prompts, responses = row_lengths(batch)
-    groups = token_budget_groups(prompts, responses, budget, packed)
+    facts = facts or row_facts(batch, share=packed and share)
+    budget = tokens_per_micro_batch or rows_per_micro_batch * facts.width
+    prompts, responses = facts.prompt_lengths, facts.response_lengths
+    groups = token_budget_groups(prompts, responses, budget, packed, prompt_groups=facts.prompt_groups)
     most = int(all_reduce_max(len(groups)))
     if most > len(groups):
-        groups = token_budget_groups(prompts, responses, budget, packed, groups_at_least=most)
+        groups = token_budget_groups(prompts, responses, budget, packed, groups_at_least=most,
+                                     prompt_groups=facts.prompt_groups)
     return groups
 
 
+def computed_tokens(facts: RowFacts, micro_rows: list[list[int]], packed: bool) -> dict[str, int]:
+    """Tokens the model runs on for these micro-batches, and what the padded batch would have held
+    beyond them (`TOKEN_COUNTS`): `perf/computed_tokens` (a packed micro-batch's packed row,
+    `shared_tokens`; a padded one's rows x its trimmed width, `trimmed_inputs`),
+    `perf/sharing_saved_tokens` (prompts computed once per group instead of once per row) and
+    `perf/padding_saved_tokens` (the rest of the rows x the batch's full width). The three add up to
+    rows x full width."""
+    computed = sharing_saved = 0
+    for rows in micro_rows:
+        p = [facts.prompt_lengths[i] for i in rows]
+        r = [facts.response_lengths[i] for i in rows]
+        if not packed:
+            computed += len(rows) * (max(max(p), 1) + max(max(r), 1))
+            continue
+        groups = [facts.prompt_groups[i] for i in rows] if facts.prompt_groups is not None else None
+        tokens = shared_tokens(p, r, _sharing(groups, r))
+        computed += tokens
+        sharing_saved += sum(p) + sum(r) - tokens
+    full = sum(len(rows) for rows in micro_rows) * facts.width
+    return {"perf/computed_tokens": computed, "perf/sharing_saved_tokens": sharing_saved,
+            "perf/padding_saved_tokens": full - computed - sharing_saved}
+
+
+TOKEN_COUNTS = ("perf/computed_tokens", "perf/sharing_saved_tokens", "perf/padding_saved_tokens")
+
+
+def _sharing(groups: list[int] | None, response_lengths: list[int]) -> list[int] | None:
+    """`groups` as `pack` shares them: None when no group has two responses (it packs unshared)."""
+    if groups is None:
+        return None
+    responding: dict[int, int] = {}
+    for group, r in zip(groups, response_lengths):
+        responding[group] = responding.get(group, 0) + (r > 0)
+    return groups if max(responding.values(), default=0) > 1 else None
+
+
 def micro_batches(batch: Batch, rows_per_micro_batch: int, tokens_per_micro_batch: int | None = None,
-                  packed: bool = False) -> Iterator[Batch]:
+                  packed: bool = False, share: bool = False) -> Iterator[Batch]:
     """`batch`'s micro-batches (`micro_batch_rows`), each a Batch of its rows."""
-    for rows in micro_batch_rows(batch, rows_per_micro_batch, tokens_per_micro_batch, packed):
+    for rows in micro_batch_rows(batch, rows_per_micro_batch, tokens_per_micro_batch, packed, share):
         yield batch.index(rows)
 
 
-def mini_batches(batch: Batch, rows_per_mini_batch: int, generator: torch.Generator | None = None) -> list[Batch]:
-    """Shuffled mini-batches of equal size (the caller checks divisibility)."""
-    order = torch.randperm(len(batch), generator=generator) if generator is not None else torch.arange(len(batch))
-    return batch.reorder(order).split(rows_per_mini_batch)
+def mini_batches(batch: Batch, rows_per_mini_batch: int, generator: torch.Generator | None = None,
+                 share: bool = False) -> list[Batch]:
+    """Shuffled mini-batches of equal size (the caller checks divisibility). With `share` (the model
+    shares prompts) and more than one mini-batch, whole prompt groups are shuffled, each group's rows
+    kept next to each other, so that a mini-batch holds whole groups (where the size allows) and its
+    micro-batches have prompts to share; a row-by-row shuffle would scatter each group of G samples
+    over the mini-batches. Another draw of the same distribution over groups' samples, not the same
+    mini-batches as unshared."""
+    if generator is None:
+        return batch.split(rows_per_mini_batch)
+    if not share or rows_per_mini_batch >= len(batch):
+        return batch.reorder(torch.randperm(len(batch), generator=generator)).split(rows_per_mini_batch)
+    groups = row_facts(batch, share=True).prompt_groups
+    members: dict[int, list[int]] = {}
+    for row, group in enumerate(groups):
+        members.setdefault(group, []).append(row)
+    listed = list(members.values())
+    order = [row for g in torch.randperm(len(listed), generator=generator).tolist() for row in listed[g]]
+    return batch.reorder(torch.tensor(order)).split(rows_per_mini_batch)
 
 
 @torch.no_grad()
@@ -247,7 +355,8 @@ def log_probs_and_entropy(model: torch.nn.Module, batch: Batch, rows_per_micro_b
     device = batch["response_ids"].device
     log_probs_out = torch.zeros(shape, dtype=torch.float32, device=device)
     entropy_out = torch.zeros(shape, dtype=torch.float32, device=device)
-    for rows in micro_batch_rows(batch, rows_per_micro_batch, tokens_per_micro_batch, runs_packed(model)):
+    for rows in micro_batch_rows(batch, rows_per_micro_batch, tokens_per_micro_batch, runs_packed(model),
+                                 shares_prompts(model)):
         micro = batch.index(rows)
         log_probs, entropy = response_log_probs(model, micro, temperature, with_entropy=with_entropy)
         mask = loss_mask(micro)

@@ -11,7 +11,15 @@ transformers imported again; measured: a tiny one-rank GRPO run joining a runnin
 whole-stack tests whose claims are about the run, not about the command's process, run it here:
 the same code path from Hydra's composition to the exit status. Tests of the process itself (a
 driver killed or interrupted, the console's bytes on the terminal, Python-level stdout against
-what libraries write to the file descriptors) start `hybridflow` as a user does."""
+what libraries write to the file descriptors) start `hybridflow` as a user does.
+
+`without_ray` runs a whole run in one process the other way: `hybridflow placement=local` (the
+driver and every role in one process, hybridflow/controller/local.py) as a command of its own with
+Ray's import blocked, as on a machine without Ray. The whole-stack tests whose claim is not about
+Ray (a recipe learns, its metrics, checkpoints on one rank, data, rewards, evaluation, a pipeline's
+stages) run so: no Ray worker process to start, import vLLM in and connect (the GRPO learning run,
+45.4 -> 34.6 s on a 2-core EPYC, docs/results/ci_times.md). It is a process of its own because the
+run's engine, models and process group of one live as long as their process."""
 
 from __future__ import annotations
 
@@ -22,6 +30,7 @@ import os
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 
 def run(argv: list[str], env: dict[str, str] | None = None, keep_ray: bool = False) -> subprocess.CompletedProcess:
@@ -50,6 +59,20 @@ def run(argv: list[str], env: dict[str, str] | None = None, keep_ray: bool = Fal
         if not keep_ray and ray is not None and ray.is_initialized():
             ray.shutdown()
     return subprocess.CompletedProcess(["hybridflow", *argv], code, stdout.getvalue(), stderr.getvalue())
+
+
+# The `hybridflow` command's entry point, in an interpreter where `import ray` fails
+WITHOUT_RAY = "import sys; sys.modules['ray'] = None; from hybridflow.cli import main; sys.exit(main())"
+
+
+def without_ray(args: list[str], output_root: Path, run_name: str, timeout_s: int = 600) -> subprocess.CompletedProcess:
+    """`hybridflow placement=local *args` into `output_root/run_name`, a command of its own with Ray's
+    import blocked. RAY_ADDRESS is left out of its environment: a module whose other runs join the
+    tests' Ray head sets it (tests/ray_head.py), and a one-process run refuses it."""
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    return subprocess.run([sys.executable, "-c", WITHOUT_RAY, "placement=local", *args,
+                           f"logger.output_root={output_root}", f"logger.run_name={run_name}"],
+                          capture_output=True, text=True, timeout=timeout_s, env=env)
 
 
 def main() -> None:

@@ -16,6 +16,7 @@ from hybridflow.data import ArithmeticSpec, make_arithmetic_rows
 from hybridflow.data.prompts import encode_prompts
 from tests.e2e.workers import CorruptibleVLLMRollout
 from recipes.roles import actor_role, reference_role
+from hybridflow.stage import prepare_stage
 
 MAX_PROMPT_TOKENS = 8
 VLLM_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1"}
@@ -28,7 +29,7 @@ def groups(ray_local, tiny_model_dir):
         model_path=str(tiny_model_dir), rollout=RolloutConfig(max_response_tokens=6), max_prompt_tokens=MAX_PROMPT_TOKENS,
         eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, verifiable_weights=True))
     config = HybridFlowConfig(actor=ActorConfig(optim=OptimConfig(lr=1e-3), samples_per_micro_batch=4))
-    actor, reference = actor_role(config, tiny_model_dir), reference_role(config, tiny_model_dir)
+    actor, reference = actor_role(prepare_stage(config).config, tiny_model_dir), reference_role(prepare_stage(config).config, tiny_model_dir)
     out = spawn_workers(ResourcePool(PoolSpec("hybrid", devices_per_node=2)),
                         {"actor": actor, "rollout": rollout, "reference": reference}, env_vars=VLLM_ENV)
     for future in [out["actor"].start.remote(), out["reference"].start.remote(), out["rollout"].start.remote()]:
@@ -106,7 +107,7 @@ def test_micro_batch_split_does_not_change_gradients(tiny_model_dir):
 
     def grads(rows_per_micro: int) -> dict[str, torch.Tensor]:
         config = HybridFlowConfig(actor=ActorConfig(samples_per_micro_batch=rows_per_micro))
-        worker = actor_role(config, tiny_model_dir).build(WorkerContext())
+        worker = actor_role(prepare_stage(config).config, tiny_model_dir).build(WorkerContext())
         worker.start()
         worker.model.train()
         tokens, seqs = float(mask.sum()), float(mask.any(1).sum())

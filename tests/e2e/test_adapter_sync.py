@@ -26,6 +26,7 @@ from hybridflow.resharding import WeightSyncError
 from hybridflow.resharding.sync import AdapterSync
 from hybridflow.resharding.transports import build_transport
 from recipes.roles import actor_role
+from hybridflow.stage import prepare_stage
 from tests.e2e.workers import AdapterFaultVLLMRollout, spawn_actor_and_rollout
 
 MAX_PROMPT_TOKENS = 8
@@ -46,9 +47,9 @@ def _spawn(tiny_model_dir, actor_ranks: int, rollout_ranks: int | None, name: st
         model_path=str(tiny_model_dir), rollout=RolloutConfig(max_response_tokens=6),
         max_prompt_tokens=MAX_PROMPT_TOKENS, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
         lora_rank=RANK))
-    actor = actor_role(HybridFlowConfig(actor=ActorConfig(
+    actor = actor_role(prepare_stage(HybridFlowConfig(actor=ActorConfig(
         optim=OptimConfig(lr=1e-2), samples_per_micro_batch=4,
-        lora=LoraConfig(rank=RANK, alpha=ALPHA, target_modules=TARGETS))), tiny_model_dir)
+        lora=LoraConfig(rank=RANK, alpha=ALPHA, target_modules=TARGETS)))).config, tiny_model_dir)
     groups = spawn_actor_and_rollout(actor, rollout, actor_ranks, rollout_ranks, name, VLLM_ENV)
     sync = AdapterSync(groups["actor"], groups["rollout"], WeightSyncConfig(timeout_s=60.0),
                        build_transport(rollout_ranks is None), "float32")

@@ -1,36 +1,27 @@
 """recipe=agent_pipeline for a few steps: SFT on calculator demonstrations -> GRPO with
-multi-turn tool rollouts, through the same entry point as the command line."""
+multi-turn tool rollouts, through the `hybridflow` command in one process without Ray
+(placement=local, Ray's import blocked: tests/e2e/cli_in_one_process.py `without_ray`)."""
 
 from __future__ import annotations
 
-import pytest
 import json
 
-from hybridflow.config import compose
+import pytest
+
 from hybridflow.tracking import read_metrics
-from tests.e2e.test_rl_recipes import ONE_RANK
+from tests.e2e.cli_in_one_process import without_ray
 
-pytestmark = pytest.mark.usefixtures("shared_ray_head")  # its runs join one Ray head (tests/ray_head.py)
-
-SMALL = ["trainer.prompts_per_step=4", "trainer.val_prompts=8", "data.synthetic.train_rows=200",
-         "data.synthetic.val_rows=16", "actor.samples_per_micro_batch=8", ONE_RANK]
+# the smaller data for every stage; each stage's length (its batch sizes are the recipe's own)
+SMALL = ["trainer.val_prompts=8", "data.synthetic.train_rows=200", "data.synthetic.val_rows=16",
+         "stages.sft.trainer.total_steps=3", "stages.sft.trainer.val_every_steps=3",
+         "stages.grpo.trainer.total_steps=2", "stages.grpo.trainer.val_every_steps=2",
+         "stages.grpo.rollout.samples_per_prompt=2", "stages.grpo.actor.samples_per_micro_batch=8"]
 
 
 @pytest.mark.slow  # ~36 s; agent rollouts run end to end in test_agent_rollout.py
 def test_agent_pipeline_runs_sft_then_grpo_with_the_calculator(tmp_path):
-    import ray
-
-    from hybridflow.cli import run
-
-    config = compose(["recipe=agent_pipeline", f"logger.output_root={tmp_path}", "logger.run_name=agent"])
-    config.pipeline.common_overrides += SMALL
-    config.pipeline.stages[0].overrides += ["trainer.total_steps=3", "trainer.val_every_steps=3"]
-    config.pipeline.stages[1].overrides += ["trainer.total_steps=2", "trainer.val_every_steps=2",
-                                            "rollout.samples_per_prompt=2", "actor.samples_per_micro_batch=8"]
-    try:
-        run(config)
-    finally:
-        ray.shutdown()
+    done = without_ray(["recipe=agent_pipeline", *SMALL], tmp_path, "agent")
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
     run_dir = tmp_path / "agent"
     sft, grpo = (json.loads((run_dir / d / "STAGE_COMPLETE").read_text()) for d in ("00-sft", "01-grpo"))
     assert sft["final_accuracy"] is not None and grpo["final_accuracy"] is not None

@@ -30,8 +30,10 @@ from tests.e2e.test_rl_recipes import hybridflow, kill_once_checkpointed, metric
 pytestmark = pytest.mark.usefixtures("shared_ray_head")  # its runs join one Ray head (tests/ray_head.py)
 
 FIXTURES = Path(__file__).parent / "fixtures"
+# the fixture's samples were drawn with a sampler generator per request, as every run did before one stream
+# per batch became the default (rollout.seed_per_request, workers/rollout/vllm_rollout.py)
 GUARD_ARGS = ["recipe=grpo", "trainer.total_steps=3", "trainer.export_hf=false", "actor.optim.lr=1e-3",
-              f"reward.fn={FIXTURES / 'varied_reward.py'}:score"]
+              f"reward.fn={FIXTURES / 'varied_reward.py'}:score", "rollout.seed_per_request=true"]
 TIMING_PREFIXES = ("timing/", "time/", "perf/", "memory/")  # measurements, not numbers of the loop
 # Measured on the batch since the fixture was written (hybridflow/algos/mismatch.py): new readings of
 # the same step, not numbers the loop computes with (the fixture's other keys must equal)

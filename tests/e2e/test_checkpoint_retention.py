@@ -1,5 +1,6 @@
-"""Checkpoint retention and integrity end to end: the `hybridflow` command on the tiny model (real
-Ray, real vLLM on the CPU), SFT with a checkpoint every step.
+"""Checkpoint retention and integrity end to end: the `hybridflow` command on the tiny model in one
+process without Ray (placement=local, Ray's import blocked: tests/e2e/cli_in_one_process.py
+`without_ray`; a real FSDP2 actor and vLLM on the CPU), SFT with a checkpoint every step.
 
 One run keeps the full training state of its last 2 checkpoints and the weights of its last 3;
 its newest checkpoint's shard is then truncated, and the resumed run names the file, resumes
@@ -15,20 +16,16 @@ from pathlib import Path
 
 import pytest
 
-from tests.e2e import cli_in_one_process
-from tests.e2e.test_rl_recipes import ONE_RANK
-
-pytestmark = pytest.mark.usefixtures("shared_ray_head")  # its runs join one Ray head (tests/ray_head.py)
+from tests.e2e.cli_in_one_process import without_ray
 
 SMALL = ["recipe=sft", "trainer.prompts_per_step=4", "rollout.max_response_tokens=4", "trainer.val_prompts=8",
          "data.synthetic.train_rows=200", "data.synthetic.val_rows=16", "actor.samples_per_micro_batch=8",
          "trainer.val_every_steps=0", "trainer.export_hf=false", "trainer.save_every_steps=1",
-         "trainer.keep_last_checkpoints=2", "trainer.keep_last_weights=3",
-         ONE_RANK]
+         "trainer.keep_last_checkpoints=2", "trainer.keep_last_weights=3"]
 
 
 def hybridflow(args: list[str], output_root: Path, run_name: str) -> subprocess.CompletedProcess:
-    return cli_in_one_process.run([*SMALL, *args, f"logger.output_root={output_root}", f"logger.run_name={run_name}"])
+    return without_ray([*SMALL, *args], output_root, run_name)
 
 
 def losses(run_dir: Path) -> list[tuple[int, float]]:

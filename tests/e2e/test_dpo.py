@@ -1,10 +1,11 @@
-"""recipe=dpo end to end on the tiny model (real Ray; the actor and the reference role on one
-training rank), through the `hybridflow` command, on preference files in TRL's format (text and
-conversational responses): the held-out DPO loss falls below log 2 and the implicit rewards rank the
-chosen responses first; the held-out preference accuracy equals one recomputed from the final model;
-the metrics carry TRL's names; the reference log-probs of each training pair are computed once (the
-first epoch) and reused after; checkpoints and the final model are written. And the pipeline SFT ->
-DPO -> GRPO, each stage starting from the one before it."""
+"""recipe=dpo end to end on the tiny model (the actor and the reference role in one process without
+Ray: placement=local, Ray's import blocked, tests/e2e/cli_in_one_process.py `without_ray`), through
+the `hybridflow` command, on preference files in TRL's format (text and conversational responses):
+the held-out DPO loss falls below log 2 and the implicit rewards rank the chosen responses first; the
+held-out preference accuracy equals one recomputed from the final model; the metrics carry TRL's
+names; the reference log-probs of each training pair are computed once (the first epoch) and reused
+after; checkpoints and the final model are written. And the pipeline SFT ->
+DPO -> GRPO, each stage starting from the one before it (on Ray, joining the tests' head)."""
 
 from __future__ import annotations
 
@@ -16,10 +17,7 @@ import pytest
 
 from hybridflow.data import ArithmeticSpec, make_arithmetic_split
 from hybridflow.data.preference import synthetic_pairs
-from tests.e2e import cli_in_one_process
-from tests.e2e.test_rl_recipes import ONE_RANK
-
-pytestmark = pytest.mark.usefixtures("shared_ray_head")  # its runs join one Ray head (tests/ray_head.py)
+from tests.e2e.cli_in_one_process import without_ray
 
 
 def write_preference_files(root: Path, train_rows: int = 512, val_rows: int = 128) -> tuple[Path, Path]:
@@ -41,15 +39,12 @@ def write_preference_files(root: Path, train_rows: int = 512, val_rows: int = 12
 
 def test_dpo_on_trl_format_files_ranks_the_chosen_responses_first(tmp_path):
     train, val = write_preference_files(tmp_path)
-    result = cli_in_one_process.run(["recipe=dpo", f"data.train_path={train}", f"data.val_path={val}",
-                                     "trainer.total_steps=40", "trainer.val_every_steps=20", "trainer.prompts_per_step=32",
-                                     "trainer.val_prompts=128", "trainer.save_every_steps=20", "actor.optim.lr=2e-3",
-                                     "actor.optim.lr_schedule=constant", "actor.optim.warmup_steps=0", ONE_RANK,
-                                     f"logger.output_root={tmp_path}", "logger.run_name=dpo"])
+    result = without_ray(["recipe=dpo", f"data.train_path={train}", f"data.val_path={val}",
+                          "trainer.total_steps=40", "trainer.val_every_steps=20", "trainer.prompts_per_step=32",
+                          "trainer.val_prompts=128", "trainer.save_every_steps=20", "actor.optim.lr=2e-3",
+                          "actor.optim.lr_schedule=constant", "actor.optim.warmup_steps=0"], tmp_path, "dpo")
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
     run_dir = tmp_path / "dpo"
-    plan = json.loads((run_dir / "plan.json").read_text())["nodes"]
-    assert "reference" in json.dumps(plan)  # the starting model scores the pairs: the reference role ran
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     held_out = [r for r in rows if "val/preference_loss" in r]
     assert [r["step"] for r in held_out] == [0, 20, 40]
@@ -65,7 +60,8 @@ def test_dpo_on_trl_format_files_ranks_the_chosen_responses_first(tmp_path):
     trained = [r for r in rows if "actor/loss" in r]
     assert len(trained) == 40 and all({"rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins",
                                        "logps/chosen", "logps/rejected"} <= set(r) for r in trained)
-    # 512 pairs, 32 a step: the first epoch (steps 1-16) scores each pair once; the reference is not run after
+    # the starting model scores the pairs, the reference role (the run's step-0 loss, log 2, says it is the
+    # starting model): 512 pairs, 32 a step, the first epoch (steps 1-16) scores each pair once; not run after
     scored = [r["dpo/reference_pairs_scored"] for r in trained]
     assert scored == [32] * 16 + [0] * 24, scored
     assert "reference log-probs of each pair are computed once" in result.stdout
@@ -96,6 +92,7 @@ def preference_accuracy(model_dir: Path, val_path: Path) -> tuple[float, float]:
     return float((chosen > rejected).float().mean()), float(chosen.mean())
 
 
+@pytest.mark.usefixtures("shared_ray_head")  # its run joins one Ray head (tests/ray_head.py)
 @pytest.mark.slow  # ~90 s: three stages, each starting the stack
 def test_an_sft_dpo_grpo_pipeline_runs_end_to_end(tmp_path):
     import ray

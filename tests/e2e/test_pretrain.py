@@ -1,7 +1,8 @@
-"""recipe=pretrain end to end on the tiny model (real Ray, one training rank), through the
-`hybridflow` command: the held-out loss falls; the spike_recovery hook stays quiet on a normal run,
-and on a run made to diverge (an lr burst) it fires and the actor then holds exactly the SMA that
-`hybridflow-merge` makes offline from the same checkpoints.
+"""recipe=pretrain end to end on the tiny model, through the `hybridflow` command in one process
+without Ray (placement=local, Ray's import blocked: tests/e2e/cli_in_one_process.py `without_ray`;
+the claims are the recipe's, not its processes'): the held-out loss falls; the spike_recovery hook
+stays quiet on a normal run, and on a run made to diverge (an lr burst) it fires and the actor then
+holds exactly the SMA that `hybridflow-merge` makes offline from the same checkpoints.
 """
 
 from __future__ import annotations
@@ -15,21 +16,17 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.e2e import cli_in_one_process
-from tests.e2e.test_rl_recipes import ONE_RANK
-
-pytestmark = pytest.mark.usefixtures("shared_ray_head")  # its runs join one Ray head (tests/ray_head.py)
+from tests.e2e.cli_in_one_process import without_ray
 
 VENV_BIN = Path(sys.executable).parent
 SMALL = ["recipe=pretrain", "pretrain.generated.train_documents=2000", "pretrain.generated.val_documents=100",
          "pretrain.sequences_per_step=16", "pretrain.val_sequences=32", "actor.optim.warmup_steps=0",
-         "actor.optim.lr_schedule=constant", "trainer.keep_last_checkpoints=1", "trainer.keep_last_weights=5",
-         ONE_RANK]  # the claims are the recipe's, not its ranks': one process less (CI's time, tests/budget.py)
+         "actor.optim.lr_schedule=constant", "trainer.keep_last_checkpoints=1", "trainer.keep_last_weights=5"]
 HOOK = "{name: spike_recovery, params: {last: 3, window: 8, warmup: 5}}"
 
 
 def hybridflow(args: list[str], output_root: Path, run_name: str) -> subprocess.CompletedProcess:
-    return cli_in_one_process.run([*SMALL, *args, f"logger.output_root={output_root}", f"logger.run_name={run_name}"])
+    return without_ray([*SMALL, *args], output_root, run_name)
 
 
 def metrics(run_dir: Path) -> list[dict]:

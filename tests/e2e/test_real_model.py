@@ -1,11 +1,13 @@
 """The real pretrained model (SmolLM2-135M-Instruct, tests/real_model.py) at the shapes users run:
 chat prompts of ~46 tokens, hundreds of seeded requests in one engine call, 64-token answers.
 
-These run the `hybridflow` command as a user would. On a CPU without bfloat16 arithmetic (an AMD
-EPYC without AVX-512 ran some of these sessions) a bfloat16 forward of this model is ~6x and a backward
-~20x slower than float32 (docs/results/performance.md, "Real model"), so every test computes in float32 but the
-one whose claim is about bfloat16 (its parity checks at 30 layers), which asks for it and keeps its
-shapes small; float32 also holds the engine and the trainer to the tight probe tolerance."""
+These run the `hybridflow` command as a user would: the evaluation in one process without Ray
+(placement=local, Ray's import blocked: tests/e2e/cli_in_one_process.py `without_ray`), the slow
+tier's runs on Ray, joining the tests' head. On a CPU without bfloat16 arithmetic (an AMD EPYC
+without AVX-512 ran some of these sessions) a bfloat16 forward of this model is ~6x and a backward
+~20x slower than float32 (docs/results/performance.md, "Real model"), so every test computes in
+float32 but the one whose claim is about bfloat16 (its parity checks at 30 layers), which asks for it
+and keeps its shapes small; float32 also holds the engine and the trainer to the tight probe tolerance."""
 
 from __future__ import annotations
 
@@ -19,7 +21,7 @@ from tests.e2e import cli_in_one_process
 from tests.e2e.test_rl_recipes import ONE_RANK
 from tests.real_model import real_overrides
 
-pytestmark = pytest.mark.usefixtures("shared_ray_head")  # its runs join one Ray head (tests/ray_head.py)
+ON_RAY = pytest.mark.usefixtures("shared_ray_head")  # the runs on Ray join one Ray head (tests/ray_head.py)
 
 
 def run_hybridflow(args: list[str]) -> subprocess.CompletedProcess:
@@ -47,9 +49,10 @@ def test_evaluate_samples_128_seeded_chat_requests_in_one_engine_call(tmp_path, 
     not use offset"); workers/rollout/vllm_rollout.py now never chunks a prefill on the CPU. The
     recipe's metrics and report line are read here too (the tiny model's own evaluate run was the
     same whole-stack start: CI's time, tests/budget.py)."""
-    run_hybridflow([*real_overrides(real_model_dir, *chat_addition), "recipe=evaluate", "trainer.val_prompts=16",
-                    "rollout.max_response_tokens=16", "placement.pools.global.devices_per_node=1",
-                    f"logger.output_root={tmp_path}", "logger.run_name=eval"])
+    args = [*real_overrides(real_model_dir, *chat_addition), "recipe=evaluate", "trainer.val_prompts=16",
+            "rollout.max_response_tokens=16"]
+    done = cli_in_one_process.without_ray(args, tmp_path, "eval")  # one process, Ray's import blocked
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
     row = metrics(tmp_path / "eval")[0]
     assert row["step"] == 0
     for key in ("val/accuracy", "val/reward_mean", "val/pass@1", "val/pass@2", "val/pass@4", "val/pass@8",
@@ -63,6 +66,7 @@ def test_evaluate_samples_128_seeded_chat_requests_in_one_engine_call(tmp_path, 
     assert 0.0 < row["val/accuracy"] < 0.6 and 0.0 < row["val/pass@8"]
 
 
+@ON_RAY
 @pytest.mark.slow
 @pytest.mark.timeout(1500)  # in this process (the stages' own deadlines apply); a bf16 backward is ~20x float32 here
 def test_grpo_in_bfloat16_on_the_real_model_passes_the_parity_checks(tmp_path, real_model_dir, chat_addition):
@@ -102,6 +106,7 @@ def finite_steps(rows: list[dict], steps: int) -> None:
             assert peaks and all(0.05 < v < 20.0 for v in peaks), row  # each pool's own peak
 
 
+@ON_RAY
 @pytest.mark.slow
 @pytest.mark.timeout(1500)  # in this process (the stages' own deadlines apply), past pyproject.toml's 600 s
 def test_lora_grpo_one_step_off_on_the_real_model_serves_the_adapter_at_a_twentieth_of_the_model(tmp_path, real_model_dir,
@@ -135,6 +140,7 @@ def test_lora_grpo_one_step_off_on_the_real_model_serves_the_adapter_at_a_twenti
         assert row["weight_sync/verified_tensors"] == 420 and row["weight_sync/probe_log_prob_gap_mean"] < 1e-2
 
 
+@ON_RAY
 @pytest.mark.slow
 @pytest.mark.budget(300)  # SFT, the merge and PPO on the real model (with GRPO last: 522 s on an AVX2-only EPYC)
 @pytest.mark.timeout(1200)  # in this process (the stages' own deadlines apply), past pyproject.toml's 600 s

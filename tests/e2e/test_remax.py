@@ -1,13 +1,12 @@
-"""ReMax end to end through the CLI: each step the recipe generates one greedy response per
-prompt, scores it, and uses that reward as the baseline of the prompt's samples."""
+"""ReMax end to end through the CLI, in one process without Ray (placement=local: the claim is the
+recipe's): each step the recipe generates one greedy response per prompt, scores it, and uses that
+reward as the baseline of the prompt's samples."""
 
 from __future__ import annotations
 
 import pytest
 
-from tests.e2e.test_rl_recipes import ONE_RANK, hybridflow, metrics
-
-pytestmark = pytest.mark.usefixtures("shared_ray_head")  # its runs join one Ray head (tests/ray_head.py)
+from tests.e2e.test_rl_recipes import local, metrics
 
 # A reward with a spread on the untrained tiny model (exact match is almost always 0 there, which
 # would give ReMax a zero baseline and zero advantages): the response's length in characters.
@@ -21,9 +20,9 @@ def score(response, **_):
 def test_remax_trains_for_3_steps_with_the_greedy_baseline(tmp_path):
     reward_file = tmp_path / "length_reward.py"
     reward_file.write_text(LENGTH_REWARD)
-    result = hybridflow(["recipe=grpo", "algorithm.advantage_estimator=remax", "trainer.total_steps=3",
-                         f"reward.fn={reward_file}:score", "trainer.export_hf=false", "trainer.val_every_steps=0", ONE_RANK],
-                        tmp_path, "remax")
+    result = local(["recipe=grpo", "algorithm.advantage_estimator=remax", "trainer.total_steps=3",
+                    f"reward.fn={reward_file}:score", "trainer.export_hf=false", "trainer.val_every_steps=0"],
+                   tmp_path, "remax")
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
     rows = metrics(tmp_path / "remax")
     assert [r["step"] for r in rows] == [1, 2, 3]

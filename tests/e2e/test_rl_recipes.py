@@ -1,9 +1,14 @@
-"""GRPO and PPO end to end on the tiny model: real Ray, real vLLM on the CPU, 2 training ranks.
+"""GRPO and PPO end to end on the tiny model: real vLLM on the CPU, a real FSDP2 actor; the assertions
+read what the recipe itself wrote: metrics.jsonl, checkpoints and the final Hugging Face model.
 
-Each run goes through the `hybridflow` command's code, in this process (`hybridflow` below:
-tests/e2e/cli_in_one_process.py) or, where the claim is about the command's process (its console
-output as written, a driver killed), as a command of its own; the assertions read what the recipe
-itself wrote: metrics.jsonl, checkpoints and the final Hugging Face model.
+The default tier's runs, whose claims are the recipes' (they learn, their metrics, the hf engine's
+parity), run in one process without Ray (`placement=local`, a command of its own with Ray's import
+blocked: `local` below, tests/e2e/cli_in_one_process.py `without_ray`; docs/results/ci_times.md has
+what that saved). The slow tier's runs are on Ray, joining the tests' head: the reward file, dynamic
+sampling and math-verify runs through the `hybridflow` command's code in this process (`hybridflow`
+below; their reward functions run in a worker process, and there a one-process command of its own
+saved nothing), the runs whose claims are about processes and ranks (a killed rank, a hung rollout,
+the console of a run and its workers' logs) as a command of its own.
 """
 
 from __future__ import annotations
@@ -20,8 +25,8 @@ import pytest
 
 from tests.e2e import cli_in_one_process
 
-pytestmark = pytest.mark.usefixtures("shared_ray_head")  # its runs join one Ray head (tests/ray_head.py)
-
+# the runs on Ray join one Ray head (tests/ray_head.py); the one-process runs start none
+ON_RAY = pytest.mark.usefixtures("shared_ray_head")
 VENV_BIN = Path(sys.executable).parent
 SMALL = ["trainer.prompts_per_step=4", "rollout.samples_per_prompt=4", "rollout.max_response_tokens=4",
          "trainer.val_prompts=8", "data.synthetic.train_rows=200", "data.synthetic.val_rows=16",
@@ -50,6 +55,11 @@ def hybridflow(args: list[str], output_root: Path, run_name: str) -> subprocess.
     return cli_in_one_process.run([*args, *SMALL, f"logger.output_root={output_root}", f"logger.run_name={run_name}"])
 
 
+def local(args: list[str], output_root: Path, run_name: str) -> subprocess.CompletedProcess:
+    """`hybridflow placement=local` with the tiny shapes: one process, Ray's import blocked."""
+    return cli_in_one_process.without_ray([*args, *SMALL], output_root, run_name)
+
+
 def metrics(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
@@ -69,6 +79,7 @@ def kill_once_checkpointed(args: list[str], output_root: Path, run_name: str, st
     time.sleep(2)  # let the killed run's Ray processes notice their driver is gone
 
 
+@ON_RAY
 @pytest.mark.slow  # CI's slow tier, for the default run's 20 minutes on a CPU without bf16 (README "Two commands")
 def test_grpo_with_a_reward_function_from_a_file(tmp_path):
     reward_file = tmp_path / "my_reward.py"
@@ -106,6 +117,7 @@ def score(response, ground_truth):
 '''
 
 
+@ON_RAY
 @pytest.mark.slow  # CI's slow tier, for the default run's 20 minutes on a CPU without bf16 (README "Two commands")
 def test_grpo_with_dynamic_sampling_trains_full_batches_of_groups_with_a_signal(tmp_path):
     """DAPO's dynamic sampling end to end, filtering on accuracy (verl's DAPO recipe): each step trains
@@ -131,6 +143,7 @@ def test_grpo_with_dynamic_sampling_trains_full_batches_of_groups_with_a_signal(
     assert sum(r["dynamic_sampling/rounds"] for r in rows) > 0 and sum(r["dynamic_sampling/dropped_groups"] for r in rows) > 0
 
 
+@ON_RAY
 @pytest.mark.slow  # CI's slow tier, for the default run's 20 minutes on a CPU without bf16 (README "Two commands")
 def test_grpo_with_reward_fn_math_verify_scores_every_batch_in_the_reward_roles_threads(tmp_path):
     """math-verify's own timeout (signal.alarm) raised in the role's threads on every sample, so a run with
@@ -146,10 +159,11 @@ def test_grpo_with_reward_fn_math_verify_scores_every_batch_in_the_reward_roles_
 
 
 def test_grpo_with_the_hf_engine_samples_what_the_actor_computes(tmp_path):
-    """The `hf` engine (its own KV-cached decode loop, workers/rollout/hf_rollout.py) through GRPO steps:
-    its sampler log-probs are the actor's on the same weights, and the weight probe passes."""
-    result = hybridflow(["recipe=grpo", "rollout.backend=hf", "trainer.total_steps=2", "trainer.val_every_steps=2",
-                         "trainer.export_hf=false", ONE_RANK], tmp_path, "hf")
+    """The `hf` engine (its own KV-cached decode loop, workers/rollout/hf_rollout.py) through GRPO steps
+    in one process (placement=local): its sampler log-probs are the actor's on the same weights, and the
+    weight probe passes."""
+    result = local(["recipe=grpo", "rollout.backend=hf", "trainer.total_steps=2", "trainer.val_every_steps=2",
+                    "trainer.export_hf=false"], tmp_path, "hf")
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
     rows = metrics(tmp_path / "hf")
     assert [r["step"] for r in rows] == [1, 2] and "val/accuracy" in rows[1]
@@ -161,22 +175,24 @@ def test_grpo_with_the_hf_engine_samples_what_the_actor_computes(tmp_path):
 def test_grpo_learns_what_its_reward_asks_for(tmp_path):
     """Learning, read from the recipe's own metrics: the default GRPO on the tiny model, rewarded for
     the distinct characters of its answer (tests/e2e/fixtures/varied_reward.py), raises its mean
-    reward within 10 steps (0.78 -> 1.41 here, 30 s). Held-out accuracy on the arithmetic task takes
-    minutes (docs/results/learning.md)."""
+    reward within 10 steps (0.78 -> 1.41 under Ray, 30 s). Held-out accuracy on the arithmetic task
+    takes minutes (docs/results/learning.md). The run is the one-process mode a user without Ray runs
+    (placement=local, Ray's import blocked): 34.6 s against 45.4 on Ray (docs/results/ci_times.md)."""
     reward = Path(__file__).parent / "fixtures" / "varied_reward.py"
-    done = subprocess.run([str(VENV_BIN / "hybridflow"), "recipe=grpo", "trainer.total_steps=10", "actor.optim.lr=1e-3",
-                           f"reward.fn={reward}:score", "trainer.export_hf=false", "trainer.val_every_steps=0",
-                           "trainer.save_every_steps=0", f"logger.output_root={tmp_path}", "logger.run_name=learn"],
-                          capture_output=True, text=True, timeout=600)
+    args = ["recipe=grpo", "trainer.total_steps=10", "actor.optim.lr=1e-3", f"reward.fn={reward}:score",
+            "trainer.export_hf=false", "trainer.val_every_steps=0", "trainer.save_every_steps=0"]
+    done = cli_in_one_process.without_ray(args, tmp_path, "learn")  # the default shapes, not SMALL
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
     rows = metrics(tmp_path / "learn")
     scores = [r["reward/score"] for r in rows]
     assert len(scores) == 10
     first, last = sum(scores[:3]) / 3, sum(scores[-3:]) / 3
     assert last > first + 0.25, scores  # +0.45 measured; at lr 1e-9 the same run drifts +0.03
-    # each step's memory (hybridflow/controller/memory.py): the peak since the last read holds at least
-    # the engine's KV cache (1 GiB, rollout.kv_cache_space_gib), and the resident set at the end is below it
-    for row in rows:  # 1.86 and 1.79 GiB here
+    for row in rows:  # the sampler's log-probs are the actor's on the same weights
+        assert row["rollout/log_prob_diff"] < 1e-3, row
+    # each step's memory (hybridflow/controller/memory.py, the one process read): the peak since the last read
+    # holds at least the engine's KV cache (1 GiB, rollout.kv_cache_space_gib), and the resident set is below it
+    for row in rows:  # 1.86 and 1.79 GiB under Ray
         assert row["memory/global_peak_gib"] >= 1.0 and 0 < row["memory/global_rss_gib"] <= row["memory/global_peak_gib"]
     # the rollout-training mismatch of every step's batch (issue 73), clipping against the sampler: the
     # update's first mini-batch before its optimizer step against the engine's log-probs, fp32 both
@@ -189,10 +205,11 @@ def test_grpo_learns_what_its_reward_asks_for(tmp_path):
 def test_ppo_with_critic_warmup_kl_penalty_and_a_reference_reset_hook(tmp_path):
     # algorithm.rollout_correction=icepop: the actor recomputes π_old (trainer.old_log_probs=auto chooses it)
     # and ICEPOP weighs every fresh batch's tokens (issue 73)
-    result = hybridflow(["recipe=ppo", "trainer.total_steps=4", "trainer.critic_warmup_steps=1",
-                         "algorithm.rollout_correction=icepop",
-                         "algorithm.kl_penalty_coef=0.05", "trainer.export_hf=false", "actor.optim.lr=1e-3",
-                         "trainer.training_hooks=[{name:reference_reset,params:{every_steps:3}}]", ONE_RANK], tmp_path, "ppo")
+    # in one process (placement=local): the actor, critic, reference and rollout roles share it
+    result = local(["recipe=ppo", "trainer.total_steps=4", "trainer.critic_warmup_steps=1",
+                    "algorithm.rollout_correction=icepop",
+                    "algorithm.kl_penalty_coef=0.05", "trainer.export_hf=false", "actor.optim.lr=1e-3",
+                    "trainer.training_hooks=[{name:reference_reset,params:{every_steps:3}}]"], tmp_path, "ppo")
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
     rows = metrics(tmp_path / "ppo")
     assert len(rows) == 4
@@ -219,7 +236,7 @@ COMPARED = ["reward/score", "actor/loss", "actor/grad_norm", "actor/entropy", "r
 
 
 @pytest.fixture(scope="module")
-def straight(tmp_path_factory) -> dict[int, dict]:
+def straight(tmp_path_factory, shared_ray_head) -> dict[int, dict]:
     """The uninterrupted 3-step run the fault tests compare with, by step; its console output as
     written (bytes decoded without universal newlines, so a progress line's carriage returns stay)
     and its run directory are `straight[0]`."""
@@ -232,6 +249,7 @@ def straight(tmp_path_factory) -> dict[int, dict]:
             **{r["step"]: r for r in metrics(root / "straight")}}
 
 
+@ON_RAY
 @pytest.mark.slow  # CI's slow tier, for the default run's 20 minutes on a CPU without bf16 (README "Two commands")
 @pytest.mark.budget(140)  # its setup runs the uninterrupted run it is compared with (the `straight` fixture); 350 s in all beside the real model's pipeline on a slow afternoon (b296299)
 def test_a_killed_actor_rank_and_a_hung_rollout_each_restart_the_run_which_matches_the_uninterrupted_one(tmp_path,
@@ -264,6 +282,7 @@ def test_a_killed_actor_rank_and_a_hung_rollout_each_restart_the_run_which_match
             assert rows[step][key] == pytest.approx(straight[step][key], rel=1e-5, abs=1e-6), (step, key)
 
 
+@ON_RAY
 @pytest.mark.slow  # CI's slow tier, for the default run's 20 minutes on a CPU without bf16 (README "Two commands")
 def test_a_short_run_prints_a_few_lines_and_keeps_the_library_output_in_its_logs(straight):
     """What a run prints (hybridflow/console.py): a few lines and one progress line per stage on the

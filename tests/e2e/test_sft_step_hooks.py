@@ -1,8 +1,9 @@
-"""Step hooks in recipe=sft end to end (the `hybridflow` command, real Ray, real vLLM on the CPU):
-an lr burst makes the loss spike, spike_recovery fires once, the actor then holds exactly the SMA
-of the checkpoints saved before the spike, the rows of the batches since then go back into the
-loader (`data: reshuffle`), and the weight sync that follows carries the merged weights into vLLM
-(its per-tensor checksums are compared with the actor's).
+"""Step hooks in recipe=sft end to end (the `hybridflow` command in one process without Ray,
+placement=local with Ray's import blocked: tests/e2e/cli_in_one_process.py `without_ray`; real vLLM
+on the CPU): an lr burst makes the loss spike, spike_recovery fires once, the actor then holds
+exactly the SMA of the checkpoints saved before the spike, the rows of the batches since then go
+back into the loader (`data: reshuffle`), and the weight sync that follows carries the merged
+weights into vLLM (its per-tensor checksums are compared with the actor's).
 """
 
 from __future__ import annotations
@@ -15,17 +16,13 @@ import torch
 from safetensors.torch import load_file
 
 from hybridflow.merge.api import merge_state_dicts
-from tests.e2e import cli_in_one_process
-from tests.e2e.test_rl_recipes import ONE_RANK
-
-pytestmark = pytest.mark.usefixtures("shared_ray_head")  # its runs join one Ray head (tests/ray_head.py)
+from tests.e2e.cli_in_one_process import without_ray
 
 SMALL = ["recipe=sft", "trainer.prompts_per_step=4", "rollout.max_response_tokens=4", "trainer.val_prompts=8",
          "data.synthetic.train_rows=200", "data.synthetic.val_rows=16", "actor.samples_per_micro_batch=8",
          "trainer.val_every_steps=0", "trainer.save_every_steps=1", "trainer.keep_last_checkpoints=1",
          "trainer.keep_last_weights=4", "weight_sync.checksum_every_steps=1", "actor.optim.warmup_steps=0",
-         "actor.optim.lr_schedule=constant",
-         ONE_RANK]
+         "actor.optim.lr_schedule=constant"]
 # The update of step 6 runs at 1000x the lr (1e-3 -> 1: at 0.1 an early SFT step can even lower
 # the loss), so the loss logged at step 7 (of the weights saved at 6) spikes; the hook merges the 2 newest checkpoints saved before step 6: steps 4 and 5, and
 # puts back the 2 x 4 rows drawn at steps 6 and 7. Weights of the last 4 checkpoints are kept, so
@@ -43,8 +40,7 @@ def weights(directory: Path) -> dict[str, torch.Tensor]:
 
 @pytest.mark.slow  # CI's slow tier, for the default run's 20 minutes on a CPU without bf16 (README "Two commands")
 def test_spike_recovery_fires_in_sft_and_the_sync_carries_the_merge(tmp_path):
-    result = cli_in_one_process.run([*SMALL, "trainer.total_steps=7", f"trainer.training_hooks={HOOKS}",
-                                     f"logger.output_root={tmp_path}", "logger.run_name=sft"])
+    result = without_ray([*SMALL, "trainer.total_steps=7", f"trainer.training_hooks={HOOKS}"], tmp_path, "sft")
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
     run_dir = tmp_path / "sft"
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]

@@ -124,7 +124,7 @@ def test_a_third_rollout_engine_registered_in_one_file_runs_grpo_steps_sleeping_
     import ray
 
     from hybridflow.cli import run
-    from hybridflow.config.stages import compose_command
+    from hybridflow.pipeline_stages import compose_command
 
     args = ["recipe=grpo", "rollout.backend=toy", "trainer.total_steps=2", "trainer.val_every_steps=2", ONE_RANK,
             *SMALL, f"logger.output_root={tmp_path}", "logger.run_name=toy"]
@@ -146,16 +146,19 @@ def test_a_third_rollout_engine_registered_in_one_file_runs_grpo_steps_sleeping_
 
 
 def test_an_engine_that_cannot_split_a_model_or_serve_adapters_is_refused_where_it_would_be_asked_to():
+    """Before anything starts: at compose (the config's rules) or as the stage is prepared (its plan's rules),
+    as the command does (`compose_command`)."""
     from hybridflow.config import compose
+    from hybridflow.pipeline_stages import compose_command
 
     register_rollout_engine(TOY)
     try:
         with pytest.raises(ValueError, match=r"rollout.tensor_parallel_size=2 is invalid: rollout=toy generates with "
                                              r"one whole model per rank"):
-            compose(["recipe=grpo", "rollout.backend=toy", "rollout.tensor_parallel_size=2"])
+            compose_command(["recipe=grpo", "rollout.backend=toy", "rollout.tensor_parallel_size=2"])
         with pytest.raises(ValueError, match=r"placement.roles.rollout='gen' is invalid: rollout=toy receives "
                                              r"weights only in the actor's processes: set placement.roles.rollout=train"):
-            compose(["recipe=grpo", "placement=disaggregated", "rollout.backend=toy"])
+            compose_command(["recipe=grpo", "placement=disaggregated", "rollout.backend=toy"])
         with pytest.raises(ValueError, match=r"weight_sync.lora='adapter' is invalid: rollout.backend=toy serves no "
                                              r"LoRA adapter"):
             compose(["recipe=grpo", "rollout.backend=toy", "actor.lora.rank=8", "weight_sync.lora=adapter"])

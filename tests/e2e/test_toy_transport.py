@@ -28,6 +28,7 @@ from hybridflow.resharding.sync import WeightSync
 from hybridflow.resharding.transports import TRANSPORTS, Transport, build_transport, register_transport
 from hybridflow.resharding.transports.flat import pack, unpack
 from recipes.roles import actor_role
+from hybridflow.stage import prepare_stage
 from workers.rollout.vllm_rollout import VLLMRollout
 
 VLLM_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1"}
@@ -128,7 +129,7 @@ def test_a_transport_added_by_one_file_is_chosen_and_carries_the_weights(ray_loc
     rollout = RoleSpec(VLLMRollout, dict(
         model_path=str(tiny_model_dir), rollout=RolloutConfig(max_response_tokens=6), max_prompt_tokens=8,
         eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, verifiable_weights=True))
-    actor = actor_role(HybridFlowConfig(actor=ActorConfig(optim=OptimConfig(lr=1e-3), samples_per_micro_batch=4)),
+    actor = actor_role(prepare_stage(HybridFlowConfig(actor=ActorConfig(optim=OptimConfig(lr=1e-3), samples_per_micro_batch=4))).config,
                        tiny_model_dir)
     groups = spawn_workers(ResourcePool(PoolSpec("toy-train", devices_per_node=1)), {"actor": actor},
                            env_vars=VLLM_ENV)

@@ -69,7 +69,8 @@ def test_seeded_requests_past_the_token_budget_never_chunk_a_prefill(ray_local, 
     rewinding the request's seeded generator ("CPU Generator does not use offset"); now a request
     that does not fit waits for a step with room (real-model shape: tests/e2e/test_real_model.py)."""
     tok = AutoTokenizer.from_pretrained(tiny_model_dir)
-    spec = RoleSpec(VLLMRollout, dict(model_path=str(tiny_model_dir), rollout=RolloutConfig(max_response_tokens=2),
+    per_request = RolloutConfig(max_response_tokens=2, seed_per_request=True)  # each request its own generator
+    spec = RoleSpec(VLLMRollout, dict(model_path=str(tiny_model_dir), rollout=per_request,
                                       max_prompt_tokens=MAX_PROMPT_TOKENS, eos_token_id=tok.eos_token_id,
                                       pad_token_id=tok.pad_token_id))
     group = spawn_workers(ResourcePool(PoolSpec("sampling", devices_per_node=1)), {"rollout": spec},
@@ -81,3 +82,26 @@ def test_seeded_requests_past_the_token_budget_never_chunk_a_prefill(ray_local, 
     prompts.tensors["sample_seed"] = torch.arange(128)
     out = group.generate(prompts)
     assert out["response_mask"].any(dim=1).all() and (out["sampler_log_probs"][out["response_mask"]] < 0).any()
+
+
+def test_one_sampler_stream_per_batch_draws_the_same_samples_for_the_same_seeds(ray_local, tiny_model_dir):
+    """By default (rollout.seed_per_request=false) vLLM samples a batch from one stream seeded with its first
+    sample's seed, not a generator per request (vLLM's slow path on GPUs): the same step's seeds draw the
+    same samples again, as a resumed run must, and other seeds draw others."""
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    spec = RoleSpec(VLLMRollout, dict(model_path=str(tiny_model_dir), rollout=RolloutConfig(max_response_tokens=6),
+                                      max_prompt_tokens=MAX_PROMPT_TOKENS, eos_token_id=tok.eos_token_id,
+                                      pad_token_id=tok.pad_token_id))
+    group = spawn_workers(ResourcePool(PoolSpec("stream", devices_per_node=1)), {"rollout": spec},
+                          env_vars=VLLM_ENV)["rollout"]
+    group.start()
+    prompts = encode_prompts(make_arithmetic_rows(16, ArithmeticSpec(), seed=0), tok, MAX_PROMPT_TOKENS)
+
+    def draw(first_seed: int):
+        prompts.tensors["sample_seed"] = torch.arange(first_seed, first_seed + 16)
+        out = group.generate(prompts)
+        return out["response_ids"].masked_fill(~out["response_mask"], -1)
+
+    first = draw(1000)
+    torch.testing.assert_close(draw(1000), first, rtol=0, atol=0)
+    assert not torch.equal(draw(2000), first)

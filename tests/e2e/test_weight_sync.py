@@ -29,6 +29,7 @@ from hybridflow.resharding import WeightSyncError
 from hybridflow.resharding.sync import WeightSync
 from hybridflow.resharding.transports import build_transport
 from recipes.roles import actor_role
+from hybridflow.stage import prepare_stage
 from tests.e2e.workers import CorruptibleVLLMRollout, FaultyActor, PausingVLLMRollout, spawn_actor_and_rollout
 
 MAX_PROMPT_TOKENS = 8
@@ -46,7 +47,7 @@ def _spawn(tiny_model_dir, actor_ranks: int, rollout_ranks: int | None, tp: int,
                                                               on_update=on_update),
         max_prompt_tokens=MAX_PROMPT_TOKENS, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
         verifiable_weights=checksum_every > 0), replica_size=tp)
-    actor = actor_role(HybridFlowConfig(actor=ActorConfig(optim=OptimConfig(lr=1e-3), samples_per_micro_batch=4)),
+    actor = actor_role(prepare_stage(HybridFlowConfig(actor=ActorConfig(optim=OptimConfig(lr=1e-3), samples_per_micro_batch=4))).config,
                        tiny_model_dir)
     if actor_cls is not None:
         actor = RoleSpec(actor_cls, actor.kwargs)

@@ -13,13 +13,14 @@ from hybridflow.data.prompts import encode_prompts
 from hybridflow.resharding.weights import full_weights
 from hybridflow.config.schema import ActorConfig, HybridFlowConfig, LoraConfig, OptimConfig
 from recipes.roles import actor_role
+from hybridflow.stage import prepare_stage
 from workers.actor import ActorWorker
 
 
 def _actor(model_dir) -> ActorWorker:
     lora = LoraConfig(rank=4, alpha=8.0, dropout=0.0, target_modules=["q_proj", "v_proj"])
     config = HybridFlowConfig(actor=ActorConfig(optim=OptimConfig(lr=1e-2), lora=lora))
-    actor = actor_role(config, model_dir).build(WorkerContext())
+    actor = actor_role(prepare_stage(config).config, model_dir).build(WorkerContext())
     actor.start()
     return actor
 

@@ -12,6 +12,7 @@ from hybridflow.data import ArithmeticSpec, make_arithmetic_rows
 from hybridflow.data.prompts import encode_prompts
 from hybridflow.config.schema import ActorConfig, HybridFlowConfig, OptimConfig
 from recipes.roles import actor_role
+from hybridflow.stage import prepare_stage
 
 
 def _batch(model_dir) -> Batch:
@@ -28,7 +29,7 @@ def _batch(model_dir) -> Batch:
 
 def _gradients(model_dir, batch: Batch, **actor) -> tuple[dict[str, torch.Tensor], dict]:
     config = HybridFlowConfig(actor=ActorConfig(samples_per_micro_batch=2, optim=OptimConfig(max_grad_norm=0.0), **actor))
-    worker = actor_role(config, model_dir).build(WorkerContext())
+    worker = actor_role(prepare_stage(config).config, model_dir).build(WorkerContext())
     worker.start()
     worker.optimizer.step = lambda: None  # keep the gradients of the one mini-batch to compare
     worker.model.train()

@@ -13,12 +13,13 @@ from hybridflow.config.schema import ActorConfig, HybridFlowConfig, OptimConfig
 from hybridflow.controller import WorkerContext
 from hybridflow.data.corpus import sequence_batch
 from recipes.roles import actor_role
+from hybridflow.stage import prepare_stage
 from workers.actor import ActorWorker
 
 
 def _actor(model_dir) -> ActorWorker:
     config = HybridFlowConfig(actor=ActorConfig(optim=OptimConfig(lr=1e-2)))
-    actor = actor_role(config, model_dir).build(WorkerContext())
+    actor = actor_role(prepare_stage(config).config, model_dir).build(WorkerContext())
     actor.start()
     return actor
 

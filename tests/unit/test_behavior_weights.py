@@ -86,8 +86,11 @@ def test_with_rollout_correction_auto_the_step_carries_weights_only_when_stale_a
     (["rollout.on_update=keep"], "rollout.on_update"),
 ])
 def test_a_stale_config_without_what_it_needs_is_refused_naming_the_key(overrides, key):
+    """As the command refuses them: the config's own rules at compose, its plan's when the stage is prepared."""
+    from hybridflow.pipeline_stages import compose_command
+
     with pytest.raises(Exception, match=re.escape(key)):
-        compose(["recipe=grpo", *overrides])
+        compose_command(["recipe=grpo", *overrides])
 
 
 def test_a_missing_key_is_named_with_the_role_that_writes_it():

@@ -56,7 +56,8 @@ def test_the_gpu_check_runs_on_the_cpu_without_ray_or_vllm(tmp_path):
     assert attention["max_output_gap"] < 0.02 * attention["output_scale"] and attention["max_grad_gap"] < 0.02 * attention["grad_scale"]
     handover = report["handover_tiny"]  # the transport's own sequence with the stand-in engine; peaks on GPUs only
     assert list(handover["phases"]) == ["training", "start", "weight sync", "generation"]
-    assert handover["phases"]["start"]["floor_gib"] == handover["phases"]["generation"]["floor_gib"] == 0.4 * 80
+    # the engine's share of the 80 GiB, and the process's CUDA context (an estimate, memory_budget.CUDA_CONTEXT_BYTES)
+    assert handover["phases"]["start"]["floor_gib"] == handover["phases"]["generation"]["floor_gib"] == 0.4 * 80 + 0.5
     assert handover["policy_loss"] == handover["policy_loss"]  # a number: the step between the syncs trained
     speed = report["speed_tiny"]
     for side in ("ours", "ours_packed", "plain"):

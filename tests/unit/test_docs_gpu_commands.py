@@ -33,7 +33,7 @@ STATED_GPU = re.compile(r"(\d+)\s+GB\s+GPUs")
 
 
 def _on_gpus(command) -> bool:
-    from hybridflow.config.stages import compose_command
+    from hybridflow.pipeline_stages import compose_command
 
     args = [a for a in command.args if ".py:" not in a]  # a user's reward file is not needed to read the device
     return compose_command(args).placement.device.value == "cuda"
@@ -64,7 +64,7 @@ GPU_COMMANDS = gpu_commands()
 
 @pytest.mark.parametrize("command", GPU_COMMANDS, ids=[c.where for c in GPU_COMMANDS])
 def test_every_documented_gpu_command_fits_the_gpu_its_page_names(command, tmp_path, monkeypatch, tiny_model_dir):
-    from hybridflow.config.stages import compose_command
+    from hybridflow.pipeline_stages import compose_command
     from hybridflow.memory_budget import GIB, ModelShape, actor_pool_roles, gpu_phase_terms, memory_problems
     from hybridflow.planning.plan import Plan
 

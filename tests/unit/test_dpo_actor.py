@@ -18,6 +18,7 @@ from hybridflow.data.preference import encode_pairs, synthetic_pairs
 from hybridflow.data.tokenizer import load_tokenizer
 from recipes.dpo import ReferenceScores
 from recipes.roles import actor_role, reference_role
+from hybridflow.stage import prepare_stage
 
 BETA = 0.1
 
@@ -35,7 +36,7 @@ def _pairs(model_dir, count=6):
 def _actor(model_dir, rows_per_micro: int):
     config = HybridFlowConfig(actor=ActorConfig(optim=OptimConfig(lr=1e-3, max_grad_norm=0.0),
                                                 samples_per_micro_batch=rows_per_micro))
-    actor = actor_role(config, model_dir).build(WorkerContext())
+    actor = actor_role(prepare_stage(config).config, model_dir).build(WorkerContext())
     actor.start()
     return actor
 
@@ -113,7 +114,7 @@ def test_the_held_out_scoring_gives_each_responses_log_probability(tiny_model_di
 def test_reference_log_probs_are_computed_once_across_steps_and_give_the_per_step_losses(tiny_model_dir):
     tokenizer = load_tokenizer(tiny_model_dir)
     config = HybridFlowConfig(actor=ActorConfig(samples_per_micro_batch=4))
-    reference = reference_role(config, tiny_model_dir).build(WorkerContext())
+    reference = reference_role(prepare_stage(config).config, tiny_model_dir).build(WorkerContext())
     reference.start()
     scored = []
 

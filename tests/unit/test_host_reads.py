@@ -29,6 +29,7 @@ from hybridflow.config.schema import ActorConfig, CriticConfig, HybridFlowConfig
 from hybridflow.controller import WorkerContext
 from hybridflow.training.sequences import micro_batch_rows
 from recipes.roles import actor_role, critic_role
+from hybridflow.stage import prepare_stage
 
 Tensor = torch.Tensor
 READS = {Tensor.item, Tensor.__float__, Tensor.__int__, Tensor.__bool__, Tensor.__index__, Tensor.tolist,
@@ -139,9 +140,9 @@ def test_a_mini_batchs_reads_grow_by_at_most_one_per_micro_batch(tiny_model_dir,
     for rows in (ROWS, 2):  # one micro-batch, then several
         micro_batches[rows] = len(micro_batch_rows(batch, rows, packed=packed))
         config = _config(rows, packed)
-        actor = actor_role(config, tiny_model_dir).build(WorkerContext())
+        actor = actor_role(prepare_stage(config).config, tiny_model_dir).build(WorkerContext())
         actor.start()
-        critic = critic_role(config, tiny_model_dir).build(WorkerContext())
+        critic = critic_role(prepare_stage(config).config, tiny_model_dir).build(WorkerContext())
         critic.start()
         with DeviceReads() as counted:
             out = actor.compute_log_probs(batch)

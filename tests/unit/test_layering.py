@@ -179,7 +179,7 @@ def _outside_config_and_stdlib(path: Path) -> list[str]:
 
 def test_the_schema_imports_only_the_config_package_and_the_standard_library():
     """The schema is data and each section's own rules; what needs the runtime (registries, schedules,
-    precision, the adapter's limits) is hybridflow/config/rules.py, run by to_config."""
+    precision, the adapter's limits) is hybridflow/checks.py, run by to_config and the stage."""
     offenders = _outside_config_and_stdlib(FRAMEWORK / "config" / "schema.py")
     assert not offenders, "\n".join(offenders)
 
@@ -230,3 +230,73 @@ def test_the_placement_scan_sees_each_kind_of_read(tmp_path):
                       "c = config.rollout.tensor_parallel_size\nd = self.cfg.tensor_parallel_size\n"
                       "e = self.tensor_parallel_size\nf = plan.pools\ng = config.placement.device\n")
     assert sorted(int(hit.split(":")[1].split()[0]) for hit in placement_reads(sample)) == [1, 2, 3, 4]
+
+
+# the config package is the schema and its pure rules: besides itself and the standard library it asks only the
+# registry (hybridflow/config/engines.py, recipes.py register their entries), and to_config the checks that
+# need the runtime (hybridflow/checks.py)
+CONFIG_MAY_IMPORT = {"hybridflow.registry", "hybridflow.checks"}
+
+
+def test_the_config_package_imports_no_runtime_module():
+    offenders = [f for path in sorted((FRAMEWORK / "config").glob("*.py")) for f in _outside_config_and_stdlib(path)
+                 if f.split(" imports ")[1].startswith("hybridflow.")  # Hydra and OmegaConf compose it
+                 and f.split(" imports ")[1].rsplit(".", 1)[0] not in CONFIG_MAY_IMPORT
+                 and f.split(" imports ")[1] not in CONFIG_MAY_IMPORT]
+    assert not offenders, "\n".join(offenders)
+
+
+def _calls_of(path: Path, attribute: str) -> list[int]:
+    """Lines where `path` calls `<anything>.<attribute>(...)`."""
+    tree = ast.parse(path.read_text(), filename=str(path))
+    return [node.lineno for node in ast.walk(tree)
+            if isinstance(node, ast.Call) and getattr(node.func, "attr", None) == attribute]
+
+
+def test_the_plan_is_built_from_the_config_in_one_place_and_reaches_the_run_by_argument():
+    """`Plan.from_config` is called by hybridflow/planning/auto.py `decide_plan` only; the stage carries the plan
+    (hybridflow/stage.py), never a context variable or a module's state."""
+    root = FRAMEWORK.parent
+    callers = [f"{path.relative_to(root)}:{line}" for folder in ("hybridflow", "workers", "recipes")
+               for path in sorted((root / folder).rglob("*.py")) for line in _calls_of(path, "from_config")
+               if "Plan.from_config" in path.read_text().splitlines()[line - 1]]
+    assert callers == [callers[0]] and callers[0].startswith("hybridflow/planning/auto.py:"), callers
+    ambient = [f"{path.relative_to(root)}" for folder in ("hybridflow", "workers", "recipes")
+               for path in sorted((root / folder).rglob("*.py"))
+               if "ContextVar[Plan" in path.read_text() or '_STATE["plan"]' in path.read_text()]
+    assert not ambient, ambient
+
+
+def function_level_imports(root: Path, folders=("hybridflow", "workers", "recipes")) -> list[str]:
+    """Imports of the project's own modules made inside a function (not at module level, not type-only)."""
+    found = []
+    for folder in folders:
+        for path in sorted((root / folder).rglob("*.py")):
+            tree = ast.parse(path.read_text(), filename=str(path))
+            for function in ast.walk(tree):
+                if not isinstance(function, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                    continue
+                for node in ast.walk(function):
+                    if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module \
+                            and node.module.split(".")[0] in folders:
+                        found.append(f"{path.relative_to(root)}:{node.lineno} {node.module}")
+    return sorted(set(found))
+
+
+FUNCTION_LEVEL_IMPORTS = 203  # 214 at 39980d7, 203 after issue 71; lower it as imports move to module level, never raise it
+
+
+def test_function_level_imports_of_the_project_do_not_grow():
+    """An import inside a function hides a dependency from the module's head (and from the layering checks
+    above, unless they look inside functions as these do): each one is counted, and the count may only fall."""
+    found = function_level_imports(FRAMEWORK.parent)
+    assert len(found) <= FUNCTION_LEVEL_IMPORTS, (
+        f"{len(found)} function-level imports of the project's own modules, more than {FUNCTION_LEVEL_IMPORTS}: "
+        "import at module level where no circle forbids it")
+
+
+def test_the_function_level_import_count_sees_one(tmp_path):
+    (tmp_path / "hybridflow").mkdir()
+    (tmp_path / "hybridflow" / "a.py").write_text("from hybridflow.b import x\ndef f():\n    from hybridflow.c import y\n"
+                                                  "    import json\n")
+    assert function_level_imports(tmp_path, ("hybridflow",)) == ["hybridflow/a.py:3 hybridflow.c"]

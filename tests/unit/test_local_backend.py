@@ -2,7 +2,8 @@
 and futures as under Ray, in this process; errors raised at the wait as the same `WorkerError`; what
 crosses a call is copied; each host has its own random state; teardown frees its workers; and what one
 process cannot do is refused before anything starts, naming the fix. The real runs, with Ray's import
-blocked: tests/e2e/test_local_backend.py."""
+blocked: tests/e2e/test_local_backend.py and the e2e tests run through
+tests/e2e/cli_in_one_process.py `without_ray`."""
 
 from __future__ import annotations
 

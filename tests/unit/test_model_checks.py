@@ -37,9 +37,16 @@ def test_a_head_size_the_cpu_attention_refuses_is_named(tmp_path):
 
 @pytest.mark.parametrize("heads,kv,tp,bad", [(4, 2, 2, 0), (4, 1, 2, 0), (6, 6, 4, 2), (4, 3, 2, 1)])
 def test_tensor_parallel_must_split_heads_and_kv_heads_evenly(tmp_path, heads, kv, tp, bad):
-    path = _model(tmp_path, num_attention_heads=heads, num_key_value_heads=kv, hidden_size=32 * heads)
-    problems = vllm_problems(_config(tp), path)
+    """The stage's plan check reads the heads from model.path's config.json (hybridflow.checks)."""
+    from hybridflow.checks import check_rollout_layout
+    from hybridflow.planning.auto import decide_plan
+
+    config = _config(tp)
+    config.model.path = _model(tmp_path, num_attention_heads=heads, num_key_value_heads=kv, hidden_size=32 * heads)
+    config.placement.pools["global"].devices_per_node = tp  # the pool's ranks divide: only the heads are asked
+    problems = check_rollout_layout(config, decide_plan(config).plan)
     assert len(problems) == bad and all("rollout.tensor_parallel_size" in p for p in problems)
+    assert vllm_problems(config, config.model.path) == []  # said once, by the plan check
 
 
 def test_the_head_sizes_match_vllms_cpu_backend():
@@ -53,12 +60,12 @@ def test_bfloat16_on_a_cpu_without_bfloat16_hardware_gets_a_note(monkeypatch):
     from hybridflow.model_checks import half_precision_note
 
     monkeypatch.setattr(precision, "cpu_flags", lambda: frozenset({"fpu", "avx2", "fma"}))
-    assert half_precision_note(compose(["placement.device=cpu"])) is None  # float32: nothing to say
-    note = half_precision_note(compose(["placement.device=cpu", "model.dtype=bfloat16"]))
+    assert half_precision_note(compose(["placement.device=cpu"]), "cpu") is None  # float32: nothing to say
+    note = half_precision_note(compose(["placement.device=cpu", "model.dtype=bfloat16"]), "cpu")
     assert "model.dtype=bfloat16" in note and "model.dtype=auto (or float32) is faster" in note
-    assert half_precision_note(compose(["placement.device=cuda", "model.dtype=bfloat16"])) is None
+    assert half_precision_note(compose(["placement.device=cuda", "model.dtype=bfloat16"]), "cuda") is None
     monkeypatch.setattr(precision, "cpu_flags", lambda: frozenset({"avx2", "avx512_bf16"}))
-    assert half_precision_note(compose(["placement.device=cpu", "model.dtype=bfloat16"])) is None
+    assert half_precision_note(compose(["placement.device=cpu", "model.dtype=bfloat16"]), "cpu") is None
 
 
 def test_a_missing_or_other_vllm_is_refused_before_anything_starts(monkeypatch):

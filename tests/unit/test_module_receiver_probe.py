@@ -13,6 +13,7 @@ from hybridflow.controller import WorkerContext
 from hybridflow.resharding.receiver import ModuleReceiver
 from hybridflow.resharding.verify import PROBE_NEW_TOKENS, PROBE_PROMPTS, PROBE_TOLERANCE, probe_batch, probe_fits
 from recipes.roles import actor_role
+from hybridflow.stage import prepare_stage
 
 
 def _plain_log_probs(model, prompt: list[int], tokens: list[int]) -> torch.Tensor:
@@ -54,7 +55,7 @@ def test_the_probe_sees_a_padding_mismatch(tmp_path):
     engine = ModuleReceiver(AutoModelForCausalLM.from_pretrained(tmp_path).eval(), pad_token_id=0)
     tokens, engine_lp = engine.probe(PROBE_PROMPTS, PROBE_NEW_TOKENS)
     # the padded path: the fault simulated below (position ids dropped, left padding read as positions)
-    actor = actor_role(HybridFlowConfig(model=ModelConfig(pack_sequences=False)), tmp_path).build(WorkerContext())
+    actor = actor_role(prepare_stage(HybridFlowConfig(model=ModelConfig(pack_sequences=False))).config, tmp_path).build(WorkerContext())
     actor.start()
     assert (actor.probe_log_probs(PROBE_PROMPTS, tokens) - engine_lp).abs().max() < 1e-4
 

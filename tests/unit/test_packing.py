@@ -18,6 +18,7 @@ from hybridflow.training.packing import choose_packing, pack, packing_unsupporte
 from hybridflow.training.sequences import (balanced_over_ranks, loss_mask, micro_batch_rows, rank_balanced_order,
                                           response_log_probs, token_budget_groups)
 from recipes.roles import actor_role, critic_role
+from hybridflow.stage import prepare_stage
 
 # (prompt tokens, response tokens) per row: full rows, short ones, a one-token prompt, an empty response
 LENGTHS = [(7, 9), (3, 4), (1, 9), (5, 0), (2, 1), (6, 5)]
@@ -121,7 +122,7 @@ def test_the_actors_packed_update_equals_its_padded_update(tiny_model_dir, gradi
     batch = _batch(vocab=40)
     grads, stats = {}, {}
     for setting in (False, True):
-        actor = actor_role(_config(setting, gradient_checkpointing), tiny_model_dir).build(WorkerContext())
+        actor = actor_role(prepare_stage(_config(setting, gradient_checkpointing)).config, tiny_model_dir).build(WorkerContext())
         assert actor.start()["packed_sequences"] is setting
         batch_with_old = batch.union(actor.compute_log_probs(batch))
         stats[setting] = actor.update_policy(batch_with_old)
@@ -136,7 +137,7 @@ def test_the_critics_packed_values_equal_its_padded_values(tiny_model_dir):
     batch = _batch(vocab=40)
     values = {}
     for setting in (False, True):
-        critic = critic_role(_config(setting), tiny_model_dir).build(WorkerContext())
+        critic = critic_role(prepare_stage(_config(setting)).config, tiny_model_dir).build(WorkerContext())
         critic.start()
         values[setting] = critic.compute_values(batch)["values"]
     torch.testing.assert_close(values[True], values[False], atol=1e-5, rtol=1e-4)
@@ -224,7 +225,7 @@ def test_a_token_budget_leaves_log_probs_and_the_updates_gradients_unchanged(tin
     batch = _batch(vocab=40)
     results = {}
     for name, samples, tokens in (("one micro-batch", len(LENGTHS), None), ("token budget", 1, 12)):
-        actor = actor_role(_budget_config(samples, tokens, pack_sequences), tiny_model_dir).build(WorkerContext())
+        actor = actor_role(prepare_stage(_budget_config(samples, tokens, pack_sequences)).config, tiny_model_dir).build(WorkerContext())
         actor.start()
         out = actor.compute_log_probs(batch)
         stats = actor.update_policy(batch.union(out))

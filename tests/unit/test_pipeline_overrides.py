@@ -1,4 +1,4 @@
-"""What the command line sets reaches the pipeline's stages (hybridflow/config/stages.py): every
+"""What the command line sets reaches the pipeline's stages (hybridflow/pipeline_stages.py): every
 stage that reads the key, the user's value over the pipeline's and the stage's own; a stage-scoped
 form for one stage; a key no stage reads refused before anything starts."""
 
@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from hybridflow.config.stages import compose_command
+from hybridflow.pipeline_stages import compose_command
 from hybridflow.config import ConfigError
-from hybridflow.config.stages import route, routing_lines
+from hybridflow.pipeline_stages import route, routing_lines
 from recipes.pipeline import check_stages
 
 ROOT = Path(__file__).resolve().parents[2]

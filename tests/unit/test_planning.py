@@ -11,7 +11,7 @@ import os
 
 import pytest
 
-from hybridflow.config.stages import compose_command
+from hybridflow.pipeline_stages import compose_command
 from hybridflow.planning.cost import COST_MODELS, Analytical, CostModel, Prediction, Rates, register_cost_model
 from hybridflow.planning.plan import Plan, PoolPlan
 from hybridflow.planning.rules import memory_terms, problems
@@ -245,8 +245,12 @@ def test_placement_auto_hands_over_the_best_plan_and_saves_its_prediction(tmp_pa
     monkeypatch.setattr(Cluster, "this_machine", classmethod(lambda cls, device="cpu": TWO_CPUS))
     rates = tmp_path / "rates.json"
     rates.write_text(json.dumps(ONES.to_dict()))
+    from hybridflow.stage import prepare_stage
+
     config = compose_command([*PPO, "placement=auto", f"placement.planner.rates={rates}"])
-    chosen, line = auto.stage_plan(config, tmp_path)
+    stage = prepare_stage(config)
+    stage.save(tmp_path)  # as the runner does
+    chosen, line = stage.plan, stage.said[0]
     saved = json.loads((tmp_path / "plan.json").read_text())
     best = search(Workload.from_config(config), TWO_CPUS, Analytical(ONES), options=SearchOptions(depths=(0,))).best
     assert [(p.devices, set(p.roles) - {"reward"}) for p in chosen.pools] == \
@@ -256,13 +260,14 @@ def test_placement_auto_hands_over_the_best_plan_and_saves_its_prediction(tmp_pa
     assert config.placement.planner.auto and config.rollout.tensor_parallel_size == 1  # the config is not rewritten
     assert saved["prediction"]["step_s"] == pytest.approx(best.prediction.step_s)
     assert "placement=auto chose" in line and "s/step" in line
-    metrics = auto.predicted_metrics(tmp_path)
+    metrics = stage.predicted_metrics()  # what the logger adds to every step
     assert metrics["plan/predicted_step_s"] == pytest.approx(best.prediction.step_s)
     assert set(metrics) == {f"plan/predicted_{s}_s" for s in ("generate", "score", "update", "transition", "step")}
-    own, said = auto.stage_plan(compose_command(PPO), tmp_path)  # off: the config's own plan, saved as well
-    assert said is None and own == Plan.from_config(compose_command(PPO))
-    assert json.loads((tmp_path / "plan.json").read_text()) == {"plan": own.to_dict()}
-    assert auto.predicted_metrics(tmp_path) == {}
+    own = prepare_stage(compose_command(PPO))  # off: the config's own plan, saved as well
+    own.save(tmp_path)
+    assert not any("placement=auto" in said for said in own.said) and own.plan == auto.decide_plan(own.config).plan
+    assert json.loads((tmp_path / "plan.json").read_text()) == {"plan": own.plan.to_dict()}
+    assert own.predicted_metrics() == {}
 
 
 def test_placement_auto_refuses_when_nothing_fits_naming_memory_terms(tmp_path, monkeypatch):
@@ -271,8 +276,7 @@ def test_placement_auto_refuses_when_nothing_fits_naming_memory_terms(tmp_path, 
 
     monkeypatch.setattr(Cluster, "this_machine", classmethod(lambda cls, device="cpu": Cluster(1, 2, 0.9 * GIB)))
     with pytest.raises(InputError, match="(?s)placement=auto on 1 node.*no plan fits.*GiB  vLLM KV cache"):
-        auto.stage_plan(compose_command([*PPO, "placement=auto"]), tmp_path)
-    assert not (tmp_path / "plan.json").exists()
+        auto.decide_plan(compose_command([*PPO, "placement=auto"]))
 
 
 def fake_gpus(tmp_path, monkeypatch, count: int, name: str = "NVIDIA H100 80GB HBM3", mib: int = 81559) -> None:
@@ -294,12 +298,11 @@ def test_placement_auto_and_the_plan_command_plan_this_machines_gpus(tmp_path, m
     monkeypatch.setenv("HYBRIDFLOW_RATES_CACHE", str(tmp_path / "rates"))  # no cached rates of the user's
     cores = len(os.sched_getaffinity(0))
     assert Cluster.this_machine("cuda") == Cluster(1, 8, 81559 * 2 ** 20, "cuda", max(1.0, cores / 8))
-    (tmp_path / "run").mkdir()
-    plan, line = auto.stage_plan(compose_command([*PPO, "placement=auto", "placement.device=cuda"]), tmp_path / "run")
+    decided = auto.decide_plan(compose_command([*PPO, "placement=auto", "placement.device=cuda"]))
+    plan, line = decided.plan, decided.line
     assert plan.device == "cuda" and plan.devices <= 8 and plan.transport in ("colocated", "broadcast")
     assert "on 1 node(s) x 8 cuda device(s), 79.6 GiB each" in line and "H100" in line
-    saved = json.loads((tmp_path / "run" / "plan.json").read_text())
-    assert saved["cluster"]["device"] == "cuda" and saved["plan"]["device"] == "cuda"
+    assert decided.record["cluster"]["device"] == "cuda" and plan.to_dict()["device"] == "cuda"  # as plan.json saves
     assert main(["--device", "cuda", "--top", "2", *PPO]) == 0  # `hybridflow plan` on this machine
     assert "8 cuda device(s)" in capsys.readouterr().out
     assert Cluster.this_machine("cpu").device == "cpu"  # placement.device=cpu plans the cores
@@ -375,7 +378,7 @@ def test_placement_auto_names_a_bad_rates_file_before_anything_starts(tmp_path):
     bad = tmp_path / "rates.json"
     bad.write_text("{}")
     with pytest.raises(InputError, match=f"placement=auto: placement.planner.rates='{bad}': not a rates file"):
-        auto.stage_plan(compose_command([*PPO, "placement=auto", f"placement.planner.rates={bad}"]), tmp_path)
+        auto.decide_plan(compose_command([*PPO, "placement=auto", f"placement.planner.rates={bad}"]))
 
 
 def test_a_policy_and_a_cost_model_can_be_named_by_module_and_class():

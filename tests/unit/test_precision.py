@@ -27,6 +27,7 @@ from hybridflow.data.prompts import encode_prompts
 from hybridflow.training.fsdp import load_model
 from hybridflow.training.sequences import log_probs_and_entropy, response_log_probs
 from recipes.roles import actor_role, critic_role
+from hybridflow.stage import prepare_stage
 
 STEPS = 20
 
@@ -50,7 +51,7 @@ def _batch(model_dir, rows: int = 8) -> Batch:
 def _actor(model_dir, dtype: str, master_dtype: str, lr: float = 1e-6):
     config = HybridFlowConfig(model=ModelConfig(dtype=Dtype(dtype), master_dtype=Dtype(master_dtype)),
                               actor=ActorConfig(optim=OptimConfig(lr=lr)))
-    actor = actor_role(config, model_dir).build(WorkerContext())
+    actor = actor_role(prepare_stage(config).config, model_dir).build(WorkerContext())
     actor.start()
     return actor
 
@@ -122,7 +123,7 @@ def test_dropout_is_off_unless_kept(tmp_path, keep_dropout):
 def test_critic_head_dropout_is_off(tmp_path):
     """GPT-2's token-classification head adds dropout 0.1 when its config names none."""
     config = HybridFlowConfig()
-    critic = critic_role(config, _gpt2_dir(tmp_path)).build(WorkerContext())
+    critic = critic_role(prepare_stage(config).config, _gpt2_dir(tmp_path)).build(WorkerContext())
     critic.start()
     assert all(m.p == 0 for m in critic.model.modules() if isinstance(m, torch.nn.Dropout))
     assert critic.model.config.resid_pdrop == 0
@@ -156,7 +157,7 @@ def test_one_rank_holds_fsdp2s_gradient_reduction_until_the_last_micro_batch(tin
     for rows in (8, 2):
         config = HybridFlowConfig(model=ModelConfig(dtype=Dtype.bfloat16, master_dtype=Dtype.float32),
                                   actor=ActorConfig(optim=OptimConfig(lr=1e-6), samples_per_micro_batch=rows))
-        actor = actor_role(config, tiny_model_dir).build(WorkerContext())
+        actor = actor_role(prepare_stage(config).config, tiny_model_dir).build(WorkerContext())
         actor.start()
         seen = []
         original = type(actor.model).set_requires_gradient_sync

@@ -44,10 +44,11 @@ def _actor(model_dir: str, rank: int, world: int):
     from hybridflow.config.schema import ActorConfig, HybridFlowConfig, OptimConfig, TrainerConfig
     from hybridflow.controller import WorkerContext
     from recipes.roles import actor_role
+    from hybridflow.stage import prepare_stage
 
     config = HybridFlowConfig(actor=ActorConfig(samples_per_micro_batch=1, optim=OptimConfig(
         lr=1e-2, warmup_steps=2, lr_schedule="cosine")), trainer=TrainerConfig(total_steps=10))
-    actor = actor_role(config, model_dir).build(WorkerContext(rank=rank, world_size=world))
+    actor = actor_role(prepare_stage(config).config, model_dir).build(WorkerContext(rank=rank, world_size=world))
     actor.start()
     return actor
 

@@ -2,7 +2,7 @@
 
 `WeightSync` (sync.py) plans the buckets, runs the checks and reports metrics; `WeightSender`
 (sender.py) produces the buckets in every actor process; the rollout's receiver (the protocol in
-receiver.py; vLLM's `VLLMReceiver` beside its worker, workers/rollout/vllm_rollout.py) and our vLLM
+receiver.py; vLLM's `VLLMReceiver`, vllm_receiver.py) and our vLLM
 transfer engine (vllm_side.py) load what arrives. Everything that depends on *how*
 the bytes move lives in one module here, both ends of it:
 

@@ -128,8 +128,24 @@ def check_stages(config: HybridFlowConfig, run_dir: Path) -> list[HybridFlowConf
                               "command line's overrides") from error
         _check_retention(config, index, stage_config)
         _check_hands_on_a_model(config, index, stage_config)
+        _check_plan(index, stage, stage_config)
         composed.append(stage_config)
     return composed
+
+
+def _check_plan(index: int, stage, stage_config: HybridFlowConfig) -> None:
+    """The stage's own plan, checked now (`hybridflow.checks.plan_problems`); a stage with placement=auto is
+    planned, and its plan checked, when it starts (the search reads the cluster as it is then)."""
+    if stage_config.placement.planner.auto:
+        return
+    from hybridflow.checks import plan_problems
+    from hybridflow.config import ConfigError
+    from hybridflow.planning.auto import decide_plan
+
+    problems = plan_problems(stage_config, decide_plan(stage_config).plan)
+    if problems:
+        raise ConfigError(f"pipeline.stages[{index}] ({stage.name}, recipe={stage.recipe}) has an invalid config: "
+                          + "; ".join(problems))
 
 
 def _retention(config: HybridFlowConfig, index: int) -> list[str]:
@@ -178,7 +194,7 @@ def _check_hands_on_a_model(config: HybridFlowConfig, index: int, stage_config: 
 def _stage_config(config: HybridFlowConfig, index: int, model_path: str | None, run_dir: Path,
                   name: str, extra: list[str] = (), retention: list[str] = ()) -> HybridFlowConfig:
     """Stage `index`'s config: its recipe, the pipeline's and its own overrides, then the command line's
-    (hybridflow/config/stages.py gives the order)."""
+    (hybridflow/pipeline_stages.py gives the order)."""
     from hybridflow.config import compose
 
     return compose(stage_overrides(config, index, model_path, run_dir, name, retention=retention, extra=extra))
@@ -209,4 +225,8 @@ def compose_command(args: list[str], with_stages: bool = False):
 
     plain, _ = split_stage_scoped(args)
     config, stages = with_command(compose(plain), list(args))
+    if not recipe_spec(config.recipe.name).pipeline and not config.placement.planner.auto:
+        from hybridflow.stage import prepare_stage
+
+        prepare_stage(config)  # its plan's checks (placement=auto's search reads the cluster: left to the run)
     return (config, stages) if with_stages else config
