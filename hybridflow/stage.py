@@ -60,7 +60,7 @@ class Stage:
 
 
 def prepare_stage(config: HybridFlowConfig) -> Stage:
-    """The stage `config` runs as (phase 2 above): raises `ConfigError` naming every problem its plan shows,
+    """The stage `config` runs as (phase 2 above): raises `ConfigError` naming the problems its plan shows,
     or `InputError` when placement=auto finds no plan that fits."""
     decided = decide_plan(config)
     problems = plan_problems(config, decided.plan)
