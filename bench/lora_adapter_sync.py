@@ -72,6 +72,11 @@ def summarize(run_dir: Path, command: list[str], wall_s: float) -> dict:
             "sync_s_median": statistics.median(r["weight_sync/seconds"] for r in synced),
             "step_s_median": statistics.median(r["timing/step_s"] for r in rows if "timing/step_s" in r),
             "verified_tensors": min(r.get("weight_sync/verified_tensors", 0.0) for r in synced),
+            # the engine's sampled log-probs against the actor's on the batch trained, per step: a policy
+            # served one update behind, or computed differently, shows here (docs/recipes.md)
+            "mismatch": [{"step": r["step"], "abs_diff_mean": r["rollout_mismatch/abs_diff_mean"],
+                          "k3_kl": r["rollout_mismatch/k3_kl"], "accuracy": r.get("reward/accuracy")}
+                         for r in rows if "rollout_mismatch/k3_kl" in r],
             "validation": [{"step": r["step"], "accuracy": r["val/accuracy"], "elapsed_s": r["time/elapsed_s"]}
                            for r in rows if "val/accuracy" in r]}
 

@@ -45,7 +45,8 @@ def need(ok: bool, key: str, value: Any, allowed: str) -> list[str]:
 
 def resolved(config: HybridFlowConfig) -> HybridFlowConfig:
     """A copy of `config` as this machine runs it: model.dtype/rollout.dtype=auto become the dtypes it
-    computes in (hybridflow/precision.py), a null weight_sync.probe_tolerance the tolerance for them."""
+    computes in (hybridflow/precision.py), a null weight_sync.probe_tolerance the tolerance for them, a
+    null rollout.sleep_level the level the run's sync allows (`sleep_level`)."""
     model, rollout = resolve_dtypes(config.model.dtype.value, config.rollout.dtype.value,
                                     device_of(config.placement.device.value))
     config = dataclasses.replace(config, model=dataclasses.replace(config.model, dtype=Dtype(model)),
@@ -54,7 +55,16 @@ def resolved(config: HybridFlowConfig) -> HybridFlowConfig:
         tolerance = probe_tolerance(model, rollout, model_layers(config.model))
         config = dataclasses.replace(config, weight_sync=dataclasses.replace(config.weight_sync,
                                                                              probe_tolerance=tolerance))
+    if config.rollout.sleep_level is None and not recipe_spec(config.recipe.name).pipeline:
+        config = dataclasses.replace(config, rollout=dataclasses.replace(config.rollout,
+                                                                         sleep_level=sleep_level(config)))
     return config
+
+
+def sleep_level(config: HybridFlowConfig) -> int:
+    """rollout.sleep_level=null's choice: 2 (a sleep discards the engine's weights) when every sync
+    rewrites every weight, 1 when the adapter sync leaves the base weights as they are."""
+    return 1 if lora_sync(config)[0] == "adapter" else 2
 
 
 def first_problems(checks: list[Callable[[], list[str]]]) -> list[str]:
@@ -86,13 +96,19 @@ def plan_problems(config: HybridFlowConfig, plan: Plan) -> list[str]:
 
 
 def check_lora_sync(config: HybridFlowConfig) -> list[str]:
-    """weight_sync.lora=adapter needs a LoRA actor whose adapter vLLM can serve."""
+    """weight_sync.lora=adapter needs a LoRA actor whose adapter vLLM can serve; an adapter sync needs an
+    engine that keeps its base weights across a sleep (rollout.sleep_level 1)."""
     problems = need(config.weight_sync.lora != "adapter" or config.actor.lora.rank > 0, "weight_sync.lora",
                     config.weight_sync.lora, "serves a LoRA adapter, and actor.lora.rank is 0: set actor.lora.rank, "
                     "or weight_sync.lora=auto")
     unserved = adapter_unserved(config) if config.weight_sync.lora == "adapter" and not problems else ""
-    return problems + need(not unserved, "weight_sync.lora", config.weight_sync.lora,
-                           f"{unserved}: set weight_sync.lora=folded (or auto, which chooses it here)")
+    problems += need(not unserved, "weight_sync.lora", config.weight_sync.lora,
+                     f"{unserved}: set weight_sync.lora=folded (or auto, which chooses it here)")
+    return problems or need(config.rollout.sleep_level != 2 or lora_sync(config)[0] != "adapter",
+                            "rollout.sleep_level", config.rollout.sleep_level,
+                            "discards the engine's weights at every sleep, and this run's adapter sync "
+                            f"({lora_sync(config)[1]}) never sends the base weights back: set rollout.sleep_level=1 "
+                            "(or null, which chooses it here), or weight_sync.lora=folded")
 
 
 def check_local_backend(config: HybridFlowConfig) -> list[str]:

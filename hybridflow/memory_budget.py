@@ -110,6 +110,7 @@ class MemoryInputs:
     gpu_memory_utilization: float = 0.5  # the share of a GPU the vLLM engine takes (rollout.gpu_memory_utilization)
     bucket_bytes: int = 0  # one weight-sync bucket (weight_sync.bucket_mb)
     fp32_head: bool = False  # actor.fp32_lm_head: the logits in float32 whatever the compute dtype
+    sleep_level: int = 1  # rollout.sleep_level: 1 keeps a sleeping engine's weights in host memory, 2 discards them
 
     @property
     def tokens(self) -> int:
@@ -131,7 +132,8 @@ class MemoryInputs:
                    engine_memory=_engine_memory(config),
                    reward_parameters=reward_shape.parameters if reward_shape is not None else 0,
                    gpu_memory_utilization=config.rollout.gpu_memory_utilization,
-                   bucket_bytes=config.weight_sync.bucket_mb * 2 ** 20, fp32_head=config.actor.fp32_lm_head)
+                   bucket_bytes=config.weight_sync.bucket_mb * 2 ** 20, fp32_head=config.actor.fp32_lm_head,
+                   sleep_level=config.rollout.sleep_level or 1)  # null: resolved at compose (checks.resolved)
 
 
 TRAINED_ROLES = ("actor", "critic")
@@ -425,6 +427,25 @@ def gpu_device_phases(inputs: MemoryInputs, roles, ranks: int, tp: int, gpu_byte
     return phases
 
 
+def gpu_host_terms(inputs: MemoryInputs, roles, ranks: int, tp: int) -> dict[str, float]:
+    """Host memory one GPU process of the actor's pool holds for the colocated hand-over, term by term:
+    the actor's parameters and AdamW moments offloaded while the engine generates (page-locked; PyTorch's
+    caching host allocator keeps the blocks from one offload to the next, so they stay held), the
+    engine's weights while the actor trains at `rollout.sleep_level` 1 (vLLM copies them to page-locked
+    memory; level 2 discards them), and the process's host runtime. Empty without both on the pool."""
+    if not {"actor", "rollout"} <= set(roles):
+        return {}
+    p, master = inputs.shape.parameters, inputs.master_bytes
+    trained = 0 if inputs.lora else p
+    terms = {"actor parameters and AdamW moments offloaded while the engine generates (page-locked, FSDP shard)":
+             (p + 2 * trained) * master / ranks}
+    if inputs.sleep_level == 1:
+        terms[f"engine weights asleep while the actor trains (rollout.sleep_level=1, page-locked, 1/{tp})"] = (
+            p * inputs.rollout_bytes / tp)
+    terms["the process's own runtime (Python, torch, Ray, the engine; measured on a CPU)"] = RUNTIME_BYTES_WITH_VLLM
+    return terms
+
+
 def actor_pool_roles(config, plan) -> set[str]:
     """The roles with a model that share the actor's processes in this run under `plan`
     (`config.model_roles`: a reference only when a KL term needs one and LoRA does not stand in for
@@ -444,7 +465,7 @@ def memory_problems(config, plan, roles: set[str] | None = None, node_bytes: int
     if shape is None:
         return []
     if plan.device != "cpu":
-        return _gpu_problems(config, plan, shape, roles, gpu_bytes or gpu_memory_bytes(config))
+        return _gpu_problems(config, plan, shape, roles, gpu_bytes or gpu_memory_bytes(config), node_bytes)
     config, _ = resolve_micro_batches(config, plan, node_bytes)  # null sizes: the choice the run would make
     pool = plan.pool_of("actor")
     terms = process_terms(config, plan, shape, actor_pool_roles(config, plan) if roles is None else roles)
@@ -463,11 +484,38 @@ def memory_problems(config, plan, roles: set[str] | None = None, node_bytes: int
             "(placement.pools.<pool>.devices_per_node), or rollout.kv_cache_space_gib=1"]
 
 
+def _host_problems(config, plan, shape: ModelShape, roles: set[str], node_bytes: int | None, model: str,
+                   more: str) -> list[str]:
+    """A GPU node's host memory against what the colocated hand-over keeps there (`gpu_host_terms`),
+    summed over the node's processes; checked where the node's memory is known: `node_bytes`, or this
+    machine's when it is a GPU node (a driver without GPUs submitting to a cluster does not know it)."""
+    if node_bytes is None and not local_gpus():
+        return []
+    pool = plan.pool_of("actor")
+    inputs = MemoryInputs.from_config(config, shape)
+    terms = gpu_host_terms(inputs, set(roles) | {"actor"}, plan.devices_of("actor"), plan.rollout_tp)
+    node = pool.devices_per_node * sum(terms.values())
+    available = NODE_MEMORY_SHARE * (node_bytes or node_memory_bytes())
+    if not terms or node <= available:
+        return []
+    fix = [more, "fewer GPUs per node in the actor's pool (placement.pools.<pool>.devices_per_node)",
+           "or a rollout pool of its own (placement.roles.rollout)"]
+    if inputs.sleep_level == 1:
+        fix.insert(0, "rollout.sleep_level=2 (the engine's weights discarded, not kept, while the actor trains; "
+                      "not with weight_sync.lora=adapter, whose syncs never send the base weights again)")
+    return [f"{model} does not fit in a node's host memory: each of the {pool.devices_per_node} GPU processes of the "
+            f"actor's pool on a node keeps at least {sum(terms.values()) / GIB:.2f} GiB there for the colocated "
+            f"hand-over:{_lines(terms)}\n    = {node / GIB:.2f} GiB per node, above the {available / GIB:.2f} GiB "
+            f"({NODE_MEMORY_SHARE:.0%} of the node's {available / NODE_MEMORY_SHARE / GIB:.1f} GiB). Fix: "
+            + ", ".join(fix)]
+
+
 def _lines(terms: dict[str, float]) -> str:
     return "".join(f"\n      {v / GIB:7.2f} GiB  {k}" for k, v in terms.items())
 
 
-def _gpu_problems(config, plan, shape: ModelShape, roles: set[str] | None, gpu: int | None) -> list[str]:
+def _gpu_problems(config, plan, shape: ModelShape, roles: set[str] | None, gpu: int | None,
+                  node_bytes: int | None = None) -> list[str]:
     if gpu is None:  # unknown before start (said when the micro-batch is chosen)
         return []
     config, _ = resolve_micro_batches(config, plan, gpu_bytes=gpu)
@@ -475,7 +523,7 @@ def _gpu_problems(config, plan, shape: ModelShape, roles: set[str] | None, gpu: 
     model = f"model.path={config.model.path!r} ({shape.parameters / 1e6:.0f}M parameters, {shape.layers} layers)"
     phases = gpu_phase_terms(config, plan, shape, roles, gpu)
     more = "more GPUs in the actor's pool (FSDP2 shards the parameters, gradients and AdamW moments over them)"
-    problems = []
+    problems = _host_problems(config, plan, shape, roles, node_bytes, model, more)
     usable = GPU_MEMORY_SHARE * gpu
     for phase, terms in phases.items():
         total = sum(terms.values())

@@ -81,6 +81,7 @@ MEANINGS = {
     "rollout.fp32_lm_head": "the engine's output head (matmul and logits) in float32 when it computes in a 16-bit dtype; engines that can: hf (vLLM here computes it in rollout.dtype)",
     "actor.fp32_lm_head": "the actor's (and the reference's) output head in float32 when the model computes in a 16-bit dtype: the bf16 head's rounding is much of the gap between the engine's and the trainer's log-probs; its logits then take float32 memory (priced)",
     "rollout.enforce_eager": "vLLM without CUDA graphs; null: eager on a CPU, CUDA graphs on a GPU (as vLLM's users run it)",
+    "rollout.sleep_level": "how a colocated engine sleeps while the actor trains: 1 keeps its weights (vLLM: in host memory), 2 discards them (the next sync rewrites them; a generation that follows no sync gets them sent again, `weight_sync/reload_s`); null: 2, or 1 with weight_sync.lora=adapter (the base weights are never sent again)",
     "rollout.seed": "seed of the rollout engine's sampler",
     "rollout.seed_per_request": "a sampler generator per request (each sample's draws independent of its batch; vLLM samples such requests one by one, slower on GPUs); false: one stream per batch, seeded from its first sample's seed (a resumed step draws the same)",
     "algorithm.advantage_estimator": "gae, grpo, dr_grpo, rloo, reinforce_plus_plus, remax (docs/algorithms.md)",

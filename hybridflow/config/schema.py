@@ -325,6 +325,10 @@ class RolloutConfig:
     max_num_seqs: int = 256
     fp32_lm_head: bool = False  # the engine's output head in float32 (engines that can: hf; vLLM cannot here)
     enforce_eager: Optional[bool] = None  # null: eager on a CPU (no CUDA graphs there), CUDA graphs on a GPU
+    # How a colocated engine sleeps while the actor trains (workers/rollout/__init__.py): 1 keeps its
+    # weights (vLLM: in host memory), 2 discards them, for runs whose every sync rewrites every weight.
+    # null: 2, or 1 where a sync leaves weights as they are (weight_sync.lora=adapter: the base weights)
+    sleep_level: Optional[int] = None
     seed: int = 0
     # A sampler generator per request (vLLM's SamplingParams.seed, from each sample's `sample_seed`): a
     # sample's draws then do not depend on the batch it runs in, at the cost of a slower sampler on GPUs
@@ -361,6 +365,7 @@ class RolloutConfig:
         _require(self.tensor_parallel_size >= 1, "rollout.tensor_parallel_size", self.tensor_parallel_size, "must be >= 1")
         _require(0 < self.gpu_memory_utilization <= 1, "rollout.gpu_memory_utilization", self.gpu_memory_utilization, "must be in (0, 1]")
         _require(self.kv_cache_space_gib >= 1, "rollout.kv_cache_space_gib", self.kv_cache_space_gib, "must be >= 1")
+        _require(self.sleep_level in (None, 1, 2), "rollout.sleep_level", self.sleep_level, "one of [1, 2] or null")
 
 
 @dataclass

@@ -18,7 +18,7 @@ from typing import Iterable
 import torch
 
 from hybridflow.resharding.layout import Box
-from hybridflow.resharding.verify import WeightSyncError, verify_against
+from hybridflow.resharding.verify import WeightSyncError, checksum, verify_against
 
 _LOCAL: dict[str, "Receiver"] = {}
 
@@ -89,6 +89,11 @@ class Receiver:
     def checksums(self) -> dict:
         raise NotImplementedError
 
+    def buffer_checksums(self) -> dict[str, tuple[float, float]]:
+        """Checksums of the engine's buffers, which no weight sync rewrites (rotary caches, other
+        non-persistent buffers): compared after a level-2 sleep's reload. {}: none to compare."""
+        return {}
+
     def load_adapter(self, version: int, payload: dict) -> dict:
         raise WeightSyncError(f"{type(self).__name__} cannot serve a LoRA adapter: set weight_sync.lora=folded, or use "
                               "rollout.backend=vllm")
@@ -119,9 +124,10 @@ class ModuleReceiver(Receiver):
         return {"received_bytes": 0.0, "load_seconds": time.perf_counter() - start}
 
     def checksums(self) -> dict:
-        from hybridflow.resharding.verify import checksum
-
         return {"sums": {n: checksum(p) for n, p in self.model.named_parameters()}, "packed": {}, "empty": []}
+
+    def buffer_checksums(self) -> dict[str, tuple[float, float]]:
+        return {n: checksum(b) for n, b in self.model.named_buffers()}
 
     @torch.no_grad()
     def probe(self, prompts: list[list[int]], new_tokens: int) -> tuple[list[list[int]], torch.Tensor]:

@@ -79,15 +79,28 @@ class WeightSync:
         last sync deferred runs here: the engine's half once it is awake whole (the actor's training
         state has left the device), the actor's half once the training state is back."""
         due, self.probe_due = self.probe_due, False
+        self._reload_discarded()
         with self.transport.generating(self.actor, self.rollout):
             engine_probes = self._engine_probes() if due else None
             yield
         if due:
-            self.probed = self._compare_probes(engine_probes, deferred=True)
+            self.probed.update(self._compare_probes(engine_probes, deferred=True))
+
+    def _reload_discarded(self) -> None:
+        """An engine whose level-2 sleep discarded its weights (rollout.sleep_level) with no sync since
+        (a validation's generation slept, and the next step generates): the actor's weights, the
+        version the engine is labelled with, sent again before its training state leaves the device
+        (`weight_sync/reload_s`)."""
+        if not any(self.rollout.weights_discarded()):
+            return
+        start = time.perf_counter()
+        self._wait(self.transport.sync_calls(self.actor, self.rollout), "reloading the weights a level-2 sleep "
+                   "discarded (rollout.sleep_level=1 keeps them)")
+        self.probed["weight_sync/reload_s"] = time.perf_counter() - start
 
     def handover_seconds(self) -> dict[str, float]:
-        """The last `generating`'s device memory steps, each timed (the transport's), and the probe
-        it ran for the sync before it."""
+        """The last `generating`'s device memory steps, each timed (the transport's), the probe it ran
+        for the sync before it, and the reload of weights a level-2 sleep discarded."""
         probed, self.probed = self.probed, {}
         return {**self.transport.handover_seconds(), **probed}
 
@@ -197,6 +210,7 @@ class WeightSync:
                 f"above {stats['mean']:.3g}, or compute in float32: model.dtype=float32 rollout.dtype=float32)")
         if deferred:  # the engine slept again after generating: its weights back to read their checksums
             self._wait([self.rollout.wake_up.remote(["weights"])], "waking the engine's weights")
+            self._reload_discarded()
         self.verify_checksums()  # raises naming the tensors when the weights differ
         raise WeightSyncError(
             f"{found}, although the engine holds exactly the actor's weights (every tensor's checksum matches): "

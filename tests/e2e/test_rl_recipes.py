@@ -161,15 +161,20 @@ def test_grpo_with_reward_fn_math_verify_scores_every_batch_in_the_reward_roles_
 def test_grpo_with_the_hf_engine_samples_what_the_actor_computes(tmp_path):
     """The `hf` engine (its own KV-cached decode loop, workers/rollout/hf_rollout.py) through GRPO steps
     in one process (placement=local): its sampler log-probs are the actor's on the same weights, and the
-    weight probe passes."""
-    result = local(["recipe=grpo", "rollout.backend=hf", "trainer.total_steps=2", "trainer.val_every_steps=2",
+    weight probe passes. It sleeps at level 2 (rollout.sleep_level=null: every sync rewrites every weight),
+    discarding its weights while the actor trains, so the sync's probe waits for the next generation
+    (the KV cache sleeps until then), and a step that follows a validation's generation has its weights
+    sent again (`weight_sync/reload_s`) with its rotary buffers found as at start: the samples of those
+    steps are still the actor's."""
+    result = local(["recipe=grpo", "rollout.backend=hf", "trainer.total_steps=3", "trainer.val_every_steps=1",
                     "trainer.export_hf=false"], tmp_path, "hf")
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
     rows = metrics(tmp_path / "hf")
-    assert [r["step"] for r in rows] == [1, 2] and "val/accuracy" in rows[1]
+    assert [r["step"] for r in rows] == [1, 2, 3] and all("val/accuracy" in r for r in rows)
     for r in rows:
         assert r["rollout/log_prob_diff"] < 1e-3 and r["response/length_mean"] > 0, r
-    assert rows[0]["weight_sync/probe_log_prob_gap"] < 1e-3
+    assert "weight_sync/reload_s" not in rows[0] and all(r["weight_sync/reload_s"] > 0 for r in rows[1:])
+    assert all(r["weight_sync/probe_log_prob_gap"] < 1e-3 for r in rows[1:])  # step 1's sync, probed at step 2
 
 
 def test_grpo_learns_what_its_reward_asks_for(tmp_path):

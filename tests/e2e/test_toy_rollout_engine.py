@@ -34,6 +34,7 @@ TOY = RolloutEngine("toy", "tests.e2e.test_toy_rollout_engine:ToyRollout")  # TP
 
 
 class ToyRollout(RolloutEngineBase):
+    sleep_level = 2  # its sleep discards the weights: every sync rewrites every one
     def __init__(self, ctx, model_path: str, rollout, max_prompt_tokens: int, eos_token_id: int, pad_token_id: int,
                  verifiable_weights: bool = False, trust_remote_code: bool = False) -> None:
         self.ctx, self.model_path, self.cfg = ctx, model_path, rollout

@@ -19,8 +19,10 @@ def test_grpo_step_flops_by_hand():
     # N = 1,000 parameters; 2 prompts of 3 tokens, 4 samples each: 8 samples x 3 = 24 prompt tokens,
     # 6 distinct prompt tokens; 8 samples x 5 = 40 response tokens -> 64 trained tokens.
     tokens = flop_floor.StepTokens(prompt_tokens=24, unique_prompt_tokens=6, response_tokens=40)
-    assert tokens.trained_tokens == 64
-    parts = flop_floor.grpo_step_flops(1000, tokens, extra_forward_passes=1)
+    assert tokens.trained_tokens == 64 and tokens.shared_tokens == 46
+    shared = flop_floor.grpo_step_flops(1000, tokens, extra_forward_passes=1)
+    assert shared["training"] == 6 * 1000 * 46 and shared["extra_forwards"] == 2 * 1000 * 46  # each prompt once
+    parts = flop_floor.grpo_step_flops(1000, tokens, extra_forward_passes=1, prompts_once=False)
     assert parts["training"] == 6 * 1000 * 64  # 384,000: forward 2N + backward 4N per token
     assert parts["generation"] == 2 * 1000 * (40 + 6)  # 92,000: each generated token, each prompt prefilled once
     assert parts["extra_forwards"] == 2 * 1000 * 64  # 128,000: one reference forward over every token

@@ -369,3 +369,24 @@ def test_each_phase_floor_is_below_its_h200_peak_within_one_and_a_half_times(rep
             floor = sum(v for k, v in floors[phase].items() if k not in gpu_process_terms(1)) / GIB
             assert floor == pytest.approx(row["floor_gib"], abs=0.01), (part["size"], phase)
             assert floor <= row["peak_gib"] <= 1.5 * floor, (part["size"], phase, floor, row["peak_gib"])
+
+
+def test_a_gpu_node_whose_host_memory_cannot_hold_the_hand_over_is_refused_naming_the_sleep_level(
+        tmp_path, tiny_model_dir):
+    """Qwen2.5-14B on a node of 8 GPUs of 80 GiB, the engine colocated at TP 1: each process keeps in host
+    memory the actor's float32 parameters and AdamW moments offloaded while the engine generates
+    (14.77B x 12 B / 8 = 20.63 GiB, page-locked and kept by PyTorch's host allocator), its runtime (0.75 GiB)
+    and, at rollout.sleep_level=1, the engine's bfloat16 weights while the actor trains (27.51 GiB): 48.89
+    GiB x 8 = 391.2 GiB, above 95% of a 256 GiB node. At level 2 (the default: the engine's weights are
+    discarded) 21.38 x 8 = 171.0 GiB fits. A driver that does not know the node's memory checks nothing."""
+    model = qwen14_model(tmp_path / "qwen14", tiny_model_dir)
+    base = ["recipe=grpo", "model=local_hf", f"model.path={model}", *GPU[2:], "placement.pools.global.devices_per_node=8",
+            "placement.gpu_memory_gib=80"]
+    assert compose(base).rollout.sleep_level == 2
+    assert memory_problems(*with_plan(compose(base)), node_bytes=256 * GIB) == []
+    problems = memory_problems(*with_plan(compose([*base, "rollout.sleep_level=1"])), node_bytes=256 * GIB)
+    assert len(problems) == 1 and "does not fit in a node's host memory" in problems[0], problems
+    assert "48.89 GiB" in problems[0] and "391.16 GiB per node" in problems[0], problems[0]
+    assert "27.51 GiB  engine weights asleep while the actor trains (rollout.sleep_level=1" in problems[0]
+    assert "Fix: rollout.sleep_level=2" in problems[0]
+    assert memory_problems(*with_plan(compose([*base, "rollout.sleep_level=1"])), node_bytes=1024 * GIB) == []

@@ -14,7 +14,13 @@ is a `RolloutEngine` in hybridflow/config/engines.py, named by `rollout.backend`
 - kept by the base: which parts are awake. `generate` and the probe need both; loading, staging and
   checking weights need the weights. A call in the wrong state raises `EngineStateError` naming the
   call, what sleeps and the fix, on every engine alike (the colocated hand-over's order rests on it:
-  hybridflow/resharding/transports/colocated.py).
+  hybridflow/resharding/transports/colocated.py);
+- the sleep level (`sleep_level`, set by the engine's start from `rollout.sleep_level`): at 1 a sleep
+  keeps the weights (vLLM: in host memory), at 2 it discards them, for runs whose every sync rewrites
+  every weight (vLLM's level 2; verl sleeps so unless LoRA keeps the base weights). Woken from level 2
+  the weights hold nothing until a whole load (`loaded_whole`): generating, probing or checking them
+  before is refused, and the load is followed by a check that the buffers no sync rewrites (rotary
+  caches, non-persistent buffers: the receiver's `buffer_checksums`) came back as they were at start.
 """
 
 from __future__ import annotations
@@ -33,6 +39,7 @@ def _when_awake(method, call: str):
     @functools.wraps(method)
     def checked(self, *args, **kwargs):
         self.require_awake(call, PARTS)
+        self.require_loaded(call)
         return method(self, *args, **kwargs)
     return checked
 
@@ -41,6 +48,9 @@ class RolloutEngineBase(abc.ABC):
     receiver = None  # set by start
     ctx = None
     _asleep: frozenset = frozenset()  # the parts freed by the last sleep and not woken since
+    sleep_level = 1  # 2: a sleep discards the weights (every sync rewrites every one); the engine's start sets it
+    _discarded = False  # the last sleep was at level 2 and no whole load has come since
+    _start_buffers: dict = {}  # the receiver's buffer checksums at start (`serve_weights`)
 
     def __init_subclass__(cls, **kwargs) -> None:
         super().__init_subclass__(**kwargs)
@@ -57,7 +67,8 @@ class RolloutEngineBase(abc.ABC):
         """The prompts' batch with the response keys (module docstring)."""
 
     def release(self) -> bool:
-        """Free device memory while the actor trains (every part in `PARTS`); False: nothing to free."""
+        """Free device memory while the actor trains (every part in `PARTS`; the weights discarded, not
+        kept, at `sleep_level` 2); False: nothing to free."""
         return False
 
     def restore(self, parts: list[str]) -> None:
@@ -70,6 +81,7 @@ class RolloutEngineBase(abc.ABC):
 
         self.receiver = receiver
         receiver.engine_state = self
+        self._start_buffers = receiver.buffer_checksums()
         register_local(self.ctx.group_name, receiver)
 
     # ---- the state, kept here -------------------------------------------------------------------
@@ -83,6 +95,34 @@ class RolloutEngineBase(abc.ABC):
                 f"once the actor's training state has left the device (WeightSync.generating): a call between "
                 f"the weight sync and generation must not need it")
 
+    def require_loaded(self, call: str) -> None:
+        if self._discarded:
+            raise EngineStateError(
+                f"{call} needs the engine's weights, and a level-2 sleep discarded them (rollout.sleep_level="
+                f"{self.sleep_level}): no whole weight load has come since they woke. Fix: load every weight "
+                "after waking them (WeightSync reloads them before a generation that follows no sync), or "
+                "rollout.sleep_level=1 to keep them across the sleep")
+
+    def loaded_whole(self) -> None:
+        """Every weight was just loaded: after a level-2 sleep, the engine computes again, once the
+        buffers no sync rewrites are found as they were at start (else `EngineStateError` naming them)."""
+        if not self._discarded:
+            return
+        found = self.receiver.buffer_checksums()
+        changed = sorted(n for n, s in self._start_buffers.items() if found.get(n) != s)
+        if changed:
+            raise EngineStateError(
+                f"{type(self).__name__}: after a level-2 sleep and a whole weight load, {len(changed)} buffer(s) no "
+                f"weight sync rewrites differ from their values at start: {changed[:5]}. The engine did not restore "
+                "them on wake-up (rotary caches and other non-persistent buffers): generation would compute another "
+                "model. Fix: rollout.sleep_level=1, or restore the buffers in the engine's restore()")
+        self._discarded = False
+
+    @register(Dispatch.ONE_TO_ALL)
+    def weights_discarded(self) -> bool:
+        """Whether a level-2 sleep discarded the weights and no whole load has come since."""
+        return self._discarded
+
     @register(Dispatch.ONE_TO_ALL)
     def awake_parts(self) -> list[str]:
         """The parts awake now (of `PARTS`)."""
@@ -94,6 +134,7 @@ class RolloutEngineBase(abc.ABC):
         if self._asleep or not self.release():
             return False
         self._asleep = frozenset(PARTS)
+        self._discarded = self.sleep_level == 2
         return True
 
     @register(Dispatch.ONE_TO_ALL)
@@ -125,7 +166,9 @@ class RolloutEngineBase(abc.ABC):
     def receive_weights(self) -> dict[str, float]:
         """Disaggregated: receive every bucket of one sync and load it."""
         self.require_awake(f"{type(self).__name__}.receive_weights", ["weights"])
-        return self.receiver.receive()
+        received = self.receiver.receive()
+        self.loaded_whole()
+        return received
 
     @register(Dispatch.ONE_TO_ALL, lane="weights")
     def stage_weights(self, version: int, expected_per_rank: list[dict] | None = None) -> dict[str, float]:
@@ -171,10 +214,12 @@ class RolloutEngineBase(abc.ABC):
         from hybridflow.resharding.receiver import verify
 
         self.require_awake(f"{type(self).__name__}.verify_weights", ["weights"])
+        self.require_loaded(f"{type(self).__name__}.verify_weights")
         return verify(self.receiver, expected_per_rank[self.ctx.rank])
 
     @register(Dispatch.ONE_TO_ALL)
     def probe_log_probs(self, prompts: list[list[int]], new_tokens: int) -> tuple[list[list[int]], torch.Tensor]:
         """Greedy continuations of `prompts` and their log-probs: it generates, so both parts must be awake."""
         self.require_awake(f"{type(self).__name__}.probe_log_probs", PARTS)
+        self.require_loaded(f"{type(self).__name__}.probe_log_probs")
         return self.receiver.probe(prompts, new_tokens)

@@ -11,11 +11,13 @@ log-prob from it. Each step is one forward pass of the new tokens over transform
 sample seed. Peak memory: the weights, the KV cache (rows x (prompt + response) tokens), one step's
 logits.
 
-Sleep (GPU, colocated with the actor): the weights go to host memory and the device's cached blocks
-are returned; the KV cache lives only inside a `generate` call, so nothing else is held. On the CPU
-there is nothing to free. The engine keeps a copy of the model of its own (a sync loads the actor's
-weights into it); generating from the actor's own gathered weights is not done: the actor's FSDP2
-shards are gathered per layer and its parameters are in the training dtype.
+Sleep (colocated with the actor): at `rollout.sleep_level` 2 (every sync rewrites every weight) the
+weights are discarded, on any device (on a CPU it is host memory the actor's training gets back), and
+the buffers no sync rewrites (rotary frequencies) kept aside and put back at wake-up; at level 1, on a
+GPU, the weights go to host memory; the device's cached blocks are returned. The KV cache lives only
+inside a `generate` call, so nothing else is held. The engine keeps a copy of the model of its own (a
+sync loads the actor's weights into it); generating from the actor's own gathered weights is not done:
+the actor's FSDP2 shards are gathered per layer and its parameters are in the training dtype.
 """
 
 from __future__ import annotations
@@ -54,20 +56,40 @@ class HFRollout(RolloutEngineBase):
             from hybridflow.training.fsdp import fp32_output_head
 
             fp32_output_head(self.model)
+        self.sleep_level = self.cfg.sleep_level or 1  # null outside a HybridFlowConfig: keep the weights
         self.serve_weights(ModuleReceiver(self.model, self.pad_token_id))
         return time.perf_counter() - start
 
     def release(self) -> bool:
-        """GPU: the weights to host memory, the allocator's cached blocks returned; the CPU: nothing."""
-        if self.ctx.device != "cuda":
+        """Level 2: the weights discarded (their shapes kept) and the buffers set aside in host memory, on
+        any device; level 1: on a GPU the weights to host memory, on the CPU nothing. The allocator's
+        cached blocks returned."""
+        if self.sleep_level == 2:
+            self._buffers = {n: b.to("cpu", copy=True) for n, b in self.model.named_buffers()}
+            self._shapes = {n: p.shape for n, p in self.model.named_parameters()}
+            for t in [*self.model.parameters(), *self.model.buffers()]:
+                t.data = torch.empty(0, dtype=t.dtype, device=t.device)
+        elif self.ctx.device == "cuda":
+            self.model.to("cpu")
+        else:
             return False
-        self.model.to("cpu")
-        torch.cuda.empty_cache()
+        if self.ctx.device == "cuda":
+            torch.cuda.empty_cache()
         return True
 
     def restore(self, parts: list[str]) -> None:
-        if "weights" in parts:
-            self.model.to(self.ctx.device)  # the KV cache is made by each generate call
+        """The weights back: after level 2 allocated empty (a sync fills them) with the buffers put back,
+        after level 1 moved from host memory. The KV cache is made by each generate call."""
+        if "weights" not in parts:
+            return
+        if getattr(self, "_shapes", None) is None:
+            self.model.to(self.ctx.device)
+            return
+        for name, param in self.model.named_parameters():
+            param.data = torch.empty(self._shapes[name], dtype=param.dtype, device=self.ctx.device)
+        for name, buffer in self.model.named_buffers():
+            buffer.data = self._buffers[name].to(self.ctx.device)
+        self._shapes = self._buffers = None
 
     @register(Dispatch.DP_SPLIT)
     @torch.no_grad()

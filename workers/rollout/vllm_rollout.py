@@ -94,16 +94,19 @@ class VLLMRollout(RolloutEngineBase):
         from hybridflow.patches import transformers_backend_classes_stay_callable
 
         transformers_backend_classes_stay_callable(self.engine)  # a colocated actor's model of that class
+        self.sleep_level = self.cfg.sleep_level or 1  # null outside a HybridFlowConfig: keep the weights
         self.serve_weights(VLLMReceiver(self.engine, self.ctx.rank, tp_size=tp))
         return time.perf_counter() - start
 
     def release(self) -> bool:
-        """Release the KV cache and move the weights to host memory while training runs (vLLM's
-        level-1 sleep). The CPU backend has no sleep mode (its KV cache is a fixed
+        """Release the KV cache while training runs and, by `sleep_level` (rollout.sleep_level), move the
+        weights to host memory (vLLM's level 1) or discard them (level 2: the next sync rewrites them;
+        vLLM keeps the model's buffers in host memory and puts them back when the weights wake, which
+        `loaded_whole` checks). The CPU backend has no sleep mode (its KV cache is a fixed
         VLLM_CPU_KVCACHE_SPACE buffer): nothing to free there."""
         if self.ctx.device != "cuda":
             return False
-        self.engine.sleep(level=1)
+        self.engine.sleep(level=self.sleep_level)
         return True
 
     def restore(self, parts: list[str]) -> None:

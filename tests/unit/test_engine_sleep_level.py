@@ -1,0 +1,98 @@
+"""The sleep level (rollout.sleep_level; workers/rollout/__init__.py): at 2 a sleep discards the engine's
+weights, so nothing may generate, probe or check them before a whole load, and the buffers no sync
+rewrites must come back as they were at start. Shown on the real `hf` engine on the CPU (it discards
+its weights at level 2 on any device), then the config's choice and its refusal."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from hybridflow.batch import Batch
+from hybridflow.config.schema import RolloutConfig
+from workers.rollout import EngineStateError
+from workers.rollout.hf_rollout import HFRollout
+
+
+def _engine(tiny_model_dir, level: int, cls=HFRollout) -> HFRollout:
+    engine = cls(SimpleNamespace(rank=0, device="cpu", group_name=f"sleep-level-{level}-{cls.__name__}"),
+                 str(tiny_model_dir), RolloutConfig(max_response_tokens=6, sleep_level=level), max_prompt_tokens=8,
+                 eos_token_id=-1, pad_token_id=0)
+    engine.start()
+    return engine
+
+
+def _prompts() -> Batch:
+    return Batch(tensors={"prompt_ids": torch.tensor([[0, 5, 6, 7], [8, 9, 10, 11]]),
+                          "prompt_mask": torch.tensor([[False, True, True, True], [True] * 4])})
+
+
+def _reload(engine, weights: dict) -> None:
+    """What the colocated transport does: every weight handed over, then the engine told it is whole."""
+    engine.receiver.load([list(weights.items())], route=None)
+    engine.loaded_whole()
+
+
+def test_a_level_2_sleep_discards_the_weights_and_a_whole_load_brings_back_the_same_model(tiny_model_dir):
+    engine = _engine(tiny_model_dir, 2)
+    before = engine.generate(_prompts(), greedy=True)
+    weights = {n: p.detach().clone() for n, p in engine.model.named_parameters()}
+    buffers = {n: b.clone() for n, b in engine.model.named_buffers()}
+    assert buffers, "the tiny model has rotary buffers: the check below would be empty"
+
+    assert engine.sleep() is True
+    assert all(p.numel() == 0 for p in engine.model.parameters())  # freed, on the CPU too
+    engine.wake_up()
+    assert engine.weights_discarded() is True
+    for call in (lambda: engine.generate(_prompts(), greedy=True), lambda: engine.probe_log_probs([[1, 2]], 2),
+                 lambda: engine.verify_weights([{}])):
+        with pytest.raises(EngineStateError, match="level-2 sleep discarded them"):
+            call()
+
+    _reload(engine, weights)
+    assert engine.weights_discarded() is False
+    for name, b in engine.model.named_buffers():
+        assert torch.equal(b, buffers[name]), name
+    after = engine.generate(_prompts(), greedy=True)
+    assert torch.equal(after["response_ids"], before["response_ids"])
+    assert torch.equal(after["sampler_log_probs"], before["sampler_log_probs"])
+
+
+def test_a_level_1_sleep_on_the_cpu_frees_nothing_and_keeps_generating(tiny_model_dir):
+    engine = _engine(tiny_model_dir, 1)
+    assert engine.sleep() is False and engine.weights_discarded() is False
+    assert len(engine.generate(_prompts(), greedy=True)) == 2
+
+
+class _ForgetsBuffers(HFRollout):
+    """An engine whose wake-up does not put its buffers back (the bug that made another project's
+    rollouts compute with wrong rotary caches after a level-2 sleep)."""
+
+    def restore(self, parts):
+        super().restore(parts)
+        for b in self.model.buffers():
+            b.data = torch.zeros_like(b)
+
+
+def test_buffers_not_restored_after_a_level_2_sleep_are_found_at_the_load_naming_them(tiny_model_dir):
+    engine = _engine(tiny_model_dir, 2, _ForgetsBuffers)
+    weights = {n: p.detach().clone() for n, p in engine.model.named_parameters()}
+    engine.sleep()
+    engine.wake_up()
+    with pytest.raises(EngineStateError, match=r"buffer\(s\) no weight sync rewrites differ.*inv_freq"):
+        _reload(engine, weights)
+    with pytest.raises(EngineStateError, match="level-2 sleep discarded them"):  # still refused
+        engine.generate(_prompts(), greedy=True)
+
+
+def test_the_config_chooses_level_2_unless_an_adapter_sync_keeps_the_base_weights(tiny_model_dir):
+    from hybridflow.pipeline_stages import compose_command
+
+    folded = compose_command(["recipe=grpo", f"model.path={tiny_model_dir}"])
+    assert folded.rollout.sleep_level == 2
+    lora = ["recipe=grpo", f"model.path={tiny_model_dir}", "actor.lora.rank=4", "weight_sync.lora=adapter"]
+    assert compose_command(lora).rollout.sleep_level == 1
+    with pytest.raises(Exception, match=r"rollout.sleep_level=2 is invalid.*adapter sync.*rollout.sleep_level=1"):
+        compose_command([*lora, "rollout.sleep_level=2"])
