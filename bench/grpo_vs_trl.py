@@ -66,7 +66,6 @@ SIDES = {  # name in the table -> what runs it
     "trl": "TRL (1 process, 2 threads)",
     "trl-ddp": "TRL (2 processes, DDP over gloo)",
 }
-BEGIN, END = "<!-- grpo_vs_trl:begin -->", "<!-- grpo_vs_trl:end -->"
 
 
 def prepare_inputs(work: Path, model: str, prompts_per_step: int, total_steps: int) -> dict:
@@ -286,8 +285,9 @@ def breakdown(sides: dict) -> list[str]:
     return out
 
 
-def write_doc(doc: Path, text: str) -> None:
-    write_between(doc, BEGIN, END, text)
+def write_doc(doc: Path, text: str, block: str = "grpo_vs_trl") -> None:
+    """Between the doc's `<!-- {block}:begin/end -->` markers (one block per settings measured)."""
+    write_between(doc, f"<!-- {block}:begin -->", f"<!-- {block}:end -->", text)
 
 
 def finish(args, results: dict, rates: list[float], trl_versions: dict | None, work: Path,
@@ -398,6 +398,7 @@ def main() -> None:
     p.add_argument("--trl-venv", default=str(ROOT / "bench" / ".trl-venv"))
     p.add_argument("--doc", default=str(ROOT / "docs" / "results" / "performance.md"))
     p.add_argument("--no-doc", action="store_true", help="only print and write <work>/results.json")
+    p.add_argument("--block", default="grpo_vs_trl", help="the doc's marker pair the table goes between")
     p.add_argument("--render-only", action="store_true", help="rewrite the doc from <work>/results.json, run nothing")
     p.add_argument("--dry-run", action="store_true",
                    help="compose and check every command, run the reading and rendering on stand-in results in "
@@ -406,7 +407,7 @@ def main() -> None:
     args = p.parse_args()
     if args.render_only:
         results = json.loads((Path(args.work) / "results.json").read_text())
-        write_doc(Path(args.doc), render(results))
+        write_doc(Path(args.doc), render(results), args.block)
         return
     models, sides = args.models.split(","), args.sides.split(",")
     unknown = [m for m in models if m not in MODELS] + [s for s in sides if s not in SIDES]
@@ -442,7 +443,7 @@ def main() -> None:
     results_path = work / "results.json"
     print(text)
     if not args.no_doc:
-        write_doc(Path(args.doc), text)
+        write_doc(Path(args.doc), text, args.block)
         print(f"results written to {args.doc} and {results_path}")
 
 

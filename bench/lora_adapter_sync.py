@@ -115,7 +115,8 @@ def render(reports: list[dict]) -> str:
     """The table for docs/resharding.md, one row per report (seed) and mode."""
     a = reports[0]["args"]
     steps = sorted({v["step"] for rep in reports for r in rep["modes"].values() for v in r["validation"]})
-    lines = [f"Measured {reports[0]['date']} on this machine ({reports[0]['cpu']}): `bench/lora_adapter_sync.py` "
+    dates = " and ".join(dict.fromkeys(f"{r['date']} (seed {r['args']['seed']})" for r in reports))
+    lines = [f"Measured {dates} on this machine ({reports[0]['cpu']}): `bench/lora_adapter_sync.py` "
              f"(SmolLM2-135M-Instruct, LoRA rank {a['rank']} on every linear layer of the decoder, alpha = r, lr "
              f"{a['lr']:g}, {a['prompts_per_step']} prompts x {a['samples_per_prompt']} samples, answers of up to 64 "
              f"tokens, bfloat16, {a['steps']} steps; held-out accuracy greedy on {a['val_rows']} prompts).", "",
