@@ -19,6 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from hybridflow.batch import Batch
+from hybridflow.config.engines import rollout_engine
 
 
 @dataclass(frozen=True)
@@ -62,10 +63,14 @@ STEP_KEYS: dict[str, Key] = {
 def clips_against_sampler(config) -> bool:
     """Whether the update's π_old is the sampler's log-probs (no actor forward pass): chosen with
     trainer.old_log_probs, or, on 'auto', when the run is on-policy with one update per step and no
-    rollout correction preset asks for the actor's π_old (algorithm.rollout_correction)."""
+    rollout correction preset asks for the actor's π_old (algorithm.rollout_correction). With an exact engine
+    'auto' recomputes π_old: the pass that shows the sampler's log-probs are π_old bit for bit
+    (`rollout_mismatch/*` 0.0), one forward against the engine's one per response token."""
     t, a = config.trainer, config.actor
     if t.old_log_probs != "auto":
         return t.old_log_probs == "sampler"
+    if rollout_engine(config.rollout.backend).exact:
+        return False
     if config.algorithm.rollout_correction not in ("auto", "none"):
         return False
     return t.use_sampler_log_probs and a.epochs_per_step == 1 and \

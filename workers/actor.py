@@ -39,6 +39,7 @@ from hybridflow.controller import Dispatch, WorkerContext, register
 from hybridflow.data.preference import pair_sequences, pair_sums
 from hybridflow.resharding.source import WeightSource
 from hybridflow.training import memory_moves, whole_model
+from hybridflow.training.exact_layout import OfferedModule, layout_log_probs, offer
 from hybridflow.training.fsdp import (
     accumulating,
     fp32_output_head,
@@ -70,18 +71,23 @@ from hybridflow.training.sequences import (
 class ActorWorker(TrainingStateMixin):
     def __init__(self, ctx: WorkerContext, actor: ActorConfig, *, model_path: str, dtype: str, master_dtype: str,
                  keep_dropout: bool, temperature: float, total_steps: int, trust_remote_code: bool, seed: int,
-                 pack_sequences: bool | None = None, share_prompts: bool | None = None) -> None:
+                 pack_sequences: bool | None = None, share_prompts: bool | None = None,
+                 exact_rollout: bool = False) -> None:
         """`actor`: the `actor` config node; the rest come from elsewhere in the config (built by
         recipes/roles.py): `model.dtype` (compute), `model.master_dtype` (parameters and optimizer
         state), `model.keep_dropout`, `rollout.temperature` (log-probs at the sampler's temperature),
         `trainer.total_steps` (the lr schedule's span unless actor.optim.schedule_steps),
         `model.trust_remote_code`, `seed`, `model.pack_sequences` (None: packed where the model allows),
-        `model.share_prompts` (None: shared where packed)."""
+        `model.share_prompts` (None: shared where packed); `exact_rollout`: the rollout engine generates
+        with this module (rollout.backend=exact), which start offers it, and π_old is computed in the
+        engine's layout (hybridflow.training.exact_layout), equal to its sampler log-probs bit for bit."""
         self.ctx, self.cfg = ctx, actor
         self.model_path, self.dtype, self.temperature = model_path, dtype, temperature
         self.master_dtype, self.keep_dropout = master_dtype, keep_dropout
         self.total_steps, self.trust_remote_code, self.seed = total_steps, trust_remote_code, seed
         self.pack_sequences, self.share_prompts = pack_sequences, share_prompts
+        self.exact_rollout = exact_rollout
+        self._offered = None  # what start offers the exact engine; held here, the offer is weak
         self.model = self.optimizer = self.scheduler = None
         self.weights = None  # this rank's end of the weight path (hybridflow.resharding.source), built by start
         self.updates = 0
@@ -103,6 +109,9 @@ class ActorWorker(TrainingStateMixin):
             fp32_output_head(self.model)
         self.optimizer, self.scheduler = build_optimizer(self.model, self.cfg.optim, self.total_steps)
         self.weights = WeightSource(self.model, self.ctx.rank, self.ctx.world_size, self.ctx.group_name)
+        if self.exact_rollout:
+            self._offered = OfferedModule(self.model, self.cfg.samples_per_micro_batch)
+            offer(self.ctx.group_name, self._offered)
         trainable = sum(p.numel() for p in self.model.parameters() if p.requires_grad)
         return {"trainable_parameters_on_rank": trainable, "packed_sequences": packed, "shared_prompts": shared}
 
@@ -112,9 +121,15 @@ class ActorWorker(TrainingStateMixin):
     @torch.no_grad()
     def compute_log_probs(self, batch: Batch) -> Batch:
         """`old_log_probs`, (B, R), 0 outside `loss_mask`; the pass's seconds in meta. No entropy: nothing
-        reads the proximal policy's (the update reports the current policy's, `actor/entropy`)."""
+        reads the proximal policy's (the update reports the current policy's, `actor/entropy`). With the
+        exact engine, in its layout: its rows together in its order, every response column, unpacked
+        (hybridflow.training.exact_layout)."""
         start = time.perf_counter()
-        out = self._log_probs(batch, "old_log_probs")
+        if self.exact_rollout:
+            out = Batch(tensors={"old_log_probs": layout_log_probs(
+                self.model, batch.to(self.ctx.device), self.cfg.samples_per_micro_batch, self.temperature).cpu()})
+        else:
+            out = self._log_probs(batch, "old_log_probs")
         out.meta["timing/actor_forward_s"] = time.perf_counter() - start
         return out
 
@@ -389,13 +404,14 @@ class ActorWorker(TrainingStateMixin):
     @register(Dispatch.ONE_TO_ALL)
     def offload(self) -> bool:
         """Move parameters and optimizer state to host memory while the colocated engine generates.
-        Only on a GPU (on the CPU there is nowhere else to put them); returns whether it moved."""
-        return memory_moves.offload(self.model, self.optimizer, self.ctx.device)
+        Only on a GPU (on the CPU there is nowhere else to put them); returns whether it moved. The
+        exact engine generates with the parameters themselves: they stay."""
+        return memory_moves.offload(self.model, self.optimizer, self.ctx.device, keep_parameters=self.exact_rollout)
 
     @register(Dispatch.ONE_TO_ALL)
     def reload(self) -> bool:
         """Bring parameters and optimizer state back to the device before training."""
-        return memory_moves.reload(self.model, self.optimizer, self.ctx.device)
+        return memory_moves.reload(self.model, self.optimizer, self.ctx.device, keep_parameters=self.exact_rollout)
 
     @register(Dispatch.ONE_TO_ALL)
     def device_peak_bytes(self) -> int | None:

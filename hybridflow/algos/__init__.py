@@ -30,6 +30,7 @@ from hybridflow.algos.entropy import (
     entropy_bonus,
     entropy_from_logits,
     log_probs_from_logits,
+    tempered_log_softmax_at,
     token_log_probs_and_entropy,
 )
 from hybridflow.algos.kl import (
@@ -76,6 +77,7 @@ __all__ = [
     "group_statistics",
     "kl_loss",
     "log_probs_from_logits",
+    "tempered_log_softmax_at",
     "masked_mean",
     "masked_sum",
     "masked_var",

@@ -80,11 +80,14 @@ FLOAT32_CHUNK_BYTES = 64 * 2 ** 20  # float32 logits reduced at once (a chunk of
 CUDA_FLOAT32_CHUNK_BYTES = 2 ** 30
 
 
+def _tempered(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    z = logits.float()
+    return z / temperature if temperature > 0 and temperature != 1.0 else z
+
+
 def _chunk_log_probs_and_entropy(logits: torch.Tensor, token_ids: torch.Tensor, temperature: float,
                                  with_entropy: bool, entropy_grad: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
-    z = logits.float()
-    if temperature > 0 and temperature != 1.0:
-        z = z / temperature
+    z = _tempered(logits, temperature)
     lse = torch.logsumexp(z, dim=-1)
     log_probs = z.gather(-1, token_ids.unsqueeze(-1)).squeeze(-1) - lse
     if not with_entropy:
@@ -92,6 +95,23 @@ def _chunk_log_probs_and_entropy(logits: torch.Tensor, token_ids: torch.Tensor, 
     with torch.set_grad_enabled(torch.is_grad_enabled() and entropy_grad):  # last: a recompute stops before it
         entropy = lse - (torch.softmax(z, dim=-1) * z).sum(dim=-1)  # H = logsumexp(z) - sum p z
     return log_probs, entropy
+
+
+def tempered_log_softmax_at(logits: torch.Tensor, position: int, *, temperature: float = 1.0,
+                            rows_per_chunk: int | None = None) -> torch.Tensor:
+    """log softmax(logits[:, position] / temperature): logits (B, T, V) -> (B, V) float32, computed as
+    `token_log_probs_and_entropy` computes every position of the same logits (the same chunks of rows,
+    the tempered float32 logits and their logsumexp over the vocabulary at every position of a chunk),
+    so that its entry at any token is bitwise the log-prob that function returns for that token at
+    `position`: a reduction over a tensor of another shape (the one position alone) may add in another
+    order. The exact rollout engine samples from it (hybridflow/training/exact_layout.py)."""
+    rows = rows_per_chunk or rows_per_float32_chunk(logits.shape, on_cuda=logits.is_cuda)
+    parts = []
+    for chunk in logits.split(rows):
+        z = _tempered(chunk, temperature)
+        lse = torch.logsumexp(z, dim=-1)  # (b, T): every position's, as token_log_probs_and_entropy reduces
+        parts.append(z[:, position] - lse[:, position, None])
+    return torch.cat(parts)
 
 
 def rows_per_float32_chunk(logits_shape: torch.Size, on_cuda: bool = False) -> int:

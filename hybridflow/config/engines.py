@@ -9,9 +9,11 @@ receiver (`hybridflow.resharding.receiver`: load what a transport delivers, veri
 a `RolloutEngine` entry says what the engine can do; the config rules, the memory floor, the input
 checks and the role builder read the entry, never the engine's name.
 
-Two are registered: `vllm` (vLLM, tensor parallel, on any pool, LoRA adapters, agents) and `hf`
+Three are registered: `vllm` (vLLM, tensor parallel, on any pool, LoRA adapters, agents), `hf`
 (a Hugging Face model with a KV-cached decode loop of its own, one model per rank in the actor's
-processes; it sleeps on GPUs). Another is one entry:
+processes; it sleeps on GPUs) and `exact` (the actor's own module, no cache: each decode step is the
+forward the actor's π_old pass computes, so the sampler's log-probs are the trainer's bit for bit, at
+the price of a whole forward per token; workers/rollout/exact_rollout.py). Another is one entry:
 `register_rollout_engine(RolloutEngine("mine", "my_package.module:MyRollout", ...))` in code the
 driver imports, or `rollout.backend=my_package.module:ENGINE` naming a `RolloutEngine` object
 (tests/e2e/test_toy_rollout_engine.py adds one that generates with a plain sampling loop).
@@ -35,6 +37,11 @@ class RolloutEngine:
     # holds its own weights and a KV cache of rollout.kv_cache_space_gib, which the memory floor counts
     engine_memory: bool = False
     fp32_lm_head: bool = False  # can compute its output head in float32 (rollout.fp32_lm_head)
+    # generates with the actor's own module in the layout of the actor's π_old pass, so its sampler log-probs
+    # are π_old bit for bit (hybridflow/training/exact_layout.py): the actor offers it its module and computes
+    # π_old in that layout, trainer.old_log_probs=auto recomputes π_old, and what would break the equality
+    # is refused (hybridflow/checks.py check_exact_engine)
+    exact: bool = False
     # 'module:function' (config, model_path: str | None) -> list[str]: what stops this engine, said before Ray;
     # called once with None (what it needs installed) and, with a model.path, once with it (what the model needs)
     checks: str | None = None
@@ -68,3 +75,4 @@ register_rollout_engine(RolloutEngine(
     "vllm", "workers.rollout.vllm_rollout:VLLMRollout", tensor_parallel=True, own_pool=True, serves_adapters=True,
     agents=True, engine_memory=True, checks="hybridflow.model_checks:vllm_checks"))
 register_rollout_engine(RolloutEngine("hf", "workers.rollout.hf_rollout:HFRollout", fp32_lm_head=True))
+register_rollout_engine(RolloutEngine("exact", "workers.rollout.exact_rollout:ExactRollout", exact=True))

@@ -309,8 +309,9 @@ class DataConfig:
 
 @dataclass
 class RolloutConfig:
-    # The generation engine: a registered one (vllm, hf; hybridflow/config/engines.py) or
-    # 'package.module:NAME' naming a RolloutEngine
+    # The generation engine: a registered one (vllm; hf; exact: the actor's own module, sampling what the
+    # actor's π_old computes bit for bit, no KV cache; hybridflow/config/engines.py) or 'package.module:NAME'
+    # naming a RolloutEngine
     backend: str = "vllm"
     max_response_tokens: int = 8
     temperature: float = 1.0

@@ -1,6 +1,6 @@
 """The generation side of a weight sync: the protocol a rollout worker's receiver implements.
 
-A receiver wraps one rollout engine in one process: vLLM's is `VLLMReceiver` (vllm_receiver.py,
+A receiver wraps one rollout engine in one process: vLLM's is `VLLMReceiver` (workers/rollout/vllm/receiver.py,
 beside our transfer engine inside vLLM), and `ModuleReceiver` here serves any engine that
 generates with a torch module in its process (the hf engine, a user's). It says which region of each checkpoint
 tensor its rank needs (`needed_boxes`), takes buckets — handed over in-process by a colocated

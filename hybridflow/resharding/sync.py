@@ -116,11 +116,12 @@ class WeightSync:
             "weight_sync/bytes_received_per_rank": max(r["received_bytes"] for r in per_rank),
             "weight_sync/min_bytes_per_rank": float(self.min_bytes),
             "weight_sync/seconds": seconds,
-            "weight_sync/copy_floor_ratio": seconds / max(self.floor_seconds, 1e-9),
             # where the time went, slowest rank: vLLM's load session (colocated: with the exchange
             # inside it, bucket by bucket) and, colocated, the exchange between training ranks
             "weight_sync/load_s": max(r.get("load_seconds", 0.0) for r in per_rank),
         }
+        if self.engine_bytes:  # an engine that computes with the actor's own weights needs none: no floor
+            metrics["weight_sync/copy_floor_ratio"] = seconds / max(self.floor_seconds, 1e-9)
         metrics.update(self.transport.metrics(per_rank))
         metrics.update(self.check(step))
         self._wait([self.rollout.set_weight_version.remote(version)], "labelling the engine")

@@ -13,15 +13,19 @@ from __future__ import annotations
 import torch
 
 
-def offload(model: torch.nn.Module, optimizer: torch.optim.Optimizer, device: str) -> bool:
+def offload(model: torch.nn.Module, optimizer: torch.optim.Optimizer, device: str,
+            keep_parameters: bool = False) -> bool:
     """Move parameters and optimizer state to host memory while the colocated engine generates.
-    Only on a GPU; returns whether it moved."""
-    return move_training_state(model, optimizer, "cpu") if device == "cuda" else False
+    Only on a GPU; returns whether it moved. `keep_parameters`: the parameters stay on the device (the
+    exact engine generates with them, workers/rollout/exact_rollout.py); gradients and moments still go."""
+    return move_training_state(model, optimizer, "cpu", keep_parameters) if device == "cuda" else False
 
 
-def reload(model: torch.nn.Module, optimizer: torch.optim.Optimizer, device: str) -> bool:
-    """Bring parameters and optimizer state back to `device` before training; returns whether it moved."""
-    return move_training_state(model, optimizer, device) if device == "cuda" else False
+def reload(model: torch.nn.Module, optimizer: torch.optim.Optimizer, device: str,
+           keep_parameters: bool = False) -> bool:
+    """Bring parameters (unless kept: `offload`) and optimizer state back to `device` before training;
+    returns whether it moved."""
+    return move_training_state(model, optimizer, device, keep_parameters) if device == "cuda" else False
 
 
 def device_peak_bytes(device: str) -> int | None:
@@ -32,7 +36,8 @@ def device_peak_bytes(device: str) -> int | None:
     return phase_peak_bytes() if device == "cuda" else None
 
 
-def move_training_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer, device: str) -> bool:
+def move_training_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer, device: str,
+                        keep_parameters: bool = False) -> bool:
     """Parameters and AdamW moments to `device` at the host link's speed. To the host, gradients
     are freed first (the next update makes new ones) and every tensor is copied into page-locked
     memory: a non-blocking device-to-host copy gets a pinned destination from PyTorch's caching
@@ -40,18 +45,12 @@ def move_training_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer
     A pageable copy moved 1.5-2 GB/s on an H200 whose link moves 55 (docs/results/gpu.md "On a
     GPU"). Parameters wait for their own copy before the next one starts: FSDP2 re-pads an
     unevenly sharded parameter on the host as it is moved, which must read a finished copy.
-    Back to the device the copies are non-blocking from pinned memory, ordered on the stream."""
+    Back to the device the copies are non-blocking from pinned memory, ordered on the stream.
+    `keep_parameters`: only the gradients (freed) and the moments move."""
     if device == "cpu":
         optimizer.zero_grad(set_to_none=True)
-
-        def to_host(tensor: torch.Tensor) -> torch.Tensor:
-            moved = tensor.to("cpu", non_blocking=True)
-            torch.cuda.current_stream().synchronize()
-            return moved
-
-        model._apply(to_host)  # what Module.to does, with a wait per tensor; FSDP2 re-registers its shards
-    else:
-        model.to(device, non_blocking=True)
+    if not keep_parameters:
+        _move_parameters(model, device)
     for state in optimizer.state.values():
         for key, value in state.items():
             if torch.is_tensor(value) and key != "step":
@@ -60,3 +59,15 @@ def move_training_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer
     if device == "cpu":
         torch.cuda.empty_cache()
     return True
+
+
+def _move_parameters(model: torch.nn.Module, device: str) -> None:
+    if device == "cpu":
+        def to_host(tensor: torch.Tensor) -> torch.Tensor:
+            moved = tensor.to("cpu", non_blocking=True)
+            torch.cuda.current_stream().synchronize()
+            return moved
+
+        model._apply(to_host)  # what Module.to does, with a wait per tensor; FSDP2 re-registers its shards
+    else:
+        model.to(device, non_blocking=True)

@@ -95,7 +95,7 @@ def response_log_probs(model: torch.nn.Module, batch: Batch, temperature: float 
             with_entropy=with_entropy, entropy_grad=entropy_grad)  # (N, 1) each: a token a row, chunked by rows
         return packed.scatter(log_probs[:, 0]), packed.scatter(entropy[:, 0])
     inputs, prompt_len, width = trimmed_inputs(batch)
-    if _takes_logits_to_keep(model):  # the last width + 1 positions: prompt_len - 1 ... prompt_len + width - 1
+    if takes_logits_to_keep(model):  # the last width + 1 positions: prompt_len - 1 ... prompt_len + width - 1
         logits = model(**inputs, use_cache=False, logits_to_keep=width + 1).logits[:, :width]  # (B, r, V)
     else:
         logits = model(**inputs, use_cache=False).logits[:, prompt_len - 1: prompt_len - 1 + width]
@@ -108,12 +108,12 @@ def response_log_probs(model: torch.nn.Module, batch: Batch, temperature: float 
 
 def packed_logits(model: torch.nn.Module, packed: PackedSequences) -> torch.Tensor:
     """(N, V) logits at `packed.predicting`, from one forward over the packed row."""
-    if _takes_logits_to_keep(model):
+    if takes_logits_to_keep(model):
         return model(**packed.model_kwargs(), use_cache=False, logits_to_keep=packed.predicting).logits[0]
     return model(**packed.model_kwargs(), use_cache=False).logits[0, packed.predicting]
 
 
-def _takes_logits_to_keep(model: torch.nn.Module) -> bool:
+def takes_logits_to_keep(model: torch.nn.Module) -> bool:
     """Whether the causal LM under any wrapper (peft) names `logits_to_keep` in its forward."""
     import inspect
 

@@ -18,7 +18,7 @@ def test_the_cli_every_recipe_and_every_worker_import_without_ray():
                "hybridflow.resharding.sync", "recipes.ppo", "recipes.sft", "recipes.dpo", "recipes.pipeline",
                "recipes.pretrain", "recipes.evaluate", "recipes.demo", "recipes.roles", "workers.actor",
                "workers.critic", "workers.reference", "workers.reward", "workers.rollout.hf_rollout",
-               "workers.rollout.vllm_rollout"]
+               "workers.rollout.exact_rollout", "workers.rollout.vllm_rollout"]
     code = "import sys, importlib; sys.modules['ray'] = None\n" + "".join(
         f"importlib.import_module({m!r})\n" for m in modules) + "print('imported', len(sys.modules))"
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)

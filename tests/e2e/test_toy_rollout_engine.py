@@ -165,5 +165,5 @@ def test_an_engine_that_cannot_split_a_model_or_serve_adapters_is_refused_where_
             compose(["recipe=grpo", "rollout.backend=toy", "actor.lora.rank=8", "weight_sync.lora=adapter"])
     finally:
         ROLLOUT_ENGINES.remove(TOY.name)
-    with pytest.raises(ValueError, match=r"rollout.backend='toy' is invalid: one of \['hf', 'vllm'\]"):
+    with pytest.raises(ValueError, match=r"rollout.backend='toy' is invalid: one of \['exact', 'hf', 'vllm'\]"):
         compose(["recipe=grpo", "rollout.backend=toy"])

@@ -116,7 +116,7 @@ class PrefixCacheVLLMRollout(VLLMRollout):
         if reset_prefix_cache:
             self.receiver.load([bucket], route=Colocated())  # tensors handed over in this process
             return
-        with mock.patch("hybridflow.resharding.vllm_receiver.reset_prefix_cache"):
+        with mock.patch("workers.rollout.vllm.receiver.reset_prefix_cache"):
             self.receiver.load([bucket], route=Colocated())
 
 

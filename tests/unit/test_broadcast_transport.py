@@ -15,7 +15,7 @@ import torch.multiprocessing as mp
 
 from hybridflow.resharding.layout import Box
 from hybridflow.resharding.transports.broadcast import Broadcast, layouts
-from hybridflow.resharding.vllm_side import InitInfo, UpdateInfo
+from workers.rollout.vllm.transfer import InitInfo, UpdateInfo
 
 SHAPES = {"a": [8, 4], "b": [6], "c": [4, 4]}
 BUCKETS = [["a", "b"], ["c"]]

@@ -54,7 +54,7 @@ def test_unknown_keys_and_bad_types_fail_in_composition(override, expected):
 
 
 def test_an_unknown_rollout_engine_is_refused_naming_the_registered_ones():
-    with pytest.raises(ValueError, match=re.escape("config rollout.backend='sglang' is invalid: one of ['hf', 'vllm'], "
+    with pytest.raises(ValueError, match=re.escape("config rollout.backend='sglang' is invalid: one of ['exact', 'hf', 'vllm'], "
                                                    "or 'package.module:NAME' naming a RolloutEngine")):
         compose(["rollout.backend=sglang"])
     with pytest.raises(ValueError, match=r"rollout.backend='hybridflow.config.engines:ROLLOUT_ENGINES' is invalid: "

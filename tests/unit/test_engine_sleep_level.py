@@ -30,9 +30,8 @@ def _prompts() -> Batch:
 
 
 def _reload(engine, weights: dict) -> None:
-    """What the colocated transport does: every weight handed over, then the engine told it is whole."""
-    engine.receiver.load([list(weights.items())], route=None)
-    engine.loaded_whole()
+    """What the colocated transport's send does: every weight through the engine's receiving end."""
+    engine.load_colocated([list(weights.items())], route=None)
 
 
 def test_a_level_2_sleep_discards_the_weights_and_a_whole_load_brings_back_the_same_model(tiny_model_dir):

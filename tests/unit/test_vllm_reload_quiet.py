@@ -38,7 +38,7 @@ class _Toy(torch.nn.Module):
 
 
 def test_only_layers_without_a_checkpoint_tensor_by_design_are_quiet(layerwise):
-    from hybridflow.resharding.vllm_side import mark_layers_without_checkpoint_tensors
+    from workers.rollout.vllm.transfer import mark_layers_without_checkpoint_tensors
 
     model = _Toy()
     embedding = model.embed_tokens.weight

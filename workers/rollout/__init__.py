@@ -103,6 +103,14 @@ class RolloutEngineBase(abc.ABC):
                 "after waking them (WeightSync reloads them before a generation that follows no sync), or "
                 "rollout.sleep_level=1 to keep them across the sleep")
 
+    def load_colocated(self, buckets, route) -> dict[str, float]:
+        """The colocated sync's receiving end in this process: every weight, bucket by bucket, into the
+        receiver, refused while the weights sleep; a level-2 sleep's weights are whole again after it."""
+        self.require_awake("the colocated weight load", ["weights"])
+        loaded = self.receiver.load(buckets, route=route)
+        self.loaded_whole()
+        return loaded
+
     def loaded_whole(self) -> None:
         """Every weight was just loaded: after a level-2 sleep, the engine computes again, once the
         buffers no sync rewrites are found as they were at start (else `EngineStateError` naming them)."""

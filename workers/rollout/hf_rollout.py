@@ -108,14 +108,17 @@ class HFRollout(RolloutEngineBase):
 
     def _decode(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, sample: bool, generator: torch.Generator):
         """The decode loop over a KV cache: (response ids, response mask, sampler log-probs, rows still
-        running at the limit), on the CPU. Prompts are left-padded; a row's EOS is its last response token."""
+        running at the limit), on the CPU. Prompts are left-padded; a row's EOS is its last response token.
+        A row that has ended leaves the batch and the KV cache (vLLM computes only live sequences too): the
+        steps after it cost only the rows still running."""
         from transformers import DynamicCache
 
         rows, width, device = len(prompt_ids), self.cfg.max_response_tokens, prompt_ids.device
         ids = torch.full((rows, width), self.pad_token_id, dtype=torch.long, device=device)  # (B, R)
         response_mask = torch.zeros((rows, width), dtype=torch.bool, device=device)
         sampler = torch.zeros((rows, width), dtype=torch.float32, device=device)
-        running = torch.ones(rows, dtype=torch.bool, device=device)
+        running = torch.zeros(rows, dtype=torch.bool, device=device)
+        live = torch.arange(rows, device=device)  # the batch rows still decoding, in cache order
         attention = prompt_mask.long()
         positions = (attention.cumsum(1) - 1).clamp(min=0)  # (B, P): left padding shifts nothing
         cache = DynamicCache()
@@ -123,14 +126,18 @@ class HFRollout(RolloutEngineBase):
                             past_key_values=cache, use_cache=True).logits[:, -1]
         position = positions[:, -1:] + 1
         for t in range(width):
-            log_probs = self._processed_log_probs(logits.float(), sample)  # (B, V): this step's only
+            log_probs = self._processed_log_probs(logits.float(), sample)  # (L, V): this step's only
             token = torch.multinomial(log_probs.exp(), 1, generator=generator)[:, 0] if sample else log_probs.argmax(-1)
-            token = torch.where(running, token, self.pad_token_id)  # a finished row continues with padding
-            ids[:, t], response_mask[:, t] = token, running
-            sampler[:, t] = torch.where(running, log_probs.gather(-1, token[:, None])[:, 0], 0.0)
-            running = running & (token != self.eos_token_id)
-            if not running.any() or t == width - 1:
+            ids[live, t], response_mask[live, t] = token, True
+            sampler[live, t] = log_probs.gather(-1, token[:, None])[:, 0]
+            going = token != self.eos_token_id
+            if t == width - 1 or not going.any():
+                running[live] = going  # cut at the limit
                 break
+            if not going.all():  # ended rows leave the batch and the cache
+                keep = going.nonzero()[:, 0]
+                live, token, attention, position = live[keep], token[keep], attention[keep], position[keep]
+                cache.batch_select_indices(keep)
             attention = torch.cat([attention, torch.ones_like(attention[:, :1])], dim=1)
             logits = self.model(input_ids=token[:, None], attention_mask=attention, position_ids=position,
                                 past_key_values=cache, use_cache=True).logits[:, -1]

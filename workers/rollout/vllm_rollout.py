@@ -8,8 +8,8 @@ in-process (VLLM_ENABLE_V1_MULTIPROCESSING=0, set by the controller when it star
 worker), so a colocated actor can hand it new weights without a copy through another process.
 This module is the engine's generation and lifecycle (start, sleep, wake-up). Weights arrive
 through `hybridflow.resharding`: this worker's weight methods delegate to its receiver,
-`VLLMReceiver` (hybridflow/resharding/vllm_receiver.py: the engine's receiving end of the weight
-path, beside our transfer engine inside vLLM, vllm_side.py).
+`VLLMReceiver` (workers/rollout/vllm/receiver.py: the engine's receiving end of the weight
+path, beside our transfer engine inside vLLM, transfer.py).
 
 With `rollout.agent` set, `generate` rolls out multi-turn trajectories (hybridflow/agents):
 each round submits the next turn of every live trajectory, as token ids, in one `generate`
@@ -29,7 +29,7 @@ from hybridflow.batch import Batch
 from hybridflow.config.schema import RolloutConfig
 from hybridflow.controller import Dispatch, WorkerContext, register
 from hybridflow.resharding.adapter import check_served
-from hybridflow.resharding.vllm_receiver import VLLMReceiver
+from workers.rollout.vllm.receiver import VLLMReceiver
 from workers.rollout import RolloutEngineBase
 
 
@@ -52,7 +52,7 @@ class VLLMRollout(RolloutEngineBase):
         """Build the engine; returns the seconds it took."""
         from vllm import LLM
 
-        from hybridflow.resharding.vllm_side import ENGINE_NAME, register_engine
+        from workers.rollout.vllm.transfer import ENGINE_NAME, register_engine
 
         if self.verifiable_weights and self.ctx.device == "cpu":
             from hybridflow.patches import keep_vllm_cpu_linear_weights
@@ -183,7 +183,7 @@ class VLLMRollout(RolloutEngineBase):
         if seed is None:
             yield
             return
-        from hybridflow.resharding.vllm_side import seed_sampler
+        from workers.rollout.vllm.transfer import seed_sampler
 
         cpu = torch.random.get_rng_state()
         cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else None

@@ -2,8 +2,8 @@
 
 `WeightSync` (sync.py) plans the buckets, runs the checks and reports metrics; `WeightSender`
 (sender.py) produces the buckets in every actor process; the rollout's receiver (the protocol in
-receiver.py; vLLM's `VLLMReceiver`, vllm_receiver.py) and our vLLM
-transfer engine (vllm_side.py) load what arrives. Everything that depends on *how*
+receiver.py; vLLM's `VLLMReceiver`, workers/rollout/vllm/receiver.py) and our vLLM
+transfer engine (transfer.py) load what arrives. Everything that depends on *how*
 the bytes move lives in one module here, both ends of it:
 
 - controller side: opening the route (`rendezvous`, `setup_calls`), the calls one sync makes

@@ -79,11 +79,11 @@ class Transport:
 
     # ---- receiving route (in the rollout worker, and inside vLLM's worker) --------------------
     def receiving_init(self, plan, rank: int) -> dict:
-        """The fields of vLLM's init info for generation rank `rank` (vllm_side.InitInfo)."""
+        """The fields of vLLM's init info for generation rank `rank` (transfer.InitInfo)."""
         raise self._no_route()
 
     def receiving_updates(self, plan, rank: int) -> list[dict]:
-        """Per bucket, what generation rank `rank` receives (vllm_side.UpdateInfo fields)."""
+        """Per bucket, what generation rank `rank` receives (transfer.UpdateInfo fields)."""
         raise self._no_route()
 
     def update_bytes(self, update: dict) -> int:
@@ -95,13 +95,13 @@ class Transport:
                                "route to a rollout on a pool of its own")
 
     def open_receiving(self, info):
-        """Inside vLLM's worker: open this rank's end of the route (`info`: vllm_side.InitInfo);
+        """Inside vLLM's worker: open this rank's end of the route (`info`: transfer.InitInfo);
         returns the link the engine keeps for it."""
         return None
 
     def receive_bucket(self, engine, info) -> list:
         """Inside vLLM's worker: one bucket's [(checkpoint name, full-shape tensor)] for `info`
-        (vllm_side.UpdateInfo); `engine` holds the route's `link` and counts `received_bytes`.
+        (transfer.UpdateInfo); `engine` holds the route's `link` and counts `received_bytes`.
         By default the tensors were handed over in this process."""
         if info.weights is None:
             raise WeightSyncError(f"the {self.name} transport was given bucket {info.bucket} without its tensors")

@@ -114,11 +114,8 @@ class Colocated(Transport):
 
         phase_peak_bytes()  # GPUs: what came before (the update) is its own phase
         receiver = local_receiver(group_name)
-        if receiver.engine_state is not None:  # the engine's weights must be awake to take a load
-            receiver.engine_state.require_awake("the colocated weight load", ["weights"])
-        loaded = receiver.load(buckets, route=self)
-        if receiver.engine_state is not None:  # every weight was sent: a level-2 sleep's weights are whole again
-            receiver.engine_state.loaded_whole()
+        engine = receiver.engine_state  # the engine serving it checks its state around the load
+        loaded = receiver.load(buckets, route=self) if engine is None else engine.load_colocated(buckets, self)
         stats["load_seconds"] = loaded["load_seconds"]
         peak = phase_peak_bytes()  # the sync phase: the training state and vLLM's weights on the device
         if peak is not None:

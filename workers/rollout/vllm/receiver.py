@@ -3,7 +3,7 @@
 The rollout worker (workers/rollout/vllm_rollout.py) builds the engine with
 `weight_transfer_config={"backend": "hybridflow"}` and hands it to a `VLLMReceiver`, which its
 registered weight methods delegate to (`workers.rollout.RolloutEngineBase`). The receiver drives
-our transfer engine inside vLLM (`vllm_side`) through `collective_rpc`: it joins the plan's
+our transfer engine inside vLLM (`workers.rollout.vllm.transfer`) through `collective_rpc`: it joins the plan's
 transport route (`join`), loads what a colocated sender hands over in this process (`load`) or
 what the route receives (`receive`), each inside one vLLM update session that ends by resetting
 the prefix cache (`reset_prefix_cache`); disaggregated, it stages a push in host memory while
@@ -63,7 +63,7 @@ class VLLMReceiver(Receiver):
         self.engine.llm_engine.set_weight_version(str(version))
 
     def needed_boxes(self, shapes: dict[str, list[int]]) -> dict[str, tuple]:
-        from hybridflow.resharding.vllm_side import needed_boxes
+        from workers.rollout.vllm.transfer import needed_boxes
 
         return self.engine.collective_rpc(needed_boxes, args=(shapes,))[0]
 
@@ -92,7 +92,7 @@ class VLLMReceiver(Receiver):
         receive every bucket of policy `version` into host memory, without touching the engine.
         `load_staged`, on the generating lane between two batches, loads them (and compares the
         per-tensor `expected` checksums, when given, before labelling the engine with the version)."""
-        from hybridflow.resharding.vllm_side import stage_bucket
+        from workers.rollout.vllm.transfer import stage_bucket
 
         self._joined("stage")
         start = time.perf_counter()
@@ -180,7 +180,7 @@ class VLLMReceiver(Receiver):
             raise WeightSyncError(f"VLLMReceiver.{what} before join(): the transport's route was never opened")
 
     def _session(self, updates: Iterable[dict], running: bool = False) -> dict[str, float]:
-        from hybridflow.resharding.vllm_side import received_bytes, refresh_cpu_kernels
+        from workers.rollout.vllm.transfer import received_bytes, refresh_cpu_kernels
 
         start = time.perf_counter()
         self.engine.collective_rpc("start_weight_update")
@@ -244,7 +244,7 @@ class VLLMReceiver(Receiver):
         return {"found": found, "expected": expected, "served": describe(self.adapter), "version": version}
 
     def checksums(self) -> dict:
-        from hybridflow.resharding.vllm_side import param_checksums
+        from workers.rollout.vllm.transfer import param_checksums
 
         return self.engine.collective_rpc(param_checksums)[0]
 

@@ -139,7 +139,7 @@ class _dry_run:
 
         for needed in ("initialize_layerwise_reload", "_get_original_loader", "_place_kernel_tensors", "LAYERWISE_INFO"):
             if not hasattr(layerwise, needed):
-                raise RuntimeError(f"vllm's layerwise reload has no {needed}: update hybridflow.resharding.regions")
+                raise RuntimeError(f"vllm's layerwise reload has no {needed}: update workers.rollout.vllm.regions")
         layerwise.initialize_layerwise_reload(self.model)
         self.wrapped = []
         for module in self.model.modules():

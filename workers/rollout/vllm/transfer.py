@@ -17,7 +17,7 @@ own training shard lacks", and need CUDA; so the transport here is ours, while t
 (layerwise reload, the update-session guards, LoRA-state reset) is vLLM's.
 
 `needed_boxes` tells, for this worker's tensor-parallel rank, which region of every checkpoint
-tensor vLLM's loaders read — by watching the model's own loaders (`hybridflow.resharding.regions`),
+tensor vLLM's loaders read — by watching the model's own loaders (`workers.rollout.vllm.regions`),
 not from a table of model names or layer types.
 """
 
@@ -27,6 +27,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+
+from hybridflow.resharding.verify import checksum
 
 ENGINE_NAME = "hybridflow"
 
@@ -126,7 +128,7 @@ def mark_layers_without_checkpoint_tensors(model: torch.nn.Module) -> list[str]:
     if missing or not hasattr(layerwise, "SKIP_LOAD_TENSORS") or not hasattr(layerwise, "is_deferred_attention_layer"):
         raise RuntimeError(f"vllm's layerwise reload moved (LayerReloadingInfo lacks {sorted(missing)}, or "
                            "SKIP_LOAD_TENSORS / is_deferred_attention_layer are gone); update "
-                           "hybridflow.resharding.vllm_side.mark_layers_without_checkpoint_tensors")
+                           "workers.rollout.vllm.transfer.mark_layers_without_checkpoint_tensors")
     skipped = layerwise.SKIP_LOAD_TENSORS
     loaded = {id(p) for _, layer, info in layers if not info.can_load() for p in layer.parameters(recurse=False)}
     marked = []
@@ -175,8 +177,8 @@ def stage_bucket(worker, update: dict) -> list[tuple[str, torch.Tensor]]:
 
 def needed_boxes(worker, shapes: dict[str, list[int]]) -> dict[str, tuple]:
     """Per checkpoint tensor, the ranges this tensor-parallel rank's loaders read from it: found by
-    running the model's own loaders on placeholders (`hybridflow.resharding.regions`)."""
-    from hybridflow.resharding.regions import needed_boxes as boxes_read
+    running the model's own loaders on placeholders (`workers.rollout.vllm.regions`)."""
+    from workers.rollout.vllm.regions import needed_boxes as boxes_read
 
     return {name: box.travelling() for name, box in boxes_read(worker.model_runner.get_model(), shapes).items()}
 
@@ -240,3 +242,10 @@ def param_checksums(worker) -> dict:
         t64 = param.detach().to(torch.float64)
         sums[name] = (float(t64.sum()), float((t64 * t64).sum()))
     return {"sums": sums, "packed": packed, "empty": empty, "unchecked": unchecked}
+
+
+def buffer_checksums(worker) -> dict[str, tuple[float, float]]:
+    """Checksums of the model's buffers (rotary caches and other tensors no weight sync rewrites), which
+    vLLM keeps in host memory across a level-2 sleep and puts back when the weights wake: compared with
+    their values at start after each such reload (workers/rollout/__init__.py `loaded_whole`)."""
+    return {name: checksum(b) for name, b in worker.model_runner.get_model().named_buffers()}

@@ -1,0 +1,158 @@
+"""The exact engine (rollout.backend=exact, workers/rollout/exact_rollout.py) in one process with the actor it
+generates from: the engine contract's response batch, sampler log-probs equal to the actor's π_old bit for
+bit (torch.equal, float32 and bfloat16), a weight path that moves nothing, and the config rules that keep
+the equality (hybridflow/checks.py check_exact_engine). The GRPO run that logs
+`rollout_mismatch/abs_diff_max == 0.0` is tests/e2e/test_exact_rollout.py."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from hybridflow.algos import tempered_log_softmax_at, token_log_probs_and_entropy
+from hybridflow.batch import Batch
+from hybridflow.config import ConfigError, compose
+from hybridflow.controller import WorkerContext
+from hybridflow.stage import prepare_stage
+
+
+def test_tempered_log_softmax_at_a_hand_worked_example():
+    # logits [0, ln 3]: softmax [1/4, 3/4]; at T = 2 the tempered logits are [0, ln 3 / 2] = [0, ln sqrt 3],
+    # softmax [1 / (1 + sqrt 3), sqrt 3 / (1 + sqrt 3)]
+    logits = torch.tensor([[[0.0, math.log(3.0)], [5.0, 5.0]]])  # (1, 2, 2): position 1 is another distribution
+    torch.testing.assert_close(tempered_log_softmax_at(logits, 0), torch.tensor([[math.log(0.25), math.log(0.75)]]))
+    root3 = math.sqrt(3.0)
+    torch.testing.assert_close(tempered_log_softmax_at(logits, 0, temperature=2.0),
+                               torch.tensor([[-math.log(1 + root3), math.log(root3 / (1 + root3))]]))
+    torch.testing.assert_close(tempered_log_softmax_at(logits, 1), torch.tensor([[math.log(0.5)] * 2]))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_tempered_log_softmax_at_is_bitwise_the_token_log_probs_at_every_position_and_token(dtype, temperature):
+    """The engine's row and the trainer's gathered log-prob are the same float32 bits, over several row chunks."""
+    generator = torch.Generator().manual_seed(0)
+    logits = (torch.randn(5, 7, 50, generator=generator) * 4).to(dtype)  # (B, T, V)
+    tokens = torch.randint(0, 50, (5, 7), generator=generator)
+    trainer, _ = token_log_probs_and_entropy(logits, tokens, temperature=temperature, rows_per_chunk=2,
+                                             with_entropy=False)
+    for t in range(7):
+        row = tempered_log_softmax_at(logits, t, temperature=temperature, rows_per_chunk=2)  # (B, V)
+        assert torch.equal(row.gather(-1, tokens[:, t, None])[:, 0], trainer[:, t])
+        torch.testing.assert_close(row.exp().sum(-1), torch.ones(5))
+
+
+def _config(*overrides: str):
+    return prepare_stage(compose(["recipe=grpo", "rollout.backend=exact", "placement=local",
+                                  "rollout.max_response_tokens=6", "actor.samples_per_micro_batch=3",
+                                  *overrides])).config
+
+
+def _pair(model_dir, config, group: str):
+    """The actor and the exact engine, started in this process as one worker group (roles fused)."""
+    from transformers import AutoTokenizer
+
+    from recipes.roles import actor_role, rollout_role
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    ctx = WorkerContext(group_name=group)
+    actor = actor_role(config, model_dir).build(ctx)
+    engine = rollout_role(config, model_dir, tok).build(ctx)
+    engine.start()  # before the actor: the engine finds the actor's module when it generates
+    actor.start()
+    return actor, engine, tok
+
+
+def _prompts(tok, rows: int = 7) -> Batch:
+    from hybridflow.data import ArithmeticSpec, make_arithmetic_rows
+    from hybridflow.data.prompts import encode_prompts
+
+    prompts = encode_prompts(make_arithmetic_rows(rows, ArithmeticSpec(), seed=0), tok, 12)
+    prompts.tensors["sample_seed"] = torch.arange(rows) + 11
+    return prompts
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_the_engine_samples_what_the_actors_old_log_prob_pass_computes_bit_for_bit(tiny_model_dir, dtype):
+    """7 rows in forwards of 3 (the last one short): the contract's keys and shapes, and the actor's π_old
+    equal to the sampler's log-probs on every response token (the usual trimmed pass only near them)."""
+    config = _config(f"model.dtype={dtype}")
+    actor, engine, tok = _pair(tiny_model_dir, config, f"exact-{dtype}")
+    prompts = _prompts(tok)
+    samples = engine.generate(prompts)
+    for key in ("response_ids", "response_mask", "sampler_log_probs"):
+        assert samples[key].shape == (7, 6), key
+    assert samples["sampler_log_probs"].dtype == torch.float32 and samples["behavior_version"].tolist() == [-1] * 7
+    assert len(samples["response"]) == 7 and set(samples["finish_reason"]) <= {"stop", "length"}
+    mask = samples["response_mask"]
+    assert mask[:, 0].all() and (samples["sampler_log_probs"][~mask] == 0).all()
+    assert (samples["sampler_log_probs"][mask] < 0).all()
+    stopped = [i for i, f in enumerate(samples["finish_reason"]) if f == "stop"]
+    for i in stopped:  # a row's EOS is its last response token
+        assert samples["response_ids"][i, int(mask[i].sum()) - 1] == tok.eos_token_id
+    old = actor.compute_log_probs(samples)["old_log_probs"]
+    assert torch.equal(old, samples["sampler_log_probs"])  # 0 outside the mask on both sides
+    usual = actor._log_probs(samples, "old_log_probs")["old_log_probs"]  # trimmed, micro-batched by length
+    torch.testing.assert_close(usual, old, atol=0.05 if dtype == "bfloat16" else 1e-5, rtol=0)
+    again = engine.generate(prompts)  # the batch's first sample seed seeds its sampler
+    assert torch.equal(again["response_ids"], samples["response_ids"])
+
+
+def test_greedy_generation_and_the_probe_take_the_most_likely_token(tiny_model_dir):
+    actor, engine, tok = _pair(tiny_model_dir, _config(), "exact-greedy")
+    prompts = _prompts(tok, rows=3)
+    greedy = engine.generate(prompts, greedy=True)
+    assert torch.equal(greedy["response_ids"], engine.generate(prompts, greedy=True)["response_ids"])
+    prompt = prompts["prompt_ids"][0][prompts["prompt_mask"][0]].tolist()
+    tokens, log_probs = engine.probe_log_probs([prompt, [5] * 10_000], 3)  # the second cannot be held: skipped
+    assert len(tokens[0]) == 3 and tokens[1] == [] and log_probs.dtype == torch.float64 and log_probs.shape == (3,)
+    torch.testing.assert_close(log_probs, actor.probe_log_probs([prompt], [tokens[0]]), atol=1e-5, rtol=0)
+
+
+def test_the_weight_path_moves_nothing(tiny_model_dir):
+    """The receiver needs an empty box of every tensor, draws no bucket and holds no parameter of its own."""
+    from hybridflow.resharding.layout import Box
+
+    _, engine, _ = _pair(tiny_model_dir, _config(), "exact-weights")
+    needs = engine.weight_needs({"a.weight": [4, 3], "b.bias": [4]})
+    assert {n: Box.of(b).numel for n, b in needs.items()} == {"a.weight": 0, "b.bias": 0}
+
+    def buckets():
+        raise AssertionError("a bucket was drawn")
+        yield
+
+    assert engine.receiver.load(buckets(), route=None) == {"received_bytes": 0.0, "load_seconds": 0.0}
+    assert engine.verify_weights([{}]) == {"weight_sync/verified_tensors": 0.0}
+
+
+def test_an_engine_without_an_actor_in_its_process_says_where_it_runs(tiny_model_dir):
+    from transformers import AutoTokenizer
+
+    from recipes.roles import rollout_role
+
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    engine = rollout_role(_config(), tiny_model_dir, tok).build(WorkerContext(group_name="exact-alone"))
+    engine.start()
+    with pytest.raises(RuntimeError, match="no actor in this process .*'exact-alone'.* offered one"):
+        engine.generate(_prompts(tok, rows=2))
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["trainer.old_log_probs=sampler"], "trainer.old_log_probs='sampler' is invalid: rollout.backend=exact makes"),
+    (["rollout.top_p=0.9"], "rollout.top_p=0.9 is invalid: .*no top-p filter cuts"),
+    (["algorithm.dynamic_sampling_rounds=2"], "dynamic_sampling_rounds=2 is invalid: .*several generations"),
+    (["model.dtype=float32", "rollout.dtype=bfloat16"], "rollout.dtype='bfloat16' is invalid: .*in model.dtype"),
+    (["rollout.fp32_lm_head=true"], "computes with the actor's output head: set actor.fp32_lm_head=true"),
+])
+def test_what_would_break_the_equality_is_refused_at_compose(overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        compose(["recipe=grpo", "rollout.backend=exact", *overrides])
+
+
+def test_old_log_probs_auto_recomputes_pi_old_with_the_exact_engine():
+    from hybridflow.batch_keys import clips_against_sampler
+
+    assert clips_against_sampler(compose(["recipe=grpo"])) is True  # on-policy, one update: the sampler's
+    assert clips_against_sampler(compose(["recipe=grpo", "rollout.backend=exact"])) is False
