@@ -179,6 +179,8 @@ def conformance(case: str, model_dir: str) -> None:
     engine = _engine(name, ctx, model_dir, RolloutConfig(max_response_tokens=4, dtype=Dtype.float32,
                                                          sleep_level=level), tok)
     engine.start()
+    # what a level-2 reload is checked against: the buffers no sync rewrites (the tiny model's rotary ones)
+    assert engine.receiver.buffer_checksums() and engine.receiver.buffer_checksums() == engine._start_buffers
     prompts = encode_prompts(make_arithmetic_rows(4, ArithmeticSpec(), seed=0), tok, MAX_PROMPT_TOKENS)
     out = engine.generate(prompts, greedy=True)
     assert out["response_ids"].shape == (4, 4) and out["response_mask"][:, 0].all()

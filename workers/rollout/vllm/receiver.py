@@ -248,6 +248,13 @@ class VLLMReceiver(Receiver):
 
         return self.engine.collective_rpc(param_checksums)[0]
 
+    def buffer_checksums(self) -> dict[str, tuple[float, float]]:
+        """The model's buffers in vLLM's worker (rotary caches: kept in host memory across a level-2 sleep
+        by vLLM and put back when the weights wake), compared after each such reload."""
+        from workers.rollout.vllm.transfer import buffer_checksums
+
+        return self.engine.collective_rpc(buffer_checksums)[0]
+
     def probe(self, prompts: list[list[int]], new_tokens: int) -> tuple[list[list[int]], torch.Tensor]:
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
