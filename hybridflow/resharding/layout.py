@@ -171,3 +171,13 @@ def buckets(names: Sequence[str], sizes_bytes: Mapping[str, int], bucket_bytes: 
     if current:
         out.append(current)
     return out
+
+
+def layouts(needs: list[dict]) -> list[list[int]]:
+    """The generation ranks grouped by what they need (`needs`: per rank, {name: Box or its ranges}),
+    in order of each layout's first rank: the ranks of one layout receive the same bytes."""
+    groups: dict[tuple, list[int]] = {}
+    for rank, need in enumerate(needs):
+        key = tuple(sorted((name, (box if isinstance(box, Box) else Box.of(box)).ranges) for name, box in need.items()))
+        groups.setdefault(key, []).append(rank)
+    return list(groups.values())

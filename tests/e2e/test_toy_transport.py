@@ -26,7 +26,7 @@ from hybridflow.resharding import WeightSyncError
 from hybridflow.resharding.layout import Box
 from hybridflow.resharding.sync import WeightSync
 from hybridflow.resharding.transports import TRANSPORTS, Transport, build_transport, register_transport
-from hybridflow.resharding.transports.flat import pack, unpack
+from hybridflow.resharding.transports.flat import unpack
 from recipes.roles import actor_role
 from hybridflow.stage import prepare_stage
 from workers.rollout.vllm_rollout import VLLMRollout
@@ -61,19 +61,17 @@ class Files(Transport):
         return results[1]
 
     # ---- sending route
-    def connect(self, sender):
+    def connect(self, plan, rank: int):
         return {"syncs": 0}
 
-    def send(self, sender, stats: dict, group_name: str) -> None:
-        sender.link["syncs"] += 1
-        for index, bucket in sender.whole_buckets():
-            if sender.rank != 0:
-                continue
-            names, tensors = [n for n, _ in bucket], [t for _, t in bucket]
-            for dst, need in enumerate(sender.needs):
-                path = self._path(sender.link["syncs"], index, dst)
-                torch.save(pack(tensors, [need[n] for n in names], sender.dtype), path + ".tmp")
-                os.replace(path + ".tmp", path)
+    def send(self, sender, link, stats: dict, group_name: str) -> None:
+        link["syncs"] += 1
+        for parcels in sender.parcels():  # training rank 0: one per layout of the generation ranks
+            for parcel in parcels:
+                for dst in parcel.ranks:
+                    path = self._path(link["syncs"], parcel.index, dst)
+                    torch.save(parcel.flat, path + ".tmp")
+                    os.replace(path + ".tmp", path)
 
     # ---- receiving route
     def receiving_init(self, plan, rank: int) -> dict:

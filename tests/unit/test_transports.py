@@ -59,3 +59,42 @@ def test_a_transport_without_a_cross_pool_route_or_staging_says_so():
 def test_a_transport_name_is_registered_once():
     with pytest.raises(KeyError, match="weight transport 'broadcast' is already registered"):
         register_transport(type("AnotherBroadcast", (Broadcast,), {}))
+
+
+class _Only:
+    """The sender as a transport may see it: the named methods, and no field (the layouts, the pieces, the
+    shards stay the sender's)."""
+
+    def __init__(self, sender, *methods: str) -> None:
+        self._sender, self._methods = sender, methods
+
+    def __getattr__(self, name: str):
+        if name not in self._methods:
+            raise AssertionError(f"the transport read the sender's {name!r}")
+        return getattr(self._sender, name)
+
+
+def test_the_colocated_transport_moves_the_senders_local_slices_and_reads_no_sender_field():
+    """One training rank: the sender's own generation slice (the whole tensors) reaches the receiver of this
+    process through `Colocated.send`, which is handed `local_slices` alone."""
+    import torch
+
+    from hybridflow.resharding.receiver import ModuleReceiver, forget_local, register_local
+    from hybridflow.resharding.sender import SyncPlan, WeightSender
+
+    torch.manual_seed(0)
+    trained, engine = torch.nn.Linear(3, 4), torch.nn.Linear(3, 4)
+    receiver = ModuleReceiver(engine, pad_token_id=0)
+    shapes = {n: list(p.shape) for n, p in trained.named_parameters()}
+    plan = SyncPlan(Colocated(), "float32", 2 ** 20, 10.0, needs=[receiver.needed_boxes(shapes)],
+                    buckets=[list(shapes)], shapes=shapes)
+    sender = WeightSender(trained, plan, rank=0, world_size=1)
+    register_local("transports-unit", receiver)
+    try:
+        stats = {"received_bytes": 0, "exchange_seconds": 0.0, "assemble_seconds": 0.0}
+        Colocated().send(_Only(sender, "local_slices"), None, stats, "transports-unit")
+    finally:
+        forget_local("transports-unit")
+    for name, param in engine.named_parameters():
+        assert torch.equal(param, dict(trained.named_parameters())[name]), name
+    assert stats["received_bytes"] == 0  # one rank holds its whole slice: nothing moved between ranks

@@ -12,7 +12,9 @@ the bytes move lives in one module here, both ends of it:
   generation (`generating`);
 - sending route, inside `WeightSender` in every actor process: whether whole tensors are
   gathered (`gathers_whole`), plan checks (`check_plan`), opening this rank's end (`connect`,
-  which returns the link the sender keeps for it) and moving one sync's buckets (`send`);
+  which returns the link the sender keeps for it) and moving one sync's buckets (`send`), taken
+  from the sender in the shape the route needs (`WeightSender.parcels` or `local_slices`): which
+  part of which tensor goes where is the sender's; a transport only moves bytes;
 - receiving route, in the rollout worker and inside vLLM's worker: the updates a generation
   rank will receive (`receiving_updates`, `receiving_init`), opening its end
   (`open_receiving`), turning one update into tensors (`receive_bucket`), and staging — receiving

@@ -64,17 +64,22 @@ class Transport:
         return dict(self.handover)
 
     # ---- sending route (in WeightSender, every actor process) ---------------------------------
-    def check_plan(self, sender) -> None:
-        pass
+    def check_plan(self, plan, world: int) -> None:
+        """Refuse a `SyncPlan` this route cannot carry between `world` training ranks and the plan's
+        generation ranks (`plan.needs`, one per generation rank)."""
 
-    def connect(self, sender):
-        """Open this training rank's end of the route; returns the link the sender keeps for it
-        (`sender.link`)."""
+    def connect(self, plan, rank: int):
+        """Open training rank `rank`'s end of the route; returns the link the sender keeps for it and
+        hands back to `send`."""
         return None
 
-    def send(self, sender, stats: dict, group_name: str) -> None:
-        """Move one sync's buckets (`group_name`: this process's worker group, where an
-        in-process receiver is found); add to `stats` what this rank measured."""
+    def send(self, sender, link, stats: dict, group_name: str) -> None:
+        """Move one sync's buckets, taken from `sender` in the shape the route needs — per bucket
+        one flat parcel per layout of the generation ranks on training rank 0
+        (`sender.parcels()`), or this rank's own generation slice, the missing pieces moved by a
+        collective the transport passes (`sender.local_slices(exchange, stats)`) — over `link`
+        (what `connect` returned); `group_name`: this process's worker group, where an in-process
+        receiver is found; add to `stats` what this rank measured."""
         raise NotImplementedError
 
     # ---- receiving route (in the rollout worker, and inside vLLM's worker) --------------------

@@ -12,8 +12,8 @@ was being moved and to which layout.
 
 Sending: per bucket, every training rank gathers the bucket's whole tensors (FSDP's all-gathers,
 on the training group), then training rank 0 packs, once per layout, one flat buffer with only the
-boxes that layout needs (flat.py; on the device the tensors are on) and broadcasts it to the
-layout's group. Every layout's broadcast of a bucket is posted at once, without waiting: they run
+boxes that layout needs (`WeightSender.parcels`, flat.py; on the device the tensors are on) and
+broadcasts it to the layout's group. Every layout's broadcast of a bucket is posted at once, without waiting: they run
 while the training ranks gather the next bucket, and the sender waits for a bucket's broadcasts
 only before posting the one after next (two buckets in flight at most). So each generation rank
 receives only its layout's bytes (a rank at TP 2 about half the model), the engines of one layout
@@ -32,19 +32,9 @@ import torch
 import torch.distributed as dist
 
 from hybridflow.resharding import faults
-from hybridflow.resharding.layout import Box
+from hybridflow.resharding.layout import Box, layouts
 from hybridflow.resharding.transports.base import Transport, register_transport
 from hybridflow.resharding.transports.flat import TransferError, pack, unpack
-
-
-def layouts(needs: list[dict]) -> list[list[int]]:
-    """The generation ranks grouped by what they need (`needs`: per rank, {name: Box or its ranges}),
-    in order of each layout's first rank; a rank's place in its list + 1 is its rank in the layout's group."""
-    groups: dict[tuple, list[int]] = {}
-    for rank, need in enumerate(needs):
-        key = tuple(sorted((name, (box if isinstance(box, Box) else Box.of(box)).ranges) for name, box in need.items()))
-        groups.setdefault(key, []).append(rank)
-    return list(groups.values())
 
 
 @register_transport
@@ -73,32 +63,23 @@ class Broadcast(Transport):
         return results[1]  # the rollout ranks' own statistics
 
     # ---- sending route ------------------------------------------------------------------------
-    def connect(self, sender):
+    def connect(self, plan, rank: int):
         """Training rank 0 joins every layout's group (the rollout ranks join theirs from their side)."""
-        if sender.rank != 0:
+        if rank != 0:
             return None
-        return [join_group(sender.plan.master_addr, sender.plan.master_port, 0, 1 + len(ranks), sender.plan.timeout_s,
-                           layout, self.device, hosts_store=layout == 0)
-                for layout, ranks in enumerate(layouts(sender.needs))]
+        return [join_group(plan.master_addr, plan.master_port, 0, 1 + len(ranks), plan.timeout_s, layout, self.device,
+                           hosts_store=layout == 0)
+                for layout, ranks in enumerate(layouts(plan.needs))]
 
-    def send(self, sender, stats: dict, group_name: str) -> None:
-        groups = layouts(sender.needs)
+    def send(self, sender, link, stats: dict, group_name: str) -> None:
         in_flight: list[list] = []  # per posted bucket: [(work, flat, what)], oldest first
-        for index, bucket in sender.whole_buckets():  # every rank: the bucket's FSDP gathers end here
-            if sender.rank != 0:
+        for parcels in sender.parcels():  # every rank: the bucket's FSDP gathers end here; rank 0 has parcels
+            if not parcels:
                 continue
-            names, tensors = [n for n, _ in bucket], [t for _, t in bucket]
-            faults.before_sending(index)
+            faults.before_sending(parcels[0].index)
             if len(in_flight) == 2:
                 _wait(in_flight.pop(0))
-            posted = []
-            for layout, ranks in enumerate(groups):
-                need = sender.needs[ranks[0]]
-                flat = pack(tensors, [need[n] for n in names], sender.dtype, device=tensors[0].device)
-                what = f"bucket {index + 1}/{len(sender.buckets)} ({flat.numel() * flat.element_size()} bytes) to " \
-                       f"layout {layout} (generation ranks {ranks})"
-                posted.append((_post(sender.link[layout], flat, what), flat, what))
-            in_flight.append(posted)
+            in_flight.append([(_post(link[p.layout], p.flat, p.what), p.flat, p.what) for p in parcels])
         for posted in in_flight:
             _wait(posted)
 

@@ -1,10 +1,10 @@
 """The colocated transport: the generation ranks are the training ranks (the same processes).
 
 Sending: per bucket, each rank sends every peer the pieces of its FSDP2 shard that the peer's
-generation slice needs and it lacks, in one `all_to_all_single` over the training group, then
-assembles full-shape tensors with only its own generation slice filled (its own shard's part
-copied, the rest received) and hands them to the receiver of its own process, lazily, one
-bucket at a time inside one vLLM update session. Bytes received per rank are exactly the layout
+generation slice needs and it lacks, in one `all_to_all_single` over the training group
+(`exchange`: which pieces, and assembling full-shape tensors with only this rank's generation slice
+filled, are the sender's, `WeightSender.local_slices`), and hands them to the receiver of its own
+process, lazily, one bucket at a time inside one update session of the engine. Bytes received per rank are exactly the layout
 minimum: zero for column-parallel tensors when the generation TP size equals the FSDP group, the
 missing quarter of each row-parallel tensor at TP 2, the missing half of each replicated one,
 half of everything at TP 1. A LoRA model is folded first (the fold needs whole A and B), so its
@@ -24,8 +24,7 @@ from typing import Iterator
 import torch
 import torch.distributed as dist
 
-from hybridflow.resharding import faults
-from hybridflow.resharding.layout import Box, fsdp_box, numel
+from hybridflow.resharding.layout import fsdp_box
 from hybridflow.resharding.transports.base import Transport, register_transport
 from hybridflow.resharding.transports.flat import TransferError
 from hybridflow.resharding.verify import WeightSyncError
@@ -97,21 +96,16 @@ class Colocated(Transport):
         return moved
 
     # ---- sending route ------------------------------------------------------------------------
-    def check_plan(self, sender) -> None:
-        if len(sender.needs) != sender.world:
-            raise WeightSyncError(f"colocated weight sync: {len(sender.needs)} generation ranks for {sender.world} "
+    def check_plan(self, plan, world: int) -> None:
+        if len(plan.needs) != world:
+            raise WeightSyncError(f"colocated weight sync: {len(plan.needs)} generation ranks for {world} "
                                   "training ranks; they must be the same processes")
 
-    def send(self, sender, stats: dict, group_name: str) -> None:
+    def send(self, sender, link, stats: dict, group_name: str) -> None:
+        from hybridflow.controller.memory import phase_peak_bytes
         from hybridflow.resharding.receiver import local_receiver
 
-        if sender.gathers:
-            buckets = _counted(sender, stats)
-        else:
-            buckets = (_exchange(sender, index, names, local, stats)
-                       for index, names, local in sender.shard_buckets())
-        from hybridflow.controller.memory import phase_peak_bytes
-
+        buckets = sender.local_slices(self.exchange, stats)  # lazily, one bucket at a time
         phase_peak_bytes()  # GPUs: what came before (the update) is its own phase
         receiver = local_receiver(group_name)
         engine = receiver.engine_state  # the engine serving it checks its state around the load
@@ -121,67 +115,14 @@ class Colocated(Transport):
         if peak is not None:
             stats["device_peak_bytes"] = peak
 
-
-def _counted(sender, stats: dict):
-    """Whole tensors (a LoRA fold): what each rank lacked of them counts as received."""
-    size = torch.empty((), dtype=sender.dtype).element_size()
-    for _, bucket in sender.whole_buckets():
-        for name, _ in bucket:
-            whole = numel(sender.shapes[name])
-            stats["received_bytes"] += (whole - sender.held[sender.rank][name].numel) * size if sender.world > 1 else 0
-        yield bucket
-
-
-def _exchange(sender, index: int, names: list[str], local: dict, stats: dict) -> list:
-    """One bucket: send each peer what it lacks of its slice, receive what this rank lacks."""
-    start = time.perf_counter()
-    me, pieces = sender.rank, sender.pieces[index]
-    send = [[] for _ in range(sender.world)]
-    recv_sizes = [0] * sender.world
-    for p in pieces:
-        if p.src == me and p.dst != me:
-            send[p.dst].append(local[p.name][p.box.relative_to(sender.held[me][p.name]).slices()].reshape(-1))
-        elif p.dst == me and p.src != me:
-            recv_sizes[p.src] += p.box.numel
-    send_sizes = [sum(t.numel() for t in parts) for parts in send]
-    device = next(iter(local.values())).device  # the shards' device: NCCL exchanges GPU buffers
-    flat_send = torch.cat([t for parts in send for t in parts]) if any(send_sizes) else \
-        torch.empty(0, dtype=sender.dtype, device=device)
-    received = torch.empty(sum(recv_sizes), dtype=sender.dtype, device=device)
-    if sender.world > 1:
-        try:
-            dist.all_to_all_single(received, flat_send, recv_sizes, send_sizes)
-        except Exception as exc:
-            raise TransferError(f"weight sync bucket {index + 1}/{len(sender.buckets)}: the exchange between "
-                                f"training ranks failed: {exc}") from exc
-    faults.apply_to_bucket(index, received)
-    stats["received_bytes"] += received.numel() * received.element_size()
-    stats["exchange_seconds"] += time.perf_counter() - start
-    start = time.perf_counter()
-    out = _assemble(sender, names, pieces, local, received, recv_sizes)
-    stats["assemble_seconds"] += time.perf_counter() - start
-    return out
-
-
-def _assemble(sender, names: list[str], pieces: list, local: dict, received: torch.Tensor,
-              recv_sizes: list[int]) -> list[tuple[str, torch.Tensor]]:
-    """Full-shape tensors with this rank's generation slice filled: its own part from its shard,
-    the rest from `received` (laid out by source rank, in piece order)."""
-    me = sender.rank
-    offsets = [sum(recv_sizes[:s]) for s in range(sender.world)]
-    out = []
-    for name in names:
-        need, held = sender.needs[me][name], sender.held[me][name]
-        if need == held == Box.whole(sender.shapes[name]):
-            out.append((name, local[name]))  # a single rank: its shard is the whole tensor
-            continue
-        full = torch.empty(sender.shapes[name], dtype=sender.dtype, device=received.device)  # only the box is written
-        for p in (p for p in pieces if p.name == name and p.dst == me):
-            if p.src == me:
-                full[p.box.slices()].copy_(local[name][p.box.relative_to(held).slices()])
-            else:
-                n = p.box.numel
-                full[p.box.slices()].copy_(received[offsets[p.src]:offsets[p.src] + n].view(p.box.shape))
-                offsets[p.src] += n
-        out.append((name, full))
-    return out
+    @staticmethod
+    def exchange(flat_send: torch.Tensor, send_sizes: list[int], recv_sizes: list[int], what: str) -> torch.Tensor:
+        """One `all_to_all_single` over the training group (the default one): `send_sizes[r]` elements
+        of `flat_send` to rank r, `recv_sizes[r]` from it, laid out by source rank."""
+        received = torch.empty(sum(recv_sizes), dtype=flat_send.dtype, device=flat_send.device)
+        if len(send_sizes) > 1:
+            try:
+                dist.all_to_all_single(received, flat_send, recv_sizes, send_sizes)
+            except Exception as exc:
+                raise TransferError(f"{what}: the exchange between training ranks failed: {exc}") from exc
+        return received
