@@ -34,7 +34,7 @@ import torch.distributed as dist
 from hybridflow.resharding import faults
 from hybridflow.resharding.layout import Box, layouts
 from hybridflow.resharding.transports.base import Transport, register_transport
-from hybridflow.resharding.transports.flat import TransferError, pack, unpack
+from hybridflow.resharding.transports.flat import TransferError, unpack
 
 
 @register_transport
