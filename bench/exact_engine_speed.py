@@ -12,8 +12,8 @@ float32 (model.dtype, rollout.dtype) with trainer.old_log_probs=actor for both e
 `auto`), so the steps differ in the engine alone; the engines alternate (exact, hf, exact, hf: timings
 drift, docs/results/ci_times.md), `--repeats` runs each. Reported per shape, from each run's metrics.jsonl,
 over the steps after the first (its warm-up): the median `timing/generate_s` of each engine and their
-ratio, the response tokens per second, the median `timing/weight_sync_s` (the exact engine's is its
-probe: it moves no weights), and the largest `rollout_mismatch/abs_diff_max` of any step. JSON to `--out`;
+ratio, the response tokens per second, the median `timing/weight_sync_s` (the exact engine moves no
+weights and runs no sync probe), and the largest `rollout_mismatch/abs_diff_max` of any step. JSON to `--out`;
 the table between the markers of docs/results/rollout_mismatch.md. Run nothing else heavy meanwhile.
 """
 

@@ -375,7 +375,9 @@ class WeightSyncConfig:
 
     bucket_mb: float = 64.0  # tensors travel in buckets of about this size
     timeout_s: float = 300.0  # every transfer and the whole sync; past it, an error naming who did not answer
-    check: str = "probe"  # after every sync: probe (rollout vs actor log-probs on a probe prompt) | none
+    # after every sync: probe (rollout vs actor log-probs on a probe prompt) | none. An engine that computes
+    # with the actor's own parameters (rollout.backend=exact) holds no weights to check: no probe there
+    check: str = "probe"
     checksum_every_steps: int = 0  # also compare per-tensor checksums every N syncs (0: never)
     # The probe's largest allowed mean log-prob gap per token (its 90th percentile may reach 4x this);
     # null: 1e-3 when model.dtype and rollout.dtype are float32, max(1e-2, 2e-3 x decoder layers) when

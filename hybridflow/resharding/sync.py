@@ -161,8 +161,11 @@ class WeightSync:
 
     def _probe_or_defer(self) -> dict[str, float]:
         """The probe now when the engine is awake whole; else (a colocated engine whose KV cache
-        sleeps until the actor's training state leaves the device) at the next `generating`."""
-        if self.cfg.check != "probe":
+        sleeps until the actor's training state leaves the device) at the next `generating`. None
+        when the engine holds no weights of its own (it computes with the actor's parameters: the
+        exact engine): a sync has delivered nothing that could differ, and the equality the probe
+        would measure is every step's `rollout_mismatch/*`, 0.0, on the step's own samples."""
+        if self.cfg.check != "probe" or not self.engine_bytes:
             return {}
         if all(set(parts) == set(ENGINE_PARTS) for parts in self.rollout.awake_parts()):
             return self.probe()

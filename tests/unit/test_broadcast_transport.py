@@ -15,9 +15,9 @@ import torch.multiprocessing as mp
 
 from hybridflow.resharding.layout import Box, layouts
 from hybridflow.resharding.sender import WeightSender
+from hybridflow.resharding.transports.base import BucketUpdate, RouteInit
 from hybridflow.resharding.transports.broadcast import Broadcast
 from tests.unit.test_transports import _Only
-from workers.rollout.vllm.transfer import InitInfo, UpdateInfo
 
 SHAPES = {"a": [8, 4], "b": [6], "c": [4, 4]}
 BUCKETS = [["a", "b"], ["c"]]
@@ -51,13 +51,13 @@ def _run(rank: int, port: int, out_dir: str) -> None:
         Path(out_dir, "sender.json").write_text(json.dumps({"seconds": time.perf_counter() - start}))
         return
     me = rank - 1
-    info = InitInfo(route=route, **route.receiving_init(plan(port), me))
+    info = RouteInit(route=route, **route.receiving_init(plan(port), me))
     engine = SimpleNamespace(link=route.open_receiving(info), received_bytes=0)
     got = {}
     for update in route.receiving_updates(plan(port), me):
         if update["bucket"] == info.group:
             time.sleep(DELAY_S)
-        got.update(route.receive_bucket(engine, UpdateInfo(**update)))
+        got.update(route.receive_bucket(engine, BucketUpdate(**update)))
     Path(out_dir, f"{me}.json").write_text(json.dumps({
         "received_bytes": engine.received_bytes, "group": info.group, "group_rank": info.rank,
         "boxes": {n: got[n][Box.of(NEEDS[me][n]).slices()].tolist() for n in got}}))

@@ -15,11 +15,12 @@ the bytes move lives in one module here, both ends of it:
   which returns the link the sender keeps for it) and moving one sync's buckets (`send`), taken
   from the sender in the shape the route needs (`WeightSender.parcels` or `local_slices`): which
   part of which tensor goes where is the sender's; a transport only moves bytes;
-- receiving route, in the rollout worker and inside vLLM's worker: the updates a generation
-  rank will receive (`receiving_updates`, `receiving_init`), opening its end
-  (`open_receiving`), turning one update into tensors (`receive_bucket`), and staging — receiving
-  into host memory while the engine generates — where `supports_staging` says it can
-  (`stage_bucket`).
+- receiving route, in the rollout worker and the engine's receiving side (for vLLM, inside its
+  worker): the updates a generation rank will receive (`receiving_updates`, `receiving_init`: the
+  fields of the route's own `BucketUpdate` and `RouteInit`, which vLLM's transfer engine takes as
+  its update and init info), opening its end (`open_receiving`), turning one update into tensors
+  (`receive_bucket`), and staging — receiving into host memory while the engine generates — where
+  `supports_staging` says it can (`stage_bucket`).
 
 A transport object is built once on the controller (`build_transport`, through the
 `TRANSPORTS` registry) and travels to the actor ranks inside the `SyncPlan` and to vLLM's

@@ -5,10 +5,41 @@ method is for. A transport module imports this, subclasses `Transport` and regis
 from __future__ import annotations
 
 from contextlib import contextmanager
-from typing import Iterator
+from dataclasses import dataclass, field
+from typing import Any, Iterator
 
 from hybridflow.resharding.verify import WeightSyncError
 from hybridflow.registry import Registry
+
+
+@dataclass
+class RouteInit:
+    """What a generation rank opens its end of a route with (`Transport.receiving_init`'s fields and the
+    route itself); an engine's receiving side passes it to `open_receiving` (vLLM's transfer engine
+    takes it as its init info)."""
+
+    route: Any = None  # the transport whose receiving end this opens
+    master_addr: str = "127.0.0.1"
+    master_port: int = 0
+    rank: int = 1  # this rank in the route's group (the sender is 0)
+    world_size: int = 2
+    timeout_s: float = 120.0
+    group: int = 0  # which of the route's groups this rank joins (the broadcast transport's layout)
+
+
+@dataclass
+class BucketUpdate:
+    """One bucket for `route` (a transport) to turn into [(checkpoint name, full-shape tensor)]:
+    `weights` handed over in this process, or `names`/`shapes`/`boxes`/`dtype` for the route to
+    receive (`Transport.receiving_updates`' fields); vLLM's transfer engine takes it as its update info."""
+
+    route: Any = None
+    bucket: int = 0
+    weights: Any = None  # iterable of (checkpoint name, full-shape tensor) (colocated)
+    names: list = field(default_factory=list)
+    shapes: list = field(default_factory=list)
+    boxes: list = field(default_factory=list)  # per name: the ranges this rank receives
+    dtype: str = "float32"
 
 
 class Transport:
@@ -82,13 +113,13 @@ class Transport:
         receiver is found; add to `stats` what this rank measured."""
         raise NotImplementedError
 
-    # ---- receiving route (in the rollout worker, and inside vLLM's worker) --------------------
+    # ---- receiving route (in the rollout worker, and in the engine's receiving side: vLLM's worker) ---
     def receiving_init(self, plan, rank: int) -> dict:
-        """The fields of vLLM's init info for generation rank `rank` (transfer.InitInfo)."""
+        """The fields of generation rank `rank`'s `RouteInit`."""
         raise self._no_route()
 
     def receiving_updates(self, plan, rank: int) -> list[dict]:
-        """Per bucket, what generation rank `rank` receives (transfer.UpdateInfo fields)."""
+        """Per bucket, what generation rank `rank` receives (`BucketUpdate` fields)."""
         raise self._no_route()
 
     def update_bytes(self, update: dict) -> int:
@@ -99,21 +130,21 @@ class Transport:
         return WeightSyncError(f"the {self.name} transport hands weights over in the actor's processes; it has no "
                                "route to a rollout on a pool of its own")
 
-    def open_receiving(self, info):
-        """Inside vLLM's worker: open this rank's end of the route (`info`: transfer.InitInfo);
-        returns the link the engine keeps for it."""
+    def open_receiving(self, info: RouteInit):
+        """In the engine's receiving side: open this rank's end of the route; returns the link the
+        engine keeps for it."""
         return None
 
-    def receive_bucket(self, engine, info) -> list:
-        """Inside vLLM's worker: one bucket's [(checkpoint name, full-shape tensor)] for `info`
-        (transfer.UpdateInfo); `engine` holds the route's `link` and counts `received_bytes`.
-        By default the tensors were handed over in this process."""
+    def receive_bucket(self, engine, info: BucketUpdate) -> list:
+        """In the engine's receiving side: one bucket's [(checkpoint name, full-shape tensor)] for
+        `info`; `engine` holds the route's `link` and counts `received_bytes`. By default the tensors
+        were handed over in this process."""
         if info.weights is None:
             raise WeightSyncError(f"the {self.name} transport was given bucket {info.bucket} without its tensors")
         return info.weights
 
-    def stage_bucket(self, engine, info) -> list:
-        """Inside vLLM's worker, while it may be generating: receive one bucket into host memory."""
+    def stage_bucket(self, engine, info: BucketUpdate) -> list:
+        """In the engine's receiving side, while it may be generating: receive one bucket into host memory."""
         raise WeightSyncError(f"a staged weight push needs a transport that receives while the engine generates; "
                               f"this run's transport is {self.name} (put the rollout on a pool of its own)")
 

@@ -23,47 +23,20 @@ not from a table of model names or layer types.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Any
-
 import torch
 
+from hybridflow.resharding.transports.base import BucketUpdate, RouteInit
 from hybridflow.resharding.verify import checksum
 
 ENGINE_NAME = "hybridflow"
-
-
-@dataclass
-class InitInfo:
-    route: Any = None  # the transport whose receiving end this opens
-    master_addr: str = "127.0.0.1"
-    master_port: int = 0
-    rank: int = 1  # this worker's rank in the transfer group (the sender is 0)
-    world_size: int = 2
-    timeout_s: float = 120.0
-    group: int = 0  # which of the route's transfer groups this rank joins (the broadcast transport's layout)
-
-
-@dataclass
-class UpdateInfo:
-    """One bucket for `route` (a transport): `weights` in-process, or `names`/`shapes`/`boxes`/`dtype`
-    for the route to receive."""
-
-    route: Any = None
-    bucket: int = 0
-    weights: Any = None  # iterable of (checkpoint name, full-shape tensor) (colocated)
-    names: list = field(default_factory=list)
-    shapes: list = field(default_factory=list)
-    boxes: list = field(default_factory=list)  # per name: the ranges this rank receives
-    dtype: str = "float32"
 
 
 def _engine_class():
     from vllm.distributed.weight_transfer.base import WeightTransferEngine
 
     class HybridFlowTransferEngine(WeightTransferEngine):
-        init_info_cls = InitInfo
-        update_info_cls = UpdateInfo
+        init_info_cls = RouteInit
+        update_info_cls = BucketUpdate
         supports_draft_weight_update = False
 
         def __init__(self, *args, **kwargs) -> None:
@@ -71,7 +44,7 @@ def _engine_class():
             self.link = None  # what the route's `open_receiving` opened (a transfer group)
             self.received_bytes = 0
 
-        def init_transfer_engine(self, init_info: InitInfo) -> None:
+        def init_transfer_engine(self, init_info: RouteInit) -> None:
             self.link = init_info.route.open_receiving(init_info)
 
         def start_weight_update(self) -> None:
@@ -85,7 +58,7 @@ def _engine_class():
             if torch.cuda.is_available():
                 torch.cuda.synchronize()
 
-        def receive_weights(self, info: UpdateInfo) -> None:
+        def receive_weights(self, info: BucketUpdate) -> None:
             if info.route is None:
                 raise ValueError(f"bucket {info.bucket} names no route (hybridflow.resharding.transports)")
             self.model.load_weights(info.route.receive_bucket(self, info))
