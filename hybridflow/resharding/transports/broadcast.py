@@ -10,14 +10,15 @@ unaffected. In a layout's group the sender is rank 0 and the layout's i-th gener
 rank i + 1. Every operation waits with the group's timeout, and a failure is re-raised naming what
 was being moved and to which layout.
 
-Sending: per bucket, every training rank gathers the bucket's whole tensors (FSDP's all-gathers,
-on the training group), then training rank 0 packs, once per layout, one flat buffer with only the
+Sending: per bucket, every training rank gathers the bucket's whole tensors (FSDP's all-gathers, on
+the training group), then training rank 0 packs, once per layout, one flat buffer with only the
 boxes that layout needs (`WeightSender.parcels`, flat.py; on the device the tensors are on) and
-broadcasts it to the layout's group. Every layout's broadcast of a bucket is posted at once, without waiting: they run
-while the training ranks gather the next bucket, and the sender waits for a bucket's broadcasts
-only before posting the one after next (two buckets in flight at most). So each generation rank
-receives only its layout's bytes (a rank at TP 2 about half the model), the engines of one layout
-receive them together (a broadcast, not one send after another), and the layouts move side by side.
+broadcasts it to the layout's group. Every layout's broadcast of a bucket is posted at once, without
+waiting: they run while the training ranks gather the next bucket, and the sender waits for a
+bucket's broadcasts only before posting the one after next (two buckets in flight at most). So each
+generation rank receives only its layout's bytes (a rank at TP 2 about half the model), the engines
+of one layout receive them together (a broadcast, not one send after another), and the layouts move
+side by side.
 
 Receiving: each generation rank receives its layout's buffer per bucket inside vLLM's update
 session (`receive_bucket`), or, at trainer.max_staleness >= 2, into host memory while the engine

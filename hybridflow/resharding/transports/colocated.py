@@ -2,13 +2,14 @@
 
 Sending: per bucket, each rank sends every peer the pieces of its FSDP2 shard that the peer's
 generation slice needs and it lacks, in one `all_to_all_single` over the training group
-(`exchange`: which pieces, and assembling full-shape tensors with only this rank's generation slice
-filled, are the sender's, `WeightSender.local_slices`), and hands them to the receiver of its own
-process, lazily, one bucket at a time inside one update session of the engine. Bytes received per rank are exactly the layout
-minimum: zero for column-parallel tensors when the generation TP size equals the FSDP group, the
-missing quarter of each row-parallel tensor at TP 2, the missing half of each replicated one,
-half of everything at TP 1. A LoRA model is folded first (the fold needs whole A and B), so its
-sync gathers whole tensors: correct, not at the layout minimum.
+(`exchange`), and hands the full-shape tensors with its own generation slice filled to the receiver
+of its own process, lazily, one bucket at a time inside one update session of the engine. Which
+pieces move and how the tensors are assembled is the sender's (`WeightSender.local_slices`); this
+module moves the bytes. Bytes received per rank are exactly the layout minimum: zero for
+column-parallel tensors when the generation TP size equals the FSDP group, the missing quarter of
+each row-parallel tensor at TP 2, the missing half of each replicated one, half of everything at
+TP 1. A LoRA model is folded first (the fold needs whole A and B), so its sync gathers whole
+tensors: correct, not at the layout minimum.
 
 Receiving: the tensors are already in the process (`Transport.receive_bucket`'s default). It
 cannot stage (the engine and the trainer are the same processes). Around generation, the
