@@ -828,7 +828,7 @@ def main() -> None:
     parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
     parser.add_argument("--syncs", type=int, default=5)
     parser.add_argument("--repeats", type=int, default=2, help="timed calls of each speed measurement (best kept)")
-    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="bfloat16",
+    parser.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="bfloat16",
                         help="model.dtype, the compute dtype over float32 master weights")
     parser.add_argument("--dry-run", action="store_true", help="--device cpu, the tiny shapes, one sync")
     parser.add_argument("--skip-engine", action="store_true", help="parts 1-3 skipped")

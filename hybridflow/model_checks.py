@@ -83,18 +83,23 @@ def vllm_problems(config: HybridFlowConfig, model_path: str) -> list[str]:
 
 
 def half_precision_note(config: HybridFlowConfig, device: str) -> str | None:
-    """A console note when a run computes in bfloat16 on CPUs without bfloat16 hardware: measured
-    on such a CPU (AMD EPYC, AVX2), SmolLM2-135M's forward took 6x and its forward and backward 22x
-    as long as in float32, and vLLM generated 4.7x fewer tokens per second (docs/recipes.md,
-    "Precision"). A note, not an error: the numbers are right, only slow."""
-    from hybridflow.precision import cpu_flags, native_bfloat16
+    """A console note when a run computes in a 16-bit dtype this CPU has no arithmetic for (bfloat16
+    without avx512_bf16/amx_bf16, float16 without avx512_fp16/amx_fp16): torch and vLLM emulate it
+    through float32 conversions. Measured on an AMD EPYC with AVX2 only, SmolLM2-135M's forward took 6x
+    and its forward and backward 22x as long in bfloat16 as in float32, and vLLM generated 4.7x fewer
+    tokens per second (docs/recipes.md, "Precision"); on an EPYC with avx512_bf16 but no avx512_fp16 a
+    float16 matmul of SmolLM2's shapes ran 4.6x slower than float32 (docs/results/precision.md). A
+    note, not an error: the numbers are right, only slow."""
+    from hybridflow.precision import cpu_flags, native_on_cpu
 
-    if device != "cpu":
+    if device != "cpu" or not cpu_flags():
         return None
     dtypes = {config.model.dtype.value, config.rollout.dtype.value} - {"float32", "auto"}
-    if not dtypes or not cpu_flags() or native_bfloat16("cpu")[0]:
+    slow = sorted(d for d in dtypes if not native_on_cpu(d)[0])
+    if not slow:
         return None
-    return (f"hybridflow: note: this CPU has no bfloat16 arithmetic (no avx512_bf16 / amx_bf16 in /proc/cpuinfo), "
-            f"so {'/'.join(sorted(dtypes))} compute (model.dtype={config.model.dtype.value}, rollout.dtype="
-            f"{config.rollout.dtype.value}) runs several times slower than float32 here (measured: forward 6x, "
-            "forward and backward 22x, generation 4.7x); model.dtype=auto (or float32) is faster")
+    why = "; ".join(native_on_cpu(d)[1] for d in slow)
+    return (f"hybridflow: note: {why}, so {'/'.join(slow)} compute (model.dtype={config.model.dtype.value}, "
+            f"rollout.dtype={config.rollout.dtype.value}) is emulated and runs several times slower than float32 "
+            "here (measured: bfloat16's forward 6x, forward and backward 22x, generation 4.7x; a float16 matmul "
+            "4.6x); model.dtype=auto (or float32) is faster")

@@ -1,5 +1,5 @@
-"""Which precision a run computes in when the user does not say: bfloat16 where the device has it
-in hardware, float32 elsewhere.
+"""Which precision a run computes in when the user does not say: float16 on CUDA GPUs, float32 on
+CPUs, chosen by what learns (docs/results/precision.md, issue 80).
 
 `model.dtype=auto` (the default of `model=local_hf`) and `rollout.dtype=auto` (the default of
 conf/rollout/*.yaml) are resolved here once, when the config is validated
@@ -7,16 +7,23 @@ conf/rollout/*.yaml) are resolved here once, when the config is validated
 uses; the vLLM worker refuses an `auto` that reached it unresolved (vLLM's own `auto` would cast a
 float32 model to bfloat16 on a bfloat16 CPU, behind the trainer's back):
 
-- `model.dtype=auto`: bfloat16 on CUDA GPUs that compute it (Ampere and later; a driver that sees
-  no GPU, such as a CPU head node, assumes so) and on CPUs with `avx512_bf16` or `amx_bf16`;
-  float32 on CPUs without them, where torch and vLLM emulate bfloat16 through float32 conversions
-  (measured on a 2-core AMD EPYC with AVX2 only: SmolLM2-135M's forward and backward 22x slower than
-  float32, a 24M-parameter model's GRPO update 16-19 s in float32 against 453-473 s in bfloat16).
+- `model.dtype=auto`: float16 on CUDA GPUs (every CUDA GPU computes it; a driver that sees no GPU,
+  such as a CPU head node, assumes one), with dynamic loss scaling (hybridflow/training/loss_scale.py);
+  float32 on CPUs. Not bfloat16, although it was the default until 2026-12-06 and the hardware computes
+  it: the policy a run samples from and trains is the 16-bit copy of its float32 master weights, and
+  bfloat16 keeps 8 significant bits, so an Adam step of lr 1e-5 changed 6% of SmolLM2-135M's
+  bfloat16 values and 22% of its float16 ones; GRPO on it in bfloat16 reached 0.57 held-out accuracy
+  at step 10 where float32 reached 1.00 (the sampler's and actor's log-probs 8x further apart
+  than in float16). The field's finding is the same on GPUs (Qi et al., arXiv 2510.26788: float16 in
+  the trainer and the engine removes the mismatch bfloat16 leaves). On CPUs float16 is emulated
+  (no avx512_fp16 here: 387 s a step against float32's ~50 and bfloat16's ~35), so they compute in
+  float32, 1.4x bfloat16's step.
 - `rollout.dtype=auto`: the model's resolved dtype, so both sides of the weight sync compute alike.
 
-An explicit dtype is honoured as given (a bfloat16 run on a CPU without it gets the console's
-note, `model_checks.half_precision_note`). `precision_line` is the one console line that says which
-precision the run uses and why.
+An explicit dtype is honoured as given (a 16-bit dtype the CPU emulates gets the console's note,
+`model_checks.half_precision_note`; a bfloat16 run whose updates round away gets the step's, from
+`precision/moved_fraction/*`). `precision_line` is the one console line that says which precision the
+run uses and why.
 """
 
 from __future__ import annotations
@@ -95,19 +102,43 @@ def native_bfloat16(device: str, flags: frozenset[str] | None = None) -> tuple[b
     return True, "GPUs compute bfloat16 (this driver sees none to ask; Ampere and later do)"
 
 
-def resolve_dtypes(model_dtype: str, rollout_dtype: str, device: str,
-                   flags: frozenset[str] | None = None) -> tuple[str, str]:
-    """(model dtype, rollout dtype) with 'auto' replaced: by the hardware for the model, and by
-    the model's for the rollout."""
+FP16_CPU_FLAGS = ("avx512_fp16", "amx_fp16")
+
+
+def native_on_cpu(dtype: str, flags: frozenset[str] | None = None) -> tuple[bool, str]:
+    """Whether this CPU computes the 16-bit `dtype` ('bfloat16' or 'float16') in hardware, and why,
+    in words; float32 always."""
+    if dtype == "bfloat16":
+        return native_bfloat16("cpu", flags)
+    if dtype != "float16":
+        return True, f"{dtype} is computed natively"
+    flags = cpu_flags() if flags is None else flags
+    have = [f for f in FP16_CPU_FLAGS if f in flags]
+    if have:
+        return True, f"this CPU computes float16 natively ({', '.join(have)})"
+    return False, "this CPU has no float16 arithmetic (no avx512_fp16 / amx_fp16 in /proc/cpuinfo)"
+
+
+def auto_dtype(device: str) -> tuple[str, str]:
+    """What `model.dtype=auto` chooses on `device` ('cpu' or 'cuda'), and why, in words."""
+    if device == "cpu":
+        return "float32", ("CPUs compute float32 (bfloat16 rounds away most of an update's steps, "
+                           "docs/results/precision.md; float16 is emulated on CPUs without avx512_fp16)")
+    return "float16", ("GPUs compute float16 natively, and it keeps 3 more bits of each update than bfloat16 "
+                       "(loss-scaled; docs/results/precision.md)")
+
+
+def resolve_dtypes(model_dtype: str, rollout_dtype: str, device: str) -> tuple[str, str]:
+    """(model dtype, rollout dtype) with 'auto' replaced: by the device for the model (`auto_dtype`),
+    and by the model's for the rollout."""
     if model_dtype == "auto":
-        model_dtype = "bfloat16" if native_bfloat16(device, flags)[0] else "float32"
+        model_dtype = auto_dtype(device)[0]
     return model_dtype, model_dtype if rollout_dtype == "auto" else rollout_dtype
 
 
 def precision_line(model_dtype: str, rollout_dtype: str, device: str) -> str:
-    """One console line: the dtypes the run computes in, and whether the hardware chose them."""
-    native, why = native_bfloat16(device)
-    chosen = "bfloat16" if native else "float32"
-    how = "chosen by the hardware (model.dtype=auto)" if model_dtype == chosen and rollout_dtype == chosen \
+    """One console line: the dtypes the run computes in, and whether `auto` chose them."""
+    chosen, why = auto_dtype(device)
+    how = "chosen for the device (model.dtype=auto)" if model_dtype == chosen and rollout_dtype == chosen \
         else f"as configured; model.dtype=auto would choose {chosen}"
     return f"hybridflow: precision: model {model_dtype}, engine {rollout_dtype}, {how}: {why}"

@@ -56,6 +56,7 @@ from hybridflow.runner import (
     validation_due,
 )
 from hybridflow.training.hooks import StepHooks
+from hybridflow.training.resolution import StallNote
 from hybridflow.training.sequences import balanced_over_ranks, loss_mask
 from recipes.roles import actor_role, critic_role, reference_role, reward_role, rollout_role
 
@@ -76,6 +77,7 @@ def run(stage: Stage, run_dir: Path) -> dict:
     rollouts = build_schedule(Batches(r), weight_sync, t.max_staleness, last_step=t.total_steps)
     rollouts.start(step, **state.get("rollouts", {}))
     parity = FirstBatchParity.from_config(config, session.model_dir)  # the first batch's sampler-vs-actor gap
+    stall = StallNote.from_config(config)
 
     while step < t.total_steps:
         step += 1
@@ -104,6 +106,7 @@ def run(stage: Stage, run_dir: Path) -> dict:
         metrics.update(pool_memory_metrics(groups))  # each pool's peak since the last step's read
         logger.log(step, metrics)
         parity.check(metrics)
+        stall.check(metrics)  # once a run: an update that hardly moved the weights the policy computes with
         if training.checkpointer.due(step):
             rollouts.drain(step)
             training.checkpointer.save(step, {"loader": loader.state_dict(), "kl_coef": kl_ctl.coef,

@@ -41,7 +41,8 @@ def actor_role(config: HybridFlowConfig, model_dir: str | Path) -> RoleSpec:
         temperature=config.rollout.temperature, total_steps=config.trainer.total_steps,
         trust_remote_code=config.model.trust_remote_code, seed=config.seed,
         pack_sequences=config.model.pack_sequences,
-        share_prompts=config.model.share_prompts, exact_rollout=rollout_engine(config.rollout.backend).exact))
+        share_prompts=config.model.share_prompts, exact_rollout=rollout_engine(config.rollout.backend).exact,
+        engine_dtype=config.rollout.dtype.value))
 
 
 def critic_role(config: HybridFlowConfig, model_dir: str | Path) -> RoleSpec:

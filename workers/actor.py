@@ -47,12 +47,13 @@ from hybridflow.training.fsdp import (
     all_reduce_mean_dict,
     all_reduce_sum,
     build_optimizer,
-    clip_gradients,
     load_model,
     read_floats,
     shard_model,
 )
+from hybridflow.training.loss_scale import LossScale, clipped_step
 from hybridflow.training.packing import choose_packing, runs_packed
+from hybridflow.training.resolution import MovedFraction
 from hybridflow.training.shared_prompts import choose_sharing, shares_prompts
 from hybridflow.training.state import TrainingStateMixin
 from hybridflow.training.sequences import (
@@ -72,7 +73,7 @@ class ActorWorker(TrainingStateMixin):
     def __init__(self, ctx: WorkerContext, actor: ActorConfig, *, model_path: str, dtype: str, master_dtype: str,
                  keep_dropout: bool, temperature: float, total_steps: int, trust_remote_code: bool, seed: int,
                  pack_sequences: bool | None = None, share_prompts: bool | None = None,
-                 exact_rollout: bool = False) -> None:
+                 exact_rollout: bool = False, engine_dtype: str | None = None) -> None:
         """`actor`: the `actor` config node; the rest come from elsewhere in the config (built by
         recipes/roles.py): `model.dtype` (compute), `model.master_dtype` (parameters and optimizer
         state), `model.keep_dropout`, `rollout.temperature` (log-probs at the sampler's temperature),
@@ -80,13 +81,18 @@ class ActorWorker(TrainingStateMixin):
         `model.trust_remote_code`, `seed`, `model.pack_sequences` (None: packed where the model allows),
         `model.share_prompts` (None: shared where packed); `exact_rollout`: the rollout engine generates
         with this module (rollout.backend=exact), which start offers it, and π_old is computed in the
-        engine's layout (hybridflow.training.exact_layout), equal to its sampler log-probs bit for bit."""
+        engine's layout (hybridflow.training.exact_layout), equal to its sampler log-probs bit for bit;
+        `engine_dtype`: `rollout.dtype`, the dtype whose copy of the weights the engine samples from, watched
+        with `model.dtype` by `precision/moved_fraction/*` (hybridflow.training.resolution; None: the actor's)."""
         self.ctx, self.cfg = ctx, actor
         self.model_path, self.dtype, self.temperature = model_path, dtype, temperature
         self.master_dtype, self.keep_dropout = master_dtype, keep_dropout
         self.total_steps, self.trust_remote_code, self.seed = total_steps, trust_remote_code, seed
         self.pack_sequences, self.share_prompts = pack_sequences, share_prompts
         self.exact_rollout = exact_rollout
+        self.engine_dtype = engine_dtype or dtype
+        self.loss_scale = LossScale(dtype)  # float16: dynamic loss scaling; otherwise scale 1
+        self._moved = None  # hybridflow.training.resolution.MovedFraction, built by start
         self._offered = None  # what start offers the exact engine; held here, the offer is weak
         self.model = self.optimizer = self.scheduler = None
         self.weights = None  # this rank's end of the weight path (hybridflow.resharding.source), built by start
@@ -109,6 +115,10 @@ class ActorWorker(TrainingStateMixin):
             fp32_output_head(self.model)
         self.optimizer, self.scheduler = build_optimizer(self.model, self.cfg.optim, self.total_steps)
         self.weights = WeightSource(self.model, self.ctx.rank, self.ctx.world_size, self.ctx.group_name)
+        if not self.cfg.lora.rank:  # a LoRA run's engine gets the folded weights, not the adapter's
+            self._moved = MovedFraction([p for p in self.model.parameters() if p.requires_grad],
+                                        {"master": getattr(torch, self.master_dtype), "actor": getattr(torch, self.dtype),
+                                         "engine": getattr(torch, self.engine_dtype)})
         if self.exact_rollout:
             self._offered = OfferedModule(self.model, self.cfg.samples_per_micro_batch)
             offer(self.ctx.group_name, self._offered)
@@ -216,32 +226,42 @@ class ActorWorker(TrainingStateMixin):
         world = self.ctx.world_size
         total_pairs = all_reduce_sum(len(pairs))
         per_token = loss in LENGTH_NORMALISED
-        self.optimizer.zero_grad(set_to_none=True)
-        stats: dict = {}
-        loss_total = 0.0
-        for micro in accumulating(self.model, pairs.split(max(1, self.cfg.samples_per_micro_batch // 2))):
-            sequences = pair_sequences(micro)
-            log_probs, _ = response_log_probs(self.model, sequences, with_entropy=False)
-            chosen, rejected = pair_sums(log_probs, sequences["response_mask"], per_token=per_token)
-            mean_loss, micro_stats = compute_preference_loss(
-                loss, chosen_log_probs=chosen, rejected_log_probs=rejected,
-                ref_chosen_log_probs=micro["ref_chosen_log_probs"], ref_rejected_log_probs=micro["ref_rejected_log_probs"],
-                beta=beta, label_smoothing=label_smoothing, simpo_gamma=simpo_gamma)
-            part = mean_loss * (len(micro) / total_pairs)
-            (part * world).backward()
-            loss_total = loss_total + part.detach()
-            share = len(micro) / len(pairs)
-            for k, v in micro_stats.items():  # means over this rank's pairs, under TRL's names (rewards/chosen, ...)
-                stats[k] = stats.get(k, 0.0) + v * share
-        stats["actor/loss"] = loss_total
-        read_floats(stats)  # the one wait for the device in this step
-        grad_norm = self._clipped_step("or dpo.beta")
+        if self._moved is not None:
+            self._moved.before()
+
+        def accumulate() -> dict:
+            self.optimizer.zero_grad(set_to_none=True)
+            stats: dict = {}
+            loss_total = 0.0
+            for micro in accumulating(self.model, pairs.split(max(1, self.cfg.samples_per_micro_batch // 2))):
+                sequences = pair_sequences(micro)
+                log_probs, _ = response_log_probs(self.model, sequences, with_entropy=False)
+                chosen, rejected = pair_sums(log_probs, sequences["response_mask"], per_token=per_token)
+                mean_loss, micro_stats = compute_preference_loss(
+                    loss, chosen_log_probs=chosen, rejected_log_probs=rejected,
+                    ref_chosen_log_probs=micro["ref_chosen_log_probs"],
+                    ref_rejected_log_probs=micro["ref_rejected_log_probs"],
+                    beta=beta, label_smoothing=label_smoothing, simpo_gamma=simpo_gamma)
+                part = mean_loss * (len(micro) / total_pairs)
+                (part * (world * self.loss_scale.scale)).backward()
+                loss_total = loss_total + part.detach()
+                share = len(micro) / len(pairs)
+                for k, v in micro_stats.items():  # means over this rank's pairs, under TRL's names (rewards/chosen, ...)
+                    stats[k] = stats.get(k, 0.0) + v * share
+            stats["actor/loss"] = loss_total
+            read_floats(stats)  # the one wait for the device in this step
+            return stats
+
+        grad_norm = None
+        while grad_norm is None:  # float16: a backward that overflowed runs again at half the loss scale
+            stats = accumulate()
+            grad_norm = self._clipped_step("or dpo.beta")
         self.scheduler.step()
         self.updates += 1
         loss_sum = all_reduce_sum(stats.pop("actor/loss"))  # the step's loss over all ranks
         stats = all_reduce_mean_dict(stats)
         stats.update({"actor/loss": loss_sum, "actor/grad_norm": grad_norm, "actor/lr": self.scheduler.get_last_lr()[0],
-                      "timing/actor_update_s": time.perf_counter() - start})
+                      "timing/actor_update_s": time.perf_counter() - start, **self._precision_stats()})
         return stats
 
     @register(Dispatch.DP_SPLIT)
@@ -311,6 +331,8 @@ class ActorWorker(TrainingStateMixin):
         totals: dict[str, float] = {}
         computed: dict[str, float] = {}  # perf/*_tokens: summed over mini-batches and ranks, not averaged
         n_mini, first, once = 0, {}, {}
+        if self._moved is not None:
+            self._moved.before()
         for _ in range(epochs or self.cfg.epochs_per_step):
             for mini in mini_batches(batch, rows_per_mini, generator, shares_prompts(self.model)):
                 mini_stats = self._train_mini_batch(mini, loss_fn, world)
@@ -329,7 +351,21 @@ class ActorWorker(TrainingStateMixin):
             stats["log_prob_diff_before_update"] = first["actor/log_prob_diff_from_old"]  # the recipe's, no metric
         stats["actor/lr"] = self.scheduler.get_last_lr()[0]
         reduced = all_reduce_mean_dict({**stats, **computed})
-        return {**reduced, **{k: reduced[k] * world for k in computed}, **once}
+        return {**reduced, **{k: reduced[k] * world for k in computed}, **once, **self._precision_stats()}
+
+    def _precision_stats(self) -> dict[str, float]:
+        """After a step's updates: the share of the weights they moved in the master dtype, the actor's
+        compute dtype and the engine's (`precision/moved_fraction/{master,actor,engine}`, over every rank's
+        sample), and with float16 the loss scale and the overflows retried so far (`precision/loss_scale`,
+        `precision/overflow_retries`)."""
+        stats = {}
+        if self._moved is not None:
+            for name, (changed, sampled) in self._moved.after().items():
+                stats[f"precision/moved_fraction/{name}"] = all_reduce_sum(changed) / max(1.0, all_reduce_sum(sampled))
+        if self.loss_scale.enabled:
+            stats["precision/loss_scale"] = self.loss_scale.scale
+            stats["precision/overflow_retries"] = float(self.loss_scale.overflows)
+        return stats
 
     def _train_mini_batch(self, mini: Batch, loss_fn, world: int) -> dict:
         mask = loss_mask(mini)
@@ -337,40 +373,46 @@ class ActorWorker(TrainingStateMixin):
         seqs = all_reduce_sum(int(mask.any(dim=1).sum()))
         if tokens == 0:
             raise ValueError("a mini-batch has no response tokens on any rank; check rollout.max_response_tokens")
-        self.optimizer.zero_grad(set_to_none=True)
-        loss_total, weighted = 0.0, {}
         trained = self._rows_with_gradient(mini)
-        trained_tokens = loss_mask(trained).sum().clamp(min=1)
         packed, share = runs_packed(self.model), shares_prompts(self.model)
         facts = row_facts(trained, share=packed and share)
         rows = micro_batch_rows(trained, self.cfg.samples_per_micro_batch, self.cfg.tokens_per_micro_batch,
                                 packed, share, facts)
+        grad_norm = None
+        while grad_norm is None:  # float16: a backward that overflowed runs again at half the loss scale
+            weighted = self._accumulate(trained, rows, loss_fn, tokens, seqs, world)
+            grad_norm = self._clipped_step("or check the advantages/rewards for NaN")
+        weighted.update(computed_tokens(facts, rows, packed))
+        weighted["actor/trained_sample_fraction"] = len(trained) / len(mini)
+        weighted["actor/loss"] = all_reduce_sum(weighted["actor/loss"])  # the mini-batch loss over all ranks
+        weighted["actor/grad_norm"] = grad_norm
+        return weighted
+
+    def _accumulate(self, trained: Batch, rows: list, loss_fn, tokens: float, seqs: float, world: int) -> dict:
+        """Zero the gradients, then every micro-batch's forward and backward (the loss times the loss
+        scale); the micro-batches' statistics weighed by their tokens, read from the device once."""
+        self.optimizer.zero_grad(set_to_none=True)
+        if self._sampled:  # a float16 retry: the first mini-batch's log-probs are taken again
+            self._sampled.clear()
+        loss_total, weighted = 0.0, {}
+        trained_tokens = loss_mask(trained).sum().clamp(min=1)
         micros = (trained.index(r) for r in rows)
         for micro in accumulating(self.model, micros):  # nothing here waits for the device (read_floats)
             loss, stats = loss_fn(micro, tokens, seqs)
-            (loss * world).backward()
+            (loss * (world * self.loss_scale.scale)).backward()
             loss_total = loss_total + loss.detach()
             share = loss_mask(micro).sum() / trained_tokens
             for k, v in stats.items():  # loss parts add up, means weigh by tokens: no split changes them
                 weighted[k] = weighted.get(k, 0.0) + micro_batch_stat(k, v, share, world)
         weighted["actor/loss"] = loss_total
-        weighted.update(computed_tokens(facts, rows, packed))
         read_floats(weighted)  # the one wait for the device in this mini-batch's micro-batches
-        weighted["actor/trained_sample_fraction"] = len(trained) / len(mini)
-        grad_norm = self._clipped_step("or check the advantages/rewards for NaN")
-        weighted["actor/loss"] = all_reduce_sum(weighted["actor/loss"])  # the mini-batch loss over all ranks
-        weighted["actor/grad_norm"] = grad_norm
         return weighted
 
-    def _clipped_step(self, fix: str) -> float:
-        """Clip the gradients, refuse a non-finite norm (its fix: lower the lr, `fix`), step the
-        optimizer; the norm before clipping."""
-        grad_norm = clip_gradients(self.model, self.cfg.optim.max_grad_norm)
-        if not torch.isfinite(torch.tensor(grad_norm)):
-            self.optimizer.zero_grad(set_to_none=True)
-            raise FloatingPointError(f"gradient norm is {grad_norm} at actor update {self.updates}; lower the lr {fix}")
-        self.optimizer.step()
-        return grad_norm
+    def _clipped_step(self, fix: str) -> float | None:
+        """Unscale (float16), clip, step; None when a float16 backward overflowed and must run again
+        (hybridflow.training.loss_scale); a non-finite norm otherwise is refused (lower the lr, `fix`)."""
+        return clipped_step(self.model, self.optimizer, self.loss_scale, self.cfg.optim.max_grad_norm,
+                            f"actor update {self.updates}; lower the lr {fix}")
 
     def _rows_with_gradient(self, mini: Batch) -> Batch:
         """The rows of a policy mini-batch worth a forward and backward pass.

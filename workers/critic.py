@@ -21,11 +21,11 @@ from hybridflow.training.fsdp import (
     all_reduce_mean_dict,
     all_reduce_sum,
     build_optimizer,
-    clip_gradients,
     load_model,
     read_floats,
     shard_model,
 )
+from hybridflow.training.loss_scale import LossScale, clipped_step
 from hybridflow.training.packing import choose_packing, pack, runs_packed
 from hybridflow.training.shared_prompts import choose_sharing, shares_prompts
 from hybridflow.training.state import TrainingStateMixin
@@ -63,6 +63,7 @@ class CriticWorker(TrainingStateMixin):
         self.share_prompts = share_prompts
         self.model = self.optimizer = self.scheduler = None
         self.updates = 0
+        self.loss_scale = LossScale(dtype)  # float16: dynamic loss scaling (hybridflow.training.loss_scale)
 
     @register(Dispatch.ONE_TO_ALL)
     def start(self) -> None:
@@ -113,9 +114,19 @@ class CriticWorker(TrainingStateMixin):
         mask = loss_mask(mini)  # values are learned where the policy acts: on sampled tokens
         counts = {"global_token_count": all_reduce_sum(int(mask.sum())),
                   "global_sequence_count": all_reduce_sum(int(mask.any(1).sum()))}
+        grad_norm = None
+        while grad_norm is None:  # float16: a backward that overflowed runs again at half the loss scale
+            weighted = self._accumulate(mini, world, counts)
+            grad_norm = clipped_step(self.model, self.optimizer, self.loss_scale, self.cfg.optim.max_grad_norm,
+                                     f"critic update {self.updates}; lower critic.optim.lr")
+        weighted["grad_norm"] = grad_norm
+        return weighted
+
+    def _accumulate(self, mini: Batch, world: int, counts: dict) -> dict:
+        """Zero the gradients, then every micro-batch's forward and backward (the loss times the loss scale)."""
         self.optimizer.zero_grad(set_to_none=True)
         weighted: dict = {}
-        tokens = mask.sum().clamp(min=1)
+        tokens = loss_mask(mini).sum().clamp(min=1)
         micros = micro_batches(mini, self.cfg.samples_per_micro_batch, self.cfg.tokens_per_micro_batch,
                                packed=runs_packed(self.model), share=shares_prompts(self.model))
         for micro in accumulating(self.model, micros):
@@ -123,11 +134,9 @@ class CriticWorker(TrainingStateMixin):
                 values=_values(self.model, micro), old_values=micro["values"], returns=micro["returns"],
                 response_mask=loss_mask(micro), clip_range=self.cfg.value_clip_range,
                 aggregation=self.cfg.loss_aggregation, **counts)
-            (loss * world).backward()
+            (loss * (world * self.loss_scale.scale)).backward()
             share = loss_mask(micro).sum() / tokens
             for k, v in stats.items():  # loss parts add up, means weigh by tokens: no split changes them
                 weighted[k] = weighted.get(k, 0.0) + micro_batch_stat(k, v, share, world)
         read_floats(weighted)  # the one wait for the device in this mini-batch's micro-batches
-        weighted["grad_norm"] = clip_gradients(self.model, self.cfg.optim.max_grad_norm)
-        self.optimizer.step()
         return weighted

@@ -210,7 +210,7 @@ class ModelConfig:
     path: Optional[str] = None  # a Hugging Face model directory; null builds the tiny model offline
     tiny: TinyModelConfig = field(default_factory=TinyModelConfig)
     # Precision (docs/recipes.md#precision). What the actor, critic and reference compute in; auto:
-    # bfloat16 where the device computes it natively, float32 elsewhere (hybridflow/precision.py)
+    # float16 on CUDA GPUs (loss-scaled), float32 on CPUs: what learns (hybridflow/precision.py)
     dtype: Dtype = Dtype.float32
     # What the actor's and critic's parameters, gradient reduction and optimizer state are kept in;
     # float32 with a 16-bit dtype is mixed precision (FSDP2's MixedPrecisionPolicy), master_dtype=dtype
@@ -644,6 +644,11 @@ class TrainerConfig:
     val_every_steps: int = 5  # 0: validate only at the end
     val_prompts: int = 200  # validation prompts (greedy decoding); at most the validation set
     save_every_steps: int = 0  # 0: no periodic checkpoints
+    # A console line (once a run) when a step's update changes less than this share of the weights it
+    # moved in the float32 master as the actor computes with them or the engine samples from them
+    # (`precision/moved_fraction/*`, hybridflow/training/resolution.py): updates below the 16-bit dtype's
+    # resolution (SmolLM2 at lr 1e-5: bfloat16 0.06, float16 0.22); null: no line
+    warn_moved_fraction: Optional[float] = 0.1
     # Retention (docs/checkpoints.md): the newest N checkpoints keep their full training state
     # (optimizer, RNG, data position: enough to resume; null keeps every one); older ones within
     # the newest keep_last_weights keep only their hf/ weights, for merges (null: every older one;
@@ -699,6 +704,8 @@ class TrainerConfig:
         _require(self.prompts_per_step >= 1, "trainer.prompts_per_step", self.prompts_per_step, "must be >= 1")
         _require(self.val_every_steps >= 0, "trainer.val_every_steps", self.val_every_steps, "must be >= 0")
         _require(self.save_every_steps >= 0, "trainer.save_every_steps", self.save_every_steps, "must be >= 0")
+        _require(self.warn_moved_fraction is None or 0 < self.warn_moved_fraction <= 1, "trainer.warn_moved_fraction",
+                 self.warn_moved_fraction, "must be in (0, 1] (a share of the weights, e.g. 0.25), or null for no line")
         _require(self.keep_last_checkpoints is None or self.keep_last_checkpoints >= 1,
                  "trainer.keep_last_checkpoints", self.keep_last_checkpoints,
                  "must be >= 1 (the newest checkpoint is what a resume loads), or null to keep every one")

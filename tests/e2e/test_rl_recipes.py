@@ -14,6 +14,7 @@ the console of a run and its workers' logs) as a command of its own.
 from __future__ import annotations
 
 import json
+import math
 import os
 import signal
 import subprocess
@@ -205,6 +206,51 @@ def test_grpo_learns_what_its_reward_asks_for(tmp_path):
         assert set(MISMATCH) <= set(row), row
         assert row["rollout_mismatch/abs_diff_max"] < 1e-3 and row["rollout_mismatch/k3_kl"] < 1e-6, row
         assert row["rollout_mismatch/outside_band_fraction"] == 0.0 and "rollout_correction/weight_mean" not in row
+    # float32 master and copies: every step's update moves (nearly) every sampled weight, and no stall line
+    for row in rows:
+        assert row["precision/moved_fraction/actor"] > 0.9 and row["precision/moved_fraction/engine"] > 0.9, row
+    assert "below" not in done.stdout and "changed only" not in done.stdout
+
+
+def test_a_bfloat16_run_whose_updates_round_away_is_named_at_its_first_step(tmp_path):
+    """The planted stall (issue 80): GRPO in bfloat16 (actor compute and engine) at lr 1e-9, an Adam step
+    far below half a bfloat16 ulp of any weight: the float32 master moves, the copies the policy samples
+    from and trains do not. The run's own metric shows it (`precision/moved_fraction/*` ~0 from step 1)
+    and the console names it with the fix once; the same run at lr 1e-3 moves most weights and says
+    nothing (test_grpo_learns_what_its_reward_asks_for: float32, every weight)."""
+    reward = Path(__file__).parent / "fixtures" / "varied_reward.py"  # every group has a gradient
+    common = ["recipe=grpo", "trainer.total_steps=2", "model.dtype=bfloat16", "rollout.dtype=bfloat16",
+              f"reward.fn={reward}:score", "trainer.export_hf=false", "trainer.val_every_steps=0", ONE_RANK]
+    stalled = local([*common, "actor.optim.lr=1e-9"], tmp_path, "stalled")
+    assert stalled.returncode == 0, stalled.stdout[-4000:] + stalled.stderr[-4000:]
+    for row in metrics(tmp_path / "stalled"):  # the master moves; its bfloat16 copies do not
+        assert row["precision/moved_fraction/master"] > 0.5, row
+        assert row["precision/moved_fraction/engine"] < 0.01 and row["precision/moved_fraction/actor"] < 0.01, row
+    assert stalled.stdout.count("this step's update changed only") == 1, stalled.stdout[-3000:]
+    line = next(ln for ln in stalled.stdout.splitlines() if "changed only" in ln)
+    assert "of the engine's bfloat16 weights" in line and "model.dtype=float16" in line, line
+    moving = local([*common, "actor.optim.lr=1e-3"], tmp_path, "moving")
+    assert moving.returncode == 0, moving.stdout[-4000:] + moving.stderr[-4000:]
+    for row in metrics(tmp_path / "moving"):
+        assert row["precision/moved_fraction/engine"] > 0.5, row
+    assert "changed only" not in moving.stdout
+
+
+@pytest.mark.parametrize("engine", ["hf", pytest.param("vllm", marks=pytest.mark.slow)])
+def test_grpo_in_float16_trains_loss_scaled_and_samples_what_the_actor_computes(tmp_path, engine):
+    """float16 end to end (issue 80; `auto` on GPUs): the actor computes in float16 over float32 masters
+    with its loss scaled (`precision/loss_scale`), the engine generates in float16, and the sampler's
+    log-probs are the actor's within float16's rounding; the update moves most of the float16 copy."""
+    reward = Path(__file__).parent / "fixtures" / "varied_reward.py"  # every group has a gradient
+    result = local(["recipe=grpo", f"rollout.backend={engine}", "trainer.total_steps=2", "model.dtype=float16",
+                    "rollout.dtype=float16", "actor.optim.lr=1e-3", "trainer.export_hf=false", f"reward.fn={reward}:score",
+                    "trainer.val_every_steps=0", ONE_RANK], tmp_path, engine)
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
+    assert "precision: model float16, engine float16" in result.stdout
+    for row in metrics(tmp_path / engine):
+        assert row["precision/loss_scale"] >= 1.0 and row["precision/overflow_retries"] >= 0, row
+        assert row["precision/moved_fraction/engine"] > 0.5 and math.isfinite(row["actor/grad_norm"]), row
+        assert row["rollout_mismatch/abs_diff_mean"] < 2e-2, row
 
 
 def test_ppo_with_critic_warmup_kl_penalty_and_a_reference_reset_hook(tmp_path):

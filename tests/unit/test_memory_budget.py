@@ -24,7 +24,7 @@ ROOT = Path(__file__).resolve().parents[2]
 QWEN05 = {"vocab_size": 151936, "hidden_size": 896, "intermediate_size": 4864, "num_hidden_layers": 24,
           "num_attention_heads": 14, "num_key_value_heads": 2}
 
-# model.dtype=auto chooses by the CPU (hybridflow/precision.py); these numbers were worked out for bfloat16
+# these numbers were worked out for bfloat16
 # compute over float32 masters with a float32 engine, so they pin that on every CPU kind
 PINNED = ["model.dtype=bfloat16", "rollout.dtype=float32"]
 

@@ -63,9 +63,15 @@ def test_bfloat16_on_a_cpu_without_bfloat16_hardware_gets_a_note(monkeypatch):
     assert half_precision_note(compose(["placement.device=cpu"]), "cpu") is None  # float32: nothing to say
     note = half_precision_note(compose(["placement.device=cpu", "model.dtype=bfloat16"]), "cpu")
     assert "model.dtype=bfloat16" in note and "model.dtype=auto (or float32) is faster" in note
+    assert "no bfloat16 arithmetic (no avx512_bf16 / amx_bf16" in note
     assert half_precision_note(compose(["placement.device=cuda", "model.dtype=bfloat16"]), "cuda") is None
     monkeypatch.setattr(precision, "cpu_flags", lambda: frozenset({"avx2", "avx512_bf16"}))
     assert half_precision_note(compose(["placement.device=cpu", "model.dtype=bfloat16"]), "cpu") is None
+    # float16 has flags of its own: a bfloat16 CPU emulates it (a matmul 4.6x float32's on an EPYC)
+    note = half_precision_note(compose(["placement.device=cpu", "model.dtype=float16"]), "cpu")
+    assert "no float16 arithmetic (no avx512_fp16 / amx_fp16" in note and "float16 compute" in note
+    monkeypatch.setattr(precision, "cpu_flags", lambda: frozenset({"avx2", "avx512_bf16", "avx512_fp16"}))
+    assert half_precision_note(compose(["placement.device=cpu", "model.dtype=float16"]), "cpu") is None
 
 
 def test_a_missing_or_other_vllm_is_refused_before_anything_starts(monkeypatch):
