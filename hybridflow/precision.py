@@ -12,11 +12,11 @@ float32 model to bfloat16 on a bfloat16 CPU, behind the trainer's back):
   float32 on CPUs. Not bfloat16, although it was the default until 2026-12-06 and the hardware computes
   it: the policy a run samples from and trains is the 16-bit copy of its float32 master weights, and
   bfloat16 keeps 8 significant bits, so an Adam step of lr 1e-5 changed 6% of SmolLM2-135M's
-  bfloat16 values and 22% of its float16 ones; GRPO on it in bfloat16 reached 0.57 held-out accuracy
-  at step 10 where float32 reached 1.00 (the sampler's and actor's log-probs 8x further apart
-  than in float16). The field's finding is the same on GPUs (Qi et al., arXiv 2510.26788: float16 in
+  bfloat16 values and 22% of its float16 ones; 10 GRPO steps on it in bfloat16 ended at a training
+  reward of 0.35 where float32 and float16 reached 0.48 (the sampler's and actor's log-probs 8x further
+  apart than in float16). The field's finding is the same on GPUs (Qi et al., arXiv 2510.26788: float16 in
   the trainer and the engine removes the mismatch bfloat16 leaves). On CPUs float16 is emulated
-  (no avx512_fp16 here: 387 s a step against float32's ~50 and bfloat16's ~35), so they compute in
+  (no avx512_fp16 here: 350-440 s a step against float32's ~51 and bfloat16's ~35), so they compute in
   float32, 1.4x bfloat16's step.
 - `rollout.dtype=auto`: the model's resolved dtype, so both sides of the weight sync compute alike.
 

@@ -26,10 +26,11 @@ from hybridflow import console
 SAMPLE_PER_RANK = 1 << 20  # values sampled from this rank's shards: a 4 MB float32 snapshot per step
 
 
-def moved_count(before: torch.Tensor, after: torch.Tensor, dtype: torch.dtype) -> tuple[int, int]:
-    """(how many elements of `after` differ from `before` once both are cast to `dtype`, how many
-    there are). `before` and `after` are master values of the same elements (any float dtype)."""
-    return int((before.to(dtype) != after.to(dtype)).sum()), before.numel()
+def moved_mask(before: torch.Tensor, after: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """True where an element of `after` differs from `before` once both are cast to `dtype` (round to
+    nearest, as FSDP2's mixed precision and the weight sync cast). `before`, `after`: master values
+    of the same elements, same shape, any float dtype."""
+    return before.to(dtype) != after.to(dtype)
 
 
 def _local(param: torch.Tensor) -> torch.Tensor:
@@ -62,9 +63,10 @@ class MovedFraction:
             raise RuntimeError("MovedFraction.after() without before(): call before() ahead of the update")
         out = {}
         now = self._sample()
-        for name, dtype in self.watched.items():
-            counts = [moved_count(b, a, dtype) for b, a in zip(self._before, now)]
-            out[name] = (sum(c for c, _ in counts), sum(n for _, n in counts))
+        sampled = sum(b.numel() for b in self._before)
+        for name, dtype in self.watched.items():  # one read from the device per dtype, not per parameter
+            changed = torch.stack([moved_mask(b, a, dtype).sum() for b, a in zip(self._before, now)]).sum()
+            out[name] = (int(changed), sampled)
         self._before = None
         return out
 

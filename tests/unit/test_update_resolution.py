@@ -7,17 +7,18 @@ import pytest
 import torch
 
 from hybridflow.training.loss_scale import INITIAL_SCALE, LossScale, clipped_step
-from hybridflow.training.resolution import MovedFraction, moved_count, stalled_note
+from hybridflow.training.resolution import MovedFraction, moved_mask, stalled_note
 
 
-def test_moved_count_by_hand():
+def test_moved_mask_by_hand():
     # 1.0 in bfloat16 has an ulp of 2**-7 = 0.0078125 (half: 0.0039): 1.0 + 1e-5 rounds back to 1.0,
     # 1.0 + 0.005 rounds up to 1.0078125; float16's ulp at 1.0 is 2**-10 (half 0.00049), float32's 2**-23
     before = torch.tensor([1.0, 1.0, 1.0, 0.0])
     after = torch.tensor([1.0 + 1e-5, 1.0 + 0.005, 1.0 + 6e-4, 1e-5])
-    assert moved_count(before, after, torch.bfloat16) == (2, 4)  # 1.005 and the 0 -> 1e-5 (bf16 has 1e-5)
-    assert moved_count(before, after, torch.float16) == (3, 4)  # 1 + 6e-4 is past float16's half ulp
-    assert moved_count(before, after, torch.float32) == (4, 4)
+    # 1.005 and the 0 -> 1e-5 (bfloat16 holds 1e-5 itself); 1 + 6e-4 is past float16's half ulp
+    assert moved_mask(before, after, torch.bfloat16).tolist() == [False, True, False, True]
+    assert moved_mask(before, after, torch.float16).tolist() == [False, True, True, True]
+    assert moved_mask(before, after, torch.float32).all()
 
 
 def test_moved_fraction_sees_an_update_below_the_resolution():
