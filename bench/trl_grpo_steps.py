@@ -38,7 +38,7 @@ def exact_match(completions: list[str], ground_truth: list[str], **_) -> list[fl
 
 def hybridflow_reward(name: str):
     """HybridFlow's built-in reward `name` (hybridflow/rewards/builtin.py, loaded from its file: this
-    environment has none of HybridFlow's dependencies) in TRL's batched convention. Chat completions
+    environment has only the dependencies it imports, bench/trl_env.sh) in TRL's batched convention. Chat completions
     arrive as message lists; the assistant's text is scored."""
     import importlib.util
     import sys

@@ -37,6 +37,8 @@ STEP_KEYS: dict[str, Key] = {
     "prompt_mask": Key(DRIVER, (ROLLOUT, ACTOR, REFERENCE, CRITIC), "(B, P)", "True on prompt tokens"),
     "group_ids": Key(DRIVER, (DRIVER,), "(B,)", "the prompt a sample answers (the estimators' groups)"),
     "sample_seed": Key(DRIVER, (ROLLOUT,), "(B,)", "the sampler's seed, from (seed, step, index) only"),
+    "prompt_index": Key(DRIVER, (DRIVER,), "(B,)", "the training row a sample answers (its index in the training "
+                        "data), recorded per step in trained_prompts.jsonl"),
     "behavior_version": Key(ROLLOUT, (DRIVER,), "(B,)", "the policy version that generated the sample (the "
                             "engine's label, set after each checked load)"),
     "token_versions": Key(ROLLOUT, (DRIVER,), "(B, R)", "rollout.on_update=recompute: the policy version that "

@@ -80,6 +80,7 @@ def config_problems(config: HybridFlowConfig) -> list[str]:
     """What the config alone shows (`resolved` first: the precision rule reads the resolved dtypes)."""
     checks = [lambda: check_registered_names(config), lambda: check_reward_names(config),
               lambda: check_rollout_engine(config), lambda: check_exact_engine(config),
+              lambda: check_truncated_sampling(config),
               lambda: check_precision(config), lambda: check_lora_sync(config), lambda: check_local_backend(config)]
     if not recipe_spec(config.recipe.name).pipeline:  # a pipeline's stages compose their own configs, each checked
         checks += [lambda: check_tiny_model_context(config), lambda: check_hooks(config),
@@ -207,6 +208,23 @@ def check_rollout_engine(config: HybridFlowConfig) -> list[str]:
     return problems
 
 
+def check_truncated_sampling(config: HybridFlowConfig) -> list[str]:
+    """Truncated sampling in a recipe that trains on its samples. The engines sample from the top-k /
+    top-p filtered distribution and report its renormalised log-probs (what was sampled from: μ), while
+    the actor scores the same tokens over the whole vocabulary; every token's ratio π/μ is then off by
+    the mass the filter cut (mean |Δ log p| 0.35 at top_p=0.7 on the tiny model against 2e-7 at 1.0),
+    and the update trains a policy nobody samples (TRL #6789, prime-rl #3235). Refused rather than
+    replayed in the actor: the actor's own kept set differs from the sampler's at its edge, where a
+    sampled token would get log-prob -inf (docs/reliability.md)."""
+    rollout = config.rollout
+    truncated = rollout.top_p < 1.0 or rollout.top_k != -1
+    return need(not (truncated and recipe_spec(config.recipe.name).rl_reward), "rollout.top_p/top_k",
+                (rollout.top_p, rollout.top_k), f"recipe={config.recipe.name} trains on its samples, and the "
+                "engine's log-probs of a truncated distribution never equal the actor's whole-vocabulary ones "
+                "(truncated sampling bias): set rollout.top_p=1.0 rollout.top_k=-1 (temperature still applies); "
+                "truncated sampling stays available to recipe=evaluate")
+
+
 def check_exact_engine(config: HybridFlowConfig) -> list[str]:
     """An exact engine (`RolloutEngine.exact`: the actor's module, in the layout of the actor's π_old pass;
     hybridflow/training/exact_layout.py) samples what π_old computes only where nothing else intervenes:
@@ -219,9 +237,9 @@ def check_exact_engine(config: HybridFlowConfig) -> list[str]:
             f"rollout.backend={backend} makes the sampler's log-probs the actor's recomputed π_old bit for bit, and "
             "=sampler skips that pass (the mismatch would then be read from the update's forward, another layout): "
             "set trainer.old_log_probs=auto or actor")
-    problems += need(rollout.top_p == 1.0, "rollout.top_p", rollout.top_p,
-            f"rollout.backend={backend} samples from the distribution the trainer computes, which no top-p filter "
-            "cuts: set rollout.top_p=1.0, or use rollout.backend=hf")
+    problems += need(rollout.top_p == 1.0 and rollout.top_k == -1, "rollout.top_p/top_k",
+            (rollout.top_p, rollout.top_k), f"rollout.backend={backend} samples from the distribution the trainer "
+            "computes, which no filter cuts: set rollout.top_p=1.0 rollout.top_k=-1, or use rollout.backend=hf")
     problems += need(not config.algorithm.dynamic_sampling_rounds, "algorithm.dynamic_sampling_rounds",
             config.algorithm.dynamic_sampling_rounds,
             f"rollout.backend={backend} needs each rank's π_old pass to read the rows it generated, as it generated "

@@ -83,6 +83,7 @@ class MetricsLogger:
             self.progress = Progress(stage_name(run_dir.name), total_steps, initial_step=last_logged_step(run_dir))
         self.jsonl = "jsonl" in backends
         self.first_log = True
+        self.prompts_logged = False
         missing = missing_backends(backends)
         if missing:
             raise ImportError(missing[0])
@@ -90,6 +91,19 @@ class MetricsLogger:
         self.tensorboard = _tensorboard(run_dir, where) if "tensorboard" in backends else None
         self.wandb = _wandb(run_dir, where) if "wandb" in backends else None
         self.mlflow = _mlflow(run_dir, where) if "mlflow" in backends else None
+
+    def log_prompts(self, step: int, prompt_index: list[int]) -> None:
+        """One line of run_dir/trained_prompts.jsonl: the training rows (indices into the training data,
+        one per group, in the batch's order) that `step` trained on. Like metrics.jsonl, the first line a
+        logger writes drops the lines at or past its step, so a resumed run's record holds each step once."""
+        if not self.jsonl:
+            return
+        path = self.run_dir / "trained_prompts.jsonl"
+        if not self.prompts_logged:
+            drop_rows_from(path, step)
+            self.prompts_logged = True
+        with open(path, "a") as f:
+            f.write(json.dumps({"step": step, "prompt_index": prompt_index}) + "\n")
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
         bad = {k: v for k, v in metrics.items() if isinstance(v, float) and not math.isfinite(v)}

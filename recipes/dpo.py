@@ -37,6 +37,7 @@ from hybridflow.algos.preference import LENGTH_NORMALISED, compute_preference_lo
 from hybridflow.batch import Batch
 from hybridflow.config.schema import HybridFlowConfig
 from hybridflow.controller import WorkerGroup
+from hybridflow.data.eos import check_eos_trained
 from hybridflow.data.preference import encode_pairs
 from hybridflow.launch import prepare_preference_data
 from hybridflow.lifecycle import start_run
@@ -79,6 +80,10 @@ def run(stage: Stage, run_dir: Path) -> dict:
         with timer("update"):
             rows = loader.next_rows()
             pairs = encode(rows, where=f"the pairs of step {step}")
+            if dpo.truncation_mode != "keep_start":  # keep_start cuts a long response's end, EOS with it
+                for column in ("chosen", "rejected"):
+                    check_eos_trained(pairs[f"{column}_ids"], pairs[f"{column}_mask"], session.tokenizer.eos_token_id,
+                                      f"DPO step {step}, the {column} responses")
             with timer("reference"):
                 scored_before = reference.scored_pairs
                 pairs = pairs.union(reference.of(rows, pairs))

@@ -57,6 +57,8 @@ from hybridflow.runner import (
 )
 from hybridflow.training.hooks import StepHooks
 from hybridflow.training.resolution import StallNote
+from hybridflow.training.signal import SignalGuard
+from hybridflow.agents.failures import EnvFailureGuard
 from hybridflow.training.sequences import balanced_over_ranks, loss_mask
 from recipes.roles import actor_role, critic_role, reference_role, reward_role, rollout_role
 
@@ -78,6 +80,8 @@ def run(stage: Stage, run_dir: Path) -> dict:
     rollouts.start(step, **state.get("rollouts", {}))
     parity = FirstBatchParity.from_config(config, session.model_dir)  # the first batch's sampler-vs-actor gap
     stall = StallNote.from_config(config)
+    signal = SignalGuard.from_config(config)  # a reward that gives every sample the same score stops the run
+    environments = EnvFailureGuard(config.rollout.max_env_failure_fraction)  # agent rollouts: a broken environment
 
     while step < t.total_steps:
         step += 1
@@ -104,8 +108,12 @@ def run(stage: Stage, run_dir: Path) -> dict:
             with weight_sync.generating():
                 metrics.update(validate(config, r.rollout, r.reward, data.val, tokenizer, step))
         metrics.update(pool_memory_metrics(groups))  # each pool's peak since the last step's read
+        signal.observe(metrics)
         logger.log(step, metrics)
+        logger.log_prompts(step, samples["prompt_index"][::r.n].tolist())  # trained_prompts.jsonl
         parity.check(metrics)
+        signal.enforce(metrics)
+        environments.check(step, samples, metrics)
         stall.check(metrics)  # once a run: an update that hardly moved the weights the policy computes with
         if training.checkpointer.due(step):
             rollouts.drain(step)
@@ -178,10 +186,14 @@ def draw_prompts(r: Step, step: int) -> Batch:
     a = r.config.algorithm
     per_round = a.dynamic_sampling_prompts_per_round if a.dynamic_sampling_rounds else 0
     batches = max(1, per_round // r.config.trainer.prompts_per_step)
-    rows = [row for _ in range(batches) for row in r.loader.next_rows(step)]
+    rows, indices = [], []
+    for _ in range(batches):
+        rows += r.loader.next_rows(step)
+        indices += r.loader.last_picked
     prompts = encode_prompts(rows, r.tokenizer, r.config.data.max_prompt_tokens,
                              truncation=r.config.data.prompt_truncation)
     prompts.tensors["group_ids"] = torch.arange(len(prompts))
+    prompts.tensors["prompt_index"] = torch.tensor(indices, dtype=torch.long)  # (B,) rows of the training data
     return prompts
 
 

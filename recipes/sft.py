@@ -14,6 +14,7 @@ from pathlib import Path
 
 from hybridflow.controller.memory import pool_memory_metrics
 from hybridflow.data.answers import encode_sft_targets
+from hybridflow.data.eos import check_eos_trained
 from hybridflow.data.prompts import encode_prompts
 from hybridflow.lifecycle import start_run
 from hybridflow.stage import Stage
@@ -44,6 +45,8 @@ def run(stage: Stage, run_dir: Path) -> dict:
             batch = encode_prompts(rows, tokenizer, config.data.max_prompt_tokens,
                                    truncation=config.data.prompt_truncation).union(
                 encode_sft_targets(rows, tokenizer, config.rollout.max_response_tokens))
+            check_eos_trained(batch["response_ids"], batch.tensors.get("loss_mask", batch["response_mask"]),
+                              tokenizer.eos_token_id, f"SFT step {step}")
             metrics.update(actor.train_sft(batch)[0])
         with timer("hooks"):
             metrics.update(hooks.after_update(step, metrics, actor))

@@ -15,6 +15,16 @@ rewards of a trajectory's steps are summed into `agent_reward`, which reward fun
 A `step` that raises, hangs past `rollout.tool_timeout_s` or returns something else than
 (str | None, number, bool) is an error: the model reads `error_observation(message)` (the
 class's own, or "error: <message>") and the error is counted in `agent/tool_errors`.
+
+Two kinds of error, told apart by what was raised (`is_call_error`): a **call error** — the model's
+call was wrong: a ValueError (json's decode error included), TypeError or LookupError — is part of
+what the model learns from; an **environment failure** — a timeout, or anything else raised (a server
+gone: ConnectionError, OSError; a bug: RuntimeError, AttributeError) — is not the model's doing, and
+a run trained on its error observations learns from a broken environment (UniRL PR #214). Environment
+failures are counted (`agent/env_failures`, `agent/env_failure_fraction`), the first one said on the
+console, and a step where more than `rollout.max_env_failure_fraction` of the environment steps
+failed stops the run, naming the agent and the error (hybridflow/agents/failures.py). An environment
+raises ValueError for a call the model got wrong.
 """
 
 from __future__ import annotations
@@ -43,6 +53,14 @@ def call_with_row(fn, row: dict[str, Any]) -> Any:
     if any(p.kind is p.VAR_KEYWORD for p in params):
         return fn(**row)
     return fn(**{p.name: row[p.name] for p in params if p.name in row})
+
+
+CALL_ERRORS = (ValueError, TypeError, LookupError)  # the model's call was wrong (the module docstring)
+
+
+def is_call_error(error: BaseException | None) -> bool:
+    """Whether a failed step's exception blames the model's call rather than the environment."""
+    return isinstance(error, CALL_ERRORS)
 
 
 def error_observation(env: Any, message: str) -> str:

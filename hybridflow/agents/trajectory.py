@@ -24,7 +24,8 @@ from typing import Any, Callable
 
 import torch
 
-from hybridflow.agents.environment import AgentError, call_with_row, check_step_result, error_observation
+from hybridflow.agents.environment import (AgentError, call_with_row, check_step_result, error_observation,
+                                           is_call_error)
 from hybridflow.batch import Batch
 from hybridflow.rewards.calls import run_sync
 
@@ -53,7 +54,10 @@ class Trajectory:
     log_probs: list[float] = field(default_factory=list)
     last_response: str = ""  # the text of the model's last turn (the final answer)
     turns: int = 0
-    tool_errors: int = 0
+    tool_errors: int = 0  # every failed environment step: the model read an error observation
+    env_steps: int = 0  # environment steps called
+    env_failures: int = 0  # failed steps that were the environment's, not the call's (is_call_error)
+    first_failure: str = ""  # the first of them, for the message that names it
     reward: float = 0.0
     truncated: bool = False
     done: bool = False
@@ -130,7 +134,11 @@ def _step(stepping: list[Trajectory], tokenizer, max_turns: int, max_tokens: int
             t.tool_errors += 1
             message = f"timed out after {timeout_s:g}s" if outcome.timed_out else \
                 f"{type(outcome.error).__name__}: {outcome.error}"
+            if outcome.timed_out or not is_call_error(outcome.error):
+                t.env_failures += 1
+                t.first_failure = t.first_failure or message
             observation, done = error_observation(t.env, message), False
+        t.env_steps += 1
         if done or ended_by_model:
             t.done = True
             continue
@@ -162,21 +170,34 @@ def trajectories_to_batch(trajectories: list[Trajectory], prompts: Batch, width:
     tensors = {"response_ids": ids, "response_mask": response_mask, "loss_mask": loss, "sampler_log_probs": log_probs,
                "agent_turns": torch.tensor([t.turns for t in trajectories], dtype=torch.float32),
                "agent_tool_errors": torch.tensor([t.tool_errors for t in trajectories], dtype=torch.float32),
-               "agent_truncated": torch.tensor([t.truncated for t in trajectories], dtype=torch.float32)}
+               "agent_truncated": torch.tensor([t.truncated for t in trajectories], dtype=torch.float32),
+               "agent_env_steps": torch.tensor([t.env_steps for t in trajectories], dtype=torch.float32),
+               "agent_env_failures": torch.tensor([t.env_failures for t in trajectories], dtype=torch.float32)}
     objects = {"response": [t.last_response for t in trajectories],
                "trajectory": [tokenizer.decode(t.response_ids, skip_special_tokens=True) for t in trajectories],
                "agent_reward": [t.reward for t in trajectories],
-               "finish_reason": ["length" if t.truncated else "stop" for t in trajectories]}
+               "finish_reason": ["length" if t.truncated else "stop" for t in trajectories],
+               "agent_failure": [f"agent {t.agent!r}: {t.first_failure}" if t.first_failure else ""
+                                 for t in trajectories]}
     return prompts.union(Batch(tensors=tensors, objects=objects))
 
 
 def agent_metrics(samples: Batch, prefix: str = "agent/") -> dict[str, float]:
     """`agent/turns_mean`, `agent/tool_errors` (per step, summed), `agent/truncated` (fraction),
-    `agent/observation_tokens_mean`; empty for a batch that no agent rolled out."""
+    `agent/observation_tokens_mean`, `agent/env_failures` (summed) and `agent/env_failure_fraction`
+    (of the environment steps called); empty for a batch that no agent rolled out."""
     if "agent_turns" not in samples:
         return {}
     observation_tokens = (samples["response_mask"] & ~samples["loss_mask"]).sum(dim=1).float()
     return {f"{prefix}turns_mean": float(samples["agent_turns"].mean()),
             f"{prefix}tool_errors": float(samples["agent_tool_errors"].sum()),
             f"{prefix}truncated": float(samples["agent_truncated"].mean()),
-            f"{prefix}observation_tokens_mean": float(observation_tokens.mean())}
+            f"{prefix}observation_tokens_mean": float(observation_tokens.mean()),
+            f"{prefix}env_failures": float(samples["agent_env_failures"].sum()),
+            f"{prefix}env_failure_fraction": env_failure_fraction(samples)}
+
+
+def env_failure_fraction(samples: Batch) -> float:
+    """The share of a batch's environment steps that failed on the environment's side (0 without steps)."""
+    steps = float(samples["agent_env_steps"].sum())
+    return float(samples["agent_env_failures"].sum()) / steps if steps else 0.0

@@ -11,6 +11,9 @@ and with samples from μ (Schulman 2020, "Approximating KL divergence"):
     k1_t = -Δ_t                 (unbiased for KL(μ‖π); a single value may be negative)
     k3_t = (ρ_t - 1) - Δ_t      (unbiased for KL(μ‖π), never negative)
 
+where ρ_t is formed from the log-ratio clamped to ±20 (so exp cannot overflow) and Δ_t is the log-ratio
+itself, unclamped: a token with Δ_t = -25 gives k3_t = (exp(-20) - 1) + 25.
+
 The sequence-level log-ratio is S_i = Σ_t Δ_it, the log of the product of the token ratios that the
 sequence-level corrections (hybridflow.algos.rollout_correction) weigh or mask by. Names follow
 verl's rollout-correction diagnostics (`rollout_corr/kl` is our k1, `rollout_corr/k3_kl` our k3).
@@ -59,7 +62,7 @@ def mismatch_metrics(*, trainer_log_probs: torch.Tensor, sampler_log_probs: torc
         "abs_diff_max": float(torch.cat([zero, delta.abs().flatten()]).max()),
         "outside_band_fraction": float(masked_mean(outside.double(), response_mask)),
         "k1_kl": float(masked_mean(-delta, response_mask)),
-        "k3_kl": float(masked_mean(torch.expm1(clamped) - clamped, response_mask)),
+        "k3_kl": float(masked_mean(torch.expm1(clamped) - delta, response_mask)),  # ρ from the clamped Δ
         "seq_log_ratio_mean": float(masked_mean(sequence_log_ratio, rows)),
         "seq_log_ratio_abs_max": float(torch.cat([zero, sequence_log_ratio.abs()]).max()),
     }

@@ -14,12 +14,16 @@ multiplies the token's clipped loss (decoupled PPO, Hilton et al. 2022; hybridfl
   seq_mis    w_it = ρ_i · 1[lo <= ρ_i <= hi]              masked IS per sequence
   geo_mask   w_it = 1[lo <= g_i <= hi],  g_i = exp(mean_t Δ_it)   geometric-mean mask (verl's
                                                          rollout_rs=geometric), no IS weight
-  icepop     w_t  = 1[lo <= ρ_t <= hi]                    ICEPOP (Ring-1T, 2025): tokens outside the
-                                                         band masked, weight 1 inside
+  icepop     w_t  = ρ_t · 1[lo <= ρ_t <= hi]              IcePop (Ring-1T, 2025: M(k) = k inside [α, β], 0
+                                                         outside): token_mis with the band (0.5, 5)
+  token_mask w_t  = 1[lo <= ρ_t <= hi]                    token mask, no IS weight (verl's rollout_rs=token)
   none       w_t  = 1
 
 with ρ_t = exp(Δ_t). Every ratio is formed from a log-ratio clamped to ±20 (verl's safety bound), so a
-product over a long sequence cannot overflow. Weights are 0 outside `response_mask` and detached.
+product over a long sequence cannot overflow. Weights are 0 outside `response_mask` and detached, and
+computed in the log-ratio's precision (at least float32: float64 in, float64 weights out). In float64
+every preset equals verl's formulas and the IcePop paper's to 1e-9 relative
+(`test_every_preset_equals_verl_and_icepop_formulas_in_float64` in tests/unit/test_rollout_mismatch.py).
 
 Departure from verl, on purpose: a masked token keeps its place in the loss's denominator (its weight
 is 0, as TRL's masks do), where verl also drops it from the normaliser; with `token-mean` the kept
@@ -47,9 +51,12 @@ ROLLOUT_CORRECTIONS: Registry = Registry(
 
 # [lo, hi] of each masking preset when algorithm.rollout_correction_low/high are null: verl's
 # rollout_rs threshold 2 and its reciprocal for the token and sequence masks, verl's geometric
-# preset's 1.001 and 0.999, and ICEPOP's α = 0.5, β = 5 (Ring-1T)
+# preset's 1.001 and its reciprocal (verl sets lower = 1 / upper), and IcePop's α = 0.5, β = 5 (Ring-1T)
 DEFAULT_BANDS: dict[str, tuple[float, float]] = {
-    "token_mis": (0.5, 2.0), "seq_mis": (0.5, 2.0), "geo_mask": (0.999, 1.001), "icepop": (0.5, 5.0)}
+    "token_mis": (0.5, 2.0), "seq_mis": (0.5, 2.0), "geo_mask": (1 / 1.001, 1.001), "icepop": (0.5, 5.0),
+    "token_mask": (0.5, 2.0)}
+# the presets that mask by the per-token ratio ρ_t: the mismatch metric counts tokens outside their band
+TOKEN_BAND_PRESETS = frozenset({"token_mis", "icepop", "token_mask"})
 # the presets that read the cap C (algorithm.rollout_correction_cap)
 CAPPED = frozenset({"token_tis", "seq_tis"})
 
@@ -62,21 +69,27 @@ def correction_band(preset: str, low: float | None, high: float | None) -> tuple
 
 def token_band(preset: str, cap: float, low: float | None, high: float | None) -> tuple[float, float]:
     """The per-token ratio band the mismatch metric `outside_band_fraction` counts against: a token
-    preset's own band (token_mis, icepop), else [1/C, C] with the TIS cap C."""
-    if preset in ("token_mis", "icepop"):
+    preset's own band (token_mis, icepop, token_mask), else [1/C, C] with the TIS cap C."""
+    if preset in TOKEN_BAND_PRESETS:
         return correction_band(preset, low, high)
     return (1.0 / cap, cap)
 
 
+def _compute_dtype(log_ratio: torch.Tensor) -> torch.dtype:
+    """The input's precision, at least float32: a 16-bit log-ratio is upcast, a float64 one kept."""
+    return torch.promote_types(log_ratio.dtype, torch.float32)
+
+
 def _token_log_ratio(log_ratio: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
     check_mask(response_mask, log_ratio)
-    return torch.where(response_mask, log_ratio.detach().float(), 0.0).clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND)
+    delta = log_ratio.detach().to(_compute_dtype(log_ratio))
+    return torch.where(response_mask, delta, 0.0).clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND)
 
 
 def _sequence_log_ratio(log_ratio: torch.Tensor, response_mask: torch.Tensor, mean: bool = False) -> torch.Tensor:
     """(B, 1): Σ_t Δ_it (or its mean over the row's trained tokens), clamped to ±20."""
     check_mask(response_mask, log_ratio)
-    delta = log_ratio.detach().float()
+    delta = log_ratio.detach().to(_compute_dtype(log_ratio))
     summed = masked_mean(delta, response_mask, dim=1) if mean else masked_sum(delta, response_mask, dim=1)
     return summed.clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND).unsqueeze(1)
 
@@ -98,7 +111,7 @@ def no_correction(*, log_ratio, response_mask, cap, low, high):
     """w = 1 on every trained token. (B, T) in and out."""
     check_mask(response_mask, log_ratio)
     nothing = torch.zeros_like(response_mask)
-    return _finish(torch.ones_like(log_ratio, dtype=torch.float32), response_mask, nothing, nothing)
+    return _finish(torch.ones_like(log_ratio, dtype=_compute_dtype(log_ratio)), response_mask, nothing, nothing)
 
 
 @ROLLOUT_CORRECTIONS.register("token_tis")
@@ -136,14 +149,23 @@ def geo_mask(*, log_ratio, response_mask, cap, low, high):
     """w_it = 1 when exp(mean_t Δ_it) is inside [lo, hi], else 0 on the whole sequence. (B, T)."""
     geometric = torch.exp(_sequence_log_ratio(log_ratio, response_mask, mean=True)).expand_as(log_ratio)
     masked = _outside(geometric, low, high)
-    return _finish((~masked).float(), response_mask, torch.zeros_like(masked), masked)
+    return _finish((~masked).to(geometric.dtype), response_mask, torch.zeros_like(masked), masked)
 
 
 @ROLLOUT_CORRECTIONS.register("icepop")
 def icepop(*, log_ratio, response_mask, cap, low, high):
-    """w_t = 1 inside [lo, hi], 0 outside. (B, T) in and out."""
-    masked = _outside(torch.exp(_token_log_ratio(log_ratio, response_mask)), low, high)
-    return _finish((~masked).float(), response_mask, torch.zeros_like(masked), masked)
+    """w_t = ρ_t inside [lo, hi], 0 outside (IcePop's M(k) = k · 1[α <= k <= β]): token_mis, whose default
+    band is IcePop's (0.5, 5) instead. (B, T) in and out."""
+    return token_mis(log_ratio=log_ratio, response_mask=response_mask, cap=cap, low=low, high=high)
+
+
+@ROLLOUT_CORRECTIONS.register("token_mask")
+def token_mask(*, log_ratio, response_mask, cap, low, high):
+    """w_t = 1 inside [lo, hi], 0 outside: a token mask without an IS weight (verl's rollout_rs=token).
+    (B, T) in and out."""
+    ratio = torch.exp(_token_log_ratio(log_ratio, response_mask))
+    masked = _outside(ratio, low, high)
+    return _finish((~masked).to(ratio.dtype), response_mask, torch.zeros_like(masked), masked)
 
 
 def rollout_correction(preset: str, *, old_log_probs: torch.Tensor, sampler_log_probs: torch.Tensor,

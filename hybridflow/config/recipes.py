@@ -16,7 +16,7 @@ from hybridflow.registry import Registry
 ALL_SECTIONS = ("recipe", "model", "data", "algorithm", "rollout", "weight_sync", "reward", "actor", "critic",
                 "trainer", "placement", "logger", "ray", "pipeline", "pretrain", "dpo", "seed")
 # The sampling settings of training rollouts: a recipe that generates only greedily (validation) ignores them.
-SAMPLING_KEYS = ("rollout.temperature", "rollout.top_p", "rollout.samples_per_prompt")
+SAMPLING_KEYS = ("rollout.temperature", "rollout.top_p", "rollout.top_k", "rollout.samples_per_prompt")
 
 
 @dataclass(frozen=True)

@@ -315,7 +315,11 @@ class RolloutConfig:
     backend: str = "vllm"
     max_response_tokens: int = 8
     temperature: float = 1.0
+    # Truncated sampling (nucleus / top-k; -1: the whole vocabulary). Only recipes that do not train on
+    # their samples (evaluate, demo) accept it: the engines report the truncated distribution's
+    # log-probs, which the actor's whole-vocabulary ones never equal (hybridflow/checks.py)
     top_p: float = 1.0
+    top_k: int = -1
     samples_per_prompt: int = 1
     # conf/rollout/*.yaml: auto, model.dtype as resolved (hybridflow/precision.py); a RolloutConfig built in
     # Python without a HybridFlowConfig around it is never resolved, so its own default is a dtype
@@ -344,6 +348,10 @@ class RolloutConfig:
     agent_column: str = "agent"  # with several agents: the data column naming each row's agent
     max_turns: int = 4  # model turns per trajectory; max_response_tokens bounds all its tokens
     tool_timeout_s: float = 10.0  # per tool call (environment step); past it the model reads an error
+    # A step stops the run when more than this share of its environment steps failed on the environment's
+    # side: timed out, or raised anything but ValueError/TypeError/LookupError (the model's call was wrong;
+    # hybridflow/agents/environment.py). 1.0: never stops (the first failure is still said)
+    max_env_failure_fraction: float = 0.1
     # trainer.max_staleness >= 2 (docs/async.md): what requests running when new weights arrive do.
     # 'finish': they finish on the weights they started with, and the load waits for the batch;
     # 'recompute': the load lands between two engine steps, and running requests keep their tokens
@@ -358,10 +366,14 @@ class RolloutConfig:
         _require(self.max_turns >= 1, "rollout.max_turns", self.max_turns, "must be >= 1")
         _require(self.on_update in ("finish", "recompute"), "rollout.on_update", self.on_update,
                  "one of ['finish', 'recompute']")
+        _require(0 <= self.max_env_failure_fraction <= 1, "rollout.max_env_failure_fraction",
+                 self.max_env_failure_fraction, "must be in [0, 1] (1.0: never stop)")
         _require(self.tool_timeout_s > 0, "rollout.tool_timeout_s", self.tool_timeout_s, "must be > 0 seconds")
         _require(self.max_response_tokens >= 1, "rollout.max_response_tokens", self.max_response_tokens, "must be >= 1")
         _require(self.temperature >= 0, "rollout.temperature", self.temperature, "must be >= 0 (0 is greedy)")
         _require(0 < self.top_p <= 1, "rollout.top_p", self.top_p, "must be in (0, 1]")
+        _require(self.top_k == -1 or self.top_k >= 1, "rollout.top_k", self.top_k,
+                 "must be -1 (the whole vocabulary) or >= 1")
         _require(self.samples_per_prompt >= 1, "rollout.samples_per_prompt", self.samples_per_prompt, "must be >= 1")
         _require(self.tensor_parallel_size >= 1, "rollout.tensor_parallel_size", self.tensor_parallel_size, "must be >= 1")
         _require(0 < self.gpu_memory_utilization <= 1, "rollout.gpu_memory_utilization", self.gpu_memory_utilization, "must be in (0, 1]")
@@ -404,7 +416,8 @@ class WeightSyncConfig:
 DYNAMIC_SAMPLING_METRICS = ("accuracy", "reward", "shaped_reward")  # algorithm.dynamic_sampling_metric
 # algorithm.rollout_correction: auto and hybridflow.algos.rollout_correction's presets (the schema imports
 # no runtime module; tests/unit/test_rollout_mismatch.py checks the two lists agree)
-ROLLOUT_CORRECTION_PRESETS = ("auto", "none", "token_tis", "seq_tis", "token_mis", "seq_mis", "geo_mask", "icepop")
+ROLLOUT_CORRECTION_PRESETS = ("auto", "none", "token_tis", "seq_tis", "token_mis", "seq_mis", "geo_mask", "icepop",
+                              "token_mask")
 
 
 @dataclass
@@ -422,12 +435,13 @@ class AlgorithmConfig:
     # Rollout correction (docs/algorithms.md "Rollout correction"): how the update corrects for sampling
     # from the engine's policy μ instead of π_old. auto: token_tis on batches from an older policy whose
     # π_old the actor recomputes (trainer.old_log_probs=actor), nothing otherwise; none, token_tis,
-    # seq_tis, token_mis, seq_mis, geo_mask, icepop: on every batch, fresh or stale (the actor then
-    # recomputes π_old: trainer.old_log_probs=auto chooses actor, =sampler is refused)
+    # seq_tis, token_mis, seq_mis, geo_mask, icepop, token_mask: on every batch, fresh or stale (the actor
+    # then recomputes π_old: trainer.old_log_probs=auto chooses actor, =sampler is refused)
     rollout_correction: str = "auto"
     rollout_correction_cap: float = 2.0  # C of token_tis and seq_tis (and auto): the weight is min(ratio, C)
-    # the ratio band [low, high] outside which token_mis, seq_mis, geo_mask and icepop mask; null: the
-    # preset's own (token_mis, seq_mis [0.5, 2]; geo_mask [0.999, 1.001]; icepop [0.5, 5])
+    # the ratio band [low, high] outside which token_mis, seq_mis, geo_mask, icepop and token_mask mask;
+    # null: the preset's own (token_mis, seq_mis, token_mask [0.5, 2]; geo_mask [1/1.001, 1.001];
+    # icepop [0.5, 5])
     rollout_correction_low: Optional[float] = None
     rollout_correction_high: Optional[float] = None
     # Folded into rollout_correction_cap; kept only to name the fix when a config still sets it.
@@ -495,10 +509,10 @@ class AlgorithmConfig:
                  f"must be one of {list(ROLLOUT_CORRECTION_PRESETS)}")
         _require(self.rollout_correction_cap >= 1, "algorithm.rollout_correction_cap", self.rollout_correction_cap,
                  "must be >= 1 (a weight capped below 1 would shrink every token whose ratio is 1)")
-        masks = preset in ("token_mis", "seq_mis", "geo_mask", "icepop")
+        masks = preset in ("token_mis", "seq_mis", "geo_mask", "icepop", "token_mask")
         for key, value in (("algorithm.rollout_correction_low", low), ("algorithm.rollout_correction_high", high)):
-            _require(value is None or masks, key, value, f"only token_mis, seq_mis, geo_mask and icepop read a band, "
-                     f"and algorithm.rollout_correction={preset}: drop the key, or choose one of them")
+            _require(value is None or masks, key, value, "only token_mis, seq_mis, geo_mask, icepop and token_mask "
+                     f"read a band, and algorithm.rollout_correction={preset}: drop the key, or choose one of them")
         _require(low is None or 0 < low <= 1, "algorithm.rollout_correction_low", low,
                  "must be in (0, 1]: the band must hold ratio 1 (the sampler agreeing with the trainer)")
         _require(high is None or high >= 1, "algorithm.rollout_correction_high", high,
@@ -649,6 +663,10 @@ class TrainerConfig:
     # (`precision/moved_fraction/*`, hybridflow/training/resolution.py): updates below the 16-bit dtype's
     # resolution (SmolLM2 GRPO at lr 1e-5: bfloat16 0.02-0.06 a step, float16 0.11-0.22); null: no line
     warn_moved_fraction: Optional[float] = 0.08
+    # The no-signal guard (hybridflow/training/signal.py): an RL run stops after this many steps in a row
+    # whose reward gave every sample (or every group's samples) the same score, so every advantage was 0;
+    # the first such step is said on the console. null: the line and `guard/steps_without_signal` only
+    max_steps_without_signal: Optional[int] = 5
     # Retention (docs/checkpoints.md): the newest N checkpoints keep their full training state
     # (optimizer, RNG, data position: enough to resume; null keeps every one); older ones within
     # the newest keep_last_weights keep only their hf/ weights, for merges (null: every older one;
@@ -704,6 +722,8 @@ class TrainerConfig:
         _require(self.prompts_per_step >= 1, "trainer.prompts_per_step", self.prompts_per_step, "must be >= 1")
         _require(self.val_every_steps >= 0, "trainer.val_every_steps", self.val_every_steps, "must be >= 0")
         _require(self.save_every_steps >= 0, "trainer.save_every_steps", self.save_every_steps, "must be >= 0")
+        _require(self.max_steps_without_signal is None or self.max_steps_without_signal >= 1,
+                 "trainer.max_steps_without_signal", self.max_steps_without_signal, "must be >= 1, or null (no stop)")
         _require(self.warn_moved_fraction is None or 0 < self.warn_moved_fraction <= 1, "trainer.warn_moved_fraction",
                  self.warn_moved_fraction, "must be in (0, 1] (a share of the weights, e.g. 0.25), or null for no line")
         _require(self.keep_last_checkpoints is None or self.keep_last_checkpoints >= 1,

@@ -27,6 +27,7 @@ class PromptLoader:
         self.epoch, self.index = 0, 0
         self.queue: list[int] = []  # after a requeue: the rest of this epoch, in its new order
         self.requeues = 0
+        self.last_picked: list[int] = []
         # newest draws, oldest first: (the step drawn for, or None; row indices)
         self.recent: deque[tuple[int | None, list[int]]] = deque(maxlen=remember_batches)
 
@@ -45,6 +46,7 @@ class PromptLoader:
             picked = self._order(self.epoch)[self.index : self.index + self.prompts_per_step]
             self.index += self.prompts_per_step
         self.recent.append((step, picked))
+        self.last_picked = picked  # the rows' indices, for the record of what a step trained on
         return [self.rows[i] for i in picked]
 
     def requeue(self, batches: int, through_step: int | None = None) -> int:

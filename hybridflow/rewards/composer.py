@@ -58,14 +58,17 @@ class RewardResult:
 def reward_metrics(batch: Any) -> dict[str, float]:
     """Metrics from reward tensors (a Batch or a dict of tensors, as `RewardResult.tensors`).
 
-    `reward/score`: mean total reward; `reward/<extra>`: mean over the samples that have it
+    `reward/score`: mean total reward; `reward/score_std`: its standard deviation over the samples
+    (population); `reward/<extra>`: mean over the samples that have it
     (NaN entries ignored; left out when no sample has it); `reward/fallback_count`: samples a
     function fell back on; `reward/fallback/<cause>`: samples per cause.
     """
     import torch
 
     tensors: Mapping[str, torch.Tensor] = getattr(batch, "tensors", batch)
-    metrics = {"reward/score": float(tensors[SCORE_KEY].float().mean())}
+    scores = tensors[SCORE_KEY].float()
+    metrics = {"reward/score": float(scores.mean()),  # and its spread: 0 is a batch without learning signal
+               "reward/score_std": float(scores.std(correction=0)) if scores.numel() else 0.0}
     for key, values in sorted(tensors.items()):
         if key.startswith(EXTRA_PREFIX):
             present = values[~torch.isnan(values)]

@@ -10,7 +10,9 @@ scores wrong (docs/rewards.md has the table, written by tests/unit/test_rewards_
 - the response's answer is its **last** `\\boxed{}` alone (math-verify reads `First \\boxed{3}, finally
   \\boxed{4}` as the set {3, 4}); without one, the number right after its last `####` (GSM8K's form);
   else the whole response, where math-verify takes the last expression;
-- a percent (`50\\%`, `50%`) equals its number or its hundredth (0.5 and 50 both);
+- a percent (`50\\%`, `50%`) equals its number or its hundredth (0.5 and 50 both): a box's content or a
+  ground truth that is one, or prose whose last number a `%` follows ("That is 50%.", "12.5% off"); the
+  percent is read here, not by math-verify, which on prose takes the words before the `%` into it;
 - a thousands separator (`1,234`) is a separator, not a tuple;
 - a response cut at `rollout.max_response_tokens` (`finish_reason` "length", set by the rollout for
   every sample) scores 0 whatever its last number: it never gave an answer.
@@ -26,8 +28,11 @@ import re
 INSTALL = "pip install 'math-verify[antlr4_9_3]>=0.9' (a dependency of hybridflow: pip install -e .)"
 _FINAL_MARK = "####"
 _THOUSANDS = re.compile(r"(?<![\d.,])\d{1,3}(?:,\d{3})+(?![\d,])")
-_GSM8K_NUMBER = re.compile(r"\s*\$?\s*(-?[\d,]*\.?\d+)")
+_GSM8K_NUMBER = re.compile(r"\s*\$?\s*(-?[\d,]*\.?\d+(?:\s*\\?%)?)")  # keeps a percent sign
 _PERCENT = re.compile(r"^(.*?)\s*\\?%\s*$", re.S)
+# A number as people write it ("-1,234.5"), standing alone: not the end of a fraction or a power ("1/2").
+_PROSE_NUMBER = re.compile(r"(?<![\w.^/])(?:-?\d[\d,]*(?:\.\d+)?|-?\.\d+)")
+_PERCENT_SIGN = re.compile(r"\s*\\?%")
 
 
 def require_math_verify() -> None:
@@ -72,11 +77,23 @@ def _parse(text: str, math: bool) -> list:
                  extraction_config=[LatexExtractionConfig(), ExprExtractionConfig()])
 
 
+def _percent_number(text: str, math: bool) -> str | None:
+    """The number of an answer that is a percent, else None. LaTeX (a box's content, a ground truth): all
+    before a final `%` (`\\frac{1}{2}\\%`). Prose: its last number, when a `%` follows it ("That is 50%.",
+    "12.5% off"); matching the whole prose as for LaTeX read "That is 50%" as the product t*h*a*t*i*s*50."""
+    if math:
+        percent = _PERCENT.match(text.strip().strip("$").strip())
+        return (percent.group(1).strip() or None) if percent else None
+    numbers = list(_PROSE_NUMBER.finditer(text))
+    if numbers and _PERCENT_SIGN.match(text, numbers[-1].end()):
+        return numbers[-1].group(0)
+    return None
+
+
 def _candidates(text: str, math: bool) -> list[list]:
     """The parsed readings of an answer: one, or for a percent its number and its hundredth."""
-    percent = _PERCENT.match(text.strip().strip("$").strip())
-    if percent and percent.group(1).strip():
-        number = percent.group(1).strip()
+    number = _percent_number(text, math)
+    if number is not None:
         return [p for p in (_parse(number, True), _parse(f"({number})/100", True)) if p]
     parsed = _parse(text, math)
     return [parsed] if parsed else []

@@ -130,6 +130,10 @@ def test_a_one_step_off_driver_killed_after_a_checkpoint_resumes_on_the_same_bat
     assert "resumed from" in result.stdout
     resumed, whole = metrics(run_dir), metrics(one_step_off)
     assert [r["step"] for r in resumed] == [1, 2, 3, 4]
+    # prompt for prompt: the training rows each step trained on, each step once (issue 87)
+    trained = (run_dir / "trained_prompts.jsonl").read_text()
+    assert trained == (one_step_off / "trained_prompts.jsonl").read_text()
+    assert [json.loads(line)["step"] for line in trained.splitlines()] == [1, 2, 3, 4]
     for got, want in zip(resumed[2:], whole[2:]):
         got, want = without_timing(got), without_timing(want)
         assert got == want, {k: (got.get(k), want.get(k)) for k in set(got) | set(want) if got.get(k) != want.get(k)}

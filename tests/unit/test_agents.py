@@ -265,3 +265,34 @@ def test_agent_config_keys_are_checked_before_anything_starts():
         compose(["recipe=grpo", "rollout=hf", "rollout.agent=hybridflow.data.calculator:calc"])
     with pytest.raises(ValueError, match="rollout.max_turns"):
         RolloutConfig(max_turns=0)
+
+
+def test_a_failed_step_blames_the_environment_unless_the_call_was_wrong():
+    """ValueError, TypeError and LookupError say the model's call was wrong; anything else, or a
+    timeout, is the environment's failure (hybridflow/agents/environment.py)."""
+    import json
+
+    from hybridflow.agents.environment import is_call_error
+
+    assert all(is_call_error(e) for e in (ValueError("x"), TypeError("x"), KeyError("x"), IndexError("x"),
+                                          json.JSONDecodeError("x", "", 0)))
+    assert not any(is_call_error(e) for e in (ConnectionError("x"), OSError("x"), RuntimeError("x"),
+                                              AttributeError("x"), None))
+
+
+def test_the_environment_failure_guard_says_the_first_and_stops_past_the_share(capsys):
+    import torch
+
+    from hybridflow.agents.failures import EnvFailureGuard, EnvironmentFailureError
+    from hybridflow.batch import Batch
+
+    samples = Batch(tensors={"x": torch.zeros(3)},
+                    objects={"agent_failure": ["agent 'a': ConnectionError: gone", "", "agent 'a': ConnectionError: gone"]})
+    guard = EnvFailureGuard(0.5)
+    guard.check(1, samples, {"agent/env_failures": 2.0, "agent/env_failure_fraction": 0.2})
+    guard.check(2, samples, {"agent/env_failures": 2.0, "agent/env_failure_fraction": 0.2})
+    said = capsys.readouterr().out
+    assert said.count("failed on the environment's side") == 1 and "ConnectionError: gone (2 samples)" in said
+    with pytest.raises(EnvironmentFailureError, match=r"step 3: 4 environment.*60.0%.*max_env_failure_fraction=0.5"):
+        guard.check(3, samples, {"agent/env_failures": 4.0, "agent/env_failure_fraction": 0.6})
+    guard.check(4, samples, {})  # a batch no agent rolled out

@@ -180,3 +180,10 @@ def test_every_bench_script_has_a_dry_run_that_a_test_runs(tmp_path):
     (planted / script).write_text('if __name__ == "__main__":\n    print(1)\n')
     (planted / "helper.py").write_text("X = 1\n")  # a module, not a script
     assert scripts_without_a_dry_run(planted, dry_run_tests()) == [script]
+
+
+def test_the_guard_cost_bench_times_each_guard(tmp_path):
+    report = _dry_run("guard_cost.py", tmp_path / "guards.json")
+    assert set(report["guards_s"]) == {"no_signal_s", "env_failures_s", "trained_prompts_s", "sft_eos_s",
+                                       "truncated_sampling_at_compose_s"}
+    assert all(v > 0 for v in report["guards_s"].values()) and report["guards_per_step_s"] > 0

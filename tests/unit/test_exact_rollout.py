@@ -141,7 +141,7 @@ def test_an_engine_without_an_actor_in_its_process_says_where_it_runs(tiny_model
 
 @pytest.mark.parametrize("overrides, message", [
     (["trainer.old_log_probs=sampler"], "trainer.old_log_probs='sampler' is invalid: rollout.backend=exact makes"),
-    (["rollout.top_p=0.9"], "rollout.top_p=0.9 is invalid: .*no top-p filter cuts"),
+    (["rollout.top_p=0.9"], r"rollout.top_p/top_k=\(0.9, -1\) is invalid: .*which no filter cuts"),
     (["algorithm.dynamic_sampling_rounds=2"], "dynamic_sampling_rounds=2 is invalid: .*several generations"),
     (["model.dtype=float32", "rollout.dtype=bfloat16"], "rollout.dtype='bfloat16' is invalid: .*in model.dtype"),
     (["rollout.fp32_lm_head=true"], "computes with the actor's output head: set actor.fp32_lm_head=true"),

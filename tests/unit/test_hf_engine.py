@@ -76,3 +76,12 @@ def test_top_p_keeps_the_smallest_set_that_reaches_it_by_hand(tiny_model_dir):
     torch.testing.assert_close(engine._processed_log_probs(logits, sample=True).exp(),
                                torch.tensor([[0.375, 0.625, 0.0]]))
     assert math.isinf(float(engine._processed_log_probs(logits, sample=True)[0, 2]))
+
+
+def test_top_k_keeps_the_k_likeliest_before_top_p_by_hand(tiny_model_dir):
+    engine, _ = _engine(tiny_model_dir, temperature=1.0, top_k=2, top_p=0.7)
+    # probabilities 0.3, 0.5, 0.2: top-k=2 keeps 0.5 and 0.3, renormalised 0.625, 0.375; top-p 0.7 over
+    # those: mass before each is 0, 0.625, so both stay (vLLM's order: top-k, then top-p over the rest)
+    logits = torch.log(torch.tensor([[0.3, 0.5, 0.2]]))
+    torch.testing.assert_close(engine._processed_log_probs(logits, sample=True).exp(),
+                               torch.tensor([[0.375, 0.625, 0.0]]))

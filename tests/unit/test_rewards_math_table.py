@@ -32,6 +32,10 @@ FORMS = [
     ("percent vs decimal", r"$\boxed{50\%}$", "0.5", "stop", 1.0),
     ("percent vs number", "50%", "50", "stop", 1.0),
     ("percent, plain", r"10\%", "0.1", "stop", 1.0),
+    ("percent in prose", "That is 50%.", "0.5", "stop", 1.0),
+    ("percent mid-sentence", "The discount is 12.5% off.", "12.5%", "stop", 1.0),
+    ("a percent is not its thousandth", "That is 50%", "0.05", "stop", 0.0),
+    ("an earlier percent is not the answer", "A 20% cut leaves 40.", "40", "stop", 1.0),
     ("last box counts", r"First \boxed{3}, finally \boxed{4}", "4", "stop", 1.0),
     ("not an earlier box", r"First \boxed{4}, finally \boxed{3}", "4", "stop", 0.0),
     ("a set in one box is a set", r"\boxed{3, 4}", "4", "stop", 0.0),
@@ -69,6 +73,30 @@ def table() -> str:
 @pytest.mark.parametrize("form, response, truth, finish, score", FORMS, ids=[f[0] for f in FORMS])
 def test_each_form_gets_the_score_in_the_table(name, form, response, truth, finish, score):
     assert REWARD_FUNCTIONS.get(name)(response=response, ground_truth=truth, finish_reason=finish)["score"] == score
+
+
+# A percent in prose scores as the bare one does: its number or its hundredth, not another power of ten.
+# (issue 87 item 10: "That is 50%" scored 0 against both "50%" and "0.5"; the whole prose before the `%`
+# was parsed as the number, t*h*a*t*i*s*50.)
+PERCENTS = [  # (response, as a percent, its hundredth, its thousandth, its tenth)
+    ("That is 50%", "50%", "0.5", "0.05", "5"),
+    ("That is 50%.", "50%", "0.5", "0.05", "5"),
+    ("so the answer is 50 %", "50%", "0.5", "0.05", "5"),
+    (r"That is $50\%$.", "50%", "0.5", "0.05", "5"),
+    ("The discount is 12.5% off.", "12.5%", "0.125", "0.0125", "1.25"),
+    (r"$\boxed{50\%}$", "50%", "0.5", "0.05", "5"),
+    ("50%", "50%", "0.5", "0.05", "5"),
+    ("#### 50%", "50%", "0.5", "0.05", "5"),
+]
+
+
+@pytest.mark.parametrize("name", ["math_answer", "math_verify"])
+@pytest.mark.parametrize("response, percent, hundredth, thousandth, tenth", PERCENTS, ids=[p[0] for p in PERCENTS])
+def test_a_percent_scores_alike_in_prose_boxed_and_bare(name, response, percent, hundredth, thousandth, tenth):
+    score = REWARD_FUNCTIONS.get(name)
+    got = {truth: score(response=response, ground_truth=truth, finish_reason="stop")["score"]
+           for truth in (percent, hundredth, thousandth, tenth)}
+    assert got == {percent: 1.0, hundredth: 1.0, thousandth: 0.0, tenth: 0.0}
 
 
 def test_the_docs_table_is_the_one_these_forms_write():

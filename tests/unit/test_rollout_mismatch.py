@@ -76,6 +76,15 @@ def test_no_trained_token_gives_zeros_and_equal_log_probs_no_mismatch():
     assert set(none.values()) == {0.0} and set(same.values()) == {0.0}
 
 
+def test_k3_forms_the_ratio_from_the_clamped_log_ratio_and_subtracts_the_unclamped_one():
+    # one token with Δ = -25: ρ = exp(clamp(-25, ±20)) = exp(-20), and k3 = (ρ - 1) - Δ = (exp(-20) - 1) + 25
+    m = mismatch_metrics(trainer_log_probs=torch.tensor([[-25.0]], dtype=torch.float64),
+                         sampler_log_probs=torch.zeros(1, 1, dtype=torch.float64),
+                         response_mask=torch.ones(1, 1, dtype=torch.bool), band_low=0.5, band_high=2.0)
+    assert m["k3_kl"] == pytest.approx((math.exp(-20) - 1) + 25, rel=1e-12)
+    assert m["k1_kl"] == 25.0 and m["outside_band_fraction"] == 1.0
+
+
 # ---- the presets ------------------------------------------------------------------------------------
 
 
@@ -105,57 +114,173 @@ def test_each_preset_by_hand():
     assert s["masked_fraction"] == pytest.approx(2 / 3)
     w, s = weights("geo_mask", low=0.7, high=1.2)  # geometric means 0.707 and 1.1: both inside
     torch.testing.assert_close(w, torch.tensor([[1.0, 1.0], [1.0, 0.0]]))
-    w, s = weights("geo_mask")  # default band [0.999, 1.001]: both outside
+    w, s = weights("geo_mask")  # default band [1/1.001, 1.001]: both outside
     torch.testing.assert_close(w, torch.zeros(2, 2))
     assert s["masked_fraction"] == 1.0
-    w, s = weights("icepop", low=0.5, high=1.5)  # ratio 2 outside, 0.25 outside, 1.1 inside: weight 1
+    w, s = weights("icepop", low=0.5, high=1.5)  # ratio 2 outside, 0.25 outside, 1.1 inside: weight ρ = 1.1
+    torch.testing.assert_close(w, torch.tensor([[0.0, 0.0], [1.1, 0.0]]))
+    assert s["masked_fraction"] == pytest.approx(2 / 3)
+    w, s = weights("token_mask", low=0.5, high=1.5)  # the same mask, weight 1 inside (verl's rollout_rs=token)
     torch.testing.assert_close(w, torch.tensor([[0.0, 0.0], [1.0, 0.0]]))
+    assert s["masked_fraction"] == pytest.approx(2 / 3)
     w, _ = weights("none")
     torch.testing.assert_close(w, mask.float())
 
 
-def slow_preset(preset, delta, mask, cap, low, high):
-    """Each preset from its formula, one token at a time (hybridflow/algos/rollout_correction.py's table)."""
-    out = torch.zeros_like(delta)
+def test_icepop_weighs_by_the_ratio_and_geo_masks_lower_edge_is_the_reciprocal_of_its_upper():
+    # IcePop (Ring-1T): M(k) = k for k in [α, β] = [0.5, 5], else 0. ρ = 4.992 is inside: weight 4.992, not 1;
+    # ρ = 5.01 is past β: 0. token_mask (verl's rollout_rs=token, band [0.5, 2]) masks both: 4.992 > 2.
+    old = torch.tensor([[LN(4.992), LN(5.01)]], dtype=torch.float64)
+    mu = torch.zeros_like(old)
+    mask = torch.ones_like(old, dtype=torch.bool)
+    w, _ = rollout_correction("icepop", old_log_probs=old, sampler_log_probs=mu, response_mask=mask, cap=2.0)
+    torch.testing.assert_close(w, torch.tensor([[4.992, 0.0]], dtype=torch.float64), rtol=1e-12, atol=0)
+    w, _ = rollout_correction("token_mask", old_log_probs=old, sampler_log_probs=mu, response_mask=mask, cap=2.0)
+    torch.testing.assert_close(w, torch.zeros_like(old), rtol=0, atol=0)
+    # verl's geometric band: upper 1.001 and lower = 1 / upper = 0.999000999..., not 0.999
+    assert correction_band("geo_mask", None, None) == (1 / 1.001, 1.001)
+    # geometric mean 0.9990005: above 0.999 but below 1/1.001, so verl masks the sequence and so do we
+    g = torch.tensor([[LN(0.9990005)]], dtype=torch.float64)
+    w, s = rollout_correction("geo_mask", old_log_probs=g, sampler_log_probs=torch.zeros_like(g),
+                              response_mask=torch.ones_like(g, dtype=torch.bool), cap=2.0)
+    assert float(w) == 0.0 and s["masked_fraction"] == 1.0
+
+
+# Reference formulas, written from verl's rollout correction (verl/trainer/ppo/rollout_corr_helper.py:
+# rollout_is=token/sequence, rollout_rs=token/sequence/geometric) and the IcePop paper (Ring-1T), one row at
+# a time in Python floats (float64), independent of hybridflow/algos/rollout_correction.py. `row` is the
+# list of Δ_t = log π_old - log μ over the row's trained tokens; each returns one weight per entry of `row`.
+SAFETY_BOUND = 20.0  # verl clamps every log-ratio to ±20 before exp
+
+
+def _safe_exp(log_ratio):
+    return math.exp(min(max(log_ratio, -SAFETY_BOUND), SAFETY_BOUND))
+
+
+def verl_token_is(row, cap, lo, hi):  # rollout_is=token, truncated: min(ρ_t, C)
+    return [min(_safe_exp(d), cap) for d in row]
+
+
+def verl_sequence_is(row, cap, lo, hi):  # rollout_is=sequence, truncated: min(exp(clamp(Σ_t Δ_t)), C)
+    return [min(_safe_exp(sum(row)), cap)] * len(row)
+
+
+def verl_token_is_rs(row, cap, lo, hi):  # rollout_is=token + rollout_rs=token: ρ_t · 1[lo <= ρ_t <= hi]
+    return [_safe_exp(d) * (lo <= _safe_exp(d) <= hi) for d in row]
+
+
+def verl_sequence_is_rs(row, cap, lo, hi):  # rollout_is=sequence + rollout_rs=sequence
+    rho = _safe_exp(sum(row))
+    return [rho * (lo <= rho <= hi)] * len(row)
+
+
+def verl_geometric_rs(row, cap, lo, hi):  # rollout_rs=geometric, no IS weight: 1[lo <= exp(mean_t Δ_t) <= hi]
+    geometric = _safe_exp(sum(row) / len(row)) if row else 1.0
+    return [float(lo <= geometric <= hi)] * len(row)
+
+
+def icepop_paper(row, cap, alpha, beta):  # Ring-1T's IcePop: M(k) = k if α <= k <= β else 0, k = ρ_t
+    return [k if alpha <= k <= beta else 0.0 for k in map(_safe_exp, row)]
+
+
+def verl_token_rs(row, cap, lo, hi):  # rollout_rs=token, no IS weight: 1[lo <= ρ_t <= hi]
+    return [float(lo <= _safe_exp(d) <= hi) for d in row]
+
+
+REFERENCE = {"none": lambda row, cap, lo, hi: [1.0] * len(row), "token_tis": verl_token_is,
+             "seq_tis": verl_sequence_is, "token_mis": verl_token_is_rs, "seq_mis": verl_sequence_is_rs,
+             "geo_mask": verl_geometric_rs, "icepop": icepop_paper, "token_mask": verl_token_rs}
+# the default bands, from the sources: verl's rollout_rs threshold 2 with lower = 1 / upper (token, sequence),
+# its geometric preset's 1.001 with lower = 1 / upper, IcePop's α = 0.5, β = 5
+REFERENCE_BANDS = {"token_mis": (1 / 2, 2.0), "seq_mis": (1 / 2, 2.0), "geo_mask": (1 / 1.001, 1.001),
+                   "icepop": (0.5, 5.0), "token_mask": (1 / 2, 2.0)}
+
+
+def reference_weights(preset, delta, mask, cap, lo, hi):
+    """(B, T) float64: REFERENCE[preset] on each row's trained tokens, 0 elsewhere."""
+    out = torch.zeros(delta.shape, dtype=torch.float64)
     for i in range(delta.shape[0]):
         kept = [t for t in range(delta.shape[1]) if mask[i, t]]
-        log_product = max(-20.0, min(20.0, sum(float(delta[i, t]) for t in kept)))
-        geometric = math.exp(max(-20.0, min(20.0, sum(float(delta[i, t]) for t in kept) / max(len(kept), 1))))
-        for t in kept:
-            rho = math.exp(max(-20.0, min(20.0, float(delta[i, t]))))
-            product = math.exp(log_product)
-            out[i, t] = {"none": 1.0, "token_tis": min(rho, cap), "seq_tis": min(product, cap),
-                         "token_mis": rho if low <= rho <= high else 0.0,
-                         "seq_mis": product if low <= product <= high else 0.0,
-                         "geo_mask": 1.0 if low <= geometric <= high else 0.0,
-                         "icepop": 1.0 if low <= rho <= high else 0.0}[preset]
+        for t, w in zip(kept, REFERENCE[preset]([float(delta[i, t]) for t in kept], cap, lo, hi)):
+            out[i, t] = w
     return out
 
 
-@pytest.mark.parametrize("preset", sorted(set(ROLLOUT_CORRECTION_PRESETS) - {"auto"}))
-@pytest.mark.parametrize("seed", range(3))
-def test_every_preset_equals_its_slow_loop_on_random_tensors(preset, seed):
+def ragged_batch(seed, spread=3.0):
+    """old, sampler (B, T) float64 and a random response mask: row 0 empty, row 1 full, row 2 a sequence whose
+    engines agree to ~1e-4 (inside the narrow geometric band), Δ ~ normal · spread plus a few ±25 (clamped to
+    ±20), row 1 holding -25 first and +25 last."""
     g = torch.Generator().manual_seed(seed)
-    shape = (int(torch.randint(1, 8, (1,), generator=g)), int(torch.randint(1, 10, (1,), generator=g)))
-    mu = -torch.rand(shape, generator=g) * 4
-    old = mu + torch.randn(shape, generator=g) * 0.4
-    mask = torch.rand(shape, generator=g) > 0.25
-    low, high = (0.9995, 1.0005) if preset == "geo_mask" and seed == 0 else (0.7, 1.6)
-    w, stats = rollout_correction(preset, old_log_probs=old, sampler_log_probs=mu, response_mask=mask, cap=1.3,
+    rows, cols = int(torch.randint(3, 9, (1,), generator=g)), int(torch.randint(1, 13, (1,), generator=g))
+    mask = torch.rand(rows, cols, generator=g) > 0.3
+    mask[0], mask[1], mask[2, 0] = False, True, True
+    delta = torch.randn(rows, cols, generator=g, dtype=torch.float64) * spread
+    delta[2] *= 1e-4 / spread
+    extreme = torch.rand(rows, cols, generator=g) < 0.1
+    extreme[2] = False
+    delta = torch.where(extreme, 25.0 * torch.sign(torch.randn(rows, cols, generator=g, dtype=torch.float64)), delta)
+    delta[1, 0], delta[1, -1] = -25.0, 25.0  # on every seed a ratio past each end of the ±20 clamp
+    sampler = -torch.rand(rows, cols, generator=g, dtype=torch.float64) * 4
+    return sampler + delta, sampler, mask
+
+
+PRESETS = sorted(set(ROLLOUT_CORRECTION_PRESETS) - {"auto"})
+
+
+@pytest.mark.parametrize("band", ["default", (0.3, 3.0)])
+@pytest.mark.parametrize("preset", PRESETS)
+@pytest.mark.parametrize("seed", range(4))
+def test_every_preset_equals_verl_and_icepop_formulas_in_float64(preset, seed, band):
+    old, sampler, mask = ragged_batch(seed)
+    cap = 2.0  # verl's rollout_is_threshold default
+    low, high = (None, None) if band == "default" else band
+    ref_low, ref_high = REFERENCE_BANDS.get(preset, (0.0, math.inf)) if band == "default" else band
+    w, stats = rollout_correction(preset, old_log_probs=old, sampler_log_probs=sampler, response_mask=mask, cap=cap,
                                   low=low, high=high)
-    expected = slow_preset(preset, (old - mu).double(), mask, 1.3, low, high).float()
-    torch.testing.assert_close(w, expected, rtol=1e-5, atol=1e-6)
-    masked = sum(bool(mask[i, t]) and expected[i, t] == 0 for i in range(shape[0]) for t in range(shape[1]))
-    if preset in ("token_mis", "seq_mis", "geo_mask", "icepop"):
-        assert stats["masked_fraction"] == pytest.approx(masked / max(int(mask.sum()), 1))
-    assert not w.requires_grad
+    expected = reference_weights(preset, old - sampler, mask, cap, ref_low, ref_high)
+    assert w.dtype == torch.float64 and not w.requires_grad
+    torch.testing.assert_close(w, expected, rtol=1e-9, atol=0)  # exact zeros where the reference has them
+    trained = max(int(mask.sum()), 1)
+    masked = int((mask & (expected == 0)).sum()) if preset in ("token_mis", "seq_mis", "geo_mask", "icepop",
+                                                                 "token_mask") else 0
+    assert stats["masked_fraction"] == pytest.approx(masked / trained)
+    if preset in ("token_tis", "seq_tis"):
+        assert stats["clipped_fraction"] == pytest.approx(int((mask & (expected == cap)).sum()) / trained)
+    if preset == "icepop":  # IcePop is token_mis with IcePop's band
+        same, _ = rollout_correction("token_mis", old_log_probs=old, sampler_log_probs=sampler, response_mask=mask,
+                                     cap=cap, low=ref_low, high=ref_high)
+        torch.testing.assert_close(w, same, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("preset", PRESETS)
+@pytest.mark.parametrize("seed", range(3))
+def test_every_preset_in_float32_is_the_reference_within_float32_rounding(preset, seed):
+    old, sampler, mask = ragged_batch(seed, spread=0.4)
+    low, high = (0.9995, 1.0005) if preset == "geo_mask" and seed == 0 else (0.7, 1.6)
+    w, _ = rollout_correction(preset, old_log_probs=old.float(), sampler_log_probs=sampler.float(), response_mask=mask,
+                              cap=1.3, low=low, high=high)
+    expected = reference_weights(preset, (old.float() - sampler.float()).double(), mask, 1.3, low, high)
+    assert w.dtype == torch.float32
+    torch.testing.assert_close(w, expected.float(), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("dtype, weights_dtype", [(torch.float64, torch.float64), (torch.float32, torch.float32),
+                                                  (torch.bfloat16, torch.float32)])
+@pytest.mark.parametrize("preset", PRESETS)
+def test_weights_are_computed_in_the_log_probs_precision_at_least_float32(preset, dtype, weights_dtype):
+    log_probs = torch.full((2, 3), -1.0, dtype=dtype)
+    w, _ = rollout_correction(preset, old_log_probs=log_probs, sampler_log_probs=log_probs,
+                              response_mask=torch.ones(2, 3, dtype=torch.bool), cap=2.0)
+    assert w.dtype == weights_dtype
 
 
 def test_the_registry_holds_every_preset_of_the_schema_and_the_default_bands():
-    assert sorted(ROLLOUT_CORRECTIONS.names()) == sorted(set(ROLLOUT_CORRECTION_PRESETS) - {"auto"})
-    assert correction_band("geo_mask", None, None) == (0.999, 1.001)
+    assert sorted(ROLLOUT_CORRECTIONS.names()) == PRESETS
+    assert correction_band("geo_mask", None, None) == (1 / 1.001, 1.001)
     assert correction_band("icepop", None, 4.0) == (0.5, 4.0)
+    assert correction_band("token_mask", None, None) == (0.5, 2.0)
     assert token_band("token_tis", 2.0, None, None) == (0.5, 2.0) and token_band("icepop", 2.0, 0.8, None) == (0.8, 5.0)
+    assert token_band("token_mask", 3.0, None, 1.5) == (0.5, 1.5)
 
 
 # ---- the config and the step ------------------------------------------------------------------------
@@ -168,7 +293,8 @@ def test_the_registry_holds_every_preset_of_the_schema_and_the_default_bands():
     (["algorithm.rollout_correction=seq_mis", "trainer.old_log_probs=sampler"],
      "algorithm.rollout_correction='seq_mis' is invalid: corrects from the sampler's log-probs"),
     (["algorithm.rollout_correction=token_tis", "algorithm.rollout_correction_low=0.5"],
-     "algorithm.rollout_correction_low=0.5 is invalid: only token_mis, seq_mis, geo_mask and icepop read a band"),
+     "algorithm.rollout_correction_low=0.5 is invalid: only token_mis, seq_mis, geo_mask, icepop and "
+     "token_mask read a band"),
     (["algorithm.rollout_correction=icepop", "algorithm.rollout_correction_high=0.9"],
      "algorithm.rollout_correction_high=0.9 is invalid: must be >= 1"),
     (["algorithm.rollout_correction_cap=0.5"], "algorithm.rollout_correction_cap=0.5 is invalid"),

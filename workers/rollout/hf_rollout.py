@@ -146,10 +146,14 @@ class HFRollout(RolloutEngineBase):
 
     def _processed_log_probs(self, logits: torch.Tensor, sample: bool) -> torch.Tensor:
         """(B, V) log-probs of the distribution sampled from: tempered, then top-p filtered (the
-        smallest set of tokens whose probability reaches top_p; the rest -inf), as vLLM reports them."""
+        smallest set of tokens whose probability reaches top_p; the rest -inf) after the top-k filter, in
+        vLLM's order, as vLLM reports them."""
         if not sample:
             return torch.log_softmax(logits, dim=-1)
         logits = logits / self.cfg.temperature
+        if 0 < self.cfg.top_k < logits.shape[-1]:
+            kth = logits.topk(self.cfg.top_k, dim=-1).values[..., -1:]  # (B, 1) the k-th largest
+            logits = logits.masked_fill(logits < kth, float("-inf"))
         if self.cfg.top_p < 1.0:
             sorted_logits, order = logits.sort(dim=-1, descending=True)
             before = sorted_logits.softmax(-1).cumsum(-1) - sorted_logits.softmax(-1)  # mass before each token

@@ -157,6 +157,7 @@ class VLLMRollout(RolloutEngineBase):
             return SamplingParams(
                 temperature=0.0 if greedy else self.cfg.temperature,
                 top_p=1.0 if greedy else self.cfg.top_p,
+                top_k=-1 if greedy else self.cfg.top_k,
                 max_tokens=self.cfg.max_response_tokens,
                 logprobs=0,
                 flat_logprobs=True,  # each output's sampled log-probs as one list, not a dict per token
@@ -255,7 +256,7 @@ class VLLMRollout(RolloutEngineBase):
                 stop_ids, stop_texts = stops[r.stop]
                 params.append(SamplingParams(
                     temperature=0.0 if greedy else self.cfg.temperature, top_p=1.0 if greedy else self.cfg.top_p,
-                    max_tokens=r.max_tokens, logprobs=0, seed=r.seed, stop_token_ids=stop_ids, stop=stop_texts,
+                    top_k=-1 if greedy else self.cfg.top_k, max_tokens=r.max_tokens, logprobs=0, seed=r.seed, stop_token_ids=stop_ids, stop=stop_texts,
                     include_stop_str_in_output=True))
             outputs = self.engine.generate([TokensPrompt(prompt_token_ids=r.prompt_ids) for r in requests], params,
                                            use_tqdm=False, lora_request=self.receiver.lora_request())

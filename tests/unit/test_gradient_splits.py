@@ -1,0 +1,125 @@
+"""One mini-batch's gradient does not depend on how it is cut (issue 87: ms-swift #10117 and TRL PR
+#6024 divided the loss by the accumulation steps twice for some aggregation modes). The real actor
+and critic on the tiny model in float32, one process: the policy loss under every aggregation mode,
+SFT's cross-entropy and the critic's value loss, each with micro-batches of 1, 2 and 4 samples, a
+token budget, packed and padded — every gradient equal to the whole batch's padded one within 1e-5
+relative; and the planted fault (the loss divided once more by the number of micro-batches) is seen.
+(Over ranks: SFT's step on 1 rank and on 2 gloo ranks agrees to 1e-7 relative,
+tests/unit/test_resume_rank_count.py; the policy and value losses over 2 ranks are not tried here.)"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoTokenizer
+
+from hybridflow.algos import LOSS_AGGREGATIONS
+from hybridflow.batch import Batch
+from hybridflow.config.schema import ActorConfig, CriticConfig, HybridFlowConfig, ModelConfig, OptimConfig
+from hybridflow.controller import WorkerContext
+from hybridflow.data import ArithmeticSpec, make_arithmetic_rows
+from hybridflow.data.prompts import encode_prompts
+from hybridflow.stage import prepare_stage
+from recipes.roles import actor_role, critic_role
+
+ROWS = 8
+# (samples_per_micro_batch, tokens_per_micro_batch, packed): the whole batch padded is the reference
+SPLITS = [(1, None, False), (2, None, False), (4, None, True), (ROWS, None, True), (ROWS, 12, True), (3, None, False)]
+
+
+def _batch(model_dir) -> Batch:
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    generator = torch.Generator().manual_seed(0)
+    batch = encode_prompts(make_arithmetic_rows(ROWS, ArithmeticSpec(), seed=5), tok, 8)
+    lengths = torch.tensor([5, 2, 4, 1, 3, 5, 2, 4])  # ragged responses, right-padded: token counts differ by row
+    mask = torch.arange(5)[None, :] < lengths[:, None]  # (B, R)
+    return batch.union(Batch({"response_ids": torch.randint(5, 60, (ROWS, 5), generator=generator),
+                              "response_mask": mask, "old_log_probs": -torch.rand(ROWS, 5, generator=generator) * 3,
+                              "advantages": torch.randn(ROWS, 5, generator=generator),
+                              "values": torch.randn(ROWS, 5, generator=generator),
+                              "returns": torch.randn(ROWS, 5, generator=generator)}))
+
+
+def _config(section: str, micro: int, budget: int | None, packed: bool, **options) -> HybridFlowConfig:
+    optim = OptimConfig(max_grad_norm=0.0)
+    role = dict(samples_per_micro_batch=micro, tokens_per_micro_batch=budget, optim=optim, **options)
+    return HybridFlowConfig(model=ModelConfig(pack_sequences=packed, share_prompts=False),
+                            **{section: (ActorConfig if section == "actor" else CriticConfig)(**role)})
+
+
+def _keep_gradients(worker):
+    worker.optimizer.step = lambda: None  # the one mini-batch's gradients stay to be compared
+    worker.model.train()
+    return worker
+
+
+def _gradients(model) -> dict[str, torch.Tensor]:
+    return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def _assert_same(got: dict, want: dict, what: str) -> None:
+    assert got.keys() == want.keys()
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], rtol=1e-5, atol=1e-7, msg=f"{what}: {name}")
+
+
+def _actor(model_dir, split, loss, aggregation="token-mean", divide_by_micro_batches=False):
+    config = prepare_stage(_config("actor", *split, loss_aggregation=aggregation)).config
+    worker = actor_role(config, model_dir).build(WorkerContext())
+    worker.start()
+    _keep_gradients(worker)
+    fn = worker._policy_loss if loss == "policy" else worker._sft_loss
+    if divide_by_micro_batches:  # the planted fault: the accumulation steps divided out a second time
+        count, plain = -(-ROWS // split[0]), fn
+        fn = lambda micro, tokens, seqs: (lambda loss, stats: (loss / count, stats))(*plain(micro, tokens, seqs))  # noqa: E731
+    stats = worker._train_mini_batch(_batch(model_dir), fn, world=1)
+    return _gradients(worker.model), stats
+
+
+@pytest.mark.parametrize("aggregation", LOSS_AGGREGATIONS.names())
+def test_the_policy_gradient_is_the_same_for_every_micro_batch_split(tiny_model_dir, aggregation):
+    whole, whole_stats = _actor(tiny_model_dir, (ROWS, None, False), "policy", aggregation)
+    assert any(g.abs().sum() > 0 for g in whole.values())
+    for split in SPLITS:
+        grads, stats = _actor(tiny_model_dir, split, "policy", aggregation)
+        _assert_same(grads, whole, f"{aggregation} {split}")
+        assert stats["actor/loss"] == pytest.approx(whole_stats["actor/loss"], rel=1e-5, abs=1e-7), split
+
+
+def test_the_sft_gradient_is_the_same_for_every_micro_batch_split(tiny_model_dir):
+    whole, whole_stats = _actor(tiny_model_dir, (ROWS, None, False), "sft")
+    for split in SPLITS:
+        grads, stats = _actor(tiny_model_dir, split, "sft")
+        _assert_same(grads, whole, f"sft {split}")
+        assert stats["actor/loss"] == pytest.approx(whole_stats["actor/loss"], rel=1e-5), split
+
+
+@pytest.mark.parametrize("aggregation", LOSS_AGGREGATIONS.names())
+def test_the_critic_gradient_is_the_same_for_every_micro_batch_split(tiny_model_dir, aggregation):
+    def critic(split):
+        config = prepare_stage(_config("critic", *split, loss_aggregation=aggregation)).config
+        worker = critic_role(config, tiny_model_dir).build(WorkerContext())
+        worker.start()
+        _keep_gradients(worker)
+        batch = _batch(tiny_model_dir)
+        mask = batch["response_mask"]
+        counts = {"global_token_count": int(mask.sum()), "global_sequence_count": int(mask.any(1).sum())}
+        stats = worker._accumulate(batch, 1, counts)
+        return _gradients(worker.model), stats
+
+    whole, whole_stats = critic((ROWS, None, False))
+    for split in SPLITS:
+        grads, stats = critic(split)
+        _assert_same(grads, whole, f"critic {aggregation} {split}")
+
+
+def test_a_loss_divided_twice_is_caught_by_the_split_comparison(tiny_model_dir):
+    """The fault planted: each micro-batch's loss divided by the number of micro-batches once more
+    (ms-swift #10117). The whole batch is one micro-batch and unchanged; four micro-batches give a
+    quarter of the gradient, which the comparison above fails on."""
+    whole, _ = _actor(tiny_model_dir, (ROWS, None, False), "policy", divide_by_micro_batches=True)
+    split, _ = _actor(tiny_model_dir, (2, None, False), "policy", divide_by_micro_batches=True)
+    with pytest.raises(AssertionError):
+        _assert_same(split, whole, "planted")
+    name = "model.embed_tokens.weight"
+    torch.testing.assert_close(split[name] * 4, whole[name], rtol=1e-5, atol=1e-7)
