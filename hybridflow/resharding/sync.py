@@ -97,6 +97,7 @@ class WeightSync:
         self._wait(self.transport.sync_calls(self.actor, self.rollout), "reloading the weights a level-2 sleep "
                    "discarded (rollout.sleep_level=1 keeps them)")
         self.probed["weight_sync/reload_s"] = time.perf_counter() - start
+        self.probed.update(self.verify_reload())
 
     def handover_seconds(self) -> dict[str, float]:
         """The last `generating`'s device memory steps, each timed (the transport's), the probe it ran
@@ -108,6 +109,7 @@ class WeightSync:
         """Move the actor's current weights into the rollout engines, check them, and measure.
         The rollout's engine is then labelled with policy `version`, once the checks pass."""
         start = time.perf_counter()
+        discarded = self.engine_bytes > 0 and any(self.rollout.weights_discarded())
         results = self._wait(self.transport.sync_calls(self.actor, self.rollout), f"step {step}")
         seconds = time.perf_counter() - start
         per_rank = self.transport.per_rank(results)
@@ -123,9 +125,20 @@ class WeightSync:
         if self.engine_bytes:  # an engine that computes with the actor's own weights needs none: no floor
             metrics["weight_sync/copy_floor_ratio"] = seconds / max(self.floor_seconds, 1e-9)
         metrics.update(self.transport.metrics(per_rank))
-        metrics.update(self.check(step))
+        if discarded:  # every weight came back, exactly: a weight no load rewrote holds whatever the wake gave it
+            metrics.update(self.verify_reload())
+        metrics.update(self.check(step, checked=discarded))
         self._wait([self.rollout.set_weight_version.remote(version)], "labelling the engine")
         return metrics
+
+    def verify_reload(self) -> dict[str, float]:
+        """After a level-2 sleep (rollout.sleep_level=2 discards the engine's weights) and the load that
+        followed, every weight's checksum against the actor's: a weight the load did not rewrite holds
+        what the wake-up's allocation held, and a probe need not read it (issue 87). Raises
+        WeightSyncError naming the tensors; `weight_sync/reload_checksum_s` is its cost."""
+        start = time.perf_counter()
+        verified = self.verify_checksums()
+        return {**verified, "weight_sync/reload_checksum_s": time.perf_counter() - start}
 
     def stage(self, step: int, version: int) -> "StagedPush":
         """Start moving the actor's current weights (policy `version`) to the rollout's host memory
@@ -150,12 +163,12 @@ class WeightSync:
         self._wait([self.rollout.load_staged_weights.remote(version, self.cfg.timeout_s)], f"step {step}")
         return self.probe() if self.cfg.check == "probe" else {}
 
-    def check(self, step: int) -> dict[str, float]:
+    def check(self, step: int, checked: bool = False) -> dict[str, float]:
         """The cheap check every sync (a log-prob probe), the per-tensor checksums every N syncs
-        (first when due: their error names the tensor)."""
+        (first when due: their error names the tensor; `checked`: compared already)."""
         out = {}
         every = self.cfg.checksum_every_steps
-        if every and self.syncs % every == 0:
+        if every and self.syncs % every == 0 and not checked:
             out.update(self.verify_checksums())
         return {**out, **self._probe_or_defer()}
 

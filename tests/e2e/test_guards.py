@@ -88,3 +88,47 @@ def test_sft_targets_whose_eos_is_not_trained_stop_the_run_at_its_first_step(tmp
     assert "UntrainedEOSError" in out and "SFT step 1: 64 of 64 targets (rows [0, 1, 2, 3, 4]) train no" in out, \
         out[-3000:]
     assert not (tmp_path / "eos" / "metrics.jsonl").exists() or not (tmp_path / "eos" / "metrics.jsonl").read_text()
+
+
+# The planted fault: a level-2 reload that leaves one weight as the wake-up allocated it
+SKIP_ONE_WEIGHT = """
+import sys
+sys.modules['ray'] = None
+from hybridflow.resharding.receiver import ModuleReceiver
+load = ModuleReceiver.load
+def skipping(self, buckets, route):
+    return load(self, ([(n, t) for n, t in bucket if n != 'model.norm.weight'] for bucket in buckets), route)
+ModuleReceiver.load = skipping
+from hybridflow.cli import main
+sys.exit(main())
+"""
+
+
+def _level_2_run(tmp_path, name: str, script: str):
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    return subprocess.run([sys.executable, "-c", script, "placement=local", *GRPO, "rollout.backend=hf",
+                           "rollout.sleep_level=2", "trainer.total_steps=2", "trainer.prompts_per_step=4",
+                           "rollout.samples_per_prompt=4", "rollout.max_response_tokens=4",
+                           f"reward.fn={FIXTURES / 'varied_reward.py'}:score",
+                           f"logger.output_root={tmp_path}", f"logger.run_name={name}"],
+                          capture_output=True, text=True, timeout=600, env=env)
+
+
+def test_a_weight_left_stale_by_a_level_2_reload_is_named_and_a_whole_reload_is_verified(tmp_path):
+    """rollout.sleep_level=2 discards the engine's weights at every sleep; the load after it must rewrite
+    every one. Planted: the load skips `model.norm.weight` — the checksums after the reload name it and
+    stop the run. Unplanted, every step's reload is verified, tensor by tensor."""
+    from tests.e2e.cli_in_one_process import WITHOUT_RAY
+
+    stale = _level_2_run(tmp_path, "stale", SKIP_ONE_WEIGHT)
+    assert stale.returncode != 0
+    out = stale.stdout + stale.stderr
+    assert "WeightSyncError" in out and "model.norm.weight" in out, out[-3000:]
+    whole = _level_2_run(tmp_path, "whole", WITHOUT_RAY)
+    assert whole.returncode == 0, whole.stdout[-3000:] + whole.stderr[-3000:]
+    for row in metrics(tmp_path / "whole"):
+        assert row["weight_sync/verified_tensors"] > 0 and row["weight_sync/reload_checksum_s"] > 0, row
