@@ -54,6 +54,17 @@ def response_stats(samples: Batch) -> dict[str, float]:
             "response/tokens": float(lengths.sum()), **agent_metrics(samples)}
 
 
+def target_reached(config: HybridFlowConfig, step: int, metrics: dict[str, float]) -> bool:
+    """Whether the step's validation reached trainer.stop_at_val_accuracy (said on the console): the run
+    ends after this step, its final model this step's."""
+    target, accuracy = config.trainer.stop_at_val_accuracy, metrics.get("val/accuracy")
+    if target is None or accuracy is None or accuracy < target:
+        return False
+    console.say(f"hybridflow: held-out accuracy {accuracy:.3f} at step {step} reached trainer.stop_at_val_accuracy="
+                f"{target:g}; the run ends here, its final model this step's")
+    return True
+
+
 def validation_due(config: HybridFlowConfig, step: int) -> bool:
     """Validate every `trainer.val_every_steps` steps (0: never) and always after the last step."""
     every = config.trainer.val_every_steps

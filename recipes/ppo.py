@@ -43,7 +43,6 @@ from hybridflow.faults import inject_faults
 from hybridflow.controller.memory import pool_memory_metrics
 from hybridflow.lifecycle import start_run
 from hybridflow.stage import Stage
-from hybridflow.resharding.parity import FirstBatchParity
 from hybridflow.rewards import reward_metrics
 from hybridflow.rewards.composer import EXTRA_PREFIX
 from hybridflow.rollout_schedules import Pending, build_schedule, schedule_class
@@ -52,13 +51,12 @@ from hybridflow.runner import (
     response_stats,
     run_training_hooks,
     sample_seeds,
+    target_reached,
     validate,
     validation_due,
 )
+from hybridflow.training.guards import StepGuards
 from hybridflow.training.hooks import StepHooks
-from hybridflow.training.resolution import StallNote
-from hybridflow.training.signal import SignalGuard
-from hybridflow.agents.failures import EnvFailureGuard
 from hybridflow.training.sequences import balanced_over_ranks, loss_mask
 from recipes.roles import actor_role, critic_role, reference_role, reward_role, rollout_role
 
@@ -78,10 +76,7 @@ def run(stage: Stage, run_dir: Path) -> dict:
     r = Step(config, groups, tokenizer, loader, training.hooks)
     rollouts = build_schedule(Batches(r), weight_sync, t.max_staleness, last_step=t.total_steps)
     rollouts.start(step, **state.get("rollouts", {}))
-    parity = FirstBatchParity.from_config(config, session.model_dir)  # the first batch's sampler-vs-actor gap
-    stall = StallNote.from_config(config)
-    signal = SignalGuard.from_config(config)  # a reward that gives every sample the same score stops the run
-    environments = EnvFailureGuard(config.rollout.max_env_failure_fraction)  # agent rollouts: a broken environment
+    guards = StepGuards.from_config(config, session.model_dir)  # parity, no signal, broken environments, stalls
 
     while step < t.total_steps:
         step += 1
@@ -108,17 +103,16 @@ def run(stage: Stage, run_dir: Path) -> dict:
             with weight_sync.generating():
                 metrics.update(validate(config, r.rollout, r.reward, data.val, tokenizer, step))
         metrics.update(pool_memory_metrics(groups))  # each pool's peak since the last step's read
-        signal.observe(metrics)
+        guards.observe(metrics)
         logger.log(step, metrics)
         logger.log_prompts(step, samples["prompt_index"][::r.n].tolist())  # trained_prompts.jsonl
-        parity.check(metrics)
-        signal.enforce(metrics)
-        environments.check(step, samples, metrics)
-        stall.check(metrics)  # once a run: an update that hardly moved the weights the policy computes with
+        guards.check(step, samples, metrics)
         if training.checkpointer.due(step):
             rollouts.drain(step)
             training.checkpointer.save(step, {"loader": loader.state_dict(), "kl_coef": kl_ctl.coef,
                                               "metrics": metrics, "rollouts": rollouts.state()})
+        if target_reached(config, step, metrics):  # after a validation: nothing in flight (drained)
+            break
 
     return session.finish(training, step)
 

@@ -18,7 +18,7 @@ from hybridflow.data.eos import check_eos_trained
 from hybridflow.data.prompts import encode_prompts
 from hybridflow.lifecycle import start_run
 from hybridflow.stage import Stage
-from hybridflow.runner import StageTimer, validate, validation_due
+from hybridflow.runner import StageTimer, target_reached, validate, validation_due
 from recipes.roles import actor_role, reward_role, rollout_role
 
 
@@ -61,5 +61,7 @@ def run(stage: Stage, run_dir: Path) -> dict:
         logger.log(step, metrics)
         if training.checkpointer.due(step):
             training.checkpointer.save(step, {"loader": loader.state_dict(), "metrics": metrics})
+        if target_reached(config, step, metrics):
+            break
 
     return session.finish(training, step)

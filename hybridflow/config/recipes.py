@@ -16,6 +16,8 @@ from hybridflow.registry import Registry
 ALL_SECTIONS = ("recipe", "model", "data", "algorithm", "rollout", "weight_sync", "reward", "actor", "critic",
                 "trainer", "placement", "logger", "ray", "pipeline", "pretrain", "dpo", "seed")
 # The sampling settings of training rollouts: a recipe that generates only greedily (validation) ignores them.
+# The guards of a step loop that trains on its own samples (docs/reliability.md)
+RL_GUARD_KEYS = ("trainer.max_steps_without_signal", "rollout.max_env_failure_fraction")
 SAMPLING_KEYS = ("rollout.temperature", "rollout.top_p", "rollout.top_k", "rollout.samples_per_prompt")
 
 
@@ -53,7 +55,8 @@ _TRAIN = (*_RUN, "trainer", "actor", "rollout", "weight_sync", "reward")
 
 for _spec in (
     RecipeSpec("demo", "recipes.demo:run", reads=(*_RUN, "rollout", "recipe.demo_prompts")),
-    RecipeSpec("sft", "recipes.sft:run", reads=_TRAIN, ignores=SAMPLING_KEYS, trains=True, validates=True,
+    RecipeSpec("sft", "recipes.sft:run", reads=_TRAIN, ignores=(*SAMPLING_KEYS, *RL_GUARD_KEYS), trains=True,
+               validates=True,
                step_hooks=True, answers=True, stage=True),
     RecipeSpec("grpo", "recipes.ppo:run", reads=(*_TRAIN, "algorithm", "critic"), trains=True, validates=True,
                reference=True, step_hooks=True, rl_reward=True, stage=True, overlaps_generation=True),
@@ -61,17 +64,20 @@ for _spec in (
                reference=True, step_hooks=True, rl_reward=True, needs_critic=True, stage=True,
                overlaps_generation=True),
     RecipeSpec("evaluate", "recipes.evaluate:run", reads=(*_RUN, "rollout", "reward", "trainer.val_prompts",
-                                                          "recipe.eval_samples"), validates=True),
+                                                          "recipe.eval_samples"), ignores=RL_GUARD_KEYS,
+               validates=True),
     RecipeSpec("pipeline", "recipes.pipeline:run", reads=("pipeline", "logger", "model.path"), pipeline=True),
     RecipeSpec("pretrain", "recipes.pretrain:run", reads=("model", "placement", "logger", "ray", "seed", "trainer",
                                                           "actor", "pretrain"),
-               ignores=("actor.policy_loss", "actor.clip_ratio_low", "actor.clip_ratio_high", "actor.kl_loss_coef"),
+               ignores=("actor.policy_loss", "actor.clip_ratio_low", "actor.clip_ratio_high", "actor.kl_loss_coef",
+                        "trainer.stop_at_val_accuracy", *RL_GUARD_KEYS),
                step_hooks=True, packs_sequences=True, stage=True),
     RecipeSpec("dpo", "recipes.dpo:run", reads=(*_RUN, "trainer", "actor", "dpo", "rollout.max_response_tokens"),
                ignores=("actor.policy_loss", "actor.clip_ratio_low", "actor.clip_ratio_high", "actor.dual_clip_c",
                         "actor.kl_loss_coef", "actor.kl_loss_estimator", "actor.entropy_coef", "actor.epochs_per_step",
                         "actor.loss_aggregation",
-                        "actor.samples_per_mini_batch", "actor.skip_zero_advantage_samples", "trainer.max_staleness"),
+                        "actor.samples_per_mini_batch", "actor.skip_zero_advantage_samples", "trainer.max_staleness",
+                        "trainer.stop_at_val_accuracy", "trainer.max_steps_without_signal"),
                trains=True, reference=True, step_hooks=True, preference=True, stage=True),
 ):
     RECIPE_SPECS.add(_spec.name, _spec)

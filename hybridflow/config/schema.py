@@ -667,6 +667,10 @@ class TrainerConfig:
     # whose reward gave every sample (or every group's samples) the same score, so every advantage was 0;
     # the first such step is said on the console. null: the line and `guard/steps_without_signal` only
     max_steps_without_signal: Optional[int] = 5
+    # SFT, GRPO and PPO end after the first validation whose val/accuracy reaches this (their final model is
+    # that step's; trainer.total_steps is then a ceiling): a stage that hands a model on at a skill level,
+    # not at a step count that moves with the CPU's arithmetic. null: run total_steps
+    stop_at_val_accuracy: Optional[float] = None
     # Retention (docs/checkpoints.md): the newest N checkpoints keep their full training state
     # (optimizer, RNG, data position: enough to resume; null keeps every one); older ones within
     # the newest keep_last_weights keep only their hf/ weights, for merges (null: every older one;
@@ -722,6 +726,8 @@ class TrainerConfig:
         _require(self.prompts_per_step >= 1, "trainer.prompts_per_step", self.prompts_per_step, "must be >= 1")
         _require(self.val_every_steps >= 0, "trainer.val_every_steps", self.val_every_steps, "must be >= 0")
         _require(self.save_every_steps >= 0, "trainer.save_every_steps", self.save_every_steps, "must be >= 0")
+        _require(self.stop_at_val_accuracy is None or 0 < self.stop_at_val_accuracy <= 1,
+                 "trainer.stop_at_val_accuracy", self.stop_at_val_accuracy, "must be in (0, 1], or null")
         _require(self.max_steps_without_signal is None or self.max_steps_without_signal >= 1,
                  "trainer.max_steps_without_signal", self.max_steps_without_signal, "must be >= 1, or null (no stop)")
         _require(self.warn_moved_fraction is None or 0 < self.warn_moved_fraction <= 1, "trainer.warn_moved_fraction",

@@ -139,6 +139,30 @@ def test_a_one_step_off_driver_killed_after_a_checkpoint_resumes_on_the_same_bat
         assert got == want, {k: (got.get(k), want.get(k)) for k in set(got) | set(want) if got.get(k) != want.get(k)}
 
 
+DYNAMIC = [*(a for a in ONE_STEP_OFF if not a.startswith("reward.fn=")), f"reward.fn={FIXTURES / 'half_agreeing_reward.py'}:score",
+           "algorithm.dynamic_sampling_rounds=3", "algorithm.dynamic_sampling_metric=reward",
+           "algorithm.dynamic_sampling_on_limit=top_up"]
+
+
+@pytest.mark.slow  # CI's slow tier: two one-step-off runs on Ray (README "Two commands")
+def test_a_one_step_off_run_with_dynamic_sampling_resumes_prompt_for_prompt(tmp_path):
+    """Dynamic sampling draws extra prompts in rounds, one step ahead of the step that trains on them;
+    a driver killed after its step-2 checkpoint and resumed trains steps 3 and 4 on the uninterrupted
+    run's prompts (trained_prompts.jsonl, line for line) with its metrics (issue 87: NeMo-RL #3599)."""
+    whole = hybridflow(DYNAMIC, tmp_path, "whole")
+    assert whole.returncode == 0, whole.stdout[-4000:] + whole.stderr[-4000:]
+    rows = metrics(tmp_path / "whole")
+    assert any(r["dynamic_sampling/rounds"] > 0 for r in rows), rows  # extra rounds drew extra prompts
+    kill_once_checkpointed(DYNAMIC, tmp_path, "run", step=2)
+    result = hybridflow([*DYNAMIC, "trainer.resume=true"], tmp_path, "run")
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
+    trained = (tmp_path / "run" / "trained_prompts.jsonl").read_text()
+    assert trained == (tmp_path / "whole" / "trained_prompts.jsonl").read_text()
+    for got, want in zip(metrics(tmp_path / "run")[2:], rows[2:]):
+        got, want = without_timing(got), without_timing(want)
+        assert got == want, {k: (got.get(k), want.get(k)) for k in set(got) | set(want) if got.get(k) != want.get(k)}
+
+
 COLLAPSE_AT_STEP_5 = '''
 import itertools
 
