@@ -33,3 +33,19 @@ def test_agent_pipeline_runs_sft_then_grpo_with_the_calculator(tmp_path):
     assert rows[0]["rollout/log_prob_diff"] < 1e-3  # sampler and actor agree on the model's tokens
     sft_rows = read_metrics(run_dir / "00-sft")
     assert "val/agent/turns_mean" in sft_rows[-1]  # SFT validates with the tool too
+
+
+@pytest.mark.slow  # the recipe as documented, GRPO cut to 25 steps: 1.5-5 minutes on 2 cores
+def test_agent_pipeline_learns_its_sft_stage_to_the_target_and_grpo_keeps_it(tmp_path):
+    """The shortened twin of docs/results/learning.md's agent pipeline (issue 87): its SFT stage, from
+    0.000, hands on a model at 0.3 held-out or more (trainer.stop_at_val_accuracy) wherever the CPU's
+    arithmetic puts that step (75 to 850 on the documented seeds), and GRPO's first 25 steps keep it
+    there (0.370 and 0.753 on seeds 0 and 1). GRPO's own gain needs hundreds of steps: bench only."""
+    done = without_ray(["recipe=agent_pipeline", "stages.grpo.trainer.total_steps=25"], tmp_path, "agent",
+                       timeout_s=1500)
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
+    run_dir = tmp_path / "agent"
+    sft, grpo = (json.loads((run_dir / d / "STAGE_COMPLETE").read_text()) for d in ("00-sft", "01-grpo"))
+    assert read_metrics(run_dir / "00-sft")[0]["step"] == 1 and sft["final_accuracy"] >= 0.3, sft
+    assert "reached trainer.stop_at_val_accuracy=0.3" in done.stdout
+    assert grpo["final_accuracy"] >= 0.3, (sft, grpo)

@@ -72,6 +72,7 @@ class _Loader:
 
     def next_rows(self, step=None):
         picked = self.rows[self.drawn: self.drawn + self.per_step]
+        self.last_picked = list(range(self.drawn, self.drawn + len(picked)))  # as PromptLoader records them
         self.drawn += self.per_step
         return picked
 
@@ -202,6 +203,7 @@ def _samples(r, rows, step):
 
     prompts = encode_prompts(rows, r.tokenizer, r.config.data.max_prompt_tokens)
     prompts.tensors["group_ids"] = torch.arange(len(prompts))
+    prompts.tensors["prompt_index"] = torch.arange(len(prompts))  # the first rows, as the loader draws them
     samples = prompts.repeat_interleave(r.n)
     samples.tensors["sample_seed"] = sample_seeds(r.config.seed, step, len(samples))
     return samples
