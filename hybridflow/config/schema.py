@@ -666,7 +666,7 @@ class TrainerConfig:
     # The no-signal guard (hybridflow/training/signal.py): an RL run stops after this many steps in a row
     # whose reward gave every sample (or every group's samples) the same score, so every advantage was 0;
     # the first such step is said on the console. null: the line and `guard/steps_without_signal` only
-    max_steps_without_signal: Optional[int] = 5
+    max_steps_without_signal: Optional[int] = 10
     # SFT, GRPO and PPO end after the first validation whose val/accuracy reaches this (their final model is
     # that step's; trainer.total_steps is then a ceiling): a stage that hands a model on at a skill level,
     # not at a step count that moves with the CPU's arithmetic. null: run total_steps

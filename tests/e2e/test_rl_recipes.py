@@ -342,8 +342,9 @@ def test_a_short_run_prints_a_few_lines_and_keeps_the_library_output_in_its_logs
     console; everything vLLM, Ray, transformers and torch print under <run_dir>/logs/ (read on the
     uninterrupted run above: one whole-stack start less, CI's time, tests/budget.py)."""
     stdout, stderr, run_dir = straight[0]["stdout"], straight[0]["stderr"], straight[0]["run_dir"]
-    # run directory (start, end), validation at steps 2 and 3, the progress line, the summary
-    assert stdout.count("\n") <= 8, stdout
+    # run directory (start, end), validation at steps 2 and 3, the progress line, the summary, and the
+    # no-signal guard's line (the untrained tiny model scores 0 on every sample: hybridflow/training/signal.py)
+    assert stdout.count("\n") <= 9, stdout
     assert stderr == "", stderr
     last_draw = stdout.split("\n")[-4].split("\r")[-1]  # the progress line as it was left
     assert last_draw.startswith("grpo 3/3 [") and "reward=" in last_draw and "tok/s=" in last_draw, last_draw
