@@ -212,6 +212,26 @@ def test_grpo_learns_what_its_reward_asks_for(tmp_path):
     assert "below" not in done.stdout and "changed only" not in done.stdout
 
 
+def test_ppo_learns_what_its_reward_asks_for(tmp_path):
+    """PPO's learning twin (docs/results/learning.md's PPO rows are bench-length): PPO with its critic
+    (GAE) on the tiny model at the default shapes, rewarded as the GRPO run above, raises its mean
+    reward within 10 steps, read from the recipe's metrics: 0.93 -> 1.39 over the first and last three
+    steps measured (18 s in one process); with the actor's lr at 1e-9 the same run drifts +0.03."""
+    reward = Path(__file__).parent / "fixtures" / "varied_reward.py"
+    args = ["recipe=ppo", "trainer.total_steps=10", "actor.optim.lr=1e-3", "critic.optim.lr=1e-3",
+            "critic.optim.warmup_steps=0", f"reward.fn={reward}:score", "trainer.export_hf=false",
+            "trainer.val_every_steps=0", "trainer.save_every_steps=0"]
+    done = cli_in_one_process.without_ray(args, tmp_path, "ppo_learn")
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
+    rows = metrics(tmp_path / "ppo_learn")
+    scores = [r["reward/score"] for r in rows]
+    assert len(scores) == 10 and all("critic/value_loss" in r for r in rows)
+    first, last = sum(scores[:3]) / 3, sum(scores[-3:]) / 3
+    assert last > first + 0.25, scores
+    values = [r["critic/value_loss"] for r in rows]
+    assert sum(values[-3:]) < sum(values[:3]), values  # the critic learns the returns as the policy moves
+
+
 def test_a_bfloat16_run_whose_updates_round_away_is_named_at_its_first_step(tmp_path):
     """The planted stall (issue 80): GRPO in bfloat16 (actor compute and engine) at lr 1e-9, an Adam step
     far below half a bfloat16 ulp of any weight: the float32 master moves, the copies the policy samples

@@ -4,10 +4,14 @@ and critic on the tiny model in float32, one process: the policy loss under ever
 SFT's cross-entropy and the critic's value loss, each with micro-batches of 1, 2 and 4 samples, a
 token budget, packed and padded — every gradient equal to the whole batch's padded one within 1e-5
 relative; and the planted fault (the loss divided once more by the number of micro-batches) is seen.
-(Over ranks: SFT's step on 1 rank and on 2 gloo ranks agrees to 1e-7 relative,
-tests/unit/test_resume_rank_count.py; the policy and value losses over 2 ranks are not tried here.)"""
+Over ranks: the same batch split over 2 FSDP2 ranks on gloo (each rank's loss times the world size
+before FSDP2 averages the gradients) gives the 1-rank gradient, for the policy loss under every
+aggregation mode, SFT and the critic, padded and packed under a token budget; the planted fault
+(the world-size factor left out, halving the gradient) is seen there too."""
 
 from __future__ import annotations
+
+import socket
 
 import pytest
 import torch
@@ -123,3 +127,112 @@ def test_a_loss_divided_twice_is_caught_by_the_split_comparison(tiny_model_dir):
         _assert_same(split, whole, "planted")
     name = "model.embed_tokens.weight"
     torch.testing.assert_close(split[name] * 4, whole[name], rtol=1e-5, atol=1e-7)
+
+
+# Over ranks: (samples_per_micro_batch, tokens_per_micro_batch, packed) each rank runs its half with
+RANK_SPLITS = [(1, None, False), (4, 12, True)]
+
+
+def _rank_gradients(rank: int, world: int, port: int, model_dir: str, out_file: str, planted: bool) -> None:
+    """One of `world` gloo ranks: every loss and split on this rank's half of the batch; rank 0 saves
+    the full (gathered) gradients."""
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    try:
+        context = WorkerContext(rank=rank, world_size=world)
+        scale = 1 if planted else world  # planted: the per-rank loss without the world-size factor
+        batch = _batch(model_dir)
+        half = batch.chunk(world)[rank]
+        mask = batch["response_mask"]
+        counts = {"global_token_count": int(mask.sum()), "global_sequence_count": int(mask.any(1).sum())}
+        out = {}
+        for split in RANK_SPLITS:
+            for aggregation in LOSS_AGGREGATIONS.names():
+                config = prepare_stage(_config("actor", *split, loss_aggregation=aggregation)).config
+                worker = _keep_gradients(_started(actor_role(config, model_dir).build(context)))
+                worker._train_mini_batch(half, worker._policy_loss, world=scale)
+                out[("policy", aggregation, split)] = _full_gradients(worker.model)
+                config = prepare_stage(_config("critic", *split, loss_aggregation=aggregation)).config
+                worker = _keep_gradients(_started(critic_role(config, model_dir).build(context)))
+                worker._accumulate(half, scale, counts)
+                out[("critic", aggregation, split)] = _full_gradients(worker.model)
+            config = prepare_stage(_config("actor", *split)).config
+            worker = _keep_gradients(_started(actor_role(config, model_dir).build(context)))
+            worker._train_mini_batch(half, worker._sft_loss, world=scale)
+            out[("sft", None, split)] = _full_gradients(worker.model)
+        if rank == 0:
+            torch.save(out, out_file)
+    finally:
+        dist.destroy_process_group()
+
+
+def _started(worker):
+    worker.start()
+    return worker
+
+
+def _full_gradients(model) -> dict[str, torch.Tensor]:
+    """The whole gradient of each parameter: FSDP2's shards gathered (a DTensor's full_tensor)."""
+    grads = {}
+    for name, param in model.named_parameters():
+        if param.grad is not None:
+            grad = param.grad
+            grads[name] = (grad.full_tensor() if hasattr(grad, "full_tensor") else grad).detach().clone()
+    return grads
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _over_two_ranks(model_dir, out_file, planted: bool) -> dict:
+    import torch.multiprocessing as mp
+
+    mp.start_processes(_rank_gradients, args=(2, _free_port(), str(model_dir), str(out_file), planted),
+                       nprocs=2, join=True, start_method="spawn")
+    return torch.load(out_file, weights_only=False)
+
+
+def _one_rank_reference(model_dir) -> dict:
+    """The whole batch on one rank, padded, one micro-batch: each loss's reference gradient."""
+    want = {}
+    for aggregation in LOSS_AGGREGATIONS.names():
+        want[("policy", aggregation)] = _actor(model_dir, (ROWS, None, False), "policy", aggregation)[0]
+        config = prepare_stage(_config("critic", ROWS, None, False, loss_aggregation=aggregation)).config
+        worker = _keep_gradients(_started(critic_role(config, model_dir).build(WorkerContext())))
+        batch = _batch(model_dir)
+        mask = batch["response_mask"]
+        worker._accumulate(batch, 1, {"global_token_count": int(mask.sum()),
+                                      "global_sequence_count": int(mask.any(1).sum())})
+        want[("critic", aggregation)] = _gradients(worker.model)
+    want[("sft", None)] = _actor(model_dir, (ROWS, None, False), "sft")[0]
+    return want
+
+
+def _named(grads: dict) -> dict:
+    """FSDP2's parameter names are the plain module's (fully_shard wraps in place)."""
+    return {name.replace("_checkpoint_wrapped_module.", ""): g for name, g in grads.items()}
+
+
+def test_the_gradient_over_two_ranks_equals_one_ranks_for_every_loss_and_split(tiny_model_dir, tmp_path):
+    got = _over_two_ranks(tiny_model_dir, tmp_path / "two.pt", planted=False)
+    want = _one_rank_reference(tiny_model_dir)
+    assert len(got) == len(RANK_SPLITS) * (2 * len(LOSS_AGGREGATIONS.names()) + 1)
+    for (loss, aggregation, split), grads in got.items():
+        _assert_same(_named(grads), want[(loss, aggregation)], f"2 ranks: {loss} {aggregation} {split}")
+
+
+def test_a_rank_loss_without_the_world_size_factor_is_caught_by_the_rank_comparison(tiny_model_dir, tmp_path):
+    """The fault planted: each rank's loss not multiplied by the world size, so FSDP2's average over the
+    ranks halves every gradient; the comparison above fails on it."""
+    got = _over_two_ranks(tiny_model_dir, tmp_path / "planted.pt", planted=True)
+    want = _one_rank_reference(tiny_model_dir)
+    grads = _named(got[("policy", "token-mean", RANK_SPLITS[0])])
+    with pytest.raises(AssertionError):
+        _assert_same(grads, want[("policy", "token-mean")], "planted")
+    name = "model.embed_tokens.weight"
+    torch.testing.assert_close(grads[name] * 2, want[("policy", "token-mean")][name], rtol=1e-5, atol=1e-7)
