@@ -38,7 +38,10 @@ DEFAULT_TEST_BUDGET_S = {"default": 60.0, "slow": 180.0}
 # default tier's 20 minutes on a CPU without them (600 s x 2), and room for the slow tier's drift. Measured
 # on a 2-core EPYC without bf16 at 95f44b3: the default tier 17:59, the slow tier 36:04 (the limits there,
 # with the drift margin, 1.3 then: 26 and 52 minutes); a CPU with bf16 ran both about 1.9x faster before (19397d6).
-TIER_BUDGET_S = {"default": 600.0, "slow": 1200.0}
+# The slow tier 1200 -> 1500 on 2026-12-06 (issue 87): the learning twins of the README's default pipeline
+# (the whole command, ~6 minutes alone) and of the real model's GRPO (~3.3 minutes) added about 5 minutes
+# of wall clock under two workers.
+TIER_BUDGET_S = {"default": 600.0, "slow": 1500.0}
 NO_BF16_FACTOR = 2.0
 # 1.3 until 2026-11-29, when the same 2-core Xeon ran a fresh clone's slow tier in 17:25 in the morning and
 # 27:28 that afternoon (b296299, the same tests; the default tier 8:35 and 9:55; single tests up to 3.4x,
@@ -84,7 +87,7 @@ FILE_SECONDS = {
         "tests/e2e/test_exact_rollout.py": 15,
     },
     "slow": {
-        "tests/e2e/test_real_model.py": 820, "tests/e2e/test_async.py": 570, "tests/e2e/test_architectures.py": 460,
+        "tests/e2e/test_real_model.py": 1020, "tests/e2e/test_async.py": 570, "tests/e2e/test_pipeline.py": 400, "tests/e2e/test_architectures.py": 460,
         "tests/controller/test_cluster.py": 430, "tests/e2e/test_rl_recipes.py": 360, "tests/e2e/test_weight_sync.py": 190,
         "tests/e2e/test_placements.py": 220, "tests/e2e/test_pipeline_restart.py": 140, "tests/e2e/test_lora.py": 115,
         "tests/e2e/test_resume_rank_count.py": 100, "tests/e2e/test_checkpoint_retention.py": 90, "tests/e2e/test_dpo.py": 90,
