@@ -1,72 +1,47 @@
 """The actor: a Hugging Face causal LM under FSDP2 over its group's ranks.
 
-Computes response log-probs and entropy, updates the policy with the configured loss over
-mini-batches and micro-batches, runs supervised fine-tuning steps (the SFT recipe reuses the
-actor) and preference steps. What it does with its weights besides training is composed from the
-framework, each registered method here delegating so that the controller calls it on the worker by
-name: the sending end of the weight sync (`hybridflow.resharding.source.WeightSource`), the moves
-of its training state off and back onto a GPU shared with the rollout engine
+Computes response log-probs and entropy, and trains: the policy update, supervised fine-tuning steps
+(the SFT recipe reuses the actor) and preference steps, each an objective
+(hybridflow.training.objectives: `PolicyObjective`, `SFTObjective`, `PreferenceObjective`) run by the
+one loop here (`_train`: mini-batches, gradient accumulation, the float16 loss scale's retry, clipping,
+the lr schedule, the reduction over ranks). What it does with its weights besides training is composed
+from the framework, each registered method here delegating so that the controller calls it on the
+worker by name: the sending end of the weight sync (`hybridflow.resharding.source.WeightSource`), the
+moves of its training state off and back onto a GPU shared with the rollout engine
 (`hybridflow.training.memory_moves`), and the whole model read, replaced or exported
 (`hybridflow.training.whole_model`).
-
-Gradient accumulation is invariant to the micro-batch split: every micro-batch loss is
-normalised by the token (or sequence) count of the whole mini-batch across all ranks, and
-multiplied by the number of ranks to undo FSDP's gradient averaging, so one micro-batch or
-four give the same gradients.
 """
 
 from __future__ import annotations
 
 import time
-from functools import partial
 
 import torch
 
-from hybridflow.algos import (
-    aggregate_loss,
-    compute_policy_loss,
-    entropy_bonus,
-    kl_loss,
-    masked_mean,
-    micro_batch_stat,
-    vanishes_at_zero_advantage,
-)
-from hybridflow.algos.mismatch import MISMATCH_MAX_KEYS, mismatch_metrics
-from hybridflow.algos.preference import LENGTH_NORMALISED, compute_preference_loss
+from hybridflow.algos import micro_batch_stat
 from hybridflow.batch import Batch
 from hybridflow.config.schema import ActorConfig
 from hybridflow.controller import Dispatch, WorkerContext, register
-from hybridflow.data.preference import pair_sequences, pair_sums
 from hybridflow.resharding.source import WeightSource
 from hybridflow.training import memory_moves, whole_model
 from hybridflow.training.exact_layout import OfferedModule, layout_log_probs, offer
 from hybridflow.training.fsdp import (
     accumulating,
-    fp32_output_head,
-    all_reduce_max,
     all_reduce_mean_dict,
     all_reduce_sum,
     build_optimizer,
+    fp32_output_head,
     load_model,
     read_floats,
     shard_model,
 )
 from hybridflow.training.loss_scale import LossScale, clipped_step
-from hybridflow.training.packing import choose_packing, runs_packed
-from hybridflow.training.resolution import MovedFraction
+from hybridflow.training.objectives import Objective, PolicyObjective, PreferenceObjective, SFTObjective, Split
+from hybridflow.training.packing import choose_packing
+from hybridflow.training.resolution import MovedFraction, precision_stats
 from hybridflow.training.shared_prompts import choose_sharing, shares_prompts
 from hybridflow.training.state import TrainingStateMixin
-from hybridflow.training.sequences import (
-    TOKEN_COUNTS,
-    computed_tokens,
-    log_probs_and_entropy,
-    loss_mask,
-    micro_batch_rows,
-    mini_batches,
-    pair_log_probs,
-    response_log_probs,
-    row_facts,
-)
+from hybridflow.training.sequences import TOKEN_COUNTS, log_probs_and_entropy, pair_log_probs
 
 
 class ActorWorker(TrainingStateMixin):
@@ -97,7 +72,6 @@ class ActorWorker(TrainingStateMixin):
         self.model = self.optimizer = self.scheduler = None
         self.weights = None  # this rank's end of the weight path (hybridflow.resharding.source), built by start
         self.updates = 0
-        self._sampled = None  # update_policy against the sampler: its first mini-batch's log-probs, for the mismatch
 
     # ---- set-up ---------------------------------------------------------------------------
 
@@ -173,97 +147,6 @@ class ActorWorker(TrainingStateMixin):
         log_probs, _ = log_probs_and_entropy(self.model, batch.to(self.ctx.device), len(batch), with_entropy=False)
         return log_probs[batch["response_mask"].to(log_probs.device)].double().cpu()
 
-    # ---- training ---------------------------------------------------------------------------
-
-    @register(Dispatch.DP_SPLIT)
-    def update_policy(self, batch: Batch, old_log_probs_key: str = "old_log_probs", weighted: bool = False,
-                      mismatch_band: tuple[float, float] | None = None) -> dict:
-        """One step's policy update. Needs response tokens, the proximal log-probs (the column
-        `old_log_probs_key`: the actor's `old_log_probs` or the `sampler_log_probs`), `advantages`,
-        `ref_log_probs` when kl_loss_coef > 0 and, when `weighted`, `behavior_weights`
-        (hybridflow.batch_keys). Returns metrics averaged over ranks.
-
-        Clipping against the sampler with a `mismatch_band`, the rollout–training mismatch of the first
-        mini-batch (`rollout_mismatch/*`, hybridflow.algos.mismatch): its log-probs before the optimizer
-        step, which are π_old's, against the sampler's, over the rows trained (as verl's bypass mode
-        reports its rollout-correction metrics from π_θ); maxima over ranks, the rest averaged."""
-        start = time.perf_counter()
-        self._sampled = [] if old_log_probs_key == "sampler_log_probs" and mismatch_band else None
-        after_first = partial(self._mismatch, mismatch_band) if self._sampled is not None else None
-        stats = self._train(batch, partial(self._policy_loss, old_key=old_log_probs_key, weighted=weighted),
-                            after_first_mini_batch=after_first)
-        stats["timing/actor_update_s"] = time.perf_counter() - start
-        return stats
-
-    def _mismatch(self, band: tuple[float, float]) -> dict[str, float]:
-        """`rollout_mismatch/*` of the log-probs `_policy_loss` kept (one rank's trained rows); stops keeping."""
-        log_probs, sampler, mask = (torch.cat(parts) for parts in zip(*self._sampled))
-        self._sampled = None
-        stats = mismatch_metrics(trainer_log_probs=log_probs, sampler_log_probs=sampler, response_mask=mask,
-                                 band_low=band[0], band_high=band[1])
-        return {f"rollout_mismatch/{k}": all_reduce_max(v) if k in MISMATCH_MAX_KEYS else v for k, v in stats.items()}
-
-    @register(Dispatch.DP_SPLIT)
-    def train_sft(self, batch: Batch) -> dict:
-        """One supervised step: cross-entropy on response (answer) tokens only."""
-        return self._train(batch, self._sft_loss, epochs=1, whole_batch=True)
-
-    @register(Dispatch.DP_SPLIT)
-    def train_preference(self, pairs: Batch, loss: str, beta: float, label_smoothing: float = 0.0,
-                         simpo_gamma: float = 0.5) -> dict:
-        """One preference step on a pair batch (hybridflow.data.preference): the loss `loss` of
-        `PREFERENCE_LOSSES` over every pair, one optimizer step. Needs `ref_chosen_log_probs` and
-        `ref_rejected_log_probs` (B,) (summed, or per token for the length-normalised losses). Returns
-        `actor/loss`, `actor/grad_norm`, `actor/lr` and the loss's statistics under TRL's names
-        (`rewards/chosen`, `rewards/margins`, `logps/chosen`, ...).
-
-        Each micro-batch holds `actor.samples_per_micro_batch` sequences, i.e. half as many pairs, both
-        halves of a pair in one forward pass; its loss is its pairs' share of the mean over all pairs
-        on all ranks, so the gradient is the same for any micro-batch split or rank count."""
-        start = time.perf_counter()
-        self.model.train()
-        pairs = pairs.to(self.ctx.device)
-        world = self.ctx.world_size
-        total_pairs = all_reduce_sum(len(pairs))
-        per_token = loss in LENGTH_NORMALISED
-        if self._moved is not None:
-            self._moved.before()
-
-        def accumulate() -> dict:
-            self.optimizer.zero_grad(set_to_none=True)
-            stats: dict = {}
-            loss_total = 0.0
-            for micro in accumulating(self.model, pairs.split(max(1, self.cfg.samples_per_micro_batch // 2))):
-                sequences = pair_sequences(micro)
-                log_probs, _ = response_log_probs(self.model, sequences, with_entropy=False)
-                chosen, rejected = pair_sums(log_probs, sequences["response_mask"], per_token=per_token)
-                mean_loss, micro_stats = compute_preference_loss(
-                    loss, chosen_log_probs=chosen, rejected_log_probs=rejected,
-                    ref_chosen_log_probs=micro["ref_chosen_log_probs"],
-                    ref_rejected_log_probs=micro["ref_rejected_log_probs"],
-                    beta=beta, label_smoothing=label_smoothing, simpo_gamma=simpo_gamma)
-                part = mean_loss * (len(micro) / total_pairs)
-                (part * (world * self.loss_scale.scale)).backward()
-                loss_total = loss_total + part.detach()
-                share = len(micro) / len(pairs)
-                for k, v in micro_stats.items():  # means over this rank's pairs, under TRL's names (rewards/chosen, ...)
-                    stats[k] = stats.get(k, 0.0) + v * share
-            stats["actor/loss"] = loss_total
-            read_floats(stats)  # the one wait for the device in this step
-            return stats
-
-        grad_norm = None
-        while grad_norm is None:  # float16: a backward that overflowed runs again at half the loss scale
-            stats = accumulate()
-            grad_norm = self._clipped_step("or dpo.beta")
-        self.scheduler.step()
-        self.updates += 1
-        loss_sum = all_reduce_sum(stats.pop("actor/loss"))  # the step's loss over all ranks
-        stats = all_reduce_mean_dict(stats)
-        stats.update({"actor/loss": loss_sum, "actor/grad_norm": grad_norm, "actor/lr": self.scheduler.get_last_lr()[0],
-                      "timing/actor_update_s": time.perf_counter() - start, **self._precision_stats()})
-        return stats
-
     @register(Dispatch.DP_SPLIT)
     @torch.no_grad()
     def compute_pair_log_probs(self, pairs: Batch, per_token: bool = False) -> Batch:
@@ -284,64 +167,58 @@ class ActorWorker(TrainingStateMixin):
             return pair_log_probs(self.model, pairs.to(self.ctx.device), self.cfg.samples_per_micro_batch,
                                   self.cfg.tokens_per_micro_batch, per_token, prefix="ref_")
 
-    def _policy_loss(self, micro: Batch, tokens: float, seqs: float, old_key: str = "old_log_probs",
-                     weighted: bool = False) -> tuple[torch.Tensor, dict]:
-        log_probs, entropy = response_log_probs(self.model, micro, self.temperature,
-                                                entropy_grad=bool(self.cfg.entropy_coef))  # else a metric only
-        mask = loss_mask(micro)  # sampled tokens only: tool output is attended to, never trained
-        counts = {"global_token_count": tokens, "global_sequence_count": seqs}
-        loss, stats = compute_policy_loss(
-            self.cfg.policy_loss, log_probs=log_probs, old_log_probs=micro[old_key],
-            behavior_weights=micro["behavior_weights"] if weighted else None,
-            advantages=micro["advantages"], response_mask=mask, clip_ratio_low=self.cfg.clip_ratio_low,
-            clip_ratio_high=self.cfg.clip_ratio_high, dual_clip_c=self.cfg.dual_clip_c,
-            aggregation=self.cfg.loss_aggregation, **counts)
-        if self.cfg.entropy_coef:
-            bonus, _ = entropy_bonus(entropy=entropy, response_mask=mask, coef=self.cfg.entropy_coef,
-                                     aggregation=self.cfg.loss_aggregation, **counts)
-            loss = loss - bonus
-        stats["actor/entropy"] = masked_mean(entropy.detach(), mask)  # 0-dim tensors: read once per mini-batch
-        stats["actor/log_prob_diff_from_old"] = masked_mean((log_probs.detach() - micro[old_key]).abs(), mask)
-        if self._sampled is not None:  # the first mini-batch's, for the mismatch (update_policy)
-            self._sampled.append((log_probs.detach(), micro["sampler_log_probs"], mask))
-        if self.cfg.kl_loss_coef:
-            kl, kl_stats = kl_loss(log_probs=log_probs, ref_log_probs=micro["ref_log_probs"], response_mask=mask,
-                                   estimator=self.cfg.kl_loss_estimator, aggregation=self.cfg.loss_aggregation, **counts)
-            loss = loss + self.cfg.kl_loss_coef * kl
-            stats.update(kl_stats)
-        return loss, stats
+    # ---- training: one loop (`_train`) runs every objective (hybridflow.training.objectives) ----------
 
-    def _sft_loss(self, micro: Batch, tokens: float, seqs: float) -> tuple[torch.Tensor, dict]:
-        log_probs, _ = response_log_probs(self.model, micro, with_entropy=False)
-        nll = -log_probs
-        loss = aggregate_loss(nll, loss_mask(micro), "token-mean", global_token_count=tokens)
-        return loss, {}  # the mini-batch loss is reported as actor/loss
+    @register(Dispatch.DP_SPLIT)
+    def update_policy(self, batch: Batch, old_log_probs_key: str = "old_log_probs", weighted: bool = False,
+                      mismatch_band: tuple[float, float] | None = None) -> dict:
+        """One step's policy update (`PolicyObjective`: the columns it needs, `rollout_mismatch/*` against the
+        sampler with a `mismatch_band`), the proximal log-probs from `old_log_probs_key`, times
+        `behavior_weights` when `weighted`. Returns metrics averaged over ranks."""
+        start = time.perf_counter()
+        stats = self._train(batch, PolicyObjective(self.cfg, self.temperature, old_log_probs_key, weighted, mismatch_band))
+        stats["timing/actor_update_s"] = time.perf_counter() - start
+        return stats
 
-    def _train(self, batch: Batch, loss_fn, epochs: int | None = None, whole_batch: bool = False,
-               after_first_mini_batch=None) -> dict:
-        """`epochs` passes over `batch` in mini-batches of `actor.samples_per_mini_batch`, an optimizer step
-        each; the statistics averaged over mini-batches and ranks. `after_first_mini_batch()` returns
-        statistics of the first mini-batch alone, already combined over ranks."""
+    @register(Dispatch.DP_SPLIT)
+    def train_sft(self, batch: Batch) -> dict:
+        """One supervised step: cross-entropy on response (answer) tokens only (`SFTObjective`)."""
+        return self._train(batch, SFTObjective())
+
+    @register(Dispatch.DP_SPLIT)
+    def train_preference(self, pairs: Batch, loss: str, beta: float, label_smoothing: float = 0.0,
+                         simpo_gamma: float = 0.5) -> dict:
+        """One optimizer step of the `PREFERENCE_LOSSES` loss `loss` over every pair of a pair batch with its
+        reference log-probs (`PreferenceObjective`). Returns `actor/loss`, `actor/grad_norm`, `actor/lr` and
+        the loss's statistics under TRL's names (`rewards/chosen`, `rewards/margins`, `logps/chosen`, ...)."""
+        start = time.perf_counter()
+        stats = self._train(pairs, PreferenceObjective(loss, beta, label_smoothing, simpo_gamma))
+        stats["timing/actor_update_s"] = time.perf_counter() - start
+        return stats
+
+    def _train(self, batch: Batch, objective: Objective) -> dict:
+        """`objective.epochs` (else actor.epochs_per_step) passes over `batch` in its mini-batches
+        (actor.samples_per_mini_batch, or the whole batch), an optimizer step each; the statistics
+        averaged over mini-batches and ranks, then the objective's own (`results`) and `precision/*`."""
+        objective.check(batch)
         self.model.train()
         batch = batch.to(self.ctx.device)
         world = self.ctx.world_size
-        rows_per_mini = len(batch) if whole_batch or not self.cfg.samples_per_mini_batch else \
+        rows_per_mini = len(batch) if objective.whole_batch or not self.cfg.samples_per_mini_batch else \
             self.cfg.samples_per_mini_batch // world
         generator = torch.Generator().manual_seed(self.seed * 100003 + self.updates)
         totals: dict[str, float] = {}
         computed: dict[str, float] = {}  # perf/*_tokens: summed over mini-batches and ranks, not averaged
-        n_mini, first, once = 0, {}, {}
+        n_mini, first = 0, {}
         if self._moved is not None:
             self._moved.before()
-        for _ in range(epochs or self.cfg.epochs_per_step):
-            for mini in mini_batches(batch, rows_per_mini, generator, shares_prompts(self.model)):
-                mini_stats = self._train_mini_batch(mini, loss_fn, world)
-                for k in TOKEN_COUNTS:
+        for _ in range(objective.epochs or self.cfg.epochs_per_step):
+            for mini in objective.mini_batches(batch, rows_per_mini, generator, shares_prompts(self.model)):
+                mini_stats = self._train_mini_batch(mini, objective, world)
+                for k in [k for k in TOKEN_COUNTS if k in mini_stats]:
                     computed[k] = computed.get(k, 0) + mini_stats.pop(k)
                 for k, v in mini_stats.items():
                     totals[k] = totals.get(k, 0.0) + v
-                if not first and after_first_mini_batch is not None:
-                    once = after_first_mini_batch()
                 first = first or mini_stats
                 n_mini += 1
         self.scheduler.step()
@@ -351,87 +228,39 @@ class ActorWorker(TrainingStateMixin):
             stats["log_prob_diff_before_update"] = first["actor/log_prob_diff_from_old"]  # the recipe's, no metric
         stats["actor/lr"] = self.scheduler.get_last_lr()[0]
         reduced = all_reduce_mean_dict({**stats, **computed})
-        return {**reduced, **{k: reduced[k] * world for k in computed}, **once, **self._precision_stats()}
+        return {**reduced, **{k: reduced[k] * world for k in computed}, **objective.results(),
+                **precision_stats(self._moved, self.loss_scale)}
 
-    def _precision_stats(self) -> dict[str, float]:
-        """After a step's updates: the share of the weights they moved in the master dtype, the actor's
-        compute dtype and the engine's (`precision/moved_fraction/{master,actor,engine}`, over every rank's
-        sample), and with float16 the loss scale and the overflows retried so far (`precision/loss_scale`,
-        `precision/overflow_retries`)."""
-        stats = {}
-        if self._moved is not None:
-            for name, (changed, sampled) in self._moved.after().items():
-                stats[f"precision/moved_fraction/{name}"] = all_reduce_sum(changed) / max(1.0, all_reduce_sum(sampled))
-        if self.loss_scale.enabled:
-            stats["precision/loss_scale"] = self.loss_scale.scale
-            stats["precision/overflow_retries"] = float(self.loss_scale.overflows)
+    def _train_mini_batch(self, mini: Batch, objective: Objective, world: int) -> dict:
+        """One optimizer step on a mini-batch cut by `objective.split`; a float16 backward that overflowed
+        runs again at half the loss scale (hybridflow.training.loss_scale)."""
+        split = objective.split(self.model, mini, self.cfg.samples_per_micro_batch, self.cfg.tokens_per_micro_batch)
+        grad_norm = None
+        while grad_norm is None:
+            stats = self._accumulate(split, objective, world)
+            grad_norm = clipped_step(self.model, self.optimizer, self.loss_scale, self.cfg.optim.max_grad_norm,
+                                     f"actor update {self.updates}; lower the lr {objective.fix}")
+        stats.update(split.stats)
+        stats["actor/loss"] = all_reduce_sum(stats["actor/loss"])  # the mini-batch loss over all ranks
+        stats["actor/grad_norm"] = grad_norm
         return stats
 
-    def _train_mini_batch(self, mini: Batch, loss_fn, world: int) -> dict:
-        mask = loss_mask(mini)
-        tokens = all_reduce_sum(int(mask.sum()))
-        seqs = all_reduce_sum(int(mask.any(dim=1).sum()))
-        if tokens == 0:
-            raise ValueError("a mini-batch has no response tokens on any rank; check rollout.max_response_tokens")
-        trained = self._rows_with_gradient(mini)
-        packed, share = runs_packed(self.model), shares_prompts(self.model)
-        facts = row_facts(trained, share=packed and share)
-        rows = micro_batch_rows(trained, self.cfg.samples_per_micro_batch, self.cfg.tokens_per_micro_batch,
-                                packed, share, facts)
-        grad_norm = None
-        while grad_norm is None:  # float16: a backward that overflowed runs again at half the loss scale
-            weighted = self._accumulate(trained, rows, loss_fn, tokens, seqs, world)
-            grad_norm = self._clipped_step("or check the advantages/rewards for NaN")
-        weighted.update(computed_tokens(facts, rows, packed))
-        weighted["actor/trained_sample_fraction"] = len(trained) / len(mini)
-        weighted["actor/loss"] = all_reduce_sum(weighted["actor/loss"])  # the mini-batch loss over all ranks
-        weighted["actor/grad_norm"] = grad_norm
-        return weighted
-
-    def _accumulate(self, trained: Batch, rows: list, loss_fn, tokens: float, seqs: float, world: int) -> dict:
+    def _accumulate(self, split: Split, objective: Objective, world: int) -> dict:
         """Zero the gradients, then every micro-batch's forward and backward (the loss times the loss
-        scale); the micro-batches' statistics weighed by their tokens, read from the device once."""
+        scale and `world`, undoing FSDP's average over ranks); the micro-batches' statistics weighed by
+        their shares (`micro_batch_stat`), read from the device once."""
         self.optimizer.zero_grad(set_to_none=True)
-        if self._sampled:  # a float16 retry: the first mini-batch's log-probs are taken again
-            self._sampled.clear()
+        objective.accumulation_started()
         loss_total, weighted = 0.0, {}
-        trained_tokens = loss_mask(trained).sum().clamp(min=1)
-        micros = (trained.index(r) for r in rows)
-        for micro in accumulating(self.model, micros):  # nothing here waits for the device (read_floats)
-            loss, stats = loss_fn(micro, tokens, seqs)
+        for micro, share in accumulating(self.model, zip(split.micro_batches, split.shares)):
+            loss, stats = objective.loss(self.model, micro, split.counts)  # nothing here waits for the device
             (loss * (world * self.loss_scale.scale)).backward()
             loss_total = loss_total + loss.detach()
-            share = loss_mask(micro).sum() / trained_tokens
-            for k, v in stats.items():  # loss parts add up, means weigh by tokens: no split changes them
+            for k, v in stats.items():  # loss parts add up, means weigh by shares: no split changes them
                 weighted[k] = weighted.get(k, 0.0) + micro_batch_stat(k, v, share, world)
         weighted["actor/loss"] = loss_total
         read_floats(weighted)  # the one wait for the device in this mini-batch's micro-batches
         return weighted
-
-    def _clipped_step(self, fix: str) -> float | None:
-        """Unscale (float16), clip, step; None when a float16 backward overflowed and must run again
-        (hybridflow.training.loss_scale); a non-finite norm otherwise is refused (lower the lr, `fix`)."""
-        return clipped_step(self.model, self.optimizer, self.loss_scale, self.cfg.optim.max_grad_norm,
-                            f"actor update {self.updates}; lower the lr {fix}")
-
-    def _rows_with_gradient(self, mini: Batch) -> Batch:
-        """The rows of a policy mini-batch worth a forward and backward pass.
-
-        A sample whose every advantage is 0 (a GRPO group where all samples scored the same)
-        adds nothing to the gradient of a loss that vanishes there (`ppo_clip`, `gspo`), so when
-        the loss has no entropy or KL term it is left out. The loss is still normalised by the
-        whole mini-batch's token and sequence counts, so the gradient is the same as with every
-        row. Ranks keep the same number of rows (topped up with zero-advantage ones) so that
-        FSDP's collectives match.
-        Stats such as `actor/entropy` are then over the trained rows only.
-        """
-        if not self.cfg.skip_zero_advantage_samples or "advantages" not in mini or \
-                self.cfg.entropy_coef or self.cfg.kl_loss_coef or not vanishes_at_zero_advantage(self.cfg.policy_loss):
-            return mini
-        has_gradient = (mini["advantages"] != 0).any(dim=1)  # (B,)
-        rows = max(1, int(all_reduce_max(int(has_gradient.sum()))))
-        order = torch.argsort((~has_gradient).int(), stable=True)  # rows with a gradient first
-        return mini.index(order[:rows])
 
     @register(Dispatch.ONE_TO_ALL)
     def scale_lr(self, factor: float) -> float:

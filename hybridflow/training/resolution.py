@@ -22,6 +22,7 @@ from __future__ import annotations
 import torch
 
 from hybridflow import console
+from hybridflow.training.fsdp import all_reduce_sum
 
 SAMPLE_PER_RANK = 1 << 20  # values sampled from this rank's shards: a 4 MB float32 snapshot per step
 
@@ -115,3 +116,18 @@ class StallNote:
         if note:
             console.say(note)
             self.said = True
+
+
+def precision_stats(moved: MovedFraction | None, loss_scale) -> dict[str, float]:
+    """Collective, after a step's updates: the share of the weights they moved in each watched dtype
+    (`precision/moved_fraction/<name>`, over every rank's sample; none without `moved`), and with float16
+    the loss scale and the overflows retried so far (`precision/loss_scale`, `precision/overflow_retries`;
+    `loss_scale`: a hybridflow.training.loss_scale.LossScale)."""
+    stats = {}
+    if moved is not None:
+        for name, (changed, sampled) in moved.after().items():
+            stats[f"precision/moved_fraction/{name}"] = all_reduce_sum(changed) / max(1.0, all_reduce_sum(sampled))
+    if loss_scale.enabled:
+        stats["precision/loss_scale"] = loss_scale.scale
+        stats["precision/overflow_retries"] = float(loss_scale.overflows)
+    return stats

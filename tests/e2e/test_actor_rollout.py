@@ -17,6 +17,7 @@ from hybridflow.data.prompts import encode_prompts
 from tests.e2e.workers import CorruptibleVLLMRollout
 from recipes.roles import actor_role, reference_role
 from hybridflow.stage import prepare_stage
+from hybridflow.training.objectives import PolicyObjective
 
 MAX_PROMPT_TOKENS = 8
 VLLM_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1"}
@@ -110,9 +111,10 @@ def test_micro_batch_split_does_not_change_gradients(tiny_model_dir):
         worker = actor_role(prepare_stage(config).config, tiny_model_dir).build(WorkerContext())
         worker.start()
         worker.model.train()
-        tokens, seqs = float(mask.sum()), float(mask.any(1).sum())
+        counts = {"global_token_count": float(mask.sum()), "global_sequence_count": float(mask.any(1).sum())}
+        objective = PolicyObjective(worker.cfg, worker.temperature)
         for micro in batch.split(rows_per_micro):
-            loss, _ = worker._policy_loss(micro, tokens, seqs)
+            loss, _ = objective.loss(worker.model, micro, counts)
             loss.backward()
         return {n: p.grad.clone() for n, p in worker.model.named_parameters()}
 

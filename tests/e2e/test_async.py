@@ -44,7 +44,7 @@ TIMING_KEYS = {"weight_sync/seconds", "weight_sync/copy_floor_ratio", "weight_sy
 # (a left-padded batch of four lengths, docs/resharding.md), so its gap is no number of the loop's.
 PROBE_KEYS = {"weight_sync/probe_log_prob_gap", "weight_sync/probe_log_prob_gap_mean", "weight_sync/probe_log_prob_gap_q90"}
 # Over the rows each actor rank trains: trainer.balance_batch (after the fixture) moves rows between the
-# ranks, which changes which zero-advantage rows a rank leaves out (actor._rows_with_gradient); the loss,
+# ranks, which changes which zero-advantage rows a rank leaves out (PolicyObjective.rows_with_gradient); the loss,
 # the gradient norm and every other number of the loop stay the fixture's.
 RANK_ROWS_KEYS = {"actor/entropy", "actor/trained_sample_fraction"}
 

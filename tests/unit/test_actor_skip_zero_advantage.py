@@ -13,6 +13,7 @@ from hybridflow.data.prompts import encode_prompts
 from hybridflow.config.schema import ActorConfig, HybridFlowConfig, OptimConfig
 from recipes.roles import actor_role
 from hybridflow.stage import prepare_stage
+from hybridflow.training.objectives import PolicyObjective
 
 
 def _batch(model_dir) -> Batch:
@@ -33,7 +34,7 @@ def _gradients(model_dir, batch: Batch, **actor) -> tuple[dict[str, torch.Tensor
     worker.start()
     worker.optimizer.step = lambda: None  # keep the gradients of the one mini-batch to compare
     worker.model.train()
-    stats = worker._train_mini_batch(batch, worker._policy_loss, world=1)
+    stats = worker._train_mini_batch(batch, PolicyObjective(worker.cfg, worker.temperature), world=1)
     return {n: p.grad.clone() for n, p in worker.model.named_parameters()}, stats
 
 

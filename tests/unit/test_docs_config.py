@@ -25,8 +25,9 @@ hybridflow/ and workers/ and returns every name the code can write into a metric
 - Bare names (no `/`): the stats dict a function of hybridflow/algos returns (STYLE.md 2: the
   value plus a dict of stats), where a caller outside hybridflow/algos passes it on with its keys
   unchanged: returns it (followed up through the callers), merges it (`.update`, `**`,
-  `dict()`), copies it key by key, or hands it to a call or a caller the scan cannot follow (the
-  actor's `_policy_loss` runs as a `partial`): `policy_loss`, ..., `kl_loss`. Stats a caller
+  `dict()`), copies it key by key (the actor's loop adds each of `PolicyObjective.loss`'s stats into
+  its mini-batch's), or hands it to a call or a caller the scan cannot follow: `policy_loss`, ...,
+  `kl_loss`. Stats a caller
   prefixes (`advantages/`, `critic/`, `async/`), only reads (`kl_stats["kl"]`, written as
   `kl/token_mean`) or drops (`bonus, _ = entropy_bonus(...)`) are not names of their own.
 

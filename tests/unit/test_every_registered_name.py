@@ -119,7 +119,7 @@ def test_every_kl_estimator_runs_as_the_reward_penalty_and_as_the_loss(name):
 
 
 def actor_policy_loss(actor: ActorConfig, log_probs, advantages):
-    """The call ActorWorker._policy_loss makes, with the values it takes from ActorConfig."""
+    """The call PolicyObjective.loss makes (hybridflow.training.objectives), with the values of ActorConfig."""
     return compute_policy_loss(
         actor.policy_loss, log_probs=log_probs, old_log_probs=OLD_LOG_PROBS, advantages=advantages,
         response_mask=MASK, clip_ratio_low=actor.clip_ratio_low, clip_ratio_high=actor.clip_ratio_high,

@@ -24,6 +24,7 @@ from hybridflow.controller import WorkerContext
 from hybridflow.data import ArithmeticSpec, make_arithmetic_rows
 from hybridflow.data.prompts import encode_prompts
 from hybridflow.stage import prepare_stage
+from hybridflow.training.objectives import PolicyObjective, SFTObjective
 from recipes.roles import actor_role, critic_role
 
 ROWS = 8
@@ -72,11 +73,12 @@ def _actor(model_dir, split, loss, aggregation="token-mean", divide_by_micro_bat
     worker = actor_role(config, model_dir).build(WorkerContext())
     worker.start()
     _keep_gradients(worker)
-    fn = worker._policy_loss if loss == "policy" else worker._sft_loss
+    objective = PolicyObjective(worker.cfg, worker.temperature) if loss == "policy" else SFTObjective()
     if divide_by_micro_batches:  # the planted fault: the accumulation steps divided out a second time
-        count, plain = -(-ROWS // split[0]), fn
-        fn = lambda micro, tokens, seqs: (lambda loss, stats: (loss / count, stats))(*plain(micro, tokens, seqs))  # noqa: E731
-    stats = worker._train_mini_batch(_batch(model_dir), fn, world=1)
+        count, plain = -(-ROWS // split[0]), objective.loss
+        objective.loss = lambda model, micro, counts: (lambda loss, stats: (loss / count, stats))(  # noqa: E731
+            *plain(model, micro, counts))
+    stats = worker._train_mini_batch(_batch(model_dir), objective, world=1)
     return _gradients(worker.model), stats
 
 
@@ -152,7 +154,7 @@ def _rank_gradients(rank: int, world: int, port: int, model_dir: str, out_file: 
             for aggregation in LOSS_AGGREGATIONS.names():
                 config = prepare_stage(_config("actor", *split, loss_aggregation=aggregation)).config
                 worker = _keep_gradients(_started(actor_role(config, model_dir).build(context)))
-                worker._train_mini_batch(half, worker._policy_loss, world=scale)
+                worker._train_mini_batch(half, PolicyObjective(worker.cfg, worker.temperature), world=scale)
                 out[("policy", aggregation, split)] = _full_gradients(worker.model)
                 config = prepare_stage(_config("critic", *split, loss_aggregation=aggregation)).config
                 worker = _keep_gradients(_started(critic_role(config, model_dir).build(context)))
@@ -160,7 +162,7 @@ def _rank_gradients(rank: int, world: int, port: int, model_dir: str, out_file: 
                 out[("critic", aggregation, split)] = _full_gradients(worker.model)
             config = prepare_stage(_config("actor", *split)).config
             worker = _keep_gradients(_started(actor_role(config, model_dir).build(context)))
-            worker._train_mini_batch(half, worker._sft_loss, world=scale)
+            worker._train_mini_batch(half, SFTObjective(), world=scale)
             out[("sft", None, split)] = _full_gradients(worker.model)
         if rank == 0:
             torch.save(out, out_file)
