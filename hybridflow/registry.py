@@ -3,7 +3,8 @@
 A `Registry` maps a name to one object (a function or a class). Every entry of one
 registry shares one signature, stated in the registry's `signature` text so that an error
 can say what a user-supplied entry must look like. Registering a name twice raises; looking
-up an unknown name lists the names that exist. Users extend a registry from config by
+up an unknown name lists the names that exist. A registry of classes (schedules, transports, placement
+policies, cost models) adds each under its own `name` attribute with `add_class`. Users extend a registry from config by
 naming `package.module:object` or `path/to/file.py:object` (see `load_object`).
 """
 
@@ -38,6 +39,16 @@ class Registry(Generic[T]):
             return obj
 
         return add
+
+    def add_class(self, cls: T) -> T:
+        """Add a class under its own `name` attribute; usable as a decorator (`@SCHEDULES.add_class`).
+
+        A class without a `name` is refused with a ValueError naming it."""
+        name = getattr(cls, "name", "")
+        if not name:
+            raise ValueError(f"{getattr(cls, '__qualname__', repr(cls))} needs a `name` to be registered")
+        self.add(name, cls)
+        return cls
 
     def add(self, name: str, obj: T) -> None:
         if name in self._entries:

@@ -277,12 +277,8 @@ class Schedule:
 SCHEDULES: Registry[type[Schedule]] = Registry("rollout schedule", "a Schedule subclass with a `name`")
 
 
-def register_schedule(cls: type[Schedule]) -> type[Schedule]:
-    """Add a schedule class; the most recently registered one that serves a depth is chosen."""
-    if not cls.name:
-        raise ValueError(f"{cls.__qualname__} needs a `name` to be registered")
-    SCHEDULES.add(cls.name, cls)
-    return cls
+# Add a schedule class; the most recently registered one that serves a depth is chosen.
+register_schedule = SCHEDULES.add_class
 
 
 def schedule_class(max_staleness: int) -> type[Schedule]:

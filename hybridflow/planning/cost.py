@@ -111,11 +111,7 @@ class CostModel:
 COST_MODELS: Registry[type[CostModel]] = Registry("cost model", "a CostModel subclass with a `name`")
 
 
-def register_cost_model(cls: type[CostModel]) -> type[CostModel]:
-    if not cls.name:
-        raise ValueError(f"{cls.__qualname__} needs a `name` to be registered")
-    COST_MODELS.add(cls.name, cls)
-    return cls
+register_cost_model = COST_MODELS.add_class
 
 
 def build_cost_model(name: str, rates: Rates) -> CostModel:

@@ -46,11 +46,7 @@ class Policy:
 POLICIES: Registry[type[Policy]] = Registry("placement policy", "a Policy subclass with a `name`")
 
 
-def register_policy(cls: type[Policy]) -> type[Policy]:
-    if not cls.name:
-        raise ValueError(f"{cls.__qualname__} needs a `name` to be registered")
-    POLICIES.add(cls.name, cls)
-    return cls
+register_policy = POLICIES.add_class
 
 
 def build_policy(name: str) -> Policy:

@@ -155,12 +155,8 @@ class Transport:
 TRANSPORTS: Registry[type[Transport]] = Registry("weight transport", "a Transport subclass with a `name`")
 
 
-def register_transport(cls: type[Transport]) -> type[Transport]:
-    """Add a transport class to the registry `build_transport` chooses from (usable as a decorator)."""
-    if not cls.name:
-        raise ValueError(f"{cls.__qualname__} needs a `name` to be registered")
-    TRANSPORTS.add(cls.name, cls)
-    return cls
+# Add a transport class to the registry `build_transport` chooses from (usable as a decorator).
+register_transport = TRANSPORTS.add_class
 
 
 def transport_class(colocated: bool, device: str = "cpu") -> type[Transport]:
