@@ -34,7 +34,7 @@ from hybridflow.precision import device_of, resolve_dtypes
 from hybridflow.resharding.adapter import UNSERVED_MODULES, VLLM_LORA_RANKS
 from hybridflow.resharding.verify import probe_tolerance
 from hybridflow.rewards.builtin import REWARD_FUNCTIONS
-from hybridflow.rollout_schedules import schedule_class
+from hybridflow.rollout_schedules import Schedule, schedule_class
 from hybridflow.training.hooks import STEP_HOOKS, check_step_hooks
 
 
@@ -89,11 +89,12 @@ def config_problems(config: HybridFlowConfig) -> list[str]:
     return first_problems(checks)
 
 
-def plan_problems(config: HybridFlowConfig, plan: Plan) -> list[str]:
+def plan_problems(config: HybridFlowConfig, plan: Plan, schedule: type[Schedule] | None = None) -> list[str]:
     """What the stage's `plan` shows: the rollout layout on its pools, the step over the actor's ranks,
-    and what the async schedule needs of the placement."""
+    and what the async schedule needs of the placement (`schedule`: the class trainer.max_staleness chooses,
+    where the caller has it; else asked here)."""
     return first_problems([lambda: check_rollout_layout(config, plan), lambda: check_step_split(config, plan),
-                           lambda: check_overlap(config, plan)])
+                           lambda: check_overlap(config, plan, schedule)])
 
 
 def check_lora_sync(config: HybridFlowConfig) -> list[str]:
@@ -412,11 +413,13 @@ def check_schedule(config: HybridFlowConfig) -> list[str]:
                            "and cannot all be generated again: use them with trainer.max_staleness <= 1")
 
 
-def check_overlap(config: HybridFlowConfig, plan: Plan) -> list[str]:
+def check_overlap(config: HybridFlowConfig, plan: Plan, schedule: type[Schedule] | None = None) -> list[str]:
     """An overlapping schedule's needs of the placement (`hybridflow.planning.layout.overlap_problems`); rollout=hf
     on a pool of its own is refused by check_rollout_layout (it loads in-process)."""
     d = config.trainer.max_staleness
-    if not schedule_class(d).overlaps:
+    overlaps = (schedule or schedule_class(d)).overlaps
+    if not overlaps:
         return []
-    return [problem for key, value, allowed in overlap_problems(d, plan.rollout_colocated, plan.pool_of("rollout").name)
+    return [problem for key, value, allowed in overlap_problems(d, overlaps, plan.rollout_colocated,
+                                                                plan.pool_of("rollout").name)
             for problem in need(False, key, value, allowed)]

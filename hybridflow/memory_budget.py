@@ -188,11 +188,15 @@ def process_terms(config, plan, shape: ModelShape, roles: set[str], rows: int | 
     `hybridflow.planning.plan.Plan`: the actor's ranks, the rollout's TP, the device); `roles`: the
     roles placed on that pool; `rows`, `checkpointing`: the micro-batch's, where not the config's. On
     GPUs the GPU's bytes, a colocated engine asleep (see the module docstring)."""
+    return _actor_pool_terms(MemoryInputs.from_config(config, shape, rows, checkpointing), plan, roles)
+
+
+def _actor_pool_terms(inputs: MemoryInputs, plan, roles: set[str]) -> dict[str, float]:
+    """`process_terms` for inputs already built (`choose_micro_batch` builds them once)."""
     roles = set(roles) | {"actor"}
     if plan.device != "cpu":
         roles.discard("rollout")  # on a GPU a colocated engine sleeps while the actor trains
-    return device_terms(MemoryInputs.from_config(config, shape, rows, checkpointing), roles,
-                        plan.devices_of("actor"), plan.rollout_tp, plan.device)
+    return device_terms(inputs, roles, plan.devices_of("actor"), plan.rollout_tp, plan.device)
 
 
 def micro_batch_terms(inputs: MemoryInputs, rows: int | None = None, checkpointing: bool | None = None,
@@ -256,8 +260,7 @@ def choose_micro_batch(config, plan, shape: ModelShape | None, node_bytes: int |
         budget, where = AUTO_SHARE * gpu, "one GPU holds"
     # every term but the micro-batch's: the whole floor at one row, less that row's terms
     inputs = MemoryInputs.from_config(config, shape, rows=1, checkpointing=False)
-    fixed = (sum(process_terms(config, plan, shape, actor_pool_roles(config, plan), rows=1,
-                               checkpointing=False).values())
+    fixed = (sum(_actor_pool_terms(inputs, plan, actor_pool_roles(config, plan)).values())
              - sum(micro_batch_terms(inputs, attention_probabilities=cpu).values()))
 
     def fits(rows: int, ckpt: bool) -> bool:

@@ -9,7 +9,8 @@ phases, both before Ray starts and before any worker exists:
 2. `prepare_stage(config)`: the plan (the config's own, or placement=auto's best on the cluster:
    `hybridflow.planning.auto.decide_plan`, the one caller of `Plan.from_config`), what the plan
    shows is wrong (`plan_problems`, raised as one `ConfigError`), the micro-batch sizes left null
-   chosen for the plan's pools (hybridflow/memory_budget.py), and the console lines saying so.
+   chosen for the plan's pools (hybridflow/memory_budget.py, entered once), and the console lines saying
+   so. The schedule trainer.max_staleness chooses is asked for once and handed to the plan and its checks.
 
 The result is frozen and is the one answer from then on: the runner hands it to the recipe, the
 recipe to `hybridflow.lifecycle.start_run`, and that to Ray's start, the pool reservation, the
@@ -30,6 +31,7 @@ from hybridflow.model_checks import half_precision_note
 from hybridflow.planning.auto import decide_plan
 from hybridflow.planning.plan import Plan, save_plan
 from hybridflow.precision import precision_line
+from hybridflow.rollout_schedules import schedule_class
 
 
 @dataclass(frozen=True)
@@ -62,8 +64,9 @@ class Stage:
 def prepare_stage(config: HybridFlowConfig) -> Stage:
     """The stage `config` runs as (phase 2 above): raises `ConfigError` naming the problems its plan shows,
     or `InputError` when placement=auto finds no plan that fits."""
-    decided = decide_plan(config)
-    problems = plan_problems(config, decided.plan)
+    schedule = schedule_class(config.trainer.max_staleness)  # asked once: the plan and its checks are given it
+    decided = decide_plan(config, schedule)
+    problems = plan_problems(config, decided.plan, schedule)
     if problems:
         raise ConfigError("\n".join(problems))
     config, chosen = resolve_micro_batches(config, decided.plan)  # for the plan's pools

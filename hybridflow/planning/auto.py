@@ -26,6 +26,7 @@ from hybridflow.planning.cost import STAGES, Rates, build_cost_model
 from hybridflow.planning.plan import PLAN_FILE, Plan
 from hybridflow.planning.search import SearchOptions, SearchResult, build_policy, search
 from hybridflow.planning.workload import Cluster, Workload
+from hybridflow.rollout_schedules import Schedule
 
 RUNNERS_UP = 4
 
@@ -68,12 +69,13 @@ class Decision:
     line: str | None = None
 
 
-def decide_plan(config) -> Decision:
+def decide_plan(config, schedule: type[Schedule] | None = None) -> Decision:
     """The stage's plan, decided once before anything starts: the config's own (`Plan.from_config`, called
     here only), or with placement.planner.auto the planner's best for this cluster (with the CPUs per
     device and the pinning of the config's own), and the console line that says what it chose. The
-    config is not rewritten; `hybridflow.stage.prepare_stage` checks the plan."""
-    own = Plan.from_config(config)  # on the device the config's dtypes chose
+    config is not rewritten; `hybridflow.stage.prepare_stage` checks the plan. `schedule`: the class
+    trainer.max_staleness chooses, where the caller has it (`Plan.from_config`)."""
+    own = Plan.from_config(config, schedule)  # on the device the config's dtypes chose
     if not config.placement.planner.auto:
         return Decision(own)
     from hybridflow.data.checks import InputError

@@ -125,9 +125,10 @@ class Analytical(CostModel):
     def predict(self, plan: Plan, workload: Workload, cluster: Cluster) -> Prediction:
         from hybridflow.rollout_schedules import schedule_class
 
+        schedule = schedule_class(plan.max_staleness)
         roles: dict[str, float] = {}
         score_by_pool, update_by_pool = {}, {}
-        actor_forward = workload.actor_forwards(schedule_class(plan.max_staleness).stale)
+        actor_forward = workload.actor_forwards(schedule.stale)
         for pool in plan.pools:
             score = update = 0.0
             for role in pool.roles:
@@ -152,7 +153,7 @@ class Analytical(CostModel):
         scale = dict(self.rates.stage_scale)
         stages = {stage: seconds * scale.get(stage, 1.0) for stage, seconds in stages.items()}
         roles["rollout generate"] = stages["generate"]
-        if schedule_class(plan.max_staleness).overlaps and not plan.rollout_colocated:
+        if schedule.overlaps and not plan.rollout_colocated:
             # the next batch generates while this one is scored and trained; the rollout's pool also
             # does the work of the roles that share it
             rollout = plan.pool_of("rollout").name

@@ -36,12 +36,12 @@ def rollout_layout_problems(tp: int, ranks: int, pool: str, heads: int, kv_heads
     return problems
 
 
-def overlap_problems(depth: int, rollout_colocated: bool, rollout_pool: str) -> list[tuple[str, Any, str]]:
-    """(key, value, what is allowed) when schedule depth `depth` overlaps generation with training and
-    the rollout shares the actor's processes; the config check raises it, the planner drops the plan."""
-    from hybridflow.rollout_schedules import schedule_class
-
-    if schedule_class(depth).overlaps and rollout_colocated:
+def overlap_problems(depth: int, overlaps: bool, rollout_colocated: bool, rollout_pool: str
+                     ) -> list[tuple[str, Any, str]]:
+    """(key, value, what is allowed) when schedule depth `depth` overlaps generation with training (`overlaps`:
+    its schedule's, `hybridflow.rollout_schedules.schedule_class(depth).overlaps`) and the rollout shares the
+    actor's processes; the config check raises it, the planner drops the plan."""
+    if overlaps and rollout_colocated:
         return [("placement.roles.rollout", rollout_pool, f"trainer.max_staleness={depth} overlaps generation with "
                  "training, which needs the rollout on a pool of its own (placement=disaggregated); colocated roles "
                  "share one process")]

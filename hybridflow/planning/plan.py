@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from hybridflow.planning.workload import MODEL_ROLES
+from hybridflow.rollout_schedules import Schedule, schedule_class
 
 
 @dataclass(frozen=True)
@@ -81,11 +82,12 @@ class Plan:
 
     # --- making one -----------------------------------------------------------------------
     @classmethod
-    def from_config(cls, config) -> "Plan":
+    def from_config(cls, config, schedule: type[Schedule] | None = None) -> "Plan":
         """The plan a config selects: its pools (those placement.roles names; every role the config
         maps is on one, whether or not the recipe starts it), rollout TP, staleness, CPU pinning
         (placement.pin_cpus, or the schedule's `overlaps`), the device (`precision.device_of`, as the
-        dtypes decide it) and the transport that serves them."""
+        dtypes decide it) and the transport that serves them. `schedule`: the class trainer.max_staleness
+        chooses, where the caller has it (`hybridflow.stage.prepare_stage`), else asked here."""
         placement = config.placement
         pools = []
         for name, pool in placement.pools.items():
@@ -93,7 +95,8 @@ class Plan:
             if roles:
                 pools.append(PoolPlan(name, pool.nodes, pool.devices_per_node, roles, pool.cpus_per_device,
                                       pool.node_affinity, pool.exclusive_nodes))
-        plan = cls(tuple(pools), config.rollout.tensor_parallel_size, config.trainer.max_staleness, pins_cpus(config))
+        plan = cls(tuple(pools), config.rollout.tensor_parallel_size, config.trainer.max_staleness,
+                   pins_cpus(config, schedule))
         from hybridflow.precision import device_of
 
         return plan.with_transport(device_of(placement.device.value))  # auto: the device the config's dtypes chose
@@ -164,13 +167,13 @@ class Plan:
         return json.dumps(self.to_dict(), indent=2)
 
 
-def pins_cpus(config) -> bool:
+def pins_cpus(config, schedule: type[Schedule] | None = None) -> bool:
     """Whether the pools pin their cores: placement.pin_cpus, else whether the schedule overlaps
-    generation with training (trainer.max_staleness)."""
-    from hybridflow.rollout_schedules import schedule_class
-
+    generation with training (`schedule`, else the one trainer.max_staleness chooses)."""
     pin = config.placement.pin_cpus
-    return pin if pin is not None else schedule_class(config.trainer.max_staleness).overlaps
+    if pin is not None:
+        return pin
+    return (schedule or schedule_class(config.trainer.max_staleness)).overlaps
 
 
 # --- the plan file: one per stage, run_dir/plan.json -----------------------------------------------

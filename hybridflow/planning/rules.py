@@ -26,6 +26,7 @@ from __future__ import annotations
 from hybridflow.planning.plan import Plan, PoolPlan
 from hybridflow.memory_budget import GPU_MEMORY_SHARE, device_terms, gpu_device_phases
 from hybridflow.planning.workload import GIB, Cluster, Workload
+from hybridflow.rollout_schedules import schedule_class
 
 
 def problems(plan: Plan, workload: Workload, cluster: Cluster, any_tp: bool = False) -> list[str]:
@@ -50,7 +51,8 @@ def problems(plan: Plan, workload: Workload, cluster: Cluster, any_tp: bool = Fa
             plan.rollout_tp, rollout.devices, rollout.name, workload.heads, workload.kv_heads,
             colocated=plan.rollout_colocated, actor_pool=plan.pool_of("actor").name)]
     out += [f"{key}={value}: {allowed}"
-            for key, value, allowed in overlap_problems(plan.max_staleness, plan.rollout_colocated, rollout.name)]
+            for key, value, allowed in overlap_problems(plan.max_staleness, schedule_class(plan.max_staleness).overlaps,
+                                                        plan.rollout_colocated, rollout.name)]
     out += device_problems(plan, cluster)
     if cluster.device == "cuda" and workload.engine_memory:
         share = workload.gpu_memory_utilization * cluster.device_memory_bytes

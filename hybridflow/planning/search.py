@@ -61,16 +61,17 @@ class Exhaustive(Policy):
 
     def candidates(self, workload: Workload, cluster: Cluster, options: SearchOptions) -> Iterator[Plan]:
         sizes = pool_sizes(cluster)
+        schedules = {depth: schedule_class(depth) for depth in options.depths}  # asked once per depth
         for sets in set_partitions(list(workload.roles)):
             for split in device_splits(len(sets), cluster.devices, sizes):
                 pools = tuple(make_pool(roles, n, cluster) for roles, n in zip(sets, split))
                 rollout = next(p for p in pools if "rollout" in p.roles)
                 for tp in tp_options(rollout.devices, cluster, options.any_tp):
                     for depth in options.depths:
-                        overlaps = schedule_class(depth).overlaps
+                        overlaps = schedules[depth].overlaps
                         if overlaps and "actor" in rollout.roles:
                             continue  # an overlapping depth needs the rollout on its own pool (the rules say so)
-                        fix = "actor" if schedule_class(depth).stale and workload.old_log_probs == "auto" else ""
+                        fix = "actor" if schedules[depth].stale and workload.old_log_probs == "auto" else ""
                         yield Plan(pools, tp, depth, pin_cpus=overlaps and cluster.device == "cpu", old_log_probs=fix)
 
 
