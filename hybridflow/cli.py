@@ -122,13 +122,13 @@ def _hydra_main(cfg: DictConfig) -> None:
 def run_command() -> int:
     """What `hybridflow` does with sys.argv, as its exit status (0; 2 for a refusal; 1 for an error
     Hydra reported), without ending the process: `main` ends it, a test runs several in one process."""
-    from hybridflow.pipeline_stages import split_stage_scoped
+    from hybridflow.pipeline_stages import compose_command, split_stage_scoped
 
     try:
         if sys.argv[1:2] == ["plan"]:  # `hybridflow plan ...`: the placement search (hybridflow/planning/cli.py)
             from hybridflow.planning.cli import main as plan_main
 
-            return plan_main(sys.argv[2:])
+            return plan_main(sys.argv[2:], compose_command)
         sys.argv[1:], _STAGE_SCOPED[:] = split_stage_scoped(sys.argv[1:])
         _hydra_main()
     except SystemExit as exc:  # a refusal (2), Hydra's report of an error (1), --help (0)

@@ -22,7 +22,7 @@ import os
 import re
 from functools import partial
 from pathlib import Path
-from typing import TYPE_CHECKING, Iterator, Optional
+from typing import Iterator, Optional, Protocol
 
 import torch
 
@@ -30,15 +30,19 @@ from hybridflow.merge.errors import MergeError
 from hybridflow.merge.safetensors_io import CHUNK_BYTES, TensorEntry, read_chunks, read_header, read_tensor
 from hybridflow.registry import Registry
 
-if TYPE_CHECKING:
-    from hybridflow.merge.provenance import InputHasher
-
 CHECKPOINT_FORMATS: Registry[type] = Registry(
     "checkpoint format",
     "class with classmethod matches(path: Path) -> bool and constructor cls(path: Path, base: Checkpoint | None)",
 )
 
 INDEX_FILE = "model.safetensors.index.json"
+
+
+class ReadHasher(Protocol):
+    """What a reader reports its reads to (`hybridflow.merge.provenance.InputHasher` is the one the merge uses)."""
+
+    def feed(self, file: Path, offset: int, data: torch.Tensor) -> None:
+        """`data` (contiguous uint8) was just read from byte `offset` of `file`."""
 
 
 class Checkpoint:
@@ -73,7 +77,7 @@ class Checkpoint:
         """The file that holds `key`, for error messages."""
         return str(self.path)
 
-    def attach_hasher(self, hasher: "InputHasher") -> None:
+    def attach_hasher(self, hasher: ReadHasher) -> None:
         """Report every read to `hasher.feed(file, offset, raw bytes)` (provenance hashes)."""
 
     def weight_files(self) -> list[Path]:
@@ -104,7 +108,7 @@ class SafetensorsCheckpoint(Checkpoint):
         self.files = _weight_files(path)
         self._fds: dict[Path, int] = {}
         self._buffers: list[torch.Tensor] = []  # reusable CHUNK_BYTES read buffers
-        self._hasher: Optional["InputHasher"] = None
+        self._hasher: Optional[ReadHasher] = None
         for file in self.files:
             entries, _ = read_header(file)
             for key, entry in entries.items():
@@ -163,7 +167,7 @@ class SafetensorsCheckpoint(Checkpoint):
         entry = self.entries.get(key)
         return str(entry.file) if entry else str(self.path)
 
-    def attach_hasher(self, hasher: "InputHasher") -> None:
+    def attach_hasher(self, hasher: ReadHasher) -> None:
         self._hasher = hasher
 
     def weight_files(self) -> list[Path]:

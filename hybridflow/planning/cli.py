@@ -20,6 +20,7 @@ import json
 import shlex
 import sys
 from pathlib import Path
+from typing import Any, Callable
 
 from hybridflow.planning.cost import STAGES
 from hybridflow.planning.rules import phases
@@ -74,10 +75,11 @@ def make_cluster(args, config) -> Cluster:
     return Cluster(int(nodes), int(devices), memory * GIB, device)
 
 
-def main(argv: list[str]) -> int:
+def main(argv: list[str], compose_command: Callable[[list[str]], Any]) -> int:
+    """`hybridflow plan ARGV`; `compose_command(overrides)` composes and checks the run's config as the
+    command does (`hybridflow.pipeline_stages.compose_command`, passed in by `hybridflow.cli`: the stage's
+    modules sit above the planner)."""
     args = parser().parse_args(argv)
-    from hybridflow.pipeline_stages import compose_command
-    from hybridflow.config import ConfigError
     from hybridflow.planning.device_rates import load_rates
     from hybridflow.planning.workload import Workload
 
@@ -124,7 +126,7 @@ def main(argv: list[str]) -> int:
         p = config.placement.planner
         result = search(workload, cluster, build_cost_model(p.cost_model, rates), build_policy(p.policy),
                         SearchOptions(any_tp=not args.tp_1_or_pool, depths=depths))
-    except (ConfigError, ValueError, KeyError, RuntimeError) as exc:
+    except (ValueError, KeyError, RuntimeError) as exc:  # a ConfigError is a ValueError
         print(f"hybridflow plan: {exc}", file=sys.stderr)
         return 2
     print(report(result, workload, cluster, rates, args.top, args.refused, note))

@@ -98,14 +98,15 @@ def test_a_cached_device_is_refitted_only_past_a_quarter_off(cache):
 
 
 def test_the_plan_command_marks_borrowed_seconds(cache, monkeypatch, capsys):
+    from hybridflow.pipeline_stages import compose_command
     from hybridflow.planning.cli import main
 
     monkeypatch.setenv(dr.IDENTITY_VAR, "Simulated CPU")
-    assert main(["--top", "2", "recipe=grpo"]) == 0
+    assert main(["--top", "2", "recipe=grpo"], compose_command) == 0
     out = capsys.readouterr().out
     assert "rates: BORROWED from another device" in out and "s/step*" in out
     assert "the ranking below is by another device's seconds (borrowed rates): not a prediction for this one" in out
     dr.save_cached(dr.this_device("cpu"), CPU_XEON_2CORE, "calibrated")
-    assert main(["--top", "2", "recipe=grpo"]) == 0
+    assert main(["--top", "2", "recipe=grpo"], compose_command) == 0
     out = capsys.readouterr().out
     assert "rates: this device's, calibrated 0.0 h ago" in out and "s/step*" not in out

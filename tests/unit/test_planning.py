@@ -303,7 +303,7 @@ def test_placement_auto_and_the_plan_command_plan_this_machines_gpus(tmp_path, m
     assert plan.device == "cuda" and plan.devices <= 8 and plan.transport in ("colocated", "broadcast")
     assert "on 1 node(s) x 8 cuda device(s), 79.6 GiB each" in line and "H100" in line
     assert decided.record["cluster"]["device"] == "cuda" and plan.to_dict()["device"] == "cuda"  # as plan.json saves
-    assert main(["--device", "cuda", "--top", "2", *PPO]) == 0  # `hybridflow plan` on this machine
+    assert main(["--device", "cuda", "--top", "2", *PPO], compose_command) == 0  # `hybridflow plan` on this machine
     assert "8 cuda device(s)" in capsys.readouterr().out
     assert Cluster.this_machine("cpu").device == "cpu"  # placement.device=cpu plans the cores
     fake_gpus(tmp_path, monkeypatch, 0)  # nvidia-smi, and no GPU it can read
@@ -340,7 +340,7 @@ def test_paper_scale_search_picks_the_papers_family(model, gpus, family):
 def test_the_plan_command_prints_the_ranking_overrides_and_memory_and_exits_2_when_nothing_fits(capsys):
     from hybridflow.planning.cli import main
 
-    assert main(["--cluster", "1x2", "--device-memory-gib", "8", "--top", "3", *PPO]) == 0
+    assert main(["--cluster", "1x2", "--device-memory-gib", "8", "--top", "3", *PPO], compose_command) == 0
     out = capsys.readouterr().out
     assert "searched 13 plans" in out and "13 fit" in out
     ranked = [line for line in out.splitlines() if line[:3].strip() in ("1", "2", "3") and "depth" in line]
@@ -348,10 +348,10 @@ def test_the_plan_command_prints_the_ranking_overrides_and_memory_and_exits_2_wh
     steps = [float(line.split()[1]) for line in ranked]
     assert steps == sorted(steps)
     assert "placement.roles.reward=" in out and "memory per device of the best plan" in out
-    assert main(["--cluster", "1x2", "--device-memory-gib", "0.5", *PPO]) == 2
+    assert main(["--cluster", "1x2", "--device-memory-gib", "0.5", *PPO], compose_command) == 2
     out = capsys.readouterr().out
     assert "no plan fits" in out and "GiB  vLLM KV cache (rollout.kv_cache_space_gib)" in out
-    assert main(["--cluster", "2by2", *PPO]) == 2
+    assert main(["--cluster", "2by2", *PPO], compose_command) == 2
     assert "give here, ray, or NODESxDEVICES" in capsys.readouterr().err
 
 
