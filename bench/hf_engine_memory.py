@@ -50,11 +50,10 @@ def arithmetic_prompts(model_dir: str, rows: int):
 
 def started_engine(engine_class, model_dir: str, tok, tokens: int):
     """A rollout engine (`workers.rollout`) of one rank on the CPU, in float32, started."""
-    from types import SimpleNamespace
-
     from hybridflow.config.schema import Dtype, RolloutConfig
+    from hybridflow.controller import WorkerContext
 
-    ctx = SimpleNamespace(rank=0, world_size=1, replica_size=1, device="cpu", group_name="bench")
+    ctx = WorkerContext(rank=0, world_size=1, replica_size=1, device="cpu", group_name="bench")
     engine = engine_class(ctx, model_dir, RolloutConfig(max_response_tokens=tokens, dtype=Dtype.float32),
                           MAX_PROMPT_TOKENS, tok.eos_token_id, tok.pad_token_id)
     engine.start()

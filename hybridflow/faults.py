@@ -39,12 +39,10 @@ def inject_faults(config: HybridFlowConfig, step: int, groups: dict[str, WorkerG
         host = group.hosts[fault.rank]
         say(f"hybridflow: fault injection: {fault.kind} {fault.role} rank {fault.rank}"
             + (f" method {fault.method}" if fault.method else "") + f" at step {step}")
-        import ray  # kill and hang are refused with placement.backend=local (config rules)
-
-        if fault.kind == "kill":
-            ray.kill(host, no_restart=True)
+        if fault.kind == "kill":  # kill and hang are refused with placement.backend=local (config rules)
+            host.kill()
         else:
-            ray.get(host.inject_hang.remote(fault.role, fault.method))
+            host.ask("inject_hang", fault.role, fault.method)
 
 
 def corrupt_newest_checkpoint(run_dir: Path) -> Path:

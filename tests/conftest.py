@@ -33,7 +33,7 @@ os.environ.setdefault("REPORTER_UPDATE_INTERVAL_MS", "60000")
 # ran at 55-60 steps/s beside a second copy of itself and at 10 beside a one-thread process; with one thread
 # each, 306-316. The default tier: 8:27 -> 7:40, its tests' durations 986 -> 891 s in sum (DPO's one-rank
 # run 35 -> 15 s, tests/unit/test_precision.py 15.5 -> 4.4). Runs that pin their ranks still size each
-# rank's pool to its cores (hybridflow/controller/worker_group.py `pin_threads`); a test about threads
+# rank's pool to its cores (hybridflow/controller/hosts.py `pin_threads`); a test about threads
 # sets its own count. Set, not defaulted: like `-n 2` in addopts, it is how the suite runs.
 os.environ["OMP_NUM_THREADS"] = "1"
 

@@ -9,7 +9,11 @@ Ray, so a worker file can be imported, built and tested in a process with no Ray
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, Callable
+
+
+def _nothing_frees(callback: Callable[[], None]) -> None:
+    """A worker built outside any host (a test, a bench): no teardown will run its callbacks."""
 
 
 @dataclass(frozen=True)
@@ -30,6 +34,9 @@ class WorkerContext:
     master_port: int = 0
     group_name: str = "local"  # the worker group's name: roles fused into one process share it
     replica_size: int = 1  # this role's ranks per replica (a tensor-parallel engine's TP; RoleSpec.replica_size)
+    # `on_teardown(callback)`: run `callback` when the host frees this process's workers while the process lives on
+    # (the one-process backend between stages; hybridflow/controller/hosts.py); a process that ends runs none
+    on_teardown: Callable[[Callable[[], None]], None] = field(default=_nothing_frees, compare=False, repr=False)
 
 
 @dataclass
@@ -47,7 +54,7 @@ class RoleSpec:
     replica_size: int = 1
 
     def build(self, ctx: WorkerContext) -> Any:
-        """The worker for one rank (in a WorkerHost, or in-process in a test)."""
+        """The worker for one rank (in a WorkerHost, hybridflow/controller/hosts.py, or in-process in a test)."""
         if self.replica_size != getattr(ctx, "replica_size", 1):
             ctx = replace(ctx, replica_size=self.replica_size)
         return self.cls(ctx, **self.kwargs)

@@ -23,3 +23,8 @@ class WorkerError(RuntimeError):
 
 class WorkerGroupBroken(RuntimeError):
     """A call on a worker group that already failed; its processes may be stuck in a collective."""
+
+
+class CallTimeoutError(TimeoutError):
+    """No result within a caller's `timeout_s` from the ranks it names (a stage's deadline raises
+    `hybridflow.controller.deadlines.StageTimeoutError` instead)."""

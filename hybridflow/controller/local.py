@@ -1,16 +1,17 @@
 """The one-process backend (placement.backend=local): the driver and every role's workers in one
 process, on one device (one GPU, or the CPU), behind the same worker-group and future API as Ray.
 
-Where a Ray run has one host process per device, this has one `LocalHost` in the driver's process;
-`spawn_local` builds every role in it and returns the same `WorkerGroup`s (hybridflow/controller/
-worker_group.py), which submit to it instead of to a Ray actor. A call runs when it is submitted and
-its result, or its error, waits in a `LocalRef`: the `WorkerError` is raised where a Ray run raises it,
-at the wait. What a Ray call gets by crossing processes is kept: the arguments and the result are
-copied (a worker that changes a batch in place does not change the driver's), and the host keeps the
-torch random state of its own, swapped in around each call as a process of its own would have it.
+Where a Ray run has one host process per device, this has one `LocalHost` in the driver's process (a
+`Host`, hybridflow/controller/hosts.py); `spawn_local` builds every role in it and returns the same
+`WorkerGroup`s (hybridflow/controller/worker_group.py). A call runs when it is submitted and its result,
+or its error, waits in a `LocalRef`: the `WorkerError` is raised where a Ray run raises it, at the wait.
+What a Ray call gets by crossing processes is kept: the arguments and the result are copied (a worker
+that changes a batch in place does not change the driver's), and the host keeps the torch random state
+of its own, swapped in around each call as a process of its own would have it.
 One torch.distributed group of world size 1 (NCCL on CUDA, gloo on the CPU) serves FSDP2 and vLLM, made
 once and kept for the process's life: vLLM keeps its own groups built on it from one engine to the next.
-`teardown` frees the stage's models (the local receiver registry included) before the next stage.
+`teardown` frees the stage's models before the next stage: the callbacks the roles registered run (the
+colocated receiver registry forgets its engine: hybridflow/resharding/receiver.py), the workers go.
 
 Nothing here imports Ray. What one process cannot do is refused before anything starts
 (hybridflow/checks.py `check_local_backend`).
@@ -24,13 +25,14 @@ import socket
 from typing import Any, Callable
 
 from hybridflow.controller.context import RoleSpec
+from hybridflow.controller.hosts import Host, WorkerHost
+from hybridflow.controller.worker_group import WorkerGroup
 
 
 class LocalRef:
     """The outcome of a call already made: its value, or the error it raised."""
 
     __slots__ = ("value", "error")
-    one_process = True  # what hybridflow/controller/worker_group.py asks of a ref (it imports nothing from here)
 
     def __init__(self, value: Any = None, error: BaseException | None = None) -> None:
         self.value, self.error = value, error
@@ -55,16 +57,12 @@ class LocalRef:
         return [LocalRef(v) for v in self.value]
 
 
-class LocalHost:
+class LocalHost(Host):
     """The one rank of a one-process run: a `WorkerHost` (the same role building, calls and errors)
     in the driver's process, with the random state and argument copies of a process of its own."""
 
-    one_process = True
-
     def __init__(self, group_name: str, device: str, roles: dict[str, RoleSpec]) -> None:
-        from hybridflow.controller.worker_group import WorkerHost
-
-        self.host = WorkerHost(group_name, 0, 1, 0, "local", device == "cuda", roles, log_file=None)
+        self.worker_host = WorkerHost(group_name, 0, 1, 0, "local", device == "cuda", roles, log_file=None)
         self.device = device
         self.rng: dict | None = None  # this host's torch random state, between calls
 
@@ -77,25 +75,40 @@ class LocalHost:
             with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
                 s.bind(("127.0.0.1", 0))
                 port = s.getsockname()[1]
-        return self._in_own_state(self.host.setup, "127.0.0.1", port, collective_timeout_s)
+        return self._in_own_state(self.worker_host.setup, "127.0.0.1", port, collective_timeout_s)
 
-    def submit(self, role: str, method: str, *args: Any, **kwargs: Any) -> LocalRef:
+    def submit(self, role: str | None, method: str, args: tuple, kwargs: dict, lane: str | None = None) -> LocalRef:
+        """The call, run now (one thread: `lane` changes nothing) on copies of its arguments."""
         args, kwargs = _resolved(args), {k: _resolved([v])[0] for k, v in kwargs.items()}
+        fn = getattr(self.worker_host, method) if role is None else self.worker_host.call
         try:
-            value = self._in_own_state(self.host.call, role, method, *copy.deepcopy(args), **copy.deepcopy(kwargs))
+            value = self._in_own_state(fn, *(() if role is None else (role, method)), *copy.deepcopy(args),
+                                       **copy.deepcopy(kwargs))
             return LocalRef(copy.deepcopy(value))
         except BaseException as exc:  # a WorkerError naming the role, method and rank, as under Ray
             return LocalRef(error=exc)
 
-    def info(self) -> dict:
-        return self.host.info()
+    def ready(self, refs: list, timeout_s: float | None) -> tuple[list, list]:
+        return list(refs), []  # every call finished when it was submitted
+
+    def result(self, ref: LocalRef, worker_class: str, method: str) -> Any:
+        return ref.get()  # its error is already the WorkerHost's WorkerError
+
+    def value(self, ref: LocalRef) -> Any:
+        return ref.get()
+
+    def apply(self, fn: Callable, args: tuple, returns: int = 1) -> list:
+        out = LocalRef.of(fn, *args)
+        return out.parts(returns) if returns > 1 else [out]
+
+    def kill(self) -> None:
+        """A process cannot end itself and go on driving: the nearest is to free its workers (a planted
+        kill is refused with placement.backend=local before start, hybridflow/checks.py)."""
+        self.teardown()
 
     def teardown(self) -> None:
-        """Free the stage's models: its workers, the colocated receiver registry, cached device memory."""
-        from hybridflow.resharding.receiver import forget_local
-
-        self.host.workers.clear()
-        forget_local(self.host.group_name)
+        """Free the stage's models: the roles' teardown callbacks, the workers, cached device memory."""
+        self.worker_host.teardown()
         gc.collect()
         if self.device == "cuda":
             import torch
@@ -138,8 +151,6 @@ def _set_rng_state(state: dict, device: str) -> None:
 
 def spawn_local(name: str, device: str, roles: dict[str, RoleSpec], collective_timeout_s: float = 600.0) -> dict:
     """Every role of `roles` built in this process on `device`; one `WorkerGroup` per role."""
-    from hybridflow.controller.worker_group import WorkerGroup
-
     if not roles:
         raise ValueError("spawn_local needs at least one role")
     host = LocalHost(name, device, roles)

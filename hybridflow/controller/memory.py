@@ -33,6 +33,8 @@ import os
 import re
 import time
 
+from hybridflow.controller.errors import WorkerError
+
 MONITOR_LANE = "monitor"
 GIB = 2 ** 30
 CPU_KERNEL_CACHE_ENTRIES = 64
@@ -109,17 +111,13 @@ def pool_memory_metrics(groups: dict) -> dict[str, float]:
     `memory/<pool>_rss_gib` (the largest resident set now) and, on GPUs, `memory/<pool>_device_peak_gib`,
     for every pool of `groups` (role -> WorkerGroup; roles sharing a pool share its processes)."""
     pools: dict[str, object] = {}
-    local = {}  # placement.backend=local: the one process, read here
-    for group in groups.values():
-        if group is not None and group.pool is not None:
-            pools.setdefault(group.pool.spec.name, group)
-        elif group is not None:
-            local.setdefault(group.name.split(":")[0], group)
-    calls = {name: [h.memory.options(concurrency_group=MONITOR_LANE).remote() for h in group.hosts]
+    for group in groups.values():  # placement.backend=local: no pool, the group's name starts with the pool's
+        if group is not None:
+            pools.setdefault(group.pool.spec.name if group.pool is not None else group.name.split(":")[0], group)
+    calls = {name: [(h, h.submit(None, "memory", (), {}, MONITOR_LANE)) for h in group.hosts]
              for name, group in pools.items()}
     out = {}
-    reads_by_pool = {name: [read_and_reset(g.hosts[0].device == "cuda")] for name, g in local.items()}
-    reads_by_pool.update({name: _answers(refs) for name, refs in calls.items()})
+    reads_by_pool = {name: _answers(host_calls) for name, host_calls in calls.items()}
     for name, reads in reads_by_pool.items():
         if not reads:
             continue
@@ -130,19 +128,23 @@ def pool_memory_metrics(groups: dict) -> dict[str, float]:
     return out
 
 
-def _answers(refs: list, timeout_s: float = 10.0) -> list[dict]:
-    """The reads that came back. A read never fails a run: a dead or unresponsive process is left
-    out (the next stage call to it names it and the restarts handle it), and a pool none of whose
-    processes answered reports nothing this step."""
-    import ray
-    from ray.exceptions import GetTimeoutError, RayActorError
-
-    reads = []
-    for ref in refs:
-        try:
-            reads.append(ray.get(ref, timeout=timeout_s))
-        except (RayActorError, GetTimeoutError):
-            continue
+def _answers(host_calls: list, timeout_s: float = 10.0) -> list[dict]:
+    """The reads that came back (`host_calls`: (host, reference) of each process's read, through the host
+    protocol, hybridflow/controller/hosts.py). A read never fails a run: a dead, failing or unresponsive
+    process is left out (the next stage call to it names it and the restarts handle it), and a pool none of
+    whose processes answered within `timeout_s` reports nothing this step."""
+    host_of = {ref: host for host, ref in host_calls}
+    reads, pending = [], list(host_of)
+    deadline = time.monotonic() + timeout_s
+    while pending:
+        ready, pending = host_calls[0][0].ready(pending, max(0.0, deadline - time.monotonic()))
+        if not ready:
+            break
+        for ref in ready:
+            try:
+                reads.append(host_of[ref].result(ref, "WorkerHost", "memory"))
+            except WorkerError:
+                continue
     return reads
 
 

@@ -13,7 +13,8 @@ rollout worker: the two meet only here.
 from __future__ import annotations
 
 import time
-from typing import Iterable
+from functools import partial
+from typing import Callable, Iterable
 
 import torch
 
@@ -23,12 +24,17 @@ from hybridflow.resharding.verify import WeightSyncError, checksum, verify_again
 _LOCAL: dict[str, "Receiver"] = {}
 
 
-def register_local(group_name: str, receiver: "Receiver") -> None:
+def register_local(group_name: str, receiver: "Receiver",
+                   on_teardown: Callable[[Callable[[], None]], None] | None = None) -> None:
+    """`receiver` serves colocated senders of `group_name` in this process; with `on_teardown` (the
+    worker's `WorkerContext.on_teardown`) the registry forgets it when the host frees the stage's workers."""
     _LOCAL[group_name] = receiver
+    if on_teardown is not None:
+        on_teardown(partial(forget_local, group_name))
 
 
 def forget_local(group_name: str) -> None:
-    """Drop the receiver registered for `group_name` (a one-process stage's teardown frees its engine)."""
+    """Drop the receiver registered for `group_name` (run by a one-process host's teardown, which frees its engine)."""
     _LOCAL.pop(group_name, None)
 
 

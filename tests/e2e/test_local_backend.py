@@ -14,7 +14,8 @@ import sys
 
 def test_the_cli_every_recipe_and_every_worker_import_without_ray():
     modules = ["hybridflow.cli", "hybridflow.launch", "hybridflow.lifecycle", "hybridflow.runner", "hybridflow.faults",
-               "hybridflow.controller.worker_group", "hybridflow.controller.pools", "hybridflow.controller.runtime",
+               "hybridflow.controller.worker_group", "hybridflow.controller.hosts", "hybridflow.controller.ray_host",
+               "hybridflow.controller.pools", "hybridflow.controller.runtime",
                "hybridflow.resharding.sync", "recipes.ppo", "recipes.sft", "recipes.dpo", "recipes.pipeline",
                "recipes.pretrain", "recipes.evaluate", "recipes.demo", "recipes.roles", "workers.actor",
                "workers.critic", "workers.reference", "workers.reward", "workers.rollout.hf_rollout",

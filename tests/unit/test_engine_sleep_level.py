@@ -5,19 +5,18 @@ its weights at level 2 on any device), then the config's choice and its refusal.
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 import pytest
 import torch
 
 from hybridflow.batch import Batch
 from hybridflow.config.schema import RolloutConfig
+from hybridflow.controller import WorkerContext
 from workers.rollout import EngineStateError
 from workers.rollout.hf_rollout import HFRollout
 
 
 def _engine(tiny_model_dir, level: int, cls=HFRollout) -> HFRollout:
-    engine = cls(SimpleNamespace(rank=0, device="cpu", group_name=f"sleep-level-{level}-{cls.__name__}"),
+    engine = cls(WorkerContext(rank=0, device="cpu", group_name=f"sleep-level-{level}-{cls.__name__}"),
                  str(tiny_model_dir), RolloutConfig(max_response_tokens=6, sleep_level=level), max_prompt_tokens=8,
                  eos_token_id=-1, pad_token_id=0)
     engine.start()

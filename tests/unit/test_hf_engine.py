@@ -6,12 +6,12 @@ set reaching top_p, worked by hand."""
 from __future__ import annotations
 
 import math
-from types import SimpleNamespace
 
 import pytest
 import torch
 
 from hybridflow.config.schema import Dtype, RolloutConfig
+from hybridflow.controller import WorkerContext
 
 
 def _engine(tiny_model_dir, **rollout):
@@ -20,7 +20,7 @@ def _engine(tiny_model_dir, **rollout):
     from workers.rollout.hf_rollout import HFRollout
 
     tok = AutoTokenizer.from_pretrained(tiny_model_dir)
-    ctx = SimpleNamespace(rank=0, world_size=1, device="cpu", group_name="hf-engine")
+    ctx = WorkerContext(rank=0, world_size=1, device="cpu", group_name="hf-engine")
     engine = HFRollout(ctx, str(tiny_model_dir), RolloutConfig(dtype=Dtype.float32, **rollout), 8, tok.eos_token_id,
                        tok.pad_token_id)
     engine.start()

@@ -97,11 +97,13 @@ def test_teardown_frees_the_workers_and_the_receiver_registry(groups):
     from hybridflow.resharding.verify import WeightSyncError
 
     host = groups["doubler"].hosts[0]
-    register_local(host.host.group_name, object())
+    ctx = host.worker_host.workers["doubler"].ctx  # a rollout engine registers its receiver so (serve_weights)
+    register_local(ctx.group_name, object(), ctx.on_teardown)  # the registry asks the host to forget it
+    assert local_receiver(ctx.group_name) is not None
     groups["doubler"].shutdown()
-    assert host.host.workers == {}
+    assert host.worker_host.workers == {}
     with pytest.raises(WeightSyncError, match="no rollout engine started in this process"):
-        local_receiver(host.host.group_name)
+        local_receiver(ctx.group_name)
 
 
 @pytest.mark.parametrize("overrides, key, fix", [

@@ -5,8 +5,6 @@ a process of its own): start, generate, sleep, wake by parts, load weights, prob
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 import pytest
 import torch
 
@@ -38,7 +36,7 @@ class _Sleepy(RolloutEngineBase):
     """Frees memory on sleep; records what it frees and takes back."""
 
     def __init__(self) -> None:
-        self.ctx, self.calls = SimpleNamespace(rank=0, group_name="contract"), []
+        self.ctx, self.calls = WorkerContext(rank=0, group_name="contract"), []
 
     @register(Dispatch.ONE_TO_ALL)
     def start(self) -> float:
@@ -213,7 +211,7 @@ def conformance(case: str, model_dir: str) -> None:
     from hybridflow.data.prompts import encode_prompts
     name, level, sleeps = ENGINES[case]
     tok = AutoTokenizer.from_pretrained(model_dir)
-    ctx = SimpleNamespace(rank=0, world_size=1, replica_size=1, device="cpu", group_name=f"conformance-{case}")
+    ctx = WorkerContext(rank=0, world_size=1, replica_size=1, device="cpu", group_name=f"conformance-{case}")
     engine, load = _engine(name, ctx, model_dir, RolloutConfig(max_response_tokens=4, dtype=Dtype.float32,
                                                                sleep_level=level), tok)
     if name != "exact":  # what a level-2 reload is checked against: the buffers no sync rewrites (rotary ones)

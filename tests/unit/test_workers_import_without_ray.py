@@ -45,8 +45,11 @@ def test_a_module_that_pulls_in_ray_is_named():
 
 def test_the_ray_side_of_the_controller_is_still_reachable_from_the_package():
     import hybridflow.controller as controller
-    from hybridflow.controller.worker_group import RoleSpec
+    from hybridflow.controller.hosts import Host
+    from hybridflow.controller.ray_host import RoleSpec, spawn_workers
+    from hybridflow.controller.worker_group import WorkerGroup, wait_all
 
-    assert controller.RoleSpec is RoleSpec
+    assert controller.RoleSpec is RoleSpec and controller.spawn_workers is spawn_workers
+    assert (controller.WorkerGroup, controller.wait_all, controller.Host) == (WorkerGroup, wait_all, Host)
     with pytest.raises(AttributeError, match="no attribute 'Nope'"):
         controller.Nope  # noqa: B018

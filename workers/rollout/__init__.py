@@ -82,7 +82,7 @@ class RolloutEngineBase(abc.ABC):
         self.receiver = receiver
         receiver.engine_state = self
         self._start_buffers = receiver.buffer_checksums()
-        register_local(self.ctx.group_name, receiver)
+        register_local(self.ctx.group_name, receiver, self.ctx.on_teardown)
 
     # ---- the state, kept here -------------------------------------------------------------------
     def require_awake(self, call: str, parts) -> None:

@@ -50,9 +50,7 @@ class Broadcast(Transport):
 
     # ---- controller side ------------------------------------------------------------------
     def rendezvous(self, actor) -> tuple[str, int]:
-        import ray
-
-        return tuple(ray.get(actor.hosts[0].rendezvous_address.remote()))
+        return tuple(actor.hosts[0].ask("rendezvous_address"))  # a Ray host's (hybridflow/controller/ray_host.py)
 
     def setup_calls(self, actor, rollout, plan) -> list:
         return [actor.setup_weight_sender.remote(plan), rollout.join_weight_sync.remote(plan)]
