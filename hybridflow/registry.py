@@ -107,9 +107,7 @@ def load_object(reference: str) -> Any:
     if target.endswith(".py"):
         path = Path(target).expanduser().resolve()
         if not path.is_file():
-            from hybridflow.controller.storage import shipped_copy  # the copy a cluster job ships
-
-            path = shipped_copy(path) or path
+            path = shipped_copy(path) or path  # the copy a cluster job ships
         if not path.is_file():
             raise FileNotFoundError(f"{reference!r}: file {path} does not exist")
         module_name = f"_hybridflow_user_{abs(hash(str(path)))}"
@@ -137,3 +135,20 @@ def load_object(reference: str) -> Any:
         raise AttributeError(
             f"{reference!r}: {target} has no attribute {attr!r}; it defines {', '.join(public[:20])}"
         ) from None
+
+
+# Code files a cluster job ships (hybridflow/controller/storage.py `stage_code_files` mirrors them under their
+# absolute paths into this package, which the job's runtime environment sends to every node).
+CODE_PACKAGE = "hybridflow_shipped_code"
+
+
+def shipped_copy(path: Path) -> Path | None:
+    """The copy of `path` that came with the job's runtime environment, if this process has one."""
+    spec = importlib.util.find_spec(CODE_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    for root in spec.submodule_search_locations:
+        candidate = Path(root) / str(Path(path).expanduser().resolve()).lstrip("/")
+        if candidate.is_file():
+            return candidate
+    return None

@@ -20,12 +20,38 @@ custom resource the node has (`ray start --resources='{"gen_node": 1}'`).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:  # the plan itself needs no Ray
-    from hybridflow.controller.pools import PoolSpec
 
 _EPS = 1e-9
+
+
+@dataclass(frozen=True)
+class PoolSpec:
+    name: str
+    nodes: int = 1
+    devices_per_node: int = 1
+    use_gpu: bool = False
+    cpus_per_device: float = 1.0
+    node_affinity: str | None = None  # 'label=value' (a Ray node label) or a custom resource name
+    exclusive_nodes: bool = False  # no other pool on this pool's nodes
+
+    def __post_init__(self) -> None:
+        if self.nodes < 1 or self.devices_per_node < 1:
+            raise ValueError(
+                f"pool {self.name!r}: nodes and devices_per_node must be >= 1, "
+                f"got nodes={self.nodes}, devices_per_node={self.devices_per_node}"
+            )
+        if self.cpus_per_device <= 0:
+            raise ValueError(f"pool {self.name!r}: cpus_per_device must be > 0, got {self.cpus_per_device}")
+
+    @property
+    def world_size(self) -> int:
+        return self.nodes * self.devices_per_node
+
+    def bundle(self) -> dict[str, float]:
+        bundle = {"CPU": float(self.cpus_per_device)}
+        if self.use_gpu:
+            bundle["GPU"] = 1.0
+        return bundle
 
 
 class PlacementError(RuntimeError):
@@ -100,12 +126,12 @@ class NodeAssignment:
         }
 
 
-def node_need(spec: "PoolSpec") -> dict[str, float]:
+def node_need(spec: PoolSpec) -> dict[str, float]:
     """What one node of the pool takes: its bundles summed (STRICT_PACK on one node)."""
     return {k: v * spec.devices_per_node for k, v in spec.bundle().items()}
 
 
-def plan_placement(pools: list["PoolSpec"], nodes: list[NodeInfo], roles: dict[str, list[str]] | None = None
+def plan_placement(pools: list[PoolSpec], nodes: list[NodeInfo], roles: dict[str, list[str]] | None = None
                    ) -> NodeAssignment:
     """Every pool's nodes from what each node has free; raises PlacementError when they do not fit."""
     roles = roles or {}
@@ -134,7 +160,7 @@ def plan_placement(pools: list["PoolSpec"], nodes: list[NodeInfo], roles: dict[s
                                                 s.devices_per_node, s.bundle()) for s in pools}, list(nodes))
 
 
-def _difficulty(spec: "PoolSpec") -> tuple:
+def _difficulty(spec: PoolSpec) -> tuple:
     need = node_need(spec)
     return (not spec.exclusive_nodes, spec.node_affinity is None, -need.get("GPU", 0.0), -need.get("CPU", 0.0),
             -spec.nodes, spec.name)

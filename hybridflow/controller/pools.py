@@ -18,37 +18,9 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:  # Ray is imported where a pool is reserved: specs and plans need none
     from ray.util.placement_group import PlacementGroup
 
+from hybridflow.controller.placement import PoolSpec, cluster_nodes, plan_placement  # the spec lives with its plan
+
 NODE_ID_LABEL = "ray.io/node-id"
-
-
-@dataclass(frozen=True)
-class PoolSpec:
-    name: str
-    nodes: int = 1
-    devices_per_node: int = 1
-    use_gpu: bool = False
-    cpus_per_device: float = 1.0
-    node_affinity: str | None = None  # 'label=value' (a Ray node label) or a custom resource name
-    exclusive_nodes: bool = False  # no other pool on this pool's nodes
-
-    def __post_init__(self) -> None:
-        if self.nodes < 1 or self.devices_per_node < 1:
-            raise ValueError(
-                f"pool {self.name!r}: nodes and devices_per_node must be >= 1, "
-                f"got nodes={self.nodes}, devices_per_node={self.devices_per_node}"
-            )
-        if self.cpus_per_device <= 0:
-            raise ValueError(f"pool {self.name!r}: cpus_per_device must be > 0, got {self.cpus_per_device}")
-
-    @property
-    def world_size(self) -> int:
-        return self.nodes * self.devices_per_node
-
-    def bundle(self) -> dict[str, float]:
-        bundle = {"CPU": float(self.cpus_per_device)}
-        if self.use_gpu:
-            bundle["GPU"] = 1.0
-        return bundle
 
 
 @dataclass(frozen=True)
@@ -103,8 +75,6 @@ class ResourcePool:
 
     def _pick_nodes(self) -> list[str]:
         """A plan for this pool alone, from what each alive node has free now."""
-        from hybridflow.controller.placement import cluster_nodes, plan_placement
-
         return list(plan_placement([self.spec], cluster_nodes()).pools[self.spec.name].node_ids)
 
     def slots(self) -> list[Slot]:

@@ -15,13 +15,12 @@ their absolute paths, into one package that the job's runtime environment ships 
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import secrets
 import shutil
 from pathlib import Path
 
-CODE_PACKAGE = "hybridflow_shipped_code"
+from hybridflow.registry import CODE_PACKAGE, shipped_copy  # noqa: F401 - where a shipped file is looked for
 TOKEN_FILE = ".hybridflow-storage-token"
 
 
@@ -44,18 +43,6 @@ def stage_code_files(files: list[str], staging: Path) -> Path | None:
         target.parent.mkdir(parents=True, exist_ok=True)
         shutil.copy2(f, target)
     return package
-
-
-def shipped_copy(path: Path) -> Path | None:
-    """The copy of `path` that came with the job's runtime environment, if this process has one."""
-    spec = importlib.util.find_spec(CODE_PACKAGE)
-    if spec is None or not spec.submodule_search_locations:
-        return None
-    for root in spec.submodule_search_locations:
-        candidate = Path(root) / str(Path(path).expanduser().resolve()).lstrip("/")
-        if candidate.is_file():
-            return candidate
-    return None
 
 
 def probe(reads: dict[str, str], code_files: dict[str, str], write_dir: str | None, token: str | None

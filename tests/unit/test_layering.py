@@ -181,17 +181,11 @@ def test_the_circle_count_sees_an_in_function_import_and_ignores_type_only_ones(
                                                                                ["hybridflow.c", "hybridflow.d"]]
 
 
-# Circles left to the controller's own refactoring (issue 81 item 2: hybridflow/controller/ is changed there):
-# placement.py names pools.py's `PoolSpec` for its annotations while pools.py calls placement.py's `plan_placement`.
-CIRCLES_THROUGH_THE_CONTROLLER = [["hybridflow.controller.placement", "hybridflow.controller.pools"]]
-
-
 def test_no_import_circles_among_the_framework_modules_counting_type_only_imports():
     """A type named for an annotation only (`if TYPE_CHECKING:`) is still a dependency: a module whose types
     another needs while it imports that one back is one design in two files (issue 81 counted 2 such circles).
     The type goes to the lower module, or the lower module states what it needs as a Protocol."""
-    circles = [c for c in import_circles(FRAMEWORK.parent, ("hybridflow",), with_type_only=True)
-               if c not in CIRCLES_THROUGH_THE_CONTROLLER]
+    circles = import_circles(FRAMEWORK.parent, ("hybridflow",), with_type_only=True)
     assert not circles, "import circles: " + "; ".join(" <-> ".join(c) for c in circles)
 
 
@@ -220,12 +214,6 @@ LAYERS = [
     ["hybridflow.cli"],
 ]
 
-# Upward imports left to the controller's own refactoring (issue 81 item 2): a `path/file.py:name` reference
-# missing on this node is looked for in the job's shipped code (hybridflow/controller/storage.py `shipped_copy`);
-# the function belongs below the registry, in a module hybridflow/controller/ is not.
-UPWARD_THROUGH_THE_CONTROLLER = {("hybridflow.registry", "hybridflow.controller.storage")}
-
-
 def layer_of(module: str, layers=LAYERS) -> int | None:
     best, found = -1, None
     for number, patterns in enumerate(layers):
@@ -245,7 +233,7 @@ def upward_imports(root: Path, layers=LAYERS) -> list[str]:
     upward = [f"{a}:{line} imports {b} (layer {layer_of(b, layers)} above {layer_of(a, layers)})"
               for a in sorted(edges) for b, line in sorted(edges[a].items())
               if layer_of(a, layers) is not None and layer_of(b, layers) is not None
-              and layer_of(b, layers) > layer_of(a, layers) and (a, b) not in UPWARD_THROUGH_THE_CONTROLLER]
+              and layer_of(b, layers) > layer_of(a, layers)]
     return unplaced + upward
 
 
@@ -387,7 +375,7 @@ def function_level_imports(root: Path, folders=("hybridflow", "workers", "recipe
     return sorted(set(found))
 
 
-FUNCTION_LEVEL_IMPORTS = 199  # 214 at 39980d7, 203 after issue 71, 199 after issue 81 (hosts); lower it as imports move to module level, never raise it
+FUNCTION_LEVEL_IMPORTS = 197  # 214 at 39980d7, 203 after issue 71, 197 after issue 81 (hosts, layers); lower it as imports move to module level, never raise it
 
 
 def test_function_level_imports_of_the_project_do_not_grow():
