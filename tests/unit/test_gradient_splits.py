@@ -131,7 +131,7 @@ def test_a_loss_divided_twice_is_caught_by_the_split_comparison(tiny_model_dir):
     torch.testing.assert_close(split[name] * 4, whole[name], rtol=1e-5, atol=1e-7)
 
 
-# Over ranks: (samples_per_micro_batch, tokens_per_micro_batch, packed) each rank runs its half with
+# Over 2 ranks: the splits (samples_per_micro_batch, tokens_per_micro_batch, packed) each rank runs its half of the batch with
 RANK_SPLITS = [(1, None, False), (4, 12, True)]
 
 
