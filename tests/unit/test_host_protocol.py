@@ -15,9 +15,10 @@ import pytest
 import torch
 
 from hybridflow.batch import Batch
-from hybridflow.controller import (Dispatch, Execute, RoleSpec, WorkerError, WorkerGroup, WorkerGroupBroken, deadlines,
+from hybridflow.controller import (Dispatch, RoleSpec, WorkerError, WorkerGroup, WorkerGroupBroken, deadlines,
                                    register, wait_all)
 from hybridflow.controller.hosts import Host, WorkerHost
+from tests.controller.workers import EchoWorker
 
 RELEASE = threading.Event()  # what a blocked call waits for (at most 10 s)
 _MOVER = ThreadPoolExecutor(max_workers=4, thread_name_prefix="thread-host-apply")  # gathers between groups
@@ -70,9 +71,12 @@ def spawn_threads(name: str, roles: dict[str, RoleSpec], ranks: int) -> dict[str
     return {role: WorkerGroup(name, role, rs.cls, hosts, [h.info for h in hosts]) for role, rs in roles.items()}
 
 
-class Scaler:
+class Scaler(EchoWorker):
+    """The controller tests' worker (its rank-zero, execute-on-rank-zero and all-to-all methods), with what a
+    thread host shows: the thread a rank runs on, a failure while a peer blocks, a teardown callback."""
+
     def __init__(self, ctx, scale: float = 2.0) -> None:
-        self.ctx, self.scale = ctx, scale
+        super().__init__(ctx, scale)
 
     @register(Dispatch.DP_SPLIT)
     def scale_rows(self, batch: Batch) -> Batch:
@@ -81,18 +85,6 @@ class Scaler:
     @register(Dispatch.ONE_TO_ALL)
     def whoami(self) -> tuple[int, int, str]:
         return self.ctx.rank, self.ctx.world_size, threading.current_thread().name
-
-    @register(Dispatch.RANK_ZERO)
-    def rank_zero_value(self) -> int:
-        return 100 + self.ctx.rank
-
-    @register(Dispatch.ONE_TO_ALL, execute=Execute.RANK_ZERO)
-    def only_rank_zero(self) -> int:
-        return self.ctx.rank
-
-    @register(Dispatch.ALL_TO_ALL)
-    def take(self, value: int) -> int:
-        return value * 10 + self.ctx.rank
 
     @register(Dispatch.ONE_TO_ALL)
     def fail_on_rank(self, rank: int) -> None:
