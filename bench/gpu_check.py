@@ -22,7 +22,7 @@ FSDP2's mixed precision, which needs FSDP2 even on one rank: float32 on one rank
    and by a log-prob probe; seconds against a device-to-device copy of the same bytes.
 
 4. per `--handover` entry (the shapes and batch of part 5): the colocated hand-over through the
-   transport's own sequence (`Colocated.sync_calls`, `Colocated.generating`) with the actor and
+   transport's own sequence (`Colocated.wakes_for_sync`, `sync_calls`, `generating`) with the actor and
    `PlainEngine`, a stand-in holding `--share` of the GPU as vLLM does (weights and KV cache, level-1
    sleep): one step (generate, log-probs, update, sync, generate), each phase's device peak beside the
    GPU memory model's floor of that phase (`hybridflow.memory_budget.gpu_phase_terms`);
@@ -200,8 +200,8 @@ def copy_floor_seconds(nbytes: int, device: str, repeats: int = 5) -> float:
 
 
 def check_sync(actor, model_dir: Path, device: str, dtype: str, syncs: int) -> list[dict]:
+    from hybridflow.controller import introduce
     from hybridflow.resharding.layout import Box, buckets, layout_minimum, numel
-    from hybridflow.resharding.receiver import register_local
     from hybridflow.resharding.sender import SyncPlan
     from hybridflow.resharding.transports import Colocated
     from hybridflow.resharding.verify import PROBE_NEW_TOKENS, PROBE_PROMPTS
@@ -215,7 +215,7 @@ def check_sync(actor, model_dir: Path, device: str, dtype: str, syncs: int) -> l
         plan = SyncPlan(Colocated(), dtype, 64 * 2 ** 20, 60.0, [receiver.needed_boxes(shapes)],
                         buckets=buckets(list(shapes), {n: numel(s) * size for n, s in shapes.items()}, 64 * 2 ** 20),
                         shapes=shapes)
-        register_local(actor.ctx.group_name, receiver)
+        introduce([actor, ReceivingEnd(receiver)])  # as a host introduces the workers of one process
         actor.setup_weight_sender(plan)
         times = []
         for _ in range(syncs + 1):  # the first is a warm-up
@@ -551,6 +551,17 @@ def check_speed(root: Path, size: str, device: str, dtype: str, shape: dict, rep
     return result
 
 
+class ReceivingEnd:
+    """A bare receiver as the colocated sync's end in the actor's process (a `ColocatedReceiver`): part 3 times
+    the sync alone, with no engine state around the load."""
+
+    def __init__(self, receiver) -> None:
+        self.receiver = receiver
+
+    def load_colocated(self, buckets, route) -> dict[str, float]:
+        return self.receiver.load(buckets, route=route)
+
+
 class PlainEngine:
     """The colocated engine's stand-in on the device (the GPU machines have no vLLM), with vLLM's
     level-1 sleep contract (`VLLMRollout.sleep` / `wake_up(parts)`): its weights, a plain transformers
@@ -591,6 +602,11 @@ class PlainEngine:
             self.kv_cache = torch.empty(self.kv_bytes, dtype=torch.uint8, device=self.device)
         self.sleeping -= set(wanted)
         return bool(wanted)
+
+    def load_colocated(self, buckets, route) -> dict[str, float]:
+        """The colocated sync's end in this process (`ColocatedReceiver`), as an engine's: its weights awake."""
+        assert "weights" not in self.sleeping, "a colocated weight load with the weights asleep"
+        return self.receiver.load(buckets, route=route)
 
     def generate(self) -> tuple:
         from hybridflow.resharding.verify import PROBE_NEW_TOKENS, PROBE_PROMPTS
@@ -633,20 +649,19 @@ def gpu_bytes(device: str) -> int:
 
 
 def check_handover(root: Path, size: str, device: str, dtype: str, shape: dict, share: float) -> dict:
-    """The colocated hand-over through the transport's own sequence (`Colocated.sync_calls` and
-    `Colocated.generating`): the actor as a run builds it and `PlainEngine` with `share` of the GPU, one
+    """The colocated hand-over through the transport's own sequence (`Colocated.wakes_for_sync`, `sync_calls`
+    and `generating`): the actor as a run builds it and `PlainEngine` with `share` of the GPU, one
     GRPO-shaped step (generate, log-probs, update, sync, generate), each phase's device peak against
     the GPU memory model's floor of that phase (`memory_budget.gpu_phase_terms`). Two updates between
     the generations: the second is a steady step's (AdamW's moments exist from the first)."""
 
     from hybridflow.config.schema import (ActorConfig, DeviceKind, Dtype, HybridFlowConfig, ModelConfig, OptimConfig,
                                           RolloutConfig)
-    from hybridflow.controller import WorkerContext
+    from hybridflow.controller import WorkerContext, introduce
     from hybridflow.controller.memory import phase_peak_bytes
     from hybridflow.memory_budget import GIB, ModelShape, gpu_phase_terms
     from hybridflow.planning.auto import decide_plan
     from hybridflow.resharding.layout import buckets, numel
-    from hybridflow.resharding.receiver import register_local
     from hybridflow.resharding.sender import SyncPlan
     from hybridflow.resharding.transports import Colocated
     from hybridflow.resharding.weights import checkpoint_shapes
@@ -671,7 +686,7 @@ def check_handover(root: Path, size: str, device: str, dtype: str, shape: dict, 
     plan = SyncPlan(transport, dtype, bucket_bytes, 60.0, [engine.receiver.needed_boxes(shapes)],
                     buckets=buckets(list(shapes), {n: numel(s) * size_bytes for n, s in shapes.items()}, bucket_bytes),
                     shapes=shapes)
-    register_local(actor.ctx.group_name, engine.receiver)
+    introduce([actor, engine])  # as a host introduces the workers of one process: the actor keeps the engine
     actor.setup_weight_sender(plan)
     batch = grpo_batch(shape, vocab=min(SIZES[size]["vocab_size"], 500))
     out: dict = {"size": size, "share": share, "gpu_gib": gpu_bytes(device) / GIB, "rows_per_micro_batch": shape["micro"], "engine_weight_gib": engine.weight_bytes / GIB,
@@ -685,7 +700,8 @@ def check_handover(root: Path, size: str, device: str, dtype: str, shape: dict, 
     phase_peak_bytes()
     stats = actor.update_policy(trained)
     peaks["training"] = phase_peak_bytes()
-    sent = transport.sync_calls(group, engine)[0]  # the engine's weights wake alone, the actor sends
+    engine.wake_up(list(transport.wakes_for_sync))  # the engine's weights alone, as WeightSync wakes them
+    sent = transport.sync_calls(group, engine)[0]  # the actor sends
     peaks["weight sync"] = sent.get("device_peak_bytes")
     with transport.generating(group, engine):
         tokens, engine_lp = engine.generate()

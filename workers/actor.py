@@ -21,10 +21,11 @@ import torch
 from hybridflow.algos import micro_batch_stat
 from hybridflow.batch import Batch
 from hybridflow.config.schema import ActorConfig
-from hybridflow.controller import Dispatch, WorkerContext, register
+from hybridflow.controller import Dispatch, WorkerContext, peer_with, register
+from hybridflow.resharding.receiver import ColocatedReceiver
 from hybridflow.resharding.source import WeightSource
 from hybridflow.training import memory_moves, whole_model
-from hybridflow.training.exact_layout import OfferedModule, layout_log_probs, offer
+from hybridflow.training.exact_layout import OfferedModule, layout_log_probs
 from hybridflow.training.fsdp import (
     accumulating,
     all_reduce_mean_dict,
@@ -55,7 +56,7 @@ class ActorWorker(TrainingStateMixin):
         `trainer.total_steps` (the lr schedule's span unless actor.optim.schedule_steps),
         `model.trust_remote_code`, `seed`, `model.pack_sequences` (None: packed where the model allows),
         `model.share_prompts` (None: shared where packed); `exact_rollout`: the rollout engine generates
-        with this module (rollout.backend=exact), which start offers it, and π_old is computed in the
+        with this module (rollout.backend=exact), which `offered_module` offers it, and π_old is computed in the
         engine's layout (hybridflow.training.exact_layout), equal to its sampler log-probs bit for bit;
         `engine_dtype`: `rollout.dtype`, the dtype whose copy of the weights the engine samples from, watched
         with `model.dtype` by `precision/moved_fraction/*` (hybridflow.training.resolution; None: the actor's)."""
@@ -68,12 +69,29 @@ class ActorWorker(TrainingStateMixin):
         self.engine_dtype = engine_dtype or dtype
         self.loss_scale = LossScale(dtype)  # float16: dynamic loss scaling; otherwise scale 1
         self._moved = None  # hybridflow.training.resolution.MovedFraction, built by start
-        self._offered = None  # what start offers the exact engine; held here, the offer is weak
+        self.colocated_engine = None  # the rollout engine of this process, met at build (`meet`), if any
         self.model = self.optimizer = self.scheduler = None
         self.weights = None  # this rank's end of the weight path (hybridflow.resharding.source), built by start
         self.updates = 0
 
     # ---- set-up ---------------------------------------------------------------------------
+
+    def meet(self, peers: list) -> None:
+        """Keep the rollout engine of this process, if any (the worker that loads colocated weights): each
+        weight sync hands it to the colocated transport (`send_weights`)."""
+        self.colocated_engine = peer_with(peers, ColocatedReceiver)
+
+    def offered_module(self) -> OfferedModule:
+        """What the exact engine of this process generates with (rollout.backend=exact): this module and
+        the rows of one π_old forward."""
+        if not self.exact_rollout:
+            raise RuntimeError("rollout.backend=exact generates with the actor's module, and this actor was built "
+                               "without exact_rollout=True, so its π_old pass is not computed in the engine's layout: "
+                               "build the actor with recipes/roles.py actor_role, which sets it for the exact engine")
+        if self.model is None:
+            raise RuntimeError("the exact engine asked for the actor's module before the actor started: call the "
+                               "actor's start first")
+        return OfferedModule(self.model, self.cfg.samples_per_micro_batch)
 
     @register(Dispatch.ONE_TO_ALL)
     def start(self) -> dict:
@@ -88,14 +106,11 @@ class ActorWorker(TrainingStateMixin):
         if self.cfg.fp32_lm_head:
             fp32_output_head(self.model)
         self.optimizer, self.scheduler = build_optimizer(self.model, self.cfg.optim, self.total_steps)
-        self.weights = WeightSource(self.model, self.ctx.rank, self.ctx.world_size, self.ctx.group_name)
+        self.weights = WeightSource(self.model, self.ctx.rank, self.ctx.world_size)
         if not self.cfg.lora.rank:  # a LoRA run's engine gets the folded weights, not the adapter's
             self._moved = MovedFraction([p for p in self.model.parameters() if p.requires_grad],
                                         {"master": getattr(torch, self.master_dtype), "actor": getattr(torch, self.dtype),
                                          "engine": getattr(torch, self.engine_dtype)})
-        if self.exact_rollout:
-            self._offered = OfferedModule(self.model, self.cfg.samples_per_micro_batch)
-            offer(self.ctx.group_name, self._offered)
         trainable = sum(p.numel() for p in self.model.parameters() if p.requires_grad)
         return {"trainable_parameters_on_rank": trainable, "packed_sequences": packed, "shared_prompts": shared}
 
@@ -305,8 +320,9 @@ class ActorWorker(TrainingStateMixin):
 
     @register(Dispatch.ONE_TO_ALL)
     def send_weights(self) -> dict[str, float]:
-        """Collective: move the current weights to the rollout (see hybridflow.resharding.sender)."""
-        return self.weights.send()
+        """Collective: move the current weights to the rollout (see hybridflow.resharding.sender); a colocated
+        route loads them into the engine this actor met in its process."""
+        return self.weights.send(self.colocated_engine)
 
     @register(Dispatch.RANK_ZERO)
     def lora_adapter(self, dtype: str) -> dict | None:

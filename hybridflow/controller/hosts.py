@@ -15,8 +15,8 @@ and hands each to its rank's `Host`. The group, its futures and the wait speak o
 - `apply(fn, args, returns)` `fn(*args)` next to the data, argument references replaced by their
   values, as `returns` references (a future passed between groups never visits the controller);
 - `kill()` ends the rank at once (a planted fault); `teardown()` frees what the rank holds before
-  the next stage: a process of its own ends, one that lives on runs the teardown callbacks its
-  roles registered (`WorkerContext.on_teardown`) and drops its workers.
+  the next stage: a process of its own ends, one that lives on drops its workers (what they hold of
+  each other goes with them).
 
 Two backends: `RayHost` (hybridflow/controller/ray_host.py, one Ray actor per rank, the only
 module of the worker-group machinery that imports Ray) and `LocalHost` (hybridflow/controller/
@@ -24,7 +24,12 @@ local.py, the driver's own process). Another is one file with a subclass of `Hos
 (tests/unit/test_host_protocol.py drives a worker group through one that runs calls in threads).
 
 `WorkerHost` is the rank itself, whatever runs it: it builds the role workers and runs their
-methods, turning a failure into the `WorkerError` the controller raises.
+methods, turning a failure into the `WorkerError` the controller raises. Roles that share a pool are
+built into one process; once every role is built, the host introduces them to each other, once
+(`introduce`, hybridflow/controller/context.py): each worker class with a `meet(peers)` method is
+handed the other workers of its process, and keeps the one whose capability it needs (the actor a
+rollout engine that loads colocated weights, the exact engine the actor that offers its module). The
+host knows no role: the workers find each other by what they can do, not by a name.
 """
 
 from __future__ import annotations
@@ -38,7 +43,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any, Callable
 
-from hybridflow.controller.context import RoleSpec, WorkerContext
+from hybridflow.controller.context import RoleSpec, WorkerContext, introduce
 from hybridflow.controller.errors import WorkerError
 from hybridflow.controller.memory import read_and_reset
 
@@ -98,7 +103,6 @@ class WorkerHost:
         self.roles = roles
         self.workers: dict[str, Any] = {}
         self.hanging: set[tuple[str, str]] = set()
-        self.teardown_callbacks: list[Callable[[], None]] = []
 
     def inject_hang(self, role: str, method: str) -> None:
         """Fault injection: every later call of `role.method` in this process never returns."""
@@ -124,15 +128,20 @@ class WorkerHost:
         return {**self.build_roles(master_addr, master_port), "cores": pinned}
 
     def build_roles(self, master_addr: str = "127.0.0.1", master_port: int = 0) -> dict:
-        """Every role's worker for this rank (the process group, if any, made before)."""
+        """Every role's worker for this rank (the process group, if any, made before), then the workers
+        introduced to each other (each one's `meet(peers)`, once)."""
         ctx = WorkerContext(self.rank, self.world_size, self.local_rank, self.node_id,
                             "cuda" if self.use_gpu else "cpu", "nccl" if self.use_gpu else "gloo",
-                            master_addr, master_port, self.group_name, on_teardown=self.teardown_callbacks.append)
+                            master_addr, master_port, self.group_name)
         for role, spec in self.roles.items():
             try:
                 self.workers[role] = spec.build(ctx)
             except BaseException as exc:
                 raise self._error(spec.cls.__name__, "__init__", exc) from None
+        try:
+            introduce(list(self.workers.values()))
+        except BaseException as exc:
+            raise self._error("+".join(type(w).__name__ for w in self.workers.values()), "meet", exc) from None
         return {"rank": self.rank, "node_id": self.node_id, "pid": os.getpid(), "log_file": self.log_file}
 
     def call(self, role: str, method: str, *args: Any, **kwargs: Any) -> Any:
@@ -157,9 +166,7 @@ class WorkerHost:
         return read_and_reset(self.use_gpu)
 
     def teardown(self) -> None:
-        """Drop the workers, after the callbacks their roles registered (newest first) have run."""
-        while self.teardown_callbacks:
-            self.teardown_callbacks.pop()()
+        """Drop the workers: what they hold, of each other too (the peers they met), goes with them."""
         self.workers.clear()
 
 

@@ -10,8 +10,9 @@ that changes a batch in place does not change the driver's), and the host keeps 
 of its own, swapped in around each call as a process of its own would have it.
 One torch.distributed group of world size 1 (NCCL on CUDA, gloo on the CPU) serves FSDP2 and vLLM, made
 once and kept for the process's life: vLLM keeps its own groups built on it from one engine to the next.
-`teardown` frees the stage's models before the next stage: the callbacks the roles registered run (the
-colocated receiver registry forgets its engine: hybridflow/resharding/receiver.py), the workers go.
+`teardown` frees the stage's models before the next stage: the workers go, and with them what they hold
+of each other (the peers they met when the host built them, hybridflow/controller/hosts.py), which a
+garbage collection frees.
 
 Nothing here imports Ray. What one process cannot do is refused before anything starts
 (hybridflow/checks.py `check_local_backend`).
@@ -107,7 +108,8 @@ class LocalHost(Host):
         self.teardown()
 
     def teardown(self) -> None:
-        """Free the stage's models: the roles' teardown callbacks, the workers, cached device memory."""
+        """Free the stage's models: the workers (a collection frees the ones that met each other), cached device
+        memory."""
         self.worker_host.teardown()
         gc.collect()
         if self.device == "cuda":

@@ -5,47 +5,34 @@ beside our transfer engine inside vLLM), and `ModuleReceiver` here serves any en
 generates with a torch module in its process (the hf engine, a user's). It says which region of each checkpoint
 tensor its rank needs (`needed_boxes`), takes buckets — handed over in-process by a colocated
 sender, or received by the plan's transport's receiving route (transports/) — inside one vLLM
-update session, and answers the checks: per-parameter checksums and a log-prob probe. Colocated senders find the receiver
-of their own process through `register_local` / `local_receiver`, so the actor never holds the
-rollout worker: the two meet only here.
+update session, and answers the checks: per-parameter checksums and a log-prob probe. Every call the
+engine base (workers/rollout/__init__.py) makes on a receiver is declared on `Receiver`; what an
+engine cannot do raises saying so and the setting that avoids it.
+
+A colocated sender reaches the receiver of its own process through the engine that serves it, a
+`ColocatedReceiver`: the host that builds the roles of one process introduces them to each other
+(hybridflow/controller/context.py `introduce`), the actor keeps the engine it met and hands it to the
+colocated transport at each sync; the engine checks its state around the load.
 """
 
 from __future__ import annotations
 
 import time
-from functools import partial
-from typing import Callable, Iterable
+from typing import Iterable, Protocol, runtime_checkable
 
 import torch
 
 from hybridflow.resharding.layout import Box
 from hybridflow.resharding.verify import WeightSyncError, checksum, verify_against
 
-_LOCAL: dict[str, "Receiver"] = {}
 
+@runtime_checkable
+class ColocatedReceiver(Protocol):
+    """What loads the weights a colocated sync hands over in this process (a rollout engine:
+    workers.rollout.RolloutEngineBase.load_colocated, which refuses while its weights sleep)."""
 
-def register_local(group_name: str, receiver: "Receiver",
-                   on_teardown: Callable[[Callable[[], None]], None] | None = None) -> None:
-    """`receiver` serves colocated senders of `group_name` in this process; with `on_teardown` (the
-    worker's `WorkerContext.on_teardown`) the registry forgets it when the host frees the stage's workers."""
-    _LOCAL[group_name] = receiver
-    if on_teardown is not None:
-        on_teardown(partial(forget_local, group_name))
-
-
-def forget_local(group_name: str) -> None:
-    """Drop the receiver registered for `group_name` (run by a one-process host's teardown, which frees its engine)."""
-    _LOCAL.pop(group_name, None)
-
-
-def local_receiver(group_name: str) -> "Receiver":
-    receiver = _LOCAL.get(group_name)
-    if receiver is None:
-        raise WeightSyncError(
-            f"colocated weight sync: no rollout engine started in this process (worker group {group_name!r}); "
-            "map placement.roles.actor and placement.roles.rollout to the same pool, or give the rollout a pool "
-            "of its own (placement=disaggregated)")
-    return receiver
+    def load_colocated(self, buckets: Iterable[list[tuple[str, torch.Tensor]]], route) -> dict[str, float]:
+        """Every bucket into the engine (`route`: the transport that handed them over); the seconds it took."""
 
 
 def copy_floor_seconds(nbytes: int, repeats: int = 3) -> float:
@@ -72,17 +59,28 @@ class Receiver:
     """Interface every rollout engine's receiver implements."""
 
     version = -1  # the policy version of the weights the engine computes with (-1: none given yet)
-    engine_state = None  # the engine that serves it (workers.rollout.RolloutEngineBase.serve_weights): its state
 
     def set_version(self, version: int) -> None:
         self.version = version
 
     def join(self, plan) -> None:
+        """Disaggregated: join the transfer group of the plan's route."""
         raise WeightSyncError(f"{type(self).__name__} receives weights only from a colocated actor: put "
                               "placement.roles.rollout on the actor's pool, or use rollout=vllm")
 
     def receive(self) -> dict[str, float]:
+        """Disaggregated: receive every bucket of one sync and load it."""
         return self.join(None)  # raises: only a colocated actor feeds this receiver
+
+    def stage(self, version: int, expected: dict | None = None) -> dict[str, float]:
+        """Disaggregated, beside generation: receive policy `version` into host memory (checked against
+        `expected` checksums when given), loaded later by `load_staged`."""
+        raise WeightSyncError(f"{type(self).__name__} cannot stage weights while its engine generates: set "
+                              "trainer.max_staleness to 0 or 1, or use rollout.backend=vllm on a pool of its own")
+
+    def load_staged(self, min_version: int, timeout_s: float) -> dict[str, float]:
+        """Load the newest staged weights (at least policy `min_version`, waiting up to `timeout_s`)."""
+        return self.stage(min_version)  # raises: nothing is ever staged here
 
     def needed_boxes(self, shapes: dict[str, list[int]]) -> dict[str, tuple]:
         raise NotImplementedError
@@ -101,8 +99,13 @@ class Receiver:
         return {}
 
     def load_adapter(self, version: int, payload: dict) -> dict:
+        """weight_sync.lora=adapter: serve the actor's LoRA adapter of policy `version` from now on."""
         raise WeightSyncError(f"{type(self).__name__} cannot serve a LoRA adapter: set weight_sync.lora=folded, or use "
                               "rollout.backend=vllm")
+
+    def served_adapter(self) -> dict:
+        """The checksums of the adapter the engine serves (weight_sync.lora=adapter)."""
+        return self.load_adapter(-1, {})  # raises: no adapter is ever served here
 
     def probe(self, prompts: list[list[int]], new_tokens: int) -> tuple[list[list[int]], torch.Tensor]:
         """Greedy continuations of `prompts` ([] for a prompt the engine cannot hold) and the

@@ -86,12 +86,12 @@ class WeightSender:
         """Open this rank's end of the transport's route, if it has one."""
         self.link = self.plan.transport.connect(self.plan, self.rank)
 
-    def send(self, group_name: str) -> dict[str, float]:
-        """One sync, by the plan's transport (`group_name`: this process's worker group, where a
-        colocated receiver is found)."""
+    def send(self, engine=None) -> dict[str, float]:
+        """One sync, by the plan's transport (`engine`: the rollout engine of this process, which a
+        colocated route loads into; None when the actor met none)."""
         start = time.perf_counter()
         stats = {"received_bytes": 0, "exchange_seconds": 0.0, "assemble_seconds": 0.0}
-        self.plan.transport.send(self, self.link, stats, group_name)
+        self.plan.transport.send(self, self.link, stats, engine)
         stats["seconds"] = time.perf_counter() - start
         return {k: float(v) for k, v in stats.items()}
 

@@ -14,9 +14,8 @@ import torch
 
 
 class WeightSource:
-    def __init__(self, model: torch.nn.Module, rank: int, world_size: int, group_name: str) -> None:
-        """`group_name`: this process's worker group, where a colocated receiver is found."""
-        self.model, self.rank, self.world_size, self.group_name = model, rank, world_size, group_name
+    def __init__(self, model: torch.nn.Module, rank: int, world_size: int) -> None:
+        self.model, self.rank, self.world_size = model, rank, world_size
         self.sender = None  # built by connect
 
     def shapes(self) -> dict[str, list[int]]:
@@ -32,9 +31,10 @@ class WeightSource:
         self.sender = WeightSender(self.model, plan, self.rank, self.world_size)
         self.sender.connect()
 
-    def send(self) -> dict[str, float]:
-        """Collective: move the current weights to the rollout (see hybridflow.resharding.sender)."""
-        return self.sender.send(self.group_name)
+    def send(self, engine=None) -> dict[str, float]:
+        """Collective: move the current weights to the rollout (see hybridflow.resharding.sender);
+        `engine`: the rollout engine of this process, a colocated route's end (None: there is none)."""
+        return self.sender.send(engine)
 
     def checksums(self) -> list[dict[str, tuple[float, float]]]:
         """Collective: per rollout rank, checksums of the part of every tensor it needs."""

@@ -4,7 +4,8 @@
 training layout to the rollout group's generation layout: at `setup()` it asks the rollout
 ranks which part of each checkpoint tensor they need, plans the buckets, opens the transfer
 group when the rollout has a pool of its own, and measures the copy floor; at `sync(step, version)` it
-drives the sender and (disaggregated) the receiver together, waits on both with the configured
+wakes the engine parts the transport loads into (`Transport.wakes_for_sync`), drives the sender and
+(disaggregated) the receiver together, waits on both with the configured
 deadline, checks the result, and returns the step's `weight_sync/*` metrics; with the rollout on
 a pool of its own, `stage(step, version)` instead starts a push the rollout receives while it
 generates (trainer.max_staleness >= 2, docs/async.md) and `load_staged` loads and probes it when
@@ -94,8 +95,8 @@ class WeightSync:
         if not any(self.rollout.weights_discarded()):
             return
         start = time.perf_counter()
-        self._wait(self.transport.sync_calls(self.actor, self.rollout), "reloading the weights a level-2 sleep "
-                   "discarded (rollout.sleep_level=1 keeps them)")
+        self._wait(self.sync_calls(), "reloading the weights a level-2 sleep discarded (rollout.sleep_level=1 keeps "
+                   "them)")
         self.probed["weight_sync/reload_s"] = time.perf_counter() - start
         self.probed.update(self.verify_reload())
 
@@ -110,7 +111,7 @@ class WeightSync:
         The rollout's engine is then labelled with policy `version`, once the checks pass."""
         start = time.perf_counter()
         discarded = self.engine_bytes > 0 and any(self.rollout.weights_discarded())
-        results = self._wait(self.transport.sync_calls(self.actor, self.rollout), f"step {step}")
+        results = self._wait(self.sync_calls(), f"step {step}")
         seconds = time.perf_counter() - start
         per_rank = self.transport.per_rank(results)
         self.syncs += 1
@@ -130,6 +131,13 @@ class WeightSync:
         metrics.update(self.check(step, checked=discarded))
         self._wait([self.rollout.set_weight_version.remote(version)], "labelling the engine")
         return metrics
+
+    def sync_calls(self) -> list:
+        """The transport's calls of one sync, issued once the engine parts it loads into are awake
+        (`Transport.wakes_for_sync`: colocated, the weights alone, the training state still on the device)."""
+        if self.transport.wakes_for_sync:
+            self.rollout.wake_up(list(self.transport.wakes_for_sync))
+        return self.transport.sync_calls(self.actor, self.rollout)
 
     def verify_reload(self) -> dict[str, float]:
         """After a level-2 sleep (rollout.sleep_level=2 discards the engine's weights) and the load that
@@ -272,7 +280,7 @@ class AdapterSync(WeightSync):
 
     def sync(self, step: int, version: int) -> dict[str, float]:
         start = time.perf_counter()
-        # GPU, colocated: asleep after generating; its weights alone, as the colocated transport's sync
+        # GPU, colocated: asleep after generating; its weights alone, as the colocated transport's `wakes_for_sync`
         self._wait([self.rollout.wake_up.remote(["weights"])], "waking the engine")
         # actor rank 0's payload goes to every rollout rank through Ray's object store, not through
         # here; a failure on the actor's side reaches us as the rollout's (its argument failed)

@@ -32,15 +32,16 @@ decoder runs one token's (docs/results/rollout_mismatch.md measures it). Under F
 ranks every forward is collective, so every rank runs as many: the same number of rows (the
 data-parallel split pads to it) and a stop agreed over the ranks (`any_rank`).
 
-`offer` / `offered`: the actor offers its module to the engine of its own process, as the colocated
-weight sync finds its receiver (hybridflow/resharding/receiver.py), so neither holds the other's
-worker; weakly, so that a finished stage's module goes with its actor.
+How the engine reaches the module: the host that builds the roles of one process introduces them to
+each other (hybridflow/controller/context.py `introduce`); the engine keeps the worker that
+`OffersModule` (the actor), and asks it for the module each time it generates or probes, so the
+module goes with the actor when a stage's workers are dropped.
 """
 
 from __future__ import annotations
 
-import weakref
 from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
 
 import torch
 
@@ -58,23 +59,12 @@ class OfferedModule:
     rows_per_forward: int
 
 
-_OFFERED: "weakref.WeakValueDictionary[str, OfferedModule]" = weakref.WeakValueDictionary()
+@runtime_checkable
+class OffersModule(Protocol):
+    """A worker that offers the exact engine of its process the module it generates with (the actor)."""
 
-
-def offer(group_name: str, offered: OfferedModule) -> None:
-    """Offer `offered` to the engine of this process (`group_name`: the worker group, which roles fused
-    into one process share); the caller keeps it alive."""
-    _OFFERED[group_name] = offered
-
-
-def offered(group_name: str) -> OfferedModule:
-    found = _OFFERED.get(group_name)
-    if found is None:
-        raise RuntimeError(
-            f"rollout.backend=exact generates with the actor's own module, and no actor in this process (worker "
-            f"group {group_name!r}) offered one: the exact engine runs only in the actor's processes (placement."
-            "roles.rollout on the actor's pool), built by recipes/roles.py, which tells the actor to offer it")
-    return found
+    def offered_module(self) -> OfferedModule:
+        """The module and the rows of one forward; raises naming the fix when it offers none."""
 
 
 def layout_inputs(batch: Batch) -> dict[str, torch.Tensor]:

@@ -64,7 +64,7 @@ class Files(Transport):
     def connect(self, plan, rank: int):
         return {"syncs": 0}
 
-    def send(self, sender, link, stats: dict, group_name: str) -> None:
+    def send(self, sender, link, stats: dict, engine) -> None:
         link["syncs"] += 1
         for parcels in sender.parcels():  # training rank 0: one per layout of the generation ranks
             for parcel in parcels:

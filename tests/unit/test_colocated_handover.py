@@ -1,5 +1,5 @@
 """The colocated hand-over on GPUs, checked on the CPU by recording the calls it makes: vLLM's
-weights wake alone for the sync, the training state leaves before the KV cache comes back, and
+weights wake alone for the sync (the sync's order, `WeightSync.sync_calls`, asked by the transport), the training state leaves before the KV cache comes back, and
 each phase's device memory peak is read after it (hybridflow/resharding/transports/colocated.py)."""
 
 from __future__ import annotations
@@ -8,6 +8,8 @@ from types import SimpleNamespace
 
 import pytest
 
+from hybridflow.config.schema import WeightSyncConfig
+from hybridflow.resharding.sync import WeightSync
 from hybridflow.resharding.transports.colocated import Colocated
 
 
@@ -33,7 +35,7 @@ def _step(moved: bool, peaks: list) -> tuple[list[str], dict]:
     actor = _Group("actor", calls, {"offload": moved, "reload": moved, "device_peak_bytes": lambda: [next(peak)]})
     rollout = _Group("rollout", calls, {"wake_up": moved, "sleep": moved})
     transport = Colocated()
-    transport.sync_calls(actor, rollout)
+    WeightSync(actor, rollout, WeightSyncConfig(), transport, "float32").sync_calls()  # the wake, then the send
     with transport.generating(actor, rollout):
         calls.append("generate")
     return calls, transport.handover_seconds()

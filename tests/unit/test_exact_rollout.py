@@ -51,16 +51,19 @@ def _config(*overrides: str):
 
 
 def _pair(model_dir, config, group: str):
-    """The actor and the exact engine, started in this process as one worker group (roles fused)."""
+    """The actor and the exact engine, started in this process as one worker group (roles fused), introduced to
+    each other as the host that builds them does."""
     from transformers import AutoTokenizer
 
+    from hybridflow.controller import introduce
     from recipes.roles import actor_role, rollout_role
 
     tok = AutoTokenizer.from_pretrained(model_dir)
     ctx = WorkerContext(group_name=group)
     actor = actor_role(config, model_dir).build(ctx)
     engine = rollout_role(config, model_dir, tok).build(ctx)
-    engine.start()  # before the actor: the engine finds the actor's module when it generates
+    introduce([actor, engine])
+    engine.start()  # before the actor: the engine asks for the actor's module when it generates
     actor.start()
     return actor, engine, tok
 
@@ -137,6 +140,23 @@ def test_an_engine_without_an_actor_in_its_process_says_where_it_runs(tiny_model
     engine.start()
     with pytest.raises(RuntimeError, match="no actor in this process .*'exact-alone'.* offered one"):
         engine.generate(_prompts(tok, rows=2))
+
+
+def test_an_actor_not_built_for_the_exact_engine_refuses_to_offer_its_module(tiny_model_dir):
+    """Its π_old pass would not be computed in the engine's layout: the equality would not hold."""
+    from transformers import AutoTokenizer
+
+    from hybridflow.controller import introduce
+    from recipes.roles import actor_role, rollout_role
+
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    config, ctx = _config(), WorkerContext(group_name="exact-unoffered")
+    actor = actor_role(config, tiny_model_dir).build(ctx)
+    actor.exact_rollout = False  # as an actor built by other code than recipes/roles.py may be
+    engine = rollout_role(config, tiny_model_dir, tok).build(ctx)
+    introduce([actor, engine])
+    with pytest.raises(RuntimeError, match="this actor was built without exact_rollout=True"):
+        engine.offered()
 
 
 @pytest.mark.parametrize("overrides, message", [

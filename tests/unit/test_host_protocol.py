@@ -2,7 +2,8 @@
 host defined here runs each rank's calls on a thread of its own, and worker groups, their futures and the
 wait drive it through the protocol alone: every dispatch and execute mode, a future passed into another
 group's call, the first failure raised at once as the WorkerError naming class, method and rank while the
-other rank is still blocked, a stage's deadline naming the stage, and the roles' teardown callbacks."""
+other rank is still blocked, a stage's deadline naming the stage, and the roles of one process introduced to
+each other once (`meet`) and dropped at teardown."""
 
 from __future__ import annotations
 
@@ -73,10 +74,14 @@ def spawn_threads(name: str, roles: dict[str, RoleSpec], ranks: int) -> dict[str
 
 class Scaler(EchoWorker):
     """The controller tests' worker (its rank-zero, execute-on-rank-zero and all-to-all methods), with what a
-    thread host shows: the thread a rank runs on, a failure while a peer blocks, a teardown callback."""
+    thread host shows: the thread a rank runs on, a failure while a peer blocks, the peers it met."""
 
     def __init__(self, ctx, scale: float = 2.0) -> None:
         super().__init__(ctx, scale)
+        self.met: list = []
+
+    def meet(self, peers: list) -> None:
+        self.met.append([type(peer).__name__ for peer in peers])
 
     @register(Dispatch.DP_SPLIT)
     def scale_rows(self, batch: Batch) -> Batch:
@@ -97,14 +102,18 @@ class Scaler(EchoWorker):
         RELEASE.wait(10)
 
     @register(Dispatch.ONE_TO_ALL)
-    def hold(self, freed: list) -> None:
-        self.ctx.on_teardown(lambda: freed.append(self.ctx.rank))
+    def peers_met(self) -> list:
+        return self.met
+
+
+class Watcher(EchoWorker):
+    """A second role fused into the scaler's processes (no `meet`: it is introduced to no one)."""
 
 
 @pytest.fixture
 def groups():
     RELEASE.clear()
-    made = {**spawn_threads("threads-two", {"scaler": RoleSpec(Scaler)}, 2),
+    made = {**spawn_threads("threads-two", {"scaler": RoleSpec(Scaler), "watcher": RoleSpec(Watcher)}, 2),
             "one": spawn_threads("threads-one", {"scaler": RoleSpec(Scaler, {"scale": 10.0})}, 1)["scaler"]}
     yield made
     RELEASE.set()
@@ -153,8 +162,9 @@ def test_a_stage_deadline_ends_the_wait_naming_the_stage_and_the_ranks(groups):
         deadlines.configure({}, default_s=None)
 
 
-def test_teardown_runs_the_callbacks_the_roles_registered(groups):
-    freed: list[int] = []
-    groups["scaler"].hold(freed)
+def test_the_roles_of_a_process_meet_once_and_teardown_drops_them(groups):
+    """Each rank's WorkerHost hands a worker with `meet` the other workers of its process, once, after building
+    them all; the alone one meets nobody."""
+    assert groups["scaler"].peers_met() == [[["Watcher"]], [["Watcher"]]] and groups["one"].peers_met() == [[[]]]
     groups["scaler"].shutdown()
-    assert sorted(freed) == [0, 1] and groups["scaler"].hosts[0].worker_host.workers == {}
+    assert groups["scaler"].hosts[0].worker_host.workers == {}

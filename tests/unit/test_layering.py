@@ -375,7 +375,7 @@ def function_level_imports(root: Path, folders=("hybridflow", "workers", "recipe
     return sorted(set(found))
 
 
-FUNCTION_LEVEL_IMPORTS = 197  # 214 at 39980d7, 203 after issue 71, 197 after issue 81 (hosts, layers); lower it as imports move to module level, never raise it
+FUNCTION_LEVEL_IMPORTS = 191  # 214 at 39980d7, 203 after issue 71, 197 after issue 81 (hosts, layers), 191 after its engine object; lower it as imports move to module level, never raise it
 
 
 def test_function_level_imports_of_the_project_do_not_grow():
@@ -392,3 +392,78 @@ def test_the_function_level_import_count_sees_one(tmp_path):
     (tmp_path / "hybridflow" / "a.py").write_text("from hybridflow.b import x\ndef f():\n    from hybridflow.c import y\n"
                                                   "    import json\n")
     assert function_level_imports(tmp_path, ("hybridflow",)) == ["hybridflow/a.py:3 hybridflow.c"]
+
+
+# A dict-like container made empty at module level and filled at run time is a registry of live objects, keyed by
+# what one caller names and another looks up (issue 81 removed the colocated receivers by worker group and the
+# actor's module offered to the exact engine: the host now introduces the workers of a process to each other).
+REGISTRY_TYPES = {"dict", "WeakValueDictionary", "WeakKeyDictionary", "defaultdict", "OrderedDict"}
+PLAIN_VALUES = {"int", "float", "bool", "str", "bytes", "None"}  # a dict[..., <these>] holds settings, not objects
+LIVE_REGISTRIES_ALLOWED = {  # module.name: why it may stay
+    "hybridflow.controller.ray_host._TASKS": "a memo of Ray's remote wrapper of each function `Host.apply` runs, "
+                                             "keyed by the function itself: built from its key, never looked up by name",
+}
+
+
+def _holds_plain_values(annotation: ast.expr | None) -> bool:
+    """Whether an annotation says `dict[K, V]` with V plain data (`PLAIN_VALUES`, a union or tuple of them)."""
+    if not isinstance(annotation, ast.Subscript) or not isinstance(annotation.slice, ast.Tuple):
+        return False
+    value = annotation.slice.elts[-1]
+    names = {n.id if isinstance(n, ast.Name) else "None" for n in ast.walk(value)
+             if isinstance(n, ast.Name) or (isinstance(n, ast.Constant) and n.value is None)}
+    return bool(names) and names <= PLAIN_VALUES | {"tuple"}
+
+
+def _entries_written(value: ast.expr) -> bool:
+    """Whether a literal or call spells out entries (`{'a': 1}`, `dict(a=1)`, `OrderedDict([('a', 1)])`)."""
+    if isinstance(value, ast.Dict):
+        return bool(value.keys)
+    return bool(value.keywords) or any(isinstance(a, (ast.Dict, ast.List, ast.Tuple)) and (
+        a.keys if isinstance(a, ast.Dict) else a.elts) for a in value.args)
+
+
+def module_registries(path: Path) -> list[tuple[int, str]]:
+    """(line, name) of each module-level name `path` binds to an empty dict (`{}`, `dict()`), a
+    `WeakValueDictionary`, `WeakKeyDictionary`, `defaultdict` or `OrderedDict` made without entries, unless its
+    annotation says its values are plain data. A table written out at module level (its entries in the
+    literal) is no registry."""
+    found = []
+    for node in ast.parse(path.read_text(), filename=str(path)).body:
+        if isinstance(node, ast.Assign):
+            targets, value, annotation = node.targets, node.value, None
+        elif isinstance(node, ast.AnnAssign) and node.value is not None:
+            targets, value, annotation = [node.target], node.value, node.annotation
+        else:
+            continue
+        dict_like = isinstance(value, ast.Dict) or (isinstance(value, ast.Call) and getattr(
+            value.func, "attr", getattr(value.func, "id", None)) in REGISTRY_TYPES)
+        if dict_like and not _entries_written(value) and not _holds_plain_values(annotation):
+            found += [(node.lineno, t.id) for t in targets if isinstance(t, ast.Name)]
+    return found
+
+
+def test_no_module_keeps_a_registry_of_live_objects():
+    """Objects of one run reach each other by argument or by the host's introduction (hybridflow/controller/
+    context.py `introduce`), never through a module's dict keyed by a name: such a dict outlives a stage's
+    workers, and whoever knows the key reaches into another role's objects (STYLE 15)."""
+    root = FRAMEWORK.parent
+    found = {}
+    for folder in ("hybridflow", "workers"):
+        for path in sorted((root / folder).rglob("*.py")):
+            module = ".".join(path.relative_to(root).with_suffix("").parts)
+            found.update({f"{module}.{name}": f"{path.relative_to(root)}:{line}" for line, name in module_registries(path)})
+    offenders = [f"{where} {name}" for name, where in sorted(found.items()) if name not in LIVE_REGISTRIES_ALLOWED]
+    assert not offenders, "module-level registries of live objects: " + ", ".join(offenders)
+    stale = sorted(set(LIVE_REGISTRIES_ALLOWED) - set(found))
+    assert not stale, f"allowed registries no longer there (drop them from LIVE_REGISTRIES_ALLOWED): {stale}"
+
+
+def test_the_registry_scan_sees_a_registry_and_passes_tables_and_settings(tmp_path):
+    sample = tmp_path / "sample.py"
+    sample.write_text("import weakref\nfrom collections import defaultdict\n"
+                      "_LOCAL: dict[str, 'Receiver'] = {}\n_OFFERED = weakref.WeakValueDictionary()\n"
+                      "_BY_NAME = defaultdict(list)\n_SEEN = dict()\n"
+                      "_TABLE = {'a': 1}\n_TIMEOUTS: dict[str, float] = {}\n_HELD: dict[int, tuple[int, float | None]] = {}\n"
+                      "_NAMED = dict(a=1)\ndef f():\n    cache = {}\n")
+    assert module_registries(sample) == [(3, "_LOCAL"), (4, "_OFFERED"), (5, "_BY_NAME"), (6, "_SEEN")]

@@ -17,7 +17,10 @@ from hybridflow.controller import Dispatch, RoleSpec, WorkerError, register
 
 class Doubler:
     def __init__(self, ctx) -> None:
-        self.ctx, self.seen = ctx, None
+        self.ctx, self.seen, self.met = ctx, None, []
+
+    def meet(self, peers: list) -> None:
+        self.met += peers  # appended: a second introduction would show twice
 
     @register(Dispatch.DP_SPLIT)
     def double(self, batch: Batch) -> Batch:
@@ -42,7 +45,10 @@ class Doubler:
 
 class Summer:
     def __init__(self, ctx) -> None:
-        self.ctx = ctx
+        self.ctx, self.peers = ctx, []
+
+    def meet(self, peers: list) -> None:
+        self.peers = peers  # the doubler: the two now hold each other, as an actor and the exact engine do
 
     @register(Dispatch.DP_SPLIT)
     def total(self, batch: Batch) -> float:
@@ -92,18 +98,21 @@ def test_the_host_keeps_a_random_state_of_its_own(groups):
             assert [first, float(torch.rand(()))] == expected  # the driver's went on where it was
 
 
-def test_teardown_frees_the_workers_and_the_receiver_registry(groups):
-    from hybridflow.resharding.receiver import local_receiver, register_local
-    from hybridflow.resharding.verify import WeightSyncError
+def test_teardown_frees_the_workers_and_what_they_met_of_each_other(groups):
+    """The host introduced the workers of its process to each other (each one's `meet`); dropping them frees
+    them all, the ones that hold each other too, as between two stages of a pipeline (a stage's engine
+    beside its actor: tests/unit/test_engine_meets_actor.py)."""
+    import gc
+    import weakref
 
     host = groups["doubler"].hosts[0]
-    ctx = host.worker_host.workers["doubler"].ctx  # a rollout engine registers its receiver so (serve_weights)
-    register_local(ctx.group_name, object(), ctx.on_teardown)  # the registry asks the host to forget it
-    assert local_receiver(ctx.group_name) is not None
+    doubler = host.worker_host.workers["doubler"]
+    assert doubler.met == [host.worker_host.workers["summer"]]  # once, the others of its process
+    held = weakref.ref(doubler)
+    del doubler
     groups["doubler"].shutdown()
-    assert host.worker_host.workers == {}
-    with pytest.raises(WeightSyncError, match="no rollout engine started in this process"):
-        local_receiver(ctx.group_name)
+    gc.collect()
+    assert host.worker_host.workers == {} and held() is None
 
 
 @pytest.mark.parametrize("overrides, key, fix", [

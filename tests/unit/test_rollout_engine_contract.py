@@ -126,14 +126,35 @@ def test_a_weight_load_or_check_with_the_weights_asleep_is_refused(call, args):
     getattr(engine, call)(*args)
 
 
-def test_the_colocated_load_asks_the_engine_that_serves_the_receiver():
-    from hybridflow.resharding.receiver import local_receiver
+def test_the_colocated_load_is_the_engines_and_checks_its_state():
+    """Every engine is what the actor keeps of the workers of its process (a `ColocatedReceiver`): the colocated
+    transport hands it the weights, and it refuses them while its weights sleep."""
+    from hybridflow.resharding.receiver import ColocatedReceiver
 
     engine = _asleep()
-    receiver = local_receiver("contract")
-    assert receiver is engine.receiver and receiver.engine_state is engine
+    assert isinstance(engine, ColocatedReceiver)
     with pytest.raises(EngineStateError, match="the colocated weight load needs the engine's weights awake"):
-        receiver.engine_state.load_colocated([[]], route=None)
+        engine.load_colocated([[]], route=None)
+
+
+@pytest.mark.parametrize("call, args, fix", [
+    ("stage_weights", (0,), "trainer.max_staleness to 0 or 1"), ("load_staged_weights", (0, 1.0), "max_staleness"),
+    ("served_adapter", (), "weight_sync.lora=folded"), ("join_weight_sync", (None,), "placement.roles.rollout")])
+def test_a_weight_call_the_engine_cannot_serve_says_so_and_the_setting_that_avoids_it(call, args, fix):
+    """Every call the base makes on a receiver is declared on `Receiver`: one an engine does not serve names the fix."""
+    from hybridflow.resharding.receiver import Receiver as Declared
+    from hybridflow.resharding.verify import WeightSyncError
+
+    class Bare(_Sleepy):
+        @register(Dispatch.ONE_TO_ALL)
+        def start(self) -> float:
+            self.serve_weights(Declared())
+            return 0.0
+
+    engine = Bare()
+    engine.start()
+    with pytest.raises(WeightSyncError, match=rf"Receiver .*{fix}"):
+        getattr(engine, call)(*args)
 
 
 # ---- every engine, on the CPU ----------------------------------------------------------------------
@@ -174,22 +195,22 @@ def _engine(name: str, ctx, model_dir: str, rollout, tok):
 def _exact_engine(ctx, model_dir: str, tok):
     """The exact engine and the actor whose module it computes with, fused in this process as a run fuses them."""
     from hybridflow.config import compose
+    from hybridflow.controller import introduce
     from hybridflow.resharding.transports import Colocated
     from hybridflow.stage import prepare_stage
-    from hybridflow.training.exact_layout import offered
     from recipes.roles import actor_role, rollout_role
 
     config = prepare_stage(compose(["recipe=grpo", "rollout.backend=exact", "placement=local", "model.dtype=float32",
                                     "rollout.max_response_tokens=4", f"data.max_prompt_tokens={MAX_PROMPT_TOKENS}"])).config
     ctx = WorkerContext(group_name=ctx.group_name)
     engine = rollout_role(config, model_dir, tok).build(ctx)
-    engine.start()  # before the actor: the engine finds the actor's module when it generates
+    engine.start()  # before the actor: the engine asks for the actor's module when it generates
     actor = actor_role(config, model_dir).build(ctx)
     actor.start()
-    engine._actor = actor  # kept alive with the engine
+    introduce([engine, actor])  # as the host that builds them into one process does
 
     def load(buckets):
-        params = dict(offered(ctx.group_name).model.named_parameters())
+        params = dict(engine.offered().model.named_parameters())
         with torch.no_grad():
             for name, tensor in (item for bucket in buckets for item in bucket):
                 param = params[name]

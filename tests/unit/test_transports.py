@@ -74,12 +74,21 @@ class _Only:
         return getattr(self._sender, name)
 
 
-def test_the_colocated_transport_moves_the_senders_local_slices_and_reads_no_sender_field():
-    """One training rank: the sender's own generation slice (the whole tensors) reaches the receiver of this
-    process through `Colocated.send`, which is handed `local_slices` alone."""
+class _Engine:
+    """The rollout engine of the actor's process as the colocated transport sees it: a `ColocatedReceiver`."""
+
+    def __init__(self, receiver) -> None:
+        self.receiver, self.loads = receiver, 0
+
+    def load_colocated(self, buckets, route):
+        self.loads += 1
+        return self.receiver.load(buckets, route=route)
+
+
+def _one_rank_sender():
     import torch
 
-    from hybridflow.resharding.receiver import ModuleReceiver, forget_local, register_local
+    from hybridflow.resharding.receiver import ModuleReceiver
     from hybridflow.resharding.sender import SyncPlan, WeightSender
 
     torch.manual_seed(0)
@@ -88,13 +97,31 @@ def test_the_colocated_transport_moves_the_senders_local_slices_and_reads_no_sen
     shapes = {n: list(p.shape) for n, p in trained.named_parameters()}
     plan = SyncPlan(Colocated(), "float32", 2 ** 20, 10.0, needs=[receiver.needed_boxes(shapes)],
                     buckets=[list(shapes)], shapes=shapes)
-    sender = WeightSender(trained, plan, rank=0, world_size=1)
-    register_local("transports-unit", receiver)
-    try:
-        stats = {"received_bytes": 0, "exchange_seconds": 0.0, "assemble_seconds": 0.0}
-        Colocated().send(_Only(sender, "local_slices"), None, stats, "transports-unit")
-    finally:
-        forget_local("transports-unit")
-    for name, param in engine.named_parameters():
+    return trained, WeightSender(trained, plan, rank=0, world_size=1), _Engine(receiver)
+
+
+def test_the_colocated_transport_moves_the_senders_local_slices_and_reads_no_sender_field():
+    """One training rank: the sender's own generation slice (the whole tensors) reaches the engine the sender is
+    handed (the one the actor met in its process) through `Colocated.send`, which is handed `local_slices` alone."""
+    import torch
+
+    trained, sender, engine = _one_rank_sender()
+    stats = {"received_bytes": 0, "exchange_seconds": 0.0, "assemble_seconds": 0.0}
+    Colocated().send(_Only(sender, "local_slices"), None, stats, engine)
+    assert engine.loads == 1
+    for name, param in engine.receiver.model.named_parameters():
         assert torch.equal(param, dict(trained.named_parameters())[name]), name
     assert stats["received_bytes"] == 0  # one rank holds its whole slice: nothing moved between ranks
+
+
+def test_a_colocated_sync_from_an_actor_that_met_no_engine_names_the_placement_fix():
+    _, sender, _ = _one_rank_sender()
+    with pytest.raises(WeightSyncError, match=r"no rollout engine was built in the actor's process .* map "
+                                              r"placement.roles.actor and placement.roles.rollout to the same pool"):
+        sender.send(engine=None)
+
+
+def test_the_colocated_transport_asks_the_sync_to_wake_the_engines_weights_alone():
+    """The wake-up is the sync's order (hybridflow/resharding/sync.py `WeightSync.sync_calls`), declared by the
+    transport: the weights, not the KV cache, which waits for the training state to leave the device."""
+    assert Colocated.wakes_for_sync == ("weights",) and Broadcast.wakes_for_sync == ()

@@ -3,8 +3,11 @@
 `RolloutEngineBase` is the contract every engine's worker class inherits (its entry, what it can do,
 is a `RolloutEngine` in hybridflow/config/engines.py, named by `rollout.backend`):
 - required: `start()` loads the model and builds `self.receiver`, the receiving end of the weight path
-  (`hybridflow.resharding.receiver.Receiver`: load what a transport delivers, checksums, probe), which
-  `self.serve_weights(receiver)` registers (an engine in the actor's processes: for the colocated sync);
+  (`hybridflow.resharding.receiver.Receiver`, which declares every call made on it: load what a
+  transport delivers, checksums, probe; staging and adapters where the engine can), and makes it the
+  engine's with `self.serve_weights(receiver)`. An engine in the actor's processes is met by the actor
+  when the host builds them (hybridflow/controller/context.py `introduce`): the actor keeps it, as a
+  `ColocatedReceiver`, and the colocated sync hands it the weights through `load_colocated`;
   `generate(prompts, greedy=False)` (DP_SPLIT) returns the prompts' batch with `response_ids`,
   `response_mask`, `sampler_log_probs` (of the tempered distribution it sampled), `behavior_version`
   and the objects `response` (text) and `finish_reason`;
@@ -75,14 +78,10 @@ class RolloutEngineBase(abc.ABC):
         """Take back `parts` of what `release` freed."""
 
     def serve_weights(self, receiver) -> None:
-        """Make `receiver` this engine's receiving end, and the one the colocated sync in this process
-        delivers to; it refuses a load while the weights sleep."""
-        from hybridflow.resharding.receiver import register_local
-
+        """Make `receiver` this engine's receiving end (the colocated sync's too, through `load_colocated`,
+        which refuses a load while the weights sleep)."""
         self.receiver = receiver
-        receiver.engine_state = self
         self._start_buffers = receiver.buffer_checksums()
-        register_local(self.ctx.group_name, receiver, self.ctx.on_teardown)
 
     # ---- the state, kept here -------------------------------------------------------------------
     def require_awake(self, call: str, parts) -> None:
@@ -104,8 +103,9 @@ class RolloutEngineBase(abc.ABC):
                 "rollout.sleep_level=1 to keep them across the sleep")
 
     def load_colocated(self, buckets, route) -> dict[str, float]:
-        """The colocated sync's receiving end in this process: every weight, bucket by bucket, into the
-        receiver, refused while the weights sleep; a level-2 sleep's weights are whole again after it."""
+        """The colocated sync's receiving end in this process (`ColocatedReceiver`: the actor met this engine
+        and its transport calls this): every weight, bucket by bucket, into the receiver, refused while the
+        weights sleep; a level-2 sleep's weights are whole again after it."""
         self.require_awake("the colocated weight load", ["weights"])
         loaded = self.receiver.load(buckets, route=route)
         self.loaded_whole()

@@ -18,21 +18,24 @@ tempered distribution — no top-p filter: the trainer computes the unfiltered o
 refuses rollout.top_p < 1 here — with one generator per batch seeded by its first sample seed, as the
 hf engine does. A finished row continues with masked padding; a micro-batch stops when no row of any
 rank runs, every rank together (the actor's FSDP forwards are collective).
+
+The engine finds the actor's module through the meeting of the workers of its process (`meet`: the host
+hands it the other workers once it has built them all; it keeps the one that `OffersModule`).
 """
 
 from __future__ import annotations
 
 import time
-from typing import Iterable
+from typing import Callable, Iterable
 
 import torch
 
 from hybridflow.batch import Batch
 from hybridflow.config.schema import RolloutConfig
-from hybridflow.controller import Dispatch, WorkerContext, register
+from hybridflow.controller import Dispatch, WorkerContext, peer_with, register
 from hybridflow.resharding.receiver import Receiver
 from hybridflow.resharding.verify import probe_fits
-from hybridflow.training.exact_layout import any_rank, next_token_log_probs, offered
+from hybridflow.training.exact_layout import OfferedModule, OffersModule, any_rank, next_token_log_probs
 from workers.rollout import RolloutEngineBase
 
 
@@ -43,19 +46,34 @@ class ExactRollout(RolloutEngineBase):
         self.ctx, self.model_path, self.cfg = ctx, model_path, rollout
         self.eos_token_id, self.pad_token_id = eos_token_id, pad_token_id
         self.trust_remote_code = trust_remote_code
+        self.module_owner = None  # the worker of this process that offers its module (`meet`)
+
+    def meet(self, peers: list) -> None:
+        """Keep the worker of this process that offers the module to generate with (the actor)."""
+        self.module_owner = peer_with(peers, OffersModule)
+
+    def offered(self) -> OfferedModule:
+        """The actor's module and the rows of one forward, asked of the actor each time (its start builds it)."""
+        if self.module_owner is None:
+            raise RuntimeError(
+                f"rollout.backend=exact generates with the actor's own module, and no actor in this process (worker "
+                f"group {self.ctx.group_name!r}) offered one: the exact engine runs only in the actor's processes "
+                "(placement.roles.rollout on the actor's pool), built with the actor by a host, which introduces "
+                "them (hybridflow/controller/context.py introduce)")
+        return self.module_owner.offered_module()
 
     @register(Dispatch.ONE_TO_ALL)
     def start(self) -> float:
-        """Nothing to load: the actor's module is found in this process when the engine generates."""
+        """Nothing to load: the actor's module is asked for when the engine generates."""
         start = time.perf_counter()
-        self.serve_weights(ActorModuleReceiver(self.ctx.group_name, self.eos_token_id, self.pad_token_id))
+        self.serve_weights(ActorModuleReceiver(self.offered, self.eos_token_id, self.pad_token_id))
         return time.perf_counter() - start
 
     @register(Dispatch.DP_SPLIT)
     @torch.no_grad()
     def generate(self, prompts: Batch, greedy: bool = False) -> Batch:
         """Same contract as HFRollout.generate: response ids, mask, sampler log-probs, version, text."""
-        module = offered(self.ctx.group_name)
+        module = self.offered()
         sample = not greedy and self.cfg.temperature > 0
         generator = None
         if sample:
@@ -114,8 +132,9 @@ class ActorModuleReceiver(Receiver):
     exchanged), it holds no parameter of its own to checksum (`weight_sync/verified_tensors` 0), and its
     probe is the engine's greedy decode of each probe prompt, which the actor scores in its usual layout."""
 
-    def __init__(self, group_name: str, eos_token_id: int, pad_token_id: int) -> None:
-        self.group_name, self.eos_token_id, self.pad_token_id = group_name, eos_token_id, pad_token_id
+    def __init__(self, offered: Callable[[], OfferedModule], eos_token_id: int, pad_token_id: int) -> None:
+        """`offered`: the engine's way to the actor's module (`ExactRollout.offered`)."""
+        self.offered, self.eos_token_id, self.pad_token_id = offered, eos_token_id, pad_token_id
 
     def needed_boxes(self, shapes: dict[str, list[int]]) -> dict[str, tuple]:
         return {name: tuple((0, 0) for _ in shape) for name, shape in shapes.items()}  # an empty box each
@@ -130,7 +149,7 @@ class ActorModuleReceiver(Receiver):
     def probe(self, prompts: list[list[int]], new_tokens: int) -> tuple[list[list[int]], torch.Tensor]:
         """Each prompt decoded greedily by itself (no padding to the longest: a forward per token costs the
         prompt's length), `new_tokens` tokens whatever they are, at temperature 1."""
-        module = offered(self.group_name)
+        module = self.offered()
         device = next(module.model.parameters()).device
         max_len = getattr(module.model.config, "max_position_embeddings", None)
         tokens, log_probs = [], []

@@ -6,15 +6,17 @@ receiver.py; vLLM's `VLLMReceiver`, workers/rollout/vllm/receiver.py) and our vL
 transfer engine (transfer.py) load what arrives. Everything that depends on *how*
 the bytes move lives in one module here, both ends of it:
 
-- controller side: opening the route (`rendezvous`, `setup_calls`), the calls one sync makes
+- controller side: opening the route (`rendezvous`, `setup_calls`), the engine parts a sync loads
+  into (`wakes_for_sync`, which `WeightSync` wakes first), the calls one sync makes
   (`sync_calls`), which rank's statistics count (`per_rank`, `metrics`), what the training
   ranks already hold (`held`, for the layout minimum) and the device memory steps around
   generation (`generating`);
 - sending route, inside `WeightSender` in every actor process: whether whole tensors are
   gathered (`gathers_whole`), plan checks (`check_plan`), opening this rank's end (`connect`,
   which returns the link the sender keeps for it) and moving one sync's buckets (`send`), taken
-  from the sender in the shape the route needs (`WeightSender.parcels` or `local_slices`): which
-  part of which tensor goes where is the sender's; a transport only moves bytes;
+  from the sender in the shape the route needs (`WeightSender.parcels` or `local_slices`), over the
+  link or to the engine of the actor's own process, which the sender hands it: which part of which
+  tensor goes where is the sender's; a transport only moves bytes;
 - receiving route, in the rollout worker and the engine's receiving side (for vLLM, inside its
   worker): the updates a generation rank will receive (`receiving_updates`, `receiving_init`: the
   fields of the route's own `BucketUpdate` and `RouteInit`, which vLLM's transfer engine takes as

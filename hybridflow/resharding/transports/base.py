@@ -49,6 +49,9 @@ class Transport:
     gathers_whole = False  # training ranks build whole tensors (FSDP all-gathers) before sending
     supports_staging = False  # can receive into host memory while the engine generates (max_staleness >= 2)
     preference = 0  # among the transports that serve a placement, the highest is chosen
+    # the engine parts (of "weights", "kv_cache") a sync loads into, which `WeightSync` wakes before `sync_calls`
+    # (a route that loads into the engine in the actor's processes: its weights, while the training state is on the device)
+    wakes_for_sync: tuple[str, ...] = ()
     device = "cpu"  # the plan's device ("cpu" or "cuda"), set by `build_transport`: both ends read it
 
     @classmethod
@@ -71,7 +74,7 @@ class Transport:
         return None
 
     def sync_calls(self, actor, rollout) -> list:
-        """The group calls of one sync, issued together."""
+        """The group calls of one sync, issued together (the parts of `wakes_for_sync` already awake)."""
         raise NotImplementedError
 
     def per_rank(self, results: list) -> list[dict]:
@@ -104,13 +107,14 @@ class Transport:
         hands back to `send`."""
         return None
 
-    def send(self, sender, link, stats: dict, group_name: str) -> None:
+    def send(self, sender, link, stats: dict, engine) -> None:
         """Move one sync's buckets, taken from `sender` in the shape the route needs — per bucket
         one flat parcel per layout of the generation ranks on training rank 0
         (`sender.parcels()`), or this rank's own generation slice, the missing pieces moved by a
         collective the transport passes (`sender.local_slices(exchange, stats)`) — over `link`
-        (what `connect` returned); `group_name`: this process's worker group, where an in-process
-        receiver is found; add to `stats` what this rank measured."""
+        (what `connect` returned), or in this process to `engine`: the rollout engine the actor met
+        in its process (a `receiver.ColocatedReceiver`; None when it met none); add to `stats` what
+        this rank measured."""
         raise NotImplementedError
 
     # ---- receiving route (in the rollout worker, and in the engine's receiving side: vLLM's worker) ---

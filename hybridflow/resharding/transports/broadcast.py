@@ -70,7 +70,7 @@ class Broadcast(Transport):
                            hosts_store=layout == 0)
                 for layout, ranks in enumerate(layouts(plan.needs))]
 
-    def send(self, sender, link, stats: dict, group_name: str) -> None:
+    def send(self, sender, link, stats: dict, engine) -> None:
         in_flight: list[list] = []  # per posted bucket: [(work, flat, what)], oldest first
         for parcels in sender.parcels():  # every rank: the bucket's FSDP gathers end here; rank 0 has parcels
             if not parcels:

@@ -11,9 +11,12 @@ each row-parallel tensor at TP 2, the missing half of each replicated one, half 
 TP 1. A LoRA model is folded first (the fold needs whole A and B), so its sync gathers whole
 tensors: correct, not at the layout minimum.
 
-Receiving: the tensors are already in the process (`Transport.receive_bucket`'s default). It
-cannot stage (the engine and the trainer are the same processes). Around generation, the
-training state steps aside for vLLM's KV cache, in one order (`HANDOVER`; no-ops on the CPU).
+Receiving: the tensors are already in the process (`Transport.receive_bucket`'s default), handed to
+the engine the actor met in its process (`send`'s `engine`: the host introduced the two when it built
+them, hybridflow/controller/context.py `introduce`), whose weights `WeightSync` woke first
+(`wakes_for_sync`). It cannot stage (the engine and the trainer are the same processes). Around
+generation, the training state steps aside for vLLM's KV cache, in one order (`HANDOVER`; no-ops on
+the CPU).
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ from hybridflow.resharding.verify import WeightSyncError
 @register_transport
 class Colocated(Transport):
     name = "colocated"
+    wakes_for_sync = ("weights",)  # not the KV cache: the actor's training state is still on the device
 
     @classmethod
     def serves(cls, colocated: bool, device: str) -> bool:
@@ -44,7 +48,6 @@ class Colocated(Transport):
         return [{n: fsdp_box(s, world, r) for n, s in shapes.items()} for r in range(world)]
 
     def sync_calls(self, actor, rollout) -> list:
-        rollout.wake_up(["weights"])  # not the KV cache: the actor's training state is still on the device
         return [actor.send_weights.remote()]
 
     def per_rank(self, results: list) -> list[dict]:
@@ -64,7 +67,7 @@ class Colocated(Transport):
     #   generation, a probe among them, while its KV cache sleeps (WeightSync._probe_or_defer)
     # so the device never holds the training state and vLLM's KV cache at once: the sync's peak is
     # the training state plus vLLM's weights, generation's vLLM's weights and KV cache alone
-    # (`sync_calls` above, `generating` here).
+    # (`wakes_for_sync` above, which WeightSync wakes before `sync_calls`; `generating` here).
     HANDOVER = ("offload", "engine_wake", "generate", "engine_sleep", "reload")
 
     @contextmanager
@@ -102,15 +105,19 @@ class Colocated(Transport):
             raise WeightSyncError(f"colocated weight sync: {len(plan.needs)} generation ranks for {world} "
                                   "training ranks; they must be the same processes")
 
-    def send(self, sender, link, stats: dict, group_name: str) -> None:
+    def send(self, sender, link, stats: dict, engine) -> None:
+        """This rank's slices, bucket by bucket, to `engine`, the rollout engine of this process (it checks
+        its state around the load); a WeightSyncError naming the placement fix when the actor met none."""
         from hybridflow.controller.memory import phase_peak_bytes
-        from hybridflow.resharding.receiver import local_receiver
 
+        if engine is None:
+            raise WeightSyncError(
+                "colocated weight sync: no rollout engine was built in the actor's process for it to meet; map "
+                "placement.roles.actor and placement.roles.rollout to the same pool, or give the rollout a pool of "
+                "its own (placement=disaggregated)")
         buckets = sender.local_slices(self.exchange, stats)  # lazily, one bucket at a time
         phase_peak_bytes()  # GPUs: what came before (the update) is its own phase
-        receiver = local_receiver(group_name)
-        engine = receiver.engine_state  # the engine serving it checks its state around the load
-        loaded = receiver.load(buckets, route=self) if engine is None else engine.load_colocated(buckets, self)
+        loaded = engine.load_colocated(buckets, self)
         stats["load_seconds"] = loaded["load_seconds"]
         peak = phase_peak_bytes()  # the sync phase: the training state and vLLM's weights on the device
         if peak is not None:
