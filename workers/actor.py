@@ -3,13 +3,13 @@
 Computes response log-probs and entropy, and trains: the policy update, supervised fine-tuning steps
 (the SFT recipe reuses the actor) and preference steps, each an objective
 (hybridflow.training.objectives: `PolicyObjective`, `SFTObjective`, `PreferenceObjective`) run by the
-one loop here (`_train`: mini-batches, gradient accumulation, the float16 loss scale's retry, clipping,
-the lr schedule, the reduction over ranks). What it does with its weights besides training is composed
-from the framework, each registered method here delegating so that the controller calls it on the
-worker by name: the sending end of the weight sync (`hybridflow.resharding.source.WeightSource`), the
-moves of its training state off and back onto a GPU shared with the rollout engine
-(`hybridflow.training.memory_moves`), and the whole model read, replaced or exported
-(`hybridflow.training.whole_model`).
+trained roles' one loop (hybridflow.training.loop: mini-batches, gradient accumulation, the float16 loss
+scale's retry, clipping, the lr schedule, the reduction over ranks). What it does with its weights
+besides training is composed from the framework, each registered method here delegating so that the
+controller calls it on the worker by name: the sending end of the weight sync
+(`hybridflow.resharding.source.WeightSource`), the moves of its training state off and back onto a GPU
+shared with the rollout engine (`hybridflow.training.memory_moves`), and the whole model read, replaced
+or exported (`hybridflow.training.whole_model`).
 """
 
 from __future__ import annotations
@@ -18,7 +18,6 @@ import time
 
 import torch
 
-from hybridflow.algos import micro_batch_stat
 from hybridflow.batch import Batch
 from hybridflow.config.schema import ActorConfig
 from hybridflow.controller import Dispatch, WorkerContext, peer_with, register
@@ -27,25 +26,22 @@ from hybridflow.resharding.source import WeightSource
 from hybridflow.training import memory_moves, whole_model
 from hybridflow.training.exact_layout import OfferedModule, layout_log_probs
 from hybridflow.training.fsdp import (
-    accumulating,
-    all_reduce_mean_dict,
-    all_reduce_sum,
     build_optimizer,
     fp32_output_head,
     load_model,
-    read_floats,
     shard_model,
 )
-from hybridflow.training.loss_scale import LossScale, clipped_step
-from hybridflow.training.objectives import Objective, PolicyObjective, PreferenceObjective, SFTObjective, Split
+from hybridflow.training.loop import TrainingLoopMixin
+from hybridflow.training.loss_scale import LossScale
+from hybridflow.training.objectives import Objective, PolicyObjective, PreferenceObjective, SFTObjective
 from hybridflow.training.packing import choose_packing
 from hybridflow.training.resolution import MovedFraction, precision_stats
-from hybridflow.training.shared_prompts import choose_sharing, shares_prompts
+from hybridflow.training.shared_prompts import choose_sharing
 from hybridflow.training.state import TrainingStateMixin
-from hybridflow.training.sequences import TOKEN_COUNTS, log_probs_and_entropy, pair_log_probs
+from hybridflow.training.sequences import log_probs_and_entropy, pair_log_probs
 
 
-class ActorWorker(TrainingStateMixin):
+class ActorWorker(TrainingStateMixin, TrainingLoopMixin):
     def __init__(self, ctx: WorkerContext, actor: ActorConfig, *, model_path: str, dtype: str, master_dtype: str,
                  keep_dropout: bool, temperature: float, total_steps: int, trust_remote_code: bool, seed: int,
                  pack_sequences: bool | None = None, share_prompts: bool | None = None,
@@ -182,7 +178,7 @@ class ActorWorker(TrainingStateMixin):
             return pair_log_probs(self.model, pairs.to(self.ctx.device), self.cfg.samples_per_micro_batch,
                                   self.cfg.tokens_per_micro_batch, per_token, prefix="ref_")
 
-    # ---- training: one loop (`_train`) runs every objective (hybridflow.training.objectives) ----------
+    # ---- training: each an objective (hybridflow.training.objectives), one loop (training.loop) -----
 
     @register(Dispatch.DP_SPLIT)
     def update_policy(self, batch: Batch, old_log_probs_key: str = "old_log_probs", weighted: bool = False,
@@ -212,78 +208,13 @@ class ActorWorker(TrainingStateMixin):
         return stats
 
     def _train(self, batch: Batch, objective: Objective) -> dict:
-        """`objective.epochs` (else actor.epochs_per_step) passes over `batch` in its mini-batches
-        (actor.samples_per_mini_batch, or the whole batch), an optimizer step each; the statistics
-        averaged over mini-batches and ranks, then the objective's own (`results`) and `precision/*`."""
-        objective.check(batch)
-        self.model.train()
-        batch = batch.to(self.ctx.device)
-        world = self.ctx.world_size
-        rows_per_mini = len(batch) if objective.whole_batch or not self.cfg.samples_per_mini_batch else \
-            self.cfg.samples_per_mini_batch // world
-        generator = torch.Generator().manual_seed(self.seed * 100003 + self.updates)
-        totals: dict[str, float] = {}
-        computed: dict[str, float] = {}  # perf/*_tokens: summed over mini-batches and ranks, not averaged
-        n_mini, first = 0, {}
+        """The trained roles' one loop (`run_objective`, hybridflow.training.loop) under the actor's names,
+        with `precision/*`: the share of the weights the step moved in each watched dtype, and float16's
+        loss scale (hybridflow.training.resolution)."""
         if self._moved is not None:
             self._moved.before()
-        for _ in range(objective.epochs or self.cfg.epochs_per_step):
-            for mini in objective.mini_batches(batch, rows_per_mini, generator, shares_prompts(self.model)):
-                mini_stats = self._train_mini_batch(mini, objective, world)
-                for k in [k for k in TOKEN_COUNTS if k in mini_stats]:
-                    computed[k] = computed.get(k, 0) + mini_stats.pop(k)
-                for k, v in mini_stats.items():
-                    totals[k] = totals.get(k, 0.0) + v
-                first = first or mini_stats
-                n_mini += 1
-        self.scheduler.step()
-        self.updates += 1
-        stats = {k: v / n_mini for k, v in totals.items()}
-        if "actor/log_prob_diff_from_old" in first:  # the first mini-batch's, before any optimizer step:
-            stats["log_prob_diff_before_update"] = first["actor/log_prob_diff_from_old"]  # the recipe's, no metric
-        stats["actor/lr"] = self.scheduler.get_last_lr()[0]
-        reduced = all_reduce_mean_dict({**stats, **computed})
-        return {**reduced, **{k: reduced[k] * world for k in computed}, **objective.results(),
-                **precision_stats(self._moved, self.loss_scale)}
-
-    def _train_mini_batch(self, mini: Batch, objective: Objective, world: int) -> dict:
-        """One optimizer step on a mini-batch cut by `objective.split`; a float16 backward that overflowed
-        runs again at half the loss scale (hybridflow.training.loss_scale)."""
-        split = objective.split(self.model, mini, self.cfg.samples_per_micro_batch, self.cfg.tokens_per_micro_batch)
-        grad_norm = None
-        while grad_norm is None:
-            stats = self._accumulate(split, objective, world)
-            grad_norm = clipped_step(self.model, self.optimizer, self.loss_scale, self.cfg.optim.max_grad_norm,
-                                     f"actor update {self.updates}; lower the lr {objective.fix}")
-        stats.update(split.stats)
-        stats["actor/loss"] = all_reduce_sum(stats["actor/loss"])  # the mini-batch loss over all ranks
-        stats["actor/grad_norm"] = grad_norm
-        return stats
-
-    def _accumulate(self, split: Split, objective: Objective, world: int) -> dict:
-        """Zero the gradients, then every micro-batch's forward and backward (the loss times the loss
-        scale and `world`, undoing FSDP's average over ranks); the micro-batches' statistics weighed by
-        their shares (`micro_batch_stat`), read from the device once."""
-        self.optimizer.zero_grad(set_to_none=True)
-        objective.accumulation_started()
-        loss_total, weighted = 0.0, {}
-        for micro, share in accumulating(self.model, zip(split.micro_batches, split.shares)):
-            loss, stats = objective.loss(self.model, micro, split.counts)  # nothing here waits for the device
-            (loss * (world * self.loss_scale.scale)).backward()
-            loss_total = loss_total + loss.detach()
-            for k, v in stats.items():  # loss parts add up, means weigh by shares: no split changes them
-                weighted[k] = weighted.get(k, 0.0) + micro_batch_stat(k, v, share, world)
-        weighted["actor/loss"] = loss_total
-        read_floats(weighted)  # the one wait for the device in this mini-batch's micro-batches
-        return weighted
-
-    @register(Dispatch.ONE_TO_ALL)
-    def scale_lr(self, factor: float) -> float:
-        """Multiply the lr of the next update only (the scheduler sets the one after from its own
-        formula): the `lr_burst` step hook's injected divergence. Returns the lr now in force."""
-        for group in self.optimizer.param_groups:
-            group["lr"] *= factor
-        return self.optimizer.param_groups[0]["lr"]
+        stats = self.run_objective(batch, objective, "actor")
+        return {**stats, **precision_stats(self._moved, self.loss_scale)}
 
     # ---- device memory (hybridflow.training.memory_moves) -------------------------------------
 

@@ -92,14 +92,15 @@ def aggregate_loss(
 
 # Statistics that are a micro-batch's part of its mini-batch's loss: the loss functions normalise each
 # micro-batch by the whole mini-batch's counts (on every rank), so these add up over micro-batches
-# and ranks. Every other statistic is a mean within its micro-batch, weighted by its tokens.
+# and ranks. Every other statistic is a mean within its micro-batch, weighted by its tokens. Under a
+# role's namespace the name is the same statistic (`critic/value_loss`).
 LOSS_PART_STATS = frozenset({"policy_loss", "kl_loss", "value_loss"})
 
 
 def micro_batch_stat(key: str, value, token_share, world: int = 1):
     """One micro-batch's `value` of statistic `key`, as it adds into its mini-batch's figure: a loss
-    part as it is, times `world` (the figure is later averaged over ranks, and each rank holds its part
+    part (`LOSS_PART_STATS`, under any namespace: `critic/value_loss`) as it is, times `world` (the figure is later averaged over ranks, and each rank holds its part
     of the loss, so the mean is their sum); any other statistic weighted by `token_share`, the
     micro-batch's share of the rank's trained tokens. Either way the figure does not depend on how
     the rows were split into micro-batches. Floats or 0-dim tensors (a tensor in, a tensor out)."""
-    return value * world if key in LOSS_PART_STATS else value * token_share
+    return value * world if key.rpartition("/")[2] in LOSS_PART_STATS else value * token_share

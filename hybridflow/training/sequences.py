@@ -106,6 +106,20 @@ def response_log_probs(model: torch.nn.Module, batch: Batch, temperature: float 
     return pad_response_width(log_probs, width_out), pad_response_width(entropy, width_out)
 
 
+def response_values(model: torch.nn.Module, batch: Batch) -> torch.Tensor:
+    """A value-head model's values (B, R) float32, read where the logits predicting each response token
+    sit: the state before token t is generated. 0 past every response; packed or trimmed of all-padding
+    columns as `response_log_probs` computes."""
+    packed = pack(batch["prompt_ids"], batch["prompt_mask"], batch["response_ids"], batch["response_mask"],
+                  share=shares_prompts(model)) if runs_packed(model) else None
+    if packed is not None:  # real tokens only (hybridflow.training.packing)
+        return packed.scatter(model(**packed.model_kwargs()).logits[0, packed.predicting, 0].float())
+    inputs, prompt_len, width = trimmed_inputs(batch)  # all-padding columns cost compute and change nothing
+    logits = model(**inputs).logits  # (B, p+r, 1)
+    values = logits[:, prompt_len - 1 : prompt_len - 1 + width, 0].float()
+    return pad_response_width(values, batch["response_ids"].shape[1])
+
+
 def packed_logits(model: torch.nn.Module, packed: PackedSequences) -> torch.Tensor:
     """(N, V) logits at `packed.predicting`, from one forward over the packed row."""
     if takes_logits_to_keep(model):

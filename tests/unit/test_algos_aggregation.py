@@ -123,3 +123,5 @@ def test_micro_batch_stats_add_loss_parts_and_weigh_means_by_tokens():
         totals = {k: sum(micro_batch_stat(k, stats[k], share, world) for stats, share in parts)
                   for k in ("policy_loss", "clip_fraction")}
         assert totals == {"policy_loss": loss, "clip_fraction": 0.625}  # the token-weighted mean, any world
+    assert micro_batch_stat("critic/value_loss", 0.25, 0.5, 2) == 0.5  # a loss part under a role's namespace
+    assert micro_batch_stat("critic/value_mean", 0.25, 0.5, 2) == 0.125

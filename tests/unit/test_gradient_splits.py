@@ -24,7 +24,7 @@ from hybridflow.controller import WorkerContext
 from hybridflow.data import ArithmeticSpec, make_arithmetic_rows
 from hybridflow.data.prompts import encode_prompts
 from hybridflow.stage import prepare_stage
-from hybridflow.training.objectives import PolicyObjective, SFTObjective
+from hybridflow.training.objectives import PolicyObjective, SFTObjective, ValueObjective
 from recipes.roles import actor_role, critic_role
 
 ROWS = 8
@@ -78,8 +78,8 @@ def _actor(model_dir, split, loss, aggregation="token-mean", divide_by_micro_bat
         count, plain = -(-ROWS // split[0]), objective.loss
         objective.loss = lambda model, micro, counts: (lambda loss, stats: (loss / count, stats))(  # noqa: E731
             *plain(model, micro, counts))
-    stats = worker._train_mini_batch(_batch(model_dir), objective, world=1)
-    return _gradients(worker.model), stats
+    stats, figures = worker.train_mini_batch(_batch(model_dir), objective, world=1)
+    return _gradients(worker.model), {**stats, **figures}
 
 
 @pytest.mark.parametrize("aggregation", LOSS_AGGREGATIONS.names())
@@ -89,7 +89,7 @@ def test_the_policy_gradient_is_the_same_for_every_micro_batch_split(tiny_model_
     for split in SPLITS:
         grads, stats = _actor(tiny_model_dir, split, "policy", aggregation)
         _assert_same(grads, whole, f"{aggregation} {split}")
-        assert stats["actor/loss"] == pytest.approx(whole_stats["actor/loss"], rel=1e-5, abs=1e-7), split
+        assert stats["loss"] == pytest.approx(whole_stats["loss"], rel=1e-5, abs=1e-7), split
 
 
 def test_the_sft_gradient_is_the_same_for_every_micro_batch_split(tiny_model_dir):
@@ -97,26 +97,28 @@ def test_the_sft_gradient_is_the_same_for_every_micro_batch_split(tiny_model_dir
     for split in SPLITS:
         grads, stats = _actor(tiny_model_dir, split, "sft")
         _assert_same(grads, whole, f"sft {split}")
-        assert stats["actor/loss"] == pytest.approx(whole_stats["actor/loss"], rel=1e-5), split
+        assert stats["loss"] == pytest.approx(whole_stats["loss"], rel=1e-5), split
 
 
 @pytest.mark.parametrize("aggregation", LOSS_AGGREGATIONS.names())
 def test_the_critic_gradient_is_the_same_for_every_micro_batch_split(tiny_model_dir, aggregation):
     def critic(split):
         config = prepare_stage(_config("critic", *split, loss_aggregation=aggregation)).config
-        worker = critic_role(config, tiny_model_dir).build(WorkerContext())
-        worker.start()
-        _keep_gradients(worker)
-        batch = _batch(tiny_model_dir)
-        mask = batch["response_mask"]
-        counts = {"global_token_count": int(mask.sum()), "global_sequence_count": int(mask.any(1).sum())}
-        stats = worker._accumulate(batch, 1, counts)
-        return _gradients(worker.model), stats
+        worker = _keep_gradients(_started(critic_role(config, tiny_model_dir).build(WorkerContext())))
+        stats, figures = worker.train_mini_batch(_batch(tiny_model_dir), _value(worker), world=1)
+        return _gradients(worker.model), {**stats, **figures}
 
     whole, whole_stats = critic((ROWS, None, False))
+    assert any(g.abs().sum() > 0 for g in whole.values())
     for split in SPLITS:
         grads, stats = critic(split)
         _assert_same(grads, whole, f"critic {aggregation} {split}")
+        for key in ("loss", "critic/value_loss", "critic/value_mean"):  # a loss part and a token-weighted mean
+            assert stats[key] == pytest.approx(whole_stats[key], rel=1e-5, abs=1e-7), (key, split)
+
+
+def _value(worker) -> ValueObjective:
+    return ValueObjective(worker.cfg.value_clip_range, worker.cfg.loss_aggregation)
 
 
 def test_a_loss_divided_twice_is_caught_by_the_split_comparison(tiny_model_dir):
@@ -147,22 +149,20 @@ def _rank_gradients(rank: int, world: int, port: int, model_dir: str, out_file: 
         scale = 1 if planted else world  # planted: the per-rank loss without the world-size factor
         batch = _batch(model_dir)
         half = batch.chunk(world)[rank]
-        mask = batch["response_mask"]
-        counts = {"global_token_count": int(mask.sum()), "global_sequence_count": int(mask.any(1).sum())}
         out = {}
         for split in RANK_SPLITS:
             for aggregation in LOSS_AGGREGATIONS.names():
                 config = prepare_stage(_config("actor", *split, loss_aggregation=aggregation)).config
                 worker = _keep_gradients(_started(actor_role(config, model_dir).build(context)))
-                worker._train_mini_batch(half, PolicyObjective(worker.cfg, worker.temperature), world=scale)
+                worker.train_mini_batch(half, PolicyObjective(worker.cfg, worker.temperature), world=scale)
                 out[("policy", aggregation, split)] = _full_gradients(worker.model)
                 config = prepare_stage(_config("critic", *split, loss_aggregation=aggregation)).config
                 worker = _keep_gradients(_started(critic_role(config, model_dir).build(context)))
-                worker._accumulate(half, scale, counts)
+                worker.train_mini_batch(half, _value(worker), world=scale)
                 out[("critic", aggregation, split)] = _full_gradients(worker.model)
             config = prepare_stage(_config("actor", *split)).config
             worker = _keep_gradients(_started(actor_role(config, model_dir).build(context)))
-            worker._train_mini_batch(half, SFTObjective(), world=scale)
+            worker.train_mini_batch(half, SFTObjective(), world=scale)
             out[("sft", None, split)] = _full_gradients(worker.model)
         if rank == 0:
             torch.save(out, out_file)
@@ -206,10 +206,7 @@ def _one_rank_reference(model_dir) -> dict:
         want[("policy", aggregation)] = _actor(model_dir, (ROWS, None, False), "policy", aggregation)[0]
         config = prepare_stage(_config("critic", ROWS, None, False, loss_aggregation=aggregation)).config
         worker = _keep_gradients(_started(critic_role(config, model_dir).build(WorkerContext())))
-        batch = _batch(model_dir)
-        mask = batch["response_mask"]
-        worker._accumulate(batch, 1, {"global_token_count": int(mask.sum()),
-                                      "global_sequence_count": int(mask.any(1).sum())})
+        worker.train_mini_batch(_batch(model_dir), _value(worker), world=1)
         want[("critic", aggregation)] = _gradients(worker.model)
     want[("sft", None)] = _actor(model_dir, (ROWS, None, False), "sft")[0]
     return want

@@ -1,6 +1,6 @@
 """Adding an objective is one new file (hybridflow/training/objectives): an objective defined here, outside
-the package, runs through the actor's one loop (`ActorWorker._train`: accumulation, the loss scale,
-clipping, the schedule, the reduction over ranks) with nothing else changed. Minus the mean log-prob of
+the package, runs through the trained roles' one loop (hybridflow.training.loop, here by `ActorWorker._train`:
+accumulation, the loss scale, clipping, the schedule, the reduction over ranks) with nothing else changed. Minus the mean log-prob of
 the trained tokens is SFT's token-mean cross-entropy written anew, so its step equals `train_sft`'s
 for any micro-batch split; a batch without a column the objective needs is refused naming it."""
 

@@ -2,14 +2,16 @@
 
 An objective says which columns it reads (`needs`), its loss on a micro-batch with its statistics
 (`loss`), and how a step's batch is cut where that differs from the usual (`epochs`, `whole_batch`,
-`mini_batches`, `split`); nothing else. The worker owns the model, the optimizer, the offload and the
-one loop that runs any objective (workers/actor.py `ActorWorker._train`: accumulation, the loss scale
-and its float16 retry, clipping, the scheduler, the reduction over ranks). Adding an objective is one
-new file: a subclass of `Objective` with `needs` and `loss` (base.py)."""
+`mini_batches`, `split`); nothing else. The worker owns the model, the optimizer and the offload; the
+one loop that runs any objective is the trained roles' (hybridflow.training.loop `TrainingLoopMixin`:
+accumulation, the loss scale and its float16 retry, clipping, the scheduler, the reduction over ranks).
+Adding an objective is one new file: a subclass of `Objective` with `needs` and `loss` (base.py)."""
 
 from hybridflow.training.objectives.base import Objective, Split, token_split
 from hybridflow.training.objectives.policy import PolicyObjective
 from hybridflow.training.objectives.preference import PreferenceObjective
 from hybridflow.training.objectives.sft import SFTObjective
+from hybridflow.training.objectives.value import ValueObjective
 
-__all__ = ["Objective", "PolicyObjective", "PreferenceObjective", "SFTObjective", "Split", "token_split"]
+__all__ = ["Objective", "PolicyObjective", "PreferenceObjective", "SFTObjective", "Split", "ValueObjective",
+           "token_split"]

@@ -1,5 +1,5 @@
-"""What the actor's loop asks of an objective (`Objective`), and the usual cut of a mini-batch into
-micro-batches by response tokens (`token_split`).
+"""What the training loop (hybridflow.training.loop) asks of an objective (`Objective`), and the usual
+cut of a mini-batch into micro-batches by response tokens (`token_split`).
 
 Gradient accumulation is invariant to the micro-batch split: the loss of every micro-batch is
 normalised by counts over the whole mini-batch on all ranks (`Split.counts`), and the loop multiplies
@@ -39,12 +39,15 @@ class Objective:
     `mini_batches` (each `samples_per_mini_batch // world` rows, or the whole batch with `whole_batch`),
     one optimizer step each; `split` cuts a mini-batch into micro-batches; `loss` is each micro-batch's
     loss, its part of the mini-batch's loss (normalised by `split`'s counts), with its statistics as
-    0-dim tensors or floats. `fix` is said when a gradient is not finite."""
+    0-dim tensors or floats. `fix` is said when a gradient is not finite; `first_mini_batch` names
+    statistics of the first mini-batch, taken before any optimizer step, reported besides their
+    average over the mini-batches ({statistic: the name it is reported under})."""
 
     needs: tuple[str, ...] = ("prompt_ids", "prompt_mask", "response_ids", "response_mask")
     epochs: int | None = None
     whole_batch = False
     fix = "or check the advantages/rewards for NaN"
+    first_mini_batch: dict[str, str] = {}
 
     def check(self, batch: Batch) -> None:
         """Refuse a batch without a column in `needs`, naming them."""

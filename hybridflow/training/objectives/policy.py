@@ -26,6 +26,9 @@ class PolicyObjective(Objective):
     `sampler_log_probs`); `weighted`: multiply by `behavior_weights`. Needs response tokens, the
     proximal log-probs, `advantages`, and `ref_log_probs` when kl_loss_coef > 0 (hybridflow.batch_keys)."""
 
+    # the gap to the proximal policy before the update moved it: the recipe's (recipes/ppo.py), no metric
+    first_mini_batch = {"actor/log_prob_diff_from_old": "log_prob_diff_before_update"}
+
     def __init__(self, cfg: ActorConfig, temperature: float = 1.0, old_key: str = "old_log_probs",
                  weighted: bool = False, mismatch_band: tuple[float, float] | None = None) -> None:
         self.cfg, self.temperature, self.old_key, self.weighted = cfg, temperature, old_key, weighted
