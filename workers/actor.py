@@ -5,11 +5,12 @@ Computes response log-probs and entropy, and trains: the policy update, supervis
 (hybridflow.training.objectives: `PolicyObjective`, `SFTObjective`, `PreferenceObjective`) run by the
 trained roles' one loop (hybridflow.training.loop: mini-batches, gradient accumulation, the float16 loss
 scale's retry, clipping, the lr schedule, the reduction over ranks). What it does with its weights
-besides training is composed from the framework, each registered method here delegating so that the
-controller calls it on the worker by name: the sending end of the weight sync
+besides training is composed from the framework, each registered method here or in a mixin delegating
+so that the controller calls it on the worker by name: the sending end of the weight sync
 (`hybridflow.resharding.source.WeightSource`), the moves of its training state off and back onto a GPU
-shared with the rollout engine (`hybridflow.training.memory_moves`), and the whole model read, replaced
-or exported (`hybridflow.training.whole_model`).
+shared with the rollout engine (`hybridflow.training.memory_moves`), the reference as the model with its
+LoRA adapter off (`hybridflow.training.adapter_reference`), and the whole model read, replaced
+(`hybridflow.training.state`) or exported (`hybridflow.training.whole_model`).
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from hybridflow.training.fsdp import (
     load_model,
     shard_model,
 )
+from hybridflow.training.adapter_reference import AdapterReferenceMixin
 from hybridflow.training.loop import TrainingLoopMixin
 from hybridflow.training.loss_scale import LossScale
 from hybridflow.training.objectives import Objective, PolicyObjective, PreferenceObjective, SFTObjective
@@ -41,7 +43,7 @@ from hybridflow.training.state import TrainingStateMixin
 from hybridflow.training.sequences import log_probs_and_entropy, pair_log_probs
 
 
-class ActorWorker(TrainingStateMixin, TrainingLoopMixin):
+class ActorWorker(TrainingStateMixin, TrainingLoopMixin, AdapterReferenceMixin):
     def __init__(self, ctx: WorkerContext, actor: ActorConfig, *, model_path: str, dtype: str, master_dtype: str,
                  keep_dropout: bool, temperature: float, total_steps: int, trust_remote_code: bool, seed: int,
                  pack_sequences: bool | None = None, share_prompts: bool | None = None,
@@ -128,19 +130,6 @@ class ActorWorker(TrainingStateMixin, TrainingLoopMixin):
         out.meta["timing/actor_forward_s"] = time.perf_counter() - start
         return out
 
-    @register(Dispatch.DP_SPLIT)
-    @torch.no_grad()
-    def compute_ref_log_probs(self, batch: Batch) -> Batch:
-        """Reference log-probs from the actor with its LoRA adapter disabled (LoRA runs only)."""
-        if not hasattr(self.model, "disable_adapter"):
-            raise RuntimeError("compute_ref_log_probs on the actor needs actor.lora.rank > 0; "
-                               "without LoRA the reference role computes reference log-probs")
-        start = time.perf_counter()
-        with self.model.disable_adapter():
-            out = self._log_probs(batch, "ref_log_probs")
-        out.meta["timing/reference_forward_s"] = time.perf_counter() - start
-        return out.select(["ref_log_probs"])
-
     def _log_probs(self, batch: Batch, key: str) -> Batch:
         log_probs, _ = log_probs_and_entropy(self.model, batch.to(self.ctx.device), self.cfg.samples_per_micro_batch,
                                              self.temperature, self.cfg.tokens_per_micro_batch, with_entropy=False)
@@ -165,18 +154,6 @@ class ActorWorker(TrainingStateMixin, TrainingLoopMixin):
         each response's summed log-probability, or its mean per token with `per_token`."""
         return pair_log_probs(self.model, pairs.to(self.ctx.device), self.cfg.samples_per_micro_batch,
                               self.cfg.tokens_per_micro_batch, per_token)
-
-    @register(Dispatch.DP_SPLIT)
-    @torch.no_grad()
-    def compute_ref_pair_log_probs(self, pairs: Batch, per_token: bool = False) -> Batch:
-        """`ref_chosen_log_probs` / `ref_rejected_log_probs` from the actor with its LoRA adapter
-        disabled (LoRA runs only; otherwise the reference role computes them)."""
-        if not hasattr(self.model, "disable_adapter"):
-            raise RuntimeError("compute_ref_pair_log_probs on the actor needs actor.lora.rank > 0; "
-                               "without LoRA the reference role computes reference log-probs")
-        with self.model.disable_adapter():
-            return pair_log_probs(self.model, pairs.to(self.ctx.device), self.cfg.samples_per_micro_batch,
-                                  self.cfg.tokens_per_micro_batch, per_token, prefix="ref_")
 
     # ---- training: each an objective (hybridflow.training.objectives), one loop (training.loop) -----
 
@@ -272,7 +249,7 @@ class ActorWorker(TrainingStateMixin, TrainingLoopMixin):
         """Collective: per rollout rank, checksums of the part of every tensor it needs."""
         return self.weights.checksums()
 
-    # ---- checkpoints (save/load: TrainingStateMixin; the whole model: hybridflow.training.whole_model) ----
+    # ---- checkpoints (save, load, the whole model read or replaced: TrainingStateMixin) -----------------
 
     @register(Dispatch.ONE_TO_ALL)
     def export_hf(self, directory: str, tokenizer_source_dir: str) -> str | None:
@@ -282,17 +259,3 @@ class ActorWorker(TrainingStateMixin, TrainingLoopMixin):
         return whole_model.export_hf(directory, model=self.model, tokenizer_source_dir=tokenizer_source_dir,
                                      base_model_dir=self.model_path, rank=self.ctx.rank, dtype=self.dtype,
                                      adapter_only=bool(self.cfg.lora.rank and self.cfg.lora.save_adapter_only))
-
-    @register(Dispatch.RANK_ZERO)
-    def full_state_dict(self) -> dict:
-        """Collective: the full (unsharded) weights on the CPU, in the compute dtype (`model.dtype`, what
-        the reference holds: the reference hooks merge the two); rank 0's copy is returned."""
-        return whole_model.full_state_dict(self.model, self.dtype)
-
-    @register(Dispatch.ONE_TO_ALL)
-    def load_weights(self, weights: dict[str, torch.Tensor], reset_optimizer: bool = False) -> None:
-        """Replace the weights with full tensors under Hugging Face names (e.g. a merge of checkpoints,
-        from the `spike_recovery` step hook); `reset_optimizer` also clears Adam's moments."""
-        whole_model.load_full_state_dict(self.model, weights, f"actor rank {self.ctx.rank}")
-        if reset_optimizer:
-            self.optimizer.state.clear()

@@ -2,7 +2,7 @@
 
 A separate copy of the starting model, sharded with FSDP2 like the actor but never updated.
 (With a LoRA actor the reference is the actor with its adapter disabled instead — see
-ActorWorker.compute_ref_log_probs — and this role is not started.)
+hybridflow.training.adapter_reference — and this role is not started.)
 """
 
 from __future__ import annotations

@@ -1,13 +1,17 @@
-"""Checkpoint methods shared by the trainable workers (actor, critic).
+"""The training state's methods shared by the trainable workers (actor, critic): its checkpoint saved and
+loaded, and the whole model read or replaced (hybridflow.training.whole_model).
 
-A worker that mixes this in has `ctx`, `model`, `optimizer`, `scheduler` and an `updates`
-counter; the methods are collective over the worker's group (see hybridflow/checkpoint). A
-checkpoint loads on another number of ranks than saved it (docs/checkpoints.md).
+A worker that mixes this in has `ctx`, `model`, `optimizer`, `scheduler`, `dtype` (the compute dtype)
+and an `updates` counter; the methods are collective over the worker's group (see hybridflow/checkpoint).
+A checkpoint loads on another number of ranks than saved it (docs/checkpoints.md).
 """
 
 from __future__ import annotations
 
+import torch
+
 from hybridflow.controller import Dispatch, register
+from hybridflow.training import whole_model
 
 
 class TrainingStateMixin:
@@ -29,3 +33,17 @@ class TrainingStateMixin:
                                     rank=self.ctx.rank)
         self.updates = int((extra or {}).get("updates", 0))
         return rank_change_note(saved_world_size(directory), self.ctx.world_size)
+
+    @register(Dispatch.RANK_ZERO)
+    def full_state_dict(self) -> dict:
+        """Collective: the full (unsharded) weights on the CPU, in the compute dtype (`model.dtype`, what
+        the reference holds: the reference hooks merge the two); rank 0's copy is returned."""
+        return whole_model.full_state_dict(self.model, self.dtype)
+
+    @register(Dispatch.ONE_TO_ALL)
+    def load_weights(self, weights: dict[str, torch.Tensor], reset_optimizer: bool = False) -> None:
+        """Replace the weights with full tensors under Hugging Face names (e.g. a merge of checkpoints,
+        from the `spike_recovery` step hook); `reset_optimizer` also clears Adam's moments."""
+        whole_model.load_full_state_dict(self.model, weights, f"{type(self).__name__} rank {self.ctx.rank}")
+        if reset_optimizer:
+            self.optimizer.state.clear()
