@@ -6,8 +6,8 @@ Computes response log-probs and entropy, and trains: the policy update, supervis
 trained roles' one loop (hybridflow.training.loop: mini-batches, gradient accumulation, the float16 loss
 scale's retry, clipping, the lr schedule, the reduction over ranks). What it does with its weights
 besides training is composed from the framework, each registered method here or in a mixin delegating
-so that the controller calls it on the worker by name: the sending end of the weight sync
-(`hybridflow.resharding.source.WeightSource`), the moves of its training state off and back onto a GPU
+so that the controller calls it on the worker by name: the sending end of the weight sync and the
+rollout engine it meets in its process (`hybridflow.resharding.source`), the moves of its training state off and back onto a GPU
 shared with the rollout engine (`hybridflow.training.memory_moves`), the reference as the model with its
 LoRA adapter off (`hybridflow.training.adapter_reference`), and the whole model read, replaced
 (`hybridflow.training.state`) or exported (`hybridflow.training.whole_model`).
@@ -21,9 +21,8 @@ import torch
 
 from hybridflow.batch import Batch
 from hybridflow.config.schema import ActorConfig
-from hybridflow.controller import Dispatch, WorkerContext, peer_with, register
-from hybridflow.resharding.receiver import ColocatedReceiver
-from hybridflow.resharding.source import WeightSource
+from hybridflow.controller import Dispatch, WorkerContext, register
+from hybridflow.resharding.source import WeightSendingMixin, WeightSource
 from hybridflow.training import memory_moves, whole_model
 from hybridflow.training.exact_layout import OfferedModule, layout_log_probs
 from hybridflow.training.fsdp import (
@@ -43,7 +42,7 @@ from hybridflow.training.state import TrainingStateMixin
 from hybridflow.training.sequences import log_probs_and_entropy, pair_log_probs
 
 
-class ActorWorker(TrainingStateMixin, TrainingLoopMixin, AdapterReferenceMixin):
+class ActorWorker(TrainingStateMixin, TrainingLoopMixin, AdapterReferenceMixin, WeightSendingMixin):
     def __init__(self, ctx: WorkerContext, actor: ActorConfig, *, model_path: str, dtype: str, master_dtype: str,
                  keep_dropout: bool, temperature: float, total_steps: int, trust_remote_code: bool, seed: int,
                  pack_sequences: bool | None = None, share_prompts: bool | None = None,
@@ -73,11 +72,6 @@ class ActorWorker(TrainingStateMixin, TrainingLoopMixin, AdapterReferenceMixin):
         self.updates = 0
 
     # ---- set-up ---------------------------------------------------------------------------
-
-    def meet(self, peers: list) -> None:
-        """Keep the rollout engine of this process, if any (the worker that loads colocated weights): each
-        weight sync hands it to the colocated transport (`send_weights`)."""
-        self.colocated_engine = peer_with(peers, ColocatedReceiver)
 
     def offered_module(self) -> OfferedModule:
         """What the exact engine of this process generates with (rollout.backend=exact): this module and
@@ -212,42 +206,6 @@ class ActorWorker(TrainingStateMixin, TrainingLoopMixin, AdapterReferenceMixin):
         """GPUs: this process's device memory peak since the last read (one phase of the colocated
         hand-over; the engine shares the process), then reset; None on the CPU."""
         return memory_moves.device_peak_bytes(self.ctx.device)
-
-    # ---- weights (the sending end of hybridflow.resharding.WeightSync: `self.weights`) ------------
-
-    @register(Dispatch.RANK_ZERO)
-    def weight_shapes(self) -> dict[str, list[int]]:
-        """Checkpoint name -> full shape of every weight the rollout receives."""
-        return self.weights.shapes()
-
-    @register(Dispatch.ONE_TO_ALL)
-    def setup_weight_sender(self, plan) -> bool:
-        """Build this rank's sender from the controller's `SyncPlan` (opens the transfer group if any)."""
-        self.weights.connect(plan)
-        return True
-
-    @register(Dispatch.ONE_TO_ALL)
-    def send_weights(self) -> dict[str, float]:
-        """Collective: move the current weights to the rollout (see hybridflow.resharding.sender); a colocated
-        route loads them into the engine this actor met in its process."""
-        return self.weights.send(self.colocated_engine)
-
-    @register(Dispatch.RANK_ZERO)
-    def lora_adapter(self, dtype: str) -> dict | None:
-        """Collective: the LoRA adapter for the rollout, from rank 0 (weight_sync.lora=adapter;
-        hybridflow.resharding.adapter.adapter_payload): factors in `dtype`, config, checksums."""
-        return self.weights.adapter(dtype)
-
-    @register(Dispatch.ONE_TO_ALL)
-    def lora_checksums(self, dtype: str) -> dict | None:
-        """Collective: rank 0's checksums of the live LoRA weights, as the adapter must hold them
-        (hybridflow.resharding.adapter.live_adapter_checksums); the others None."""
-        return self.weights.adapter_checksums(dtype)
-
-    @register(Dispatch.ONE_TO_ALL)
-    def weight_checksums(self) -> list[dict[str, tuple[float, float]]]:
-        """Collective: per rollout rank, checksums of the part of every tensor it needs."""
-        return self.weights.checksums()
 
     # ---- checkpoints (save, load, the whole model read or replaced: TrainingStateMixin) -----------------
 
