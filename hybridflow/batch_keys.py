@@ -30,7 +30,8 @@ class Key:
     what: str
 
 
-DRIVER, ROLLOUT, REWARD, ACTOR, REFERENCE, CRITIC = "driver", "rollout", "reward", "actor", "reference", "critic"
+DRIVER, ROLLOUT, REWARD, ACTOR, REFERENCE, CRITIC, TEACHER = (
+    "driver", "rollout", "reward", "actor", "reference", "critic", "teacher")
 
 STEP_KEYS: dict[str, Key] = {
     "prompt_ids": Key(DRIVER, (ROLLOUT, ACTOR, REFERENCE, CRITIC), "(B, P)", "prompt token ids, left-padded"),
@@ -52,6 +53,8 @@ STEP_KEYS: dict[str, Key] = {
     "sequence_rewards": Key(REWARD, (DRIVER,), "(B,)", "the reward function's score"),
     "old_log_probs": Key(ACTOR, (ACTOR, DRIVER), "(B, R)", "proximal policy log-probs (actor.compute_log_probs)"),
     "ref_log_probs": Key(REFERENCE, (ACTOR, DRIVER), "(B, R)", "reference policy log-probs (LoRA: the actor's)"),
+    "teacher_log_probs": Key(TEACHER, (DRIVER,), "(B, R)", "the teacher's log-probs of the sampled tokens "
+                             "(distillation: teacher.path)"),
     "values": Key(CRITIC, (CRITIC, DRIVER), "(B, R)", "the critic's value estimates before its update"),
     "baseline_rewards": Key(REWARD, (DRIVER,), "(B,)", "ReMax: the greedy response's reward, per sample"),
     "token_rewards": Key(DRIVER, (), "(B, R)", "sequence reward on the last token minus the KL penalty"),

@@ -386,6 +386,13 @@ def check_algorithm_needs(config: HybridFlowConfig) -> list[str]:
             f"({config.rollout.max_response_tokens}): the shaping starts that many tokens before the limit")
     problems += need(not spec.needs_critic or a.use_critic, "algorithm.use_critic", a.use_critic,
             f"recipe={config.recipe.name} trains a critic: set algorithm.use_critic=true")
+    problems += need(not spec.needs_teacher or config.teacher.runs, "teacher.path", config.teacher.path,
+            f"recipe={config.recipe.name} distils from a teacher: set teacher.path to a Hugging Face model directory "
+            "whose tokenizer is the student's (in a pipeline: the stage's teacher_stage names an earlier stage)")
+    problems += need(not config.teacher_role_runs or config.teacher.reward_weight > 0 or a.use_critic is False,
+            "teacher.reward_weight", config.teacher.reward_weight,
+            "a critic learns the reward's values, and with teacher.reward_weight=0 no advantage reads them: "
+            "set algorithm.use_critic=false, or a reward weight > 0")
     return problems
 
 

@@ -107,6 +107,8 @@ class MemoryInputs:
     lora: bool = False  # the actor trains a LoRA adapter: its gradients and moments are small next to the rest
     engine_memory: bool = True  # the rollout engine holds weights and a KV cache of its own (vLLM; not hf)
     reward_parameters: int = 0  # a reward model's parameters (0: a reward function, no model)
+    teacher_parameters: int = 0  # a distillation teacher's parameters (0: no teacher)
+    teacher_bytes: int = 4  # teacher.dtype's bytes per parameter
     gpu_memory_utilization: float = 0.5  # the share of a GPU the vLLM engine takes (rollout.gpu_memory_utilization)
     bucket_bytes: int = 0  # one weight-sync bucket (weight_sync.bucket_mb)
     fp32_head: bool = False  # actor.fp32_lm_head: the logits in float32 whatever the compute dtype
@@ -122,6 +124,8 @@ class MemoryInputs:
         """The config's (`rows`, `checkpointing`: the micro-batch's, where not the config's)."""
         reward = config.reward.reward_model.path
         reward_shape = ModelShape.from_dir(reward) if reward else None
+        teacher = config.teacher.path if config.teacher_role_runs else None
+        teacher_shape = ModelShape.from_dir(teacher) if teacher else None
         return cls(shape=shape, compute_bytes=DTYPE_BYTES[config.model.dtype.value],
                    master_bytes=DTYPE_BYTES[config.model.master_dtype.value],
                    rollout_bytes=DTYPE_BYTES[config.rollout.dtype.value],
@@ -131,13 +135,16 @@ class MemoryInputs:
                    kv_cache_bytes=config.rollout.kv_cache_space_gib * GIB, lora=bool(config.actor.lora.rank),
                    engine_memory=_engine_memory(config),
                    reward_parameters=reward_shape.parameters if reward_shape is not None else 0,
+                   teacher_parameters=teacher_shape.parameters if teacher_shape is not None else 0,
+                   teacher_bytes=DTYPE_BYTES[config.teacher.dtype or config.model.dtype.value],
                    gpu_memory_utilization=config.rollout.gpu_memory_utilization,
                    bucket_bytes=config.weight_sync.bucket_mb * 2 ** 20, fp32_head=config.actor.fp32_lm_head,
                    sleep_level=config.rollout.sleep_level or 1)  # null: resolved at compose (checks.resolved)
 
 
 TRAINED_ROLES = ("actor", "critic")
-MODEL_ROLES_ON_DEVICES = ("actor", "critic", "reference", "reward")  # a micro-batch passes through each
+TEACHER_TERM = "teacher weights (teacher.dtype, FSDP shard)"
+MODEL_ROLES_ON_DEVICES = ("actor", "critic", "reference", "reward", "teacher")  # a micro-batch passes through each
 
 
 def device_terms(inputs: MemoryInputs, roles, ranks: int, tp: int, device: str,
@@ -163,6 +170,8 @@ def device_terms(inputs: MemoryInputs, roles, ranks: int, tp: int, device: str,
         terms["critic parameters, gradients and AdamW moments (FSDP shard)"] = 4 * p * master / ranks
     if "reward" in roles and inputs.reward_parameters:
         terms["reward model weights (model.dtype, FSDP shard)"] = inputs.reward_parameters * compute / ranks
+    if "teacher" in roles and inputs.teacher_parameters:
+        terms[TEACHER_TERM] = inputs.teacher_parameters * inputs.teacher_bytes / ranks
     engine = "rollout" in roles and inputs.engine_memory
     if engine:
         terms[f"vLLM weights (rollout.dtype, 1/{tp} of the model)"] = p * inputs.rollout_bytes / tp
@@ -414,6 +423,10 @@ def gpu_device_phases(inputs: MemoryInputs, roles, ranks: int, tp: int, gpu_byte
         reward = {"reward model weights (model.dtype, FSDP shard)": inputs.reward_parameters * compute / ranks}
         stays.update(reward)
         loaded.update(reward)
+    if "teacher" in roles and inputs.teacher_parameters:
+        teacher = {TEACHER_TERM: inputs.teacher_parameters * inputs.teacher_bytes / ranks}
+        stays.update(teacher)
+        loaded.update(teacher)
     actor_weights = ({"actor parameters (model.master_dtype, FSDP shard)": p * master / ranks}
                      if "actor" in roles else {})
     process = gpu_process_terms(ranks)

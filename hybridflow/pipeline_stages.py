@@ -107,7 +107,17 @@ def stage_overrides(config, index: int, model_path: str | None, run_dir: Path, r
                  "trainer.resume=true", *extra]
     if model_path is not None:
         overrides.append(f"model.path={model_path}")
+    if stage.teacher_stage is not None:
+        overrides.append(f"teacher.path={teacher_path(config, index, run_dir)}")
     return overrides
+
+
+def teacher_path(config, index: int, run_dir: Path) -> Path:
+    """Where stage `index`'s teacher is: the final model of the earlier stage its `teacher_stage` names
+    (`<run>/<index>-<name>/final_model`, which that stage's run exports)."""
+    names = [s.name for s in config.pipeline.stages]
+    earlier = names.index(config.pipeline.stages[index].teacher_stage)
+    return run_dir / f"{earlier:02d}-{names[earlier]}" / "final_model"
 
 
 def check_stages(config: HybridFlowConfig, run_dir: Path) -> list[HybridFlowConfig]:
@@ -156,11 +166,23 @@ def _retention(config: HybridFlowConfig, index: int) -> list[str]:
 
 
 def _window(config: HybridFlowConfig, index: int) -> int | None:
-    """How many of stage `index`'s newest checkpoints the next stage's init hook reads."""
+    """How many of stage `index`'s newest checkpoints the init hooks that read its run read (None: every one,
+    when a hook does not say, or no later stage reads it: a user may merge them later)."""
     from hybridflow.merge.hooks import checkpoints_needed  # torch and DCP: only a pipeline's driver needs them
 
-    stages = config.pipeline.stages
-    return checkpoints_needed(stages[index + 1].init) if index + 1 < len(stages) else None
+    readers = [s for j, s in enumerate(config.pipeline.stages) if j > index and init_source(config, j) == index]
+    if not readers:
+        return None
+    needed = [checkpoints_needed(s.init) for s in readers]
+    return None if None in needed else max(needed)
+
+
+def init_source(config, index: int) -> int:
+    """The stage whose run stage `index`'s init hook reads: its `init_stage`, or the one before it."""
+    stage = config.pipeline.stages[index]
+    if stage.init_stage is None:
+        return index - 1
+    return [s.name for s in config.pipeline.stages].index(stage.init_stage)
 
 
 def _check_retention(config: HybridFlowConfig, index: int, stage_config: HybridFlowConfig) -> None:

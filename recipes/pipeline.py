@@ -1,6 +1,8 @@
 """A multi-stage pipeline: stages run in order, each an existing recipe with its own config,
 and the model is handed from stage to stage through a stage hook (e.g. `pma_sma`: the next
-stage starts from the average of the previous stage's last N checkpoints — PMA-init).
+stage starts from the average of the previous stage's last N checkpoints — PMA-init). A stage's
+`init_stage` makes the hook read an earlier stage than the previous one, and its `teacher_stage` makes an
+earlier stage's final model its distillation teacher (teacher.path; docs/distillation.md).
 
 Every stage lives in one run directory (`<run>/<index>-<name>/`). A finished stage leaves
 `STAGE_COMPLETE` (its result as JSON); re-running the pipeline with the same run name skips
@@ -19,7 +21,8 @@ import os
 from pathlib import Path
 
 from hybridflow import console
-from hybridflow.pipeline_stages import _retention, _stage_config, check_stages, routing_lines  # noqa: F401 - re-exported
+from hybridflow.pipeline_stages import (  # noqa: F401 - re-exported
+    _retention, _stage_config, check_stages, init_source, routing_lines)
 from hybridflow.config.schema import HybridFlowConfig, StageConfig
 from hybridflow.console import say
 from hybridflow.launch import release_all
@@ -33,9 +36,11 @@ def run(config: HybridFlowConfig, run_dir: Path) -> dict:
     check_stages(config, run_dir)
     for line in routing_lines(config):
         say(line)
-    model_path, previous_dir, results = config.model.path, None, []
+    model_path, results = config.model.path, []
+    stage_dirs = [run_dir / f"{index:02d}-{stage.name}" for index, stage in enumerate(config.pipeline.stages)]
     for index, stage in enumerate(config.pipeline.stages):
-        stage_dir = run_dir / f"{index:02d}-{stage.name}"
+        stage_dir = stage_dirs[index]
+        previous_dir = stage_dirs[init_source(config, index)] if index else None  # what the init hook reads
         done = stage_dir / "STAGE_COMPLETE"
         if done.is_file():
             result = json.loads(done.read_text())
@@ -45,14 +50,15 @@ def run(config: HybridFlowConfig, run_dir: Path) -> dict:
                 result = _run_stage(config, run_dir, index, model_path, previous_dir)
             _atomic_json(done, result)
         results.append(result)
-        model_path, previous_dir = result["final_model"], stage_dir
+        model_path = result["final_model"]
     write_report(run_dir, config.pipeline.stages, results)
     return {"final_model": model_path, "stages": results}
 
 
 def _run_stage(config: HybridFlowConfig, run_dir: Path, index: int, model_path: str | None,
                previous_dir: Path | None) -> dict:
-    """Stage `index`: its starting model (the init hook over the previous stage), then its recipe."""
+    """Stage `index`: its starting model (the init hook over `previous_dir`, the run of the stage it reads),
+    then its recipe."""
     from hybridflow.cli import recipe_function
     from hybridflow.runner import run_stage  # torch: not needed to compose and check the stages
     from hybridflow.stage import prepare_stage

@@ -28,7 +28,8 @@ from pathlib import Path
 
 import torch
 
-from hybridflow.algos import apply_kl_penalty, build_kl_controller, compute_advantages, masked_mean
+from hybridflow.algos import (apply_kl_penalty, build_kl_controller, compute_advantages, distillation_signal,
+                              masked_mean, masked_var)
 from hybridflow.algos.mismatch import mismatch_metrics
 from hybridflow.algos.rollout_correction import rollout_correction, token_band
 from hybridflow.algos.rewards import informative_groups, overlong_penalty, place_sequence_rewards
@@ -58,7 +59,7 @@ from hybridflow.runner import (
 from hybridflow.training.guards import StepGuards
 from hybridflow.training.hooks import StepHooks
 from hybridflow.training.sequences import balanced_over_ranks, loss_mask
-from recipes.roles import actor_role, critic_role, reference_role, reward_role, rollout_role
+from recipes.roles import actor_role, critic_role, reference_role, reward_role, rollout_role, teacher_role
 
 
 def run(stage: Stage, run_dir: Path) -> dict:
@@ -125,7 +126,7 @@ class Step:
                  hooks: StepHooks) -> None:
         self.config, self.tokenizer, self.loader, self.hooks = config, tokenizer, loader, hooks
         self.actor, self.rollout, self.reward = groups["actor"], groups["rollout"], groups["reward"]
-        self.reference, self.critic = groups.get("reference"), groups.get("critic")
+        self.reference, self.critic, self.teacher = groups.get("reference"), groups.get("critic"), groups.get("teacher")
         self.n = config.rollout.samples_per_prompt
         self.clip_against_sampler = clips_against_sampler(config)
         self.proximal = proximal_key(self.clip_against_sampler)
@@ -312,8 +313,8 @@ def add_rewards(r: Step, samples: Batch, rewards: Batch) -> Batch:
 
 
 def score(r: Step, samples: Batch, greedy: Batch | None) -> Batch:
-    """Rewards, π_old (unless the update clips against the sampler), reference log-probs and
-    values, issued together."""
+    """Rewards, π_old (unless the update clips against the sampler), reference log-probs, values and
+    the teacher's log-probs (distillation), issued together."""
     config = r.config
     rewards = None if "sequence_rewards" in samples else r.reward.compute_rewards.remote(text_only(samples))  # dynamic sampling scored it
     pending = []
@@ -326,6 +327,8 @@ def score(r: Step, samples: Batch, greedy: Batch | None) -> Batch:
         pending.append(r.actor.compute_ref_log_probs.remote(samples))
     if r.critic is not None:
         pending.append(r.critic.compute_values.remote(samples))
+    if r.teacher is not None:
+        pending.append(r.teacher.compute_teacher_log_probs.remote(samples))
     if rewards is not None:
         samples = add_rewards(r, samples, rewards.get())
     for future in pending:
@@ -428,6 +431,8 @@ def build_roles(config: HybridFlowConfig, model_dir: Path, tokenizer) -> dict[st
         roles["reference"] = reference_role(config, model_dir)
     if "critic" in config.model_roles:
         roles["critic"] = critic_role(config, model_dir)
+    if "teacher" in config.model_roles:
+        roles["teacher"] = teacher_role(config)
     return roles
 
 
@@ -441,7 +446,9 @@ def kl_controller_args(config: HybridFlowConfig) -> dict:
 def add_advantages(samples: Batch, config: HybridFlowConfig, kl_coef: float, proximal: str = "old_log_probs"
                    ) -> tuple[Batch, dict[str, float]]:
     """Token rewards (sequence reward on the last token, minus the KL penalty), then the
-    configured advantage estimator. Adds `token_rewards`, `advantages`, `returns`, and when the
+    configured advantage estimator, weighed by teacher.reward_weight and joined by the teacher's
+    distillation signal when a teacher scores (`add_distillation`). Adds `token_rewards`, `advantages`,
+    `returns`, and when the
     update clips against the actor's `old_log_probs` and a rollout correction applies
     (`applied_correction`) `behavior_weights`, with the correction's statistics (`rollout_correction/*`).
 
@@ -467,6 +474,10 @@ def add_advantages(samples: Batch, config: HybridFlowConfig, kl_coef: float, pro
         a.advantage_estimator, token_rewards=token_rewards, response_mask=mask,
         values=samples["values"] if a.use_critic else None, group_ids=samples["group_ids"],
         baseline_token_rewards=baseline_token_rewards, gamma=a.gamma, lam=a.lam)
+    if "teacher_log_probs" in samples:  # the advantage statistics then describe the advantages trained
+        advantages = add_distillation(samples, config, advantages, mask, proximal, metrics)
+        stats = {**stats, "advantage_mean": float(masked_mean(advantages, mask)),
+                 "advantage_std": float(masked_var(advantages, mask).sqrt())}
     added = {"token_rewards": token_rewards, "advantages": advantages, "returns": returns}
     preset = applied_correction(config, proximal)
     if preset != "none":
@@ -478,3 +489,15 @@ def add_advantages(samples: Batch, config: HybridFlowConfig, kl_coef: float, pro
     samples = samples.union(Batch(added))
     metrics.update({f"advantages/{k}": v for k, v in stats.items()})
     return samples, metrics
+
+
+def add_distillation(samples: Batch, config: HybridFlowConfig, advantages: torch.Tensor, mask: torch.Tensor,
+                     proximal: str, metrics: dict[str, float]) -> torch.Tensor:
+    """teacher.reward_weight · the reward's advantage + teacher.kl_coef · the teacher's signal (teacher.signal,
+    hybridflow.algos.distill) on the sampled tokens, the student's side read from the `proximal` log-probs
+    (π_old, which the update's ratio starts from); its statistics as `distill/*` in `metrics`."""
+    t = config.teacher
+    signal, stats = distillation_signal(t.signal, teacher_log_probs=samples["teacher_log_probs"],
+                                        student_log_probs=samples[proximal], response_mask=mask)
+    metrics.update({f"distill/{k}": v for k, v in stats.items()})
+    return t.reward_weight * advantages + t.kl_coef * signal

@@ -19,6 +19,7 @@ from workers.actor import ActorWorker
 from workers.critic import CriticWorker
 from workers.reference import ReferenceWorker
 from workers.reward import RewardWorker
+from workers.teacher import TeacherWorker
 
 
 def _sized(config: HybridFlowConfig, role: str) -> HybridFlowConfig:
@@ -59,6 +60,17 @@ def reference_role(config: HybridFlowConfig, model_dir: str | Path) -> RoleSpec:
     config = _sized(config, "reference")
     return RoleSpec(ReferenceWorker, dict(
         model_path=str(model_dir), dtype=config.model.dtype.value, keep_dropout=config.model.keep_dropout,
+        samples_per_micro_batch=config.actor.samples_per_micro_batch, temperature=config.rollout.temperature,
+        tokens_per_micro_batch=config.actor.tokens_per_micro_batch, fp32_lm_head=config.actor.fp32_lm_head,
+        trust_remote_code=config.model.trust_remote_code, pack_sequences=config.model.pack_sequences,
+        share_prompts=config.model.share_prompts))
+
+
+def teacher_role(config: HybridFlowConfig) -> RoleSpec:
+    """The teacher (teacher.path), scoring as the reference does, in teacher.dtype (null: model.dtype)."""
+    config = _sized(config, "teacher")
+    return RoleSpec(TeacherWorker, dict(
+        model_path=config.teacher.path, dtype=config.teacher.dtype or config.model.dtype.value, keep_dropout=False,
         samples_per_micro_batch=config.actor.samples_per_micro_batch, temperature=config.rollout.temperature,
         tokens_per_micro_batch=config.actor.tokens_per_micro_batch, fp32_lm_head=config.actor.fp32_lm_head,
         trust_remote_code=config.model.trust_remote_code, pack_sequences=config.model.pack_sequences,

@@ -50,11 +50,15 @@ class ReferenceWorker:
     @register(Dispatch.DP_SPLIT)
     def compute_ref_log_probs(self, batch: Batch) -> Batch:
         """`ref_log_probs` (B, R), 0 outside `response_mask`; the pass's seconds in meta."""
+        return self.scored(batch, "ref_log_probs", "timing/reference_forward_s")
+
+    def scored(self, batch: Batch, key: str, timing_key: str) -> Batch:
+        """The frozen model's log-probs of the batch's response tokens as `key` (B, R), 0 outside
+        `response_mask`, and the pass's seconds as `timing_key` in meta."""
         start = time.perf_counter()
         log_probs, _ = log_probs_and_entropy(self.model, batch.to(self.ctx.device), self.samples_per_micro_batch,
                                              self.temperature, self.tokens_per_micro_batch, with_entropy=False)
-        return Batch(tensors={"ref_log_probs": log_probs.cpu()},
-                     meta={"timing/reference_forward_s": time.perf_counter() - start})
+        return Batch(tensors={key: log_probs.cpu()}, meta={timing_key: time.perf_counter() - start})
 
     @register(Dispatch.DP_SPLIT)
     def compute_ref_pair_log_probs(self, pairs: Batch, per_token: bool = False) -> Batch:

@@ -2,7 +2,7 @@
 
 One registry per kind (see `hybridflow.registry.Registry`), one signature per registry:
 `ADVANTAGE_ESTIMATORS`, `POLICY_LOSSES`, `LOSS_AGGREGATIONS`, `KL_ESTIMATORS`,
-`KL_CONTROLLERS`. Tensors are batch-first (B, T) over response tokens; `response_mask` is
+`KL_CONTROLLERS`, `DISTILLATION_SIGNALS`. Tensors are batch-first (B, T) over response tokens; `response_mask` is
 bool with True = a real response token. docs/algorithms.md lists every registered name.
 
 The losses computed once per micro-batch (policy, KL, value) return their statistics as 0-dim
@@ -26,6 +26,7 @@ from hybridflow.algos.aggregation import (
     aggregate_loss,
     micro_batch_stat,
 )
+from hybridflow.algos.distill import DISTILLATION_SIGNALS, distillation_signal
 from hybridflow.algos.entropy import (
     entropy_bonus,
     entropy_from_logits,
@@ -54,6 +55,8 @@ from hybridflow.algos.value_loss import clipped_value_loss
 __all__ = [
     "token_log_probs_and_entropy",
     "ADVANTAGE_ESTIMATORS",
+    "DISTILLATION_SIGNALS",
+    "distillation_signal",
     "KL_CONTROLLERS",
     "KL_ESTIMATORS",
     "LOSS_AGGREGATIONS",

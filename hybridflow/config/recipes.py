@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from hybridflow.registry import Registry
 
 ALL_SECTIONS = ("recipe", "model", "data", "algorithm", "rollout", "weight_sync", "reward", "actor", "critic",
-                "trainer", "placement", "logger", "ray", "pipeline", "pretrain", "dpo", "seed")
+                "trainer", "placement", "logger", "ray", "pipeline", "pretrain", "dpo", "teacher", "seed")
 # The sampling settings of training rollouts: a recipe that generates only greedily (validation) ignores them.
 # The guards of a step loop that trains on its own samples (docs/reliability.md)
 RL_GUARD_KEYS = ("trainer.max_steps_without_signal", "rollout.max_env_failure_fraction")
@@ -39,6 +39,7 @@ class RecipeSpec:
     stage: bool = False  # can be a stage of recipe=pipeline
     pipeline: bool = False  # runs other recipes as stages (its own training sections are unused)
     overlaps_generation: bool = False  # can generate the next batch while training (trainer.max_staleness)
+    needs_teacher: bool = False  # distils from a teacher: teacher.path must be set
 
     def reads_key(self, key: str) -> bool:
         """Whether the recipe reads `key` (a dotted key, or a config group's name)."""
@@ -58,9 +59,13 @@ for _spec in (
     RecipeSpec("sft", "recipes.sft:run", reads=_TRAIN, ignores=(*SAMPLING_KEYS, *RL_GUARD_KEYS), trains=True,
                validates=True,
                step_hooks=True, answers=True, stage=True),
-    RecipeSpec("grpo", "recipes.ppo:run", reads=(*_TRAIN, "algorithm", "critic"), trains=True, validates=True,
-               reference=True, step_hooks=True, rl_reward=True, stage=True, overlaps_generation=True),
-    RecipeSpec("ppo", "recipes.ppo:run", reads=(*_TRAIN, "algorithm", "critic"), trains=True, validates=True,
+    RecipeSpec("grpo", "recipes.ppo:run", reads=(*_TRAIN, "algorithm", "critic", "teacher"), trains=True,
+               validates=True, reference=True, step_hooks=True, rl_reward=True, stage=True, overlaps_generation=True),
+    # GRPO's loop with the teacher's signal as the advantage (conf/recipe/distill.yaml: teacher.reward_weight=0)
+    RecipeSpec("distill", "recipes.ppo:run", reads=(*_TRAIN, "algorithm", "critic", "teacher"), trains=True,
+               validates=True, reference=True, step_hooks=True, rl_reward=True, stage=True, overlaps_generation=True,
+               needs_teacher=True),
+    RecipeSpec("ppo", "recipes.ppo:run", reads=(*_TRAIN, "algorithm", "critic", "teacher"), trains=True, validates=True,
                reference=True, step_hooks=True, rl_reward=True, needs_critic=True, stage=True,
                overlaps_generation=True),
     RecipeSpec("evaluate", "recipes.evaluate:run", reads=(*_RUN, "rollout", "reward", "trainer.val_prompts",

@@ -23,8 +23,9 @@ from hybridflow.config.recipes import RECIPE_SPECS, recipe_spec, stage_recipes
 from hybridflow.config.model_facts import ModelFacts
 from hybridflow.config.hooks import HookConfig
 from hybridflow.config.reward import RewardConfig
+from hybridflow.config.teacher import DISTILLATION_SIGNAL_NAMES, TeacherConfig  # noqa: F401 - re-exported
 
-ROLES = ("actor", "rollout", "reference", "critic", "reward")
+ROLES = ("actor", "rollout", "reference", "critic", "reward", "teacher")
 
 
 def _require(ok: bool, key: str, value: Any, allowed: str) -> None:
@@ -784,9 +785,16 @@ class StageConfig:
     recipe: str = "sft"  # a recipe that can be a stage: pretrain | sft | grpo | ppo
     overrides: List[str] = field(default_factory=list)  # Hydra overrides for this stage only
     # How this stage's starting model is made from the previous stage (ignored for the first).
-    # A registered stage hook (pma_sma, pma_ema, pma_wma, last_checkpoint, final_model) or 'module:fn'.
+    # A registered stage hook (pma_sma, pma_ema, pma_wma, last_checkpoint, final_model, pipeline_start)
+    # or 'module:fn'.
     init: HookConfig = field(default_factory=lambda: HookConfig("final_model"))
+    # The earlier stage whose run the init hook reads, where not the previous one (e.g. a distillation
+    # stage whose student is the SFT stage's model while its teacher is the GRPO stage's)
+    init_stage: Optional[str] = None
     evaluate_init: bool = False  # also measure the starting model's held-out accuracy (e.g. a merge)
+    # The name of an earlier stage whose final model is this stage's teacher (teacher.path; recipe=distill,
+    # or a distillation term in grpo / ppo): e.g. GRPO trains a teacher, then a fresh student is distilled
+    teacher_stage: Optional[str] = None
 
 
 @dataclass
@@ -803,6 +811,14 @@ class PipelineConfig:
         for i, stage in enumerate(self.stages):
             _require(stage.recipe in stage_recipes(), f"pipeline.stages[{i}].recipe", stage.recipe,
                      f"one of {stage_recipes()}")
+            _require(stage.init_stage is None or stage.init_stage in names[:i], f"pipeline.stages[{i}].init_stage",
+                     stage.init_stage, f"the name of an earlier stage, whose run the init hook reads: one of {names[:i]}")
+            _require(stage.teacher_stage is None or stage.teacher_stage in names[:i],
+                     f"pipeline.stages[{i}].teacher_stage", stage.teacher_stage,
+                     f"the name of an earlier stage, whose final model teaches this one: one of {names[:i]}")
+            _require(stage.teacher_stage is None or recipe_spec(stage.recipe).reads_key("teacher"),
+                     f"pipeline.stages[{i}].teacher_stage", stage.teacher_stage,
+                     f"recipe={stage.recipe} has no teacher: use recipe=distill (or grpo / ppo with a distillation term)")
 
 
 @dataclass
@@ -837,6 +853,7 @@ class HybridFlowConfig:
     pipeline: PipelineConfig = field(default_factory=PipelineConfig)
     pretrain: PretrainConfig = field(default_factory=PretrainConfig)  # recipe=pretrain's corpus
     dpo: DPOConfig = field(default_factory=DPOConfig)  # recipe=dpo's loss
+    teacher: TeacherConfig = field(default_factory=TeacherConfig)  # on-policy distillation (recipe=distill)
     seed: int = 0
 
     @property
@@ -858,8 +875,14 @@ class HybridFlowConfig:
     def model_roles(self) -> tuple[str, ...]:
         """The roles of an RL step that hold a model: the actor and the rollout engine always; the
         critic with algorithm.use_critic; the reference when `reference_role_runs`; the reward when a
-        reward model scores (reward.reward_model.path). Decided here once, for the recipes' roles,
-        the memory model and the planner's workload."""
+        reward model scores (reward.reward_model.path); the teacher when one distils (teacher.path, read by
+        the recipe). Decided here once, for the recipes' roles, the memory model and the planner's workload."""
         return ("actor", "rollout", *(("critic",) if self.algorithm.use_critic else ()),
                 *(("reference",) if self.reference_role_runs else ()),
-                *(("reward",) if self.reward.reward_model.path is not None else ()))
+                *(("reward",) if self.reward.reward_model.path is not None else ()),
+                *(("teacher",) if self.teacher_role_runs else ()))
+
+    @property
+    def teacher_role_runs(self) -> bool:
+        """Whether a teacher scores the samples: teacher.path is set and the recipe reads it."""
+        return self.teacher.runs and recipe_spec(self.recipe.name).reads_key("teacher")

@@ -27,6 +27,7 @@ that states nothing (a user's `module:function`) gets every snapshot.
 from __future__ import annotations
 
 import inspect
+import json
 from pathlib import Path
 from typing import Any, Callable, Dict, Optional, Union
 
@@ -207,6 +208,21 @@ def final_model(*, previous_run_dir: Path, output_dir: Path) -> Path:
         raise MergeError(f"{path} {state}: the previous stage did not finish or did not export its final model "
                          "(trainer.export_hf); use the stage hook last_checkpoint or pma_sma instead")
     return path
+
+
+@STAGE_HOOKS.register("pipeline_start")
+@reads_checkpoints(lambda params: 0)
+def pipeline_start(*, previous_run_dir: Path, output_dir: Path) -> Path:
+    """The model the pipeline's first stage started from (its model.path, or the tiny model it built into
+    base_model/): a fresh student for a stage that distils an earlier stage's model (teacher_stage)."""
+    first = min(p for p in Path(previous_run_dir).parent.iterdir() if p.is_dir() and p.name[:2].isdigit())
+    saved = first / "config.json"
+    path = json.loads(saved.read_text())["model"]["path"] if saved.is_file() else None
+    start = Path(path).expanduser() if path else first / "base_model"
+    if not (start / "config.json").is_file():
+        raise MergeError(f"{start}: the pipeline's first stage ({first.name}) started from no model directory there; "
+                         "its run directory is incomplete: rerun the pipeline under a new logger.run_name")
+    return start
 
 
 # ------------------------------------------------------------------------- training hooks

@@ -176,7 +176,7 @@ def fit_rates(workload: Workload, profiles: list[Profile], copy_rate: float, sen
     w = workload
     P, L, N = w.parameters, w.response_tokens, w.sequences
     trained = 1 + ("critic" in w.roles)
-    forwards = int(w.actor_forward) + sum(r in w.roles for r in ("critic", "reference", "reward"))
+    forwards = int(w.actor_forward) + sum(r in w.roles for r in ("critic", "reference", "reward", "teacher"))
     train_flops = w.epochs * (8 if w.checkpointing else 6) * P * w.tokens
     forward_flops = 2 * P * w.tokens
     passes = w.optimizer_steps * (2 + w.master_bytes / w.compute_bytes)

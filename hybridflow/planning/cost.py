@@ -142,7 +142,7 @@ class Analytical(CostModel):
                     roles["critic forward"] = self.forward_s(workload, pool, cluster)
                     roles["critic update"] = self.train_s(workload, pool, cluster)
                     score, update = score + roles["critic forward"], update + roles["critic update"]
-                elif role in ("reference", "reward"):
+                elif role in ("reference", "reward", "teacher"):
                     roles[f"{role} forward"] = self.forward_s(workload, pool, cluster)
                     score += roles[f"{role} forward"]
             score_by_pool[pool.name], update_by_pool[pool.name] = score, update

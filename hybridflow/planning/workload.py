@@ -11,9 +11,10 @@ import os
 from dataclasses import dataclass, field
 
 # GIB: the planner's modules read it here
+from hybridflow.config.model_facts import ModelFacts
 from hybridflow.memory_budget import DTYPE_BYTES, GIB, MemoryInputs, ModelShape  # noqa: F401
 
-MODEL_ROLES = ("actor", "rollout", "critic", "reference", "reward")  # in the order plans print them
+MODEL_ROLES = ("actor", "rollout", "critic", "reference", "reward", "teacher")  # in the order plans print them
 
 
 @dataclass(frozen=True)
@@ -49,6 +50,8 @@ class Workload:
     engine_memory: bool = True  # the rollout engine holds weights and a KV cache of its own
     gpu_memory_utilization: float = 0.5  # a GPU engine's share of its GPU (rollout.gpu_memory_utilization)
     bucket_bytes: int = 0  # one weight-sync bucket (weight_sync.bucket_mb)
+    teacher_parameters: int = 0  # a distillation teacher's (teacher.path), in teacher_bytes each
+    teacher_bytes: int = 4
     name: str = "workload"
 
     @property
@@ -84,7 +87,9 @@ class Workload:
                             checkpointing=self.checkpointing, kv_cache_bytes=self.kv_cache_gib * GIB, lora=self.lora,
                             engine_memory=self.engine_memory,
                             reward_parameters=self.parameters if "reward" in self.roles else 0,
-                            gpu_memory_utilization=self.gpu_memory_utilization, bucket_bytes=self.bucket_bytes)
+                            gpu_memory_utilization=self.gpu_memory_utilization, bucket_bytes=self.bucket_bytes,
+                            teacher_parameters=self.teacher_parameters if "teacher" in self.roles else 0,
+                            teacher_bytes=self.teacher_bytes)
 
     @classmethod
     def from_config(cls, config, name: str = "workload") -> "Workload":
@@ -113,7 +118,19 @@ class Workload:
                    intermediate=shape["intermediate"], tied_embeddings=shape["tied_embeddings"], lora=bool(a.lora.rank),
                    engine_memory=rollout_engine(config.rollout.backend).engine_memory,
                    gpu_memory_utilization=config.rollout.gpu_memory_utilization,
-                   bucket_bytes=config.weight_sync.bucket_mb * 2 ** 20, name=name)
+                   bucket_bytes=config.weight_sync.bucket_mb * 2 ** 20, name=name,
+                   **_teacher(config))
+
+
+def _teacher(config) -> dict[str, int]:
+    """The teacher's parameters and bytes per parameter (teacher.path's config.json and weights); its size
+    read when its directory exists (a pipeline stage's teacher is made by an earlier stage: the stage's
+    own check counts it when it starts)."""
+    if not config.teacher_role_runs:
+        return {}
+    facts = ModelFacts.from_dir(config.teacher.path)
+    return {"teacher_parameters": facts.parameters if facts is not None and facts.parameters else 0,
+            "teacher_bytes": DTYPE_BYTES[config.teacher.dtype or config.model.dtype.value]}
 
 
 def model_shape(config) -> dict[str, int]:
@@ -130,8 +147,6 @@ def model_shape(config) -> dict[str, int]:
         return {"parameters": n * per_layer + embeddings + h, "layers": n, "hidden": h, "intermediate": i,
                 "heads": tiny.num_attention_heads, "kv_heads": tiny.num_key_value_heads, "vocab": vocab,
                 "tied_embeddings": tiny.tie_word_embeddings}
-    from hybridflow.config.model_facts import ModelFacts
-
     facts = ModelFacts.from_dir(config.model.path)
     if facts is None or not facts.parameters or not facts.hidden:
         raise ValueError(f"model.path={config.model.path!r}: the planner needs config.json and *.safetensors there "

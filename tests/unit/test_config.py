@@ -16,6 +16,7 @@ REQUIRED_VALUES = {  # options whose '???' values a user must supply
     "model/local_hf": ["model.path=/some/model"],
     "data/files": ["data.train_path=/a.jsonl", "data.val_path=/b.jsonl"],
     "recipe/grpo_gsm8k": ["model.path=/some/model", "data.train_path=/a.parquet", "data.val_path=/b.parquet"],
+    "recipe/distill": ["teacher.path=/some/teacher"],
 }
 
 

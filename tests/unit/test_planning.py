@@ -77,7 +77,7 @@ def test_every_searched_plans_overrides_compose_to_a_config_with_that_plan():
     for candidate in result.ranked:
         composed = compose_command([*PPO, *candidate.plan.overrides()])
         again = Plan.from_config(composed)
-        used = {p.name: (p.devices, set(p.roles) - {"reward"}) for p in again.pools}
+        used = {p.name: (p.devices, set(p.roles) - {"reward", "teacher"}) for p in again.pools}  # neither starts
         assert used == {p.name: (p.devices, set(p.roles)) for p in candidate.plan.pools}, candidate.plan.describe()
         assert (again.rollout_tp, again.max_staleness) == (candidate.plan.rollout_tp, candidate.plan.max_staleness)
 
@@ -253,8 +253,8 @@ def test_placement_auto_hands_over_the_best_plan_and_saves_its_prediction(tmp_pa
     chosen, line = stage.plan, stage.said[0]
     saved = json.loads((tmp_path / "plan.json").read_text())
     best = search(Workload.from_config(config), TWO_CPUS, Analytical(ONES), options=SearchOptions(depths=(0,))).best
-    assert [(p.devices, set(p.roles) - {"reward"}) for p in chosen.pools] == \
-        [(p.devices, set(p.roles)) for p in best.plan.pools]  # a reward function joins the actor's pool
+    assert [(p.devices, set(p.roles) - {"reward", "teacher"}) for p in chosen.pools] == \
+        [(p.devices, set(p.roles)) for p in best.plan.pools]  # a reward function (and no teacher) joins the actor's pool
     assert "reward" in chosen.pool_of("actor").roles and chosen.device == "cpu" and chosen.transport
     assert chosen.rollout_tp == best.plan.rollout_tp and saved["plan"] == chosen.to_dict()
     assert config.placement.planner.auto and config.rollout.tensor_parallel_size == 1  # the config is not rewritten

@@ -1,0 +1,55 @@
+"""The `teacher.*` config schema: on-policy distillation (recipe=distill, or a distillation term beside
+GRPO's or PPO's reward). Plain dataclasses, importable without torch. The teacher is a frozen model of
+its own (a Hugging Face directory) that scores the student's own samples; the signal it gives is
+hybridflow/algos/distill.py's; docs/distillation.md is the guide."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+
+def _require(ok: bool, key: str, value, allowed: str) -> None:
+    if not ok:
+        raise ValueError(f"config {key}={value!r} is invalid: {allowed}")
+
+
+# The built-in signals of hybridflow.algos.distill.DISTILLATION_SIGNALS (a test keeps the two the same;
+# the schema names them without importing torch).
+DISTILLATION_SIGNAL_NAMES = ("reverse_kl",)
+TEACHER_DTYPES = ("float32", "bfloat16", "float16")
+
+
+@dataclass
+class TeacherConfig:
+    # The teacher: a Hugging Face model directory whose tokenizer is the student's (refused before start
+    # otherwise). null: no teacher. In a pipeline, a stage's `teacher_stage` sets it to an earlier
+    # stage's final model.
+    path: Optional[str] = None
+    # The dtype the teacher computes in (frozen: no master copy); null: model.dtype
+    dtype: Optional[str] = None
+    # The per-token distillation signal (hybridflow.algos.distill): reverse_kl, the on-policy distillation
+    # of Agarwal et al. (GKD) / Qwen3 / the Thinking Machines post: advantage_t = log pi_teacher(y_t) -
+    # log pi_student(y_t) on the student's own sampled tokens, undiscounted, through the policy loss (its
+    # ratio and clipping keep stale samples corrected)
+    signal: str = "reverse_kl"
+    # The weight of the distillation signal in each token's advantage
+    kl_coef: float = 1.0
+    # The weight of the reward's advantage (algorithm.advantage_estimator's) beside it: 1 adds distillation
+    # to GRPO's or PPO's reward; recipe=distill sets 0 (the teacher alone; the reward is still scored and
+    # logged, and validation's held-out accuracy still reads it)
+    reward_weight: float = 1.0
+
+    def __post_init__(self) -> None:
+        _require(self.signal in DISTILLATION_SIGNAL_NAMES, "teacher.signal", self.signal,
+                 f"one of {list(DISTILLATION_SIGNAL_NAMES)}")
+        _require(self.dtype is None or self.dtype in TEACHER_DTYPES, "teacher.dtype", self.dtype,
+                 f"one of {list(TEACHER_DTYPES)}, or null for model.dtype")
+        _require(self.kl_coef > 0, "teacher.kl_coef", self.kl_coef,
+                 "must be > 0 (the distillation signal's weight); to train without a teacher, set teacher.path=null")
+        _require(self.reward_weight >= 0, "teacher.reward_weight", self.reward_weight,
+                 "must be >= 0 (0: the teacher's signal alone)")
+
+    @property
+    def runs(self) -> bool:
+        return self.path is not None

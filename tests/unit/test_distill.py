@@ -1,0 +1,121 @@
+"""On-policy distillation's pieces, each as a run uses it: the signal against an independent float64
+formula, the advantage the PPO-family step trains, and what is refused before start (no teacher, a
+teacher of another tokenizer, a teacher that does not fit, a pipeline teacher that is not earlier).
+The recipe itself learns in tests/e2e/test_distill.py."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hybridflow.algos import DISTILLATION_SIGNALS, distillation_signal
+from hybridflow.batch import Batch
+from hybridflow.config import ConfigError, compose
+from hybridflow.config.teacher import DISTILLATION_SIGNAL_NAMES
+from hybridflow.memory_budget import GIB, memory_problems
+from hybridflow.planning.plan import Plan
+from recipes.ppo import add_advantages
+from tests.unit.test_memory_budget import PINNED, header_only_model, qwen2_shapes
+
+
+def _log_probs(rows: int, width: int, seed: int) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(seed)
+    return torch.log(torch.rand(rows, width, generator=generator, dtype=torch.float64).clamp(min=1e-6))
+
+
+def test_reverse_kl_is_the_teachers_log_prob_minus_the_students_on_each_sampled_token():
+    teacher, student = _log_probs(4, 6, 0), _log_probs(4, 6, 1)
+    mask = torch.ones(4, 6, dtype=torch.bool)
+    mask[1, 3:] = mask[3, 1:] = False
+    signal, stats = distillation_signal("reverse_kl", teacher_log_probs=teacher.float(),
+                                        student_log_probs=student.float(), response_mask=mask)
+    expected = torch.where(mask, teacher - student, torch.zeros_like(teacher))  # float64
+    assert torch.allclose(signal.double(), expected, rtol=0, atol=1e-6)
+    kl = float(((student - teacher) * mask).sum() / mask.sum())  # the sampled estimate of KL(student || teacher)
+    assert stats["reverse_kl"] == pytest.approx(kl, rel=1e-5)
+    assert stats["teacher_log_prob_mean"] == pytest.approx(float((teacher * mask).sum() / mask.sum()), rel=1e-5)
+
+
+def test_the_signal_registry_is_the_schema_s_list():
+    assert sorted(DISTILLATION_SIGNALS.names()) == sorted(DISTILLATION_SIGNAL_NAMES)
+
+
+def _scored(teacher: torch.Tensor, student: torch.Tensor, rewards: list[float]) -> Batch:
+    rows, width = teacher.shape
+    return Batch({"sequence_rewards": torch.tensor(rewards), "response_mask": torch.ones(rows, width, dtype=torch.bool),
+                  "group_ids": torch.tensor([0, 0, 1, 1]), "sampler_log_probs": student.float(),
+                  "teacher_log_probs": teacher.float(), "response_ids": torch.ones(rows, width, dtype=torch.long)})
+
+
+@pytest.mark.parametrize("reward_weight", [0.0, 1.0])
+def test_the_step_trains_the_weighed_reward_advantage_plus_the_weighed_signal(reward_weight):
+    teacher, student = _log_probs(4, 5, 2), _log_probs(4, 5, 3)
+    config = compose(["recipe=distill", "teacher.path=/t", f"teacher.reward_weight={reward_weight}",
+                      "teacher.kl_coef=0.5", "trainer.old_log_probs=sampler", "rollout.samples_per_prompt=2"])
+    samples, metrics = add_advantages(_scored(teacher, student, [1.0, 0.0, 0.0, 0.0]), config, kl_coef=0.0,
+                                      proximal="sampler_log_probs")
+    without = compose(["recipe=grpo", "trainer.old_log_probs=sampler", "rollout.samples_per_prompt=2"])
+    plain, _ = add_advantages(_scored(teacher, student, [1.0, 0.0, 0.0, 0.0]).select(
+        ["sequence_rewards", "response_mask", "group_ids", "sampler_log_probs", "response_ids"]), without, kl_coef=0.0,
+        proximal="sampler_log_probs")
+    expected = reward_weight * plain["advantages"].double() + 0.5 * (teacher - student)
+    assert torch.allclose(samples["advantages"].double(), expected, atol=1e-6)
+    assert metrics["distill/reverse_kl"] == pytest.approx(float((student - teacher).mean()), rel=1e-5)
+    assert metrics["advantages/advantage_mean"] == pytest.approx(float(expected.mean()), rel=1e-4, abs=1e-6)
+
+
+def test_recipe_distill_without_a_teacher_is_refused_naming_the_key():
+    with pytest.raises(ConfigError, match=r"teacher\.path.*recipe=distill distils from a teacher"):
+        compose(["recipe=distill"])
+
+
+def test_a_signal_weight_of_zero_is_refused_with_the_way_to_run_without_a_teacher():
+    with pytest.raises(ConfigError, match=r"teacher\.kl_coef=0\.0.*teacher\.path=null"):
+        compose(["recipe=distill", "teacher.path=/t", "teacher.kl_coef=0"])
+
+
+def test_a_teacher_is_started_only_by_a_recipe_that_reads_it():
+    assert "teacher" in compose(["recipe=distill", "teacher.path=/t"]).model_roles
+    assert "teacher" in compose(["recipe=grpo", "teacher.path=/t"]).model_roles  # distillation beside the reward
+    assert "teacher" not in compose(["recipe=sft", "teacher.path=/t"]).model_roles
+
+
+def test_a_teacher_of_another_tokenizer_is_refused_before_start_naming_both(tmp_path, tiny_model_dir):
+    from transformers import AutoTokenizer
+
+    from hybridflow.builders import build_tiny_model
+    from hybridflow.preflight import check_run
+
+    teacher = build_tiny_model(tmp_path / "teacher")
+    tokenizer = AutoTokenizer.from_pretrained(teacher)
+    tokenizer.add_tokens(["<tool>"])  # one token more: every id past the vocabulary names nothing for the student
+    tokenizer.save_pretrained(teacher)
+    config = compose(["recipe=distill", f"model.path={tiny_model_dir}", f"teacher.path={teacher}"])
+    problems = [p for p in check_run(config) if p.startswith("teacher.path")]
+    assert len(problems) == 1, check_run(config)
+    assert "is not the student's" in problems[0] and str(tiny_model_dir) in problems[0] and "'<tool>'" in problems[0]
+    same = compose(["recipe=distill", f"model.path={tiny_model_dir}", f"teacher.path={tiny_model_dir}"])
+    assert not [p for p in check_run(same) if p.startswith("teacher.path")]
+
+
+def test_a_teacher_that_does_not_fit_is_refused_with_its_term(tmp_path, tiny_model_dir):
+    student = header_only_model(tmp_path / "qwen05", tiny_model_dir)
+    # a 7B-shaped teacher (Qwen2.5-7B's shapes): 7.6B parameters, 14 GiB per process in float32 over 2 ranks
+    seven = {"vocab_size": 152064, "hidden_size": 3584, "intermediate_size": 18944, "num_hidden_layers": 28,
+             "num_attention_heads": 28, "num_key_value_heads": 4, "tie_word_embeddings": False}
+    teacher = header_only_model(tmp_path / "teacher7b", tiny_model_dir, config=seven,
+                                shapes=qwen2_shapes(3584, 18944, 152064, 4 * 128, 28, tied=False))
+    base = ["recipe=distill", "model=local_hf", f"model.path={student}", "placement.device=cpu", *PINNED]
+    fits = compose([*base, f"teacher.path={student}"])
+    assert memory_problems(fits, Plan.from_config(fits), node_bytes=24 * GIB) == []
+    big = compose([*base, f"teacher.path={teacher}"])
+    refused = memory_problems(big, Plan.from_config(big), node_bytes=24 * GIB)
+    assert len(refused) == 1 and "teacher weights (teacher.dtype, FSDP shard)" in refused[0], refused
+
+
+def test_a_pipeline_teacher_must_be_an_earlier_stage():
+    stages = ("pipeline.stages=[{name: a, recipe: grpo}, {name: b, recipe: distill, teacher_stage: %s}]")
+    with pytest.raises(ConfigError, match=r"teacher_stage.*an earlier stage.*\['a'\]"):
+        compose(["recipe=pipeline", stages % "b"])
+    with pytest.raises(ConfigError, match=r"recipe=sft has no teacher"):
+        compose(["recipe=pipeline", "pipeline.stages=[{name: a, recipe: grpo}, {name: b, recipe: sft, teacher_stage: a}]"])
