@@ -55,6 +55,9 @@ STEP_KEYS: dict[str, Key] = {
     "ref_log_probs": Key(REFERENCE, (ACTOR, DRIVER), "(B, R)", "reference policy log-probs (LoRA: the actor's)"),
     "teacher_log_probs": Key(TEACHER, (DRIVER,), "(B, R)", "the teacher's log-probs of the sampled tokens "
                              "(distillation: teacher.path)"),
+    "teacher_topk_ids": Key(TEACHER, (ACTOR,), "(B, R, k)", "teacher.objective=topk: the teacher's k likeliest "
+                            "tokens at each response position"),
+    "teacher_topk_log_probs": Key(TEACHER, (ACTOR,), "(B, R, k)", "their log-probs under the teacher"),
     "values": Key(CRITIC, (CRITIC, DRIVER), "(B, R)", "the critic's value estimates before its update"),
     "baseline_rewards": Key(REWARD, (DRIVER,), "(B,)", "ReMax: the greedy response's reward, per sample"),
     "token_rewards": Key(DRIVER, (), "(B, R)", "sequence reward on the last token minus the KL penalty"),

@@ -110,6 +110,8 @@ def check_run(config: HybridFlowConfig, check_model: bool = True, plan: Plan | N
             problems += memory_problems(config, plan)
     if config.reward.reward_model.path is not None:
         problems += check_model_dir(config.reward.reward_model.path, "reward.reward_model.path")
+    if config.teacher_role_runs and check_model:
+        problems += _teacher_problems(config)
     needed = _needed_columns(config, functions)
     if config.data.train_path is None:
         return problems + _check_synthetic(config, needed)
@@ -165,6 +167,27 @@ def _prompt_length_problems(config: HybridFlowConfig, files: dict[str, "FileFact
                                        indices=[row for row, _ in facts.prompts])
             problems += [problem] if problem else []
     return problems
+
+
+def _teacher_problems(config: HybridFlowConfig) -> list[str]:
+    """The teacher's directory, and its tokenizer against the student's: the teacher scores the student's
+    token ids, so the two must map every id to the same token."""
+    problems = check_model_dir(config.teacher.path, "teacher.path")
+    if problems:
+        return problems
+    from hybridflow.data.tokenizer import load_tokenizer
+
+    student = _load_tokenizer(config).get_vocab()
+    teacher = load_tokenizer(config.teacher.path, config.model.trust_remote_code).get_vocab()
+    if teacher == student:
+        return []
+    differ = sorted(set(student.items()) ^ set(teacher.items()), key=lambda item: item[1])[:3]
+    student_name = config.model.path or "the tiny model's character tokenizer (model.path=null)"
+    return [f"teacher.path={config.teacher.path!r}: its tokenizer ({len(teacher)} tokens) is not the student's "
+            f"({student_name}, {len(student)} tokens); e.g. {', '.join(f'{t!r} -> {i}' for t, i in differ)} is in one "
+            "and not the other. The teacher scores the student's token ids, which would then name other tokens. "
+            "Fix: a teacher trained with the student's tokenizer (the same model family), or distil from the "
+            "teacher's own samples with SFT (recipe=sft on its generations)"]
 
 
 def _load_tokenizer(config: HybridFlowConfig):

@@ -327,7 +327,9 @@ def score(r: Step, samples: Batch, greedy: Batch | None) -> Batch:
         pending.append(r.actor.compute_ref_log_probs.remote(samples))
     if r.critic is not None:
         pending.append(r.critic.compute_values.remote(samples))
-    if r.teacher is not None:
+    if r.teacher is not None and config.teacher.objective == "topk":
+        pending.append(r.teacher.compute_teacher_topk.remote(samples, config.teacher.top_k))
+    elif r.teacher is not None:
         pending.append(r.teacher.compute_teacher_log_probs.remote(samples))
     if rewards is not None:
         samples = add_rewards(r, samples, rewards.get())
@@ -351,7 +353,10 @@ def update(r: Step, step: int, samples: Batch, actor_learns: bool) -> dict[str, 
     critic_update = r.critic.update_critic.remote(samples) if r.critic is not None else None
     hook_metrics = r.hooks.before_update(step, r.actor) if actor_learns else {}
     actor_metrics = {}
-    if actor_learns:
+    if actor_learns and r.teacher is not None and r.config.teacher.objective == "topk":  # a supervised step
+        actor_metrics = r.actor.train_objective(samples, "distill_topk", {
+            "beta": r.config.teacher.beta, "temperature": r.config.rollout.temperature})[0]
+    elif actor_learns:
         require(samples, [r.proximal, "advantages", *(["ref_log_probs"] if r.config.actor.kl_loss_coef else []),
                           *(["behavior_weights"] if r.weighted else [])], "actor.update_policy")
         actor_metrics = r.actor.update_policy(samples, old_log_probs_key=r.proximal, weighted=r.weighted,
@@ -374,7 +379,7 @@ def step_metrics(r: Step, samples: Batch, trained_version: int, stale: bool, act
     metrics["perf/tokens_per_s"] = metrics["response/tokens"] / metrics["timing/generate_s"]
     staleness = trained_version - samples["behavior_version"]  # (B,)
     before_update = metrics.pop("log_prob_diff_before_update", None)  # the actor's, not a metric of its own
-    if r.clip_against_sampler and actor_learns and not staleness.any():
+    if r.clip_against_sampler and actor_learns and not staleness.any() and before_update is not None:
         # the update's first mini-batch, before its optimizer step: later ones see moved weights
         metrics["rollout/log_prob_diff"] = before_update
     elif not r.clip_against_sampler and not staleness.any():

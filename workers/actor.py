@@ -34,7 +34,7 @@ from hybridflow.training.fsdp import (
 from hybridflow.training.adapter_reference import AdapterReferenceMixin
 from hybridflow.training.loop import TrainingLoopMixin
 from hybridflow.training.loss_scale import LossScale
-from hybridflow.training.objectives import Objective, PolicyObjective, PreferenceObjective, SFTObjective
+from hybridflow.training.objectives import OBJECTIVES, Objective, PolicyObjective, PreferenceObjective, SFTObjective
 from hybridflow.training.packing import choose_packing
 from hybridflow.training.resolution import MovedFraction, precision_stats
 from hybridflow.training.shared_prompts import choose_sharing
@@ -175,6 +175,15 @@ class ActorWorker(TrainingStateMixin, TrainingLoopMixin, AdapterReferenceMixin, 
         the loss's statistics under TRL's names (`rewards/chosen`, `rewards/margins`, `logps/chosen`, ...)."""
         start = time.perf_counter()
         stats = self._train(pairs, PreferenceObjective(loss, beta, label_smoothing, simpo_gamma))
+        stats["timing/actor_update_s"] = time.perf_counter() - start
+        return stats
+
+    @register(Dispatch.DP_SPLIT)
+    def train_objective(self, batch: Batch, name: str, params: dict) -> dict:
+        """One update of the registered objective `name` (hybridflow.training.objectives `OBJECTIVES`) built
+        from `params`: a new objective needs its file and its entry, no method here."""
+        start = time.perf_counter()
+        stats = self._train(batch, OBJECTIVES.get(name)(**params))
         stats["timing/actor_update_s"] = time.perf_counter() - start
         return stats
 

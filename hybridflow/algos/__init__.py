@@ -26,7 +26,7 @@ from hybridflow.algos.aggregation import (
     aggregate_loss,
     micro_batch_stat,
 )
-from hybridflow.algos.distill import DISTILLATION_SIGNALS, distillation_signal
+from hybridflow.algos.distill import DISTILLATION_SIGNALS, distillation_signal, generalized_jsd, topk_divergence
 from hybridflow.algos.entropy import (
     entropy_bonus,
     entropy_from_logits,
@@ -57,6 +57,8 @@ __all__ = [
     "ADVANTAGE_ESTIMATORS",
     "DISTILLATION_SIGNALS",
     "distillation_signal",
+    "generalized_jsd",
+    "topk_divergence",
     "KL_CONTROLLERS",
     "KL_ESTIMATORS",
     "LOSS_AGGREGATIONS",

@@ -13,6 +13,13 @@ Every entry of `DISTILLATION_SIGNALS` has one keyword-only signature (see the re
               the policy loss, whose ratio against π_old and clipping correct samples drawn by older
               weights, as for any advantage (docs/distillation.md).
 
+The losses over the teacher's top-k tokens (`topk_divergence`, the `topk` objective of
+hybridflow/training/objectives/distill.py) compare the two distributions at each sampled position instead of
+one token's log-probs: the teacher's k likeliest tokens, both distributions renormalised over those k, and
+the generalised Jensen-Shannon divergence of GKD (Agarwal et al. 2024, eq. 1) with TRL's convention for β:
+β = 0 is the forward KL(teacher ‖ student), β = 1 the reverse KL(student ‖ teacher), between them
+β KL(teacher ‖ m) + (1 − β) KL(student ‖ m) with the mixture m = β teacher + (1 − β) student.
+
 The student's log-probs are the proximal policy's (π_old: the sampler's or the actor's recomputed ones,
 whichever the update clips against), at the sampling temperature; the teacher's at the same temperature
 (workers/teacher.py), so the two distributions are compared as sampled.
@@ -44,6 +51,33 @@ def reverse_kl(*, teacher_log_probs: torch.Tensor, student_log_probs: torch.Tens
     return signal, {"reverse_kl": float(masked_mean(-signal, response_mask)),
                     "teacher_log_prob_mean": float(masked_mean(teacher_log_probs.float(), response_mask)),
                     "student_log_prob_mean": float(masked_mean(student_log_probs.float(), response_mask))}
+
+
+def generalized_jsd(student_log_probs: torch.Tensor, teacher_log_probs: torch.Tensor, beta: float) -> torch.Tensor:
+    """GKD's generalised JSD over the last dimension of two log-distributions (…, k) -> (…), in TRL's
+    convention: β = 0 the forward KL(teacher ‖ student), β = 1 the reverse KL(student ‖ teacher)."""
+    if not 0.0 <= beta <= 1.0:
+        raise ValueError(f"generalized_jsd: beta={beta} must be in [0, 1] (0: forward KL, 1: reverse KL)")
+    student_p, teacher_p = student_log_probs.exp(), teacher_log_probs.exp()
+    if beta == 0.0:
+        return (teacher_p * (teacher_log_probs - student_log_probs)).sum(-1)
+    if beta == 1.0:
+        return (student_p * (student_log_probs - teacher_log_probs)).sum(-1)
+    beta_t = torch.tensor(beta, dtype=student_log_probs.dtype, device=student_log_probs.device)
+    mixture = torch.logsumexp(torch.stack([teacher_log_probs + beta_t.log(), student_log_probs + (-beta_t).log1p()]),
+                              dim=0)
+    return beta * (teacher_p * (teacher_log_probs - mixture)).sum(-1) + \
+        (1 - beta) * (student_p * (student_log_probs - mixture)).sum(-1)
+
+
+def topk_divergence(*, student_log_probs_at_topk: torch.Tensor, teacher_topk_log_probs: torch.Tensor,
+                    response_mask: torch.Tensor, beta: float) -> torch.Tensor:
+    """(B, R) per-token generalised JSD between the student and the teacher over the teacher's top-k tokens:
+    each side's log-probs at those k tokens (B, R, k), renormalised over them, 0 outside the mask."""
+    check_mask(response_mask, student_log_probs_at_topk[..., 0], name="response_mask")
+    student = student_log_probs_at_topk.float().log_softmax(-1)
+    teacher = teacher_topk_log_probs.float().log_softmax(-1)
+    return generalized_jsd(student, teacher, beta) * response_mask
 
 
 def distillation_signal(name: str, **kwargs) -> tuple[torch.Tensor, dict[str, float]]:

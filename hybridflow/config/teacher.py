@@ -18,6 +18,10 @@ def _require(ok: bool, key: str, value, allowed: str) -> None:
 # the schema names them without importing torch).
 DISTILLATION_SIGNAL_NAMES = ("reverse_kl",)
 TEACHER_DTYPES = ("float32", "bfloat16", "float16")
+# How the teacher teaches: `advantage` (its per-token signal added to the advantage, trained by the policy
+# loss) or `topk` (the student's distribution pulled toward the teacher's over its top-k tokens by GKD's
+# generalised JSD: hybridflow/training/objectives/distill.py)
+TEACHER_OBJECTIVES = ("advantage", "topk")
 
 
 @dataclass
@@ -33,6 +37,15 @@ class TeacherConfig:
     # log pi_student(y_t) on the student's own sampled tokens, undiscounted, through the policy loss (its
     # ratio and clipping keep stale samples corrected)
     signal: str = "reverse_kl"
+    # advantage: `signal` times kl_coef joins the advantage (recipe=distill's default); topk: the student's
+    # distribution at each sampled position pulled toward the teacher's, both renormalised over the teacher's
+    # top_k tokens, by GKD's generalised JSD with `beta` (TRL's GKDTrainer loss over the top k), one
+    # supervised step per batch instead of the policy update (teacher.reward_weight must be 0)
+    objective: str = "advantage"
+    top_k: int = 16  # topk: the teacher's tokens per position the divergence is taken over
+    # topk: GKD's beta in TRL's convention: 0 the forward KL(teacher || student), 1 the reverse
+    # KL(student || teacher), between them the generalised JSD (TRL's GKDConfig default 0.5)
+    beta: float = 0.5
     # The weight of the distillation signal in each token's advantage
     kl_coef: float = 1.0
     # The weight of the reward's advantage (algorithm.advantage_estimator's) beside it: 1 adds distillation
@@ -49,6 +62,14 @@ class TeacherConfig:
                  "must be > 0 (the distillation signal's weight); to train without a teacher, set teacher.path=null")
         _require(self.reward_weight >= 0, "teacher.reward_weight", self.reward_weight,
                  "must be >= 0 (0: the teacher's signal alone)")
+        _require(self.objective in TEACHER_OBJECTIVES, "teacher.objective", self.objective,
+                 f"one of {list(TEACHER_OBJECTIVES)}")
+        _require(self.top_k >= 1, "teacher.top_k", self.top_k, "must be >= 1 (tokens per position)")
+        _require(0.0 <= self.beta <= 1.0, "teacher.beta", self.beta,
+                 "must be in [0, 1] (0: forward KL, 1: reverse KL, between: generalised JSD)")
+        _require(self.objective != "topk" or self.reward_weight == 0, "teacher.reward_weight", self.reward_weight,
+                 "teacher.objective=topk trains the divergence alone, with no advantage to weigh a reward in: set "
+                 "teacher.reward_weight=0, or teacher.objective=advantage to add the teacher's signal to a reward")
 
     @property
     def runs(self) -> bool:

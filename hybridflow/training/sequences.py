@@ -86,24 +86,73 @@ def response_log_probs(model: torch.nn.Module, batch: Batch, temperature: float 
     so a large micro-batch's (B, r, V) logits exist once, in the compute dtype."""
     from hybridflow.algos import token_log_probs_and_entropy
 
+    logits, layout = response_logits(model, batch)
+    if layout.packed:  # (N, V): a token a row, chunked by rows
+        log_probs, entropy = token_log_probs_and_entropy(
+            logits[:, None], layout.from_rows(batch["response_ids"])[:, None], temperature=temperature,
+            with_entropy=with_entropy, entropy_grad=entropy_grad)
+        return layout.to_rows(log_probs[:, 0]), layout.to_rows(entropy[:, 0])
+    log_probs, entropy = token_log_probs_and_entropy(logits, layout.from_rows(batch["response_ids"]).contiguous(),
+                                                     temperature=temperature, with_entropy=with_entropy,
+                                                     entropy_grad=entropy_grad)
+    return layout.to_rows(log_probs), layout.to_rows(entropy)
+
+
+class ResponseLayout:
+    """Where `response_logits` put each response position: packed (N real tokens in one row) or the padded
+    batch trimmed to its `width` longest response; `to_rows` maps values of that layout to (B, R, ...) with
+    zeros past every response, `from_rows` maps (B, R, ...) values to it."""
+
+    def __init__(self, packed: PackedSequences | None, width: int, full_width: int) -> None:
+        self.packed, self.width, self.full_width = packed, width, full_width
+
+    def to_rows(self, values: torch.Tensor) -> torch.Tensor:
+        if self.packed is not None:
+            return self.packed.scatter(values)
+        return pad_response_width(values, self.full_width)
+
+    def from_rows(self, values: torch.Tensor) -> torch.Tensor:
+        if self.packed is not None:
+            return self.packed.gather(values)
+        return values[:, :self.width]
+
+
+def response_logits(model: torch.nn.Module, batch: Batch) -> tuple[torch.Tensor, ResponseLayout]:
+    """The logits predicting each response token, in the compute dtype, and their layout: (N, V) at the real
+    tokens of a model switched to packed attention (one packed row), else (B, r, V) of the padded batch
+    trimmed of all-padding columns (r its longest response); only those positions' logits are computed
+    where the model takes `logits_to_keep`."""
     packed = pack(batch["prompt_ids"], batch["prompt_mask"], batch["response_ids"], batch["response_mask"],
                   share=shares_prompts(model)) if runs_packed(model) else None
-    if packed is not None:  # one row of real tokens; logits at the N positions that predict response tokens
-        logits = packed_logits(model, packed)  # (N, V)
-        log_probs, entropy = token_log_probs_and_entropy(
-            logits[:, None], packed.gather(batch["response_ids"])[:, None], temperature=temperature,
-            with_entropy=with_entropy, entropy_grad=entropy_grad)  # (N, 1) each: a token a row, chunked by rows
-        return packed.scatter(log_probs[:, 0]), packed.scatter(entropy[:, 0])
+    full_width = batch["response_ids"].shape[1]
+    if packed is not None:
+        return packed_logits(model, packed), ResponseLayout(packed, full_width, full_width)
     inputs, prompt_len, width = trimmed_inputs(batch)
     if takes_logits_to_keep(model):  # the last width + 1 positions: prompt_len - 1 ... prompt_len + width - 1
         logits = model(**inputs, use_cache=False, logits_to_keep=width + 1).logits[:, :width]  # (B, r, V)
     else:
         logits = model(**inputs, use_cache=False).logits[:, prompt_len - 1: prompt_len - 1 + width]
-    log_probs, entropy = token_log_probs_and_entropy(logits, batch["response_ids"][:, :width].contiguous(),
-                                                     temperature=temperature, with_entropy=with_entropy,
-                                                     entropy_grad=entropy_grad)
-    width_out = batch["response_ids"].shape[1]
-    return pad_response_width(log_probs, width_out), pad_response_width(entropy, width_out)
+    return logits, ResponseLayout(None, width, full_width)
+
+
+def response_topk(model: torch.nn.Module, batch: Batch, k: int, temperature: float = 1.0
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The model's k likeliest tokens at each response position and their log-probs at `temperature`,
+    (B, R, k) each (ids 0 and log-probs 0 past every response); the log-softmax in float32."""
+    logits, layout = response_logits(model, batch)
+    log_probs = torch.log_softmax(logits.float() / temperature, dim=-1)
+    top = log_probs.topk(k, dim=-1)
+    return layout.to_rows(top.indices), layout.to_rows(top.values)
+
+
+def response_log_probs_at(model: torch.nn.Module, batch: Batch, token_ids: torch.Tensor, temperature: float = 1.0
+                          ) -> torch.Tensor:
+    """The model's log-probs at `temperature` of the tokens `token_ids` (B, R, k) names at each response
+    position, (B, R, k) float32 with the gradient; 0 past every response. The log-softmax over the
+    vocabulary in float32 at once (B, r, V): a top-k distillation's micro-batch pays that copy."""
+    logits, layout = response_logits(model, batch)
+    log_probs = torch.log_softmax(logits.float() / temperature, dim=-1)
+    return layout.to_rows(log_probs.gather(-1, layout.from_rows(token_ids)))
 
 
 def response_values(model: torch.nn.Module, batch: Batch) -> torch.Tensor:

@@ -119,3 +119,62 @@ def test_a_pipeline_teacher_must_be_an_earlier_stage():
         compose(["recipe=pipeline", stages % "b"])
     with pytest.raises(ConfigError, match=r"recipe=sft has no teacher"):
         compose(["recipe=pipeline", "pipeline.stages=[{name: a, recipe: grpo}, {name: b, recipe: sft, teacher_stage: a}]"])
+
+
+def _kl(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """KL(p || q) over the last dimension, float64, from probabilities."""
+    return (p * (p.log() - q.log())).sum(-1)
+
+
+@pytest.mark.parametrize("beta", [0.0, 0.3, 0.5, 1.0])
+def test_the_top_k_divergence_is_gkd_s_generalised_jsd_over_the_renormalised_top_k(beta):
+    """Against the paper's definition in float64 (Agarwal et al. 2024, eq. 1, in TRL's convention for beta:
+    0 the forward KL(teacher || student), 1 the reverse KL(student || teacher))."""
+    from hybridflow.algos import topk_divergence
+
+    generator = torch.Generator().manual_seed(4)
+    student_at_k = torch.randn(3, 4, 5, generator=generator, dtype=torch.float64).log_softmax(-1) - 1.5  # not normalised
+    teacher_at_k = torch.randn(3, 4, 5, generator=generator, dtype=torch.float64).log_softmax(-1) - 0.5
+    mask = torch.ones(3, 4, dtype=torch.bool)
+    mask[2, 2:] = False
+    got = topk_divergence(student_log_probs_at_topk=student_at_k.float(), teacher_topk_log_probs=teacher_at_k.float(),
+                          response_mask=mask, beta=beta)
+    p_s, p_t = student_at_k.exp(), teacher_at_k.exp()
+    p_s, p_t = p_s / p_s.sum(-1, keepdim=True), p_t / p_t.sum(-1, keepdim=True)  # renormalised over the k tokens
+    m = beta * p_t + (1 - beta) * p_s
+    want = {0.0: _kl(p_t, p_s), 1.0: _kl(p_s, p_t)}.get(beta, beta * _kl(p_t, m) + (1 - beta) * _kl(p_s, m))
+    assert torch.allclose(got.double(), want * mask, atol=1e-6)
+    assert (got[~mask] == 0).all() and (got[mask] > 0).all()
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_a_student_that_is_its_teacher_has_no_top_k_divergence(tiny_model_dir, packed):
+    """The teacher's top-k (workers/teacher.py's pass) and the student's log-probs at those ids (the objective's)
+    read the same positions, packed or padded: the model against itself gives the same numbers, divergence 0."""
+    from transformers import AutoModelForCausalLM
+
+    from hybridflow.algos import topk_divergence
+    from hybridflow.training.packing import choose_packing
+    from hybridflow.training.sequences import response_log_probs_at, response_topk
+    from tests.unit.test_gradient_splits import _batch
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, torch_dtype=torch.float32).eval()
+    assert choose_packing(model, packed) == packed
+    batch = _batch(tiny_model_dir)
+    ids, teacher = response_topk(model, batch, k=4, temperature=0.7)
+    with torch.no_grad():
+        student = response_log_probs_at(model, batch, ids, temperature=0.7)
+    mask = batch["response_mask"]
+    assert torch.allclose(student[mask], teacher[mask], atol=1e-5)
+    assert (teacher[mask][:, :-1] >= teacher[mask][:, 1:]).all()  # the likeliest first
+    divergence = topk_divergence(student_log_probs_at_topk=student, teacher_topk_log_probs=teacher, response_mask=mask,
+                                 beta=0.5)
+    assert divergence.abs().max() < 1e-6
+
+
+def test_topk_with_a_reward_or_stale_batches_is_refused():
+    with pytest.raises(ConfigError, match=r"teacher\.reward_weight=1\.0.*trains the divergence alone"):
+        compose(["recipe=grpo", "teacher.path=/t", "teacher.objective=topk"])
+    with pytest.raises(ConfigError, match=r"teacher\.objective='topk'.*trainer\.max_staleness=1"):
+        compose(["recipe=distill", "teacher.path=/t", "teacher.objective=topk", "trainer.max_staleness=1", "trainer.old_log_probs=sampler",
+                 "placement=disaggregated"])

@@ -24,7 +24,7 @@ from hybridflow.controller import WorkerContext
 from hybridflow.data import ArithmeticSpec, make_arithmetic_rows
 from hybridflow.data.prompts import encode_prompts
 from hybridflow.stage import prepare_stage
-from hybridflow.training.objectives import PolicyObjective, SFTObjective, ValueObjective
+from hybridflow.training.objectives import PolicyObjective, SFTObjective, TopKDistillObjective, ValueObjective
 from recipes.roles import actor_role, critic_role
 
 ROWS = 8
@@ -42,7 +42,9 @@ def _batch(model_dir) -> Batch:
                               "response_mask": mask, "old_log_probs": -torch.rand(ROWS, 5, generator=generator) * 3,
                               "advantages": torch.randn(ROWS, 5, generator=generator),
                               "values": torch.randn(ROWS, 5, generator=generator),
-                              "returns": torch.randn(ROWS, 5, generator=generator)}))
+                              "returns": torch.randn(ROWS, 5, generator=generator),
+                              "teacher_topk_ids": torch.randint(5, 60, (ROWS, 5, 3), generator=generator),
+                              "teacher_topk_log_probs": -torch.rand(ROWS, 5, 3, generator=generator) * 3}))
 
 
 def _config(section: str, micro: int, budget: int | None, packed: bool, **options) -> HybridFlowConfig:
@@ -73,7 +75,8 @@ def _actor(model_dir, split, loss, aggregation="token-mean", divide_by_micro_bat
     worker = actor_role(config, model_dir).build(WorkerContext())
     worker.start()
     _keep_gradients(worker)
-    objective = PolicyObjective(worker.cfg, worker.temperature) if loss == "policy" else SFTObjective()
+    objective = {"policy": lambda: PolicyObjective(worker.cfg, worker.temperature), "sft": SFTObjective,
+                 "topk": lambda: TopKDistillObjective(beta=0.5)}[loss]()
     if divide_by_micro_batches:  # the planted fault: the accumulation steps divided out a second time
         count, plain = -(-ROWS // split[0]), objective.loss
         objective.loss = lambda model, micro, counts: (lambda loss, stats: (loss / count, stats))(  # noqa: E731
@@ -92,11 +95,15 @@ def test_the_policy_gradient_is_the_same_for_every_micro_batch_split(tiny_model_
         assert stats["loss"] == pytest.approx(whole_stats["loss"], rel=1e-5, abs=1e-7), split
 
 
-def test_the_sft_gradient_is_the_same_for_every_micro_batch_split(tiny_model_dir):
-    whole, whole_stats = _actor(tiny_model_dir, (ROWS, None, False), "sft")
+@pytest.mark.parametrize("loss", ["sft", "topk"])
+def test_the_sft_and_top_k_distillation_gradients_are_the_same_for_every_micro_batch_split(tiny_model_dir, loss):
+    """SFT's, and the top-k distillation's (the student's log-probs at the teacher's ids, gathered from the
+    packed row or the padded batch), for every split and layout."""
+    whole, whole_stats = _actor(tiny_model_dir, (ROWS, None, False), loss)
+    assert any(g.abs().sum() > 0 for g in whole.values())
     for split in SPLITS:
-        grads, stats = _actor(tiny_model_dir, split, "sft")
-        _assert_same(grads, whole, f"sft {split}")
+        grads, stats = _actor(tiny_model_dir, split, loss)
+        _assert_same(grads, whole, f"{loss} {split}")
         assert stats["loss"] == pytest.approx(whole_stats["loss"], rel=1e-5), split
 
 
