@@ -38,6 +38,7 @@ from hybridflow.batch_keys import clips_against_sampler, proximal_key, require
 from hybridflow import console
 from hybridflow.config.schema import HybridFlowConfig
 from hybridflow.controller import RoleSpec
+from hybridflow.data.answers import encode_answers
 from hybridflow.data.loader import PromptLoader
 from hybridflow.data.prompts import encode_prompts
 from hybridflow.faults import inject_faults
@@ -58,7 +59,7 @@ from hybridflow.runner import (
 )
 from hybridflow.training.guards import StepGuards
 from hybridflow.training.hooks import StepHooks
-from hybridflow.training.sequences import balanced_over_ranks, loss_mask
+from hybridflow.training.sequences import balanced_over_ranks, loss_mask, pad_response_width
 from recipes.roles import actor_role, critic_role, reference_role, reward_role, rollout_role, teacher_role
 
 
@@ -86,6 +87,8 @@ def run(stage: Stage, run_dir: Path) -> dict:
         with timer("generate"), weight_sync.generating():  # GPU, colocated: the devices change hands
             (samples, greedy), trained_version, queue_metrics = rollouts.next(step)
         queue_metrics.update(weight_sync.handover_seconds())  # inside timing/generate_s
+        if config.teacher_role_runs and config.teacher.student_fraction < 1:  # GKD's mixture: some data answers
+            samples = with_data_answers(r, samples, step)
         with timer("score"):  # independent: on separate pools these run at the same time
             samples = score(r, samples, greedy)
         with timer("advantages"):
@@ -363,7 +366,7 @@ def update(r: Step, step: int, samples: Batch, actor_learns: bool) -> dict[str, 
                                               mismatch_band=r.mismatch_band)[0]
     critic_metrics = critic_update.get()[0] if critic_update is not None else {}
     if actor_learns:  # step hooks first: a reference EMA then follows weights they loaded
-        hook_metrics.update(r.hooks.after_update(step, {**reward_metrics(samples), **actor_metrics}, r.actor))
+        hook_metrics.update(r.hooks.after_update(step, {**reward_metrics(students(samples)), **actor_metrics}, r.actor))
         hook_metrics.update(run_training_hooks(r.config, step, r.actor, r.reference))
     return {**actor_metrics, **critic_metrics, **hook_metrics}
 
@@ -373,9 +376,10 @@ def step_metrics(r: Step, samples: Batch, trained_version: int, stale: bool, act
     """The step's row of metrics.jsonl: rewards, the stages', responses, throughput, how far the
     sampler's log-probs are from the actor's at the same version, and (async) staleness: the
     version the batch trained on minus each sample's `behavior_version`."""
-    metrics = {**reward_metrics(samples), **stage_metrics, **response_stats(samples),
+    sampled = students(samples)  # not the data answers a distillation mixed in
+    metrics = {**reward_metrics(sampled), **stage_metrics, **response_stats(sampled),
                **{k: v for k, v in samples.meta.items()  # each forward pass's own; dynamic sampling's counts
-                  if k.startswith(("timing/", "dynamic_sampling/"))}}
+                  if k.startswith(("timing/", "dynamic_sampling/", "distill/"))}}
     metrics["perf/tokens_per_s"] = metrics["response/tokens"] / metrics["timing/generate_s"]
     staleness = trained_version - samples["behavior_version"]  # (B,)
     before_update = metrics.pop("log_prob_diff_before_update", None)  # the actor's, not a metric of its own
@@ -506,3 +510,42 @@ def add_distillation(samples: Batch, config: HybridFlowConfig, advantages: torch
                                         student_log_probs=samples[proximal], response_mask=mask)
     metrics.update({f"distill/{k}": v for k, v in stats.items()})
     return t.reward_weight * advantages + t.kl_coef * signal
+
+
+def with_data_answers(r: Step, samples: Batch, step: int) -> Batch:
+    """GKD's mixture (teacher.student_fraction < 1, TRL's `lmbda`): a fixed share of the step's samples, drawn
+    from (seed, step) alone, get their prompt's data answer (`ground_truth`) as the response instead of the
+    student's, with `from_data` True; the teacher then scores them as it scores a sample. Response columns
+    are padded to a width both fit."""
+    rows = round((1 - r.config.teacher.student_fraction) * len(samples))
+    if rows == 0:
+        return samples
+    picked = torch.randperm(len(samples), generator=torch.Generator().manual_seed(r.config.seed * 100003 + step))[:rows]
+    answers = [str(r.loader.rows[int(i)]["ground_truth"]) for i in samples["prompt_index"][picked]]
+    encoded = encode_answers(answers, r.tokenizer, r.config.rollout.max_response_tokens)
+    width = max(samples["response_ids"].shape[1], int(encoded["response_mask"].sum(dim=1).max()))
+    tensors = {k: pad_response_width(v, width).clone() if k in RESPONSE_COLUMNS else v for k, v in samples.tensors.items()}
+    tensors["response_ids"][picked] = encoded["response_ids"][:, :width]
+    tensors["response_mask"][picked] = encoded["response_mask"][:, :width]
+    if "loss_mask" in tensors:
+        tensors["loss_mask"][picked] = encoded["response_mask"][:, :width]
+    tensors["from_data"] = torch.zeros(len(samples), dtype=torch.bool)
+    tensors["from_data"][picked] = True
+    objects = dict(samples.objects)
+    objects["response"] = list(objects["response"])
+    for row, answer in zip(picked.tolist(), answers):
+        objects["response"][row] = answer
+    mixed = Batch(tensors=tensors, objects=objects, meta=dict(samples.meta))
+    mixed.meta["distill/student_fraction"] = 1 - rows / len(samples)
+    return mixed
+
+
+# the (B, R) columns a step's samples carry from the rollout (hybridflow.batch_keys), padded together
+RESPONSE_COLUMNS = ("response_ids", "response_mask", "loss_mask", "sampler_log_probs", "token_versions")
+
+
+def students(samples: Batch) -> Batch:
+    """The samples the student generated: all but the data answers a distillation mixed in (`from_data`)."""
+    if "from_data" not in samples or not samples["from_data"].any():
+        return samples
+    return samples.index(torch.nonzero(~samples["from_data"])[:, 0])

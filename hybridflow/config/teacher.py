@@ -46,6 +46,10 @@ class TeacherConfig:
     # topk: GKD's beta in TRL's convention: 0 the forward KL(teacher || student), 1 the reverse
     # KL(student || teacher), between them the generalised JSD (TRL's GKDConfig default 0.5)
     beta: float = 0.5
+    # topk: the fraction of each step's samples that are the student's own (TRL's GKD `lmbda`); the rest are
+    # the same prompts' data answers (the `ground_truth` column), which the teacher scores as it scores a
+    # sample. 1: on-policy only; 0: every response the data's (supervised distillation)
+    student_fraction: float = 1.0
     # The weight of the distillation signal in each token's advantage
     kl_coef: float = 1.0
     # The weight of the reward's advantage (algorithm.advantage_estimator's) beside it: 1 adds distillation
@@ -67,6 +71,11 @@ class TeacherConfig:
         _require(self.top_k >= 1, "teacher.top_k", self.top_k, "must be >= 1 (tokens per position)")
         _require(0.0 <= self.beta <= 1.0, "teacher.beta", self.beta,
                  "must be in [0, 1] (0: forward KL, 1: reverse KL, between: generalised JSD)")
+        _require(0.0 <= self.student_fraction <= 1.0, "teacher.student_fraction", self.student_fraction,
+                 "must be in [0, 1] (the student's share of each step's samples; the rest the data's answers)")
+        _require(self.student_fraction == 1.0 or self.objective == "topk", "teacher.student_fraction",
+                 self.student_fraction, "data answers have no sampler log-probs for the policy loss's ratio: mix them "
+                 "in with teacher.objective=topk, or keep teacher.student_fraction=1")
         _require(self.objective != "topk" or self.reward_weight == 0, "teacher.reward_weight", self.reward_weight,
                  "teacher.objective=topk trains the divergence alone, with no advantage to weigh a reward in: set "
                  "teacher.reward_weight=0, or teacher.objective=advantage to add the teacher's signal to a reward")

@@ -66,3 +66,19 @@ def test_a_pipeline_trains_a_teacher_and_distils_a_student_that_climbs_toward_it
     assert rows[-1]["val/accuracy"] >= student["final_accuracy"] + 0.03, (student, teacher, rows)
     kl = [json.loads(line)["distill/reverse_kl"] for line in (run_dir / "02-distill" / "metrics.jsonl").read_text().splitlines()]
     assert sum(kl[-5:]) / 5 < 0.8 * sum(kl[:5]) / 5, kl  # the student's samples move toward the teacher's
+
+
+def test_top_k_distillation_with_gkd_s_mixture_runs_as_a_command(tmp_path, tiny_model_dir):
+    """`teacher.objective=topk teacher.student_fraction=0.5`: the teacher (the tiny model of seed 0) scores its
+    top k at every position of the student's (seed 1's) samples and of the data answers mixed in for half of
+    them, and the step trains the divergence; the step's metrics say the share and the divergence."""
+    done = without_ray(["recipe=distill", "model.tiny.seed=1", f"teacher.path={tiny_model_dir}",
+                        "teacher.objective=topk", "teacher.top_k=4", "teacher.student_fraction=0.5",
+                        "trainer.total_steps=2", "trainer.prompts_per_step=8", "rollout.samples_per_prompt=2",
+                        "trainer.val_every_steps=2", "trainer.val_prompts=16", "data.synthetic.val_rows=16",
+                        "trainer.old_log_probs=sampler"], tmp_path, "topk", timeout_s=300)
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
+    rows = [json.loads(line) for line in (tmp_path / "topk" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["distill/student_fraction"] for r in rows] == [0.5, 0.5]
+    assert all(r["distill/topk_divergence"] > 0 and 0 < r["distill/student_topk_mass"] <= 1 for r in rows), rows
+    assert "val/accuracy" in rows[-1] and "reward/accuracy" in rows[0]

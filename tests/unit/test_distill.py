@@ -172,9 +172,44 @@ def test_a_student_that_is_its_teacher_has_no_top_k_divergence(tiny_model_dir, p
     assert divergence.abs().max() < 1e-6
 
 
-def test_topk_with_a_reward_or_stale_batches_is_refused():
+def test_topk_with_a_reward_or_stale_batches_and_data_answers_without_topk_are_refused():
+    with pytest.raises(ConfigError, match=r"teacher\.student_fraction=0\.5.*no sampler log-probs"):
+        compose(["recipe=distill", "teacher.path=/t", "teacher.student_fraction=0.5"])
     with pytest.raises(ConfigError, match=r"teacher\.reward_weight=1\.0.*trains the divergence alone"):
         compose(["recipe=grpo", "teacher.path=/t", "teacher.objective=topk"])
     with pytest.raises(ConfigError, match=r"teacher\.objective='topk'.*trainer\.max_staleness=1"):
         compose(["recipe=distill", "teacher.path=/t", "teacher.objective=topk", "trainer.max_staleness=1", "trainer.old_log_probs=sampler",
                  "placement=disaggregated"])
+
+
+def test_gkd_s_mixture_gives_a_fixed_share_of_the_samples_their_data_answer(tiny_model_dir):
+    """teacher.student_fraction=0.75 (TRL's lmbda): a quarter of the step's samples, drawn from (seed, step)
+    alone, carry their prompt's ground_truth as the response (tokens, mask, text), flagged `from_data`; the
+    columns are padded to a width both fit; the step's reward metrics read the student's samples only."""
+    from types import SimpleNamespace
+
+    from transformers import AutoTokenizer
+
+    from recipes.ppo import students, with_data_answers
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    config = compose(["recipe=distill", "teacher.path=/t", "teacher.objective=topk", "teacher.student_fraction=0.75"])
+    rows = [{"prompt": f"{i}+1=", "ground_truth": str(1000 + i)} for i in range(8)]
+    r = SimpleNamespace(config=config, loader=SimpleNamespace(rows=rows), tokenizer=tokenizer)
+    samples = Batch(tensors={"prompt_index": torch.arange(8), "response_ids": torch.full((8, 2), 7),
+                             "response_mask": torch.ones(8, 2, dtype=torch.bool), "sampler_log_probs": -torch.ones(8, 2),
+                             "sequence_rewards": torch.zeros(8)},
+                    objects={"response": ["xy"] * 8})
+    mixed = with_data_answers(r, samples, step=3)
+    picked = torch.nonzero(mixed["from_data"])[:, 0].tolist()
+    assert len(picked) == 2 and picked == torch.nonzero(with_data_answers(r, samples, step=3)["from_data"])[:, 0].tolist()
+    assert picked != torch.nonzero(with_data_answers(r, samples, step=4)["from_data"])[:, 0].tolist()
+    assert mixed["response_ids"].shape[1] == 5  # four digits and EOS
+    for row in picked:
+        tokens = tokenizer(str(1000 + row), add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+        assert mixed["response_ids"][row, :5].tolist() == tokens and mixed["response_mask"][row].all()
+        assert mixed["response"][row] == str(1000 + row)
+    kept = [i for i in range(8) if i not in picked]
+    assert mixed["response_ids"][kept, :2].eq(7).all() and not mixed["response_mask"][kept, 2:].any()
+    assert samples["response_ids"].shape == (8, 2)  # the generated batch itself is left as it was
+    assert students(mixed)["prompt_index"].tolist() == kept
