@@ -85,3 +85,83 @@ def test_top_k_keeps_the_k_likeliest_before_top_p_by_hand(tiny_model_dir):
     logits = torch.log(torch.tensor([[0.3, 0.5, 0.2]]))
     torch.testing.assert_close(engine._processed_log_probs(logits, sample=True).exp(),
                                torch.tensor([[0.375, 0.625, 0.0]]))
+
+
+def _recording(engine):
+    """Each forward call's (rows, positions in, logits_to_keep, positions of logits out)."""
+    calls = []
+
+    def hook(module, args, kwargs, output):
+        calls.append((kwargs["input_ids"].shape[0], kwargs["input_ids"].shape[1], kwargs.get("logits_to_keep"),
+                      output.logits.shape[1]))
+
+    engine.model.register_forward_hook(hook, with_kwargs=True)
+    return calls
+
+
+def test_the_prefill_computes_the_last_positions_logits_only(tiny_model_dir):
+    """Issue 83 item 1: the prefill asks for one position's logits (`logits_to_keep=1`) and gets (B, 1, V), not
+    (B, P, V); the greedy output is unchanged (the test above compares it with `generate`)."""
+    engine, tok = _engine(tiny_model_dir, max_response_tokens=3)
+    prompts = _prompts(tok, 4)
+    calls = _recording(engine)
+    engine.generate(prompts, greedy=True)
+    width = prompts["prompt_ids"].shape[1]
+    assert width > 1 and calls[0] == (4, width, 1, 1)  # the prefill: every prompt position in, one out
+    assert all(c[1] == 1 and c[3] == 1 for c in calls[1:])  # decode steps: one token in, one out
+
+
+def test_a_model_without_logits_to_keep_keeps_no_view_of_every_positions_logits(tiny_model_dir, monkeypatch):
+    """Where the model does not take `logits_to_keep`, the last position is copied out: the tensor the prefill
+    returns owns (B, V) floats, not a view into (B, P, V); the greedy output is the same."""
+    import workers.rollout.hf_rollout as hf
+    from transformers import DynamicCache
+
+    engine, tok = _engine(tiny_model_dir, max_response_tokens=4)
+    prompts = _prompts(tok, 3)
+    kept = engine.generate(prompts, greedy=True)
+    monkeypatch.setattr(hf, "takes_logits_to_keep", lambda model: False)
+    calls = _recording(engine)
+    mask = prompts["prompt_mask"].long()
+    logits = engine._prefill(prompts["prompt_ids"], mask, (mask.cumsum(1) - 1).clamp(min=0), DynamicCache())
+    assert calls[0][3] == prompts["prompt_ids"].shape[1]  # every position computed, then
+    assert logits.untyped_storage().nbytes() == logits.numel() * logits.element_size()  # only the last kept
+    assert torch.equal(engine.generate(prompts, greedy=True)["response_ids"], kept["response_ids"])
+
+
+@pytest.mark.parametrize("greedy", [True, False])
+def test_rows_decode_in_batches_of_max_num_seqs_with_the_one_batch_output(tiny_model_dir, greedy):
+    """Issue 83 item 2: 5 rows at rollout.max_num_seqs=2 decode as batches of 2, 2 and 1 (each prefill
+    recorded), in order, and give what one batch of 5 gives: greedy, and sampled too, since each sample draws
+    from its own seed's stream."""
+    one, tok = _engine(tiny_model_dir, max_response_tokens=6, temperature=0.9)
+    split, _ = _engine(tiny_model_dir, max_response_tokens=6, temperature=0.9, max_num_seqs=2)
+    prompts = _prompts(tok, 5)
+    calls = _recording(split)
+    whole, parts = one.generate(prompts, greedy=greedy), split.generate(prompts, greedy=greedy)
+    assert [c[0] for c in calls if c[1] > 1] == [2, 2, 1]  # the prefills: one per batch
+    assert max(c[0] for c in calls) <= 2
+    for key in ("response_ids", "response_mask"):
+        assert torch.equal(parts[key], whole[key]), key
+    torch.testing.assert_close(parts["sampler_log_probs"], whole["sampler_log_probs"], atol=1e-5, rtol=1e-5)
+    assert parts.objects["finish_reason"] == whole.objects["finish_reason"]
+    if not greedy:  # another seed draws another sample: the seeds, not the batch, decide
+        reseeded = _prompts(tok, 5)
+        reseeded.tensors["sample_seed"] = torch.arange(5) + 100
+        assert not torch.equal(split.generate(reseeded)["response_ids"], parts["response_ids"])
+
+
+def test_inverse_cdf_sampling_by_hand():
+    from workers.rollout.hf_rollout import _inverse_cdf
+
+    # probabilities 0.2, 0, 0.5, 0.3: cumulative 0.2, 0.2, 0.7, 1.0; a uniform u takes the first token whose
+    # cumulative sum passes u: 0.1 -> 0, 0.2 -> 2 (token 1 adds nothing, so never), 0.69 -> 2, 0.95 -> 3
+    probs = torch.tensor([[0.2, 0.0, 0.5, 0.3]]).expand(4, 4)
+    assert _inverse_cdf(probs, torch.tensor([0.1, 0.2, 0.69, 0.95], dtype=torch.float64)).tolist() == [0, 2, 2, 3]
+    # trailing zeros (top-p dropped them): a uniform at the total takes the last token with any mass
+    assert _inverse_cdf(torch.tensor([[0.5, 0.5, 0.0, 0.0]]), torch.tensor([1.0], dtype=torch.float64)).tolist() == [1]
+    # and the draws follow the distribution: 0.1, 0.6, 0.3 over 20,000 uniforms
+    counts = torch.bincount(_inverse_cdf(torch.tensor([[0.1, 0.6, 0.3]]).expand(20000, 3),
+                                         torch.rand(20000, generator=torch.Generator().manual_seed(0),
+                                                    dtype=torch.float64)), minlength=3) / 20000
+    torch.testing.assert_close(counts, torch.tensor([0.1, 0.6, 0.3]), atol=0.015, rtol=0)

@@ -7,9 +7,18 @@ sampled from by keeping every step's scores (rows x response tokens x vocabulary
 151,936 in float32 is 40 GB), where this loop keeps one step's and gathers the sampled token's
 log-prob from it. Each step is one forward pass of the new tokens over transformers' `DynamicCache`
 (the prompt's keys and values computed once), sampled from the tempered, top-p filtered distribution
-(what vLLM's `processed_logprobs` report) with one generator per batch, seeded by the batch's first
-sample seed. Peak memory: the weights, the KV cache (rows x (prompt + response) tokens), one step's
-logits.
+(what vLLM's `processed_logprobs` report). The prefill computes the logits of the last prompt position
+only (transformers' `logits_to_keep=1`): every position's would be rows x prompt x vocabulary (128 x 256
+x 151,936 in bf16 is 10 GB) for one row of each.
+
+A rank's rows decode in batches of at most `rollout.max_num_seqs` (vLLM's cap on sequences in one
+batch), each with its own KV cache, freed before the next batch starts; outputs keep the rows' order.
+Each sample draws from a stream of its own, seeded by its `sample_seed` (one uniform per response
+token, drawn on the host before decoding, turned into a token through the distribution's cumulative
+sum): its tokens do not depend on the batch it decodes in, so any `max_num_seqs` or rank count draws the
+same samples (vLLM draws so with `rollout.seed_per_request`; without the key each row is seeded by its
+index). Peak memory: the weights, one batch's KV cache (max_num_seqs x (prompt + response) tokens), one
+step's logits.
 
 Sleep (colocated with the actor): at `rollout.sleep_level` 2 (every sync rewrites every weight) the
 weights are discarded, on any device (on a CPU it is host memory the actor's training gets back), and
@@ -29,6 +38,7 @@ import torch
 from hybridflow.batch import Batch
 from hybridflow.config.schema import RolloutConfig
 from hybridflow.controller import Dispatch, WorkerContext, register
+from hybridflow.training.sequences import takes_logits_to_keep
 from workers.rollout import RolloutEngineBase
 
 
@@ -94,23 +104,44 @@ class HFRollout(RolloutEngineBase):
     @register(Dispatch.DP_SPLIT)
     @torch.no_grad()
     def generate(self, prompts: Batch, greedy: bool = False) -> Batch:
-        """Same contract as VLLMRollout.generate: response ids, mask, sampler log-probs, version, text."""
+        """Same contract as VLLMRollout.generate: response ids, mask, sampler log-probs, version, text. The
+        rows decode in batches of at most rollout.max_num_seqs, in order."""
         sample = not greedy and self.cfg.temperature > 0
-        generator = torch.Generator(self.ctx.device)
-        generator.manual_seed(int(prompts["sample_seed"][0]) if sample and "sample_seed" in prompts else 0)
-        ids, response_mask, sampler, running = self._decode(
-            prompts["prompt_ids"].to(self.ctx.device), prompts["prompt_mask"].to(self.ctx.device), sample, generator)
+        draws = self._draws(prompts) if sample else None  # (B, R) each sample's uniforms, or None: greedy
+        parts = [self._decode(prompts["prompt_ids"][rows].to(self.ctx.device),
+                              prompts["prompt_mask"][rows].to(self.ctx.device),
+                              None if draws is None else draws[rows].to(self.ctx.device))
+                 for rows in torch.arange(len(prompts)).split(self.cfg.max_num_seqs)]
+        ids, response_mask, sampler, running = (torch.cat(p) for p in zip(*parts))
         finish = ["length" if bool(r) else "stop" for r in running]  # still running at the limit: cut
         version = torch.full((len(prompts),), self.receiver.version, dtype=torch.long)
         return prompts.union(Batch(tensors={"response_ids": ids, "response_mask": response_mask,
                                             "sampler_log_probs": sampler, "behavior_version": version},
                                    objects={"response": self._texts(ids, response_mask), "finish_reason": finish}))
 
-    def _decode(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, sample: bool, generator: torch.Generator):
-        """The decode loop over a KV cache: (response ids, response mask, sampler log-probs, rows still
-        running at the limit), on the CPU. Prompts are left-padded; a row's EOS is its last response token.
-        A row that has ended leaves the batch and the KV cache (vLLM computes only live sequences too): the
-        steps after it cost only the rows still running."""
+    def _draws(self, prompts: Batch) -> torch.Tensor:
+        """(B, R) float64 uniforms in [0, 1): row i's from a generator seeded by its `sample_seed` (its index
+        without one), so a sample's draws are its own whatever batch it decodes in."""
+        seeds = prompts["sample_seed"].tolist() if "sample_seed" in prompts else range(len(prompts))
+        width = self.cfg.max_response_tokens
+        return torch.stack([torch.rand(width, dtype=torch.float64, generator=torch.Generator().manual_seed(int(s)))
+                            for s in seeds])
+
+    def _prefill(self, prompt_ids, attention, positions, cache) -> torch.Tensor:
+        """(B, V) the logits after the last prompt position, the prompt's keys and values into `cache`. Only
+        that position's logits are computed (`logits_to_keep=1`) where the model takes it; elsewhere the
+        last position is copied out so that no view keeps the (B, P, V) tensor alive through decoding."""
+        inputs = dict(input_ids=prompt_ids, attention_mask=attention, position_ids=positions, past_key_values=cache,
+                      use_cache=True)
+        if takes_logits_to_keep(self.model):
+            return self.model(**inputs, logits_to_keep=1).logits[:, -1]  # (B, 1, V) computed
+        return self.model(**inputs).logits[:, -1].clone()
+
+    def _decode(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, draws: torch.Tensor | None):
+        """One batch's decode loop over its own KV cache: (response ids, response mask, sampler log-probs,
+        rows still running at the limit), on the CPU. Prompts are left-padded; a row's EOS is its last response
+        token. `draws` (B, R): each row's uniforms (None: greedy). A row that has ended leaves the batch and the
+        KV cache (vLLM computes only live sequences too): the steps after it cost only the rows still running."""
         from transformers import DynamicCache
 
         rows, width, device = len(prompt_ids), self.cfg.max_response_tokens, prompt_ids.device
@@ -122,12 +153,11 @@ class HFRollout(RolloutEngineBase):
         attention = prompt_mask.long()
         positions = (attention.cumsum(1) - 1).clamp(min=0)  # (B, P): left padding shifts nothing
         cache = DynamicCache()
-        logits = self.model(input_ids=prompt_ids, attention_mask=attention, position_ids=positions,
-                            past_key_values=cache, use_cache=True).logits[:, -1]
+        logits = self._prefill(prompt_ids, attention, positions, cache)  # (B, V)
         position = positions[:, -1:] + 1
         for t in range(width):
-            log_probs = self._processed_log_probs(logits.float(), sample)  # (L, V): this step's only
-            token = torch.multinomial(log_probs.exp(), 1, generator=generator)[:, 0] if sample else log_probs.argmax(-1)
+            log_probs = self._processed_log_probs(logits.float(), draws is not None)  # (L, V): this step's only
+            token = log_probs.argmax(-1) if draws is None else _inverse_cdf(log_probs.exp(), draws[live, t])
             ids[live, t], response_mask[live, t] = token, True
             sampler[live, t] = log_probs.gather(-1, token[:, None])[:, 0]
             going = token != self.eos_token_id
@@ -167,3 +197,14 @@ class HFRollout(RolloutEngineBase):
 
             self._tokenizer = AutoTokenizer.from_pretrained(self.model_path, trust_remote_code=self.trust_remote_code)
         return [self._tokenizer.decode(row[m], skip_special_tokens=True) for row, m in zip(ids, mask)]
+
+
+def _inverse_cdf(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """(L,) the token each row's uniform in [0, 1) falls on in its distribution (L, V): the first token
+    whose cumulative probability passes uniform x total. The sum in float64 (a float32 one over 151,936
+    tokens may round past a boundary); a zero-probability token adds nothing to it, so it is never chosen,
+    and a uniform rounding to the total takes the last token that has any probability."""
+    cdf = probs.double().cumsum(-1)  # (L, V)
+    total = cdf[:, -1:].contiguous()  # (L, 1)
+    token = torch.searchsorted(cdf, uniforms[:, None].to(cdf) * total, right=True)
+    return torch.minimum(token, torch.searchsorted(cdf, total))[:, 0]  # the first index reaching the total
