@@ -1,6 +1,7 @@
 """Checking a sync: per-tensor checksums, compared across the two layouts, and a log-prob probe.
 
-A checksum is (sum, sum of squares) in float64. Both are additive over the pieces of a
+A checksum is (sum, sum of squares) accumulated in float64, in chunks of bounded size (no float64
+copy of a whole tensor: `checksum`). Both are additive over the pieces of a
 tensor, so the training side can compute, for each generation rank, the checksum of exactly
 the box that rank needs, and vLLM's stacked parameters (q/k/v into qkv_proj, gate/up into
 gate_up_proj) compare with the sum over their parts through the model's
@@ -59,9 +60,40 @@ class WeightSyncError(RuntimeError):
     """The rollout engine's weights do not match the actor's, or the sync itself failed."""
 
 
+# The most elements a checksum turns to float64 at once: 4 Mi, 32 MiB of float64 and as much for their
+# squares, whatever the tensor (an embedding of 152k x 3,584 would be a 4.4 GB float64 copy whole).
+CHECKSUM_CHUNK_ELEMENTS = 1 << 22
+
+
 def checksum(t: torch.Tensor) -> tuple[float, float]:
-    t64 = t.detach().to(torch.float64)
-    return float(t64.sum()), float((t64 * t64).sum())
+    """(sum, sum of squares) of `t`'s elements, accumulated in float64 on its device, chunk by chunk of at
+    most `CHECKSUM_CHUNK_ELEMENTS`: no float64 copy of the whole tensor is ever made (at sync time that
+    would be a second, larger copy of the largest tensor beside the weights). The same sums as one float64
+    pass within float64 rounding; the actor's side and every engine's call this one function, so identical
+    weights give identical checksums. Views (a box of a tensor) are read in place, never made contiguous."""
+    t = t.detach()
+    total = torch.zeros((), dtype=torch.float64, device=t.device)
+    squares = torch.zeros((), dtype=torch.float64, device=t.device)
+    for piece in _chunks(t):
+        piece = piece.to(torch.float64)  # (<= CHECKSUM_CHUNK_ELEMENTS,)
+        total += piece.sum()
+        squares += piece.square().sum()
+    return float(total), float(squares)
+
+
+def _chunks(t: torch.Tensor):
+    """`t`'s elements as views of at most `CHECKSUM_CHUNK_ELEMENTS` each: a contiguous tensor flat in
+    slices, a strided view slab by slab along its first dimension (a slab of one descends into it)."""
+    limit = CHECKSUM_CHUNK_ELEMENTS
+    if t.numel() <= limit or t.dim() == 0:
+        yield t
+    elif t.is_contiguous():
+        yield from t.view(-1).split(limit)
+    elif t.shape[0] == 1:
+        yield from _chunks(t[0])
+    else:
+        for slab in t.split(max(1, limit // (t.numel() // t.shape[0])), dim=0):
+            yield from _chunks(slab)
 
 
 def weight_checksums(weights: Iterable[tuple[str, torch.Tensor]]) -> dict[str, tuple[float, float]]:

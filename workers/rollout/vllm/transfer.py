@@ -195,7 +195,7 @@ def _repack_cpu_experts(module: torch.nn.Module) -> bool:
 
 
 def param_checksums(worker) -> dict:
-    """Checksums (sum, sum of squares in float64) of every readable vLLM parameter.
+    """Checksums (sum, sum of squares in float64: verify.py `checksum`, the actor's) of every readable vLLM parameter.
 
     MoE expert weights are left out (listed under `unchecked`): vLLM stacks every expert of a
     layer into one parameter (`w13_weight`, `w2_weight`) with no name-for-name map back to the
@@ -212,8 +212,7 @@ def param_checksums(worker) -> dict:
         if param.numel() == 0:
             empty.append(name)
             continue
-        t64 = param.detach().to(torch.float64)
-        sums[name] = (float(t64.sum()), float((t64 * t64).sum()))
+        sums[name] = checksum(param)  # the actor's function: chunked, no float64 copy of the whole
     return {"sums": sums, "packed": packed, "empty": empty, "unchecked": unchecked}
 
 
