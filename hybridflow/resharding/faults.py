@@ -1,5 +1,6 @@
 """Fault injection for the weight sync, per process: corrupt a received bucket on purpose, end
-the receiving or the sending process at a bucket, or hold a staged push back after it arrived.
+the receiving or the sending process at a bucket, hold a staged push back after it arrived, or write
+one weight wrong in the reload that follows a level-2 sleep.
 
 Used by tests, and by users checking that the sync check catches a bad transfer on their
 cluster. Nothing is injected unless `corrupt_bucket` was called in this process.
@@ -16,6 +17,7 @@ _HOLD_STAGED: dict[int, float] = {}
 _DROP_ADAPTER: set[int] = set()
 _BASE_ONLY: list[bool] = [False]
 _OTHER_WEIGHTS: list[bool] = [False]
+_WRONG_AFTER_WAKE: set[str] = set()
 
 
 def corrupt_bucket(index: int) -> None:
@@ -54,6 +56,29 @@ def adapter_from_other_weights() -> None:
     """The next adapter payload the actor sends is built from other weights than it holds (+1 on its
     first B factor), its own checksums recomputed to match it: consistent with itself, not the actor."""
     _OTHER_WEIGHTS[0] = True
+
+
+def garble_after_level_2_wake(name: str) -> None:
+    """The next weight load that follows a level-2 sleep (rollout.sleep_level=2 discarded the engine's
+    weights) writes the weight `name` wrong, +1 on its first element, as a faulty reload would; once."""
+    _WRONG_AFTER_WAKE.add(name)
+
+
+def after_level_2_wake(buckets):
+    """`buckets` ((name, full tensor) lists) as the load that follows a level-2 sleep receives them: a
+    weight `garble_after_level_2_wake` named comes garbled (a copy; the sender's tensor is left alone)."""
+    if not _WRONG_AFTER_WAKE:
+        return buckets
+    return ([(name, _garbled(name, tensor)) for name, tensor in bucket] for bucket in buckets)
+
+
+def _garbled(name: str, tensor: torch.Tensor) -> torch.Tensor:
+    if name not in _WRONG_AFTER_WAKE:
+        return tensor
+    _WRONG_AFTER_WAKE.discard(name)
+    wrong = tensor.clone()
+    wrong.view(-1)[0] += 1.0
+    return wrong
 
 
 def before_sending_adapter(payload: dict | None) -> dict | None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import gc
 import weakref
+from contextlib import contextmanager
 
 import pytest
 import torch
@@ -50,10 +51,10 @@ class ToyEngine(RolloutEngineBase):
         raise AssertionError("the weight sync does not generate")
 
 
-@pytest.fixture
-def fused(tiny_model_dir):
-    """The actor and the toy engine, one worker group each, built into one process as a colocated run fuses
-    them; the stage's config (weight_sync.checksum_every_steps=1: every tensor compared at each sync)."""
+@contextmanager
+def fused_stage(model_dir, *overrides: str):
+    """The actor and a rollout engine (`overrides` choose it), one worker group each, built into one process as
+    a colocated run fuses them, started; yields the stage's config and the groups, shut down after."""
     import torch.distributed as dist
     from transformers import AutoTokenizer
 
@@ -63,18 +64,28 @@ def fused(tiny_model_dir):
     from recipes.roles import actor_role, rollout_role
 
     made = not dist.is_initialized()
-    config = prepare_stage(compose([
-        "recipe=grpo", "placement=local", "rollout.backend=tests.unit.test_engine_meets_actor:TOY", "model.dtype=float32",
-        "rollout.dtype=float32", "weight_sync.checksum_every_steps=1", "weight_sync.check=none"])).config
-    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
-    groups = spawn_local("one:actor+rollout", "cpu", {"actor": actor_role(config, tiny_model_dir),
-                                                      "rollout": rollout_role(config, tiny_model_dir, tok)})
+    config = prepare_stage(compose(["recipe=grpo", "placement=local", "model.dtype=float32", "rollout.dtype=float32",
+                                    *overrides])).config
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    groups = spawn_local("one:actor+rollout", "cpu", {"actor": actor_role(config, model_dir),
+                                                      "rollout": rollout_role(config, model_dir, tok)})
     groups["actor"].start()
     groups["rollout"].start()
-    yield config, groups
-    groups["actor"].shutdown()
-    if made and dist.is_initialized():  # the run's group lives as long as its process; this test's process goes on
-        dist.destroy_process_group()
+    try:
+        yield config, groups
+    finally:
+        groups["actor"].shutdown()
+        if made and dist.is_initialized():  # the run's group lives as long as its process; this test's goes on
+            dist.destroy_process_group()
+
+
+@pytest.fixture
+def fused(tiny_model_dir):
+    """The actor and the toy engine; the stage's config (weight_sync.checksum_every_steps=1: every tensor
+    compared at each sync)."""
+    with fused_stage(tiny_model_dir, "rollout.backend=tests.unit.test_engine_meets_actor:TOY",
+                     "weight_sync.checksum_every_steps=1", "weight_sync.check=none") as stage:
+        yield stage
 
 
 def test_a_toy_engine_from_outside_the_package_gets_the_actors_weights_through_the_meeting(fused):

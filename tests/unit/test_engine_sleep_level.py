@@ -5,6 +5,8 @@ its weights at level 2 on any device), then the config's choice and its refusal.
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 import pytest
 import torch
 
@@ -94,3 +96,61 @@ def test_the_config_chooses_level_2_unless_an_adapter_sync_keeps_the_base_weight
     assert compose_command(lora).rollout.sleep_level == 1
     with pytest.raises(Exception, match=r"rollout.sleep_level=2 is invalid.*adapter sync.*rollout.sleep_level=1"):
         compose_command([*lora, "rollout.sleep_level=2"])
+
+
+
+@contextmanager
+def _level_2_sync(tiny_model_dir):
+    """The real actor and the hf engine fused in one process (the colocated path), the engine sleeping at level 2
+    (its weights discarded), with weight_sync.checksum_every_steps=0 and no probe: nothing but the reload's own
+    check compares the weights. Yields the WeightSync, the rollout group and the engine's parameter count."""
+    from hybridflow.resharding.sync import WeightSync
+    from hybridflow.resharding.transports import build_transport
+    from tests.unit.test_engine_meets_actor import fused_stage
+
+    with fused_stage(tiny_model_dir, "rollout.backend=hf", "rollout.sleep_level=2",
+                     "weight_sync.checksum_every_steps=0", "weight_sync.check=none") as (config, groups):
+        engine = groups["actor"].hosts[0].worker_host.workers["rollout"]
+        sync = WeightSync(groups["actor"], groups["rollout"], config.weight_sync, build_transport(colocated=True),
+                          "float32")
+        sync.setup()
+        assert groups["rollout"].sleep() == [True] and groups["rollout"].weights_discarded() == [True]
+        yield sync, groups, engine
+
+
+@pytest.mark.parametrize("where", ["sync", "reload"])
+def test_a_weight_a_level_2_reload_wrote_wrong_is_named(tiny_model_dir, where):
+    """Issue 83 item 6: the load after a level-2 sleep writes `model.norm.weight` wrong (the planted fault,
+    hybridflow/resharding/faults.py `garble_after_level_2_wake`), at a sync or at the reload before a generation
+    that follows no sync (a validation's, `WeightSync.generating`): the WeightSyncError names the weight, though
+    no checksum was configured."""
+    from hybridflow.resharding import faults
+    from hybridflow.resharding.verify import WeightSyncError
+
+    with _level_2_sync(tiny_model_dir) as (sync, groups, _):
+        if where == "reload":
+            sync.sync(step=1, version=1)
+            groups["rollout"].wake_up()
+            groups["rollout"].sleep()  # a validation generated and slept: the next generation follows no sync
+        faults.garble_after_level_2_wake("model.norm.weight")
+        with pytest.raises(WeightSyncError, match=r"model\.norm\.weight"):
+            if where == "sync":
+                sync.sync(step=1, version=1)
+            else:
+                with sync.generating():
+                    pass
+
+
+def test_every_weight_is_verified_after_a_level_2_sync_and_reload(tiny_model_dir):
+    """Unplanted, the sync and the reload after a level-2 sleep each compare every weight with the actor's."""
+    with _level_2_sync(tiny_model_dir) as (sync, groups, engine):
+        every = len(list(engine.model.parameters()))
+        metrics = sync.sync(step=1, version=1)
+        assert metrics["weight_sync/verified_tensors"] == every and metrics["weight_sync/reload_checksum_s"] > 0
+        groups["rollout"].wake_up()
+        groups["rollout"].sleep()
+        trained = groups["actor"].full_state_dict()
+        with sync.generating():  # the engine holds the actor's weights while it generates
+            assert all(torch.equal(p, trained[n]) for n, p in engine.model.named_parameters())
+        reload = sync.handover_seconds()
+        assert reload["weight_sync/verified_tensors"] == every and reload["weight_sync/reload_checksum_s"] > 0

@@ -23,7 +23,10 @@ is a `RolloutEngine` in hybridflow/config/engines.py, named by `rollout.backend`
   every weight (vLLM's level 2; verl sleeps so unless LoRA keeps the base weights). Woken from level 2
   the weights hold nothing until a whole load (`loaded_whole`): generating, probing or checking them
   before is refused, and the load is followed by a check that the buffers no sync rewrites (rotary
-  caches, non-persistent buffers: the receiver's `buffer_checksums`) came back as they were at start.
+  caches, non-persistent buffers: the receiver's `buffer_checksums`) came back as they were at start;
+  the weights themselves are then compared with the actor's, every one, by the weight sync that loaded
+  them (hybridflow/resharding/sync.py `WeightSync.verify_reload`: after a sync and after the reload
+  before a generation that follows no sync), whatever `weight_sync.checksum_every_steps` says.
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ import functools
 import torch
 
 from hybridflow.controller import Dispatch, register
+from hybridflow.resharding import faults
 from hybridflow.resharding.receiver import ENGINE_PARTS as PARTS, EngineStateError  # noqa: F401 - the contract's
 
 
@@ -107,13 +111,17 @@ class RolloutEngineBase(abc.ABC):
         and its transport calls this): every weight, bucket by bucket, into the receiver, refused while the
         weights sleep; a level-2 sleep's weights are whole again after it."""
         self.require_awake("the colocated weight load", ["weights"])
+        if self._discarded:  # a reload after a level-2 sleep: a planted fault may write one weight wrong
+            buckets = faults.after_level_2_wake(buckets)
         loaded = self.receiver.load(buckets, route=route)
         self.loaded_whole()
         return loaded
 
     def loaded_whole(self) -> None:
         """Every weight was just loaded: after a level-2 sleep, the engine computes again, once the
-        buffers no sync rewrites are found as they were at start (else `EngineStateError` naming them)."""
+        buffers no sync rewrites are found as they were at start (else `EngineStateError` naming them).
+        That every weight holds the actor's value is the caller's check, against the actor's checksums
+        (`WeightSync.verify_reload`, run after each load that follows a level-2 sleep)."""
         if not self._discarded:
             return
         found = self.receiver.buffer_checksums()
