@@ -107,7 +107,7 @@ class MemoryInputs:
     lora: bool = False  # the actor trains a LoRA adapter: its gradients and moments are small next to the rest
     engine_memory: bool = True  # the rollout engine holds weights and a KV cache of its own (vLLM; not hf)
     reward_parameters: int = 0  # a reward model's parameters (0: a reward function, no model)
-    teacher_parameters: int = 0  # a distillation teacher's parameters (0: no teacher)
+    teacher_parameters: int = 0  # the distillation teachers' parameters, all of them (0: no teacher)
     teacher_bytes: int = 4  # teacher.dtype's bytes per parameter
     gpu_memory_utilization: float = 0.5  # the share of a GPU the vLLM engine takes (rollout.gpu_memory_utilization)
     bucket_bytes: int = 0  # one weight-sync bucket (weight_sync.bucket_mb)
@@ -124,8 +124,7 @@ class MemoryInputs:
         """The config's (`rows`, `checkpointing`: the micro-batch's, where not the config's)."""
         reward = config.reward.reward_model.path
         reward_shape = ModelShape.from_dir(reward) if reward else None
-        teacher = config.teacher.path if config.teacher_role_runs else None
-        teacher_shape = ModelShape.from_dir(teacher) if teacher else None
+        teachers = [ModelShape.from_dir(path) for path in config.teacher.paths.values()] if config.teacher_role_runs else []
         return cls(shape=shape, compute_bytes=DTYPE_BYTES[config.model.dtype.value],
                    master_bytes=DTYPE_BYTES[config.model.master_dtype.value],
                    rollout_bytes=DTYPE_BYTES[config.rollout.dtype.value],
@@ -135,7 +134,7 @@ class MemoryInputs:
                    kv_cache_bytes=config.rollout.kv_cache_space_gib * GIB, lora=bool(config.actor.lora.rank),
                    engine_memory=_engine_memory(config),
                    reward_parameters=reward_shape.parameters if reward_shape is not None else 0,
-                   teacher_parameters=teacher_shape.parameters if teacher_shape is not None else 0,
+                   teacher_parameters=sum(shape.parameters for shape in teachers if shape is not None),
                    teacher_bytes=DTYPE_BYTES[config.teacher.dtype or config.model.dtype.value],
                    gpu_memory_utilization=config.rollout.gpu_memory_utilization,
                    bucket_bytes=config.weight_sync.bucket_mb * 2 ** 20, fp32_head=config.actor.fp32_lm_head,

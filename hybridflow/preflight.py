@@ -114,12 +114,13 @@ def check_run(config: HybridFlowConfig, check_model: bool = True, plan: Plan | N
         problems += _teacher_problems(config)
     needed = _needed_columns(config, functions)
     if config.data.train_path is None:
-        return problems + _check_synthetic(config, needed)
+        return problems + _check_synthetic(config, {**needed, **_teacher_column(config)})
     train_rows, val_rows = _row_needs(config)
     files = {}
     for key, path, min_rows in (("data.train_path", config.data.train_path, train_rows),
                                 ("data.val_path", config.data.val_path, val_rows)):
-        files[key] = facts = check_data_file(path, key, needed, min_rows, config.data.validate_rows, functions,
+        wanted = {**needed, **_teacher_column(config)} if key == "data.train_path" else needed
+        files[key] = facts = check_data_file(path, key, wanted, min_rows, config.data.validate_rows, functions,
                                              rows_as=_preference_row if recipe_spec(config.recipe.name).preference else None)
         problems += facts.problems
         if facts.first_chat_row is not None and model_path is not None and not has_chat_template(model_path):
@@ -170,24 +171,30 @@ def _prompt_length_problems(config: HybridFlowConfig, files: dict[str, "FileFact
 
 
 def _teacher_problems(config: HybridFlowConfig) -> list[str]:
-    """The teacher's directory, and its tokenizer against the student's: the teacher scores the student's
+    """Each teacher's directory, and its tokenizer against the student's: a teacher scores the student's
     token ids, so the two must map every id to the same token."""
-    problems = check_model_dir(config.teacher.path, "teacher.path")
-    if problems:
-        return problems
     from hybridflow.data.tokenizer import load_tokenizer
 
-    student = _load_tokenizer(config).get_vocab()
-    teacher = load_tokenizer(config.teacher.path, config.model.trust_remote_code).get_vocab()
-    if teacher == student:
-        return []
-    differ = sorted(set(student.items()) ^ set(teacher.items()), key=lambda item: item[1])[:3]
-    student_name = config.model.path or "the tiny model's character tokenizer (model.path=null)"
-    return [f"teacher.path={config.teacher.path!r}: its tokenizer ({len(teacher)} tokens) is not the student's "
-            f"({student_name}, {len(student)} tokens); e.g. {', '.join(f'{t!r} -> {i}' for t, i in differ)} is in one "
-            "and not the other. The teacher scores the student's token ids, which would then name other tokens. "
-            "Fix: a teacher trained with the student's tokenizer (the same model family), or distil from the "
-            "teacher's own samples with SFT (recipe=sft on its generations)"]
+    problems, student = [], None
+    for role, path in config.teacher.paths.items():
+        key = "teacher.path" if role == "teacher" else f"teacher.teachers.{role.split('.', 1)[1]}"
+        found = check_model_dir(path, key)
+        if found:
+            problems += found
+            continue
+        student = student if student is not None else _load_tokenizer(config).get_vocab()
+        teacher = load_tokenizer(path, config.model.trust_remote_code).get_vocab()
+        if teacher == student:
+            continue
+        differ = sorted(set(student.items()) ^ set(teacher.items()), key=lambda item: item[1])[:3]
+        student_name = config.model.path or "the tiny model's character tokenizer (model.path=null)"
+        problems.append(
+            f"{key}={path!r}: its tokenizer ({len(teacher)} tokens) is not the student's ({student_name}, "
+            f"{len(student)} tokens); e.g. {', '.join(f'{t!r} -> {i}' for t, i in differ)} is in one and not the "
+            "other. The teacher scores the student's token ids, which would then name other tokens. Fix: a teacher "
+            "trained with the student's tokenizer (the same model family), or distil from the teacher's own samples "
+            "with SFT (recipe=sft on its generations)")
+    return problems
 
 
 def _load_tokenizer(config: HybridFlowConfig):
@@ -247,6 +254,22 @@ def _needed_columns(config: HybridFlowConfig, functions: list) -> dict[str, str]
     return needed
 
 
+def _teacher_column(config: HybridFlowConfig) -> dict[str, tuple[str, str]]:
+    """The training data's column naming each prompt's teacher, with several teachers: why, and the fix."""
+    t = config.teacher
+    if not (config.teacher_role_runs and t.teachers):
+        return {}
+    return {t.column: (f"teacher.teachers routes each training prompt to the teacher its teacher.column={t.column!r} "
+                       f"names ({', '.join(t.teachers)})",
+                       f"add a {t.column!r} column naming one of {sorted(t.teachers)} in every training row, or name "
+                       "the column that does in teacher.column")}
+
+
+def _fix_of(column: str, need) -> tuple[str, str]:
+    """(why, fix) of a needed column: a reward function's argument unless the need names its own fix."""
+    return need if isinstance(need, tuple) else (need, _argument_fix(column))
+
+
 def _argument_fix(column: str) -> str:
     from hybridflow.rewards.functions import AGENT_ARGUMENTS
 
@@ -274,7 +297,7 @@ def _row_needs(config: HybridFlowConfig) -> tuple[tuple[str, int] | None, tuple[
 def _check_synthetic(config: HybridFlowConfig, needed: dict[str, str]) -> list[str]:
     made = ("chosen", "rejected") if recipe_spec(config.recipe.name).preference else ()  # its pairs are made from it
     problems = [f"data: the synthetic task has no column {column!r} (it has {list(SYNTHETIC_COLUMNS)}), but "
-                f"{reason}; fix: {_argument_fix(column)}" for column, reason in needed.items()
+                f"{why}; fix: {fix}" for column, (why, fix) in ((c, _fix_of(c, n)) for c, n in needed.items())
                 if column not in SYNTHETIC_COLUMNS + made]
     train, val = _row_needs(config)
     syn = config.data.synthetic
@@ -361,8 +384,9 @@ def _preference_row(row: dict, index: int, where: str) -> dict:
 def _column_problems(where: str, columns: list[str], needed: dict[str, str], functions) -> list[str]:
     problems = [f"{where}: no column 'prompt' (columns: {columns}); fix: name the prompt column 'prompt'"] \
         if "prompt" not in columns else []
-    problems += [f"{where}: no column {column!r} (columns: {columns}), but {reason}; fix: {_argument_fix(column)}"
-                 for column, reason in needed.items() if column not in columns and column != "prompt"]
+    problems += [f"{where}: no column {column!r} (columns: {columns}), but {why}; fix: {fix}"
+                 for column, (why, fix) in ((c, _fix_of(c, n)) for c, n in needed.items())
+                 if column not in columns and column != "prompt"]
     for fn in functions:
         clash = fn.clashing_columns(columns)
         if clash:

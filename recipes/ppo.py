@@ -129,7 +129,9 @@ class Step:
                  hooks: StepHooks) -> None:
         self.config, self.tokenizer, self.loader, self.hooks = config, tokenizer, loader, hooks
         self.actor, self.rollout, self.reward = groups["actor"], groups["rollout"], groups["reward"]
-        self.reference, self.critic, self.teacher = groups.get("reference"), groups.get("critic"), groups.get("teacher")
+        self.reference, self.critic = groups.get("reference"), groups.get("critic")
+        self.teachers = {role: group for role, group in groups.items() if role.split(".", 1)[0] == "teacher"}
+        self.teacher = next(iter(self.teachers.values()), None)  # one of them: whether a teacher scores at all
         self.n = config.rollout.samples_per_prompt
         self.clip_against_sampler = clips_against_sampler(config)
         self.proximal = proximal_key(self.clip_against_sampler)
@@ -330,10 +332,8 @@ def score(r: Step, samples: Batch, greedy: Batch | None) -> Batch:
         pending.append(r.actor.compute_ref_log_probs.remote(samples))
     if r.critic is not None:
         pending.append(r.critic.compute_values.remote(samples))
-    if r.teacher is not None and config.teacher.objective == "topk":
-        pending.append(r.teacher.compute_teacher_topk.remote(samples, config.teacher.top_k))
-    elif r.teacher is not None:
-        pending.append(r.teacher.compute_teacher_log_probs.remote(samples))
+    if r.teachers:
+        pending.append(TeacherScores(r, samples))
     if rewards is not None:
         samples = add_rewards(r, samples, rewards.get())
     for future in pending:
@@ -441,7 +441,7 @@ def build_roles(config: HybridFlowConfig, model_dir: Path, tokenizer) -> dict[st
     if "critic" in config.model_roles:
         roles["critic"] = critic_role(config, model_dir)
     if "teacher" in config.model_roles:
-        roles["teacher"] = teacher_role(config)
+        roles.update({role: teacher_role(config, path) for role, path in config.teacher.paths.items()})
     return roles
 
 
@@ -509,6 +509,13 @@ def add_distillation(samples: Batch, config: HybridFlowConfig, advantages: torch
     signal, stats = distillation_signal(t.signal, teacher_log_probs=samples["teacher_log_probs"],
                                         student_log_probs=samples[proximal], response_mask=mask)
     metrics.update({f"distill/{k}": v for k, v in stats.items()})
+    for name in t.teachers:  # several teachers: each one's statistics over its own prompts' samples
+        rows = torch.tensor([value == name for value in samples[t.column]])
+        if rows.any():
+            _, own = distillation_signal(t.signal, teacher_log_probs=samples["teacher_log_probs"][rows],
+                                         student_log_probs=samples[proximal][rows], response_mask=mask[rows])
+            metrics.update({f"distill/{name}/{k}": v for k, v in own.items()})
+            metrics[f"distill/{name}/samples"] = float(rows.sum())
     return t.reward_weight * advantages + t.kl_coef * signal
 
 
@@ -538,6 +545,51 @@ def with_data_answers(r: Step, samples: Batch, step: int) -> Batch:
     mixed = Batch(tensors=tensors, objects=objects, meta=dict(samples.meta))
     mixed.meta["distill/student_fraction"] = 1 - rows / len(samples)
     return mixed
+
+
+class TeacherScores:
+    """The teachers' scores of a step's samples, issued now, joined by `get`: one teacher scores every sample;
+    several (teacher.teachers) each score the samples of the prompts whose data row names them in
+    teacher.column, and their rows are put back in the batch's order."""
+
+    def __init__(self, r: Step, samples: Batch) -> None:
+        t = r.config.teacher
+        self.topk, self.k = t.objective == "topk", t.top_k
+        if len(r.teachers) == 1:
+            self.parts = [(None, self._ask(next(iter(r.teachers.values())), samples))]
+            return
+        names = samples[t.column]
+        unknown = sorted({str(n) for n in names} - set(t.teachers))
+        if unknown:
+            first = next(i for i, n in enumerate(names) if str(n) not in t.teachers)
+            raise ValueError(f"teacher.teachers routes each prompt by its data column {t.column!r}, and training row "
+                             f"{int(samples['prompt_index'][first])} names {names[first]!r} (all unknown: {unknown}); "
+                             f"the teachers are {sorted(t.teachers)}. Fix the data, or add those teachers")
+        self.parts = []
+        for name in t.teachers:
+            rows = torch.tensor([i for i, n in enumerate(names) if n == name], dtype=torch.long)
+            if len(rows):
+                self.parts.append((rows, self._ask(r.teachers[f"teacher.{name}"], samples.index(rows))))
+        self.rows = len(samples)
+
+    def _ask(self, teacher, samples: Batch):
+        if self.topk:
+            return teacher.compute_teacher_topk.remote(samples, self.k)
+        return teacher.compute_teacher_log_probs.remote(samples)
+
+    def get(self) -> Batch:
+        if self.parts[0][0] is None:
+            return self.parts[0][1].get()
+        scored = [(rows, future.get()) for rows, future in self.parts]
+        tensors = {}
+        for key, first in scored[0][1].tensors.items():
+            width = max(part.tensors[key].shape[1] for _, part in scored)
+            out = first.new_zeros((self.rows, width, *first.shape[2:]))
+            for rows, part in scored:
+                out[rows] = pad_response_width(part.tensors[key], width)
+            tensors[key] = out
+        seconds = sum(part.meta.get("timing/teacher_forward_s", 0.0) for _, part in scored)
+        return Batch(tensors=tensors, meta={"timing/teacher_forward_s": seconds})
 
 
 # the (B, R) columns a step's samples carry from the rollout (hybridflow.batch_keys), padded together

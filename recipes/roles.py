@@ -66,11 +66,12 @@ def reference_role(config: HybridFlowConfig, model_dir: str | Path) -> RoleSpec:
         share_prompts=config.model.share_prompts))
 
 
-def teacher_role(config: HybridFlowConfig) -> RoleSpec:
-    """The teacher (teacher.path), scoring as the reference does, in teacher.dtype (null: model.dtype)."""
+def teacher_role(config: HybridFlowConfig, path: str) -> RoleSpec:
+    """A teacher (teacher.path, or one of teacher.teachers), scoring as the reference does, in teacher.dtype
+    (null: model.dtype)."""
     config = _sized(config, "teacher")
     return RoleSpec(TeacherWorker, dict(
-        model_path=config.teacher.path, dtype=config.teacher.dtype or config.model.dtype.value, keep_dropout=False,
+        model_path=path, dtype=config.teacher.dtype or config.model.dtype.value, keep_dropout=False,
         samples_per_micro_batch=config.actor.samples_per_micro_batch, temperature=config.rollout.temperature,
         tokens_per_micro_batch=config.actor.tokens_per_micro_batch, fp32_lm_head=config.actor.fp32_lm_head,
         trust_remote_code=config.model.trust_remote_code, pack_sequences=config.model.pack_sequences,

@@ -5,8 +5,9 @@ hybridflow/algos/distill.py's; docs/distillation.md is the guide."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Optional
+import re
+from dataclasses import dataclass, field
+from typing import Dict, Optional
 
 
 def _require(ok: bool, key: str, value, allowed: str) -> None:
@@ -30,6 +31,12 @@ class TeacherConfig:
     # otherwise). null: no teacher. In a pipeline, a stage's `teacher_stage` sets it to an earlier
     # stage's final model.
     path: Optional[str] = None
+    # Several teachers, by name: each a model directory with the student's tokenizer, each its own role
+    # (`teacher.<name>`, on placement.roles.teacher's pool), each scoring the samples of the prompts whose
+    # data row names it in `column`; metrics per teacher (distill/<name>/*). Exclusive with `path`.
+    # From the command line: `+teacher.teachers={math: /models/math, code: /models/code}` (new entries take `+`).
+    teachers: Dict[str, str] = field(default_factory=dict)
+    column: str = "teacher"  # with `teachers`: the training data's column naming each prompt's teacher
     # The dtype the teacher computes in (frozen: no master copy); null: model.dtype
     dtype: Optional[str] = None
     # The per-token distillation signal (hybridflow.algos.distill): reverse_kl, the on-policy distillation
@@ -58,6 +65,12 @@ class TeacherConfig:
     reward_weight: float = 1.0
 
     def __post_init__(self) -> None:
+        self.teachers = dict(self.teachers)
+        _require(not (self.path and self.teachers), "teacher.teachers", dict(self.teachers),
+                 "give one teacher as teacher.path or several as teacher.teachers, not both")
+        bad = [name for name in self.teachers if not re.fullmatch(r"[A-Za-z0-9_\-]+", str(name))]
+        _require(not bad, "teacher.teachers", dict(self.teachers),
+                 f"names {bad} must be letters, digits, '_' or '-' (each becomes the role teacher.<name>)")
         _require(self.signal in DISTILLATION_SIGNAL_NAMES, "teacher.signal", self.signal,
                  f"one of {list(DISTILLATION_SIGNAL_NAMES)}")
         _require(self.dtype is None or self.dtype in TEACHER_DTYPES, "teacher.dtype", self.dtype,
@@ -82,4 +95,11 @@ class TeacherConfig:
 
     @property
     def runs(self) -> bool:
-        return self.path is not None
+        return self.path is not None or bool(self.teachers)
+
+    @property
+    def paths(self) -> dict[str, str]:
+        """Every teacher's model directory by role: {"teacher": path}, or {"teacher.<name>": path, ...}."""
+        if self.teachers:
+            return {f"teacher.{name}": path for name, path in self.teachers.items()}
+        return {"teacher": self.path} if self.path is not None else {}

@@ -51,8 +51,10 @@ class Plan:
 
     # --- what consumers ask ---------------------------------------------------------------
     def pool_of(self, role: str) -> PoolPlan:
+        """The pool of `role`; a role of a family (`teacher.<name>`, one of several teachers) is on its family's."""
+        family = role.split(".", 1)[0]
         for pool in self.pools:
-            if role in pool.roles:
+            if role in pool.roles or family in pool.roles:
                 return pool
         raise KeyError(f"the plan puts role {role!r} on no pool (pools: {self.describe()})")
 

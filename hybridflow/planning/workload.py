@@ -123,13 +123,13 @@ class Workload:
 
 
 def _teacher(config) -> dict[str, int]:
-    """The teacher's parameters and bytes per parameter (teacher.path's config.json and weights); its size
+    """The teachers' parameters, all of them, and bytes per parameter (each directory's config.json and weights); a size
     read when its directory exists (a pipeline stage's teacher is made by an earlier stage: the stage's
     own check counts it when it starts)."""
     if not config.teacher_role_runs:
         return {}
-    facts = ModelFacts.from_dir(config.teacher.path)
-    return {"teacher_parameters": facts.parameters if facts is not None and facts.parameters else 0,
+    facts = [ModelFacts.from_dir(path) for path in config.teacher.paths.values()]
+    return {"teacher_parameters": sum(f.parameters for f in facts if f is not None and f.parameters),
             "teacher_bytes": DTYPE_BYTES[config.teacher.dtype or config.model.dtype.value]}
 
 

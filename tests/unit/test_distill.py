@@ -213,3 +213,48 @@ def test_gkd_s_mixture_gives_a_fixed_share_of_the_samples_their_data_answer(tiny
     assert mixed["response_ids"][kept, :2].eq(7).all() and not mixed["response_mask"][kept, 2:].any()
     assert samples["response_ids"].shape == (8, 2)  # the generated batch itself is left as it was
     assert students(mixed)["prompt_index"].tolist() == kept
+
+
+class _Teacher:
+    """A teacher group's stand-in for the routing test: scores each sample with its own constant, and records
+    which prompts it was asked about."""
+
+    def __init__(self, value: float) -> None:
+        self.value, self.asked = value, []
+        self.compute_teacher_log_probs = self
+
+    def remote(self, samples: Batch):
+        self.asked.append(samples["prompt_index"].tolist())
+        scores = Batch({"teacher_log_probs": torch.full(samples["response_ids"].shape, self.value)},
+                       meta={"timing/teacher_forward_s": 1.0})
+        return type("Done", (), {"get": lambda _: scores})()
+
+
+def test_several_teachers_each_score_the_prompts_their_column_names_and_the_rows_come_back_in_order():
+    from types import SimpleNamespace
+
+    from recipes.ppo import TeacherScores
+
+    config = compose(["recipe=distill", "+teacher.teachers={math: /m, code: /c}", "teacher.column=domain"])
+    math, code = _Teacher(-1.0), _Teacher(-2.0)
+    r = SimpleNamespace(config=config, teachers={"teacher.math": math, "teacher.code": code})
+    samples = Batch(tensors={"prompt_index": torch.arange(5), "response_ids": torch.zeros(5, 3, dtype=torch.long)},
+                    objects={"domain": ["code", "math", "math", "code", "math"]})
+    scored = TeacherScores(r, samples).get()
+    assert math.asked == [[1, 2, 4]] and code.asked == [[0, 3]]
+    assert scored["teacher_log_probs"][:, 0].tolist() == [-2.0, -1.0, -1.0, -2.0, -1.0]
+    assert scored.meta["timing/teacher_forward_s"] == 2.0
+    samples.objects["domain"][3] = "law"
+    with pytest.raises(ValueError, match=r"training row 3 names 'law'.*\['code', 'math'\]"):
+        TeacherScores(r, samples)
+
+
+def test_several_teachers_need_their_column_in_the_training_data_before_start(tiny_model_dir):
+    from hybridflow.preflight import check_run
+
+    config = compose(["recipe=distill", f"model.path={tiny_model_dir}",
+                      f"+teacher.teachers={{math: {tiny_model_dir}, code: {tiny_model_dir}}}"])
+    problems = check_run(config)
+    assert any("no column 'teacher'" in p and "teacher.teachers routes each training prompt" in p for p in problems), problems
+    with pytest.raises(ConfigError, match="not both"):
+        compose(["recipe=distill", "teacher.path=/t", "+teacher.teachers={a: /a}"])
