@@ -190,7 +190,7 @@ def test_gkd_s_mixture_gives_a_fixed_share_of_the_samples_their_data_answer(tiny
 
     from transformers import AutoTokenizer
 
-    from recipes.ppo import students, with_data_answers
+    from recipes.distillation import students, with_data_answers
 
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
     config = compose(["recipe=distill", "teacher.path=/t", "teacher.objective=topk", "teacher.student_fraction=0.75"])
@@ -233,7 +233,7 @@ class _Teacher:
 def test_several_teachers_each_score_the_prompts_their_column_names_and_the_rows_come_back_in_order():
     from types import SimpleNamespace
 
-    from recipes.ppo import TeacherScores
+    from recipes.distillation import TeacherScores
 
     config = compose(["recipe=distill", "+teacher.teachers={math: /m, code: /c}", "teacher.column=domain"])
     math, code = _Teacher(-1.0), _Teacher(-2.0)
