@@ -30,13 +30,18 @@ store the sequence x sequence matrix), and a colocated engine sleeps (its weight
 cache freed) so it holds nothing; the host runtime is not GPU memory. Checked against
 `torch.cuda.max_memory_allocated` on an H200 (bench/gpu_check.py, docs/memory.md "A GPU memory
 model"): Qwen2.5-0.5B and -1.5B shapes, 16 rows of 256 + 512 tokens, floor 28.1 and 61.3 GiB, peaks
-32.0-34.4 and 65.6-69.8 GiB (1.07-1.22x). With a colocated vLLM engine three more: start (the training
-roles' weights loaded while the engine takes its whole `rollout.gpu_memory_utilization` share: vLLM
-refuses to start when that much is not free), the weight sync (the actor's parameters, gradients and
-AdamW moments stay while the engine's weights wake alone, its KV cache still freed, one bucket in
-flight) and generation (the actor's training state offloaded, the engine's whole share beside what
-does not offload: a reference's weights, a critic's state). A run where a phase is above the GPU is
-refused before start with that phase's arithmetic, instead of running out of memory mid-step.
+32.0-34.4 and 65.6-69.8 GiB (1.07-1.22x). With a colocated engine, the phases of what its entry says it
+holds (`RolloutEngine.gpu_memory`, hybridflow/config/engines.py): vLLM's start (the training roles' weights
+loaded while the engine takes its whole `rollout.gpu_memory_utilization` share: vLLM refuses to start when
+that much is not free), the weight sync (the actor's parameters and AdamW moments stay, its gradients freed
+at the end of the update, while the engine's weights wake alone, its KV cache still freed, one bucket in
+flight) and generation (the actor's training state offloaded, the engine's whole share beside what does
+not offload: a reference's weights, a critic's state); the hf engine's same three with its own copy of the
+weights in `rollout.dtype` for the share, and at generation its KV cache (at most `rollout.max_num_seqs`
+rows at full length) and the prefill's logits at one position per row; the exact engine's generation
+alone (no copy, no sync): the actor's parameters kept beside one forward's logits at every response
+position of `actor.samples_per_micro_batch` rows. A run where a phase is above the GPU is refused before
+start with that phase's arithmetic, instead of running out of memory mid-step.
 """
 
 from __future__ import annotations
@@ -45,6 +50,8 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from hybridflow.algos.entropy import CUDA_FLOAT32_CHUNK_BYTES
+from hybridflow.config.engines import GpuMemory
 from hybridflow.config.model_facts import ModelFacts
 
 GIB = 2 ** 30
@@ -75,6 +82,12 @@ class ModelShape:
     heads: int
     vocab: int
     tied_embeddings: bool = True  # one vocabulary x hidden matrix for input and output, or two
+    kv_width: int = 0  # key/value heads x head size: one token's keys (or values) in one layer; 0: hidden
+
+    @property
+    def kv_floats_per_token(self) -> int:
+        """A KV cache's values per token: keys and values in every layer."""
+        return 2 * self.layers * (self.kv_width or self.hidden)
 
     @classmethod
     def from_dir(cls, path: str | Path) -> "ModelShape | None":
@@ -85,7 +98,7 @@ class ModelShape:
             return None
         return cls(parameters=facts.parameters, layers=facts.layers or 1, hidden=facts.hidden,
                    intermediate=facts.intermediate, heads=facts.heads or 1, vocab=facts.vocab,
-                   tied_embeddings=facts.tied_embeddings)
+                   tied_embeddings=facts.tied_embeddings, kv_width=facts.kv_heads * facts.head_size)
 
 
 @dataclass(frozen=True)
@@ -113,6 +126,10 @@ class MemoryInputs:
     bucket_bytes: int = 0  # one weight-sync bucket (weight_sync.bucket_mb)
     fp32_head: bool = False  # actor.fp32_lm_head: the logits in float32 whatever the compute dtype
     sleep_level: int = 1  # rollout.sleep_level: 1 keeps a sleeping engine's weights in host memory, 2 discards them
+    engine_gpu: str = "share"  # what the engine holds on a GPU (`hybridflow.config.engines.GpuMemory`'s value)
+    max_num_seqs: int = 256  # rollout.max_num_seqs: the rows an engine decodes at once
+    sequences: int = 0  # samples per step (prompts x samples per prompt), over the actor's ranks; 0: unknown
+    engine_fp32_head: bool = False  # rollout.fp32_lm_head: the engine's logits in float32
 
     @property
     def tokens(self) -> int:
@@ -138,7 +155,10 @@ class MemoryInputs:
                    teacher_bytes=DTYPE_BYTES[config.teacher.dtype or config.model.dtype.value],
                    gpu_memory_utilization=config.rollout.gpu_memory_utilization,
                    bucket_bytes=config.weight_sync.bucket_mb * 2 ** 20, fp32_head=config.actor.fp32_lm_head,
-                   sleep_level=config.rollout.sleep_level or 1)  # null: resolved at compose (checks.resolved)
+                   sleep_level=config.rollout.sleep_level or 1,  # null: resolved at compose (checks.resolved)
+                   engine_gpu=_engine_gpu(config), max_num_seqs=config.rollout.max_num_seqs,
+                   sequences=config.trainer.prompts_per_step * config.rollout.samples_per_prompt,
+                   engine_fp32_head=config.rollout.fp32_lm_head)
 
 
 TRAINED_ROLES = ("actor", "critic")
@@ -365,6 +385,13 @@ def gpu_memory_bytes(config) -> int | None:
     return gpus[0][1] if gpus else None
 
 
+def _engine_gpu(config) -> str:
+    """What the rollout engine holds on a GPU (`RolloutEngine.gpu_memory`'s value)."""
+    from hybridflow.config.engines import rollout_engine
+
+    return rollout_engine(config.rollout.backend).gpu_memory.value
+
+
 def _engine_memory(config) -> bool:
     """Whether the rollout engine holds weights and a KV cache of its own (`RolloutEngine.engine_memory`)."""
     from hybridflow.config.engines import rollout_engine
@@ -391,27 +418,64 @@ def gpu_phase_terms(config, plan, shape: ModelShape, roles: set[str], gpu_bytes:
 def gpu_device_phases(inputs: MemoryInputs, roles, ranks: int, tp: int, gpu_bytes: float
                       ) -> dict[str, dict[str, float]]:
     """GPU bytes per device of a pool of `ranks` GPUs holding `roles`, in each phase of a step, term by
-    term: "training" when a model trains or scores there; with a vLLM engine there, "start" (the
-    models' weights beside the engine's whole share, `gpu_memory_utilization` of the GPU: vLLM refuses
-    to start when it is not free), "weight sync" (with the actor: its training state beside the
-    engine's weights alone, 1/`tp`, and one bucket in flight) and "generation" (the engine's share
-    beside what does not offload: only the actor moves to the host). With the actor on the pool the
-    engine sleeps while it trains (the colocated hand-over, hybridflow/resharding/transports/colocated.py);
-    without it the engine stays awake. The run's GPU check and the planner's both call it."""
+    term: "training" when a model trains or scores there, and with a colocated engine the phases its
+    `GpuMemory` (`inputs.engine_gpu`, hybridflow/config/engines.py) gives it:
+    - a share (vLLM): "start" (the models' weights beside the engine's whole share,
+      `gpu_memory_utilization` of the GPU: vLLM refuses to start when it is not free), "weight sync"
+      (with the actor: its parameters and AdamW moments, its gradients freed at the end of the update,
+      beside the engine's weights alone, 1/`tp`, and one bucket in flight) and "generation" (the
+      engine's share beside what does not offload: only the actor moves to the host);
+    - its own copy (hf): the same three phases with the engine's weights in rollout.dtype in place of a
+      share, and at generation its KV cache (at most rollout.max_num_seqs rows of this rank's samples x
+      (prompt + response) tokens) and one position's logits per row (the prefill's);
+    - the actor's module (exact): "generation" alone (no copy, no sync): the actor's parameters stay on the
+      device while one forward of actor.samples_per_micro_batch rows x (prompt + response) tokens runs per
+      decode step, its logits at every response position kept.
+    With the actor on the pool the engine sleeps while it trains (the colocated hand-over,
+    hybridflow/resharding/transports/colocated.py); a vLLM engine without it stays awake. The run's GPU
+    check and the planner's both call it."""
     roles = set(roles)
-    engine_here = "rollout" in roles and inputs.engine_memory
+    kind = GpuMemory(inputs.engine_gpu) if "rollout" in roles else None
     share = inputs.gpu_memory_utilization
+    vllm = kind is GpuMemory.SHARE and inputs.engine_memory
     engine = {f"vLLM's share: weights, activations and KV cache (rollout.gpu_memory_utilization={share} of "
-              f"{gpu_bytes / GIB:.1f} GiB)": share * gpu_bytes} if engine_here else {}
+              f"{gpu_bytes / GIB:.1f} GiB)": share * gpu_bytes} if vllm else {}
     phases = {}
     if roles & set(MODEL_ROLES_ON_DEVICES):
         phases["training"] = {**device_terms(inputs, roles - {"rollout"}, ranks, tp, "cuda"),
                               **({} if "actor" in roles else engine)}
-    if not engine_here:
+    if kind is None or kind is GpuMemory.UNCOUNTED or (kind is GpuMemory.SHARE and not vllm):
         return phases
     p, master, compute = inputs.shape.parameters, inputs.master_bytes, inputs.compute_bytes
     trained = 0 if inputs.lora else p
-    stays, loaded = {}, {}  # what does not offload around generation (only the actor moves); what start loads
+    stays, loaded = _staying_terms(inputs, roles, ranks)
+    actor_weights = ({"actor parameters (model.master_dtype, FSDP shard)": p * master / ranks}
+                     if "actor" in roles else {})
+    process = gpu_process_terms(ranks)
+    if kind is GpuMemory.ACTOR_MODULE:
+        phases["generation"] = {**process, **stays, **actor_weights, **_exact_forward_terms(inputs, ranks)}
+        return phases
+    if kind is GpuMemory.OWN_COPY:
+        engine = {"hf engine weights (rollout.dtype, its own copy)": p * inputs.rollout_bytes}
+    phases["start"] = {**process, **actor_weights, **loaded, **engine}
+    if "actor" in roles:
+        awake = (f"vLLM weights awake (rollout.dtype, 1/{tp} of the model; its KV cache still freed)"
+                 if vllm else "hf engine weights (rollout.dtype, its own copy)")
+        phases["weight sync"] = {
+            **process, **actor_weights,
+            "actor AdamW moments (2 per parameter, FSDP shard; its gradients freed after the update)":
+                2 * trained * master / ranks,
+            **stays, awake: p * inputs.rollout_bytes / (tp if vllm else 1),
+            "one bucket in flight (weight_sync.bucket_mb)": inputs.bucket_bytes}
+    phases["generation"] = {**process, **stays, **engine,
+                            **(_hf_generation_terms(inputs, ranks) if kind is GpuMemory.OWN_COPY else {})}
+    return phases
+
+
+def _staying_terms(inputs: MemoryInputs, roles: set[str], ranks: int) -> tuple[dict, dict]:
+    """(what does not offload around generation: every model but the actor's; what of it the start loads)."""
+    p, master, compute = inputs.shape.parameters, inputs.master_bytes, inputs.compute_bytes
+    stays, loaded = {}, {}
     if "reference" in roles:
         stays["reference weights (model.dtype, FSDP shard)"] = p * compute / ranks
         loaded.update(stays)
@@ -426,20 +490,47 @@ def gpu_device_phases(inputs: MemoryInputs, roles, ranks: int, tp: int, gpu_byte
         teacher = {TEACHER_TERM: inputs.teacher_parameters * inputs.teacher_bytes / ranks}
         stays.update(teacher)
         loaded.update(teacher)
-    actor_weights = ({"actor parameters (model.master_dtype, FSDP shard)": p * master / ranks}
-                     if "actor" in roles else {})
-    process = gpu_process_terms(ranks)
-    phases["start"] = {**process, **actor_weights, **loaded, **engine}
-    if "actor" in roles:
-        state = {**actor_weights, "actor gradients (FSDP shard)": trained * master / ranks,
-                 "actor AdamW moments (2 per parameter, FSDP shard)": 2 * trained * master / ranks}
-        phases["weight sync"] = {
-            **process, **state, **stays,
-            f"vLLM weights awake (rollout.dtype, 1/{tp} of the model; its KV cache still freed)":
-                p * inputs.rollout_bytes / tp,
-            "one bucket in flight (weight_sync.bucket_mb)": inputs.bucket_bytes}
-    phases["generation"] = {**process, **stays, **engine}
-    return phases
+    return stays, loaded
+
+
+def generation_rows(inputs: MemoryInputs, ranks: int) -> int:
+    """The rows an engine of one rank decodes at once: rollout.max_num_seqs, or this rank's share of the
+    step's samples where fewer."""
+    mine = -(-inputs.sequences // ranks) if inputs.sequences else inputs.max_num_seqs
+    return max(1, min(inputs.max_num_seqs, mine))
+
+
+HF_KV_TERM = "hf engine KV cache"
+HF_LOGITS_TERM = "hf engine prefill logits"
+
+
+def _hf_generation_terms(inputs: MemoryInputs, ranks: int) -> dict[str, float]:
+    """The hf engine's own at generation: its KV cache (keys and values of every layer) for a batch of
+    rows at full length, and the prefill's logits, one position per row."""
+    s, rows = inputs.shape, generation_rows(inputs, ranks)
+    logit_bytes = 4 if inputs.engine_fp32_head else inputs.rollout_bytes
+    return {f"{HF_KV_TERM} ({rows} rows, rollout.max_num_seqs, x {inputs.tokens} tokens x 2 x {s.layers} layers x "
+            f"{s.kv_width or s.hidden} key/value values, rollout.dtype)":
+            rows * inputs.tokens * s.kv_floats_per_token * inputs.rollout_bytes,
+            f"{HF_LOGITS_TERM} ({rows} rows x one position x {s.vocab} vocabulary"
+            + (", float32: rollout.fp32_lm_head)" if inputs.engine_fp32_head else ", rollout.dtype)"):
+            rows * s.vocab * logit_bytes}
+
+
+def _exact_forward_terms(inputs: MemoryInputs, ranks: int) -> dict[str, float]:
+    """The exact engine's decode step (hybridflow/training/exact_layout.py): the actor's gathered
+    embeddings where FSDP2 keeps the root gathered, and one forward's logits at every response position
+    of actor.samples_per_micro_batch rows, with the float32 chunk their log-softmax reads."""
+    s, rows, compute = inputs.shape, inputs.rows, inputs.compute_bytes
+    terms = {}
+    if ranks > 1 or compute != inputs.master_bytes:
+        terms["actor embeddings gathered (model.dtype, whole)"] = s.vocab * s.hidden * (1 if s.tied_embeddings else 2) * compute
+    logits = rows * inputs.response_tokens * s.vocab
+    terms[f"one decode step's logits ({rows} rows, actor.samples_per_micro_batch, x {inputs.response_tokens} response "
+          f"positions x {s.vocab} vocabulary" + (", float32: actor.fp32_lm_head)" if inputs.fp32_head else ")")] = (
+        logits * (4 if inputs.fp32_head else compute))
+    terms["their float32 log-softmax chunk"] = min(CUDA_FLOAT32_CHUNK_BYTES, 4 * logits)
+    return terms
 
 
 def gpu_host_terms(inputs: MemoryInputs, roles, ranks: int, tp: int) -> dict[str, float]:
@@ -452,9 +543,14 @@ def gpu_host_terms(inputs: MemoryInputs, roles, ranks: int, tp: int) -> dict[str
         return {}
     p, master = inputs.shape.parameters, inputs.master_bytes
     trained = 0 if inputs.lora else p
-    terms = {"actor parameters and AdamW moments offloaded while the engine generates (page-locked, FSDP shard)":
-             (p + 2 * trained) * master / ranks}
-    if inputs.sleep_level == 1:
+    kind = GpuMemory(inputs.engine_gpu)
+    if kind is GpuMemory.ACTOR_MODULE:  # the exact engine generates with the parameters: only the moments move
+        terms = {"actor AdamW moments offloaded while the engine generates (page-locked, FSDP shard)":
+                 2 * trained * master / ranks}
+    else:
+        terms = {"actor parameters and AdamW moments offloaded while the engine generates (page-locked, FSDP shard)":
+                 (p + 2 * trained) * master / ranks}
+    if inputs.sleep_level == 1 and kind in (GpuMemory.SHARE, GpuMemory.OWN_COPY):
         terms[f"engine weights asleep while the actor trains (rollout.sleep_level=1, page-locked, 1/{tp})"] = (
             p * inputs.rollout_bytes / tp)
     terms["the process's own runtime (Python, torch, Ray, the engine; measured on a CPU)"] = RUNTIME_BYTES_WITH_VLLM
@@ -529,6 +625,26 @@ def _lines(terms: dict[str, float]) -> str:
     return "".join(f"\n      {v / GIB:7.2f} GiB  {k}" for k, v in terms.items())
 
 
+def _engine_of_its_own(phase: str, terms: dict[str, float], usable: float, more: str, rows: int) -> tuple[str, str]:
+    """Why a phase of an hf or exact engine does not fit, and the fix (with the hf engine at generation, the
+    most rows of rollout.max_num_seqs that fit: what its KV cache and prefill logits cost a row)."""
+    if phase == "start":
+        return ("when the engine starts: its own copy of the weights beside the training roles' weights",
+                f"rollout.dtype=bfloat16, {more}, or rollout.backend=exact (no copy: it generates with the actor's module)")
+    per_row = {k: v for k, v in terms.items() if k.startswith((HF_KV_TERM, HF_LOGITS_TERM))}
+    if not per_row:  # the exact engine: one forward of a training micro-batch's rows per decode step
+        return ("while the exact engine generates: the actor's parameters stay on the GPU while each decode step "
+                "runs a whole forward of actor.samples_per_micro_batch rows",
+                f"a smaller actor.samples_per_micro_batch, shorter rollout.max_response_tokens, {more}, or "
+                "rollout.backend=hf")
+    rest = sum(terms.values()) - sum(per_row.values())
+    fitting = max(0, int((usable - rest) // (sum(per_row.values()) / rows)))
+    return ("while the colocated hf engine generates: its weights, its KV cache and the prefill's logits for "
+            f"{rows} rows at once, beside what does not offload (only the actor moves to the host)",
+            f"rollout.max_num_seqs={fitting} or lower ({sum(per_row.values()) / rows / 2 ** 20:.1f} MiB a row), "
+            f"shorter data.max_prompt_tokens or rollout.max_response_tokens, rollout.dtype=bfloat16 where float32, or {more}")
+
+
 def _gpu_problems(config, plan, shape: ModelShape, roles: set[str] | None, gpu: int | None,
                   node_bytes: int | None = None) -> list[str]:
     if gpu is None:  # unknown before start (said when the micro-batch is chosen)
@@ -547,7 +663,7 @@ def _gpu_problems(config, plan, shape: ModelShape, roles: set[str] | None, gpu: 
         if phase == "training":
             why, fix = "while it trains", (f"actor.gradient_checkpointing=true, a smaller actor.samples_per_micro_batch, "
                                           f"{more}, or model.master_dtype=bfloat16")
-        elif phase in ("start", "generation"):
+        elif phase in ("start", "generation") and any(k.startswith("vLLM") for k in terms):
             beside = sum(v for k, v in terms.items() if not k.startswith("vLLM"))
             why = ("when the colocated vLLM engine starts: it takes its whole share of the GPU while the training "
                    "roles' weights are loaded (vLLM refuses to start when that share is not free)" if phase == "start"
@@ -555,11 +671,16 @@ def _gpu_problems(config, plan, shape: ModelShape, roles: set[str] | None, gpu: 
                    "offload (only the actor moves to the host)")
             fix = (f"rollout.gpu_memory_utilization={max(0.0, (usable - beside) / gpu):.2f} or lower, {more}, "
                    "or a rollout pool of its own (placement.roles.rollout)")
+        elif phase in ("start", "generation"):
+            why, fix = _engine_of_its_own(phase, terms, usable, more,
+                                          generation_rows(MemoryInputs.from_config(config, shape), plan.devices_of("actor")))
         else:
-            why = ("at the weight sync: the actor keeps its training state on the GPU while the colocated engine's "
-                   "weights wake")
+            why = ("at the weight sync: the actor keeps its parameters and AdamW moments on the GPU while the "
+                   "colocated engine's weights wake")
             fix = (f"{more}, a larger rollout.tensor_parallel_size (each engine rank holds 1/TP of the weights), "
-                   "model.master_dtype=bfloat16, or a rollout pool of its own (placement.roles.rollout)")
+                   "model.master_dtype=bfloat16, or a rollout pool of its own (placement.roles.rollout)"
+                   if any(k.startswith("vLLM") for k in terms) else
+                   f"{more}, model.master_dtype=bfloat16, rollout.dtype=bfloat16, or rollout.backend=exact (no copy)")
         problems.append(f"{model} does not fit {why}: each GPU of the actor's pool holds at least {total / GIB:.2f} "
                         f"GiB:{_lines(terms)}\n    above {GPU_MEMORY_SHARE:.0%} of the GPU's {gpu / GIB:.1f} GiB "
                         f"({usable / GIB:.1f} GiB: the rest is left to the allocator's fragmentation and the "

@@ -7,7 +7,8 @@ version, text), optionally `release` / `restore` (memory freed while the actor t
 keeps which parts sleep, checks every call against it, and delegates the weight methods to the
 receiver (`hybridflow.resharding.receiver`: load what a transport delivers, verify, probe). Beside the class,
 a `RolloutEngine` entry says what the engine can do; the config rules, the memory floor, the input
-checks and the role builder read the entry, never the engine's name.
+checks and the role builder read the entry, never the engine's name; `gpu_memory` says what the engine
+holds on a GPU in each phase of a step (`GpuMemory`), which the GPU memory model prices.
 
 Three are registered: `vllm` (vLLM, tensor parallel, on any pool, LoRA adapters, agents), `hf`
 (a Hugging Face model with a KV-cached decode loop of its own, one model per rank in the actor's
@@ -22,8 +23,25 @@ driver imports, or `rollout.backend=my_package.module:ENGINE` naming a `RolloutE
 from __future__ import annotations
 
 from dataclasses import dataclass
+from enum import Enum
 
 from hybridflow.registry import Registry
+
+
+class GpuMemory(str, Enum):
+    """What a colocated engine holds on a GPU in each phase of a step, as the GPU memory model prices it
+    (hybridflow/memory_budget.py `gpu_device_phases`)."""
+
+    # a fixed share of the GPU (rollout.gpu_memory_utilization) for its weights, activations and KV cache (vLLM)
+    SHARE = "share"
+    # its own copy of the weights in rollout.dtype, and while it generates a KV cache of at most
+    # rollout.max_num_seqs rows x (prompt + response) tokens and one position's logits per row (hf)
+    OWN_COPY = "own_copy"
+    # the actor's own module, no copy and no KV cache: a whole forward of actor.samples_per_micro_batch rows x
+    # (prompt + response) tokens per decode step, its parameters kept on the device (exact)
+    ACTOR_MODULE = "actor_module"
+    # an engine that does not say: nothing is counted for it (a floor counts only what it knows)
+    UNCOUNTED = "uncounted"
 
 
 @dataclass(frozen=True)
@@ -36,6 +54,7 @@ class RolloutEngine:
     agents: bool = False  # runs multi-turn agent rollouts (rollout.agent)
     # holds its own weights and a KV cache of rollout.kv_cache_space_gib, which the memory floor counts
     engine_memory: bool = False
+    gpu_memory: GpuMemory = GpuMemory.UNCOUNTED  # what it holds on a GPU, phase by phase (the GPU memory model)
     fp32_lm_head: bool = False  # can compute its output head in float32 (rollout.fp32_lm_head)
     # generates with the actor's own module in the layout of the actor's π_old pass, so its sampler log-probs
     # are π_old bit for bit (hybridflow/training/exact_layout.py): the actor offers it its module and computes
@@ -73,6 +92,8 @@ def rollout_engine(backend: str) -> RolloutEngine:
 
 register_rollout_engine(RolloutEngine(
     "vllm", "workers.rollout.vllm_rollout:VLLMRollout", tensor_parallel=True, own_pool=True, serves_adapters=True,
-    agents=True, engine_memory=True, checks="hybridflow.model_checks:vllm_checks"))
-register_rollout_engine(RolloutEngine("hf", "workers.rollout.hf_rollout:HFRollout", fp32_lm_head=True))
-register_rollout_engine(RolloutEngine("exact", "workers.rollout.exact_rollout:ExactRollout", exact=True))
+    agents=True, engine_memory=True, gpu_memory=GpuMemory.SHARE, checks="hybridflow.model_checks:vllm_checks"))
+register_rollout_engine(RolloutEngine("hf", "workers.rollout.hf_rollout:HFRollout", fp32_lm_head=True,
+                                      gpu_memory=GpuMemory.OWN_COPY))
+register_rollout_engine(RolloutEngine("exact", "workers.rollout.exact_rollout:ExactRollout", exact=True,
+                                      gpu_memory=GpuMemory.ACTOR_MODULE))

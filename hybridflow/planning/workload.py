@@ -48,6 +48,7 @@ class Workload:
     tied_embeddings: bool = True
     lora: bool = False  # the actor trains a LoRA adapter
     engine_memory: bool = True  # the rollout engine holds weights and a KV cache of its own
+    engine_gpu: str = "share"  # what it holds on a GPU (hybridflow.config.engines.GpuMemory's value)
     gpu_memory_utilization: float = 0.5  # a GPU engine's share of its GPU (rollout.gpu_memory_utilization)
     bucket_bytes: int = 0  # one weight-sync bucket (weight_sync.bucket_mb)
     teacher_parameters: int = 0  # a distillation teacher's (teacher.path), in teacher_bytes each
@@ -80,12 +81,13 @@ class Workload:
         reward model, when the workload has one, is taken to be the actor's size."""
         shape = ModelShape(parameters=self.parameters, layers=self.layers, hidden=self.hidden,
                            intermediate=self.intermediate or 4 * self.hidden, heads=self.heads, vocab=self.vocab,
-                           tied_embeddings=self.tied_embeddings)
+                           tied_embeddings=self.tied_embeddings, kv_width=self.kv_heads * self.head_dim)
         return MemoryInputs(shape=shape, compute_bytes=self.compute_bytes, master_bytes=self.master_bytes,
                             rollout_bytes=self.rollout_bytes, rows=self.micro_batch_rows,
                             prompt_tokens=self.prompt_tokens, response_tokens=self.response_tokens,
                             checkpointing=self.checkpointing, kv_cache_bytes=self.kv_cache_gib * GIB, lora=self.lora,
-                            engine_memory=self.engine_memory,
+                            engine_memory=self.engine_memory, engine_gpu=self.engine_gpu,
+                            sequences=self.sequences,
                             reward_parameters=self.parameters if "reward" in self.roles else 0,
                             gpu_memory_utilization=self.gpu_memory_utilization, bucket_bytes=self.bucket_bytes,
                             teacher_parameters=self.teacher_parameters if "teacher" in self.roles else 0,
@@ -117,6 +119,7 @@ class Workload:
                    checkpointing=bool(a.gradient_checkpointing), kv_cache_gib=config.rollout.kv_cache_space_gib,
                    intermediate=shape["intermediate"], tied_embeddings=shape["tied_embeddings"], lora=bool(a.lora.rank),
                    engine_memory=rollout_engine(config.rollout.backend).engine_memory,
+                   engine_gpu=rollout_engine(config.rollout.backend).gpu_memory.value,
                    gpu_memory_utilization=config.rollout.gpu_memory_utilization,
                    bucket_bytes=config.weight_sync.bucket_mb * 2 ** 20, name=name,
                    **_teacher(config))

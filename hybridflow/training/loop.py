@@ -4,7 +4,8 @@
 An update runs the objective's passes over a step's batch in mini-batches, one optimizer step each:
 every micro-batch's forward and backward with FSDP2's gradient reduction held back where it can be,
 the float16 loss scale and its retry of an overflowed backward (hybridflow.training.loss_scale),
-clipping, then one scheduler step; its statistics are weighed so that no micro-batch split changes
+clipping, then one scheduler step, and the gradients freed before whatever follows (a weight sync);
+its statistics are weighed so that no micro-batch split changes
 them (`micro_batch_stat`), read from the device once per mini-batch and averaged over mini-batches and
 ranks. The objective says what is minimised and how a batch is cut; the loop says nothing about it.
 """
@@ -64,12 +65,22 @@ class TrainingLoopMixin:
                 n_mini += 1
         self.scheduler.step()
         self.updates += 1
+        self.free_gradients()  # before the weight sync that follows: it holds no gradients
         stats = {k: v / n_mini for k, v in totals.items()}
         stats.update({f"{role}/{k}": v / n_mini for k, v in figures.items()})
         stats.update({name: first[key] for key, name in objective.first_mini_batch.items() if key in first})
         stats[f"{role}/lr"] = self.scheduler.get_last_lr()[0]
         reduced = all_reduce_mean_dict({**stats, **computed})
         return {**reduced, **{k: reduced[k] * world for k in computed}, **objective.results()}
+
+    def free_gradients(self) -> None:
+        """The update's gradients freed (set to None) once its last optimizer step is taken, so that the
+        weight sync after it holds parameters, AdamW moments and the engine's weights but no gradients
+        (hybridflow/memory_budget.py, the GPU's "weight sync" phase). Nothing after an update reads them:
+        its grad norm and loss are read already, the step hooks read those metrics, and the LoRA fold, the
+        weight sync and the checksums read the parameters; the next mini-batch zeroes them anyway. A test
+        that compares an update's gradients keeps them by replacing this on its worker."""
+        self.optimizer.zero_grad(set_to_none=True)
 
     def train_mini_batch(self, mini: Batch, objective: Objective, world: int, refusal: str = "this update"
                          ) -> tuple[dict, dict]:

@@ -76,7 +76,8 @@ def header_only_model(directory: Path, tokenizer_dir: Path, config: dict | None 
 
 def test_model_shape_reads_the_exact_parameter_count_from_the_headers(tmp_path, tiny_model_dir):
     shape = ModelShape.from_dir(header_only_model(tmp_path / "m", tiny_model_dir))
-    assert shape == ModelShape(parameters=494_032_768, layers=24, hidden=896, intermediate=4864, heads=14, vocab=151936)
+    assert shape == ModelShape(parameters=494_032_768, layers=24, hidden=896, intermediate=4864, heads=14, vocab=151936,
+                               kv_width=2 * 64)  # 2 key/value heads of 896 / 14
     assert ModelShape.from_dir(tmp_path / "missing") is None
 
 
@@ -274,10 +275,10 @@ def test_on_a_gpu_the_micro_batch_is_chosen_from_its_memory(tmp_path, monkeypatc
 def test_on_a_gpu_each_phase_of_the_colocated_hand_over_is_checked_with_its_arithmetic(tmp_path, tiny_model_dir):
     """0.5B on a 12 GiB GPU with a colocated engine (share 0.5), each phase beside the process's CUDA context
     (0.5 GiB): start 494M x 4 B = 1.84 GiB of actor weights beside the engine's 0.5 x 12 = 6 GiB: 8.34; the
-    weight sync the actor's parameters, gradients and AdamW moments 7.36 GiB beside the engine's weights alone
-    (494M x 2 B = 0.92 GiB, its KV cache still freed) and a 64 MiB bucket: 8.84 GiB; generation the engine's
-    6 GiB alone (the actor offloaded): 6.5. All fit, although the sync of the order before (the engine woken
-    whole beside the training state) did not. A share of 0.9 cannot start: 0.5 + 1.84 + 10.8 = 13.14 GiB (nor
+    weight sync the actor's parameters and AdamW moments 5.52 GiB (its gradients freed at the end of the update)
+    beside the engine's weights alone (494M x 2 B = 0.92 GiB, its KV cache still freed) and a 64 MiB bucket:
+    7.0 GiB; generation the engine's 6 GiB alone (the actor offloaded): 6.5. All fit, although the sync of the
+    order before (the engine woken whole beside the training state) did not. A share of 0.9 cannot start: 0.5 + 1.84 + 10.8 = 13.14 GiB (nor
     generate: 0.5 + 10.8 = 11.3);
     with 90% of the GPU usable (GPU_MEMORY_SHARE: fragmentation and transient buffers take the rest),
     (0.9 x 12 - 2.34) / 12 = 0.70 is the most that starts."""
@@ -290,7 +291,9 @@ def test_on_a_gpu_each_phase_of_the_colocated_hand_over_is_checked_with_its_arit
     phases = {k: sum(v.values()) / GIB
               for k, v in gpu_phase_terms(config, plan, QWEN05_SHAPE, actor_pool_roles(config, plan), 12 * GIB).items()}
     assert list(phases) == ["training", "start", "weight sync", "generation"]
-    assert (round(phases["start"], 2), round(phases["weight sync"], 2), phases["generation"]) == (8.34, 8.84, 6.5)
+    assert (round(phases["start"], 2), round(phases["weight sync"], 2), phases["generation"]) == (8.34, 7.0, 6.5)
+    sync = gpu_phase_terms(config, plan, QWEN05_SHAPE, actor_pool_roles(config, plan), 12 * GIB)["weight sync"]
+    assert not any("gradient" in k and "freed" not in k for k in sync), sync  # freed before the sync (training/loop.py)
     assert memory_problems(*with_plan(compose(base)), gpu_bytes=12 * GIB) == []
     problems = memory_problems(*with_plan(compose([*base, "rollout.gpu_memory_utilization=0.9"])), gpu_bytes=12 * GIB)
     assert len(problems) == 2 and "does not fit when the colocated vLLM engine starts" in problems[0], problems
@@ -315,33 +318,39 @@ def qwen14_model(directory: Path, tokenizer_dir: Path) -> Path:
 
 
 def test_a_weight_sync_that_cannot_fit_an_80_gib_gpu_is_refused_with_the_arithmetic(tmp_path, tiny_model_dir):
-    """Qwen2.5-14B on 4 GPUs of 80 GiB, the engine colocated at TP 1: each GPU keeps its quarter of the
-    float32 parameters, gradients and AdamW moments (14.77B x 16 B / 4 = 55.0 GiB) while the engine's whole
-    bfloat16 copy wakes (27.5 GiB), with a 64 MiB bucket and the process's CUDA context and NCCL buffers
-    (0.5 + 0.25): 83.35 GiB. Training fits (55.0 + 5.8 of gathered
-    embeddings and their gradient + one checkpointed row), and so does the engine at TP 4 (6.9 GiB a rank)."""
+    """Qwen2.5-14B on 4 GPUs of 80 GiB, a float32 engine colocated at TP 1: each GPU keeps its quarter of the
+    float32 parameters and AdamW moments (14.77B x 12 B / 4 = 41.3 GiB; the gradients are freed at the end of
+    the update) while the engine's whole float32 copy wakes (55.0 GiB), with a 64 MiB bucket and the process's
+    CUDA context and NCCL buffers (0.5 + 0.25): 97.10 GiB. Training fits (55.0 + 5.8 of gathered embeddings and
+    their gradient + one checkpointed row), and so does the engine at TP 4 (13.8 GiB a rank). With a bfloat16
+    engine the sync fits too (41.3 + 27.5 + 0.8 = 69.6 GiB), where it did not while the gradients stayed
+    (83.35 GiB)."""
     model = qwen14_model(tmp_path / "qwen14", tiny_model_dir)
     base = ["model=local_hf", f"model.path={model}", *GPU[2:], "placement.pools.global.devices_per_node=4",
             "placement.gpu_memory_gib=80"]
+    assert memory_problems(*with_plan(compose(base))) == []
+    base.append("rollout.dtype=float32")
     problems = memory_problems(*with_plan(compose(base)))
     assert len(problems) == 1 and "does not fit at the weight sync" in problems[0], problems
-    assert "83.35 GiB" in problems[0] and "27.51 GiB  vLLM weights awake (rollout.dtype, 1/1 of the model" in problems[0]
+    assert "97.10 GiB" in problems[0] and "55.02 GiB  vLLM weights awake (rollout.dtype, 1/1 of the model" in problems[0]
+    assert "actor gradients" not in problems[0]
     assert "a larger rollout.tensor_parallel_size" in problems[0]
     assert memory_problems(*with_plan(compose([*base, "rollout.tensor_parallel_size=4"]))) == []
 
 
 def test_a_gpu_run_whose_weight_sync_cannot_fit_is_refused_before_ray_starts(tmp_path, tiny_model_dir):
-    """The same 14B run from the command line: status 2 with the arithmetic, before Ray or any worker starts."""
+    """The same 14B run (a float32 engine) from the command line: status 2 with the arithmetic, before Ray or
+    any worker starts."""
     model = qwen14_model(tmp_path / "qwen14", tiny_model_dir)
     output_root = tmp_path / "runs"
     cmd = [str(Path(sys.executable).parent / "hybridflow"), "recipe=grpo", "model=local_hf", f"model.path={model}", *GPU[2:],
-           "placement.pools.global.devices_per_node=4", "placement.gpu_memory_gib=80",
+           "placement.pools.global.devices_per_node=4", "placement.gpu_memory_gib=80", "rollout.dtype=float32",
            f"logger.output_root={output_root}", "logger.run_name=big"]
     ray_tmp = tmp_path / "ray_tmp"  # where a Ray started by this command would write its session
     result = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=ROOT,
                             env={**os.environ, "RAY_TMPDIR": str(ray_tmp)})
     assert result.returncode == 2, result.stdout[-3000:] + result.stderr[-3000:]
-    assert "does not fit at the weight sync" in result.stderr and "83.35 GiB" in result.stderr, result.stderr[-3000:]
+    assert "does not fit at the weight sync" in result.stderr and "97.10 GiB" in result.stderr, result.stderr[-3000:]
     assert not ray_tmp.exists(), "Ray was started"
     assert not output_root.exists()  # nothing was made
 
@@ -350,7 +359,9 @@ def test_a_gpu_run_whose_weight_sync_cannot_fit_is_refused_before_ray_starts(tmp
 def test_each_phase_floor_is_below_its_h200_peak_within_one_and_a_half_times(report):
     """bench/gpu_check.py part 4 on one NVIDIA H200 (docs/resharding.md "The colocated hand-over on GPUs"):
     the colocated hand-over through the transport's own sequence, each phase's measured peak at or above
-    the floor the model gives today for the bench's config, and at most 1.5x it."""
+    the floor the model gives today for the bench's config, and at most 1.5x it. The weight sync's was measured
+    while the gradients stayed through it: its recorded floor is today's plus the gradients the loop now frees
+    at the end of the update (hybridflow/training/loop.py), against which its peak is read."""
     from hybridflow.memory_budget import gpu_phase_terms, gpu_process_terms
 
     sizes = {"0.5b": QWEN05_SHAPE, "1.5b": QWEN15_SHAPE,
@@ -367,6 +378,8 @@ def test_each_phase_floor_is_below_its_h200_peak_within_one_and_a_half_times(rep
                                  int(part["gpu_gib"] * GIB))
         for phase, row in part["phases"].items():  # the terms torch's allocator counts, as its peak does
             floor = sum(v for k, v in floors[phase].items() if k not in gpu_process_terms(1)) / GIB
+            if phase == "weight sync":  # measured with the gradients held: float32, one per parameter
+                floor += sizes[part["size"]].parameters * 4 / GIB
             assert floor == pytest.approx(row["floor_gib"], abs=0.01), (part["size"], phase)
             assert floor <= row["peak_gib"] <= 1.5 * floor, (part["size"], phase, floor, row["peak_gib"])
 
@@ -390,3 +403,43 @@ def test_a_gpu_node_whose_host_memory_cannot_hold_the_hand_over_is_refused_namin
     assert "27.51 GiB  engine weights asleep while the actor trains (rollout.sleep_level=1" in problems[0]
     assert "Fix: rollout.sleep_level=2" in problems[0]
     assert memory_problems(*with_plan(compose([*base, "rollout.sleep_level=1"])), node_bytes=1024 * GIB) == []
+
+
+def test_an_hf_run_whose_kv_cache_and_prefill_logits_cannot_fit_is_refused_with_the_arithmetic(tmp_path,
+                                                                                              tiny_model_dir):
+    """Qwen2.5-0.5B on a 12 GiB GPU with the hf engine (bfloat16), 512 + 1536 tokens, 64 prompts x 8 samples.
+    At generation the engine holds its own copy of the weights (494M x 2 B = 0.92 GiB), a KV cache of
+    rollout.max_num_seqs rows at full length, keys and values of 24 layers of 2 heads x 64: a row 2048 x 2 x 24
+    x 128 x 2 B = 24 MiB, 512 rows 12 GiB, and the prefill's logits at one position (512 x 151,936 x 2 B =
+    0.14 GiB), beside the CUDA context (0.5): 13.57 GiB, above the 10.8 usable. A row costs 24.29 MiB, so
+    (10.8 - 1.42) GiB / 24.29 MiB = 395 rows fit; at 256 rows (6.0 GiB of cache) the run fits. Its start
+    and weight sync are priced too (the engine's copy beside the actor's state), and the exact engine's
+    generation is the actor's parameters beside one forward's logits."""
+    from hybridflow.memory_budget import actor_pool_roles, gpu_phase_terms
+
+    model = header_only_model(tmp_path / "qwen05", tiny_model_dir)
+    base = ["model=local_hf", f"model.path={model}", "placement.device=cuda", "model.dtype=bfloat16",
+            "model.master_dtype=float32", "data.max_prompt_tokens=512", "rollout.max_response_tokens=1536",
+            "rollout.backend=hf", "placement.pools.global.devices_per_node=1", "trainer.prompts_per_step=64",
+            "rollout.samples_per_prompt=8"]
+    problems = memory_problems(*with_plan(compose([*base, "rollout.max_num_seqs=512"])), gpu_bytes=12 * GIB)
+    assert len(problems) == 1 and "does not fit while the colocated hf engine generates" in problems[0], problems
+    text = problems[0]
+    assert "13.57 GiB" in text and "12.00 GiB  hf engine KV cache (512 rows" in text
+    assert "0.92 GiB  hf engine weights" in text and "0.14 GiB  hf engine prefill logits (512 rows" in text
+    assert "rollout.max_num_seqs=395 or lower (24.3 MiB a row)" in text
+    fits = compose([*base, "rollout.max_num_seqs=256"])
+    assert memory_problems(*with_plan(fits), gpu_bytes=12 * GIB) == []
+    config = resolve_micro_batches(*with_plan(fits), gpu_bytes=12 * GIB)[0]
+    plan = plan_of(config)
+    phases = gpu_phase_terms(config, plan, QWEN05_SHAPE, actor_pool_roles(config, plan), 12 * GIB)
+    assert list(phases) == ["training", "start", "weight sync", "generation"]
+    assert "hf engine weights (rollout.dtype, its own copy)" in phases["weight sync"]
+    assert not any("gradients" in k and "freed" not in k for k in phases["weight sync"])
+    exact = compose([*base, "rollout.backend=exact", "actor.samples_per_micro_batch=4", "rollout.top_p=1.0"])
+    config, plan = with_plan(exact)
+    terms = gpu_phase_terms(config, plan, QWEN05_SHAPE, actor_pool_roles(config, plan), 12 * GIB)
+    assert list(terms) == ["training", "generation"]  # no copy, so no start of its own and no weight sync
+    logits = [v for k, v in terms["generation"].items() if k.startswith("one decode step's logits (4 rows")]
+    assert logits == [4 * 1536 * 151936 * 2]  # rows x response positions x vocabulary, bfloat16
+    assert terms["generation"]["actor parameters (model.master_dtype, FSDP shard)"] == 494_032_768 * 4

@@ -64,6 +64,7 @@ def test_an_objective_defined_outside_the_package_runs_through_the_workers_loop(
     sft, custom = _actor(tiny_model_dir, 6), _actor(tiny_model_dir, rows_per_micro)
     for worker in (sft, custom):
         worker.optimizer.step = lambda: None  # the step's gradients stay to be compared
+        worker.free_gradients = lambda: None  # (the loop frees them after an update)
     want = sft.train_sft(_batch(tiny_model_dir))
     got = custom._train(_batch(tiny_model_dir), MeanLogProb())
     assert got["actor/loss"] == pytest.approx(want["actor/loss"], rel=1e-5)
@@ -82,3 +83,26 @@ def test_a_batch_without_a_column_the_objective_needs_is_refused_naming_it(tiny_
     with pytest.raises(KeyError, match=r"NeedsAdvantages needs the batch columns \['advantages'\]"):
         worker._train(_batch(tiny_model_dir), NeedsAdvantages())
     assert worker.updates == 0
+
+
+def test_an_update_frees_its_gradients_before_anything_after_it(tiny_model_dir):
+    """The loop sets every gradient to None once the update's last optimizer step is taken, so the weight
+    sync after it holds none (hybridflow/memory_budget.py's GPU "weight sync" phase counts none); the
+    update's grad norm is read before, and the next update trains as before."""
+    worker = _actor(tiny_model_dir, 2)
+    seen = []
+    step = worker.optimizer.step
+
+    def recording_step(*args, **kwargs):  # the gradients exist at each optimizer step
+        seen.append(sum(p.grad is not None for p in worker.model.parameters()))
+        return step(*args, **kwargs)
+    worker.optimizer.step = recording_step
+    batch = _batch(tiny_model_dir)
+    batch = batch.union(worker.compute_log_probs(batch)).union(
+        Batch({"advantages": torch.linspace(-1, 1, 6)[:, None].expand(6, 4).contiguous()}))
+    for _ in range(2):
+        stats = worker.update_policy(batch)
+        assert stats["actor/grad_norm"] > 0
+        assert [n for n, p in worker.model.named_parameters() if p.grad is not None] == []
+    assert seen and all(n == len(list(worker.model.parameters())) for n in seen), seen
+    assert worker.train_sft(batch)["actor/grad_norm"] > 0 and all(p.grad is None for p in worker.model.parameters())
