@@ -1,7 +1,8 @@
 """Supervised fine-tuning: cross-entropy on prompt -> answer, loss on the answer tokens only.
 
 Reuses the actor (FSDP2) and, for validation, the rollout engine: the weights are synced
-into vLLM before each validation, exactly as in RL. The answer is the
+into vLLM before each validation, exactly as in RL. The engine sleeps from its start to the first
+validation (`WeightSync.rest`): colocated on a GPU, its KV cache would otherwise sit beside training. The answer is the
 data row's `ground_truth` followed by EOS, or its multi-turn `demonstration` (tool-use
 demonstrations for an agent; the tools' outputs are attended to but not trained).
 Step hooks (`trainer.training_hooks`, hybridflow/training/hooks.py, e.g. spike_recovery) run
@@ -35,6 +36,7 @@ def run(stage: Stage, run_dir: Path) -> dict:
     training = session.training(["actor"], data.train, t.prompts_per_step)
     loader, logger, hooks, weight_sync = training.loader, training.logger, training.hooks, training.weight_sync
     step = training.step
+    weight_sync.rest()  # colocated: the engine sleeps until the first validation, not beside training
 
     while step < config.trainer.total_steps:
         step += 1

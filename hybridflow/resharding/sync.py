@@ -100,6 +100,14 @@ class WeightSync:
         self.probed["weight_sync/reload_s"] = time.perf_counter() - start
         self.probed.update(self.verify_reload())
 
+    def rest(self) -> bool:
+        """The engine sleeps until its first use, where it shares the actor's devices (the transport's
+        `rest`): for a recipe whose next calls train (SFT, whose first generation is its first validation),
+        not one that generates next. The sync before that generation wakes its weights and, after a level-2
+        sleep, loads and checks every one (`sync`'s `verify_reload`); `generating` wakes the KV cache.
+        Returns whether it slept."""
+        return self.transport.rest(self.rollout)
+
     def handover_seconds(self) -> dict[str, float]:
         """The last `generating`'s device memory steps, each timed (the transport's), the probe it ran
         for the sync before it, and the reload of weights a level-2 sleep discarded."""

@@ -90,6 +90,12 @@ class Transport:
         """Around generation: device memory steps, if the pools share devices."""
         yield
 
+    def rest(self, rollout) -> bool:
+        """Before training that no generation comes between (a recipe whose engine is first used later):
+        the engine frees what it holds where it shares the actor's devices; returns whether it did. The
+        next sync or generation wakes it (`WeightSync.sync_calls`, `generating`)."""
+        return False
+
     handover: dict[str, float] = {}  # the last `generating`'s timed steps (a transport that has some sets its own)
 
     def handover_seconds(self) -> dict[str, float]:

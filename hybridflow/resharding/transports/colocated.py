@@ -85,6 +85,12 @@ class Colocated(Transport):
         self._phase("engine_sleep", rollout.sleep, actor, on_device)
         self._phase("reload", actor.reload, actor, on_device)
 
+    def rest(self, rollout) -> bool:
+        """The engine sleeps (its KV cache freed, its weights to the host or, at rollout.sleep_level 2,
+        discarded: the next sync loads them whole) while the actor trains; False where it has nothing to free
+        (vLLM on the CPU)."""
+        return any(rollout.sleep())
+
     def _phase(self, phase: str, call, actor, read_peak: bool = False) -> bool:
         """Run one phase; time it if it moved something, and read its device peak (the next phase's
         starts then) if it moved something or `read_peak`. Returns whether it moved something."""
