@@ -1,52 +1,38 @@
-"""The CUDA paths of the colocated engine and the actor's speed beside a plain loop, on one GPU in
-one process, without Ray or vLLM.
+"""One command that proves the product on a borrowed GPU in eight minutes: one GPU, torch and
+transformers, no Ray, vLLM or network (the hydra-core, omegaconf and antlr4 wheels carried beside the
+tree: docs/gpu.md "The GPU check").
 
-    python bench/gpu_check.py [--sizes 0.5b,1.5b] [--model 100m] [--dtype bfloat16] [--out gpu_check.json]
-    python bench/gpu_check.py --dry-run --out x.json   # the CPU over gloo at the tiny shapes (a test runs it)
+    python bench/gpu_check.py                       # every part, results in $OUT (or --out DIR)
+    python bench/gpu_check.py --parts resume,pipeline --out DIR
+    python bench/gpu_check.py --dry-run --out DIR   # the CPU at the tiny shapes (a test runs it)
 
-Run by hand where a GPU is lent (docs/results/gpu.md "On a GPU" says how to carry the three wheels
-it needs there). The GPU machines here have torch and transformers but neither Ray nor vLLM, so
-the worker classes are built in-process (they import neither) and a plain transformers module on
-the GPU stands in for the vLLM engine at the receiving end. The JSON is rewritten after every part,
-so a run cut short keeps what it measured. Parts, in order:
+Parts, in the order of what matters (`PARTS`: name, expected seconds on one H100 — estimates until a GPU
+run records them — and timeout), each in a process of its own under its timeout, all within `--budget-s`
+(480: a part that would start with less than 15 s left is skipped, each timeout cut to what is left):
 
-`--dtype` is the compute dtype (`model.dtype`; the master weights stay float32, so bfloat16 runs
-FSDP2's mixed precision, which needs FSDP2 even on one rank: float32 on one rank is a plain module).
+1. grpo_hf_level2 (50 s, 120): the product's GRPO (`hybridflow placement=local`) on the tiny model with the
+   hf engine sleeping at level 2 and per-tensor checksums at every sync, 3 steps, a checkpoint at step 3;
+2. resume (30 s, 90): that run resumed from its checkpoint for a fourth step;
+3. pipeline (90 s, 150): SFT -> PMA merge -> GRPO with short stages and the hf engine;
+4. level1_and_exact (60 s, 120): GRPO with the hf engine at sleep level 1, then with the exact engine
+   (its sampler's log-probs the trainer's, `rollout_mismatch/abs_diff_max` 0);
+5. grpo_0.5b (120 s, 200): Qwen2.5-0.5B shapes (random weights), bf16 over float32 masters, 2 GRPO steps of
+   16 x 8 samples of 256 + 512 tokens, the hf engine at level 2: each phase's device peak (the hand-over's
+   own metrics) beside the GPU memory model's floor for it (`hybridflow.memory_budget.gpu_phase_terms`);
+6. engine_checks (40 s, 90): the packed-attention kernel against a dense mask; the actor under FSDP2 on
+   NCCL (a policy update, an SFT step), the reference and critic, offload and reload bit for bit, the
+   colocated sync into GPU buffers through the real `WeightSender` (whole and a TP-2-like slice, float32
+   and bfloat16, checked tensor by tensor), on a 100M model;
+7. handover_0.5b (30 s, 90): the colocated hand-over's own sequence with `PlainEngine`, a stand-in holding
+   0.4 of the GPU as vLLM does, each phase's peak beside its floor;
+8. speed_0.5b (50 s, 120): the actor beside the loop a user writes without a framework (float32
+   parameters, autocast, trimmed micro-batches, fused AdamW) on one GRPO-shaped batch of 128 rows.
 
-1. the actor under FSDP2 on NCCL: start, log-probs, a policy update, an SFT step; the reference
-   worker's log-probs equal the actor's before the update; the critic's values and update;
-2. offload and reload around generation: device memory before and after, log-probs unchanged;
-3. the colocated weight sync into GPU buffers through the real `WeightSender`: the whole model
-   (TP 1) and a tensor-parallel-like slice (the first half of every weight's rows, what rank 0
-   of TP 2 holds of a column-parallel layer), in float32 and bfloat16; checked tensor by tensor
-   and by a log-prob probe; seconds against a device-to-device copy of the same bytes.
-
-4. per `--handover` entry (the shapes and batch of part 5): the colocated hand-over through the
-   transport's own sequence (`Colocated.wakes_for_sync`, `sync_calls`, `generating`) with the actor and
-   `PlainEngine`, a stand-in holding `--share` of the GPU as vLLM does (weights and KV cache, level-1
-   sleep): one step (generate, log-probs, update, sync, generate), each phase's device peak beside the
-   GPU memory model's floor of that phase (`hybridflow.memory_budget.gpu_phase_terms`);
-5. per `--sizes` entry (Qwen2.5-0.5B / -1.5B shapes, random weights, tied embeddings): one
-   GRPO-shaped batch (128 rows, prompts left-padded to 256 tokens with real lengths uniform in
-   64-256, responses right-padded to 512 with real lengths uniform in 64-512), the actor as a run
-   builds it (FSDP2, bf16 compute over float32 masters, 16 rows per micro-batch, no activation
-   checkpointing): the log-prob pass, the policy update (ppo_clip), offload and reload, peak
-   memory; then the loop a user writes without a framework on the same model and batch (float32
-   parameters, `torch.autocast(bfloat16)`, the same trimmed micro-batches, `logits_to_keep`,
-   log-softmax + gather in float32, PPO-clip, `clip_grad_norm_`, fused AdamW); and a profile of
-   our log-prob pass and update (the ten costliest operators).
-
-6. `--product` (on by default): the product itself, as a user runs it, in one process with
-   `placement=local` (no Ray, no vLLM: the `hf` engine, which sleeps on the GPU): (a) the default
-   pipeline end to end (SFT -> PMA merge -> GRPO on the tiny model and the arithmetic task) with its
-   accuracies; (b) per `--product-sizes` entry, GRPO steps at that model's shapes (random weights,
-   `--product-steps` steps of 16 prompts x 8 samples, prompts up to 256 and responses up to 512
-   tokens): each stage's seconds (generate, score, update, weight sync, the hand-over's phases) and the
-   device peaks the run reads, from its own metrics.jsonl. The dry run: a shortened pipeline and two
-   GRPO steps at the tiny shapes on the CPU.
-
-One GPU means one training rank: the all-to-all between training ranks (two or more GPUs) and
-the cross-pool transfer did not run here.
+Written as it goes to the output folder (`--out`, default $OUT): `gpu_check.json`, rewritten after every
+part (each part's exit status, seconds, `passed`, the product's per-step metrics of `PRODUCT_KEYS`, the
+phases' floors and peaks), and `gpu_check.log`, each part's command and output; never weights (the runs'
+directories stay in a temporary folder). A call cut short keeps every part before. The dry run: the same
+parts on the CPU at the tiny shapes, with timeouts three times as long.
 """
 
 from __future__ import annotations
@@ -58,6 +44,7 @@ import statistics
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -762,25 +749,74 @@ def check_packed_attention(device: str, dtype: str) -> dict:
 
 WITHOUT_RAY = ("import sys; sys.path.insert(0, {root!r}); sys.modules['ray'] = None; "
                "from hybridflow.cli import main; sys.exit(main())")
+# the product's metrics each part keeps per step (all of them would be the run's whole metrics.jsonl)
 PRODUCT_KEYS = ("timing/generate_s", "timing/score_s", "timing/update_s", "timing/weight_sync_s", "timing/step_s",
                 "timing/offload_s", "timing/engine_wake_s", "timing/engine_sleep_s", "timing/reload_s",
-                "memory/global_device_peak_gib", "memory/global_peak_gib", "weight_sync/probe_log_prob_gap",
-                "rollout/log_prob_diff", "reward/score", "val/accuracy")
+                "memory/global_device_peak_gib", "memory/global_peak_gib", "memory/device_peak_sync_gib",
+                "memory/device_peak_offload_gib", "memory/device_peak_engine_wake_gib", "memory/device_peak_generate_gib",
+                "memory/device_peak_engine_sleep_gib", "memory/device_peak_reload_gib", "weight_sync/verified_tensors",
+                "weight_sync/reload_s", "weight_sync/reload_checksum_s", "weight_sync/probe_log_prob_gap",
+                "weight_sync/seconds", "rollout_mismatch/abs_diff_max", "actor/loss", "actor/grad_norm",
+                "reward/score", "val/accuracy")
+# the phases of the GPU memory model (hybridflow.memory_budget.gpu_phase_terms) against the peak the run reads
+# for each: the hand-over's generation and sync phases, and the step's whole peak for training (an upper bound
+# of training's own)
+PHASE_PEAKS = {"training": "memory/global_device_peak_gib", "weight sync": "memory/device_peak_sync_gib",
+               "generation": "memory/device_peak_generate_gib"}
+SMALL = ["trainer.prompts_per_step=4", "rollout.samples_per_prompt=4", "rollout.max_response_tokens=8",
+         "trainer.val_prompts=8", "data.synthetic.train_rows=200", "data.synthetic.val_rows=16",
+         "actor.samples_per_micro_batch=8"]
+GRPO_TINY = ["recipe=grpo", *SMALL, "trainer.total_steps=3", "trainer.val_every_steps=3", "trainer.save_every_steps=3",
+             "trainer.export_hf=false"]
 
 
-def run_product(root: Path, name: str, overrides: list[str], timeout_s: float) -> dict:
-    """`hybridflow placement=local rollout=hf <overrides>` as a command of its own (Ray blocked); its
-    wall seconds, its stages' summaries (a pipeline) and, per step, the keys of `PRODUCT_KEYS` it logged."""
+@dataclass(frozen=True)
+class Part:
+    """One part of the check: run in a process of its own under `timeout_s` (less where the budget has less
+    left), expected to take `expected_s` on one H100 (estimates until a GPU run records them: docs/gpu.md)."""
+    name: str
+    expected_s: int
+    timeout_s: int
+    what: str
+
+
+# In the order of what matters: a call cut short keeps the parts before
+PARTS = (
+    Part("grpo_hf_level2", 50, 120, "the product's GRPO on the tiny model, the hf engine sleeping at level 2, "
+         "checksums every sync"),
+    Part("resume", 30, 90, "the same run resumed from its step-3 checkpoint for one more step"),
+    Part("pipeline", 90, 150, "SFT -> PMA merge -> GRPO, short stages"),
+    Part("level1_and_exact", 60, 120, "GRPO with the hf engine at sleep level 1, then with the exact engine"),
+    Part("grpo_0.5b", 120, 200, "a Qwen2.5-0.5B-shaped bf16 GRPO run, 16 x 8 samples of 256 + 512 tokens, each "
+         "phase's peak against the GPU memory model"),
+    Part("engine_checks", 40, 90, "the packed-attention kernel; the actor under FSDP2 on NCCL, reference, critic, "
+         "offload and reload, the colocated sync into GPU buffers (the 100M model)"),
+    Part("handover_0.5b", 30, 90, "the colocated hand-over's sequence with a stand-in engine holding a share"),
+    Part("speed_0.5b", 50, 120, "the actor beside a plain PyTorch loop, 128 GRPO-shaped rows"),
+)
+BUDGET_S = 480  # 8 minutes of an H100: the parts after are skipped, each part's timeout cut to what is left
+EXPECTED_S = sum(p.expected_s for p in PARTS)
+
+
+def run_product(root: Path, name: str, overrides: list[str], timeout_s: float, log) -> dict:
+    """`hybridflow placement=local <overrides>` as a command of its own (Ray blocked), its run directory under
+    `root` (never the output folder: it holds weights); its exit status, seconds, output in `log`, and per
+    step the keys of `PRODUCT_KEYS` it logged, read from its metrics.jsonl also when it failed or timed out."""
     import subprocess
 
+    command = [sys.executable, "-c", WITHOUT_RAY.format(root=str(ROOT)), "placement=local", *overrides,
+               f"logger.output_root={root}", f"logger.run_name={name}"]
     start = time.perf_counter()
-    done = subprocess.run([sys.executable, "-c", WITHOUT_RAY.format(root=str(ROOT)), "placement=local", "rollout=hf",
-                           *overrides, f"logger.output_root={root}", f"logger.run_name={name}"],
-                          capture_output=True, text=True, timeout=timeout_s)
-    out = {"seconds": round(time.perf_counter() - start, 1), "returncode": done.returncode}
-    if done.returncode != 0:
-        out["error"] = (done.stdout[-2000:] + done.stderr[-3000:])
-        return out
+    out: dict = {"overrides": overrides}
+    try:
+        done = subprocess.run(command, capture_output=True, text=True, timeout=timeout_s)
+        out["returncode"], text = done.returncode, done.stdout + done.stderr
+    except subprocess.TimeoutExpired as exc:
+        out["timed_out"], text = True, _text(exc.stdout) + _text(exc.stderr)
+    out["seconds"] = round(time.perf_counter() - start, 1)
+    log(f"$ hybridflow placement=local {' '.join(overrides)}\n{text[-20000:]}\n")
+    if out.get("returncode"):
+        out["error"] = text[-1500:]
     run_dir = root / name
     for stage_file in sorted(run_dir.glob("*/STAGE_COMPLETE")):
         stage = json.loads(stage_file.read_text())
@@ -788,37 +824,151 @@ def run_product(root: Path, name: str, overrides: list[str], timeout_s: float) -
             k: stage.get(k) for k in ("init_accuracy", "final_accuracy", "steps")}
     metric_files = sorted(run_dir.glob("**/metrics.jsonl"))
     if metric_files:
-        rows = [json.loads(line) for line in metric_files[-1].read_text().splitlines()]
+        rows = [json.loads(line) for line in metric_files[-1].read_text().splitlines() if line.strip()]
         out["steps"] = [{k: r[k] for k in ("step", *PRODUCT_KEYS) if k in r} for r in rows]
     return out
 
 
-def check_product(root: Path, args, shape_sizes: list[str]) -> dict:
-    """Part 6: the default pipeline and GRPO runs at model sizes, through the product in one process."""
-    device = f"placement.device={args.device}"
-    small = ["trainer.prompts_per_step=4", "rollout.samples_per_prompt=4", "rollout.max_response_tokens=4",
-             "trainer.val_prompts=8", "data.synthetic.train_rows=200", "data.synthetic.val_rows=16"]
-    short = [*small, "stages.sft.trainer.total_steps=8",  # a plain key reaches every stage that reads it
-             "stages.sft.trainer.save_every_steps=2", "stages.grpo.trainer.total_steps=2",
-             "stages.grpo.actor.samples_per_mini_batch=16"] if args.dry_run else []
-    report = {"pipeline": run_product(root, "pipeline", [device, *short], 3600)}
-    for size in shape_sizes:
-        model_dir = sized_model_dir(root, size, "cpu")
-        dims = ["rollout.max_response_tokens=16", "data.max_prompt_tokens=16"] if args.dry_run else \
-            ["rollout.max_response_tokens=512", "data.max_prompt_tokens=256"]
-        report[f"grpo_{size}"] = run_product(root, f"grpo-{size}", [
-            device, "recipe=grpo", "model=local_hf", f"model.path={model_dir}", f"model.dtype={args.dtype}",
-            f"trainer.total_steps={2 if args.dry_run else args.product_steps}", "trainer.prompts_per_step=16",
-            "rollout.samples_per_prompt=8", "trainer.val_every_steps=0", "trainer.export_hf=false",
-            "trainer.save_every_steps=0", "weight_sync.check=none", *dims], 3600)
+def _text(data) -> str:
+    return data.decode(errors="replace") if isinstance(data, bytes) else (data or "")
+
+
+def _passed(run: dict, *conditions) -> bool:
+    return run.get("returncode") == 0 and bool(run.get("steps")) and all(conditions)
+
+
+def part_grpo_level2(root: Path, args, timeout_s: float, log) -> dict:
+    run = run_product(root, "grpo", [args.device_override, *GRPO_TINY, "rollout=hf", "rollout.sleep_level=2",
+                                     "weight_sync.checksum_every_steps=1"], timeout_s, log)
+    steps = run.get("steps", [])
+    run["passed"] = _passed(run, len(steps) == 3, all(s.get("weight_sync/verified_tensors", 0) > 0 for s in steps[1:]))
+    return run
+
+
+def part_resume(root: Path, args, timeout_s: float, log) -> dict:
+    """The first part's run resumed (trainer.resume=true) from its step-3 checkpoint for a fourth step."""
+    if not (root / "grpo" / "checkpoints").exists():
+        return {"skipped": "the first part left no checkpoint"}
+    before = len((root / "grpo" / "metrics.jsonl").read_text().splitlines())
+    run = run_product(root, "grpo", [args.device_override, *GRPO_TINY, "rollout=hf", "rollout.sleep_level=2",
+                                     "weight_sync.checksum_every_steps=1", "trainer.resume=true",
+                                     "trainer.total_steps=4"], timeout_s, log)
+    run["steps"] = run.get("steps", [])[before:]
+    run["passed"] = _passed(run, [s["step"] for s in run["steps"]] == [4])
+    return run
+
+
+def part_pipeline(root: Path, args, timeout_s: float, log) -> dict:
+    short = [*SMALL, "rollout=hf", "stages.sft.trainer.total_steps=8", "stages.sft.trainer.save_every_steps=2",
+             "stages.grpo.trainer.total_steps=2", "stages.grpo.actor.samples_per_mini_batch=16"]
+    run = run_product(root, "pipeline", [args.device_override, *short], timeout_s, log)
+    stages = run.get("stages", {})
+    run["passed"] = _passed(run, sorted(stages) == ["00-sft", "01-grpo"],
+                            stages.get("01-grpo", {}).get("final_accuracy") is not None)
+    return run
+
+
+def part_level1_and_exact(root: Path, args, timeout_s: float, log) -> dict:
+    start, out = time.perf_counter(), {}
+    out["hf_level1"] = run_product(root, "level1", [args.device_override, *GRPO_TINY, "rollout=hf",
+                                                    "rollout.sleep_level=1", "weight_sync.checksum_every_steps=1"],
+                                   timeout_s / 2, log)
+    out["exact"] = run_product(root, "exact", [args.device_override, *GRPO_TINY, "rollout=exact"],
+                               max(1.0, timeout_s - (time.perf_counter() - start)), log)
+    exact = out["exact"].get("steps", [])
+    out["passed"] = _passed(out["hf_level1"]) and _passed(
+        out["exact"], all(s.get("rollout_mismatch/abs_diff_max") == 0.0 for s in exact if "rollout_mismatch/abs_diff_max" in s))
+    return out
+
+
+def part_grpo_sized(root: Path, args, timeout_s: float, log) -> dict:
+    """GRPO through the product at a model size's shapes (random weights), bf16 over float32 masters, the hf
+    engine at level 2: each phase's peak beside the GPU memory model's floor of that phase."""
+    start = time.perf_counter()
+    model_dir = sized_model_dir(root, args.size, "cpu")  # this process never opens a CUDA context: the runs' GPU
+    dims = (["rollout.max_response_tokens=16", "data.max_prompt_tokens=16", "trainer.prompts_per_step=4",
+             "rollout.samples_per_prompt=4"] if args.dry_run else
+            ["rollout.max_response_tokens=512", "data.max_prompt_tokens=256", "trainer.prompts_per_step=16",
+             "rollout.samples_per_prompt=8"])
+    overrides = ["recipe=grpo", "model=local_hf", f"model.path={model_dir}", f"model.dtype={args.dtype}",
+                 "model.master_dtype=float32", "rollout=hf", f"rollout.dtype={args.dtype}", "rollout.sleep_level=2",
+                 "trainer.total_steps=2", "trainer.val_every_steps=0", "trainer.export_hf=false",
+                 "trainer.save_every_steps=0", "weight_sync.check=none", "actor.samples_per_micro_batch=16",
+                 "actor.gradient_checkpointing=false", *dims]
+    run = run_product(root, f"grpo-{args.size}", [args.device_override, *overrides],
+                      max(1.0, timeout_s - (time.perf_counter() - start)), log)
+    run["phases"] = phase_floors(["placement=local", *overrides, "placement.device=cuda"], model_dir, run.get("steps", []))
+    run["passed"] = _passed(run)
+    return run
+
+
+def phase_floors(overrides: list[str], model_dir: Path, steps: list[dict]) -> dict:
+    """Per phase of the GPU memory model for the run's config on this GPU (80 GiB where there is none): its
+    floor term by term, the run's peak for it (`PHASE_PEAKS`, the largest over the steps) and their ratio."""
+    from hybridflow.config import compose
+    from hybridflow.memory_budget import (GIB, ModelShape, actor_pool_roles, gpu_phase_terms, local_gpus,
+                                          resolve_micro_batches)
+    from hybridflow.planning.plan import Plan
+
+    gpus = local_gpus()  # read through nvidia-smi: no CUDA context in this process beside the runs'
+    gpu = gpus[0][1] if gpus else 80 * GIB
+    config = compose(overrides)
+    config = resolve_micro_batches(config, Plan.from_config(config), gpu_bytes=gpu)[0]
+    plan = Plan.from_config(config)
+    out = {}
+    for phase, terms in gpu_phase_terms(config, plan, ModelShape.from_dir(model_dir), actor_pool_roles(config, plan),
+                                        gpu).items():
+        floor = sum(terms.values()) / GIB
+        row = {"floor_gib": round(floor, 3), "terms_gib": {k: round(v / GIB, 3) for k, v in terms.items()}}
+        peaks = [s[PHASE_PEAKS[phase]] for s in steps if PHASE_PEAKS.get(phase) in s]
+        if peaks:
+            row["peak_gib"] = round(max(peaks), 3)
+            row["peak_over_floor"] = round(max(peaks) / floor, 3)
+        out[phase] = row
+    return out
+
+
+def part_in_process(name: str, args, timeout_s: float, log) -> dict:
+    """An in-process part of the check (`--only NAME`), in a process of its own so that its timeout holds."""
+    import subprocess
+
+    with tempfile.NamedTemporaryFile(suffix=".json") as part_out:
+        command = [sys.executable, str(Path(__file__).resolve()), "--only", name, "--out", part_out.name,
+                   *(["--dry-run"] if args.dry_run else ["--dtype", args.dtype])]
+        try:
+            done = subprocess.run(command, capture_output=True, text=True, timeout=timeout_s)
+            text, code = done.stdout + done.stderr, done.returncode
+        except subprocess.TimeoutExpired as exc:
+            text, code = _text(exc.stdout) + _text(exc.stderr), None
+        log(f"$ gpu_check.py --only {name}\n{text[-20000:]}\n")
+        report = json.loads(Path(part_out.name).read_text() or "{}") if Path(part_out.name).stat().st_size else {}
+    report.pop("seconds", None)
+    report["returncode"] = code
+    if code is None:
+        report["timed_out"] = True
+    report["passed"] = code == 0 and not any(isinstance(v, dict) and "error" in v for v in report.values())
     return report
 
 
-class Report:
-    """The JSON report, rewritten after every part (a run cut short keeps what it measured)."""
+PRODUCT_PARTS = {"grpo_hf_level2": part_grpo_level2, "resume": part_resume, "pipeline": part_pipeline,
+                 "level1_and_exact": part_level1_and_exact, "grpo_0.5b": part_grpo_sized}
 
-    def __init__(self, path: str, **head) -> None:
-        self.path, self.data = path, dict(head)
+
+class Report:
+    """The JSON report (`gpu_check.json`) and the parts' output (`gpu_check.log`) in the output folder,
+    rewritten after every part: a call cut short keeps what ran."""
+
+    def __init__(self, folder: str, **head) -> None:
+        self.folder = Path(folder) if folder else None
+        self.data = dict(head)
+        if self.folder:
+            self.folder.mkdir(parents=True, exist_ok=True)
+            (self.folder / "gpu_check.log").write_text("")
+
+    def log(self, text: str) -> None:
+        if self.folder:
+            with open(self.folder / "gpu_check.log", "a") as f:
+                f.write(text)
 
     def add(self, key: str, fn) -> None:
         start = time.perf_counter()
@@ -829,47 +979,73 @@ class Report:
 
             self.data[key] = {"error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()[-3000:]}
         self.data.setdefault("seconds", {})[key] = round(time.perf_counter() - start, 2)
-        text = json.dumps(self.data, indent=2, default=str)
+        self.write()
         print(f"== {key} ({self.data['seconds'][key]} s)\n" + json.dumps(self.data[key], default=str)[:3000],
               flush=True)
-        if self.path:
-            Path(self.path).write_text(text + "\n")
+
+    def write(self) -> None:
+        if self.folder:
+            (self.folder / "gpu_check.json").write_text(json.dumps(self.data, indent=2, default=str) + "\n")
+
+
+def run_parts(args) -> None:
+    """Every part in `PARTS` order, each in a process of its own under its timeout, within `--budget-s`."""
+    report = Report(args.out, device=_device_name(args.device), torch=torch.__version__, compute_dtype=args.dtype,
+                    budget_s=args.budget_s, parts={p.name: {"expected_s": p.expected_s, "timeout_s": p.timeout_s,
+                                                           "what": p.what} for p in PARTS})
+    started = time.perf_counter()
+    with tempfile.TemporaryDirectory() as tmp:
+        for part in PARTS:
+            if args.parts and part.name not in args.parts.split(","):
+                continue
+            left = args.budget_s - (time.perf_counter() - started)
+            if left < 15:
+                report.data[part.name] = {"skipped": f"the budget of {args.budget_s} s is spent"}
+                report.write()
+                continue
+            timeout = min(part.timeout_s * (3 if args.dry_run else 1), left)
+            if part.name in PRODUCT_PARTS:
+                report.add(part.name, lambda: PRODUCT_PARTS[part.name](Path(tmp), args, timeout, report.log))
+            else:
+                report.add(part.name, lambda: part_in_process(part.name, args, timeout, report.log))
+    report.data["passed"] = [p.name for p in PARTS if isinstance(report.data.get(p.name), dict)
+                             and report.data[p.name].get("passed")]
+    report.data["total_s"] = round(time.perf_counter() - started, 1)
+    report.write()
+
+
+def _device_name(device: str) -> str:
+    """The GPU's name and memory as nvidia-smi reports them (no CUDA context in this process), or "cpu"."""
+    from hybridflow.memory_budget import local_gpus
+
+    gpus = local_gpus() if device == "cuda" else []
+    return f"{gpus[0][0]} ({gpus[0][1] / 2 ** 30:.1f} GiB)" if gpus else "cpu"
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", choices=sorted(MODELS), default="100m", help="the engine checks' model")
-    parser.add_argument("--sizes", default="0.5b,1.5b", help="the speed part's model sizes (comma-separated; "
-                        "'' skips it)")
+    parser.add_argument("--out", default=os.environ.get("OUT", ""),
+                        help="the output folder (default $OUT): gpu_check.json and gpu_check.log, never weights")
     parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
-    parser.add_argument("--syncs", type=int, default=5)
-    parser.add_argument("--repeats", type=int, default=2, help="timed calls of each speed measurement (best kept)")
     parser.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="bfloat16",
                         help="model.dtype, the compute dtype over float32 master weights")
-    parser.add_argument("--dry-run", action="store_true", help="--device cpu, the tiny shapes, one sync")
-    parser.add_argument("--skip-engine", action="store_true", help="parts 1-3 skipped")
-    parser.add_argument("--no-cudnn-attention", action="store_true",
-                        help="a diagnosis: scaled_dot_product_attention without its cuDNN backend")
-    parser.add_argument("--diagnose", action="store_true",
-                        help="also our pass and update (padded and packed) with the vocabulary in one chunk")
-    parser.add_argument("--handover", default="0.5b,1.5b", help="the colocated hand-over's model sizes "
-                        "(comma-separated; '' skips it)")
-    parser.add_argument("--share", type=float, default=0.4, help="the stand-in engine's rollout.gpu_memory_utilization")
-    parser.add_argument("--handover-micro", type=int, default=0, help="the hand-over's rows per micro-batch "
-                        "(0: part 5's)")
-    parser.add_argument("--gpu-gib", type=float, default=0.0, help="cap the allocator at this many GiB "
-                        "(torch.cuda.set_per_process_memory_fraction): a smaller GPU on a larger one")
-    parser.add_argument("--product", action=argparse.BooleanOptionalAction, default=True,
-                        help="part 6: the pipeline and GRPO runs through the product (placement=local)")
-    parser.add_argument("--product-sizes", default="0.5b,1.5b", help="part 6's GRPO model sizes ('' skips them)")
-    parser.add_argument("--product-steps", type=int, default=3)
-    parser.add_argument("--out", default="")
+    parser.add_argument("--budget-s", type=float, default=BUDGET_S, help="the whole check's seconds")
+    parser.add_argument("--parts", default="", help="only these parts (comma-separated names of PARTS)")
+    parser.add_argument("--dry-run", action="store_true", help="--device cpu, the tiny shapes")
+    parser.add_argument("--only", default="", help=argparse.SUPPRESS)  # an in-process part, in this process
     args = parser.parse_args()
-    shape = GRPO_SHAPE
     if args.dry_run:
-        args.device, args.model, args.sizes, args.syncs, args.repeats, shape = "cpu", "tiny", "tiny", 1, 1, DRY_SHAPE
-        args.handover, args.product_sizes = "tiny", "tiny"
+        args.device = "cpu"
+    args.size = "tiny" if args.dry_run else "0.5b"
+    args.device_override = f"placement.device={args.device}"
+    if args.only:
+        return run_in_process_part(args)
+    run_parts(args)
 
+
+def run_in_process_part(args) -> None:
+    """One in-process part (`--only`): the engine checks, a hand-over or the speed beside a plain loop, into
+    the JSON file `--out`."""
     import torch.distributed as dist
 
     backend = "nccl" if args.device == "cuda" else "gloo"
@@ -877,33 +1053,20 @@ def main() -> None:
     os.environ.setdefault("MASTER_PORT", "29533")
     if args.device == "cuda":
         torch.cuda.set_device(0)
-        if args.gpu_gib:
-            GPU_FRACTION[0] = min(1.0, args.gpu_gib * 2 ** 30 / torch.cuda.get_device_properties(0).total_memory)
-            torch.cuda.set_per_process_memory_fraction(GPU_FRACTION[0])
-        if args.no_cudnn_attention:
-            torch.backends.cuda.enable_cudnn_sdp(False)
     dist.init_process_group(backend, rank=0, world_size=1)
-    report = Report(args.out, device=torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
-                    backend=backend, torch=torch.__version__, model=args.model, compute_dtype=args.dtype,
-                    master_dtype="float32")
+    report = Report("")
+    report.data = {"backend": backend}
+    shape, size = (DRY_SHAPE, "tiny") if args.dry_run else (GRPO_SHAPE, "0.5b")
+    args.model, args.syncs, args.repeats = ("tiny", 1, 1) if args.dry_run else ("100m", 3, 2)
     with tempfile.TemporaryDirectory() as tmp:
-        report.add("packed_attention", lambda: check_packed_attention(args.device, args.dtype))
-        if "error" in report.data["packed_attention"]:  # measure packing with the padded layout instead
-            from hybridflow.training import packing
-
-            packing._VARLEN = None
-            report.data["varlen_kernel_disabled_after_its_error"] = True
-        if not args.skip_engine:
+        if args.only == "engine_checks":
+            report.add("packed_attention", lambda: check_packed_attention(args.device, args.dtype))
             engine_checks(report, Path(tmp), args)
-        handover_shape = dict(shape, micro=args.handover_micro or shape["micro"])
-        for size in filter(None, args.handover.split(",")):
-            report.add(f"handover_{size}", lambda: check_handover(Path(tmp), size, args.device, args.dtype,
-                                                                  handover_shape, args.share))
-        for size in filter(None, args.sizes.split(",")):
-            report.add(f"speed_{size}", lambda: check_speed(Path(tmp), size, args.device, args.dtype, shape,
-                                                            args.repeats, args.diagnose))
-        if args.product:
-            report.add("product", lambda: check_product(Path(tmp), args, list(filter(None, args.product_sizes.split(",")))))
+        elif args.only.startswith("handover_"):
+            report.add("handover", lambda: check_handover(Path(tmp), size, args.device, args.dtype, shape, 0.4))
+        elif args.only.startswith("speed_"):
+            report.add("speed", lambda: check_speed(Path(tmp), size, args.device, args.dtype, shape, args.repeats))
+        Path(args.out).write_text(json.dumps(report.data, indent=2, default=str) + "\n")
     dist.destroy_process_group()
 
 

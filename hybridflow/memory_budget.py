@@ -446,7 +446,7 @@ def gpu_device_phases(inputs: MemoryInputs, roles, ranks: int, tp: int, gpu_byte
                               **({} if "actor" in roles else engine)}
     if kind is None or kind is GpuMemory.UNCOUNTED or (kind is GpuMemory.SHARE and not vllm):
         return phases
-    p, master, compute = inputs.shape.parameters, inputs.master_bytes, inputs.compute_bytes
+    p, master = inputs.shape.parameters, inputs.master_bytes
     trained = 0 if inputs.lora else p
     stays, loaded = _staying_terms(inputs, roles, ranks)
     actor_weights = ({"actor parameters (model.master_dtype, FSDP shard)": p * master / ranks}
