@@ -52,6 +52,7 @@ from pathlib import Path
 
 from hybridflow.algos.entropy import CUDA_FLOAT32_CHUNK_BYTES
 from hybridflow.config.engines import GpuMemory
+from hybridflow.config.engines import rollout_engine
 from hybridflow.config.model_facts import ModelFacts
 
 GIB = 2 ** 30
@@ -387,15 +388,11 @@ def gpu_memory_bytes(config) -> int | None:
 
 def _engine_gpu(config) -> str:
     """What the rollout engine holds on a GPU (`RolloutEngine.gpu_memory`'s value)."""
-    from hybridflow.config.engines import rollout_engine
-
     return rollout_engine(config.rollout.backend).gpu_memory.value
 
 
 def _engine_memory(config) -> bool:
     """Whether the rollout engine holds weights and a KV cache of its own (`RolloutEngine.engine_memory`)."""
-    from hybridflow.config.engines import rollout_engine
-
     return rollout_engine(config.rollout.backend).engine_memory
 
 
