@@ -393,7 +393,8 @@ def check_algorithm_needs(config: HybridFlowConfig) -> list[str]:
             "teacher.reward_weight", config.teacher.reward_weight,
             "a critic learns the reward's values, and with teacher.reward_weight=0 no advantage reads them: "
             "set algorithm.use_critic=false, or a reward weight > 0")
-    problems += need(not config.teacher_role_runs or config.teacher.objective != "topk" or not t.max_staleness,
+    problems += need(not config.teacher_role_runs or config.teacher.objective != "topk" or
+                     not schedule_class(t.max_staleness).stale,
             "teacher.objective", config.teacher.objective,
             f"topk trains on each batch as the current student's samples, and trainer.max_staleness={t.max_staleness} "
             "trains on older weights' samples with nothing to correct them: use teacher.objective=advantage (its "
