@@ -170,7 +170,8 @@ def start_ray(config: HybridFlowConfig, plan: Plan) -> str:
 def spawn_roles(config: HybridFlowConfig, plan: Plan, roles: dict[str, RoleSpec],
                 env_vars: dict[str, str] | None = None) -> dict[str, WorkerGroup]:
     """Spawn `roles` on their pools of `plan`, on its device; roles sharing a pool share processes, and
-    each role's replicas span `plan.replica_size(role)` ranks (the rollout's TP)."""
+    each role's replicas span `plan.replica_size(role)` ranks (the rollout's TP), or the ranks its RoleSpec
+    names (the actor's sequence-parallel groups, `actor.sequence_parallel_size`)."""
     import dataclasses
 
     by_pool: dict[str, dict[str, RoleSpec]] = {}
@@ -179,7 +180,8 @@ def spawn_roles(config: HybridFlowConfig, plan: Plan, roles: dict[str, RoleSpec]
             pool = plan.pool_of(role).name
         except KeyError:
             raise KeyError(f"role {role!r} has no pool: add placement.roles.{role}=<pool name>") from None
-        by_pool.setdefault(pool, {})[role] = dataclasses.replace(spec, replica_size=plan.replica_size(role))
+        replicas = spec.replica_size if spec.replica_size > 1 else plan.replica_size(role)
+        by_pool.setdefault(pool, {})[role] = dataclasses.replace(spec, replica_size=replicas)
     groups: dict[str, WorkerGroup] = {}
     if config.placement.one_process:  # one process, one device: every role here (hybridflow/controller/local.py)
         import os

@@ -35,8 +35,9 @@ def _sized(config: HybridFlowConfig, role: str) -> HybridFlowConfig:
 
 
 def actor_role(config: HybridFlowConfig, model_dir: str | Path) -> RoleSpec:
+    """The actor; its replicas span `actor.sequence_parallel_size` ranks, which receive the same rows."""
     config = _sized(config, "actor")
-    return RoleSpec(ActorWorker, dict(
+    return RoleSpec(ActorWorker, replica_size=config.actor.sequence_parallel_size, kwargs=dict(
         actor=config.actor, model_path=str(model_dir), dtype=config.model.dtype.value,
         master_dtype=config.model.master_dtype.value, keep_dropout=config.model.keep_dropout,
         temperature=config.rollout.temperature, total_steps=config.trainer.total_steps,

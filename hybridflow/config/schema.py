@@ -596,8 +596,14 @@ class ActorConfig:
     skip_zero_advantage_samples: bool = True
     # null: on only when fewer than 8 rows of a micro-batch would fit without it (chosen before start)
     gradient_checkpointing: Optional[bool] = None
+    # Ulysses sequence parallelism: each packed row of the actor's training forward split along its length
+    # over this many consecutive ranks (docs/long_sequences.md); must divide the actor's ranks and the
+    # model's attention and key/value heads; needs packed sequences
+    sequence_parallel_size: int = 1
 
     def __post_init__(self) -> None:
+        _require(self.sequence_parallel_size >= 1, "actor.sequence_parallel_size", self.sequence_parallel_size,
+                 "must be >= 1 (1: every rank computes whole sequences)")
         _require(self.samples_per_mini_batch >= 0, "actor.samples_per_mini_batch", self.samples_per_mini_batch, "must be >= 0")
         _require(self.samples_per_micro_batch is None or self.samples_per_micro_batch >= 1, "actor.samples_per_micro_batch",
                  self.samples_per_micro_batch, "must be >= 1, or null to choose from the memory available")

@@ -285,16 +285,19 @@ def read_floats(stats: dict) -> None:
         stats.update(zip(keys, values))
 
 
-def _all_reduce_scalar(value: float | int, op) -> float:
-    if not dist.is_initialized() or dist.get_world_size() == 1:
+def _all_reduce_scalar(value: float | int, op, group=None) -> float:
+    if not dist.is_initialized() or dist.get_world_size(group) == 1:
         return float(value)
     t = torch.tensor([float(value)], dtype=torch.float64)
-    dist.all_reduce(t, op=op)
+    dist.all_reduce(t, op=op, group=group)
     return float(t.item())
 
 
-def all_reduce_sum(value: float | int) -> float:
-    return _all_reduce_scalar(value, dist.ReduceOp.SUM)
+def all_reduce_sum(value: float | int, group=None) -> float:
+    """The sum over `group`'s ranks (None: the default group). A sum of the data (tokens, a loss) is taken
+    over the data-parallel group: the ranks of a sequence-parallel group hold the same micro-batches
+    (hybridflow/training/ulysses.py `data_parallel`)."""
+    return _all_reduce_scalar(value, dist.ReduceOp.SUM, group)
 
 
 def all_reduce_max(value: float | int) -> float:

@@ -22,6 +22,7 @@ from hybridflow.training.loss_scale import clipped_step
 from hybridflow.training.objectives.base import Objective, Split
 from hybridflow.training.sequences import TOKEN_COUNTS
 from hybridflow.training.shared_prompts import shares_prompts
+from hybridflow.training.ulysses import data_group, data_parallel_size
 
 
 class TrainingLoopMixin:
@@ -43,7 +44,7 @@ class TrainingLoopMixin:
         objective.check(batch)
         self.model.train()
         batch = batch.to(self.ctx.device)
-        world = self.ctx.world_size
+        world = data_parallel_size(self.model, self.ctx.world_size)  # a sequence-parallel group's ranks: one share
         rows_per_mini = len(batch) if objective.whole_batch or not self.cfg.samples_per_mini_batch else \
             self.cfg.samples_per_mini_batch // world
         generator = torch.Generator().manual_seed(self.seed * self.shuffle_seed_stride + self.updates)
@@ -94,11 +95,12 @@ class TrainingLoopMixin:
             stats, loss = self._accumulate(split, objective, world)
             grad_norm = clipped_step(self.model, self.optimizer, self.loss_scale, self.cfg.optim.max_grad_norm, refusal)
         stats.update(split.stats)
-        return stats, {"loss": all_reduce_sum(loss), "grad_norm": grad_norm}
+        return stats, {"loss": all_reduce_sum(loss, data_group(self.model)), "grad_norm": grad_norm}
 
     def _accumulate(self, split: Split, objective: Objective, world: int) -> tuple[dict, float]:
         """Zero the gradients, then every micro-batch's forward and backward (the loss times the loss
-        scale and `world`, undoing FSDP's average over ranks). Returns the micro-batches' statistics
+        scale and `world`, the data-parallel groups: FSDP averages over every rank, and the SP ranks of a
+        sequence-parallel group each differentiate the same loss, hybridflow/training/ulysses.py). Returns the micro-batches' statistics
         weighed by their shares (`micro_batch_stat`) and their loss on this rank, read from the device once."""
         self.optimizer.zero_grad(set_to_none=True)
         objective.accumulation_started()

@@ -44,6 +44,10 @@ from hybridflow.training.shared_prompts import (SHARED_PROMPTS, SharedPrompts, p
                                                 shared_layout, shared_varlen_attention)
 
 PACKED_ATTENTION = "hybridflow_packed"
+# packed attention with the row split over a sequence-parallel group: registered by hybridflow/training/ulysses.py,
+# which wraps `packed_attention`; a model switched to it runs packed as well
+ULYSSES_ATTENTION = "hybridflow_packed_ulysses"
+PACKED_IMPLEMENTATIONS = (PACKED_ATTENTION, ULYSSES_ATTENTION)
 
 
 @dataclass(frozen=True)
@@ -148,7 +152,7 @@ def packing_unsupported(model: torch.nn.Module) -> str | None:
     """Why `model` cannot run packed (None: it can): its attention implementation or config."""
     config = _config(model)
     implementation = getattr(config, "_attn_implementation", None)
-    if implementation not in ("sdpa", PACKED_ATTENTION):
+    if implementation not in ("sdpa", *PACKED_IMPLEMENTATIONS):
         return (f"its attention implementation is {implementation!r} (packing wraps sdpa; transformers "
                 f"chose {implementation!r} for {type(config).__name__})")
     for sub in _configs(config):
@@ -162,7 +166,7 @@ def packing_unsupported(model: torch.nn.Module) -> str | None:
 def runs_packed(model: torch.nn.Module) -> bool:
     """Whether `model` was switched to packed attention (`use_packed_attention`): its forwards in
     `hybridflow.training.sequences` and the critic then pack every micro-batch."""
-    return getattr(_config(model), "_attn_implementation", None) == PACKED_ATTENTION
+    return getattr(_config(model), "_attn_implementation", None) in PACKED_IMPLEMENTATIONS
 
 
 def choose_packing(model: torch.nn.Module, setting: bool | None) -> bool:
@@ -207,15 +211,19 @@ def _register() -> None:
     if _REGISTERED:
         return
     from transformers import AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
-
-    def mask(*args, attention_mask=None, **kwargs):
-        # no 2D mask: a packed call (its sequences come as cu_seq_lens) or an unpadded one (causal)
-        return None if attention_mask is None else sdpa_mask(*args, attention_mask=attention_mask, **kwargs)
+    from transformers.masking_utils import AttentionMaskInterface
 
     AttentionInterface.register(PACKED_ATTENTION, packed_attention)
-    AttentionMaskInterface.register(PACKED_ATTENTION, mask)
+    AttentionMaskInterface.register(PACKED_ATTENTION, packed_mask)
     _REGISTERED = True
+
+
+def packed_mask(*args, attention_mask=None, **kwargs):
+    """The mask function of packed attention: no 2D mask for a packed call (its sequences come as
+    cu_seq_lens) or an unpadded one (causal); sdpa's for a padded batch."""
+    from transformers.masking_utils import sdpa_mask
+
+    return None if attention_mask is None else sdpa_mask(*args, attention_mask=attention_mask, **kwargs)
 
 
 def packed_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,

@@ -22,6 +22,7 @@ import torch
 from hybridflow.batch import Batch, host_to_device
 from hybridflow.training.packing import PackedSequences, pack, runs_packed
 from hybridflow.training.shared_prompts import prompt_groups, shared_tokens, shares_prompts
+from hybridflow.training.ulysses import SequenceShard, logits_of, sequence_parallel
 
 
 def loss_mask(batch: Batch) -> torch.Tensor:
@@ -99,32 +100,48 @@ def response_log_probs(model: torch.nn.Module, batch: Batch, temperature: float 
 
 
 class ResponseLayout:
-    """Where `response_logits` put each response position: packed (N real tokens in one row) or the padded
-    batch trimmed to its `width` longest response; `to_rows` maps values of that layout to (B, R, ...) with
-    zeros past every response, `from_rows` maps (B, R, ...) values to it."""
+    """Where `response_logits` put each response position: packed (N real tokens in one row), packed and split
+    over a sequence-parallel group (`shard`: this rank's n of the N, hybridflow/training/ulysses.py) or the
+    padded batch trimmed to its `width` longest response; `to_rows` maps values of that layout to (B, R, ...)
+    with zeros past every response (a shard's gathered from the whole group first: every rank of it reads
+    the whole micro-batch), `from_rows` maps (B, R, ...) values to it."""
 
-    def __init__(self, packed: PackedSequences | None, width: int, full_width: int) -> None:
-        self.packed, self.width, self.full_width = packed, width, full_width
+    def __init__(self, packed: PackedSequences | None, width: int, full_width: int,
+                 shard: SequenceShard | None = None) -> None:
+        self.packed, self.width, self.full_width, self.shard = packed, width, full_width, shard
 
     def to_rows(self, values: torch.Tensor) -> torch.Tensor:
+        if self.shard is not None:
+            values = self.shard.gather(values)
         if self.packed is not None:
             return self.packed.scatter(values)
         return pad_response_width(values, self.full_width)
 
     def from_rows(self, values: torch.Tensor) -> torch.Tensor:
         if self.packed is not None:
-            return self.packed.gather(values)
+            values = self.packed.gather(values)
+            return self.shard.local(values) if self.shard is not None else values
         return values[:, :self.width]
 
 
 def response_logits(model: torch.nn.Module, batch: Batch) -> tuple[torch.Tensor, ResponseLayout]:
     """The logits predicting each response token, in the compute dtype, and their layout: (N, V) at the real
-    tokens of a model switched to packed attention (one packed row), else (B, r, V) of the padded batch
-    trimmed of all-padding columns (r its longest response); only those positions' logits are computed
-    where the model takes `logits_to_keep`."""
+    tokens of a model switched to packed attention (one packed row; split over a sequence-parallel group,
+    this rank's (n, V): the layout's `to_rows` gathers values computed on them), else (B, r, V) of the padded
+    batch trimmed of all-padding columns (r its longest response); only those positions' logits are
+    computed where the model takes `logits_to_keep`."""
     packed = pack(batch["prompt_ids"], batch["prompt_mask"], batch["response_ids"], batch["response_mask"],
                   share=shares_prompts(model)) if runs_packed(model) else None
     full_width = batch["response_ids"].shape[1]
+    sp = sequence_parallel(model)
+    if sp is not None:
+        if packed is None:
+            raise ValueError("sequence parallelism splits packed rows, and this micro-batch did not pack (a row "
+                             "with response tokens but no prompt token); the padded path runs at "
+                             "actor.sequence_parallel_size=1 only")
+        shard = sp.shard(packed)
+        return logits_of(model, shard, takes_logits_to_keep(model)), ResponseLayout(packed, full_width, full_width,
+                                                                                   shard)
     if packed is not None:
         return packed_logits(model, packed), ResponseLayout(packed, full_width, full_width)
     inputs, prompt_len, width = trimmed_inputs(batch)

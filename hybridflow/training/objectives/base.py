@@ -2,8 +2,9 @@
 cut of a mini-batch into micro-batches by response tokens (`token_split`).
 
 Gradient accumulation is invariant to the micro-batch split: the loss of every micro-batch is
-normalised by counts over the whole mini-batch on all ranks (`Split.counts`), and the loop multiplies
-it by the number of ranks to undo FSDP's gradient averaging, so one micro-batch or four give the same
+normalised by counts over the whole mini-batch on all ranks (`Split.counts`, over the data-parallel
+group: the ranks of a sequence-parallel group hold the same rows), and the loop multiplies it by the
+number of data-parallel groups to undo FSDP's gradient averaging (hybridflow/training/ulysses.py), so one micro-batch or four give the same
 gradients (tests/unit/test_gradient_splits.py)."""
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from hybridflow.training.fsdp import all_reduce_sum
 from hybridflow.training.packing import runs_packed
 from hybridflow.training.sequences import computed_tokens, loss_mask, micro_batch_rows, mini_batches, row_facts
 from hybridflow.training.shared_prompts import shares_prompts
+from hybridflow.training.ulysses import data_group
 
 
 @dataclass
@@ -85,8 +87,9 @@ def token_split(model: torch.nn.Module, mini: Batch, samples_per_micro_batch: in
     shares: each micro-batch's part of the rank's trained tokens. Statistics: `perf/*_tokens`
     (`computed_tokens`) and `actor/trained_sample_fraction`."""
     mask = loss_mask(mini)
-    tokens = all_reduce_sum(int(mask.sum()))
-    seqs = all_reduce_sum(int(mask.any(dim=1).sum()))
+    group = data_group(model)  # a sequence-parallel group's ranks hold the same rows: counted once
+    tokens = all_reduce_sum(int(mask.sum()), group)
+    seqs = all_reduce_sum(int(mask.any(dim=1).sum()), group)
     if tokens == 0:
         raise ValueError("a mini-batch has no response tokens on any rank; check rollout.max_response_tokens")
     trained = keep(mini) if keep is not None else mini

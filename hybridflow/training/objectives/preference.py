@@ -13,6 +13,7 @@ from hybridflow.algos.preference import LENGTH_NORMALISED, compute_preference_lo
 from hybridflow.batch import Batch
 from hybridflow.data.preference import pair_sequences, pair_sums
 from hybridflow.training.fsdp import all_reduce_sum
+from hybridflow.training.ulysses import data_group
 from hybridflow.training.objectives.base import Objective, Split
 from hybridflow.training.sequences import response_log_probs
 
@@ -37,9 +38,11 @@ class PreferenceObjective(Objective):
 
     def split(self, model: torch.nn.Module, pairs: Batch, samples_per_micro_batch: int,
               tokens_per_micro_batch: int | None) -> Split:
-        """Collective: micro-batches of `samples_per_micro_batch // 2` pairs; counts: `pairs`, over all ranks."""
+        """Collective: micro-batches of `samples_per_micro_batch // 2` pairs; counts: `pairs`, over all ranks (each
+        sequence-parallel group once)."""
         micros = pairs.split(max(1, samples_per_micro_batch // 2))
-        return Split(micros, [len(micro) / len(pairs) for micro in micros], {"pairs": all_reduce_sum(len(pairs))})
+        pairs_over_ranks = all_reduce_sum(len(pairs), data_group(model))
+        return Split(micros, [len(micro) / len(pairs) for micro in micros], {"pairs": pairs_over_ranks})
 
     def loss(self, model: torch.nn.Module, micro: Batch, counts: dict[str, float]) -> tuple[torch.Tensor, dict]:
         sequences = pair_sequences(micro)

@@ -1,0 +1,164 @@
+"""Ulysses sequence parallelism (hybridflow/training/ulysses.py) is SP 1 to the last digit (issue 82).
+
+Two gloo ranks spawned on the CPU hold one sequence-parallel group (actor.sequence_parallel_size=2, one
+data-parallel group): each is handed the whole batch and computes half of every packed row. Against one
+rank with the whole batch (SP 1, packed, one process), in float32 on the tiny model with ragged responses:
+the log-probs and the entropy of every response token, the policy loss (with an entropy term), SFT's loss
+and the top-k distillation's loss, and every parameter's gradient (FSDP2's shards gathered), each within
+1e-5 relative, with one micro-batch and with a token budget that cuts the batch into several. The planted
+faults are caught by the same comparison: the loss factor counting ranks instead of data-parallel groups
+(every gradient doubled), and the gathered log-probs' backward that keeps one rank's gradient instead of
+the group's sum (every gradient halved). The refusals before start and at start have their tests too.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from hybridflow.batch import Batch
+from hybridflow.config.schema import ActorConfig, HybridFlowConfig, ModelConfig, OptimConfig
+from hybridflow.controller import WorkerContext
+from hybridflow.stage import prepare_stage
+from hybridflow.training.objectives import PolicyObjective, SFTObjective, TopKDistillObjective
+from recipes.roles import actor_role
+from tests.unit.test_gradient_splits import _batch, _free_port, _full_gradients, _named
+
+# (samples_per_micro_batch, tokens_per_micro_batch): one packed micro-batch, and a budget that makes several
+SPLITS = [(8, None), (8, 24)]
+LOSSES = ("policy", "sft", "topk")
+
+
+def _config(micro: int, budget: int | None, sp: int = 1) -> HybridFlowConfig:
+    actor = ActorConfig(samples_per_micro_batch=micro, tokens_per_micro_batch=budget, entropy_coef=0.01,
+                        optim=OptimConfig(max_grad_norm=0.0))
+    config = prepare_stage(HybridFlowConfig(model=ModelConfig(pack_sequences=True, share_prompts=False),
+                                            actor=actor)).config
+    # placed here, past the plan's checks, which need a 2-rank actor pool for it (the refusals' tests below)
+    return dataclasses.replace(config, actor=dataclasses.replace(config.actor, sequence_parallel_size=sp))
+
+
+def _objective(loss: str, worker):
+    if loss == "policy":
+        return PolicyObjective(worker.cfg, worker.temperature)
+    return SFTObjective() if loss == "sft" else TopKDistillObjective(beta=0.5)
+
+
+def _results(model_dir, context: WorkerContext, sp: int, splits=SPLITS, losses=LOSSES) -> dict:
+    """Each split: log-probs and entropy (B, R), and each loss's figure and full gradients."""
+    from hybridflow.training.sequences import log_probs_and_entropy
+
+    out = {}
+    for split in splits:
+        for loss in losses:
+            worker = actor_role(_config(*split, sp=sp), model_dir).build(context)
+            worker.start()
+            worker.optimizer.step = lambda: None  # the gradients stay to be compared
+            batch = _batch(model_dir)
+            if loss == "policy":
+                log_probs, entropy = log_probs_and_entropy(worker.model, batch, 8, 1.0, split[1])
+                out[("log_probs", split)], out[("entropy", split)] = log_probs, entropy
+            stats = worker.run_objective(batch, _objective(loss, worker), "actor")
+            out[(loss, split)] = (stats["actor/loss"], _full_gradients(worker.model))
+    return out
+
+
+def _rank(rank: int, world: int, port: int, model_dir: str, out_file: str, fault: str) -> None:
+    import torch.distributed as dist
+
+    from hybridflow.training import loop, ulysses
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    if fault == "factor_counts_ranks":  # the loss times the world's ranks, as at SP 1
+        loop.data_parallel_size = lambda model, world: world
+    if fault == "gather_backward_keeps_one_rank":  # the all-gather's backward without the group's sum
+        ulysses.dist = _NoSumInBackward(dist)
+    if fault == "positions_restart_on_each_rank":  # each rank's slice numbered from 0, not the row's positions
+        plain = ulysses.SequenceShard.model_kwargs
+
+        def local_positions(shard):
+            kwargs = plain(shard)
+            kwargs["position_ids"] = torch.arange(shard.width)[None]
+            return kwargs
+
+        ulysses.SequenceShard.model_kwargs = local_positions
+    try:
+        context = WorkerContext(rank=rank, world_size=world)
+        out = _results(model_dir, context, sp=world, **({} if fault == "none" else FAULT_RUN))
+        if rank == 0:
+            torch.save(out, out_file)
+    finally:
+        dist.destroy_process_group()
+
+
+class _NoSumInBackward:
+    """torch.distributed with `all_reduce` a no-op: only the gathered values' backward calls it in ulysses.py."""
+
+    def __init__(self, dist) -> None:
+        self._dist = dist
+
+    def __getattr__(self, name):
+        return (lambda *a, **k: None) if name == "all_reduce" else getattr(self._dist, name)
+
+
+def _two_ranks(model_dir, out_file, fault: str = "none") -> dict:
+    import torch.multiprocessing as mp
+
+    mp.start_processes(_rank, args=(2, _free_port(), str(model_dir), str(out_file), fault), nprocs=2, join=True,
+                       start_method="spawn")
+    return torch.load(out_file, weights_only=False)
+
+
+@pytest.fixture(scope="module")
+def one_rank(tiny_model_dir) -> dict:
+    return _results(tiny_model_dir, WorkerContext(), sp=1)
+
+
+def _assert_same_gradients(got: dict, want: dict, what: str) -> None:
+    got = _named(got)
+    assert got.keys() == want.keys(), what
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], rtol=1e-5, atol=1e-7, msg=f"{what}: {name}")
+
+
+def test_sequence_parallel_2_gives_sp_1s_log_probs_entropy_losses_and_gradients(tiny_model_dir, tmp_path, one_rank):
+    got = _two_ranks(tiny_model_dir, tmp_path / "sp2.pt")
+    assert got.keys() == one_rank.keys()
+    for split in SPLITS:
+        for key in ("log_probs", "entropy"):
+            torch.testing.assert_close(got[(key, split)], one_rank[(key, split)], rtol=1e-5, atol=1e-6,
+                                       msg=f"{key} {split}")
+        assert one_rank[("entropy", split)].abs().sum() > 0
+        for loss in LOSSES:
+            (got_loss, got_grads), (want_loss, want_grads) = got[(loss, split)], one_rank[(loss, split)]
+            assert got_loss == pytest.approx(want_loss, rel=1e-5, abs=1e-7), (loss, split)
+            assert any(g.abs().sum() > 0 for g in want_grads.values())
+            _assert_same_gradients(got_grads, want_grads, f"SP 2 {loss} {split}")
+
+
+FAULT_RUN = {"splits": SPLITS[1:], "losses": ("policy",)}
+
+
+@pytest.mark.parametrize("fault, factor", [("factor_counts_ranks", 2.0), ("gather_backward_keeps_one_rank", 0.5)])
+def test_a_planted_gradient_fault_is_caught_by_the_sp_comparison(tiny_model_dir, tmp_path, one_rank, fault, factor):
+    """The loss factor counting ranks doubles every gradient; the gathered values' backward without the
+    group's sum halves it. Both leave the log-probs as they are."""
+    got = _two_ranks(tiny_model_dir, tmp_path / f"{fault}.pt", fault)
+    key = ("policy", SPLITS[1])
+    torch.testing.assert_close(got[("log_probs", key[1])], one_rank[("log_probs", key[1])], rtol=1e-5, atol=1e-6)
+    with pytest.raises(AssertionError):
+        _assert_same_gradients(got[key][1], one_rank[key][1], fault)
+    name = "model.embed_tokens.weight"
+    torch.testing.assert_close(_named(got[key][1])[name], one_rank[key][1][name] * factor, rtol=1e-5, atol=1e-7)
+
+
+def test_positions_restarting_on_each_rank_are_caught_by_the_log_prob_comparison(tiny_model_dir, tmp_path, one_rank):
+    """The planted fault: each rank numbers its slice of the row from 0 (rotary embeddings then see the wrong
+    positions on rank 1); the log-probs differ from SP 1's."""
+    got = _two_ranks(tiny_model_dir, tmp_path / "positions.pt", "positions_restart_on_each_rank")
+    with pytest.raises(AssertionError):
+        torch.testing.assert_close(got[("log_probs", SPLITS[1])], one_rank[("log_probs", SPLITS[1])],
+                                   rtol=1e-5, atol=1e-6)
