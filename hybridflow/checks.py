@@ -93,8 +93,8 @@ def plan_problems(config: HybridFlowConfig, plan: Plan, schedule: type[Schedule]
     """What the stage's `plan` shows: the rollout layout on its pools, the step over the actor's ranks,
     and what the async schedule needs of the placement (`schedule`: the class trainer.max_staleness chooses,
     where the caller has it; else asked here)."""
-    return first_problems([lambda: check_rollout_layout(config, plan), lambda: check_step_split(config, plan),
-                           lambda: check_overlap(config, plan, schedule)])
+    return first_problems([lambda: check_rollout_layout(config, plan), lambda: check_sequence_parallel(config, plan),
+                           lambda: check_step_split(config, plan), lambda: check_overlap(config, plan, schedule)])
 
 
 def check_lora_sync(config: HybridFlowConfig) -> list[str]:
@@ -324,21 +324,50 @@ def check_tiny_model_context(config: HybridFlowConfig) -> list[str]:
     return problems
 
 
+def check_sequence_parallel(config: HybridFlowConfig, plan: Plan) -> list[str]:
+    """actor.sequence_parallel_size: it divides the actor's ranks into groups of consecutive ranks, and the
+    model's attention and key/value heads over a group (the all-to-all hands each rank heads / SP of
+    them); it splits packed rows only (the padded path stays at 1 in this release). The other roles
+    (reference, critic, teacher) compute whole sequences on every rank."""
+    sp = config.actor.sequence_parallel_size
+    if sp == 1:
+        return []
+    ranks = plan.devices_of("actor")
+    divisors = [d for d in range(1, ranks + 1) if ranks % d == 0]
+    problems = need(ranks % sp == 0, "actor.sequence_parallel_size", sp,
+                    f"the actor pool has {ranks} rank(s), which groups of {sp} do not divide ({ranks} % {sp} = "
+                    f"{ranks % sp}); fix: one of {divisors}, or an actor pool of a multiple of {sp} ranks")
+    heads, kv_heads = model_heads(config.model)
+    if heads and (heads % sp or kv_heads % sp):
+        common = [d for d in range(1, min(heads, kv_heads) + 1) if heads % d == 0 and kv_heads % d == 0]
+        problems += need(False, "actor.sequence_parallel_size", sp,
+                         f"the model has {heads} attention heads and {kv_heads} key/value heads ({heads} % {sp} = "
+                         f"{heads % sp}, {kv_heads} % {sp} = {kv_heads % sp}), and each rank of a group attends with "
+                         f"1/{sp} of both; fix: a size that divides both: one of {common}")
+    problems += need(config.model.pack_sequences is not False, "model.pack_sequences", config.model.pack_sequences,
+                     f"actor.sequence_parallel_size={sp} splits packed rows; the padded path runs at "
+                     "actor.sequence_parallel_size=1 only: set model.pack_sequences=null or true")
+    return problems
+
+
 def check_step_split(config: HybridFlowConfig, plan: Plan) -> list[str]:
-    """The step's samples (and a pretraining step's sequences) divide over the actor's ranks, and a
-    mini-batch is a whole number of rows per rank."""
+    """The step's samples (and a pretraining step's sequences) divide over the actor's data-parallel groups
+    (its ranks, or its sequence-parallel groups: each group's ranks take the same rows), and a mini-batch is
+    a whole number of rows per group."""
     problems: list[str] = []
-    world = plan.devices_of("actor")
+    sp = config.actor.sequence_parallel_size
+    world = plan.devices_of("actor") // sp
+    ranks = "actor ranks" if sp == 1 else f"actor data-parallel groups (sequence-parallel groups of {sp} ranks)"
     samples = config.trainer.prompts_per_step * config.rollout.samples_per_prompt
     problems += need(samples % world == 0, "trainer.prompts_per_step", config.trainer.prompts_per_step,
             f"prompts_per_step x rollout.samples_per_prompt ({samples}) must divide evenly over the "
-            f"{world} actor ranks")
+            f"{world} {ranks}")
     mini = config.actor.samples_per_mini_batch
     problems += need(mini == 0 or (samples % mini == 0 and mini % world == 0), "actor.samples_per_mini_batch", mini,
-            f"must divide the step's {samples} samples and be a multiple of the {world} actor ranks")
+            f"must divide the step's {samples} samples and be a multiple of the {world} {ranks}")
     problems += need(not recipe_spec(config.recipe.name).packs_sequences or config.pretrain.sequences_per_step % world == 0,
             "pretrain.sequences_per_step", config.pretrain.sequences_per_step,
-            f"must divide evenly over the {world} actor ranks")
+            f"must divide evenly over the {world} {ranks}")
     return problems
 
 

@@ -20,21 +20,22 @@ import torch
 
 from hybridflow.batch import Batch
 from hybridflow.config.schema import ActorConfig, HybridFlowConfig, ModelConfig, OptimConfig
-from hybridflow.controller import WorkerContext
+from hybridflow.controller import RoleSpec, WorkerContext
 from hybridflow.stage import prepare_stage
 from hybridflow.training.objectives import PolicyObjective, SFTObjective, TopKDistillObjective
 from recipes.roles import actor_role
 from tests.unit.test_gradient_splits import _batch, _free_port, _full_gradients, _named
 
-# (samples_per_micro_batch, tokens_per_micro_batch): one packed micro-batch, and a budget that makes several
-SPLITS = [(8, None), (8, 24)]
+# (samples_per_micro_batch, tokens_per_micro_batch, share_prompts): one packed micro-batch, a budget that makes
+# several, and the budget with rows that share their prompts (hybridflow/training/shared_prompts.py)
+SPLITS = [(8, None, False), (8, 24, False), (8, 24, True)]
 LOSSES = ("policy", "sft", "topk")
 
 
-def _config(micro: int, budget: int | None, sp: int = 1) -> HybridFlowConfig:
+def _config(micro: int, budget: int | None, share: bool = False, sp: int = 1) -> HybridFlowConfig:
     actor = ActorConfig(samples_per_micro_batch=micro, tokens_per_micro_batch=budget, entropy_coef=0.01,
                         optim=OptimConfig(max_grad_norm=0.0))
-    config = prepare_stage(HybridFlowConfig(model=ModelConfig(pack_sequences=True, share_prompts=False),
+    config = prepare_stage(HybridFlowConfig(model=ModelConfig(pack_sequences=True, share_prompts=share),
                                             actor=actor)).config
     # placed here, past the plan's checks, which need a 2-rank actor pool for it (the refusals' tests below)
     return dataclasses.replace(config, actor=dataclasses.replace(config.actor, sequence_parallel_size=sp))
@@ -52,17 +53,25 @@ def _results(model_dir, context: WorkerContext, sp: int, splits=SPLITS, losses=L
 
     out = {}
     for split in splits:
-        for loss in losses:
+        for loss in losses if not split[2] else ("policy",):
             worker = actor_role(_config(*split, sp=sp), model_dir).build(context)
             worker.start()
             worker.optimizer.step = lambda: None  # the gradients stay to be compared
-            batch = _batch(model_dir)
+            batch = _shared_batch(model_dir) if split[2] else _batch(model_dir)
             if loss == "policy":
                 log_probs, entropy = log_probs_and_entropy(worker.model, batch, 8, 1.0, split[1])
                 out[("log_probs", split)], out[("entropy", split)] = log_probs, entropy
             stats = worker.run_objective(batch, _objective(loss, worker), "actor")
             out[(loss, split)] = (stats["actor/loss"], _full_gradients(worker.model))
     return out
+
+
+def _shared_batch(model_dir) -> Batch:
+    """`_batch`'s responses after 3, 2 and 3 copies of its first three prompts: groups that share them."""
+    batch = _batch(model_dir)
+    shared = batch.index([0, 0, 0, 1, 1, 2, 2, 2])
+    shared.tensors.update({k: v for k, v in batch.tensors.items() if k not in ("prompt_ids", "prompt_mask")})
+    return shared
 
 
 def _rank(rank: int, world: int, port: int, model_dir: str, out_file: str, fault: str) -> None:
@@ -132,14 +141,14 @@ def test_sequence_parallel_2_gives_sp_1s_log_probs_entropy_losses_and_gradients(
             torch.testing.assert_close(got[(key, split)], one_rank[(key, split)], rtol=1e-5, atol=1e-6,
                                        msg=f"{key} {split}")
         assert one_rank[("entropy", split)].abs().sum() > 0
-        for loss in LOSSES:
+        for loss in LOSSES if not split[2] else ("policy",):
             (got_loss, got_grads), (want_loss, want_grads) = got[(loss, split)], one_rank[(loss, split)]
             assert got_loss == pytest.approx(want_loss, rel=1e-5, abs=1e-7), (loss, split)
             assert any(g.abs().sum() > 0 for g in want_grads.values())
             _assert_same_gradients(got_grads, want_grads, f"SP 2 {loss} {split}")
 
 
-FAULT_RUN = {"splits": SPLITS[1:], "losses": ("policy",)}
+FAULT_RUN = {"splits": SPLITS[1:2], "losses": ("policy",)}
 
 
 @pytest.mark.parametrize("fault, factor", [("factor_counts_ranks", 2.0), ("gather_backward_keeps_one_rank", 0.5)])
@@ -162,3 +171,52 @@ def test_positions_restarting_on_each_rank_are_caught_by_the_log_prob_comparison
     with pytest.raises(AssertionError):
         torch.testing.assert_close(got[("log_probs", SPLITS[1])], one_rank[("log_probs", SPLITS[1])],
                                    rtol=1e-5, atol=1e-6)
+
+
+# ---- refused before start, with the arithmetic and the fix ------------------------------------------------
+
+def _stage(*overrides: str):
+    from hybridflow.config import compose
+
+    return prepare_stage(compose(["recipe=grpo", *overrides]))
+
+
+@pytest.mark.parametrize("overrides, said", [
+    (["placement.pools.global.devices_per_node=3", "actor.sequence_parallel_size=2"],
+     "the actor pool has 3 rank(s), which groups of 2 do not divide (3 % 2 = 1); fix: one of [1, 3]"),
+    (["placement.pools.global.devices_per_node=4", "actor.sequence_parallel_size=4"],
+     "the model has 4 attention heads and 2 key/value heads (4 % 4 = 0, 2 % 4 = 2)"),
+    (["placement.pools.global.devices_per_node=2", "actor.sequence_parallel_size=2", "model.tiny.num_key_value_heads=1"],
+     "fix: a size that divides both: one of [1]"),
+    (["placement.pools.global.devices_per_node=2", "actor.sequence_parallel_size=2", "model.pack_sequences=false"],
+     "the padded path runs at actor.sequence_parallel_size=1 only"),
+])
+def test_a_sequence_parallel_size_that_cannot_run_is_refused_before_start(overrides, said):
+    from hybridflow.config import ConfigError
+
+    with pytest.raises(ConfigError) as refused:
+        _stage(*overrides)
+    assert said in str(refused.value)
+    assert "actor.sequence_parallel_size" in str(refused.value) or "model.pack_sequences" in str(refused.value)
+
+
+def test_a_size_that_divides_ranks_and_heads_is_accepted_and_the_step_splits_over_data_parallel_groups():
+    from hybridflow.config import ConfigError
+
+    stage = _stage("placement.pools.global.devices_per_node=4", "actor.sequence_parallel_size=2")
+    assert stage.config.actor.sequence_parallel_size == 2
+    # 2 data-parallel groups: a mini-batch of 2 rows is one per group; 1 row per step would leave a group idle
+    with pytest.raises(ConfigError, match=r"over the 2 actor data-parallel groups \(sequence-parallel groups of 2"):
+        _stage("placement.pools.global.devices_per_node=4", "actor.sequence_parallel_size=2",
+               "trainer.prompts_per_step=1", "rollout.samples_per_prompt=1")
+    with pytest.raises(ValueError, match="actor.sequence_parallel_size=0 is invalid: must be >= 1"):
+        ActorConfig(sequence_parallel_size=0)
+
+
+def test_an_actor_whose_replicas_do_not_span_its_group_is_refused_at_start(tiny_model_dir):
+    """Built without actor_role's replica size, the ranks of a group would be handed different rows."""
+    spec = actor_role(_config(8, None, False), tiny_model_dir)
+    cfg = dataclasses.replace(spec.kwargs["actor"], sequence_parallel_size=2)
+    worker = RoleSpec(spec.cls, {**spec.kwargs, "actor": cfg}).build(WorkerContext(world_size=2))
+    with pytest.raises(ValueError, match="this actor's replicas span 1 rank"):
+        worker.start()
