@@ -40,7 +40,7 @@ from hybridflow.training.resolution import MovedFraction, precision_stats
 from hybridflow.training.shared_prompts import choose_sharing
 from hybridflow.training.state import TrainingStateMixin
 from hybridflow.training.sequences import log_probs_and_entropy, pair_log_probs
-from hybridflow.training.ulysses import build_sequence_parallel, use_sequence_parallel
+from hybridflow.training.ulysses import split_sequences
 
 
 class ActorWorker(TrainingStateMixin, TrainingLoopMixin, AdapterReferenceMixin, WeightSendingMixin):
@@ -95,7 +95,7 @@ class ActorWorker(TrainingStateMixin, TrainingLoopMixin, AdapterReferenceMixin, 
                            on_meta=self.ctx.world_size > 1 and self.ctx.rank != 0)
         packed = choose_packing(model, self.pack_sequences)
         shared = choose_sharing(model, self.share_prompts, packed)
-        self._split_sequences(model, packed)
+        split_sequences(model, packed, self.cfg.sequence_parallel_size, self.ctx, self.pack_sequences)
         self.model = shard_model(model, self.ctx.device, compute_dtype=self.dtype)
         if self.cfg.fp32_lm_head:
             fp32_output_head(self.model)
@@ -107,29 +107,6 @@ class ActorWorker(TrainingStateMixin, TrainingLoopMixin, AdapterReferenceMixin, 
                                          "engine": getattr(torch, self.engine_dtype)})
         trainable = sum(p.numel() for p in self.model.parameters() if p.requires_grad)
         return {"trainable_parameters_on_rank": trainable, "packed_sequences": packed, "shared_prompts": shared}
-
-    def _split_sequences(self, model: torch.nn.Module, packed: bool) -> None:
-        """actor.sequence_parallel_size > 1: its groups built (collective) and the model's packed attention
-        switched to Ulysses' (hybridflow/training/ulysses.py). The controller must hand every rank of a
-        group the same rows (this role's replicas span the group: `ctx.replica_size`)."""
-        size = self.cfg.sequence_parallel_size
-        if size == 1:
-            return
-        if self.ctx.replica_size != size:
-            raise ValueError(f"actor.sequence_parallel_size={size}, but this actor's replicas span "
-                             f"{self.ctx.replica_size} rank(s), so the ranks of a sequence-parallel group would get "
-                             "different rows; build the actor with recipes/roles.py actor_role (its RoleSpec "
-                             "sets replica_size to the sequence-parallel size)")
-        if not packed:
-            raise ValueError(f"actor.sequence_parallel_size={size} splits packed rows, and this model runs padded "
-                             f"(model.pack_sequences={self.pack_sequences}, or the model cannot pack); the padded "
-                             "path runs at actor.sequence_parallel_size=1 only in this release")
-        config = model.get_base_model().config if hasattr(model, "get_base_model") else model.config
-        heads = (config.num_attention_heads, getattr(config, "num_key_value_heads", None) or config.num_attention_heads)
-        if heads[0] % size or heads[1] % size:
-            raise ValueError(f"actor.sequence_parallel_size={size} must divide the model's {heads[0]} attention "
-                             f"heads and {heads[1]} key/value heads; use a common divisor of them")
-        use_sequence_parallel(model, build_sequence_parallel(self.ctx.rank, self.ctx.world_size, size))
 
     # ---- inference ------------------------------------------------------------------------
 

@@ -246,6 +246,31 @@ def use_sequence_parallel(model: torch.nn.Module, sp: SequenceParallel) -> None:
     base._hybridflow_sequence_parallel = sp
 
 
+def split_sequences(model: torch.nn.Module, packed: bool, size: int, ctx, pack_setting: bool | None) -> None:
+    """A trained role's `sequence_parallel_size` applied to its loaded model (before FSDP2), refused where it
+    cannot run: its groups built (collective over the default group) and its packed attention switched to
+    `ULYSSES_ATTENTION`. `packed`: whether the model runs packed (`choose_packing`); `ctx`: the worker's
+    context, whose `replica_size` must be `size` (the controller then hands every rank of a group the same
+    rows); `pack_setting`: model.pack_sequences, named in the refusal."""
+    if size == 1:
+        return
+    if ctx.replica_size != size:
+        raise ValueError(f"actor.sequence_parallel_size={size}, but this actor's replicas span {ctx.replica_size} "
+                         "rank(s), so the ranks of a sequence-parallel group would get different rows; build the "
+                         "actor with recipes/roles.py actor_role (its RoleSpec's replica_size is the group's size)")
+    if not packed:
+        raise ValueError(f"actor.sequence_parallel_size={size} splits packed rows, and this model runs padded "
+                         f"(model.pack_sequences={pack_setting}, or the model cannot pack); the padded path runs "
+                         "at actor.sequence_parallel_size=1 only in this release")
+    config = _base(model).config
+    heads = config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    if heads % size or kv_heads % size:
+        raise ValueError(f"actor.sequence_parallel_size={size} must divide the model's {heads} attention heads "
+                         f"and {kv_heads} key/value heads; use a common divisor of them")
+    use_sequence_parallel(model, build_sequence_parallel(ctx.rank, ctx.world_size, size))
+
+
 def sequence_parallel(model: torch.nn.Module) -> SequenceParallel | None:
     """The model's sequence-parallel place (`use_sequence_parallel`), or None (SP 1)."""
     return getattr(_base(model), "_hybridflow_sequence_parallel", None)
