@@ -57,6 +57,7 @@ def _results(model_dir, context: WorkerContext, sp: int, splits=SPLITS, losses=L
             worker = actor_role(_config(*split, sp=sp), model_dir).build(context)
             worker.start()
             worker.optimizer.step = lambda: None  # the gradients stay to be compared
+            worker.free_gradients = lambda: None  # (an update frees them before the weight sync)
             batch = _shared_batch(model_dir) if split[2] else _batch(model_dir)
             if loss == "policy":
                 log_probs, entropy = log_probs_and_entropy(worker.model, batch, 8, 1.0, split[1])
