@@ -263,7 +263,7 @@ def dry_run_rows(config, steps: int) -> list[dict]:
                 row.update({"rollout_correction/weight_mean": 0.99, "rollout_correction/clipped_fraction": 0.01})
         if config.rollout.on_update == "recompute":
             row["async/version_span_max"] = 1.0
-        if t.val_every_steps and step % t.val_every_steps == 0 or step == steps:  # hybridflow.runner.validation_due
+        if t.val_every_steps and step % t.val_every_steps == 0 or step == steps:  # hybridflow.run.runner.validation_due
             row["val/accuracy"] = 0.2 + 0.4 * step / steps
         rows.append(row)
     return rows
@@ -275,7 +275,7 @@ def dry_run(args) -> None:
     import tempfile
 
     from hybridflow.builders import build_tiny_model
-    from hybridflow.pipeline_stages import compose_command
+    from hybridflow.run.pipeline_stages import compose_command
 
     with tempfile.TemporaryDirectory() as tmp:
         sft = args.sft.resolve() if args.sft else build_tiny_model(Path(tmp) / "sft")  # the tiny model as "SFT"

@@ -79,7 +79,7 @@ DRY_RUN_STEP_S = 1.25  # the dry run's metrics: every step after the first two (
 def dry_run(steps: int, extra: list[str], root: Path) -> list[list[str]]:
     """Each schedule's command composed and checked as `hybridflow` checks it, nothing run; the reading of
     its metrics.jsonl run on a small one written here, with the keys a run of that schedule writes."""
-    from hybridflow.pipeline_stages import compose_command
+    from hybridflow.run.pipeline_stages import compose_command
 
     commands = []
     for name, overrides in SCHEDULES.items():

@@ -39,7 +39,7 @@ def check_composed(overrides: list[str], wanted: dict) -> None:
     carries each dotted key of `wanted` with its value."""
     from functools import reduce
 
-    from hybridflow.pipeline_stages import compose_command
+    from hybridflow.run.pipeline_stages import compose_command
 
     config = compose_command(overrides)
     got = {key: reduce(getattr, key.split("."), config) for key in wanted}

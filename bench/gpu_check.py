@@ -18,7 +18,7 @@ run records them — and timeout), each in a process of its own under its timeou
    (its sampler's log-probs the trainer's, `rollout_mismatch/abs_diff_max` 0);
 5. grpo_0.5b (120 s, 200): Qwen2.5-0.5B shapes (random weights), bf16 over float32 masters, 2 GRPO steps of
    16 x 8 samples of 256 + 512 tokens, the hf engine at level 2: each phase's device peak (the hand-over's
-   own metrics) beside the GPU memory model's floor for it (`hybridflow.memory_budget.gpu_phase_terms`);
+   own metrics) beside the GPU memory model's floor for it (`hybridflow.checks.memory_budget.gpu_phase_terms`);
 6. engine_checks (40 s, 90): the packed-attention kernel against a dense mask; the actor under FSDP2 on
    NCCL (a policy update, an SFT step), the reference and critic, offload and reload bit for bit, the
    colocated sync into GPU buffers through the real `WeightSender` (whole and a TP-2-like slice, float32
@@ -108,7 +108,7 @@ def check_reference_and_critic(model_dir: Path, ctx, actor, batch) -> dict:
     """Before any update the reference computes the actor's log-probs; the critic trains on the device."""
     from hybridflow.config.schema import HybridFlowConfig
     from recipes.roles import critic_role, reference_role
-    from hybridflow.stage import prepare_stage
+    from hybridflow.run.stage import prepare_stage
 
     reference = reference_role(prepare_stage(HybridFlowConfig()).config, model_dir).build(ctx)
     reference.start()
@@ -337,7 +337,7 @@ def ours(model_dir: Path, batch, shape: dict, device: str, dtype: str, repeats: 
     `packed`: `model.pack_sequences` true (else false: the padded path, trimmed)."""
     from hybridflow.config.schema import ActorConfig, Dtype, HybridFlowConfig, ModelConfig, OptimConfig
     from hybridflow.controller import WorkerContext
-    from hybridflow.stage import prepare_stage
+    from hybridflow.run.stage import prepare_stage
     from recipes.roles import actor_role
 
     config = HybridFlowConfig(model=ModelConfig(dtype=Dtype(dtype), master_dtype=Dtype.float32, pack_sequences=packed),
@@ -405,9 +405,9 @@ def sized_config(config, model_dir: Path, shape: dict, device=None):
 
 
 def floor_terms(config, model_dir: Path, shape: dict) -> dict:
-    """The project's memory floor for this actor (`hybridflow.memory_budget.process_terms`, one rank,
+    """The project's memory floor for this actor (`hybridflow.checks.memory_budget.process_terms`, one rank,
     the batch's widths), term by term in GiB: data for a GPU memory model, beside the peaks."""
-    from hybridflow.memory_budget import GIB, ModelShape, process_terms
+    from hybridflow.checks.memory_budget import GIB, ModelShape, process_terms
     from hybridflow.planning.auto import decide_plan
 
     sized = sized_config(config, model_dir, shape)
@@ -646,13 +646,13 @@ def check_handover(root: Path, size: str, device: str, dtype: str, shape: dict, 
                                           RolloutConfig)
     from hybridflow.controller import WorkerContext, introduce
     from hybridflow.controller.memory import phase_peak_bytes
-    from hybridflow.memory_budget import GIB, ModelShape, gpu_phase_terms
+    from hybridflow.checks.memory_budget import GIB, ModelShape, gpu_phase_terms
     from hybridflow.planning.auto import decide_plan
     from hybridflow.resharding.layout import buckets, numel
     from hybridflow.resharding.sender import SyncPlan
     from hybridflow.resharding.transports import Colocated
     from hybridflow.resharding.weights import checkpoint_shapes
-    from hybridflow.stage import prepare_stage
+    from hybridflow.run.stage import prepare_stage
     from recipes.roles import actor_role
 
     model_dir = sized_model_dir(root, size, device)
@@ -758,7 +758,7 @@ PRODUCT_KEYS = ("timing/generate_s", "timing/score_s", "timing/update_s", "timin
                 "weight_sync/reload_s", "weight_sync/reload_checksum_s", "weight_sync/probe_log_prob_gap",
                 "weight_sync/seconds", "rollout_mismatch/abs_diff_max", "actor/loss", "actor/grad_norm",
                 "reward/score", "val/accuracy")
-# the phases of the GPU memory model (hybridflow.memory_budget.gpu_phase_terms) against the peak the run reads
+# the phases of the GPU memory model (hybridflow.checks.memory_budget.gpu_phase_terms) against the peak the run reads
 # for each: the hand-over's generation and sync phases, and the step's whole peak for training (an upper bound
 # of training's own)
 PHASE_PEAKS = {"training": "memory/global_device_peak_gib", "weight sync": "memory/device_peak_sync_gib",
@@ -906,7 +906,7 @@ def phase_floors(overrides: list[str], model_dir: Path, steps: list[dict]) -> di
     """Per phase of the GPU memory model for the run's config on this GPU (80 GiB where there is none): its
     floor term by term, the run's peak for it (`PHASE_PEAKS`, the largest over the steps) and their ratio."""
     from hybridflow.config import compose
-    from hybridflow.memory_budget import (GIB, ModelShape, actor_pool_roles, gpu_phase_terms, local_gpus,
+    from hybridflow.checks.memory_budget import (GIB, ModelShape, actor_pool_roles, gpu_phase_terms, local_gpus,
                                           resolve_micro_batches)
     from hybridflow.planning.plan import Plan
 
@@ -1016,7 +1016,7 @@ def run_parts(args) -> None:
 
 def _device_name(device: str) -> str:
     """The GPU's name and memory as nvidia-smi reports them (no CUDA context in this process), or "cpu"."""
-    from hybridflow.memory_budget import local_gpus
+    from hybridflow.checks.memory_budget import local_gpus
 
     gpus = local_gpus() if device == "cuda" else []
     return f"{gpus[0][0]} ({gpus[0][1] / 2 ** 30:.1f} GiB)" if gpus else "cpu"
@@ -1075,7 +1075,7 @@ def engine_checks(report: Report, tmp: Path, args) -> None:
     from hybridflow.builders.tiny_model import build_tiny_model
     from hybridflow.config.schema import ActorConfig, Dtype, HybridFlowConfig, ModelConfig, OptimConfig, TinyModelConfig
     from hybridflow.controller import WorkerContext
-    from hybridflow.stage import prepare_stage
+    from hybridflow.run.stage import prepare_stage
     from recipes.roles import actor_role
 
     model_dir = build_tiny_model(tmp / args.model, TinyModelConfig(**MODELS[args.model]))

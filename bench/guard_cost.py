@@ -48,7 +48,7 @@ def guard_seconds(repeats: int, work: Path) -> dict[str, float]:
     from hybridflow.config import compose
     from hybridflow.data.eos import check_eos_trained
     from hybridflow.rewards import reward_metrics
-    from hybridflow.tracking import MetricsLogger
+    from hybridflow.output.tracking import MetricsLogger
     from hybridflow.training.signal import SignalGuard
 
     batch = PROMPTS * SAMPLES

@@ -112,7 +112,7 @@ def table(rows: dict[str, dict]) -> str:
 def dry_run(seeds: list[int], recipes: list[str], pipelines: Path, root: Path, extra: list[str]) -> None:
     """Every run's command composed and checked as `hybridflow` checks it, nothing run; a seed whose
     merge is not there yet is composed against its future path."""
-    from hybridflow.pipeline_stages import compose_command
+    from hybridflow.run.pipeline_stages import compose_command
 
     for seed in seeds:
         merge, _ = start_model(pipelines, seed)

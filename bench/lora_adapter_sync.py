@@ -83,7 +83,7 @@ def summarize(run_dir: Path, command: list[str], wall_s: float) -> dict:
 
 def dry_run(args, work: Path) -> list[list[str]]:
     """Each mode's command on the tiny model, composed and checked as the command checks it; nothing run."""
-    from hybridflow.pipeline_stages import compose_command
+    from hybridflow.run.pipeline_stages import compose_command
 
     commands = []
     for mode in args.modes.split(","):

@@ -7,7 +7,7 @@ Runs `hybridflow recipe=grpo` on SmolLM2-135M-Instruct (tests/real_model.py) wit
 ~46 tokens and answers of up to 64 tokens, in the model's bfloat16 compute over float32 masters
 with a bfloat16 engine, micro-batch sizes left to the run (chosen from the memory available), then
 reads `memory/global_peak_gib` and `memory/global_rss_gib` of every step from its metrics and
-compares them with the floor of hybridflow/memory_budget.py for the configuration the run saved.
+compares them with the floor of hybridflow/checks/memory_budget.py for the configuration the run saved.
 The verdict the issue asks for: the last step's peak at most 1.1 x step 10's, every peak at most
 1.5 x the floor. The table goes between the markers in docs/results/memory.md.
 
@@ -74,7 +74,7 @@ def floor_gib(run_dir: Path) -> tuple[float, dict]:
     """The floor per process of the configuration the run saved, at the micro-batch it formed (the
     chosen size, or the rows a rank holds when fewer)."""
     from hybridflow.config import compose
-    from hybridflow.memory_budget import GIB, ModelShape, actor_pool_roles, process_terms
+    from hybridflow.checks.memory_budget import GIB, ModelShape, actor_pool_roles, process_terms
     from hybridflow.planning.auto import decide_plan
 
     saved = json.loads((run_dir / "config.json").read_text())
@@ -127,7 +127,7 @@ def render(rows: list[dict], floor: float, terms: dict, command: list[str], args
 
 def dry_run_rows(args) -> list[dict]:
     """A metrics.jsonl's rows as the run logs them: each step's peak 0.01 GiB above the one before (from
-    1.01), the resident set 0.2 below, 6 s a step, validations where hybridflow.runner.validation_due has them."""
+    1.01), the resident set 0.2 below, 6 s a step, validations where hybridflow.run.runner.validation_due has them."""
     return [{"step": step, "memory/global_peak_gib": 1.0 + 0.01 * step, "memory/global_rss_gib": 0.8 + 0.01 * step,
              "time/elapsed_s": 6.0 * step,
              **({"val/accuracy": 0.25} if args.val_every and step % args.val_every == 0 or step == args.steps else {})}
@@ -139,10 +139,10 @@ def dry_run(args, extra: list[str], work: Path) -> str:
     config.json as the run writes it before starting; the table rendered from a small metrics.jsonl
     into a copy of the doc under `work`. Returns the table."""
     from hybridflow.builders import build_tiny_model
-    from hybridflow.pipeline_stages import compose_command
-    from hybridflow.memory_budget import resolve_micro_batches
+    from hybridflow.run.pipeline_stages import compose_command
+    from hybridflow.checks.memory_budget import resolve_micro_batches
     from hybridflow.planning.auto import decide_plan
-    from hybridflow.tracking import save_config
+    from hybridflow.output.tracking import save_config
     from tests.real_model import write_chat_addition
 
     train, val = write_chat_addition(work / "data", train_rows=2000, val_rows=args.val_prompts)
@@ -156,7 +156,7 @@ def dry_run(args, extra: list[str], work: Path) -> str:
     if missed:
         raise SystemExit(f"the composed config does not carry {', '.join(missed)}")
     print(f"memory: hybridflow {' '.join(overrides)}")
-    config, _ = resolve_micro_batches(config, plan)  # the run's own choice before it starts (hybridflow.runner)
+    config, _ = resolve_micro_batches(config, plan)  # the run's own choice before it starts (hybridflow.run.runner)
     run_dir.mkdir(parents=True)
     save_config(config, run_dir)
     rows = dry_run_rows(args)

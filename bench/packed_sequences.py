@@ -38,7 +38,7 @@ def one_side(model_dir: Path, batch, packed: bool) -> dict:
     from hybridflow.config.schema import ActorConfig, HybridFlowConfig, ModelConfig, OptimConfig
     from hybridflow.controller import WorkerContext
     from recipes.roles import actor_role
-    from hybridflow.stage import prepare_stage
+    from hybridflow.run.stage import prepare_stage
 
     config = HybridFlowConfig(model=ModelConfig(pack_sequences=packed),
                               actor=ActorConfig(optim=OptimConfig(lr=1e-6), samples_per_micro_batch=16))

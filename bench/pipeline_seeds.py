@@ -100,7 +100,7 @@ def table(rows: dict[int, dict]) -> str:
 def dry_run(seeds: list[int], root: Path, extra: list[str], kernels: str) -> None:
     """Every seed's command composed and checked as the command checks it, and the kernels torch
     runs with `--kernels`; nothing run."""
-    from hybridflow.pipeline_stages import compose_command
+    from hybridflow.run.pipeline_stages import compose_command
 
     print(f"kernels: {kernels} (torch: {kernels_in_effect({**os.environ, **KERNELS[kernels]})})")
 

@@ -25,13 +25,13 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from hybridflow.pipeline_stages import compose_command  # noqa: E402
+from hybridflow.run.pipeline_stages import compose_command  # noqa: E402
 from hybridflow.planning.calibrate import calibrate, stage_means  # noqa: E402
 from hybridflow.planning.cost import Analytical  # noqa: E402
 from hybridflow.planning.device_rates import choose_rates, this_device  # noqa: E402
 from hybridflow.planning.search import SearchOptions, search  # noqa: E402
 from hybridflow.planning.workload import Cluster, Workload  # noqa: E402
-from hybridflow.tracking import read_metrics  # noqa: E402
+from hybridflow.output.tracking import read_metrics  # noqa: E402
 
 STEPS = 6
 WORKLOADS = {

@@ -233,7 +233,7 @@ def sft(schedule: str, trajectory_only: bool = False) -> None:
     from hybridflow.config import compose
     from hybridflow.data.answers import encode_answers
     from hybridflow.data.prompts import encode_prompts
-    from hybridflow.launch import prepare_data
+    from hybridflow.run.launch import prepare_data
 
     results = {}
     for seed in SEEDS:
@@ -389,7 +389,7 @@ class StandIn:
         self.commands: dict[str, list[str]] = {}
 
     def run(self, overrides: list[str], run_dir: Path) -> Path:
-        from hybridflow.pipeline_stages import compose_command
+        from hybridflow.run.pipeline_stages import compose_command
 
         config = compose_command(overrides)
         missing = not_carried(config, overrides)
@@ -403,7 +403,7 @@ class StandIn:
         return run_dir
 
     def write(self, config, run_dir: Path) -> None:
-        from hybridflow.tracking import MetricsLogger, save_config
+        from hybridflow.output.tracking import MetricsLogger, save_config
 
         shutil.rmtree(run_dir, ignore_errors=True)
         run_dir.mkdir(parents=True)
@@ -425,7 +425,7 @@ def stand_in_metrics(config, step: int) -> dict[str, float]:
     """A step's metrics under the keys its recipe logs them (recipes/pretrain.py, sft.py, ppo.py;
     hybridflow/training/hooks.py) and this study reads, the values made up: a falling loss, a rising
     reward and accuracy, a gradient-norm spike every 50 steps; held-out numbers when the run validates."""
-    from hybridflow.runner import validation_due
+    from hybridflow.run.runner import validation_due
     from hybridflow.training.hooks import GRAD_NORM_KEY, LOSS_KEY, REWARD_KEY
 
     recipe, progress = config.recipe.name, step / config.trainer.total_steps

@@ -88,7 +88,7 @@ def dry_run(steps: int, extra: list[str], work: Path) -> None:
     from hybridflow.builders import build_tiny_model
     from hybridflow.builders.tiny_model import tiny_vocab_size
     from hybridflow.config.model_facts import ModelFacts
-    from hybridflow.pipeline_stages import compose_command
+    from hybridflow.run.pipeline_stages import compose_command
     from hybridflow.planning.auto import decide_plan
     from tests.real_model import write_chat_addition
 

@@ -8,7 +8,7 @@ steps with the rollout on a pool of its own (`placement=disaggregated`), twice: 
 `rollout.kv_cache_space_gib` 1 and 2. The training pool's resident set at the end of a step is the
 runtime without vLLM (Python, torch, Ray, gloo); the rollout pool's, less its KV cache, is the
 runtime with vLLM; the difference between the two runs' rollout pools shows how much of the KV
-cache is resident. hybridflow/memory_budget.py's RUNTIME_BYTES* are these numbers, rounded down.
+cache is resident. hybridflow/checks/memory_budget.py's RUNTIME_BYTES* are these numbers, rounded down.
 
 The measurement is two whole runs (Ray, vLLM, minutes), so the dry run (tests/unit/
 test_bench_dry_runs_measure.py) runs neither: it composes both commands and checks them as
@@ -63,8 +63,8 @@ def run(work: Path, kv_gib: int) -> dict[str, float]:
 def dry_run(work: Path) -> dict:
     """Both runs' commands composed and checked as `hybridflow` checks them, nothing run: each places the
     actor and the rollout on the pools whose metrics `run` reads, with the KV cache it names."""
-    from hybridflow.pipeline_stages import compose_command
-    from hybridflow.memory_budget import RUNTIME_BYTES, RUNTIME_BYTES_WITH_VLLM
+    from hybridflow.run.pipeline_stages import compose_command
+    from hybridflow.checks.memory_budget import RUNTIME_BYTES, RUNTIME_BYTES_WITH_VLLM
     from hybridflow.planning.auto import decide_plan
 
     commands = {}

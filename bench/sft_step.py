@@ -92,7 +92,7 @@ def main() -> None:
     from hybridflow.config.schema import ActorConfig, Dtype, HybridFlowConfig, ModelConfig, OptimConfig
     from hybridflow.controller import WorkerContext
     from recipes.roles import actor_role
-    from hybridflow.stage import prepare_stage
+    from hybridflow.run.stage import prepare_stage
 
     torch.set_num_threads(min(2, os.cpu_count() or 1))
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")

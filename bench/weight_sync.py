@@ -53,7 +53,7 @@ def mode_roles(model_dir: Path, tp: int) -> dict:
     from hybridflow.config.schema import HybridFlowConfig, RolloutConfig
     from hybridflow.controller import RoleSpec
     from recipes.roles import actor_role
-    from hybridflow.stage import prepare_stage
+    from hybridflow.run.stage import prepare_stage
     from workers.rollout.vllm_rollout import VLLMRollout
 
     tok = AutoTokenizer.from_pretrained(model_dir)
@@ -151,12 +151,12 @@ def differences(config, name: str, pools: list, roles: dict) -> dict[str, tuple]
 
 
 def dry_run(models: list[str]) -> dict:
-    """Each model built and counted, each mode's command composed and checked (hybridflow.pipeline_stages)
+    """Each model built and counted, each mode's command composed and checked (hybridflow.run.pipeline_stages)
     and held against what `run_mode` spawns (`differences`), its roles' specs and transport built.
     Nothing started."""
     from hybridflow.builders import build_tiny_model
     from hybridflow.config.schema import TinyModelConfig
-    from hybridflow.pipeline_stages import compose_command
+    from hybridflow.run.pipeline_stages import compose_command
     from hybridflow.resharding.transports import build_transport
 
     report = {}

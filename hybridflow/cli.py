@@ -6,12 +6,12 @@ task, real vLLM on the CPU). Overrides select other recipes and settings:
 `ray.address=...`, the same command joins that cluster instead of starting one.
 The config is composed and validated before Ray starts: an unknown key or a bad value exits
 with status 2 and a message naming the key, the value and what is allowed. The inputs it names
-(data files, model directory, reward functions) are then checked (hybridflow/preflight.py), also
+(data files, model directory, reward functions) are then checked (hybridflow/checks/preflight.py), also
 before anything starts; a problem there exits with status 2 too, naming file, row and column.
 
 On a pipeline (the default), what the command line sets reaches every stage that reads it, and
 `stages.<stage>.<key>=value` reaches one stage only; a key no stage reads is refused
-(hybridflow/pipeline_stages.py has the precedence). The first console lines say which stage got what.
+(hybridflow/run/pipeline_stages.py has the precedence). The first console lines say which stage got what.
 """
 
 from __future__ import annotations
@@ -23,12 +23,12 @@ from typing import Callable
 import hydra
 from omegaconf import DictConfig
 
-from hybridflow import console
+from hybridflow.output import console
 from hybridflow.config import CONF_DIR, ConfigError, to_config
 from hybridflow.config.schema import HybridFlowConfig
 from hybridflow.config.recipes import recipe_spec
-from hybridflow.pipeline_stages import with_command
-from hybridflow.tracking import make_run_dir, save_config
+from hybridflow.run.pipeline_stages import with_command
+from hybridflow.output.tracking import make_run_dir, save_config
 
 
 def recipe_function(name: str) -> Callable:
@@ -40,17 +40,17 @@ def recipe_function(name: str) -> Callable:
 
 def run(config: HybridFlowConfig) -> dict:
     """Run the configured recipe in a fresh run directory (printed at start and end), once its stage is
-    prepared (its plan decided and checked, `hybridflow.stage.prepare_stage`: a pipeline prepares each
+    prepared (its plan decided and checked, `hybridflow.run.stage.prepare_stage`: a pipeline prepares each
     stage as it starts) and its inputs pass `check_inputs` (which raises InputError before anything is
     created)."""
-    from hybridflow.preflight import check_inputs
-    from hybridflow.stage import prepare_stage
+    from hybridflow.checks.preflight import check_inputs
+    from hybridflow.run.stage import prepare_stage
 
-    from hybridflow.tracking import reused_run_dir
+    from hybridflow.output.tracking import reused_run_dir
 
     reused = reused_run_dir(config.logger.output_root, config.logger.run_name, config.trainer.resume)
     if reused:
-        from hybridflow.preflight import InputError
+        from hybridflow.checks.preflight import InputError
 
         raise InputError(reused)
     check_backends(config)
@@ -60,9 +60,9 @@ def run(config: HybridFlowConfig) -> dict:
     recipe = recipe_function(config.recipe.name)
     name = config.recipe.name.split(":")[-1]
     run_dir = make_run_dir(config.logger.output_root, config.logger.run_name, name)
-    save_config(config, run_dir)  # a stage saves its own, resolved, as it starts (hybridflow.runner.run_stage)
-    from hybridflow.launch import release_all
-    from hybridflow.runner import run_stage
+    save_config(config, run_dir)  # a stage saves its own, resolved, as it starts (hybridflow.run.runner.run_stage)
+    from hybridflow.run.launch import release_all
+    from hybridflow.run.runner import run_stage
 
     with console.session(run_dir, config.logger.verbose) as log_dir:
         where = "" if config.logger.verbose else f" (library and worker output: {log_dir})"
@@ -82,12 +82,12 @@ _STAGE_SCOPED: list[str] = []  # main() takes them out of sys.argv: Hydra cannot
 
 def check_backends(config: HybridFlowConfig) -> None:
     """Raise InputError when a logging backend of the run (of any stage of a pipeline) is not installed."""
-    from hybridflow.preflight import InputError
-    from hybridflow.tracking import missing_backends
+    from hybridflow.checks.preflight import InputError
+    from hybridflow.output.tracking import missing_backends
 
     backends = set(config.logger.backends)
     if recipe_spec(config.recipe.name).pipeline:
-        from hybridflow.pipeline_stages import check_stages
+        from hybridflow.run.pipeline_stages import check_stages
 
         stages = check_stages(config, Path(config.logger.output_root) / (config.logger.run_name or "pipeline"))
         backends |= {b for stage in stages for b in stage.logger.backends}
@@ -107,11 +107,11 @@ def _hydra_main(cfg: DictConfig) -> None:
         sys.exit(2)
     from hybridflow.controller.placement import PlacementError
     from hybridflow.controller.storage import StorageError
-    from hybridflow.preflight import InputError
+    from hybridflow.checks.preflight import InputError
 
     try:
         run(config)
-    except ConfigError as exc:  # what the stage's plan shows (hybridflow.stage.prepare_stage)
+    except ConfigError as exc:  # what the stage's plan shows (hybridflow.run.stage.prepare_stage)
         print(f"hybridflow: configuration error: {exc}", file=sys.stderr)
         sys.exit(2)
     except (InputError, PlacementError, StorageError) as exc:  # the cluster cannot hold or read the run
@@ -122,7 +122,7 @@ def _hydra_main(cfg: DictConfig) -> None:
 def run_command() -> int:
     """What `hybridflow` does with sys.argv, as its exit status (0; 2 for a refusal; 1 for an error
     Hydra reported), without ending the process: `main` ends it, a test runs several in one process."""
-    from hybridflow.pipeline_stages import compose_command, split_stage_scoped
+    from hybridflow.run.pipeline_stages import compose_command, split_stage_scoped
 
     try:
         if sys.argv[1:2] == ["plan"]:  # `hybridflow plan ...`: the placement search (hybridflow/planning/cli.py)

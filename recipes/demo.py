@@ -12,10 +12,10 @@ import time
 from hybridflow.batch import Batch
 from hybridflow.controller import RoleSpec
 from hybridflow.data.prompts import encode_prompts
-from hybridflow.lifecycle import start_run
-from hybridflow.stage import Stage
+from hybridflow.run.lifecycle import start_run
+from hybridflow.run.stage import Stage
 from hybridflow.rewards import exact_match
-from hybridflow.tracking import MetricsLogger
+from hybridflow.output.tracking import MetricsLogger
 from workers.rollout.vllm_rollout import VLLMRollout
 
 

@@ -32,17 +32,17 @@ from typing import Callable
 
 import torch
 
-from hybridflow import console
+from hybridflow.output import console
 from hybridflow.algos.preference import LENGTH_NORMALISED, compute_preference_loss
 from hybridflow.batch import Batch
 from hybridflow.config.schema import HybridFlowConfig
 from hybridflow.controller import WorkerGroup
 from hybridflow.data.eos import check_eos_trained
 from hybridflow.data.preference import encode_pairs
-from hybridflow.launch import prepare_preference_data
-from hybridflow.lifecycle import start_run
-from hybridflow.stage import Stage
-from hybridflow.runner import StageTimer, run_training_hooks, validation_due
+from hybridflow.run.launch import prepare_preference_data
+from hybridflow.run.lifecycle import start_run
+from hybridflow.run.stage import Stage
+from hybridflow.run.runner import StageTimer, run_training_hooks, validation_due
 from recipes.roles import actor_role, reference_role
 
 

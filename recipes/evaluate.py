@@ -14,11 +14,11 @@ from pathlib import Path
 
 from hybridflow.config.schema import HybridFlowConfig
 from hybridflow.data.prompts import encode_prompts
-from hybridflow.lifecycle import start_run
-from hybridflow.stage import Stage
+from hybridflow.run.lifecycle import start_run
+from hybridflow.run.stage import Stage
 from hybridflow.rewards.composer import EXTRA_PREFIX, SCORE_KEY
-from hybridflow.runner import sample_seeds, validate
-from hybridflow.tracking import MetricsLogger
+from hybridflow.run.runner import sample_seeds, validate
+from hybridflow.output.tracking import MetricsLogger
 from recipes.roles import reward_role, rollout_role
 
 

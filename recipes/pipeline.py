@@ -20,14 +20,14 @@ import json
 import os
 from pathlib import Path
 
-from hybridflow import console
-from hybridflow.pipeline_stages import (  # noqa: F401 - re-exported
+from hybridflow.output import console
+from hybridflow.run.pipeline_stages import (  # noqa: F401 - re-exported
     _retention, _stage_config, check_stages, init_source, routing_lines)
 from hybridflow.config.schema import HybridFlowConfig, StageConfig
-from hybridflow.console import say
-from hybridflow.launch import release_all
+from hybridflow.output.console import say
+from hybridflow.run.launch import release_all
 from hybridflow.merge.hooks import run_stage_hook
-from hybridflow.tracking import read_metrics
+from hybridflow.output.tracking import read_metrics
 
 
 def run(config: HybridFlowConfig, run_dir: Path) -> dict:
@@ -60,8 +60,8 @@ def _run_stage(config: HybridFlowConfig, run_dir: Path, index: int, model_path: 
     """Stage `index`: its starting model (the init hook over `previous_dir`, the run of the stage it reads),
     then its recipe."""
     from hybridflow.cli import recipe_function
-    from hybridflow.runner import run_stage  # torch: not needed to compose and check the stages
-    from hybridflow.stage import prepare_stage
+    from hybridflow.run.runner import run_stage  # torch: not needed to compose and check the stages
+    from hybridflow.run.stage import prepare_stage
 
     stage = config.pipeline.stages[index]
     stage_dir = run_dir / f"{index:02d}-{stage.name}"
@@ -87,7 +87,7 @@ def _run_stage(config: HybridFlowConfig, run_dir: Path, index: int, model_path: 
 
 
 def _evaluate(config: HybridFlowConfig, model_path: str, run_dir: Path, index: int) -> float:
-    from hybridflow.stage import prepare_stage
+    from hybridflow.run.stage import prepare_stage
     from recipes.evaluate import run as evaluate
 
     stage = config.pipeline.stages[index]

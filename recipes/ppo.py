@@ -34,19 +34,19 @@ from hybridflow.algos.rollout_correction import rollout_correction, token_band
 from hybridflow.algos.rewards import informative_groups, overlong_penalty, place_sequence_rewards
 from hybridflow.batch import Batch, from_json, to_json
 from hybridflow.batch_keys import clips_against_sampler, proximal_key, require
-from hybridflow import console
+from hybridflow.output import console
 from hybridflow.config.schema import HybridFlowConfig
 from hybridflow.controller import RoleSpec
 from hybridflow.data.loader import PromptLoader
 from hybridflow.data.prompts import encode_prompts
-from hybridflow.faults import inject_faults
+from hybridflow.run.faults import inject_faults
 from hybridflow.controller.memory import pool_memory_metrics
-from hybridflow.lifecycle import start_run
-from hybridflow.stage import Stage
+from hybridflow.run.lifecycle import start_run
+from hybridflow.run.stage import Stage
 from hybridflow.rewards import reward_metrics
 from hybridflow.rewards.composer import EXTRA_PREFIX
 from hybridflow.rollout_schedules import Pending, build_schedule, schedule_class
-from hybridflow.runner import (
+from hybridflow.run.runner import (
     StageTimer,
     response_stats,
     run_training_hooks,

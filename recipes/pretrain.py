@@ -17,9 +17,9 @@ from pathlib import Path
 
 from hybridflow.controller import WorkerGroup
 from hybridflow.data.corpus import Corpus, build_corpus, sequence_batch
-from hybridflow.lifecycle import start_run
-from hybridflow.stage import Stage
-from hybridflow.runner import StageTimer, validation_due
+from hybridflow.run.lifecycle import start_run
+from hybridflow.run.stage import Stage
+from hybridflow.run.runner import StageTimer, validation_due
 from recipes.roles import actor_role
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from hybridflow.checks import lora_sync
+from hybridflow.checks.rules import lora_sync
 from hybridflow.config.engines import rollout_engine
 from hybridflow.config.schema import HybridFlowConfig
 from hybridflow.registry import load_object
@@ -23,14 +23,14 @@ from workers.teacher import TeacherWorker
 
 
 def _sized(config: HybridFlowConfig, role: str) -> HybridFlowConfig:
-    """`config`, whose micro-batch sizes the stage chose before anything started (hybridflow.stage.prepare_stage)."""
+    """`config`, whose micro-batch sizes the stage chose before anything started (hybridflow.run.stage.prepare_stage)."""
     unsized = [key for key, value in (("actor.samples_per_micro_batch", config.actor.samples_per_micro_batch),
                                       ("actor.gradient_checkpointing", config.actor.gradient_checkpointing),
                                       ("critic.samples_per_micro_batch", config.critic.samples_per_micro_batch))
                if value is None]
     if unsized:
         raise ValueError(f"{role}_role: {', '.join(unsized)} left null; build roles from the stage's config "
-                         "(hybridflow.stage.prepare_stage(config).config), which chooses them for its plan")
+                         "(hybridflow.run.stage.prepare_stage(config).config), which chooses them for its plan")
     return config
 
 

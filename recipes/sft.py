@@ -17,9 +17,9 @@ from hybridflow.controller.memory import pool_memory_metrics
 from hybridflow.data.answers import encode_sft_targets
 from hybridflow.data.eos import check_eos_trained
 from hybridflow.data.prompts import encode_prompts
-from hybridflow.lifecycle import start_run
-from hybridflow.stage import Stage
-from hybridflow.runner import StageTimer, target_reached, validate, validation_due
+from hybridflow.run.lifecycle import start_run
+from hybridflow.run.stage import Stage
+from hybridflow.run.runner import StageTimer, target_reached, validate, validation_due
 from recipes.roles import actor_role, reward_role, rollout_role
 
 

@@ -4,7 +4,7 @@ distillation (recipe=distill; hybridflow/algos/distill.py).
 It is the reference's shape with another model: sharded with FSDP2, never updated, scoring the sampled
 tokens with the same packing, token budgets and temperature as the reference, in its own dtype
 (teacher.dtype, or model.dtype). Its tokenizer is the student's (refused before start otherwise,
-hybridflow/preflight.py), so its log-prob of token y_t is of the very token the student sampled.
+hybridflow/checks/preflight.py), so its log-prob of token y_t is of the very token the student sampled.
 """
 
 from __future__ import annotations

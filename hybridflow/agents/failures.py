@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections import Counter
 
-from hybridflow import console
+from hybridflow.output import console
 from hybridflow.batch import Batch
 
 

@@ -24,10 +24,10 @@ def register_schema() -> None:
 
 def to_config(cfg: DictConfig) -> HybridFlowConfig:
     """The composed config as typed dataclasses, as this machine runs it: each section's own rules run as it is
-    built, then it is resolved (`hybridflow.checks.resolved`: dtypes, probe tolerance) and every rule across
-    sections the config alone can break is checked (`hybridflow.checks.config_problems`). The rules its plan
-    can break run once the stage's plan is decided (`hybridflow.stage.prepare_stage`)."""
-    from hybridflow.checks import config_problems, resolved
+    built, then it is resolved (`hybridflow.checks.rules.resolved`: dtypes, probe tolerance) and every rule across
+    sections the config alone can break is checked (`hybridflow.checks.rules.config_problems`). The rules its plan
+    can break run once the stage's plan is decided (`hybridflow.run.stage.prepare_stage`)."""
+    from hybridflow.checks.rules import config_problems, resolved
 
     try:
         config = OmegaConf.to_object(cfg)

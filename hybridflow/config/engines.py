@@ -30,7 +30,7 @@ from hybridflow.registry import Registry
 
 class GpuMemory(str, Enum):
     """What a colocated engine holds on a GPU in each phase of a step, as the GPU memory model prices it
-    (hybridflow/memory_budget.py `gpu_device_phases`)."""
+    (hybridflow/checks/memory_budget.py `gpu_device_phases`)."""
 
     # a fixed share of the GPU (rollout.gpu_memory_utilization) for its weights, activations and KV cache (vLLM)
     SHARE = "share"
@@ -59,7 +59,7 @@ class RolloutEngine:
     # generates with the actor's own module in the layout of the actor's π_old pass, so its sampler log-probs
     # are π_old bit for bit (hybridflow/training/exact_layout.py): the actor offers it its module and computes
     # π_old in that layout, trainer.old_log_probs=auto recomputes π_old, and what would break the equality
-    # is refused (hybridflow/checks.py check_exact_engine)
+    # is refused (hybridflow/checks/rules.py check_exact_engine)
     exact: bool = False
     # 'module:function' (config, model_path: str | None) -> list[str]: what stops this engine, said before Ray;
     # called once with None (what it needs installed) and, with a model.path, once with it (what the model needs)
@@ -92,7 +92,7 @@ def rollout_engine(backend: str) -> RolloutEngine:
 
 register_rollout_engine(RolloutEngine(
     "vllm", "workers.rollout.vllm_rollout:VLLMRollout", tensor_parallel=True, own_pool=True, serves_adapters=True,
-    agents=True, engine_memory=True, gpu_memory=GpuMemory.SHARE, checks="hybridflow.model_checks:vllm_checks"))
+    agents=True, engine_memory=True, gpu_memory=GpuMemory.SHARE, checks="hybridflow.checks.model:vllm_checks"))
 register_rollout_engine(RolloutEngine("hf", "workers.rollout.hf_rollout:HFRollout", fp32_lm_head=True,
                                       gpu_memory=GpuMemory.OWN_COPY))
 register_rollout_engine(RolloutEngine("exact", "workers.rollout.exact_rollout:ExactRollout", exact=True,

@@ -1,7 +1,7 @@
 """What each recipe is: one registered description that every check reads.
 
 The CLI finds a recipe's function here; the schema's cross-field rules, the step hooks' checks,
-the input checks (hybridflow/preflight.py) and the pipeline's routing of command-line overrides
+the input checks (hybridflow/checks/preflight.py) and the pipeline's routing of command-line overrides
 to stages read what a recipe can do from its `RecipeSpec` instead of comparing names. A new
 recipe is one `RECIPE_SPECS.add(...)` below. A custom recipe ('module:function') gets
 `custom_spec`: it may read any key and claims no ability.

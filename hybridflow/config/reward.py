@@ -37,7 +37,7 @@ def check_reference(reference: Optional[str], key: str) -> Optional[str]:
     Absolute because the function is loaded inside Ray workers, whose working directory is
     not the driver's. Returns the (possibly rewritten) reference. A bare name is a registered
     function's: that it is registered is checked with the rules that ask the runtime
-    (hybridflow/checks.py `check_reward_names`).
+    (hybridflow/checks/rules.py `check_reward_names`).
     """
     from hybridflow.config.references import absolute_reference
 

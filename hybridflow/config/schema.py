@@ -4,7 +4,7 @@ Hydra composes conf/ on top of these dataclasses (registered in its ConfigStore)
 unknown key or a value of the wrong type fails during composition, before anything starts.
 Each section's own rules live in its `__post_init__` and run when `to_config` turns the composed
 config into these objects; the rules across sections, and those that ask the runtime (registered
-names, the async schedules, the precision of this hardware), are `hybridflow/checks.py`, which
+names, the async schedules, the precision of this hardware), are `hybridflow/checks/rules.py`, which
 `to_config` runs next, and the stage once its plan is decided — all before Ray starts. Every error names the key, the value and
 what is allowed. This module imports only the config package and the standard library
 (tests/unit/test_layering.py).
@@ -290,7 +290,7 @@ class DataConfig:
     synthetic: SyntheticTaskConfig = field(default_factory=SyntheticTaskConfig)
     max_prompt_tokens: int = 64
     seed: int = 0
-    # Row checks before anything starts (hybridflow/preflight.py): 'sample' reads the first rows of
+    # Row checks before anything starts (hybridflow/checks/preflight.py): 'sample' reads the first rows of
     # each file (every row's prompt is checked again during the one full read, still before Ray);
     # 'all' streams every row first; 'none' checks only files, columns and row counts.
     validate_rows: str = "sample"
@@ -318,7 +318,7 @@ class RolloutConfig:
     temperature: float = 1.0
     # Truncated sampling (nucleus / top-k; -1: the whole vocabulary). Only recipes that do not train on
     # their samples (evaluate, demo) accept it: the engines report the truncated distribution's
-    # log-probs, which the actor's whole-vocabulary ones never equal (hybridflow/checks.py)
+    # log-probs, which the actor's whole-vocabulary ones never equal (hybridflow/checks/rules.py)
     top_p: float = 1.0
     top_k: int = -1
     samples_per_prompt: int = 1
@@ -576,7 +576,7 @@ class ActorConfig:
     lora: LoraConfig = field(default_factory=LoraConfig)
     samples_per_mini_batch: int = 0  # global; 0: the step's whole batch is one mini-batch (on-policy)
     # per rank; null: the most rows (up to 64) that fit the memory available, chosen before start
-    # (hybridflow/memory_budget.py, docs/memory.md "Memory")
+    # (hybridflow/checks/memory_budget.py, docs/memory.md "Memory")
     samples_per_micro_batch: Optional[int] = None
     # per rank; the most tokens a micro-batch holds (its real tokens when packed, rows x its longest
     # prompt + response when padded), rows grouped by length and balanced (training/sequences.py); null:
@@ -766,10 +766,10 @@ class LoggerConfig:
     run_name: Optional[str] = None  # null: <recipe>-<YYYYmmdd-HHMMSS>
     backends: List[str] = field(default_factory=lambda: ["console", "jsonl"])
     # false: the console shows progress lines, validation results and errors; everything vLLM, Ray,
-    # transformers and torch print goes to <run_dir>/logs/ (hybridflow/console.py). true: all of it
+    # transformers and torch print goes to <run_dir>/logs/ (hybridflow/output/console.py). true: all of it
     # reaches the console too, as the libraries print it.
     verbose: bool = False
-    # How the tracking backends file the run (hybridflow/tracking.py): the W&B project and the MLflow
+    # How the tracking backends file the run (hybridflow/output/tracking.py): the W&B project and the MLflow
     # experiment (unless logger.experiment); tags on the run in both (TensorBoard: a text summary).
     project: str = "hybridflow"
     tags: List[str] = field(default_factory=list)
@@ -808,7 +808,7 @@ class PipelineConfig:
     stages: List[StageConfig] = field(default_factory=list)
     common_overrides: List[str] = field(default_factory=list)  # applied to every stage first
     # Set by the `hybridflow` command to what was typed on it: each override goes to the stages whose
-    # recipe reads its key, `stages.<name>.<key>=value` to that stage only (hybridflow/pipeline_stages.py).
+    # recipe reads its key, `stages.<name>.<key>=value` to that stage only (hybridflow/run/pipeline_stages.py).
     command_overrides: List[str] = field(default_factory=list)
 
     def __post_init__(self) -> None:
@@ -829,7 +829,7 @@ class PipelineConfig:
 
 @dataclass
 class RecipeConfig:
-    # A built-in recipe, or 'package.module:function' / 'path/to/file.py:function' taking the stage (hybridflow.stage.Stage: the resolved config and its plan) and the run directory.
+    # A built-in recipe, or 'package.module:function' / 'path/to/file.py:function' taking the stage (hybridflow.run.stage.Stage: the resolved config and its plan) and the run directory.
     name: str = "demo"
     demo_prompts: int = 8  # demo recipe: how many validation prompts to generate for
     # evaluate recipe: sampled answers per prompt for val/pass@k and val/sampled_reward_mean (0: greedy only)

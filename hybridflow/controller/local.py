@@ -15,7 +15,7 @@ of each other (the peers they met when the host built them, hybridflow/controlle
 garbage collection frees.
 
 Nothing here imports Ray. What one process cannot do is refused before anything starts
-(hybridflow/checks.py `check_local_backend`).
+(hybridflow/checks/rules.py `check_local_backend`).
 """
 
 from __future__ import annotations
@@ -104,7 +104,7 @@ class LocalHost(Host):
 
     def kill(self) -> None:
         """A process cannot end itself and go on driving: the nearest is to free its workers (a planted
-        kill is refused with placement.backend=local before start, hybridflow/checks.py)."""
+        kill is refused with placement.backend=local before start, hybridflow/checks/rules.py)."""
         self.teardown()
 
     def teardown(self) -> None:

@@ -9,7 +9,7 @@ moves between workers through Ray's object store, never through the controller (
 gather or re-split as a small Ray task in the cluster). `ready` is `ray.wait`, so the first rank
 that raises is reported at once, even while the others are still blocked in a collective.
 
-Ray is imported on first use, not with this module: hybridflow.launch imports `spawn_workers` on
+Ray is imported on first use, not with this module: hybridflow.run.launch imports `spawn_workers` on
 every run, Ray's import blocked on the one-process backend's.
 """
 
@@ -113,7 +113,7 @@ def spawn_workers(
     """Start one process per slot of `pool` hosting every role in `roles`; one group per role.
 
     With `log_dir`, each process writes its stdout and stderr (everything the libraries in it
-    print) to `<log_dir>/<pool>-rank<r>.log` instead of Ray's session logs (hybridflow.console).
+    print) to `<log_dir>/<pool>-rank<r>.log` instead of Ray's session logs (hybridflow.output.console).
     With `cores` (CPU pools), each process pins its threads to the cores the ledger hands it
     (`hybridflow.controller.hosts.pin_threads`)."""
     if not roles:

@@ -51,7 +51,7 @@ def connect(*, address: str | None, num_cpus: int | None, dashboard: bool, dashb
             code_files: list[str] | None = None) -> str:
     """Initialise Ray once for this driver; returns 'joined <address>' or 'local'.
 
-    `log_to_driver=False` (hybridflow.console, a quiet run): Ray neither forwards the workers'
+    `log_to_driver=False` (hybridflow.output.console, a quiet run): Ray neither forwards the workers'
     output to the driver's console nor gives its own logger a console handler; its messages go
     where the driver's root logger sends them (the run's logs/driver.log)."""
     import ray

@@ -83,7 +83,7 @@ def say_once(text: str) -> None:
     if text in _said:
         return
     _said.add(text)
-    from hybridflow import console
+    from hybridflow.output import console
 
     console.say(text)
     if console.quiet():  # inside a run whose library output goes to logs/: driver.log keeps it too

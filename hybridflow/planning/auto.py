@@ -1,6 +1,6 @@
 """The stage's plan, decided once before Ray starts; placement=auto: the planner's best plan for it.
 
-`decide_plan(config)` (called by hybridflow.stage.prepare_stage, before anything starts) decides the
+`decide_plan(config)` (called by hybridflow.run.stage.prepare_stage, before anything starts) decides the
 stage's one `Plan`: the config's own, or with placement.planner.auto the best
 of the plans of the run's workload on its cluster — this machine (its GPUs or its cores, on the
 device the run computes on), or the Ray cluster the run joins (`ray.address`, or RAY_ADDRESS under
@@ -8,7 +8,7 @@ device the run computes on), or the Ray cluster the run joins (`ray.address`, or
 `placement.planner.rates` (or the device's built-in profile), keeps the run's own
 `trainer.max_staleness` (a learning choice, not a placement one), and returns the best plan (its
 pools, roles and rollout tensor-parallel size; the config itself is not rewritten), which the runner
-hands to everything that places, sizes or moves inside the stage (`hybridflow.stage.Stage`). The
+hands to everything that places, sizes or moves inside the stage (`hybridflow.run.stage.Stage`). The
 runner saves it as run_dir/plan.json (the plan, its prediction per stage, the rates' source and the
 runners-up); the metrics logger adds the stage's `plan/predicted_<stage>_s` to every step, beside the measured `timing/<stage>_s`. When no plan fits,
 it raises `InputError` listing why the first candidates were refused (each memory term, in GiB): no
@@ -73,7 +73,7 @@ def decide_plan(config, schedule: type[Schedule] | None = None) -> Decision:
     """The stage's plan, decided once before anything starts: the config's own (`Plan.from_config`, called
     here only), or with placement.planner.auto the planner's best for this cluster (with the CPUs per
     device and the pinning of the config's own), and the console line that says what it chose. The
-    config is not rewritten; `hybridflow.stage.prepare_stage` checks the plan. `schedule`: the class
+    config is not rewritten; `hybridflow.run.stage.prepare_stage` checks the plan. `schedule`: the class
     trainer.max_staleness chooses, where the caller has it (`Plan.from_config`)."""
     own = Plan.from_config(config, schedule)  # on the device the config's dtypes chose
     if not config.placement.planner.auto:
@@ -116,7 +116,7 @@ def compare_measured(run_dir: Path) -> str | None:
     if not path.is_file() or not metrics.is_file() or "prediction" not in json.loads(path.read_text()):
         return None
     from hybridflow.planning.calibrate import stage_means
-    from hybridflow.tracking import read_metrics
+    from hybridflow.output.tracking import read_metrics
 
     rows = read_metrics(run_dir)[1:]
     if not rows:

@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from hybridflow.planning.cost import PRICED_STAGES, Rates
-from hybridflow.tracking import read_metrics
+from hybridflow.output.tracking import read_metrics
 from hybridflow.planning.workload import Workload
 
 PROFILE_STEPS = 3

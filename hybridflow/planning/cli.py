@@ -77,7 +77,7 @@ def make_cluster(args, config) -> Cluster:
 
 def main(argv: list[str], compose_command: Callable[[list[str]], Any]) -> int:
     """`hybridflow plan ARGV`; `compose_command(overrides)` composes and checks the run's config as the
-    command does (`hybridflow.pipeline_stages.compose_command`, passed in by `hybridflow.cli`: the stage's
+    command does (`hybridflow.run.pipeline_stages.compose_command`, passed in by `hybridflow.cli`: the stage's
     modules sit above the planner)."""
     args = parser().parse_args(argv)
     from hybridflow.planning.device_rates import load_rates

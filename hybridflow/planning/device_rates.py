@@ -66,7 +66,7 @@ def this_device(kind: str) -> DeviceIdentity:
     """The identity of this machine's `kind` device (cpu | cuda)."""
     override = os.environ.get(IDENTITY_VAR)
     if kind == "cuda":
-        from hybridflow.memory_budget import local_gpus
+        from hybridflow.checks.memory_budget import local_gpus
 
         gpus = [] if override else local_gpus()  # nvidia-smi: the driver opens no CUDA context
         if not gpus:

@@ -1,9 +1,9 @@
 """Which rollout layouts can run: pure rules shared by the config check and the planner.
 
 Each function returns every problem of a layout as (key, value, what is allowed), or as reasons;
-the stage's plan check (`hybridflow.checks`) reports the first, the planner
+the stage's plan check (`hybridflow.checks.rules`) reports the first, the planner
 (`hybridflow.planning.rules.problems`) drops a candidate with any, and the preflight's model check
-(`hybridflow.model_checks`) words vLLM's head split with `tp_head_problems`. Nothing here reads a
+(`hybridflow.checks.model`) words vLLM's head split with `tp_head_problems`. Nothing here reads a
 config: the callers pass the numbers.
 """
 
@@ -50,7 +50,7 @@ def overlap_problems(depth: int, overlaps: bool, rollout_colocated: bool, rollou
 
 def tp_head_problems(tp: int, heads: int, kv_heads: int) -> list[str]:
     """Why vLLM cannot split a model of `heads` attention heads and `kv_heads` key/value heads over
-    `tp` ranks, each with its fix (empty: it can). The stage's plan check (hybridflow/checks.py) and the
+    `tp` ranks, each with its fix (empty: it can). The stage's plan check (hybridflow/checks/rules.py) and the
     planner both say it with these words."""
     problems = []
     if heads % tp:

@@ -5,7 +5,7 @@ affinity), which pool each role runs on, the rollout's tensor-parallel size (and
 the device (cpu or cuda) and the weight transport that serves the placement there, the schedule
 depth (`trainer.max_staleness`) and whether pools pin their cores. Each stage decides one before
 anything starts (hybridflow/planning/auto.py `decide_plan`: `Plan.from_config`, called there only,
-or placement=auto's best) and passes it by argument in its `hybridflow.stage.Stage`, saved as
+or placement=auto's best) and passes it by argument in its `hybridflow.run.stage.Stage`, saved as
 run_dir/plan.json: the launcher, the pool reservation, role spawning, the memory model, the plan's
 checks and the weight sync receive it, and nothing outside this package reads the config's pools, roles' pools or rollout TP
 (tests/unit/test_layering.py). The planner (hybridflow/planning/search.py) makes candidates of the
@@ -89,7 +89,7 @@ class Plan:
         maps is on one, whether or not the recipe starts it), rollout TP, staleness, CPU pinning
         (placement.pin_cpus, or the schedule's `overlaps`), the device (`precision.device_of`, as the
         dtypes decide it) and the transport that serves them. `schedule`: the class trainer.max_staleness
-        chooses, where the caller has it (`hybridflow.stage.prepare_stage`), else asked here."""
+        chooses, where the caller has it (`hybridflow.run.stage.prepare_stage`), else asked here."""
         placement = config.placement
         pools = []
         for name, pool in placement.pools.items():

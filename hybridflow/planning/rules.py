@@ -7,7 +7,7 @@ the same functions the config check raises with (`hybridflow.planning.layout`: `
 pools need, and memory: each device's terms (`memory_terms`) against what a device holds. The
 planner drops a candidate with any problem and prints the memory terms of those it drops for memory.
 
-The memory terms are the run's own memory model (hybridflow/memory_budget.py `device_terms`, the
+The memory terms are the run's own memory model (hybridflow/checks/memory_budget.py `device_terms`, the
 floor the preflight refuses a configured run with), given the workload instead of a config and
 each pool of the plan instead of the actor's: the roles on a pool share its devices and all stay
 resident (no offload between stages; on GPUs the run's own phases, `phases`: a colocated actor and
@@ -24,7 +24,7 @@ measured runtime.
 from __future__ import annotations
 
 from hybridflow.planning.plan import Plan, PoolPlan
-from hybridflow.memory_budget import GPU_MEMORY_SHARE, device_terms, gpu_device_phases
+from hybridflow.checks.memory_budget import GPU_MEMORY_SHARE, device_terms, gpu_device_phases
 from hybridflow.planning.workload import GIB, Cluster, Workload
 from hybridflow.rollout_schedules import schedule_class
 
@@ -74,7 +74,7 @@ def problems(plan: Plan, workload: Workload, cluster: Cluster, any_tp: bool = Fa
 
 def phases(plan: Plan, pool: PoolPlan, workload: Workload, cluster: Cluster) -> dict[str, dict[str, float]]:
     """The memory terms a device of `pool` holds at once, per phase of the step: on GPUs the run's own
-    GPU phases (hybridflow/memory_budget.py `gpu_device_phases`: training, and with a vLLM engine
+    GPU phases (hybridflow/checks/memory_budget.py `gpu_device_phases`: training, and with a vLLM engine
     its start, the weight sync and generation, the engine taking its `gpu_memory_utilization` share;
     `" (training)"` ...), on CPUs one phase, `""`, with every term."""
     if cluster.device != "cuda":
@@ -114,7 +114,7 @@ def kv_per_sequence(plan: Plan, workload: Workload) -> float:
 
 def memory_terms(plan: Plan, pool: PoolPlan, workload: Workload, cluster: Cluster) -> dict[str, float]:
     """Bytes per device of `pool` with every role on it, term by term: the memory model of
-    hybridflow/memory_budget.py (`device_terms`), the KV cache on a GPU at its floor, one sequence at
+    hybridflow/checks/memory_budget.py (`device_terms`), the KV cache on a GPU at its floor, one sequence at
     full length (the CPU's rule, and what `hybridflow plan` prints; on GPUs the rules check `phases`)."""
     kv = None if cluster.device == "cpu" else (
         f"rollout KV cache (one sequence at full length, 1/{plan.rollout_tp})", kv_per_sequence(plan, workload))

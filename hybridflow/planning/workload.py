@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 # GIB: the planner's modules read it here
 from hybridflow.config.model_facts import ModelFacts
-from hybridflow.memory_budget import DTYPE_BYTES, GIB, MemoryInputs, ModelShape  # noqa: F401
+from hybridflow.checks.memory_budget import DTYPE_BYTES, GIB, MemoryInputs, ModelShape  # noqa: F401
 
 MODEL_ROLES = ("actor", "rollout", "critic", "reference", "reward", "teacher")  # in the order plans print them
 
@@ -77,7 +77,7 @@ class Workload:
         return 2 * self.layers * self.kv_heads * self.head_dim * self.rollout_bytes
 
     def memory_inputs(self) -> MemoryInputs:
-        """What the memory model (hybridflow/memory_budget.py `device_terms`) needs of this step; a
+        """What the memory model (hybridflow/checks/memory_budget.py `device_terms`) needs of this step; a
         reward model, when the workload has one, is taken to be the actor's size."""
         shape = ModelShape(parameters=self.parameters, layers=self.layers, hidden=self.hidden,
                            intermediate=self.intermediate or 4 * self.hidden, heads=self.heads, vocab=self.vocab,
@@ -185,7 +185,7 @@ class Cluster:
         """One node: on `device` cuda, this machine's GPUs (their count, the smallest one's memory, their
         name as a label; the cores shared among them); on cpu, its cores, one device per core, the
         memory Ray lets it use split evenly."""
-        from hybridflow.memory_budget import NODE_MEMORY_SHARE, local_gpus, node_memory_bytes
+        from hybridflow.checks.memory_budget import NODE_MEMORY_SHARE, local_gpus, node_memory_bytes
 
         cores = len(os.sched_getaffinity(0))
         if device == "cuda":
@@ -214,7 +214,7 @@ class Cluster:
             raise ValueError(f"placement.device=cuda, and {'a node' if len(nodes) > 1 else 'the node'} of the Ray "
                              "cluster has no GPU: run on GPU nodes, or set placement.device=cpu")
         if device == "cuda":
-            from hybridflow.memory_budget import local_gpus
+            from hybridflow.checks.memory_budget import local_gpus
 
             here = local_gpus()
             if not here:  # Ray's resources do not say how much memory a GPU has

@@ -1,7 +1,7 @@
 """LoRA served as a vLLM adapter: each sync moves the LoRA factors only, not the folded model.
 
 With a LoRA actor and the vLLM rollout (`weight_sync.lora`, decided by
-`hybridflow.checks.lora_sync`), the engine is started with LoRA enabled and keeps the base model it
+`hybridflow.checks.rules.lora_sync`), the engine is started with LoRA enabled and keeps the base model it
 loaded; every sync brings it the actor's current adapter as a new adapter with an id of its own,
 and every request is sent with it. What moves is r x (in + out) per adapted linear layer
 (megabytes) instead of the whole model with W + (alpha/r)BA folded in (gigabytes).
@@ -29,7 +29,7 @@ Why not vLLM's weight-transfer engines for this: they move full checkpoint tenso
 model; the adapter path is vLLM's own LoRA API (`add_lora` / `remove_lora`, a `LoRARequest` per
 request), which reads adapters from a directory, so the payload is written as one.
 
-Not served as an adapter (the folded whole-model sync is used, `hybridflow.checks.lora_sync` says
+Not served as an adapter (the folded whole-model sync is used, `hybridflow.checks.rules.lora_sync` says
 why): the Hugging Face rollout, staged pushes (trainer.max_staleness >= 2), LoRA on the embedding
 or the output layer, ranks above vLLM's largest (512).
 """

@@ -322,7 +322,7 @@ class StepHooks:
     @classmethod
     def build(cls, hooks: list, run_dir: Path, loader: PromptLoader) -> "StepHooks":
         """The step hooks among `trainer.training_hooks` (the reference hooks are left to
-        `hybridflow.runner.run_training_hooks`); `loader` must remember `batches_to_remember` draws."""
+        `hybridflow.run.runner.run_training_hooks`); `loader` must remember `batches_to_remember` draws."""
         return cls([STEP_HOOKS.get(h.name)(hook_config(h.name, h.params), run_dir, loader)
                     for h in hooks if h.name in STEP_HOOKS])
 

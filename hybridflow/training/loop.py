@@ -77,7 +77,7 @@ class TrainingLoopMixin:
     def free_gradients(self) -> None:
         """The update's gradients freed (set to None) once its last optimizer step is taken, so that the
         weight sync after it holds parameters, AdamW moments and the engine's weights but no gradients
-        (hybridflow/memory_budget.py, the GPU's "weight sync" phase). Nothing after an update reads them:
+        (hybridflow/checks/memory_budget.py, the GPU's "weight sync" phase). Nothing after an update reads them:
         its grad norm and loss are read already, the step hooks read those metrics, and the LoRA fold, the
         weight sync and the checksums read the parameters; the next mini-batch zeroes them anyway. A test
         that compares an update's gradients keeps them by replacing this on its worker."""

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import torch
 
-from hybridflow import console
+from hybridflow.output import console
 from hybridflow.training.fsdp import all_reduce_sum
 
 SAMPLE_PER_RANK = 1 << 20  # values sampled from this rank's shards: a 4 MB float32 snapshot per step

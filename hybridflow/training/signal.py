@@ -16,7 +16,7 @@ several in a row mean the reward, not the policy.
 
 from __future__ import annotations
 
-from hybridflow import console
+from hybridflow.output import console
 
 class NoSignalError(RuntimeError):
     """The reward gave no learning signal for trainer.max_steps_without_signal steps in a row."""

@@ -1,7 +1,7 @@
 """A sharded model's weights read or replaced whole, under Hugging Face names.
 
 For the trainable workers' collective calls that see the model as one piece rather than as
-shards: the full state dict the reference hooks merge (hybridflow/runner.py), replacing the
+shards: the full state dict the reference hooks merge (hybridflow/run/runner.py), replacing the
 weights with a merge of checkpoints (the `spike_recovery` step hook), and the export as a
 Hugging Face model directory or a peft adapter directory (hybridflow/checkpoint). Nothing here
 knows the role; each function is collective over the model's group.

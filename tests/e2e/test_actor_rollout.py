@@ -16,7 +16,7 @@ from hybridflow.data import ArithmeticSpec, make_arithmetic_rows
 from hybridflow.data.prompts import encode_prompts
 from tests.e2e.workers import CorruptibleVLLMRollout
 from recipes.roles import actor_role, reference_role
-from hybridflow.stage import prepare_stage
+from hybridflow.run.stage import prepare_stage
 from hybridflow.training.objectives import PolicyObjective
 
 MAX_PROMPT_TOKENS = 8

@@ -26,7 +26,7 @@ from hybridflow.resharding import WeightSyncError
 from hybridflow.resharding.sync import AdapterSync
 from hybridflow.resharding.transports import build_transport
 from recipes.roles import actor_role
-from hybridflow.stage import prepare_stage
+from hybridflow.run.stage import prepare_stage
 from tests.e2e.workers import AdapterFaultVLLMRollout, spawn_actor_and_rollout
 
 MAX_PROMPT_TOKENS = 8

@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from hybridflow.tracking import read_metrics
+from hybridflow.output.tracking import read_metrics
 from tests.e2e.cli_in_one_process import without_ray
 
 # the smaller data for every stage; each stage's length (its batch sizes are the recipe's own)

@@ -13,7 +13,7 @@ import sys
 
 
 def test_the_cli_every_recipe_and_every_worker_import_without_ray():
-    modules = ["hybridflow.cli", "hybridflow.launch", "hybridflow.lifecycle", "hybridflow.runner", "hybridflow.faults",
+    modules = ["hybridflow.cli", "hybridflow.run.launch", "hybridflow.run.lifecycle", "hybridflow.run.runner", "hybridflow.run.faults",
                "hybridflow.controller.worker_group", "hybridflow.controller.hosts", "hybridflow.controller.ray_host",
                "hybridflow.controller.pools", "hybridflow.controller.runtime",
                "hybridflow.resharding.sync", "recipes.ppo", "recipes.sft", "recipes.dpo", "recipes.pipeline",

@@ -2,7 +2,7 @@
 ranks with borrowed rates, says so, and saves what it measured as the device's rates; the second
 run plans with them, whose factors make the prediction for the first run's plan what that run
 measured, stage by stage (hybridflow/planning/device_rates.py). The second run's planning is all it
-decides before anything starts (`hybridflow.stage.prepare_stage`), so it is called here in
+decides before anything starts (`hybridflow.run.stage.prepare_stage`), so it is called here in
 the test's process, as the command calls it, instead of a second whole run (CI's time,
 tests/budget.py). How close that prediction comes to the second run's own steps is a measurement,
 not a test (timings on two shared cores drift): docs/placement.md "Rates per device". Its runs start
@@ -33,7 +33,7 @@ def _run(tmp_path: Path, name: str, env: dict) -> tuple[str, dict]:
 def _plan_second(tmp_path: Path, name: str) -> tuple[str, dict]:
     """What the second run does before anything starts: the same config, its stage prepared (`prepare_stage`)."""
     from hybridflow.config import compose
-    from hybridflow.stage import prepare_stage
+    from hybridflow.run.stage import prepare_stage
 
     run_dir = tmp_path / name
     run_dir.mkdir()

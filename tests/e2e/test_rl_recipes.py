@@ -358,7 +358,7 @@ def test_a_killed_actor_rank_and_a_hung_rollout_each_restart_the_run_which_match
 @ON_RAY
 @pytest.mark.slow  # CI's slow tier, for the default run's 20 minutes on a CPU without bf16 (README "Two commands")
 def test_a_short_run_prints_a_few_lines_and_keeps_the_library_output_in_its_logs(straight):
-    """What a run prints (hybridflow/console.py): a few lines and one progress line per stage on the
+    """What a run prints (hybridflow/output/console.py): a few lines and one progress line per stage on the
     console; everything vLLM, Ray, transformers and torch print under <run_dir>/logs/ (read on the
     uninterrupted run above: one whole-stack start less, CI's time, tests/budget.py)."""
     stdout, stderr, run_dir = straight[0]["stdout"], straight[0]["stderr"], straight[0]["run_dir"]

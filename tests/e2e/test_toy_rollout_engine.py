@@ -125,7 +125,7 @@ def test_a_third_rollout_engine_registered_in_one_file_runs_grpo_steps_sleeping_
     import ray
 
     from hybridflow.cli import run
-    from hybridflow.pipeline_stages import compose_command
+    from hybridflow.run.pipeline_stages import compose_command
 
     args = ["recipe=grpo", "rollout.backend=toy", "trainer.total_steps=2", "trainer.val_every_steps=2", ONE_RANK,
             *SMALL, f"logger.output_root={tmp_path}", "logger.run_name=toy"]
@@ -150,7 +150,7 @@ def test_an_engine_that_cannot_split_a_model_or_serve_adapters_is_refused_where_
     """Before anything starts: at compose (the config's rules) or as the stage is prepared (its plan's rules),
     as the command does (`compose_command`)."""
     from hybridflow.config import compose
-    from hybridflow.pipeline_stages import compose_command
+    from hybridflow.run.pipeline_stages import compose_command
 
     register_rollout_engine(TOY)
     try:

@@ -28,7 +28,7 @@ from hybridflow.resharding.sync import WeightSync
 from hybridflow.resharding.transports import TRANSPORTS, Transport, build_transport, register_transport
 from hybridflow.resharding.transports.flat import unpack
 from recipes.roles import actor_role
-from hybridflow.stage import prepare_stage
+from hybridflow.run.stage import prepare_stage
 from workers.rollout.vllm_rollout import VLLMRollout
 
 VLLM_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1"}

@@ -4,7 +4,7 @@ unchanged: chat-message prompts (rendered with the tokenizer's chat template), t
 `compute_score(data_source, solution_str, ground_truth, extra_info)`, and verl's KL names.
 
 The run is verbose (`logger.verbose=true`), and what a verbose run prints is read on it too
-(hybridflow/console.py: the library output on the console, no logs directory): one start of the
+(hybridflow/output/console.py: the library output on the console, no logs directory): one start of the
 stack for both (each start is a minute of CI's time on a 2-core CPU, tests/budget.py). A quiet
 run's console is read on tests/e2e/test_rl_recipes.py's uninterrupted run."""
 

@@ -13,7 +13,7 @@ from hybridflow.data.prompts import encode_prompts
 from hybridflow.resharding.weights import full_weights
 from hybridflow.config.schema import ActorConfig, HybridFlowConfig, LoraConfig, OptimConfig
 from recipes.roles import actor_role
-from hybridflow.stage import prepare_stage
+from hybridflow.run.stage import prepare_stage
 from workers.actor import ActorWorker
 
 

@@ -12,7 +12,7 @@ from hybridflow.data import ArithmeticSpec, make_arithmetic_rows
 from hybridflow.data.prompts import encode_prompts
 from hybridflow.config.schema import ActorConfig, HybridFlowConfig, OptimConfig
 from recipes.roles import actor_role
-from hybridflow.stage import prepare_stage
+from hybridflow.run.stage import prepare_stage
 from hybridflow.training.objectives import PolicyObjective
 
 

@@ -13,7 +13,7 @@ from hybridflow.config.schema import ActorConfig, HybridFlowConfig, OptimConfig
 from hybridflow.controller import WorkerContext
 from hybridflow.data.corpus import sequence_batch
 from recipes.roles import actor_role
-from hybridflow.stage import prepare_stage
+from hybridflow.run.stage import prepare_stage
 from workers.actor import ActorWorker
 
 

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from hybridflow.config import compose
-from hybridflow.checks import lora_sync
+from hybridflow.checks.rules import lora_sync
 from hybridflow.resharding.adapter import (adapter_payload, check_served, served_rank, verify_adapter,
                                            write_adapter)
 from hybridflow.resharding.verify import WeightSyncError, checksum

@@ -18,7 +18,7 @@ from hybridflow.batch import Batch
 from hybridflow.builders import build_char_tokenizer
 from hybridflow.config.schema import HybridFlowConfig, RecipeConfig, RolloutConfig
 from hybridflow.data.calculator import calc, demonstration
-from hybridflow.preflight import check_run
+from hybridflow.checks.preflight import check_run
 from hybridflow.rewards import RewardConfig
 from hybridflow.rewards.functions import AGENT_ARGUMENTS
 

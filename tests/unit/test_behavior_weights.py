@@ -87,7 +87,7 @@ def test_with_rollout_correction_auto_the_step_carries_weights_only_when_stale_a
 ])
 def test_a_stale_config_without_what_it_needs_is_refused_naming_the_key(overrides, key):
     """As the command refuses them: the config's own rules at compose, its plan's when the stage is prepared."""
-    from hybridflow.pipeline_stages import compose_command
+    from hybridflow.run.pipeline_stages import compose_command
 
     with pytest.raises(Exception, match=re.escape(key)):
         compose_command(["recipe=grpo", *overrides])

@@ -30,7 +30,7 @@ def _run(monkeypatch, script: str, *args: str) -> None:
 
 def _write_run(run_dir: Path, rows: list[dict]) -> Path:
     """A run directory whose metrics.jsonl the recipes' own logger wrote from `rows` (one per step)."""
-    from hybridflow.tracking import MetricsLogger
+    from hybridflow.output.tracking import MetricsLogger
 
     run_dir.mkdir(parents=True)
     logger = MetricsLogger(run_dir, ["jsonl"])
@@ -162,7 +162,7 @@ def test_the_weight_sync_bench_composes_each_placement_as_it_spawns_it(tmp_path,
     assert {m["parameters"] for m in report.values()} == {1_001_600}  # the tiny model (docs/results/performance.md: 1.0M)
 
     from hybridflow.builders import build_tiny_model
-    from hybridflow.pipeline_stages import compose_command
+    from hybridflow.run.pipeline_stages import compose_command
 
     bench = runpy.run_path(str(ROOT / "bench/weight_sync.py"))  # the check each mode passed, on a mismatch
     colocated_tp1 = compose_command(bench["command"]("tiny", 2, None, 1))
@@ -202,7 +202,7 @@ def test_the_precision_curves_bench_composes_its_drivers_runs_and_tables_their_r
     """bench/precision_curves.sh's three commands composed and checked (float32, bfloat16 with float32
     master weights, pure bfloat16), then bench/precision_curves.py on three run directories of that
     naming in the recipes' format: a table line per run, its reward over the first and last 5 steps."""
-    from hybridflow.pipeline_stages import compose_command
+    from hybridflow.run.pipeline_stages import compose_command
 
     commands = _driver_commands(tmp_path)
     assert list(commands) == ["float32", "bf16_mixed", "bf16_pure"]

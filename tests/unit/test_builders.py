@@ -87,7 +87,7 @@ def test_training_rows_shown_in_part_keep_the_whole_held_out_set(tmp_path, tiny_
     from transformers import AutoTokenizer
 
     from hybridflow.config import compose
-    from hybridflow.launch import prepare_data
+    from hybridflow.run.launch import prepare_data
 
     config = compose(["data.synthetic.train_rows=7700", "data.synthetic.val_rows=500",
                       "data.synthetic.train_first_operand_below=50"])
@@ -114,7 +114,7 @@ def test_a_few_rows_of_the_rest_are_kept_after_the_part_shown(tmp_path, tiny_mod
     from transformers import AutoTokenizer
 
     from hybridflow.config import compose
-    from hybridflow.launch import prepare_data
+    from hybridflow.run.launch import prepare_data
 
     config = compose(["data.synthetic.train_rows=7700", "data.synthetic.val_rows=500",
                       "data.synthetic.train_first_operand_below=50", "data.synthetic.train_rows_not_below=200"])

@@ -7,7 +7,7 @@ import json
 import pytest
 
 from hybridflow.builders.architectures import build_bpe_tokenizer, build_tiny_architecture
-from hybridflow.model_checks import CPU_ATTENTION_HEAD_SIZES, attention_shape
+from hybridflow.checks.model import CPU_ATTENTION_HEAD_SIZES, attention_shape
 
 
 def test_the_bpe_tokenizer_merges_and_renders_chat():

@@ -21,7 +21,7 @@ from hybridflow.config import ConfigError, compose
 from hybridflow.merge import merge_checkpoints
 from hybridflow.merge.checkpoints import last_checkpoints, open_checkpoint
 from hybridflow.merge.hooks import HookConfig, checkpoints_needed
-from hybridflow.runner import Checkpointer
+from hybridflow.run.runner import Checkpointer
 
 
 class OneRankActor:

@@ -1,5 +1,5 @@
 """The config's checks are functions that return problems and never change what they check
-(hybridflow/checks.py): each is given a frozen copy of the configs users run — every recipe, the
+(hybridflow/checks/rules.py): each is given a frozen copy of the configs users run — every recipe, the
 placements, LoRA, an async depth, one that breaks a plan rule — which raises on any assignment."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from types import MappingProxyType
 
 import pytest
 
-from hybridflow.checks import config_problems, plan_problems, resolved
+from hybridflow.checks.rules import config_problems, plan_problems, resolved
 from hybridflow.config import compose
 from hybridflow.config.schema import plain
 from hybridflow.planning.auto import decide_plan

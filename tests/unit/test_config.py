@@ -7,7 +7,7 @@ import re
 import pytest
 from hydra.errors import ConfigCompositionException
 
-from hybridflow.pipeline_stages import compose_command
+from hybridflow.run.pipeline_stages import compose_command
 from hybridflow.config import CONF_DIR, ConfigError, compose
 from hybridflow.planning.plan import Plan
 

@@ -98,7 +98,7 @@ def test_a_cached_device_is_refitted_only_past_a_quarter_off(cache):
 
 
 def test_the_plan_command_marks_borrowed_seconds(cache, monkeypatch, capsys):
-    from hybridflow.pipeline_stages import compose_command
+    from hybridflow.run.pipeline_stages import compose_command
     from hybridflow.planning.cli import main
 
     monkeypatch.setenv(dr.IDENTITY_VAR, "Simulated CPU")

@@ -12,7 +12,7 @@ from hybridflow.algos import DISTILLATION_SIGNALS, distillation_signal
 from hybridflow.batch import Batch
 from hybridflow.config import ConfigError, compose
 from hybridflow.config.teacher import DISTILLATION_SIGNAL_NAMES
-from hybridflow.memory_budget import GIB, memory_problems
+from hybridflow.checks.memory_budget import GIB, memory_problems
 from hybridflow.planning.plan import Plan
 from recipes.ppo import add_advantages
 from tests.unit.test_memory_budget import PINNED, header_only_model, qwen2_shapes
@@ -84,7 +84,7 @@ def test_a_teacher_of_another_tokenizer_is_refused_before_start_naming_both(tmp_
     from transformers import AutoTokenizer
 
     from hybridflow.builders import build_tiny_model
-    from hybridflow.preflight import check_run
+    from hybridflow.checks.preflight import check_run
 
     teacher = build_tiny_model(tmp_path / "teacher")
     tokenizer = AutoTokenizer.from_pretrained(teacher)
@@ -250,7 +250,7 @@ def test_several_teachers_each_score_the_prompts_their_column_names_and_the_rows
 
 
 def test_several_teachers_need_their_column_in_the_training_data_before_start(tiny_model_dir):
-    from hybridflow.preflight import check_run
+    from hybridflow.checks.preflight import check_run
 
     config = compose(["recipe=distill", f"model.path={tiny_model_dir}",
                       f"+teacher.teachers={{math: {tiny_model_dir}, code: {tiny_model_dir}}}"])

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from omegaconf import OmegaConf
 
-from hybridflow.tracking import _jsonable
+from hybridflow.output.tracking import _jsonable
 
 ROOT = Path(__file__).resolve().parents[2]
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("**/*.md"))]  # the guides and the results pages
@@ -94,9 +94,9 @@ def problems_of(command: Command) -> list[str]:
             command = Command(command.where, command.program, parser().parse_args(command.args[1:]).overrides)
         except SystemExit:
             return [f"hybridflow {' '.join(command.args)}: the flags do not parse"]
-    from hybridflow.pipeline_stages import compose_command
+    from hybridflow.run.pipeline_stages import compose_command
     from hybridflow.config.recipes import recipe_spec
-    from hybridflow.pipeline_stages import STAGE_SCOPED, override_key, pipeline_owned
+    from hybridflow.run.pipeline_stages import STAGE_SCOPED, override_key, pipeline_owned
 
     try:
         config, stages = compose_command(command.args, with_stages=True)
@@ -192,7 +192,7 @@ def test_a_planted_mismatch_is_caught(tmp_path, monkeypatch):
     assert "does not compose" in problems_of(planted[1])[0]  # a key no stage reads
     assert "do not parse" in problems_of(planted[2])[0]  # no such flag
     # overrides that stop reaching a stage: the check sees it
-    import hybridflow.pipeline_stages as stages
+    import hybridflow.run.pipeline_stages as stages
 
     monkeypatch.setattr(stages, "route", lambda config: {s.name: [] for s in config.pipeline.stages})
     assert sorted(problems_of(planted[0])) == [
@@ -206,7 +206,7 @@ def test_the_cluster_pages_command_composes_to_what_the_page_says(tmp_path, monk
     page = (ROOT / "docs" / "cluster.md").read_text()
     [command] = [c for c in commands_in(ROOT / "docs" / "cluster.md") if "rollout.tensor_parallel_size=2" in c.args]
     monkeypatch.chdir(tmp_path)
-    from hybridflow.pipeline_stages import compose_command
+    from hybridflow.run.pipeline_stages import compose_command
 
     (tmp_path / "my_reward.py").touch()
     config = compose_command([a.replace("/shared/code/", f"{tmp_path}/") for a in command.args])

@@ -1,5 +1,5 @@
 """Every GPU command of the pages users run on GPUs (README "On GPUs", docs/cluster.md,
-docs/migrating.md) fits the GPU its page names by the GPU memory model (hybridflow/memory_budget.py:
+docs/migrating.md) fits the GPU its page names by the GPU memory model (hybridflow/checks/memory_budget.py:
 training, and with a colocated engine its start, weight sync and generation), and each page shows
 that arithmetic. The models the pages name are stood in for by header-only directories of their
 shapes (no weights: the checks before start read headers only)."""
@@ -33,7 +33,7 @@ STATED_GPU = re.compile(r"(\d+)\s+GB\s+GPUs")
 
 
 def _on_gpus(command) -> bool:
-    from hybridflow.pipeline_stages import compose_command
+    from hybridflow.run.pipeline_stages import compose_command
 
     args = [a for a in command.args if ".py:" not in a]  # a user's reward file is not needed to read the device
     return compose_command(args).placement.device.value == "cuda"
@@ -64,8 +64,8 @@ GPU_COMMANDS = gpu_commands()
 
 @pytest.mark.parametrize("command", GPU_COMMANDS, ids=[c.where for c in GPU_COMMANDS])
 def test_every_documented_gpu_command_fits_the_gpu_its_page_names(command, tmp_path, monkeypatch, tiny_model_dir):
-    from hybridflow.pipeline_stages import compose_command
-    from hybridflow.memory_budget import GIB, ModelShape, actor_pool_roles, gpu_phase_terms, memory_problems
+    from hybridflow.run.pipeline_stages import compose_command
+    from hybridflow.checks.memory_budget import GIB, ModelShape, actor_pool_roles, gpu_phase_terms, memory_problems
     from hybridflow.planning.plan import Plan
 
     page = PAGES[command.where.split(":")[0]].read_text()
@@ -87,7 +87,7 @@ def test_every_documented_gpu_command_fits_the_gpu_its_page_names(command, tmp_p
     config = compose_command([*args, f"placement.gpu_memory_gib={gpu_gib}"])
     problems = memory_problems(config, Plan.from_config(config))  # the plan the run would carry
     assert problems == [], f"{command.where} does not fit {gpu_gib} GB GPUs:\n" + "\n".join(problems)
-    from hybridflow.memory_budget import AUTO_SHARE, resolve_micro_batches
+    from hybridflow.checks.memory_budget import AUTO_SHARE, resolve_micro_batches
 
     resolved, said = resolve_micro_batches(config, Plan.from_config(config), gpu_bytes=gpu_gib * GIB)
     assert "WARNING" not in (said or ""), f"{command.where}: {said}"  # room for peaks above the floor

@@ -18,7 +18,7 @@ from hybridflow.data.preference import encode_pairs, synthetic_pairs
 from hybridflow.data.tokenizer import load_tokenizer
 from recipes.dpo import ReferenceScores
 from recipes.roles import actor_role, reference_role
-from hybridflow.stage import prepare_stage
+from hybridflow.run.stage import prepare_stage
 
 BETA = 0.1
 

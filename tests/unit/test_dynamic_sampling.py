@@ -199,7 +199,7 @@ def test_dynamic_sampling_is_refused_where_it_cannot_work():
 
 def _samples(r, rows, step):
     from hybridflow.data.prompts import encode_prompts
-    from hybridflow.runner import sample_seeds
+    from hybridflow.run.runner import sample_seeds
 
     prompts = encode_prompts(rows, r.tokenizer, r.config.data.max_prompt_tokens)
     prompts.tensors["group_ids"] = torch.arange(len(prompts))

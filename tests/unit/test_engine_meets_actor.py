@@ -60,7 +60,7 @@ def fused_stage(model_dir, *overrides: str):
 
     from hybridflow.config import compose
     from hybridflow.controller.local import spawn_local
-    from hybridflow.stage import prepare_stage
+    from hybridflow.run.stage import prepare_stage
     from recipes.roles import actor_role, rollout_role
 
     made = not dist.is_initialized()

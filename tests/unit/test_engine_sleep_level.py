@@ -88,7 +88,7 @@ def test_buffers_not_restored_after_a_level_2_sleep_are_found_at_the_load_naming
 
 
 def test_the_config_chooses_level_2_unless_an_adapter_sync_keeps_the_base_weights(tiny_model_dir):
-    from hybridflow.pipeline_stages import compose_command
+    from hybridflow.run.pipeline_stages import compose_command
 
     folded = compose_command(["recipe=grpo", f"model.path={tiny_model_dir}"])
     assert folded.rollout.sleep_level == 2

@@ -1,7 +1,7 @@
 """The exact engine (rollout.backend=exact, workers/rollout/exact_rollout.py) in one process with the actor it
 generates from: the engine contract's response batch, sampler log-probs equal to the actor's π_old bit for
 bit (torch.equal, float32 and bfloat16), a weight path that moves nothing, and the config rules that keep
-the equality (hybridflow/checks.py check_exact_engine). The GRPO run that logs
+the equality (hybridflow/checks/rules.py check_exact_engine). The GRPO run that logs
 `rollout_mismatch/abs_diff_max == 0.0` is tests/e2e/test_exact_rollout.py."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from hybridflow.algos import tempered_log_softmax_at, token_log_probs_and_entrop
 from hybridflow.batch import Batch
 from hybridflow.config import ConfigError, compose
 from hybridflow.controller import WorkerContext
-from hybridflow.stage import prepare_stage
+from hybridflow.run.stage import prepare_stage
 
 
 def test_tempered_log_softmax_at_a_hand_worked_example():

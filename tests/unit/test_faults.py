@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from hybridflow.config import compose
-from hybridflow.faults import inject_faults
+from hybridflow.run.faults import inject_faults
 
 
 def test_corrupt_fault_truncates_the_newest_complete_checkpoint_once(tmp_path, capsys):

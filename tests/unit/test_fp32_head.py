@@ -48,7 +48,7 @@ def test_an_engine_that_cannot_compute_its_head_in_float32_is_refused_naming_tho
 
 
 def test_the_memory_floor_prices_float32_logits():
-    from hybridflow.memory_budget import MemoryInputs, ModelShape, micro_batch_terms
+    from hybridflow.checks.memory_budget import MemoryInputs, ModelShape, micro_batch_terms
 
     shape = ModelShape(parameters=10 ** 8, layers=4, hidden=256, intermediate=1024, heads=4, vocab=50000)
     common = dict(shape=shape, compute_bytes=2, master_bytes=4, rollout_bytes=2, rows=2, prompt_tokens=8,

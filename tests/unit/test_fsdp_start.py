@@ -32,7 +32,7 @@ def _start(rank: int, port: int, model_dir: str, out_dir: str) -> None:
     from hybridflow.controller import WorkerContext
     from hybridflow.controller.memory import read_and_reset
     from recipes.roles import actor_role
-    from hybridflow.stage import prepare_stage
+    from hybridflow.run.stage import prepare_stage
 
     torch.set_num_threads(1)
     moves, to = [], torch.nn.Module.to

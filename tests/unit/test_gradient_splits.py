@@ -23,7 +23,7 @@ from hybridflow.config.schema import ActorConfig, CriticConfig, HybridFlowConfig
 from hybridflow.controller import WorkerContext
 from hybridflow.data import ArithmeticSpec, make_arithmetic_rows
 from hybridflow.data.prompts import encode_prompts
-from hybridflow.stage import prepare_stage
+from hybridflow.run.stage import prepare_stage
 from hybridflow.training.objectives import PolicyObjective, SFTObjective, TopKDistillObjective, ValueObjective
 from recipes.roles import actor_role, critic_role
 

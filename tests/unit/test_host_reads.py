@@ -29,7 +29,7 @@ from hybridflow.config.schema import ActorConfig, CriticConfig, HybridFlowConfig
 from hybridflow.controller import WorkerContext
 from hybridflow.training.sequences import micro_batch_rows
 from recipes.roles import actor_role, critic_role
-from hybridflow.stage import prepare_stage
+from hybridflow.run.stage import prepare_stage
 
 Tensor = torch.Tensor
 READS = {Tensor.item, Tensor.__float__, Tensor.__int__, Tensor.__bool__, Tensor.__index__, Tensor.tolist,

@@ -132,9 +132,9 @@ def test_what_one_process_cannot_do_is_refused_when_the_config_is_composed(overr
 def test_ray_address_in_the_environment_and_a_missing_ray_are_refused_with_the_fix(monkeypatch):
     import importlib.util
 
-    from hybridflow.launch import start_ray
+    from hybridflow.run.launch import start_ray
     from hybridflow.planning.plan import Plan
-    from hybridflow.preflight import _cluster_problems
+    from hybridflow.checks.preflight import _cluster_problems
 
     config = compose(["recipe=grpo", "placement=local"])
     monkeypatch.setenv("RAY_ADDRESS", "10.0.0.1:6379")

@@ -1,5 +1,5 @@
 """The memory floor of a run's actor processes, and the refusal of a run that cannot fit
-(hybridflow/memory_budget.py)."""
+(hybridflow/checks/memory_budget.py)."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ import pytest
 
 from hybridflow.config import compose
 from hybridflow.planning.plan import Plan
-from hybridflow.memory_budget import (GIB, ModelShape, choose_micro_batch, memory_problems, process_terms,
+from hybridflow.checks.memory_budget import (GIB, ModelShape, choose_micro_batch, memory_problems, process_terms,
                                       resolve_micro_batches)
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -170,7 +170,7 @@ def test_left_unset_the_micro_batch_is_the_most_rows_whose_floor_fits_the_memory
 
 
 def test_the_choice_is_the_largest_that_fits_and_respects_what_the_user_set():
-    from hybridflow.memory_budget import AUTO_SHARE, NODE_MEMORY_SHARE, actor_pool_roles
+    from hybridflow.checks.memory_budget import AUTO_SHARE, NODE_MEMORY_SHARE, actor_pool_roles
 
     for extra in ([], ["model.dtype=float32"], ["rollout.max_response_tokens=512"],
                   ["placement.pools.global.devices_per_node=1"]):
@@ -241,7 +241,7 @@ def test_on_a_gpu_the_micro_batch_is_chosen_from_its_memory(tmp_path, monkeypatc
     """An 80 GiB GPU, 1.5B: fixed terms 23.0 + 0.87 GiB and the CUDA context's 0.5, a row 768 x 28 x 51,200 x 2 B =
     2.05 GiB of activations and 0.29 of logits: (2/3 x 80 - 24.4) / 2.34 = 12.4, so 12 rows without
     checkpointing; 0.5B: 35 rows."""
-    from hybridflow.memory_budget import AUTO_SHARE, actor_pool_roles
+    from hybridflow.checks.memory_budget import AUTO_SHARE, actor_pool_roles
 
     config = compose([*GPU, "placement.pools.global.devices_per_node=1"])
     for shape, rows in ((QWEN15_SHAPE, 12), (QWEN05_SHAPE, 35)):
@@ -256,7 +256,7 @@ def test_on_a_gpu_the_micro_batch_is_chosen_from_its_memory(tmp_path, monkeypatc
     # (1536 x 28 + 51,200) x 2 B = 0.135 GiB of activations and still 0.29 of logits, 5 rows
     small = choose_micro_batch(config, plan_of(config), QWEN15_SHAPE, gpu_bytes=40 * GIB)
     assert (small.rows, small.gradient_checkpointing) == (5, True)
-    from hybridflow import memory_budget
+    from hybridflow.checks import memory_budget
 
     fake = tmp_path / "bin"
     fake.mkdir()
@@ -282,7 +282,7 @@ def test_on_a_gpu_each_phase_of_the_colocated_hand_over_is_checked_with_its_arit
     generate: 0.5 + 10.8 = 11.3);
     with 90% of the GPU usable (GPU_MEMORY_SHARE: fragmentation and transient buffers take the rest),
     (0.9 x 12 - 2.34) / 12 = 0.70 is the most that starts."""
-    from hybridflow.memory_budget import actor_pool_roles, gpu_phase_terms
+    from hybridflow.checks.memory_budget import actor_pool_roles, gpu_phase_terms
 
     model = header_only_model(tmp_path / "qwen05", tiny_model_dir)
     base = ["model=local_hf", f"model.path={model}", *GPU[2:], "placement.pools.global.devices_per_node=1"]
@@ -362,7 +362,7 @@ def test_each_phase_floor_is_below_its_h200_peak_within_one_and_a_half_times(rep
     the floor the model gives today for the bench's config, and at most 1.5x it. The weight sync's was measured
     while the gradients stayed through it: its recorded floor is today's plus the gradients the loop now frees
     at the end of the update (hybridflow/training/loop.py), against which its peak is read."""
-    from hybridflow.memory_budget import gpu_phase_terms, gpu_process_terms
+    from hybridflow.checks.memory_budget import gpu_phase_terms, gpu_process_terms
 
     sizes = {"0.5b": QWEN05_SHAPE, "1.5b": QWEN15_SHAPE,
              "3b": ModelShape(parameters=3_085_938_688, layers=36, hidden=2048, intermediate=11008, heads=16,
@@ -415,7 +415,7 @@ def test_an_hf_run_whose_kv_cache_and_prefill_logits_cannot_fit_is_refused_with_
     (10.8 - 1.42) GiB / 24.29 MiB = 395 rows fit; at 256 rows (6.0 GiB of cache) the run fits. Its start
     and weight sync are priced too (the engine's copy beside the actor's state), and the exact engine's
     generation is the actor's parameters beside one forward's logits."""
-    from hybridflow.memory_budget import actor_pool_roles, gpu_phase_terms
+    from hybridflow.checks.memory_budget import actor_pool_roles, gpu_phase_terms
 
     model = header_only_model(tmp_path / "qwen05", tiny_model_dir)
     base = ["model=local_hf", f"model.path={model}", "placement.device=cuda", "model.dtype=bfloat16",

@@ -1,4 +1,4 @@
-"""vLLM's hard limits read from config.json before start (hybridflow.model_checks)."""
+"""vLLM's hard limits read from config.json before start (hybridflow.checks.model)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import json
 import pytest
 
 from hybridflow.config.schema import DeviceKind, HybridFlowConfig
-from hybridflow.model_checks import CPU_ATTENTION_HEAD_SIZES, attention_shape, vllm_problems
+from hybridflow.checks.model import CPU_ATTENTION_HEAD_SIZES, attention_shape, vllm_problems
 
 
 def _model(tmp_path, **config):
@@ -37,8 +37,8 @@ def test_a_head_size_the_cpu_attention_refuses_is_named(tmp_path):
 
 @pytest.mark.parametrize("heads,kv,tp,bad", [(4, 2, 2, 0), (4, 1, 2, 0), (6, 6, 4, 2), (4, 3, 2, 1)])
 def test_tensor_parallel_must_split_heads_and_kv_heads_evenly(tmp_path, heads, kv, tp, bad):
-    """The stage's plan check reads the heads from model.path's config.json (hybridflow.checks)."""
-    from hybridflow.checks import check_rollout_layout
+    """The stage's plan check reads the heads from model.path's config.json (hybridflow.checks.rules)."""
+    from hybridflow.checks.rules import check_rollout_layout
     from hybridflow.planning.auto import decide_plan
 
     config = _config(tp)
@@ -57,7 +57,7 @@ def test_the_head_sizes_match_vllms_cpu_backend():
 def test_bfloat16_on_a_cpu_without_bfloat16_hardware_gets_a_note(monkeypatch):
     import hybridflow.precision as precision
     from hybridflow.config import compose
-    from hybridflow.model_checks import half_precision_note
+    from hybridflow.checks.model import half_precision_note
 
     monkeypatch.setattr(precision, "cpu_flags", lambda: frozenset({"fpu", "avx2", "fma"}))
     assert half_precision_note(compose(["placement.device=cpu"]), "cpu") is None  # float32: nothing to say
@@ -80,8 +80,8 @@ def test_a_missing_or_other_vllm_is_refused_before_anything_starts(monkeypatch):
     import importlib.metadata
 
     from hybridflow.config import compose
-    from hybridflow.model_checks import vllm_install_problems
-    from hybridflow.preflight import check_run
+    from hybridflow.checks.model import vllm_install_problems
+    from hybridflow.checks.preflight import check_run
 
     installed = {"vllm": "0.31.2"}
 

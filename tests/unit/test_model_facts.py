@@ -8,7 +8,7 @@ import json
 from hybridflow.builders.architectures import build_tiny_architecture
 from hybridflow.config.model_facts import ModelFacts
 from hybridflow.config.schema import ModelConfig, model_heads, model_layers
-from hybridflow.memory_budget import ModelShape
+from hybridflow.checks.memory_budget import ModelShape
 
 
 def test_llama_and_gpt2_names_give_the_same_facts():

@@ -13,7 +13,7 @@ from hybridflow.controller import WorkerContext
 from hybridflow.resharding.receiver import ModuleReceiver
 from hybridflow.resharding.verify import PROBE_NEW_TOKENS, PROBE_PROMPTS, PROBE_TOLERANCE, probe_batch, probe_fits
 from recipes.roles import actor_role
-from hybridflow.stage import prepare_stage
+from hybridflow.run.stage import prepare_stage
 
 
 def _plain_log_probs(model, prompt: list[int], tokens: list[int]) -> torch.Tensor:

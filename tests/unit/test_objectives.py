@@ -16,7 +16,7 @@ from hybridflow.config.schema import ActorConfig, HybridFlowConfig, OptimConfig
 from hybridflow.controller import WorkerContext
 from hybridflow.data import ArithmeticSpec, make_arithmetic_rows
 from hybridflow.data.prompts import encode_prompts
-from hybridflow.stage import prepare_stage
+from hybridflow.run.stage import prepare_stage
 from hybridflow.training.objectives import Objective
 from hybridflow.training.sequences import loss_mask, response_log_probs
 from recipes.roles import actor_role
@@ -87,7 +87,7 @@ def test_a_batch_without_a_column_the_objective_needs_is_refused_naming_it(tiny_
 
 def test_an_update_frees_its_gradients_before_anything_after_it(tiny_model_dir):
     """The loop sets every gradient to None once the update's last optimizer step is taken, so the weight
-    sync after it holds none (hybridflow/memory_budget.py's GPU "weight sync" phase counts none); the
+    sync after it holds none (hybridflow/checks/memory_budget.py's GPU "weight sync" phase counts none); the
     update's grad norm is read before, and the next update trains as before."""
     worker = _actor(tiny_model_dir, 2)
     seen = []

@@ -1,6 +1,6 @@
 """Each change has one room (issue 32): read from the code's syntax trees.
 
-- no recipe starts Ray or spawns its role groups itself (hybridflow/lifecycle.py does);
+- no recipe starts Ray or spawns its role groups itself (hybridflow/run/lifecycle.py does);
 - nothing branches on which transport class it holds (`isinstance` on a transport): a transport
   says what it can do (`supports_staging`, `gathers_whole`, ...);
 - no code outside the schedules (hybridflow/rollout_schedules.py) branches on the staleness depth:

@@ -18,7 +18,7 @@ from hybridflow.training.packing import choose_packing, pack, packing_unsupporte
 from hybridflow.training.sequences import (balanced_over_ranks, loss_mask, micro_batch_rows, rank_balanced_order,
                                           response_log_probs, token_budget_groups)
 from recipes.roles import actor_role, critic_role
-from hybridflow.stage import prepare_stage
+from hybridflow.run.stage import prepare_stage
 
 # (prompt tokens, response tokens) per row: full rows, short ones, a one-token prompt, an empty response
 LENGTHS = [(7, 9), (3, 4), (1, 9), (5, 0), (2, 1), (6, 5)]

@@ -1,4 +1,4 @@
-"""What the command line sets reaches the pipeline's stages (hybridflow/pipeline_stages.py): every
+"""What the command line sets reaches the pipeline's stages (hybridflow/run/pipeline_stages.py): every
 stage that reads the key, the user's value over the pipeline's and the stage's own; a stage-scoped
 form for one stage; a key no stage reads refused before anything starts."""
 
@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from hybridflow.pipeline_stages import compose_command
+from hybridflow.run.pipeline_stages import compose_command
 from hybridflow.config import ConfigError
-from hybridflow.pipeline_stages import route, routing_lines
+from hybridflow.run.pipeline_stages import route, routing_lines
 from recipes.pipeline import check_stages
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -83,7 +83,7 @@ def test_routing_keeps_the_pipelines_own_keys():
 def test_an_existing_run_name_without_resume_is_refused_before_anything_starts(tmp_path):
     from hybridflow.cli import run
     from hybridflow.config import compose
-    from hybridflow.preflight import InputError
+    from hybridflow.checks.preflight import InputError
 
     (tmp_path / "sft").mkdir()
     (tmp_path / "sft" / "metrics.jsonl").write_text('{"step": 1}\n')
@@ -97,7 +97,7 @@ def test_an_existing_run_name_without_resume_is_refused_before_anything_starts(t
 
 def test_a_reward_function_typed_on_the_default_pipeline_is_checked_in_every_stage_that_scores(tmp_path,
                                                                                                  monkeypatch):
-    from hybridflow.preflight import InputError, check_inputs
+    from hybridflow.checks.preflight import InputError, check_inputs
 
     monkeypatch.chdir(tmp_path)
     (tmp_path / "my_rewards.py").write_text("def score(response, difficulty, **_):\n    return 1.0\n")

@@ -116,11 +116,11 @@ def test_plan_json_and_console_lines():
 
 
 def test_assign_nodes_refuses_at_once_what_no_node_could_hold_and_waits_out_a_stale_release(monkeypatch):
-    """hybridflow.cluster.assign_nodes reads Ray's per-node free view, which trails a release: pools
+    """hybridflow.run.cluster.assign_nodes reads Ray's per-node free view, which trails a release: pools
     that fit the nodes' totals are retried for a moment; pools that cannot fit them are refused at once."""
     import time
 
-    from hybridflow import cluster
+    from hybridflow.run import cluster
     from hybridflow.config import compose
     from hybridflow.controller import placement
     from hybridflow.planning.plan import Plan

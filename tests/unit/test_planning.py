@@ -11,7 +11,7 @@ import os
 
 import pytest
 
-from hybridflow.pipeline_stages import compose_command
+from hybridflow.run.pipeline_stages import compose_command
 from hybridflow.planning.cost import COST_MODELS, Analytical, CostModel, Prediction, Rates, register_cost_model
 from hybridflow.planning.plan import Plan, PoolPlan
 from hybridflow.planning.rules import memory_terms, problems
@@ -108,7 +108,7 @@ def test_a_plan_that_does_not_fit_names_each_memory_term():
     assert "3.73 GiB  actor parameters" in problem and "7.45 GiB  actor AdamW moments" in problem
     assert "GiB  vLLM KV cache" in problem
     # the run's own memory model, for the plan's pool: the floor the preflight refuses a configured run with
-    from hybridflow.memory_budget import device_terms
+    from hybridflow.checks.memory_budget import device_terms
 
     assert terms == device_terms(w.memory_inputs(), plan.pools[0].roles, 2, 1, "cpu")
 
@@ -129,7 +129,7 @@ def test_a_separate_pools_transition_is_priced_as_the_broadcast_transport_moves_
 def test_the_planner_prices_a_pool_as_the_runs_own_memory_check_does():
     """One memory model: placement=auto's verdict on the configured plan is the preflight's (issue 39
     found the two with different formulas, so placement=auto switched the verdict from one to the other)."""
-    from hybridflow.memory_budget import actor_pool_roles, process_terms
+    from hybridflow.checks.memory_budget import actor_pool_roles, process_terms
 
     for extra in ([], ["actor.gradient_checkpointing=true", "placement.pools.global.devices_per_node=1"],
                   ["actor.lora.rank=8", "model.dtype=bfloat16"]):
@@ -146,7 +146,7 @@ def test_on_gpus_the_planner_checks_the_runs_own_phases_and_the_engines_share():
     and one sequence's KV cache is refused (issue 41: the sync phase and vLLM's share in the rules)."""
     import dataclasses
 
-    from hybridflow.memory_budget import actor_pool_roles, gpu_phase_terms
+    from hybridflow.checks.memory_budget import actor_pool_roles, gpu_phase_terms
     from hybridflow.planning.rules import phases
 
     config = compose_command([*PPO, "placement.device=cuda", "actor.samples_per_micro_batch=4",
@@ -245,7 +245,7 @@ def test_placement_auto_hands_over_the_best_plan_and_saves_its_prediction(tmp_pa
     monkeypatch.setattr(Cluster, "this_machine", classmethod(lambda cls, device="cpu": TWO_CPUS))
     rates = tmp_path / "rates.json"
     rates.write_text(json.dumps(ONES.to_dict()))
-    from hybridflow.stage import prepare_stage
+    from hybridflow.run.stage import prepare_stage
 
     config = compose_command([*PPO, "placement=auto", f"placement.planner.rates={rates}"])
     stage = prepare_stage(config)

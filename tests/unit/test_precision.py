@@ -27,7 +27,7 @@ from hybridflow.data.prompts import encode_prompts
 from hybridflow.training.fsdp import load_model
 from hybridflow.training.sequences import log_probs_and_entropy, response_log_probs
 from recipes.roles import actor_role, critic_role
-from hybridflow.stage import prepare_stage
+from hybridflow.run.stage import prepare_stage
 
 STEPS = 20
 

@@ -121,7 +121,7 @@ def _write(path, rows):
 
 def test_a_preference_file_without_a_response_column_is_refused_before_anything_starts(tmp_path):
     from hybridflow.config import compose
-    from hybridflow.preflight import InputError, check_inputs
+    from hybridflow.checks.preflight import InputError, check_inputs
 
     good = [{"prompt": "1+1=", "chosen": "2", "rejected": "3"}] * 4
     train = _write(tmp_path / "train.jsonl", [{"prompt": "1+1=", "chosen": "2"}] * 4)
@@ -142,7 +142,7 @@ def test_a_response_longer_than_the_limit_stops_the_run_before_ray_starts(tmp_pa
 
     from hybridflow.config import compose
     from hybridflow.data.checks import InputError
-    from hybridflow.launch import prepare_preference_data
+    from hybridflow.run.launch import prepare_preference_data
 
     rows = [{"prompt": "1+1=", "chosen": "2", "rejected": "3"}] * 4
     train = _write(tmp_path / "train.jsonl", rows[:3] + [{"prompt": "1+1=", "chosen": "2", "rejected": "3" * 30}])
@@ -261,8 +261,8 @@ def test_keep_end_cuts_the_prompts_start_in_the_pair_batch(tokenizer):
 
 def test_an_implicit_prompt_file_passes_the_checks_and_a_bad_row_is_named_before_anything_starts(tmp_path, tokenizer):
     from hybridflow.config import compose
-    from hybridflow.launch import prepare_preference_data
-    from hybridflow.preflight import InputError, check_inputs
+    from hybridflow.run.launch import prepare_preference_data
+    from hybridflow.checks.preflight import InputError, check_inputs
 
     rows = [{"chosen": [_m(USER, f"{a}+1="), _m(ASSISTANT, str(a + 1))],
              "rejected": [_m(USER, f"{a}+1="), _m(ASSISTANT, str(a + 2))]} for a in range(4)]

@@ -1,4 +1,4 @@
-"""The input checks run before anything starts (hybridflow/preflight.py), in-process: what each
+"""The input checks run before anything starts (hybridflow/checks/preflight.py), in-process: what each
 mode of data.validate_rows reads, and the problems each bad input gives. The same bad inputs
 through the `hybridflow` command are in tests/e2e/test_preflight.py."""
 
@@ -11,7 +11,7 @@ import pytest
 
 from hybridflow.config.schema import DataConfig, HybridFlowConfig, ModelConfig, RecipeConfig, TrainerConfig
 from hybridflow.data import write_rows
-from hybridflow.preflight import SAMPLE_ROWS, InputError, check_inputs, check_model_dir, check_run
+from hybridflow.checks.preflight import SAMPLE_ROWS, InputError, check_inputs, check_model_dir, check_run
 from hybridflow.rewards import RewardConfig
 
 VERL_SCORE = '''

@@ -12,7 +12,7 @@ from hybridflow.batch import Batch
 from hybridflow.controller import WorkerContext
 from hybridflow.data.reasoning_gym import main, make_reasoning_gym_split
 from hybridflow.data.rows import read_rows
-from hybridflow.preflight import check_data_file
+from hybridflow.checks.preflight import check_data_file
 from hybridflow.rewards import RewardConfig, RewardFunctionConfig, RewardFunctionError, build_reward
 from hybridflow.rewards.composer import build_reward_function
 from hybridflow.rewards.reasoning_gym import extract_tagged_answer

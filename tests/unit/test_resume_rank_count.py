@@ -44,7 +44,7 @@ def _actor(model_dir: str, rank: int, world: int):
     from hybridflow.config.schema import ActorConfig, HybridFlowConfig, OptimConfig, TrainerConfig
     from hybridflow.controller import WorkerContext
     from recipes.roles import actor_role
-    from hybridflow.stage import prepare_stage
+    from hybridflow.run.stage import prepare_stage
 
     config = HybridFlowConfig(actor=ActorConfig(samples_per_micro_batch=1, optim=OptimConfig(
         lr=1e-2, warmup_steps=2, lr_schedule="cosine")), trainer=TrainerConfig(total_steps=10))

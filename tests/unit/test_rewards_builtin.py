@@ -87,7 +87,7 @@ def test_math_answer_without_math_verify_is_refused_naming_the_install(monkeypat
     with pytest.raises(ImportError, match=r"need the math-verify package.*pip install 'math-verify"):
         require_math_verify()
     from hybridflow.config import compose
-    from hybridflow.preflight import check_run
+    from hybridflow.checks.preflight import check_run
 
     problems = check_run(compose(["recipe=grpo", "reward.fn=math_answer"]))  # the input checks, before anything starts
     assert any("math-verify package, which is not installed" in p for p in problems), problems

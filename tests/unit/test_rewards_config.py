@@ -63,7 +63,7 @@ def test_invalid_values_name_key_value_and_fix(kwargs, match):
 
 def test_an_unregistered_reward_name_is_refused_at_compose_naming_the_registered_ones():
     """The schema checks a reference's form; that a bare name is registered is a rule that asks the runtime
-    (hybridflow/checks.py `check_reward_names`), run on every composed config."""
+    (hybridflow/checks/rules.py `check_reward_names`), run on every composed config."""
     from hybridflow.config import ConfigError, compose
 
     with pytest.raises(ConfigError, match=r"config reward.fn='no_such_reward' is invalid: not a registered reward "

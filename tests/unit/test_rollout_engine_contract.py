@@ -197,7 +197,7 @@ def _exact_engine(ctx, model_dir: str, tok):
     from hybridflow.config import compose
     from hybridflow.controller import introduce
     from hybridflow.resharding.transports import Colocated
-    from hybridflow.stage import prepare_stage
+    from hybridflow.run.stage import prepare_stage
     from recipes.roles import actor_role, rollout_role
 
     config = prepare_stage(compose(["recipe=grpo", "rollout.backend=exact", "placement=local", "model.dtype=float32",

@@ -20,7 +20,7 @@ from hybridflow.training.shared_prompts import (choose_sharing, prompt_groups, s
 from hybridflow.training.sequences import (computed_tokens, loss_mask, micro_batch_rows, response_log_probs,
                                           row_facts, token_budget_groups)
 from recipes.roles import actor_role, critic_role, reference_role
-from hybridflow.stage import prepare_stage
+from hybridflow.run.stage import prepare_stage
 
 PROMPT_WIDTH, RESPONSE_WIDTH = 8, 7
 # (prompt, response tokens) per row: a group of 4 (responses of 5, 1, 0 and 7 tokens), a row of its own,

@@ -13,7 +13,7 @@ from safetensors.torch import save_file
 
 from hybridflow.config import ConfigError, compose
 from hybridflow.data.loader import PromptLoader
-from hybridflow.runner import run_training_hooks
+from hybridflow.run.runner import run_training_hooks
 from hybridflow.training.hooks import (LrBurst, LrBurstConfig, SpikeDetector, SpikeRecovery, SpikeRecoveryConfig,
                                        StepHooks, batches_to_remember, checkpoints_before, detect_drop,
                                        detect_spike)

@@ -140,7 +140,7 @@ def test_sft_answers_longer_than_max_response_tokens(char_tokenizer):
 
 def test_filter_leaving_fewer_rows_than_one_step_is_refused(char_tokenizer):
     from hybridflow.config import compose
-    from hybridflow.launch import fit_data
+    from hybridflow.run.launch import fit_data
 
     config = compose(["recipe=grpo", "data.prompt_truncation=filter", "data.max_prompt_tokens=16",
                       "trainer.prompts_per_step=4"])

@@ -4,7 +4,7 @@ from pathlib import Path
 
 import pytest
 
-from hybridflow.tracking import MetricsLogger, read_metrics
+from hybridflow.output.tracking import MetricsLogger, read_metrics
 
 
 def test_metrics_are_one_json_object_per_step(tmp_path, capsys):
@@ -132,7 +132,7 @@ def test_validation_accuracy_is_split_by_data_source():
     import torch
 
     from hybridflow.batch import Batch
-    from hybridflow.runner import accuracy_by_source
+    from hybridflow.run.runner import accuracy_by_source
 
     rewards = Batch({"sequence_rewards": torch.tensor([1.0, 0.0, 0.5, 1.0]),
                      "reward_extra/accuracy": torch.tensor([1.0, 0.0, 0.0, 1.0])})
@@ -144,7 +144,7 @@ def test_validation_accuracy_is_split_by_data_source():
 
 
 def test_a_step_loop_is_one_progress_line_plus_validation_and_summary_lines(tmp_path, capsys):
-    from hybridflow import console
+    from hybridflow.output import console
 
     with console.stage("grpo"):
         logger = MetricsLogger(tmp_path, ["console", "jsonl"], total_steps=50)

@@ -16,7 +16,7 @@ from recipes.ppo import build_roles
 @pytest.mark.parametrize("trust", [True, False])
 @pytest.mark.parametrize("role", ["actor", "critic", "reference"])
 def test_model_trust_remote_code_reaches_the_role_model_loader(role, trust, tiny_model_dir, monkeypatch):
-    from hybridflow.stage import prepare_stage
+    from hybridflow.run.stage import prepare_stage
 
     config = compose(["recipe=ppo", f"model.trust_remote_code={str(trust).lower()}", "algorithm.kl_penalty_coef=0.1"])
     config = prepare_stage(config).config  # the stage's config, micro-batch sizes chosen, as a run builds its roles

@@ -58,7 +58,7 @@ class MetricsLogger:
 
     On the console (backend `console`), a step loop of `total_steps` is one live progress line
     with the watched numbers, plus a line per validation and a summary at `close`
-    (hybridflow.console); without `total_steps` each `log` is one line.
+    (hybridflow.output.console); without `total_steps` each `log` is one line.
     Each JSON line also carries `time/elapsed_s`: wall-clock seconds since this logger was made (the
     step loop of this process, validation included; a resumed run counts from its restart)."""
 
@@ -73,12 +73,12 @@ class MetricsLogger:
         self.run_dir = run_dir
         self.predicted = dict(predicted or {})
         self.path = run_dir / "metrics.jsonl"
-        restarts = run_dir / "restarts.jsonl"  # written by hybridflow.runner.run_with_restarts
+        restarts = run_dir / "restarts.jsonl"  # written by hybridflow.run.runner.run_with_restarts
         self.restarts = len(restarts.read_text().splitlines()) if restarts.exists() else 0
         self.console = "console" in backends
         self.progress = None
         if self.console and total_steps is not None:
-            from hybridflow.console import Progress, stage_name
+            from hybridflow.output.console import Progress, stage_name
 
             self.progress = Progress(stage_name(run_dir.name), total_steps, initial_step=last_logged_step(run_dir))
         self.jsonl = "jsonl" in backends
@@ -130,12 +130,12 @@ class MetricsLogger:
         elif self.console:
             self._line(step, metrics)
         if bad:
-            from hybridflow.console import say
+            from hybridflow.output.console import say
 
             say(f"[step {step}] warning: non-finite metrics {sorted(bad)}")
 
     def _line(self, step: int, metrics: dict) -> None:
-        from hybridflow.console import say, stage_name
+        from hybridflow.output.console import say, stage_name
 
         if "val/accuracy" in metrics:  # an evaluation: the number, not every metric
             say(f"{stage_name(self.run_dir.name)}: held-out accuracy {metrics['val/accuracy']:.3f}")

@@ -3,7 +3,7 @@
 vLLM refuses some models only once its engine is built, minutes into a run: its CPU attention
 kernel has a fixed list of head sizes (16 is not on it), and tensor parallelism must split the
 attention heads evenly and the key/value heads evenly (or replicate them evenly). Both are
-visible in config.json and `rollout.tensor_parallel_size`, so `hybridflow.preflight` asks here
+visible in config.json and `rollout.tensor_parallel_size`, so `hybridflow.checks.preflight` asks here
 and refuses the run with the architecture, the value and the fix.
 """
 
@@ -73,7 +73,7 @@ def vllm_problems(config: HybridFlowConfig, model_path: str) -> list[str]:
     heads, kv_heads, head_dim = shape
     where = f"model.path={model_path!r} ({facts.model_type or '?'}: {heads} attention heads, " \
             f"{kv_heads} key/value heads, head size {head_dim})"
-    # how tensor parallelism splits the heads is the plan's check (hybridflow.checks.check_rollout_layout)
+    # how tensor parallelism splits the heads is the plan's check (hybridflow.checks.rules.check_rollout_layout)
     problems = []
     if on_cpu(config) and head_dim not in CPU_ATTENTION_HEAD_SIZES:
         problems.append(f"{where}: vLLM's CPU attention runs head sizes {list(CPU_ATTENTION_HEAD_SIZES)} only "

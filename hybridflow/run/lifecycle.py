@@ -1,6 +1,6 @@
 """One lifecycle for recipes: the start every recipe shares, built once, and its end.
 
-A recipe is `run(stage, run_dir)`, its `stage` (hybridflow.stage.Stage) the resolved config and the
+A recipe is `run(stage, run_dir)`, its `stage` (hybridflow.run.stage.Stage) the resolved config and the
 plan decided before it started. It calls `start_run` for what every recipe needs before its first
 step — the model directory, the tokenizer, its data (read and checked before Ray starts), Ray, and
 its role groups on the pools of the stage's plan, each started by the same one call, `start` — and, if it trains, `Run.training` for the rest: the
@@ -20,16 +20,16 @@ from typing import Any, Callable, Sequence
 from hybridflow.config.schema import HybridFlowConfig
 from hybridflow.controller import RoleSpec, WorkerGroup
 from hybridflow.planning.plan import Plan
-from hybridflow.stage import Stage
+from hybridflow.run.stage import Stage
 
 
 @dataclass
 class Training:
     """What a training recipe's step loop uses besides the groups."""
 
-    checkpointer: Any  # hybridflow.runner.Checkpointer
+    checkpointer: Any  # hybridflow.run.runner.Checkpointer
     loader: Any  # hybridflow.data.loader.PromptLoader, at the resumed position
-    logger: Any  # hybridflow.tracking.MetricsLogger
+    logger: Any  # hybridflow.output.tracking.MetricsLogger
     hooks: Any  # hybridflow.training.hooks.StepHooks
     weight_sync: Any = None  # hybridflow.resharding.sync.WeightSync, set up (None: no rollout)
     state: dict = field(default_factory=dict)  # what the resumed checkpoint saved ({}: a fresh run)
@@ -66,9 +66,9 @@ class Run:
         `rows` (`rows_per_step` per draw; `drawn_ahead`: draws of batches in flight, which step
         hooks that put data back must remember), logger, weight sync and step hooks."""
         from hybridflow.data.loader import PromptLoader
-        from hybridflow.launch import build_weight_sync
-        from hybridflow.runner import Checkpointer
-        from hybridflow.tracking import MetricsLogger
+        from hybridflow.run.launch import build_weight_sync
+        from hybridflow.run.runner import Checkpointer
+        from hybridflow.output.tracking import MetricsLogger
         from hybridflow.training.hooks import StepHooks, batches_to_remember
 
         config, t = self.config, self.config.trainer
@@ -95,7 +95,7 @@ class Run:
 
         compared = compare_measured(self.run_dir)  # placement=auto: the plan's prediction against the steps
         if compared:
-            from hybridflow import console
+            from hybridflow.output import console
 
             console.say(compared)
         return {"final_model": final_model, "steps": step}
@@ -105,10 +105,10 @@ def start_run(stage: Stage, run_dir: Path,
               roles: Callable[[Path, Any], dict[str, RoleSpec]],
               data: Callable[[HybridFlowConfig, Path, Any], Any] | None = None) -> Run:
     """The model and tokenizer, `data(config, run_dir, tokenizer)` (default: the task's datasets,
-    `hybridflow.launch.prepare_data`) before Ray starts, then Ray and the groups of
+    `hybridflow.run.launch.prepare_data`) before Ray starts, then Ray and the groups of
     `roles(model_dir, tokenizer)`, all started (a rollout's engine included) before it returns."""
     from hybridflow.data.tokenizer import load_tokenizer
-    from hybridflow.launch import prepare_data, prepare_model, spawn_roles, start_ray, vllm_env
+    from hybridflow.run.launch import prepare_data, prepare_model, spawn_roles, start_ray, vllm_env
 
     config, plan = stage.config, stage.plan
     model_dir = prepare_model(config, run_dir)

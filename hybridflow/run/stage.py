@@ -3,17 +3,17 @@
 A run is one stage; a pipeline runs several, each its own. What a stage runs on is decided in two
 phases, both before Ray starts and before any worker exists:
 
-1. the config as this machine runs it (`hybridflow.checks.resolved`: the dtypes, the weight probe's
+1. the config as this machine runs it (`hybridflow.checks.rules.resolved`: the dtypes, the weight probe's
    tolerance) and what the config alone shows is wrong (`config_problems`) — both at compose
    (`hybridflow.config.to_config`);
 2. `prepare_stage(config)`: the plan (the config's own, or placement=auto's best on the cluster:
    `hybridflow.planning.auto.decide_plan`, the one caller of `Plan.from_config`), what the plan
    shows is wrong (`plan_problems`, raised as one `ConfigError`), the micro-batch sizes left null
-   chosen for the plan's pools (hybridflow/memory_budget.py, entered once), and the console lines saying
+   chosen for the plan's pools (hybridflow/checks/memory_budget.py, entered once), and the console lines saying
    so. The schedule trainer.max_staleness chooses is asked for once and handed to the plan and its checks.
 
 The result is frozen and is the one answer from then on: the runner hands it to the recipe, the
-recipe to `hybridflow.lifecycle.start_run`, and that to Ray's start, the pool reservation, the
+recipe to `hybridflow.run.lifecycle.start_run`, and that to Ray's start, the pool reservation, the
 role specs (recipes/roles.py), the weight sync and the metrics logger (the plan's prediction).
 `Stage.device` is the plan's device. Nothing reads a plan from a context variable or a module's state.
 """
@@ -23,11 +23,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from hybridflow.checks import plan_problems
+from hybridflow.checks.rules import plan_problems
 from hybridflow.config import ConfigError
 from hybridflow.config.schema import HybridFlowConfig
-from hybridflow.memory_budget import resolve_micro_batches
-from hybridflow.model_checks import half_precision_note
+from hybridflow.checks.memory_budget import resolve_micro_batches
+from hybridflow.checks.model import half_precision_note
 from hybridflow.planning.auto import decide_plan
 from hybridflow.planning.plan import Plan, save_plan
 from hybridflow.precision import precision_line
@@ -75,7 +75,7 @@ def prepare_stage(config: HybridFlowConfig) -> Stage:
 
 
 def _precision_lines(config: HybridFlowConfig, device: str) -> list[str]:
-    """What the stage computes in, and a note where this CPU emulates it (hybridflow/model_checks.py)."""
+    """What the stage computes in, and a note where this CPU emulates it (hybridflow/checks/model.py)."""
     lines = []
     if config.model.path or {config.model.dtype.value, config.rollout.dtype.value} != {"float32"}:
         # the built tiny model computes in float32 by its own config (conf/model/tiny.yaml): nothing to say

@@ -11,7 +11,7 @@ from typing import Iterator
 
 import torch
 
-from hybridflow import console
+from hybridflow.output import console
 from hybridflow.batch import Batch
 from hybridflow.checkpoint import (CheckpointCorrupt, CheckpointManager, capture_rng_state, config_hash,
                                   restore_rng_state)
@@ -199,7 +199,7 @@ class Checkpointer:
 
 
 def _plain(value):
-    from hybridflow.tracking import _jsonable
+    from hybridflow.output.tracking import _jsonable
 
     return _jsonable(value)
 
@@ -239,11 +239,11 @@ def run_training_hooks(config: HybridFlowConfig, step: int, actor: WorkerGroup, 
 
 
 def run_stage(recipe, stage, run_dir: Path) -> dict:
-    """Run one recipe in `run_dir` (a run, or one stage of a pipeline) on its `stage` (hybridflow.stage.Stage,
+    """Run one recipe in `run_dir` (a run, or one stage of a pipeline) on its `stage` (hybridflow.run.stage.Stage,
     decided before anything starts: its resolved config and its plan, saved here as plan.json), under its
     own deadlines (`trainer.stage_timeout_s`, `trainer.default_stage_timeout_s`) and restarts
     (`trainer.max_restarts`): a restart resumes it from its own last complete checkpoint."""
-    from hybridflow.tracking import save_config
+    from hybridflow.output.tracking import save_config
 
     for line in stage.said:
         console.say(line)
@@ -262,11 +262,11 @@ def run_with_restarts(recipe, stage, run_dir: Path) -> dict:
     import dataclasses
     import json
 
-    from hybridflow import cluster
+    from hybridflow.run import cluster
     from hybridflow.controller import WorkerError, WorkerGroupBroken
-    from hybridflow.launch import release_all
+    from hybridflow.run.launch import release_all
     from hybridflow.resharding import WeightSyncError
-    from hybridflow.tracking import last_logged_step
+    from hybridflow.output.tracking import last_logged_step
 
     cluster.use_run_dir(run_dir)
     config, restarts = stage.config, 0
@@ -299,7 +299,7 @@ def _node_lost(error: BaseException, will_restart: bool):
     """A `NodeLostError` naming the planned nodes that left the cluster and the pools and ranks they
     hosted, when that is what `error` came from (None otherwise); raised at once when no restart
     is left, so the run's last word names the node rather than a rank's dead process."""
-    from hybridflow.cluster import NodeLostError, lost_nodes
+    from hybridflow.run.cluster import NodeLostError, lost_nodes
 
     described = lost_nodes(error)
     if described is None:

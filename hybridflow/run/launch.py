@@ -12,10 +12,10 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
-from hybridflow import console
+from hybridflow.output import console
 from hybridflow.builders import build_tiny_model
 from hybridflow.config.schema import HybridFlowConfig
-from hybridflow.cluster import code_files, reserve_pools
+from hybridflow.run.cluster import code_files, reserve_pools
 from hybridflow.controller import RoleSpec, WorkerGroup, spawn_workers
 from hybridflow.controller.pools import CoreLedger
 from hybridflow.controller.runtime import connect
@@ -232,10 +232,10 @@ def vllm_env(config: HybridFlowConfig) -> dict[str, str]:
 def build_weight_sync(config: HybridFlowConfig, plan: Plan, actor: WorkerGroup, rollout: WorkerGroup):
     """The one object that moves the actor's weights into the rollout each step, by the transport the
     stage's `plan` chose for its placement and device (hybridflow.resharding.transports)."""
-    from hybridflow import console
+    from hybridflow.output import console
     from hybridflow.resharding.sync import AdapterSync, WeightSync
     from hybridflow.resharding.transports import build_transport
-    from hybridflow.checks import lora_sync
+    from hybridflow.checks.rules import lora_sync
 
     mode, why = lora_sync(config)
     if mode:

@@ -12,7 +12,7 @@ import json
 from pathlib import Path
 
 from hybridflow.config.schema import HybridFlowConfig
-from hybridflow.console import say
+from hybridflow.output.console import say
 from hybridflow.controller import WorkerGroup
 
 

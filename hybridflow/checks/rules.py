@@ -11,7 +11,7 @@ return problems and never change the config:
   for every composed config, before anything starts;
 - `plan_problems(config, plan)`: what the stage's plan shows (the rollout layout on its pools, the
   step's samples over the actor's ranks, what the async schedule needs of the placement), run once
-  the plan is decided (`hybridflow.stage.prepare_stage`), still before Ray starts.
+  the plan is decided (`hybridflow.run.stage.prepare_stage`), still before Ray starts.
 
 `resolved(config)` is the config as this machine runs it: model.dtype/rollout.dtype=auto and a null
 weight_sync.probe_tolerance filled in, as a copy. Each problem names the key, the value and what is

@@ -144,11 +144,11 @@ def check_stages(config: HybridFlowConfig, run_dir: Path) -> list[HybridFlowConf
 
 
 def _check_plan(index: int, stage, stage_config: HybridFlowConfig) -> None:
-    """The stage's own plan, checked now (`hybridflow.checks.plan_problems`); a stage with placement=auto is
+    """The stage's own plan, checked now (`hybridflow.checks.rules.plan_problems`); a stage with placement=auto is
     planned, and its plan checked, when it starts (the search reads the cluster as it is then)."""
     if stage_config.placement.planner.auto:
         return
-    from hybridflow.checks import plan_problems
+    from hybridflow.checks.rules import plan_problems
     from hybridflow.config import ConfigError
     from hybridflow.planning.auto import decide_plan
 
@@ -216,7 +216,7 @@ def _check_hands_on_a_model(config: HybridFlowConfig, index: int, stage_config: 
 def _stage_config(config: HybridFlowConfig, index: int, model_path: str | None, run_dir: Path,
                   name: str, extra: list[str] = (), retention: list[str] = ()) -> HybridFlowConfig:
     """Stage `index`'s config: its recipe, the pipeline's and its own overrides, then the command line's
-    (hybridflow/pipeline_stages.py gives the order)."""
+    (hybridflow/run/pipeline_stages.py gives the order)."""
     from hybridflow.config import compose
 
     return compose(stage_overrides(config, index, model_path, run_dir, name, retention=retention, extra=extra))
@@ -248,7 +248,7 @@ def compose_command(args: list[str], with_stages: bool = False):
     plain, _ = split_stage_scoped(args)
     config, stages = with_command(compose(plain), list(args))
     if not recipe_spec(config.recipe.name).pipeline and not config.placement.planner.auto:
-        from hybridflow.stage import prepare_stage
+        from hybridflow.run.stage import prepare_stage
 
         prepare_stage(config)  # its plan's checks (placement=auto's search reads the cluster: left to the run)
     return (config, stages) if with_stages else config

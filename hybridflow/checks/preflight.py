@@ -44,7 +44,7 @@ MODEL_FIX = "save the model there with model.save_pretrained(dir) and tokenizer.
 
 def check_inputs(config: HybridFlowConfig, plan: Plan | None = None) -> None:
     """Raise `InputError` listing every problem with the run's data, model and reward functions; `plan`:
-    the run's (hybridflow.stage.Stage.plan), which the memory check prices.
+    the run's (hybridflow.run.stage.Stage.plan), which the memory check prices.
 
     A pipeline is checked stage by stage (each stage composes its own config, on its own plan); a later
     stage's model is made by the stage before it, so only the first stage's model directory is checked.
@@ -105,7 +105,7 @@ def check_run(config: HybridFlowConfig, check_model: bool = True, plan: Plan | N
         problems += check_model_dir(model_path, "model.path") + engine_checks(config, model_path)
         if recipe_spec(config.recipe.name).trains and not problems and plan is not None \
                 and not config.placement.planner.auto:
-            from hybridflow.memory_budget import memory_problems  # placement=auto: the planner's rules check memory
+            from hybridflow.checks.memory_budget import memory_problems  # placement=auto: the planner's rules check memory
 
             problems += memory_problems(config, plan)
     if config.reward.reward_model.path is not None:
@@ -136,7 +136,7 @@ def check_run(config: HybridFlowConfig, check_model: bool = True, plan: Plan | N
 def _prompt_length_problems(config: HybridFlowConfig, files: dict[str, "FileFacts"]) -> list[str]:
     """Prompts (of the rows read) longer than data.max_prompt_tokens with the model's tokenizer (when
     data.prompt_truncation=error), and in SFT answers longer than rollout.max_response_tokens. Every
-    row is checked again as the data is loaded (hybridflow.launch.fit_data), still before Ray starts.
+    row is checked again as the data is loaded (hybridflow.run.launch.fit_data), still before Ray starts.
 
     Loading the tokenizer imports transformers, which the recipe imports next anyway: a good run
     pays only for reading the tokenizer files once more.
@@ -473,7 +473,7 @@ def _pipeline_stages(config: HybridFlowConfig) -> Iterator[tuple[str, HybridFlow
     """(label, config, is_first) per stage, composed as the pipeline recipe composes them. A stage
     whose overrides do not compose is left to the pipeline's own stage check, which names it."""
     from hybridflow.config import compose
-    from hybridflow.pipeline_stages import stage_overrides
+    from hybridflow.run.pipeline_stages import stage_overrides
 
     for index, stage in enumerate(config.pipeline.stages):
         model_path = config.model.path if index == 0 else None

@@ -16,7 +16,7 @@ import re
 import time
 from pathlib import Path
 
-from hybridflow import console
+from hybridflow.output import console
 from hybridflow.config.schema import HybridFlowConfig
 from hybridflow.controller.placement import NodeAssignment, PlacementError
 from hybridflow.controller.pools import PoolSpec, ResourcePool
