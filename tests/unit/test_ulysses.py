@@ -21,7 +21,7 @@ import torch
 from hybridflow.batch import Batch
 from hybridflow.config.schema import ActorConfig, HybridFlowConfig, ModelConfig, OptimConfig
 from hybridflow.controller import RoleSpec, WorkerContext
-from hybridflow.stage import prepare_stage
+from hybridflow.run.stage import prepare_stage
 from hybridflow.training.objectives import PolicyObjective, SFTObjective, TopKDistillObjective
 from recipes.roles import actor_role
 from tests.unit.test_gradient_splits import _batch, _free_port, _full_gradients, _named
