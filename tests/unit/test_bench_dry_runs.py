@@ -156,7 +156,7 @@ def test_the_paper_placement_bench_prints_one_case_of_its_table():
 # Run only inside TRL's own virtual environment (bench/trl_env.sh), which the tests do not build: their
 # command lines are composed by the dry runs of the benches that start them.
 RUN_BY_ANOTHER_BENCH = {"trl_grpo_steps.py": "grpo_vs_trl.py, real_learning_vs_trl.py",
-                        "trl_dpo_steps.py": "dpo_vs_trl.py"}
+                        "trl_dpo_steps.py": "dpo_vs_trl.py", "trl_distill_steps.py": "distill_vs_trl.py"}
 
 
 def scripts_without_a_dry_run(bench_dir: Path, tests: list[Path]) -> list[str]:

@@ -112,3 +112,57 @@ def test_the_real_learning_bench_composes_the_run_and_its_step_0_evaluation_and_
 
     with pytest.raises(SystemExit, match="rollout.max_response_tokens=16, not 32"):  # a drifted key is refused
         bench["check_composed"]([*ours[1:], "rollout.max_response_tokens=16"], {"rollout.max_response_tokens": 32})
+
+
+def test_the_distill_vs_trl_bench_composes_both_sides_on_one_student_teacher_and_prompts(tmp_path, monkeypatch, capsys):
+    """bench/distill_vs_trl.py --dry-run with two seeds: tiny stand-in student and teacher built, HybridFlow's
+    recipe=distill run and its step-0 evaluation composed and checked (the settings both sides share), TRL's
+    command given the same models, step shape and lr, and per seed the prompts in HybridFlow's draw order; the
+    sides' order alternating per seed; stand-in results read and rendered. A HybridFlow run that trained on
+    other prompts than TRL's file is refused."""
+    bench = _dry_run(monkeypatch, "distill_vs_trl.py", "--work", str(tmp_path), "--out", str(tmp_path / "dry.json"),
+                     "--seeds", "0,1", "--lr", "3e-4", "--max-response-tokens", "6")
+    report = json.loads((tmp_path / "dry.json").read_text())
+    results = report["results"]
+    assert results["order"] == {"0": ["hybridflow", "trl"], "1": ["trl", "hybridflow"]}  # A B, then B A
+    printed = [line.split(":")[0] for line in capsys.readouterr().out.splitlines() if line.startswith(("seed", "hybridflow"))]
+    assert printed == ["hybridflow step 0", "seed 0 hybridflow", "seed 0 trl", "seed 1 trl", "seed 1 hybridflow"]
+
+    for seed in ("0", "1"):
+        ours, trl = results["runs"][seed]["hybridflow"]["command"], results["runs"][seed]["trl"]["command"]
+        overrides = dict(o.split("=", 1) for o in ours[1:])
+        assert {k: overrides[k] for k in ("recipe", "trainer.total_steps", "trainer.prompts_per_step",
+                                          "rollout.samples_per_prompt", "rollout.max_response_tokens",
+                                          "actor.optim.lr", "seed")} == {
+            "recipe": "distill", "trainer.total_steps": "2", "trainer.prompts_per_step": "4",
+            "rollout.samples_per_prompt": "2", "rollout.max_response_tokens": "6", "actor.optim.lr": "0.0003",
+            "seed": seed}
+        flags = dict(zip(trl[2::2], trl[3::2]))  # python trl_distill_steps.py --flag value ...
+        assert trl[1].endswith("bench/trl_distill_steps.py")
+        assert (flags["--student"], flags["--teacher"]) == (overrides["model.path"], overrides["teacher.path"])
+        assert {k: flags[k] for k in ("--steps", "--prompts-per-step", "--samples-per-prompt", "--max-response-tokens",
+                                      "--lr", "--seed", "--val-every")} == {
+            "--steps": "2", "--prompts-per-step": "4", "--samples-per-prompt": "2", "--max-response-tokens": "6",
+            "--lr": "0.0003", "--seed": seed, "--val-every": "1"}
+        assert flags["--prompts"] == report["prompts"][seed]
+        assert len(Path(flags["--prompts"]).read_text().splitlines()) == 2 * 4  # 2 steps of 4 prompts, in draw order
+        assert len(Path(flags["--val"]).read_text().splitlines()) == 8  # every held-out prompt the run validates on
+        for side in ("hybridflow", "trl"):
+            run = results["runs"][seed][side]
+            assert [p["step"] for p in run["validation"]] == [0, 1, 2], side
+            assert run["summary"]["step_s_median"] > 0, side
+    assert report["prompts"]["0"] != report["prompts"]["1"]  # each seed its loader's own order
+    assert "recipe=evaluate" in results["initial_command"] and "recipe.eval_samples=0" in results["initial_command"]
+    assert "| held-out accuracy at step | 0 | 1 | 2 |" in report["text"]
+    for label in bench["LABELS"].values():
+        assert f"| {label}, seed 1 | " in report["text"], label
+    assert "Seed 1: HybridFlow's median step takes 0.200x TRL's (run order: trl, hybridflow)." in report["text"]
+
+    run_dir = tmp_path / "dry_run" / "runs" / "hybridflow-seed0"  # a run whose loader drew other prompts
+    trained = [json.loads(line) for line in (run_dir / "trained_prompts.jsonl").read_text().splitlines()]
+    trained[1]["prompt_index"][0] += 1
+    (run_dir / "trained_prompts.jsonl").write_text("".join(json.dumps(t) + "\n" for t in trained))
+    indices = bench["prepare"](tmp_path / "again", bench["argparse"].Namespace(
+        train_rows=64, val_rows=8, prompts_per_step=4, steps=2), [0])["indices"][0]
+    with pytest.raises(SystemExit, match=r"trained on other prompts than the file TRL reads \(steps \[2\]"):
+        bench["hybridflow_result"](run_dir, ours, indices)
