@@ -48,7 +48,8 @@ def _validations(stage_dir: Path) -> list[dict]:
     return [r for r in rows if "val/accuracy" in r]
 
 
-@pytest.mark.budget(180)  # three stages: 850 SFT steps and 40 distillation steps, 2.5-4 minutes beside other jobs
+@pytest.mark.slow  # three stages, 850 SFT steps and 40 distillation steps: 2.5-4 minutes, too long for the default tier
+@pytest.mark.budget(240)  # (which runs the two one-command distillation runs below)
 def test_a_pipeline_trains_a_teacher_and_distils_a_student_that_climbs_toward_it(tmp_path):
     done = without_ray(["recipe=pipeline", _stages_override(), "data.synthetic.val_rows=500",
                         "trainer.val_prompts=500"], tmp_path, "distil", timeout_s=900)

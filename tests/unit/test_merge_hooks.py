@@ -96,7 +96,8 @@ def test_last_checkpoint_without_hf_export_points_to_pma_sma(run_dir, tmp_path):
      r"6 complete checkpoints \(step_00000010, .*, step_00000060\) but 7 were asked for; incomplete \(no COMPLETE "
      r"file\): step_00000070"),
     (HookConfig("pma_avg", {"last": 3}), KeyError,
-     r"unknown stage hook 'pma_avg'; registered: final_model, last_checkpoint, pma_ema, pma_sma, pma_wma"),
+     r"unknown stage hook 'pma_avg'; registered: final_model, last_checkpoint, pipeline_start, pma_ema, pma_sma, "
+     r"pma_wma"),
     (HookConfig("pma_sma", {"lst": 3}), MergeError,
      r"stage hook 'pma_sma': unknown params \['lst'\]; missing params \['last'\]; it takes last \(required\), "
      r"dtype \(default None\), overwrite \(default False\)"),
