@@ -428,6 +428,10 @@ def check_algorithm_needs(config: HybridFlowConfig) -> list[str]:
             f"topk trains on each batch as the current student's samples, and trainer.max_staleness={t.max_staleness} "
             "trains on older weights' samples with nothing to correct them: use teacher.objective=advantage (its "
             "policy loss clips against the sampler), or trainer.max_staleness=0")
+    problems += need(not config.teacher_role_runs or config.teacher.student_fraction == 1.0 or not config.rollout.agent,
+            "teacher.student_fraction", config.teacher.student_fraction,
+            "a data answer is one model turn, and agent trajectories (rollout.agent) interleave the model's turns "
+            "with the environment's, masked from the loss: keep teacher.student_fraction=1 with an agent")
     return problems
 
 

@@ -180,6 +180,9 @@ def test_topk_with_a_reward_or_stale_batches_and_data_answers_without_topk_are_r
     with pytest.raises(ConfigError, match=r"teacher\.objective='topk'.*trainer\.max_staleness=1"):
         compose(["recipe=distill", "teacher.path=/t", "teacher.objective=topk", "trainer.max_staleness=1", "trainer.old_log_probs=sampler",
                  "placement=disaggregated"])
+    with pytest.raises(ConfigError, match=r"teacher\.student_fraction=0\.5.*agent trajectories"):
+        compose(["recipe=distill", "teacher.path=/t", "teacher.objective=topk", "teacher.student_fraction=0.5",
+                 "rollout.agent=[hybridflow.data.calculator:calc]"])
 
 
 def test_gkd_s_mixture_gives_a_fixed_share_of_the_samples_their_data_answer(tiny_model_dir):
