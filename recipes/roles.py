@@ -48,8 +48,9 @@ def actor_role(config: HybridFlowConfig, model_dir: str | Path) -> RoleSpec:
 
 
 def critic_role(config: HybridFlowConfig, model_dir: str | Path) -> RoleSpec:
+    """The critic; its replicas span `critic.sequence_parallel_size` ranks, which receive the same rows."""
     config = _sized(config, "critic")
-    return RoleSpec(CriticWorker, dict(
+    return RoleSpec(CriticWorker, replica_size=config.critic.sequence_parallel_size, kwargs=dict(
         critic=config.critic, model_path=str(model_dir), dtype=config.model.dtype.value,
         master_dtype=config.model.master_dtype.value, keep_dropout=config.model.keep_dropout,
         total_steps=config.trainer.total_steps, trust_remote_code=config.model.trust_remote_code, seed=config.seed,
@@ -58,25 +59,27 @@ def critic_role(config: HybridFlowConfig, model_dir: str | Path) -> RoleSpec:
 
 
 def reference_role(config: HybridFlowConfig, model_dir: str | Path) -> RoleSpec:
+    """The reference: the actor's starting model, scoring as the actor does, its rows split over
+    `actor.sequence_parallel_size` ranks as the actor's are."""
     config = _sized(config, "reference")
-    return RoleSpec(ReferenceWorker, dict(
+    return RoleSpec(ReferenceWorker, replica_size=config.actor.sequence_parallel_size, kwargs=dict(
         model_path=str(model_dir), dtype=config.model.dtype.value, keep_dropout=config.model.keep_dropout,
         samples_per_micro_batch=config.actor.samples_per_micro_batch, temperature=config.rollout.temperature,
         tokens_per_micro_batch=config.actor.tokens_per_micro_batch, fp32_lm_head=config.actor.fp32_lm_head,
         trust_remote_code=config.model.trust_remote_code, pack_sequences=config.model.pack_sequences,
-        share_prompts=config.model.share_prompts))
+        share_prompts=config.model.share_prompts, sequence_parallel_size=config.actor.sequence_parallel_size))
 
 
 def teacher_role(config: HybridFlowConfig, path: str) -> RoleSpec:
     """A teacher (teacher.path, or one of teacher.teachers), scoring as the reference does, in teacher.dtype
-    (null: model.dtype)."""
+    (null: model.dtype); its replicas span `teacher.sequence_parallel_size` ranks."""
     config = _sized(config, "teacher")
-    return RoleSpec(TeacherWorker, dict(
+    return RoleSpec(TeacherWorker, replica_size=config.teacher.sequence_parallel_size, kwargs=dict(
         model_path=path, dtype=config.teacher.dtype or config.model.dtype.value, keep_dropout=False,
         samples_per_micro_batch=config.actor.samples_per_micro_batch, temperature=config.rollout.temperature,
         tokens_per_micro_batch=config.actor.tokens_per_micro_batch, fp32_lm_head=config.actor.fp32_lm_head,
         trust_remote_code=config.model.trust_remote_code, pack_sequences=config.model.pack_sequences,
-        share_prompts=config.model.share_prompts))
+        share_prompts=config.model.share_prompts, sequence_parallel_size=config.teacher.sequence_parallel_size))
 
 
 def reward_role(config: HybridFlowConfig) -> RoleSpec:

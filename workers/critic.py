@@ -25,6 +25,7 @@ from hybridflow.training.packing import choose_packing, runs_packed
 from hybridflow.training.shared_prompts import choose_sharing, shares_prompts
 from hybridflow.training.state import TrainingStateMixin
 from hybridflow.training.sequences import loss_mask, micro_batch_rows, response_values
+from hybridflow.training.ulysses import split_sequences
 
 
 class CriticWorker(TrainingStateMixin, TrainingLoopMixin):
@@ -49,7 +50,10 @@ class CriticWorker(TrainingStateMixin, TrainingLoopMixin):
         model = load_model(self.model_path, self.master_dtype, value_head=True, trust_remote_code=self.trust_remote_code,
                            keep_dropout=self.keep_dropout,
                            on_meta=self.ctx.world_size > 1 and self.ctx.rank != 0)
-        choose_sharing(model, self.share_prompts, choose_packing(model, self.pack_sequences))
+        packed = choose_packing(model, self.pack_sequences)
+        choose_sharing(model, self.share_prompts, packed)
+        split_sequences(model, packed, self.cfg.sequence_parallel_size, self.ctx, self.pack_sequences,
+                        "critic.sequence_parallel_size")
         self.model = shard_model(model, self.ctx.device, compute_dtype=self.dtype)
         self.optimizer, self.scheduler = build_optimizer(self.model, self.cfg.optim, self.total_steps)
 

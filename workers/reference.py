@@ -17,23 +17,30 @@ from hybridflow.training.fsdp import fp32_output_head, load_model, shard_model
 from hybridflow.training.packing import choose_packing
 from hybridflow.training.shared_prompts import choose_sharing
 from hybridflow.training.sequences import log_probs_and_entropy, pair_log_probs
+from hybridflow.training.ulysses import split_sequences
 
 
 class ReferenceWorker:
+    # the key that sets `sequence_parallel_size`, named where it is refused: the reference is the actor's
+    # starting model and splits its rows as the actor does
+    sequence_parallel_key = "actor.sequence_parallel_size"
+
     def __init__(self, ctx: WorkerContext, *, model_path: str, dtype: str, keep_dropout: bool,
                  samples_per_micro_batch: int, temperature: float, trust_remote_code: bool,
                  pack_sequences: bool | None = None, tokens_per_micro_batch: int | None = None,
-                 fp32_lm_head: bool = False, share_prompts: bool | None = None) -> None:
+                 fp32_lm_head: bool = False, share_prompts: bool | None = None,
+                 sequence_parallel_size: int = 1) -> None:
         """Values from the config, built by recipes/roles.py: `model.dtype` (frozen, so the parameters
         are held in the compute dtype: no master copy), `model.keep_dropout`,
         `actor.samples_per_micro_batch`, `rollout.temperature`, `model.trust_remote_code`, `model.pack_sequences`,
         `actor.tokens_per_micro_batch`, `actor.fp32_lm_head` (the reference scores as the actor does),
-        `model.share_prompts`."""
+        `model.share_prompts`, and `sequence_parallel_key`'s value: each packed row split over that many
+        ranks (hybridflow/training/ulysses.py; the role's replicas span them)."""
         self.ctx, self.model_path, self.dtype, self.keep_dropout = ctx, model_path, dtype, keep_dropout
         self.samples_per_micro_batch, self.temperature = samples_per_micro_batch, temperature
         self.trust_remote_code, self.pack_sequences = trust_remote_code, pack_sequences
         self.tokens_per_micro_batch, self.fp32_lm_head = tokens_per_micro_batch, fp32_lm_head
-        self.share_prompts = share_prompts
+        self.share_prompts, self.sequence_parallel_size = share_prompts, sequence_parallel_size
         self.model = None
 
     @register(Dispatch.ONE_TO_ALL)
@@ -42,7 +49,10 @@ class ReferenceWorker:
                            keep_dropout=self.keep_dropout,
                            on_meta=self.ctx.world_size > 1 and self.ctx.rank != 0)
         model.requires_grad_(False)
-        choose_sharing(model, self.share_prompts, choose_packing(model, self.pack_sequences))
+        packed = choose_packing(model, self.pack_sequences)
+        choose_sharing(model, self.share_prompts, packed)
+        split_sequences(model, packed, self.sequence_parallel_size, self.ctx, self.pack_sequences,
+                        self.sequence_parallel_key)
         self.model = shard_model(model, self.ctx.device)
         if self.fp32_lm_head:
             fp32_output_head(self.model)

@@ -22,6 +22,8 @@ from workers.reference import ReferenceWorker
 
 
 class TeacherWorker(ReferenceWorker):
+    sequence_parallel_key = "teacher.sequence_parallel_size"  # its own model: its own heads, its own groups
+
     @register(Dispatch.DP_SPLIT)
     def compute_teacher_log_probs(self, batch: Batch) -> Batch:
         """`teacher_log_probs` (B, R), 0 outside `response_mask`; the pass's seconds in meta."""

@@ -26,6 +26,7 @@ from typing import Any, Callable
 from hybridflow.algos import (ADVANTAGE_ESTIMATORS, KL_CONTROLLERS, KL_ESTIMATORS, LOSS_AGGREGATIONS, POLICY_LOSSES,
                               check_estimator)
 from hybridflow.config.engines import ROLLOUT_ENGINES, rollout_engine
+from hybridflow.config.model_facts import ModelFacts
 from hybridflow.config.recipes import recipe_spec
 from hybridflow.config.schema import Dtype, HybridFlowConfig, model_heads, model_layers
 from hybridflow.planning.layout import overlap_problems, rollout_layout_problems
@@ -325,28 +326,55 @@ def check_tiny_model_context(config: HybridFlowConfig) -> list[str]:
 
 
 def check_sequence_parallel(config: HybridFlowConfig, plan: Plan) -> list[str]:
-    """actor.sequence_parallel_size: it divides the actor's ranks into groups of consecutive ranks, and the
-    model's attention and key/value heads over a group (the all-to-all hands each rank heads / SP of
-    them); it splits packed rows only (the padded path stays at 1 in this release). The other roles
-    (reference, critic, teacher) compute whole sequences on every rank."""
-    sp = config.actor.sequence_parallel_size
-    if sp == 1:
-        return []
-    ranks = plan.devices_of("actor")
+    """Each role's sequence_parallel_size (docs/long_sequences.md; the actor's and the reference's
+    actor.sequence_parallel_size, critic.sequence_parallel_size, teacher.sequence_parallel_size): it divides the
+    role's ranks into groups of consecutive ranks, and its model's attention and key/value heads over a group
+    (the all-to-all hands each rank heads / SP of them); it splits packed rows only (the padded path stays at
+    1 in this release). A size set for a role the run does not start is refused."""
+    spec = recipe_spec(config.recipe.name)
+    critic_runs = config.algorithm.use_critic and spec.reads_key("critic")
+    problems = need(critic_runs or config.critic.sequence_parallel_size == 1, "critic.sequence_parallel_size",
+                    config.critic.sequence_parallel_size, "no critic runs (algorithm.use_critic=false, or "
+                    f"recipe={config.recipe.name} trains none): set it to 1")
+    problems += need(config.teacher_role_runs or config.teacher.sequence_parallel_size == 1,
+                     "teacher.sequence_parallel_size", config.teacher.sequence_parallel_size,
+                     "no teacher runs (teacher.path is null, or the recipe reads none): set it to 1")
+    roles = [("actor", "actor.sequence_parallel_size", config.actor.sequence_parallel_size, "the model",
+              model_heads(config.model))]
+    if config.reference_role_runs and spec.reference:  # the actor's starting model, split as the actor's
+        roles.append(("reference", "actor.sequence_parallel_size", config.actor.sequence_parallel_size,
+                      "the model", model_heads(config.model)))
+    if critic_runs:
+        roles.append(("critic", "critic.sequence_parallel_size", config.critic.sequence_parallel_size, "the model",
+                      model_heads(config.model)))
+    for role, path in config.teacher.paths.items() if config.teacher_role_runs else ():
+        facts = ModelFacts.from_dir(path)  # None: a stage's teacher not written yet, checked when it loads
+        roles.append((role, "teacher.sequence_parallel_size", config.teacher.sequence_parallel_size,
+                      f"the teacher model {path}", (facts.heads, facts.kv_heads) if facts else (0, 0)))
+    for role, key, sp, model, heads in roles:
+        if sp > 1:
+            problems += _sequence_parallel_problems(config, key, sp, f"the {role} pool", plan.devices_of(role),
+                                                    model, heads)
+    return list(dict.fromkeys(problems))  # the reference's problems repeat the actor's on a shared pool
+
+
+def _sequence_parallel_problems(config: HybridFlowConfig, key: str, sp: int, pool: str, ranks: int, model: str,
+                                heads: tuple[int, int]) -> list[str]:
+    """One role's `key`=`sp` over its `ranks` and its model's (attention, key/value) `heads` ((0, 0): unknown)."""
     divisors = [d for d in range(1, ranks + 1) if ranks % d == 0]
-    problems = need(ranks % sp == 0, "actor.sequence_parallel_size", sp,
-                    f"the actor pool has {ranks} rank(s), which groups of {sp} do not divide ({ranks} % {sp} = "
-                    f"{ranks % sp}); fix: one of {divisors}, or an actor pool of a multiple of {sp} ranks")
-    heads, kv_heads = model_heads(config.model)
+    problems = need(ranks % sp == 0, key, sp,
+                    f"{pool} has {ranks} rank(s), which groups of {sp} do not divide ({ranks} % {sp} = "
+                    f"{ranks % sp}); fix: one of {divisors}, or a pool of a multiple of {sp} ranks")
+    heads, kv_heads = heads
     if heads and (heads % sp or kv_heads % sp):
         common = [d for d in range(1, min(heads, kv_heads) + 1) if heads % d == 0 and kv_heads % d == 0]
-        problems += need(False, "actor.sequence_parallel_size", sp,
-                         f"the model has {heads} attention heads and {kv_heads} key/value heads ({heads} % {sp} = "
+        problems += need(False, key, sp,
+                         f"{model} has {heads} attention heads and {kv_heads} key/value heads ({heads} % {sp} = "
                          f"{heads % sp}, {kv_heads} % {sp} = {kv_heads % sp}), and each rank of a group attends with "
                          f"1/{sp} of both; fix: a size that divides both: one of {common}")
     problems += need(config.model.pack_sequences is not False, "model.pack_sequences", config.model.pack_sequences,
-                     f"actor.sequence_parallel_size={sp} splits packed rows; the padded path runs at "
-                     "actor.sequence_parallel_size=1 only: set model.pack_sequences=null or true")
+                     f"{key}={sp} splits packed rows; the padded path runs at {key}=1 only: set "
+                     "model.pack_sequences=null or true")
     return problems
 
 

@@ -598,7 +598,8 @@ class ActorConfig:
     gradient_checkpointing: Optional[bool] = None
     # Ulysses sequence parallelism: each packed row of the actor's training forward split along its length
     # over this many consecutive ranks (docs/long_sequences.md); must divide the actor's ranks and the
-    # model's attention and key/value heads; needs packed sequences
+    # model's attention and key/value heads; needs packed sequences. The reference (the actor's starting
+    # model, scoring as the actor does) splits its rows over as many of its own ranks
     sequence_parallel_size: int = 1
 
     def __post_init__(self) -> None:
@@ -626,8 +627,13 @@ class CriticConfig:
     epochs_per_step: int = 1
     value_clip_range: float = 0.2
     loss_aggregation: str = "token-mean"
+    # as actor.sequence_parallel_size, over the critic's ranks (docs/long_sequences.md): its forward and value
+    # loss split each packed row over this many consecutive ranks
+    sequence_parallel_size: int = 1
 
     def __post_init__(self) -> None:
+        _require(self.sequence_parallel_size >= 1, "critic.sequence_parallel_size", self.sequence_parallel_size,
+                 "must be >= 1 (1: every rank computes whole sequences)")
         _require(self.tokens_per_micro_batch is None or self.tokens_per_micro_batch >= 1,
                  "critic.tokens_per_micro_batch", self.tokens_per_micro_batch,
                  "must be >= 1, or null: samples_per_micro_batch full-width rows' worth")

@@ -63,8 +63,14 @@ class TeacherConfig:
     # to GRPO's or PPO's reward; recipe=distill sets 0 (the teacher alone; the reward is still scored and
     # logged, and validation's held-out accuracy still reads it)
     reward_weight: float = 1.0
+    # Ulysses sequence parallelism for the teacher's scoring forward, as actor.sequence_parallel_size over the
+    # teacher's ranks (docs/long_sequences.md); must divide its ranks and the teacher model's attention and
+    # key/value heads
+    sequence_parallel_size: int = 1
 
     def __post_init__(self) -> None:
+        _require(self.sequence_parallel_size >= 1, "teacher.sequence_parallel_size", self.sequence_parallel_size,
+                 "must be >= 1 (1: every rank computes whole sequences)")
         self.teachers = dict(self.teachers)
         _require(not (self.path and self.teachers), "teacher.teachers", dict(self.teachers),
                  "give one teacher as teacher.path or several as teacher.teachers, not both")

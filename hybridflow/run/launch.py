@@ -171,7 +171,7 @@ def spawn_roles(config: HybridFlowConfig, plan: Plan, roles: dict[str, RoleSpec]
                 env_vars: dict[str, str] | None = None) -> dict[str, WorkerGroup]:
     """Spawn `roles` on their pools of `plan`, on its device; roles sharing a pool share processes, and
     each role's replicas span `plan.replica_size(role)` ranks (the rollout's TP), or the ranks its RoleSpec
-    names (the actor's sequence-parallel groups, `actor.sequence_parallel_size`)."""
+    names (a role's sequence-parallel groups: `actor.`, `critic.`, `teacher.sequence_parallel_size`)."""
     import dataclasses
 
     by_pool: dict[str, dict[str, RoleSpec]] = {}

@@ -133,13 +133,8 @@ def response_logits(model: torch.nn.Module, batch: Batch) -> tuple[torch.Tensor,
     packed = pack(batch["prompt_ids"], batch["prompt_mask"], batch["response_ids"], batch["response_mask"],
                   share=shares_prompts(model)) if runs_packed(model) else None
     full_width = batch["response_ids"].shape[1]
-    sp = sequence_parallel(model)
-    if sp is not None:
-        if packed is None:
-            raise ValueError("sequence parallelism splits packed rows, and this micro-batch did not pack (a row "
-                             "with response tokens but no prompt token); the padded path runs at "
-                             "actor.sequence_parallel_size=1 only")
-        shard = sp.shard(packed)
+    shard = sequence_shard(model, packed)
+    if shard is not None:
         return logits_of(model, shard, takes_logits_to_keep(model)), ResponseLayout(packed, full_width, full_width,
                                                                                    shard)
     if packed is not None:
@@ -150,6 +145,17 @@ def response_logits(model: torch.nn.Module, batch: Batch) -> tuple[torch.Tensor,
     else:
         logits = model(**inputs, use_cache=False).logits[:, prompt_len - 1: prompt_len - 1 + width]
     return logits, ResponseLayout(None, width, full_width)
+
+
+def sequence_shard(model: torch.nn.Module, packed: PackedSequences | None) -> SequenceShard | None:
+    """This rank's shard of the packed micro-batch where `model` splits sequences (ulysses.py), else None."""
+    sp = sequence_parallel(model)
+    if sp is None:
+        return None
+    if packed is None:
+        raise ValueError("sequence parallelism splits packed rows, and this micro-batch did not pack (a row with "
+                         "response tokens but no prompt token); the padded path runs at sequence_parallel_size=1 only")
+    return sp.shard(packed)
 
 
 def response_topk(model: torch.nn.Module, batch: Batch, k: int, temperature: float = 1.0
@@ -174,10 +180,14 @@ def response_log_probs_at(model: torch.nn.Module, batch: Batch, token_ids: torch
 
 def response_values(model: torch.nn.Module, batch: Batch) -> torch.Tensor:
     """A value-head model's values (B, R) float32, read where the logits predicting each response token
-    sit: the state before token t is generated. 0 past every response; packed or trimmed of all-padding
-    columns as `response_log_probs` computes."""
+    sit: the state before token t is generated. 0 past every response; packed (and split over a
+    sequence-parallel group) or trimmed of all-padding columns as `response_log_probs` computes."""
     packed = pack(batch["prompt_ids"], batch["prompt_mask"], batch["response_ids"], batch["response_mask"],
                   share=shares_prompts(model)) if runs_packed(model) else None
+    shard = sequence_shard(model, packed)
+    if shard is not None:  # this rank's n values of the row's N, gathered from the group as log-probs are
+        values = model(**shard.model_kwargs()).logits[0, shard.local_predicting, 0].float()  # (n,)
+        return packed.scatter(shard.gather(values))
     if packed is not None:  # real tokens only (hybridflow.training.packing)
         return packed.scatter(model(**packed.model_kwargs()).logits[0, packed.predicting, 0].float())
     inputs, prompt_len, width = trimmed_inputs(batch)  # all-padding columns cost compute and change nothing

@@ -1,9 +1,10 @@
 """Ulysses sequence parallelism: one packed row split along its length over a group of ranks.
 
-A trained role with `sequence_parallel_size` SP > 1 (the actor, in this slice) groups its ranks into
-sequence-parallel groups of SP consecutive ranks (`SequenceParallel`); the ranks of one group hold the
-same micro-batches (the controller hands every rank of a replica the same part of a data-parallel
-split) and each computes 1/SP of every packed row: its slice of the tokens through the embeddings, the
+A role that runs a training-layout forward (the actor and the reference with `actor.sequence_parallel_size`,
+the critic and the teacher with their own) at SP > 1 groups its ranks into sequence-parallel groups of SP
+consecutive ranks (`SequenceParallel`); the ranks of one group hold the same micro-batches (the controller
+hands every rank of a replica the same part of a data-parallel split) and each computes 1/SP of every
+packed row: its slice of the tokens through the embeddings, the
 projections, the MLP and the output head. Attention needs every token of a sequence, so around it:
 
     (1, H, T/SP, D) q/k/v, every head of this rank's tokens
@@ -25,6 +26,7 @@ The logits at the response tokens. Each rank keeps the logits of the positions i
 (`SequenceShard.local_predicting`, transformers' `logits_to_keep`), computes per-token values on them
 (log-probs, entropy, top-k) and `SequenceShard.gather` all-gathers those values, so every rank of the
 group reads the whole micro-batch's (B, R) values, the same as SP 1: the (N, V) logits never cross ranks.
+The critic's value head reads its (n,) values at the same positions and gathers them the same way.
 
 Gradients. Every collective here has its true adjoint as backward (an all-to-all's is the reverse
 all-to-all; an all-gather's a reduce-scatter, summing). The SP ranks of a group compute the same loss
@@ -246,28 +248,31 @@ def use_sequence_parallel(model: torch.nn.Module, sp: SequenceParallel) -> None:
     base._hybridflow_sequence_parallel = sp
 
 
-def split_sequences(model: torch.nn.Module, packed: bool, size: int, ctx, pack_setting: bool | None) -> None:
-    """A trained role's `sequence_parallel_size` applied to its loaded model (before FSDP2), refused where it
-    cannot run: its groups built (collective over the default group) and its packed attention switched to
-    `ULYSSES_ATTENTION`. `packed`: whether the model runs packed (`choose_packing`); `ctx`: the worker's
-    context, whose `replica_size` must be `size` (the controller then hands every rank of a group the same
-    rows); `pack_setting`: model.pack_sequences, named in the refusal."""
+def split_sequences(model: torch.nn.Module, packed: bool, size: int, ctx, pack_setting: bool | None,
+                    key: str = "actor.sequence_parallel_size") -> None:
+    """A role's `sequence_parallel_size` (`key`, named in every refusal: the actor's and the reference's
+    `actor.sequence_parallel_size`, `critic.` and `teacher.`'s own) applied to its loaded model (before FSDP2),
+    refused where it cannot run: its groups built (collective over the default group) and its packed attention
+    switched to `ULYSSES_ATTENTION`. `packed`: whether the model runs packed (`choose_packing`); `ctx`: the
+    worker's context, whose `replica_size` must be `size` (the controller then hands every rank of a group the
+    same rows); `pack_setting`: model.pack_sequences, named in the refusal."""
     if size == 1:
         return
     if ctx.replica_size != size:
-        raise ValueError(f"actor.sequence_parallel_size={size}, but this actor's replicas span {ctx.replica_size} "
-                         "rank(s), so the ranks of a sequence-parallel group would get different rows; build the "
-                         "actor with recipes/roles.py actor_role (its RoleSpec's replica_size is the group's size)")
+        raise ValueError(f"{key}={size}, but this role's replicas span {ctx.replica_size} rank(s), so the ranks of "
+                         "a sequence-parallel group would get different rows; build the role with recipes/roles.py "
+                         "(its RoleSpec's replica_size is the group's size)")
     if not packed:
-        raise ValueError(f"actor.sequence_parallel_size={size} splits packed rows, and this model runs padded "
-                         f"(model.pack_sequences={pack_setting}, or the model cannot pack); the padded path runs "
-                         "at actor.sequence_parallel_size=1 only in this release")
+        raise ValueError(f"{key}={size} splits packed rows, and this model runs padded (model.pack_sequences="
+                         f"{pack_setting}, or the model cannot pack); the padded path runs at {key}=1 only in this "
+                         "release")
     config = _base(model).config
     heads = config.num_attention_heads
     kv_heads = getattr(config, "num_key_value_heads", None) or heads
     if heads % size or kv_heads % size:
-        raise ValueError(f"actor.sequence_parallel_size={size} must divide the model's {heads} attention heads "
-                         f"and {kv_heads} key/value heads; use a common divisor of them")
+        raise ValueError(f"{key}={size} must divide the model's {heads} attention heads and {kv_heads} key/value "
+                         f"heads ({heads} % {size} = {heads % size}, {kv_heads} % {size} = {kv_heads % size}); use a "
+                         "common divisor of them")
     use_sequence_parallel(model, build_sequence_parallel(ctx.rank, ctx.world_size, size))
 
 
