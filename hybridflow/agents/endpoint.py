@@ -209,9 +209,11 @@ class ChatEndpoint:
     """The endpoint: `start()` once, then per generation phase `open_phase(...)` -> keys,
     `base_url(key)` per sample, and `close_phase()` -> the samples' records; `stop()` at the end."""
 
-    def __init__(self, tokenizer, generate: GenerateFn, temperature: float, model_name: str = "policy") -> None:
+    def __init__(self, tokenizer, model_name: str = "policy") -> None:
         self.tokens = ChatTokens(tokenizer)
-        self.generate, self.temperature, self.model_name = generate, temperature, model_name
+        self.model_name = model_name
+        self.generate: GenerateFn | None = None  # the open phase's engine, and its temperature
+        self.temperature = 1.0
         self.lock = threading.Lock()
         self.samples: dict[str, SampleRecord] = {}
         self.ended: dict[str, int] = {}  # key of an ended phase -> its policy version
@@ -224,7 +226,7 @@ class ChatEndpoint:
         """Serve on 127.0.0.1 at an ephemeral port (a thread of this process); returns the port."""
         import uvicorn
 
-        self._batcher = _Batcher(self.generate)
+        self._batcher = _Batcher(lambda requests: self.generate(requests))
         config = uvicorn.Config(self._app(), host="127.0.0.1", port=0, log_level="warning", lifespan="off")
         self._server = uvicorn.Server(config)
         self._thread = threading.Thread(target=self._server.run, name="chat-endpoint", daemon=True)
@@ -244,12 +246,14 @@ class ChatEndpoint:
             self._batcher.stop()
             self._server = None
 
-    def open_phase(self, version: int, seeds: list[int | None], budget: int) -> list[str]:
-        """A phase of generation by policy `version`: one key per sample (its seed, its token budget)."""
+    def open_phase(self, version: int, seeds: list[int | None], budget: int, generate: GenerateFn,
+                   temperature: float) -> list[str]:
+        """A phase of generation by policy `version` through `generate` (sampling at `temperature`): one
+        key per sample (its seed, its token budget)."""
         with self.lock:
             if self.version is not None:
                 raise RuntimeError("ChatEndpoint.open_phase: a phase is open already; close_phase() it first")
-            self.version = version
+            self.version, self.generate, self.temperature = version, generate, temperature
             keys = [f"v{version}-{uuid.uuid4().hex[:12]}-{i}" for i in range(len(seeds))]
             self.samples = {k: SampleRecord(k, s, budget) for k, s in zip(keys, seeds)}
         return keys
@@ -259,7 +263,7 @@ class ChatEndpoint:
         with self.lock:
             records, self.samples = self.samples, {}
             self.ended.update({k: self.version for k in records})
-            self.version = None
+            self.version = self.generate = None
         return records
 
     def base_url(self, key: str) -> str:

@@ -99,7 +99,7 @@ def check_run(config: HybridFlowConfig, check_model: bool = True, plan: Plan | N
     functions, problems = _reward_functions(config) if recipe_spec(config.recipe.name).reads_key("reward") else ([], [])
     generates = recipe_spec(config.recipe.name).reads_key("rollout.backend")  # not dpo, pretrain
     engine_checks = _engine_checks(config) if generates else (lambda config, model_path: [])
-    problems += _agent_problems(config) + engine_checks(config, None)
+    problems += _agent_problems(config) + _environment_problems(config) + engine_checks(config, None)
     model_path = config.model.path if check_model else None
     if model_path is not None:
         problems += check_model_dir(model_path, "model.path") + engine_checks(config, model_path)
@@ -238,11 +238,27 @@ def _agent_problems(config: HybridFlowConfig) -> list[str]:
     return []
 
 
+def _environment_problems(config: HybridFlowConfig) -> list[str]:
+    """rollout.environment loads with rollout.environment_args, and runs here: its package, its seats'
+    runtimes and harnesses (the rollout role loads it again in its own processes)."""
+    if not config.rollout.environment:
+        return []
+    from hybridflow.agents import AgentError
+    from hybridflow.agents.hubs import load_hub_environment
+
+    try:
+        load_hub_environment(config.rollout.environment, config.rollout.environment_args)
+    except (AgentError, ImportError, RuntimeError) as exc:
+        return [f"rollout.environment={config.rollout.environment}: {exc}"]
+    return []
+
+
 def _needed_columns(config: HybridFlowConfig, functions: list) -> dict[str, str]:
     """Data column -> why the run needs it in every row."""
     needed: dict[str, str] = {}
     for fn in functions:
-        for name in fn.data_arguments(agent_rollout=bool(config.rollout.agent)):
+        for name in fn.data_arguments(agent_rollout=bool(config.rollout.agent),
+                                      environment_rollout=bool(config.rollout.environment)):
             needed.setdefault(name, f"reward function {fn.reference!r} ({fn.key}) requires the argument {name!r}")
     spec = recipe_spec(config.recipe.name)
     if spec.answers:
@@ -271,11 +287,14 @@ def _fix_of(column: str, need) -> tuple[str, str]:
 
 
 def _argument_fix(column: str) -> str:
-    from hybridflow.rewards.functions import AGENT_ARGUMENTS
+    from hybridflow.rewards.functions import AGENT_ARGUMENTS, ENVIRONMENT_ARGUMENTS
 
     if column in ("chosen", "rejected"):
         return (f"add a {column!r} column (text, or chat messages ending with the assistant's turn), or rename "
                 "yours to it")
+    if column in ENVIRONMENT_ARGUMENTS:
+        return (f"{column!r} is filled by a hub environment's rollout: set rollout.environment (docs/agents.md), "
+                "or give the function's parameter a default")
     if column in AGENT_ARGUMENTS:
         return (f"{column!r} is filled by an agent rollout: set rollout.agent (docs/agents.md), or give the "
                 "function's parameter a default")

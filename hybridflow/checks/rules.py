@@ -80,7 +80,7 @@ def first_problems(checks: list[Callable[[], list[str]]]) -> list[str]:
 def config_problems(config: HybridFlowConfig) -> list[str]:
     """What the config alone shows (`resolved` first: the precision rule reads the resolved dtypes)."""
     checks = [lambda: check_registered_names(config), lambda: check_reward_names(config),
-              lambda: check_rollout_engine(config), lambda: check_exact_engine(config),
+              lambda: check_environment_reward(config), lambda: check_rollout_engine(config), lambda: check_exact_engine(config),
               lambda: check_truncated_sampling(config),
               lambda: check_precision(config), lambda: check_lora_sync(config), lambda: check_local_backend(config)]
     if not recipe_spec(config.recipe.name).pipeline:  # a pipeline's stages compose their own configs, each checked
@@ -183,6 +183,20 @@ def check_reward_names(config: HybridFlowConfig) -> list[str]:
                                 "'package.module:name' or 'path/to/file.py:name'")]
 
 
+def check_environment_reward(config: HybridFlowConfig) -> list[str]:
+    """A hub environment (rollout.environment) is rewarded by its own rubric, the `environment` reward
+    function, which has nothing to read without one."""
+    environment, specs = config.rollout.environment, config.reward.function_specs()
+    uses = [key for spec, key in zip(specs, config.reward.function_keys()) if spec.fn == "environment"]
+    if environment:
+        return need(bool(uses), "reward.fn", config.reward.fn,
+                    f"rollout.environment={environment} is rewarded by its own rubric: set reward.fn=environment "
+                    "(or add {fn: environment} to reward.functions beside your own)")
+    return need(not uses, (uses[0] if uses[0] == "reward.fn" else f"{uses[0]}.fn") if uses else "reward.fn", "environment",
+                "the environment reward function scores a hub environment's episodes: set rollout.environment "
+                "(docs/agents.md), or name another reward function")
+
+
 def check_rollout_correction(config: HybridFlowConfig) -> list[str]:
     """A rollout correction preset compares the sampler's log-probs with the actor's recomputed π_old: a run
     that clips against the sampler has no π_old of its own to correct towards."""
@@ -199,8 +213,9 @@ def check_rollout_engine(config: HybridFlowConfig) -> list[str]:
     """rollout.backend names an engine (`hybridflow.config.engines`) that can do what the rollout asks."""
     problems: list[str] = []
     engine = rollout_engine(config.rollout.backend)
-    problems += need(not config.rollout.agent or engine.agents, "rollout.backend", config.rollout.backend,
-            f"agent rollouts (rollout.agent) run on an engine that runs them: "
+    agents = config.rollout.agent or config.rollout.environment
+    problems += need(not agents or engine.agents, "rollout.backend", config.rollout.backend,
+            f"agent rollouts (rollout.agent, rollout.environment) run on an engine that runs them: "
             f"{[e.name for e in ROLLOUT_ENGINES.values() if e.agents]}")
     head = "computes with the actor's output head: set actor.fp32_lm_head=true instead" if engine.exact else \
         "computes its output head in rollout.dtype"
@@ -301,7 +316,7 @@ def check_rollout_layout(config: HybridFlowConfig, plan: Plan) -> list[str]:
         problems += need(False, key, value, allowed)
     # several engines of TP > 1 in one pool are vLLM's data parallel: their steps run in lockstep, and agent
     # rollouts call the engine a different number of times on each
-    problems += need(not (rollout.agent and 1 < tp < ranks), "rollout.tensor_parallel_size", tp,
+    problems += need(not ((rollout.agent or rollout.environment) and 1 < tp < ranks), "rollout.tensor_parallel_size", tp,
             f"with rollout.agent, 1 (one engine per rank) or {ranks} (one engine across the pool): "
             f"{ranks // tp} engines of TP {tp} step in lockstep, and agent turns differ from engine to engine")
     return problems
@@ -472,7 +487,8 @@ def check_schedule(config: HybridFlowConfig) -> list[str]:
                     f"weights land while requests run only when pushes are staged, with trainer.max_staleness >= 2 "
                     f"(it is {d}, the {schedule.name} schedule): use rollout.on_update=finish, or raise "
                     "trainer.max_staleness")
-    problems += need(rollout.on_update == "finish" or not rollout.agent, "rollout.on_update", rollout.on_update,
+    problems += need(rollout.on_update == "finish" or not (rollout.agent or rollout.environment), "rollout.on_update",
+                     rollout.on_update,
                      "multi-turn agent rollouts (rollout.agent) load new weights between batches only: use "
                      "rollout.on_update=finish")
     if not schedule.overlaps or problems:

@@ -43,3 +43,27 @@ def check_agent_references(value: Any, key: str) -> list[str]:
         except FileNotFoundError as exc:
             raise ValueError(f"config {key}={value!r} is invalid: {exc}") from None
     return checked
+
+
+# rollout.environment's hubs (hybridflow/agents/hubs): each hub's class, by import path, so the schema
+# checks a name without importing the hub's package
+ENVIRONMENT_HUBS = {"verifiers": "hybridflow.agents.hubs.verifiers_env:VerifiersEnvironment"}
+
+
+def check_environment(value: Any, key: str = "rollout.environment") -> str:
+    """`rollout.environment` as '<hub>:<id>' ('' : none); a `.py` file's path is made absolute (the rollout
+    loads it inside Ray workers, whose working directory differs)."""
+    if value in (None, ""):
+        return ""
+    hub, sep, ident = str(value).partition(":")
+    if not sep or hub not in ENVIRONMENT_HUBS or not ident.strip():
+        raise ValueError(f"config {key}={value!r} is invalid: name an environment as '<hub>:<id>' with a hub of "
+                         f"{sorted(ENVIRONMENT_HUBS)}, e.g. verifiers:my_env (an installed verifiers taskset, or "
+                         "verifiers:path/to/env.py), or leave it empty")
+    ident = ident.strip()
+    if ident.endswith(".py"):
+        path = Path(ident).expanduser().resolve()
+        if not path.is_file():
+            raise ValueError(f"config {key}={value!r} is invalid: file {path} does not exist")
+        ident = str(path)
+    return f"{hub}:{ident}"

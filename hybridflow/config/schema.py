@@ -353,6 +353,13 @@ class RolloutConfig:
     # side: timed out, or raised anything but ValueError/TypeError/LookupError (the model's call was wrong;
     # hybridflow/agents/environment.py). 1.0: never stops (the first failure is still said)
     max_env_failure_fraction: float = 0.1
+    # An environment from a hub, trained unchanged (docs/agents.md "Environments from the hubs"): '<hub>:<id>',
+    # e.g. verifiers:my_env (an installed verifiers taskset, or verifiers:path/to/env.py); its rows' episodes
+    # reach the model through the engine's OpenAI-compatible endpoint, and reward.fn=environment is its
+    # rubric. Empty: none
+    environment: str = ""
+    # The environment's own load arguments (verifiers: its env config, as its --env.* flags would give it)
+    environment_args: Dict[str, Any] = field(default_factory=dict)
     # trainer.max_staleness >= 2 (docs/async.md): what requests running when new weights arrive do.
     # 'finish': they finish on the weights they started with, and the load waits for the batch;
     # 'recompute': the load lands between two engine steps, and running requests keep their tokens
@@ -361,9 +368,14 @@ class RolloutConfig:
     on_update: str = "finish"
 
     def __post_init__(self) -> None:
-        from hybridflow.config.references import check_agent_references
+        from hybridflow.config.references import check_agent_references, check_environment
 
         self.agent = check_agent_references(self.agent, "rollout.agent")
+        self.environment = check_environment(self.environment)
+        _require(not (self.environment and self.agent), "rollout.environment", self.environment,
+                 "an environment from a hub brings its own turn logic; unset rollout.agent, or this key")
+        _require(bool(self.environment) or not self.environment_args, "rollout.environment_args",
+                 self.environment_args, "arguments of no environment: set rollout.environment, or drop them")
         _require(self.max_turns >= 1, "rollout.max_turns", self.max_turns, "must be >= 1")
         _require(self.on_update in ("finish", "recompute"), "rollout.on_update", self.on_update,
                  "one of ['finish', 'recompute']")

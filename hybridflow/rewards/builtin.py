@@ -88,6 +88,17 @@ def digit_match(response: str, ground_truth: str, **_) -> dict:
     return {"score": matches / width, "accuracy": exact}
 
 
+@REWARD_FUNCTIONS.register("environment")
+def environment(env_rewards, agent_failure: str = "", **_) -> dict:
+    """A hub environment's own rubric (rollout.environment, hybridflow/agents/hubs): its weighted total
+    as the score and each of its reward functions' scores as an extra (the metric `reward/<name>`).
+    A sample whose episode failed has no rubric score: it raises, and reward.on_error decides (raise
+    stops the run naming the failure; fallback scores it reward.fallback_score, counted)."""
+    if env_rewards is None:
+        raise ValueError(f"the environment's episode failed, so its rubric gave no score: {agent_failure}")
+    return dict(env_rewards)
+
+
 REWARD_FUNCTIONS.add("reasoning_gym", score_reasoning_gym)
 math_answer = score_math  # the math reward by value (hybridflow/rewards/math_verify.py), the presets' default
 REWARD_FUNCTIONS.add("math_answer", score_math)

@@ -28,6 +28,10 @@ SAMPLE_ARGUMENTS = ("prompt", "response", "finish_reason")
 # Filled for every sample of an agent rollout (rollout.agent; hybridflow/agents/trajectory.py), and
 # for no other sample: the response text of all turns, and the environment's summed step rewards.
 AGENT_ARGUMENTS = ("trajectory", "agent_reward")
+# Filled for every sample of a hub environment's rollout (rollout.environment; hybridflow/agents/hubs):
+# the environment's own rubric, {'score': its weighted total, <reward function>: its score, ...}, or
+# None where the episode failed (the sample's `agent_failure` says how).
+ENVIRONMENT_ARGUMENTS = ("env_rewards",)
 # Other frameworks' argument names -> the sample field they mean. Filled only for a function that
 # names them and only when the data has no column of that name (a column always wins).
 ARGUMENT_ALIASES = {"solution_str": "response", "completions": "response", "prompts": "prompt"}
@@ -136,11 +140,13 @@ class RewardFunction:
             return available
         return {k: v for k, v in available.items() if k in self._accepted}
 
-    def data_arguments(self, agent_rollout: bool = False) -> list[str]:
+    def data_arguments(self, agent_rollout: bool = False, environment_rollout: bool = False) -> list[str]:
         """The required arguments that only a data column can fill: not the sample's prompt or
-        response (or an alias of them), not what an agent rollout fills when there is one, and not a
-        fixed argument of the config entry."""
-        filled = {*SAMPLE_ARGUMENTS, *ARGUMENT_ALIASES, *self.kwargs, *(AGENT_ARGUMENTS if agent_rollout else ())}
+        response (or an alias of them), not what an agent rollout (or a hub environment's) fills when
+        there is one, and not a fixed argument of the config entry."""
+        filled = {*SAMPLE_ARGUMENTS, *ARGUMENT_ALIASES, *self.kwargs,
+                  *(AGENT_ARGUMENTS if agent_rollout or environment_rollout else ()),
+                  *(ENVIRONMENT_ARGUMENTS if environment_rollout else ())}
         return [name for name in self._required if name not in filled]
 
     def clashing_columns(self, columns) -> list[str]:

@@ -40,7 +40,7 @@ class ScriptedEngine:
 def endpoint():
     tokenizer = build_char_tokenizer()
     engine = ScriptedEngine(tokenizer, ["<calc>7", "done", "x", "y"])
-    served = ChatEndpoint(tokenizer, engine, TEMPERATURE)
+    served = ChatEndpoint(tokenizer)
     served.start()
     yield served, engine, tokenizer
     served.stop()
@@ -52,7 +52,7 @@ def _client(served, key) -> openai.OpenAI:
 
 def test_multi_turn_carries_the_sampled_ids_not_the_retokenised_text(endpoint):
     served, engine, tok = endpoint
-    (key,) = served.open_phase(version=3, seeds=[11], budget=64)
+    (key,) = served.open_phase(version=3, seeds=[11], budget=64, generate=engine, temperature=TEMPERATURE)
     client = _client(served, key)
     messages = [{"role": "user", "content": "3+4="}]
     first = client.chat.completions.create(model="any", messages=messages)
@@ -84,7 +84,7 @@ def test_multi_turn_carries_the_sampled_ids_not_the_retokenised_text(endpoint):
 
 def test_a_rewritten_history_starts_a_new_chain_and_is_counted(endpoint):
     served, engine, tok = endpoint
-    (key,) = served.open_phase(version=0, seeds=[None], budget=64)
+    (key,) = served.open_phase(version=0, seeds=[None], budget=64, generate=engine, temperature=TEMPERATURE)
     client = _client(served, key)
     client.chat.completions.create(model="m", messages=[{"role": "user", "content": "a"}])
     edited = [{"role": "user", "content": "a"}, {"role": "assistant", "content": "<calc>8"},
@@ -96,7 +96,7 @@ def test_a_rewritten_history_starts_a_new_chain_and_is_counted(endpoint):
 
 def test_refusals_name_the_cause(endpoint):
     served, engine, tok = endpoint
-    (key,) = served.open_phase(version=5, seeds=[1], budget=3)
+    (key,) = served.open_phase(version=5, seeds=[1], budget=3, generate=engine, temperature=TEMPERATURE)
     client = _client(served, key)
     with pytest.raises(openai.BadRequestError, match="rollout.temperature"):
         client.chat.completions.create(model="m", messages=[{"role": "user", "content": "a"}], temperature=0.2)
@@ -110,7 +110,7 @@ def test_refusals_name_the_cause(endpoint):
     assert records[key].truncated
     with pytest.raises(openai.ConflictError, match="policy version 5"):
         client.chat.completions.create(model="m", messages=[{"role": "user", "content": "a"}])
-    served.open_phase(version=6, seeds=[1], budget=3)
+    served.open_phase(version=6, seeds=[1], budget=3, generate=engine, temperature=TEMPERATURE)
     with pytest.raises(openai.ConflictError, match="serves version 6"):
         client.chat.completions.create(model="m", messages=[{"role": "user", "content": "a"}])
     with pytest.raises(openai.NotFoundError):

@@ -45,6 +45,7 @@ class VLLMRollout(RolloutEngineBase):
         self.lora_rank = lora_rank  # > 0: the actor's LoRA is served as an adapter of this rank (weight_sync.lora)
         self.engine = self.receiver = None
         self.agents = None  # hybridflow.agents.AgentSet, loaded by start when rollout.agent is set
+        self.environment = self.endpoint = None  # rollout.environment: the hub's env and the chat endpoint
         self.batches_stepped = 0  # stepwise batches so far (their request ids)
 
     @register(Dispatch.ONE_TO_ALL)
@@ -91,6 +92,13 @@ class VLLMRollout(RolloutEngineBase):
             from hybridflow.agents import load_agents
 
             self.agents = load_agents(self.cfg.agent, self.cfg.agent_column)
+        if self.cfg.environment:
+            from hybridflow.agents.endpoint import ChatEndpoint
+            from hybridflow.agents.hubs import load_hub_environment
+
+            self.environment = load_hub_environment(self.cfg.environment, self.cfg.environment_args)
+            self.endpoint = ChatEndpoint(self.engine.get_tokenizer())
+            self.endpoint.start()
         from hybridflow.patches import transformers_backend_classes_stay_callable
 
         transformers_backend_classes_stay_callable(self.engine)  # a colocated actor's model of that class
@@ -137,7 +145,8 @@ class VLLMRollout(RolloutEngineBase):
         the version that sampled each token (-1 on padding), and `behavior_version` the oldest.
         """
         staged = None if min_version is None else self.receiver.load_staged(min_version, weights_timeout_s)
-        stepwise = staged is not None and self.cfg.on_update == "recompute" and self.agents is None
+        stepwise = staged is not None and self.cfg.on_update == "recompute" and self.agents is None \
+            and self.environment is None
         out = self._generate(prompts, greedy, stepwise)
         if "token_versions" not in out:
             out.tensors["behavior_version"] = torch.full((len(out),), self.receiver.version, dtype=torch.long)
@@ -171,6 +180,8 @@ class VLLMRollout(RolloutEngineBase):
         seeds = prompts["sample_seed"].tolist() if "sample_seed" in prompts and not greedy else [None] * len(requests)
         if self.agents is not None:
             return self._generate_trajectories(prompts, seeds, greedy)
+        if self.environment is not None:
+            return self._generate_environment(prompts, seeds, greedy)
         per_request = self.cfg.seed_per_request
         params = [sampling(seed if per_request else None) for seed in seeds]
         with self._sampler_stream(None if per_request or not seeds else seeds[0]):
@@ -235,9 +246,6 @@ class VLLMRollout(RolloutEngineBase):
     def _generate_trajectories(self, prompts: Batch, seeds: list[int | None], greedy: bool) -> Batch:
         """Multi-turn rollout of every prompt row with its agent (see hybridflow/agents/trajectory.py).
         Adds `loss_mask`, the `agent_*` counts and the `trajectory` text to the usual outputs."""
-        from vllm import SamplingParams
-        from vllm.inputs import TokensPrompt
-
         from hybridflow.agents import Trajectory, run_trajectories, trajectories_to_batch
 
         tokenizer = self.engine.get_tokenizer()
@@ -246,6 +254,30 @@ class VLLMRollout(RolloutEngineBase):
         for i, (ids, mask, row, seed) in enumerate(zip(prompts["prompt_ids"], prompts["prompt_mask"], rows, seeds)):
             name, env = self.agents.make(row, i)
             trajectories.append(Trajectory(ids[mask].tolist(), env, name, seed))
+        generate = self._turn_generator(greedy)
+        run_trajectories(trajectories, rows, generate, tokenizer, max_turns=self.cfg.max_turns,
+                         max_tokens=self.cfg.max_response_tokens, timeout_s=self.cfg.tool_timeout_s)
+        return trajectories_to_batch(trajectories, prompts, self.cfg.max_response_tokens, self.pad_token_id, tokenizer)
+
+    def _generate_environment(self, prompts: Batch, seeds: list[int | None], greedy: bool) -> Batch:
+        """Every row's episode of the hub environment (rollout.environment, hybridflow/agents/hubs), its model
+        calls served by the OpenAI-compatible endpoint on this engine for the duration of this call."""
+        from hybridflow.agents.hubs import Phase
+
+        phase = Phase(version=self.receiver.version, seeds=seeds, generate=self._turn_generator(greedy),
+                      temperature=0.0 if greedy else self.cfg.temperature, budget=self.cfg.max_response_tokens,
+                      max_prompt_tokens=self.max_prompt_tokens, pad_token_id=self.pad_token_id,
+                      tokenizer=self.engine.get_tokenizer())
+        return self.environment.rollout(prompts, self.endpoint, phase)
+
+    def _turn_generator(self, greedy: bool):
+        """The engine as a GenerateFn (hybridflow/agents/trajectory.py): one `generate` call for a list of
+        turn requests (token ids, their budget, seed and stop texts), each its sampled ids, their log-probs
+        and whether it was cut at its budget."""
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        tokenizer = self.engine.get_tokenizer()
         stops: dict[tuple[str, ...], tuple[list[int], list[str]]] = {}  # env stop texts -> (token ids, strings)
 
         def generate(requests):
@@ -256,8 +288,8 @@ class VLLMRollout(RolloutEngineBase):
                 stop_ids, stop_texts = stops[r.stop]
                 params.append(SamplingParams(
                     temperature=0.0 if greedy else self.cfg.temperature, top_p=1.0 if greedy else self.cfg.top_p,
-                    top_k=-1 if greedy else self.cfg.top_k, max_tokens=r.max_tokens, logprobs=0, seed=r.seed, stop_token_ids=stop_ids, stop=stop_texts,
-                    include_stop_str_in_output=True))
+                    top_k=-1 if greedy else self.cfg.top_k, max_tokens=r.max_tokens, logprobs=0, seed=r.seed,
+                    stop_token_ids=stop_ids, stop=stop_texts, include_stop_str_in_output=True))
             outputs = self.engine.generate([TokensPrompt(prompt_token_ids=r.prompt_ids) for r in requests], params,
                                            use_tqdm=False, lora_request=self.receiver.lora_request())
             check_served(outputs, self.receiver.adapter, self.ctx.rank)
@@ -269,9 +301,7 @@ class VLLMRollout(RolloutEngineBase):
                 results.append((tokens, log_probs, sample.finish_reason == "length"))
             return results
 
-        run_trajectories(trajectories, rows, generate, tokenizer, max_turns=self.cfg.max_turns,
-                         max_tokens=self.cfg.max_response_tokens, timeout_s=self.cfg.tool_timeout_s)
-        return trajectories_to_batch(trajectories, prompts, self.cfg.max_response_tokens, self.pad_token_id, tokenizer)
+        return generate
 
 
 CPU_TOKEN_BUDGET = 4096  # vLLM's own max_num_batched_tokens on the CPU (its engine arguments' default there)

@@ -1,0 +1,115 @@
+"""Environments from the hubs, trained unchanged (issue 85; docs/agents.md "Environments from the hubs"):
+a verifiers (v1) environment written with verifiers' own classes (tests/e2e/fixtures/verifiers_arith.py),
+its episodes played by verifiers' own harness and scored by its rubric, the model reached through the
+rollout engine's OpenAI-compatible endpoint (hybridflow/agents/endpoint.py). No network: the harness's
+chat program runs with this interpreter (hybridflow/agents/hubs/verifiers_env.py `local_chat_program`).
+
+Token in, token out: every sample's trained ids are the ids the engine sampled (recorded at the engine,
+tests/e2e/workers.py), and the actor's log-probs of them are the sampler's.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from hybridflow.config.schema import RolloutConfig
+from hybridflow.controller import PoolSpec, ResourcePool, RoleSpec, spawn_workers
+from hybridflow.data.prompts import encode_prompts
+from hybridflow.data.rows import read_rows
+from hybridflow.training.sequences import log_probs_and_entropy
+from tests.e2e.cli_in_one_process import without_ray
+from tests.e2e.workers import RecordingVLLMRollout
+
+pytest.importorskip("verifiers.v1")
+
+FIXTURES = Path(__file__).parent / "fixtures"
+SUMS = FIXTURES / "verifiers_arith.py"
+NULL_HARNESS = {"agent": {"harness": {"id": "null"}}}  # verifiers' plain chat loop, as its --env.agent flag gives it
+MAX_PROMPT_TOKENS = 32
+BUDGET = 16
+VLLM_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1"}
+
+
+def _rows(out_dir: Path) -> tuple[Path, Path]:
+    from hybridflow.agents.hubs.verifiers_env import main
+
+    main([str(SUMS), str(out_dir), "--args", '{"agent": {"harness": {"id": "null"}}}', "--val-rows", "8"])
+    return out_dir / "train.jsonl", out_dir / "val.jsonl"
+
+
+@pytest.fixture(scope="module")
+def rolled_out(ray_local, tiny_model_dir, tmp_path_factory):
+    train, _ = _rows(tmp_path_factory.mktemp("rows"))
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    config = RolloutConfig(max_response_tokens=BUDGET, temperature=1.0, environment=f"verifiers:{SUMS}",
+                           environment_args=NULL_HARNESS)
+    spec = RoleSpec(RecordingVLLMRollout, dict(model_path=str(tiny_model_dir), rollout=config,
+                                               max_prompt_tokens=MAX_PROMPT_TOKENS, eos_token_id=tok.eos_token_id,
+                                               pad_token_id=tok.pad_token_id))
+    group = spawn_workers(ResourcePool(PoolSpec("rollout", devices_per_node=1)), {"rollout": spec},
+                          env_vars=VLLM_ENV)["rollout"]
+    group.start()
+    rows = read_rows(train)[:6]
+    prompts = encode_prompts(rows, tok, MAX_PROMPT_TOKENS)
+    prompts.tensors["sample_seed"] = torch.arange(len(rows)) + 500
+    samples = group.generate(prompts)
+    return group, tok, rows, samples
+
+
+def test_the_trained_ids_are_the_engines_sampled_ids(rolled_out):
+    group, tok, rows, samples = rolled_out
+    records = group.recorded()[0]
+    assert len(records) == len(rows)  # one model call per single-turn episode
+    for i in range(len(rows)):
+        n = int(samples["response_mask"][i].sum())
+        prompt = samples["prompt_ids"][i][samples["prompt_mask"][i]].tolist()
+        response = samples["response_ids"][i, :n].tolist()
+        assert (prompt, response) in records, f"sample {i}: trained ids are not what the engine sampled"
+        assert samples["loss_mask"][i, :n].all()  # single turn: every response token is the model's
+        assert prompt == tok(tok.apply_chat_template([{"role": "user", "content": rows[i]["prompt"][0]["content"]}],
+                                                     tokenize=False, add_generation_prompt=True),
+                             add_special_tokens=False)["input_ids"]
+
+
+def test_the_rubric_scores_every_sample_by_name(rolled_out):
+    _, _, rows, samples = rolled_out
+    for i, rewards in enumerate(samples["env_rewards"]):
+        assert rewards is not None, samples["agent_failure"][i]
+        assert set(rewards) == {"score", "correct", "brevity"}
+        reply = samples["response"][i]
+        assert rewards["brevity"] == pytest.approx(1.0 / (1.0 + len(reply.strip())))  # verifiers strips the reply
+        assert rewards["score"] == pytest.approx(rewards["correct"] + 0.5 * rewards["brevity"])
+    assert float(samples["agent_env_failures"].sum()) == 0
+
+
+def test_the_actors_log_probs_of_the_sampled_ids_are_the_samplers(rolled_out, tiny_model_dir):
+    _, _, _, samples = rolled_out
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, torch_dtype=torch.float32)
+    log_probs, _ = log_probs_and_entropy(model, samples, rows_per_micro_batch=8)
+    mask = samples["loss_mask"]
+    torch.testing.assert_close(log_probs[mask], samples["sampler_log_probs"][mask], atol=1e-3, rtol=0)
+
+
+def test_grpo_trains_on_a_verifiers_environment_with_its_rubric_as_the_reward(tmp_path):
+    train, val = _rows(tmp_path / "rows")
+    done = without_ray(["recipe=grpo", "trainer.export_hf=false", "placement.pools.global.devices_per_node=1",
+                        "rollout.backend=vllm", "trainer.total_steps=2", "trainer.val_every_steps=2",
+                        "trainer.val_prompts=4", "trainer.prompts_per_step=2", "rollout.samples_per_prompt=4",
+                        "actor.samples_per_micro_batch=8", "trainer.max_steps_without_signal=null",
+                        "data=files", f"data.train_path={train}", f"data.val_path={val}",
+                        f"data.max_prompt_tokens={MAX_PROMPT_TOKENS}", f"rollout.max_response_tokens={BUDGET}",
+                        f"rollout.environment=verifiers:{SUMS}", "rollout.environment_args={agent: {harness: {id: null}}}",
+                        "reward.fn=environment"], tmp_path, "vf")
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
+    import json
+
+    rows = [json.loads(line) for line in (tmp_path / "vf" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2]
+    for key in ("reward/score", "reward/correct", "reward/brevity", "agent/turns_mean", "val/accuracy", "actor/loss"):
+        assert key in rows[-1], f"{key} missing from the metrics"
+    assert rows[0]["agent/turns_mean"] == 1.0 and rows[0]["agent/env_failures"] == 0
+    assert rows[0]["rollout/log_prob_diff"] < 1e-3  # the sampler's log-probs are the actor's on the trained ids
