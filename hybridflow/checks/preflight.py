@@ -243,12 +243,11 @@ def _environment_problems(config: HybridFlowConfig) -> list[str]:
     runtimes and harnesses (the rollout role loads it again in its own processes)."""
     if not config.rollout.environment:
         return []
-    from hybridflow.agents import AgentError
     from hybridflow.agents.hubs import load_hub_environment
 
     try:
         load_hub_environment(config.rollout.environment, config.rollout.environment_args)
-    except (AgentError, ImportError, RuntimeError) as exc:
+    except (ValueError, ImportError, RuntimeError) as exc:  # AgentError is a ValueError
         return [f"rollout.environment={config.rollout.environment}: {exc}"]
     return []
 

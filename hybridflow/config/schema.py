@@ -358,8 +358,9 @@ class RolloutConfig:
     # reach the model through the engine's OpenAI-compatible endpoint, and reward.fn=environment is its
     # rubric. Empty: none
     environment: str = ""
-    # The environment's own load arguments (verifiers: its env config, as its --env.* flags would give it)
-    environment_args: Dict[str, Any] = field(default_factory=dict)
+    # The environment's own load arguments (verifiers: its env config, as its --env.* flags would give it),
+    # a mapping. Typed Any so the whole mapping can be given from the command line; null: none
+    environment_args: Any = None
     # trainer.max_staleness >= 2 (docs/async.md): what requests running when new weights arrive do.
     # 'finish': they finish on the weights they started with, and the load waits for the batch;
     # 'recompute': the load lands between two engine steps, and running requests keep their tokens
@@ -374,6 +375,9 @@ class RolloutConfig:
         self.environment = check_environment(self.environment)
         _require(not (self.environment and self.agent), "rollout.environment", self.environment,
                  "an environment from a hub brings its own turn logic; unset rollout.agent, or this key")
+        self.environment_args = {} if self.environment_args is None else self.environment_args
+        _require(isinstance(self.environment_args, dict), "rollout.environment_args", self.environment_args,
+                 "a mapping of the environment's load arguments, e.g. {agent: {max_turns: 4}}")
         _require(bool(self.environment) or not self.environment_args, "rollout.environment_args",
                  self.environment_args, "arguments of no environment: set rollout.environment, or drop them")
         _require(self.max_turns >= 1, "rollout.max_turns", self.max_turns, "must be >= 1")

@@ -28,36 +28,41 @@ pytest.importorskip("verifiers.v1")
 
 FIXTURES = Path(__file__).parent / "fixtures"
 SUMS = FIXTURES / "verifiers_arith.py"
+GUESS = FIXTURES / "verifiers_guess.py"  # multi-turn: the env's own Env.run answers each guess
 NULL_HARNESS = {"agent": {"harness": {"id": "null"}}}  # verifiers' plain chat loop, as its --env.agent flag gives it
 MAX_PROMPT_TOKENS = 32
 BUDGET = 16
 VLLM_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1"}
 
 
-def _rows(out_dir: Path) -> tuple[Path, Path]:
+def _rows(out_dir: Path, env: Path = SUMS) -> tuple[Path, Path]:
     from hybridflow.agents.hubs.verifiers_env import main
 
-    main([str(SUMS), str(out_dir), "--args", '{"agent": {"harness": {"id": "null"}}}', "--val-rows", "8"])
+    main([str(env), str(out_dir), "--args", '{"agent": {"harness": {"id": "null"}}}', "--val-rows", "8"])
     return out_dir / "train.jsonl", out_dir / "val.jsonl"
 
 
-@pytest.fixture(scope="module")
-def rolled_out(ray_local, tiny_model_dir, tmp_path_factory):
-    train, _ = _rows(tmp_path_factory.mktemp("rows"))
+def _roll_out(tiny_model_dir, out_dir: Path, env: Path, arguments: dict, budget: int, rows: int):
+    """A recording vLLM rollout worker serving `env`; its batch for the first `rows` training rows."""
+    train, _ = _rows(out_dir, env)
     tok = AutoTokenizer.from_pretrained(tiny_model_dir)
-    config = RolloutConfig(max_response_tokens=BUDGET, temperature=1.0, environment=f"verifiers:{SUMS}",
-                           environment_args=NULL_HARNESS)
+    config = RolloutConfig(max_response_tokens=budget, temperature=1.0, environment=f"verifiers:{env}",
+                           environment_args=arguments)
     spec = RoleSpec(RecordingVLLMRollout, dict(model_path=str(tiny_model_dir), rollout=config,
                                                max_prompt_tokens=MAX_PROMPT_TOKENS, eos_token_id=tok.eos_token_id,
                                                pad_token_id=tok.pad_token_id))
     group = spawn_workers(ResourcePool(PoolSpec("rollout", devices_per_node=1)), {"rollout": spec},
                           env_vars=VLLM_ENV)["rollout"]
     group.start()
-    rows = read_rows(train)[:6]
-    prompts = encode_prompts(rows, tok, MAX_PROMPT_TOKENS)
-    prompts.tensors["sample_seed"] = torch.arange(len(rows)) + 500
-    samples = group.generate(prompts)
-    return group, tok, rows, samples
+    chosen = read_rows(train)[:rows]
+    prompts = encode_prompts(chosen, tok, MAX_PROMPT_TOKENS)
+    prompts.tensors["sample_seed"] = torch.arange(len(chosen)) + 500
+    return group, tok, chosen, group.generate(prompts)
+
+
+@pytest.fixture(scope="module")
+def rolled_out(ray_local, tiny_model_dir, tmp_path_factory):
+    return _roll_out(tiny_model_dir, tmp_path_factory.mktemp("rows"), SUMS, NULL_HARNESS, BUDGET, 6)
 
 
 def test_the_trained_ids_are_the_engines_sampled_ids(rolled_out):
@@ -94,6 +99,41 @@ def test_the_actors_log_probs_of_the_sampled_ids_are_the_samplers(rolled_out, ti
     torch.testing.assert_close(log_probs[mask], samples["sampler_log_probs"][mask], atol=1e-3, rtol=0)
 
 
+def _segments(mask: list[bool]) -> list[tuple[bool, int, int]]:
+    """(is the model's, start, end) runs of a loss mask."""
+    runs, start = [], 0
+    for i in range(1, len(mask) + 1):
+        if i == len(mask) or mask[i] != mask[start]:
+            runs.append((mask[start], start, i))
+            start = i
+    return runs
+
+
+def test_multi_turn_episodes_train_on_every_turn_as_sampled(ray_local, tiny_model_dir, tmp_path):
+    """The guessing env's later turns are the harness resumed on the whole conversation: each model turn
+    of a trajectory is exactly what the engine sampled for the trajectory so far (never the reply's text
+    re-encoded), the env's answers between them are not trained, and the rubric scores the whole episode."""
+    arguments = {"agent": {"harness": {"id": "null"}, "sampling": {"max_tokens": 6}}}  # short guesses
+    group, tok, rows, samples = _roll_out(tiny_model_dir, tmp_path, GUESS, arguments, 96, 6)
+    records = group.recorded()[0]
+    several = 0
+    for i in range(len(rows)):
+        n = int(samples["response_mask"][i].sum())
+        prompt = samples["prompt_ids"][i][samples["prompt_mask"][i]].tolist()
+        response, mask = samples["response_ids"][i, :n].tolist(), samples["loss_mask"][i, :n].tolist()
+        runs = _segments(mask)
+        for is_model, start, end in runs:
+            if is_model:
+                assert (prompt + response[:start], response[start:end]) in records, f"sample {i}: turn at {start}"
+        turns = sum(m for m, _, _ in runs)
+        assert turns == samples["agent_turns"][i] and not samples["env_unchained_calls"][i]
+        rewards = samples["env_rewards"][i]
+        assert rewards is not None, samples["agent_failure"][i]
+        assert rewards["turns"] == turns  # verifiers' own count of the trace's turns agrees
+        several += turns > 1
+    assert several >= 3  # a random model rarely guesses right at once: most episodes take several turns
+
+
 def test_grpo_trains_on_a_verifiers_environment_with_its_rubric_as_the_reward(tmp_path):
     train, val = _rows(tmp_path / "rows")
     done = without_ray(["recipe=grpo", "trainer.export_hf=false", "placement.pools.global.devices_per_node=1",
@@ -102,7 +142,7 @@ def test_grpo_trains_on_a_verifiers_environment_with_its_rubric_as_the_reward(tm
                         "actor.samples_per_micro_batch=8", "trainer.max_steps_without_signal=null",
                         "data=files", f"data.train_path={train}", f"data.val_path={val}",
                         f"data.max_prompt_tokens={MAX_PROMPT_TOKENS}", f"rollout.max_response_tokens={BUDGET}",
-                        f"rollout.environment=verifiers:{SUMS}", "rollout.environment_args={agent: {harness: {id: null}}}",
+                        f"rollout.environment=verifiers:{SUMS}", '+rollout.environment_args={agent: {harness: {id: "null"}}}',
                         "reward.fn=environment"], tmp_path, "vf")
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
     import json

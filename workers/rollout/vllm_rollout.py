@@ -25,6 +25,8 @@ from typing import Iterator
 
 import torch
 
+from hybridflow.agents.endpoint import ChatEndpoint
+from hybridflow.agents.hubs import Phase, load_hub_environment
 from hybridflow.batch import Batch
 from hybridflow.config.schema import RolloutConfig
 from hybridflow.controller import Dispatch, WorkerContext, register
@@ -93,9 +95,6 @@ class VLLMRollout(RolloutEngineBase):
 
             self.agents = load_agents(self.cfg.agent, self.cfg.agent_column)
         if self.cfg.environment:
-            from hybridflow.agents.endpoint import ChatEndpoint
-            from hybridflow.agents.hubs import load_hub_environment
-
             self.environment = load_hub_environment(self.cfg.environment, self.cfg.environment_args)
             self.endpoint = ChatEndpoint(self.engine.get_tokenizer())
             self.endpoint.start()
@@ -262,8 +261,6 @@ class VLLMRollout(RolloutEngineBase):
     def _generate_environment(self, prompts: Batch, seeds: list[int | None], greedy: bool) -> Batch:
         """Every row's episode of the hub environment (rollout.environment, hybridflow/agents/hubs), its model
         calls served by the OpenAI-compatible endpoint on this engine for the duration of this call."""
-        from hybridflow.agents.hubs import Phase
-
         phase = Phase(version=self.receiver.version, seeds=seeds, generate=self._turn_generator(greedy),
                       temperature=0.0 if greedy else self.cfg.temperature, budget=self.cfg.max_response_tokens,
                       max_prompt_tokens=self.max_prompt_tokens, pad_token_id=self.pad_token_id,

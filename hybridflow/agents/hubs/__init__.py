@@ -20,6 +20,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from hybridflow.agents.trajectory import GenerateFn
+from hybridflow.config.references import ENVIRONMENT_HUBS, check_environment
+from hybridflow.registry import load_object
 
 
 @dataclass
@@ -38,8 +40,5 @@ class Phase:
 
 def load_hub_environment(value: str, arguments: dict[str, Any]):
     """The hub environment `value` ('<hub>:<id>', checked by the schema) names, loaded with `arguments`."""
-    from hybridflow.config.references import ENVIRONMENT_HUBS, check_environment
-    from hybridflow.registry import load_object
-
     hub, _, ident = check_environment(value).partition(":")
     return load_object(ENVIRONMENT_HUBS[hub])(ident, dict(arguments or {}))

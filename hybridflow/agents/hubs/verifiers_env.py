@@ -42,6 +42,7 @@ import torch
 from hybridflow.agents.environment import AgentError
 from hybridflow.agents.trajectory import Trajectory, trajectories_to_batch
 from hybridflow.batch import Batch
+from hybridflow.data.rows import write_rows
 
 INSTALL = "pip install -e '.[envs]' (or pip install verifiers==0.4.0)"
 TASK_COLUMN = "verifiers_task"  # a row's task data, as verifiers writes it on a trace
@@ -274,8 +275,6 @@ def main(argv: list[str] | None = None) -> None:
     [--args JSON] [--val-rows N]: the last N tasks (default 10% of them, at least one) go to val.jsonl."""
     import argparse
     import json
-
-    from hybridflow.data.rows import write_rows
 
     parser = argparse.ArgumentParser(prog="python -m hybridflow.agents.hubs.verifiers_env")
     parser.add_argument("environment")
