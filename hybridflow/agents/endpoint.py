@@ -163,6 +163,17 @@ class ChatTokens:
         return None
 
 
+@dataclass
+class _Pending:
+    """A call prepared for the engine."""
+
+    record: SampleRecord
+    call: Call
+    body: dict
+    request: TurnRequest
+    at_budget: bool  # its max_tokens is what is left of the sample's budget
+
+
 class _Batcher:
     """One thread that submits the calls waiting together to the engine in one `generate` call, so
     the engine batches the turns of every agent that is waiting on it."""
@@ -317,6 +328,11 @@ class ChatEndpoint:
 
     def complete(self, key: str, body: dict) -> dict:
         """One chat completion (blocking): the OpenAI response dict, or an EndpointError."""
+        pending = self.prepare(key, body)
+        return self.finish(pending, self._batcher.submit(pending.request).result())
+
+    def prepare(self, key: str, body: dict) -> "_Pending":
+        """A call's engine request (its prompt token-faithful, its budget, seed and stops), checked."""
         record = self.record_for(key)
         self.check_sampling(body)
         messages, tools = body.get("messages"), body.get("tools") or None
@@ -335,16 +351,21 @@ class ChatEndpoint:
         stop = body.get("stop") or ()
         stop = (stop,) if isinstance(stop, str) else tuple(stop)
         seed = None if record.seed is None else (record.seed * 1_000_003 + len(record.calls)) % (2**31 - 1)
-        ids, log_probs, hit_length = self._batcher.submit(TurnRequest(prompt_ids, max_tokens, seed, stop)).result()
+        return _Pending(record, call, body, TurnRequest(prompt_ids, max_tokens, seed, stop), max_tokens == left)
+
+    def finish(self, pending: "_Pending", output: tuple[list[int], list[float], bool]) -> dict:
+        """Record what the engine sampled for a prepared call; the OpenAI response dict."""
+        ids, log_probs, hit_length = output
+        call = pending.call
         call.completion_ids, call.reply = list(ids), self.tokens.reply_text(ids)
         call.response_ids = call.response_ids + list(ids)
         call.loss_mask = call.loss_mask + [True] * len(ids)
         call.log_probs = call.log_probs + list(log_probs)
         call.finish_reason = "length" if hit_length else "stop"
         with self.lock:
-            record.truncated = record.truncated or (hit_length and max_tokens == left)
-            record.calls.append(call)
-        return self.response(body, call, len(prompt_ids), log_probs)
+            pending.record.truncated = pending.record.truncated or (hit_length and pending.at_budget)
+            pending.record.calls.append(call)
+        return self.response(pending.body, call, len(pending.request.prompt_ids), log_probs)
 
     def response(self, body: dict, call: Call, prompt_tokens: int, log_probs: list[float]) -> dict:
         choice = {"index": 0, "message": {"role": "assistant", "content": call.reply},
@@ -377,7 +398,11 @@ class ChatEndpoint:
                     body = await request.json()
                 except ValueError as exc:
                     raise EndpointError(400, "invalid_json", f"the request body is not JSON: {exc}") from None
-                result = await asyncio.to_thread(self.complete, key, body)
+                # rendering in a thread; the wait for the engine on this loop, so that every agent's call
+                # can be waiting at once (a thread per waiting call would cap the engine's batch)
+                pending = await asyncio.to_thread(self.prepare, key, body)
+                output = await asyncio.wrap_future(self._batcher.submit(pending.request))
+                result = self.finish(pending, output)
             except EndpointError as exc:
                 return error(exc)
             if body.get("stream"):

@@ -185,11 +185,16 @@ def trajectories_to_batch(trajectories: list[Trajectory], prompts: Batch, width:
 def agent_metrics(samples: Batch, prefix: str = "agent/") -> dict[str, float]:
     """`agent/turns_mean`, `agent/tool_errors` (per step, summed), `agent/truncated` (fraction),
     `agent/observation_tokens_mean`, `agent/env_failures` (summed) and `agent/env_failure_fraction`
-    (of the environment steps called); empty for a batch that no agent rolled out."""
+    (of the environment steps called), and for a hub environment `agent/unchained_calls` (summed: model
+    calls that extended no earlier one and were left off the trajectory, hybridflow/agents/endpoint.py);
+    empty for a batch that no agent rolled out."""
     if "agent_turns" not in samples:
         return {}
     observation_tokens = (samples["response_mask"] & ~samples["loss_mask"]).sum(dim=1).float()
-    return {f"{prefix}turns_mean": float(samples["agent_turns"].mean()),
+    hub = {}
+    if "env_unchained_calls" in samples:  # a hub environment's calls left off their sample's trajectory
+        hub[f"{prefix}unchained_calls"] = float(samples["env_unchained_calls"].sum())
+    return {**hub, f"{prefix}turns_mean": float(samples["agent_turns"].mean()),
             f"{prefix}tool_errors": float(samples["agent_tool_errors"].sum()),
             f"{prefix}truncated": float(samples["agent_truncated"].mean()),
             f"{prefix}observation_tokens_mean": float(observation_tokens.mean()),

@@ -23,9 +23,10 @@ class ScriptedEngine:
     character (so markers the tokenizer would merge stay apart), plus EOS; log-probs -0.5 each."""
 
     def __init__(self, tokenizer, replies: list[str]) -> None:
-        self.tokenizer, self.replies, self.requests = tokenizer, list(replies), []
+        self.tokenizer, self.replies, self.requests, self.batches = tokenizer, list(replies), [], []
 
     def __call__(self, requests):
+        self.batches.append(len(requests))
         out = []
         for r in requests:
             self.requests.append(r)
@@ -116,3 +117,24 @@ def test_refusals_name_the_cause(endpoint):
     with pytest.raises(openai.NotFoundError):
         openai.OpenAI(base_url=served.base_url("nope"), api_key="x", max_retries=0).chat.completions.create(
             model="m", messages=[{"role": "user", "content": "a"}])
+
+
+def test_calls_waiting_together_reach_the_engine_in_one_batch(endpoint):
+    """Many agents' calls in flight at once go to the engine together (its continuous batching), not
+    one by one nor capped by a thread pool."""
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+
+    served, engine, tok = endpoint
+    engine.replies = ["7"] * 16
+    keys = served.open_phase(version=1, seeds=list(range(16)), budget=8, generate=engine, temperature=TEMPERATURE)
+    clients, start = [_client(served, k) for k in keys], threading.Barrier(16)
+
+    def call(client) -> str:
+        start.wait()
+        return client.chat.completions.create(model="m", messages=[{"role": "user", "content": "a"}]).choices[0].message.content
+
+    with ThreadPoolExecutor(16) as pool:
+        replies = list(pool.map(call, clients))
+    assert replies == ["7"] * 16
+    assert max(engine.batches) >= 8 and len(engine.batches) < 16, engine.batches  # not one by one
