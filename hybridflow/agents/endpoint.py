@@ -23,7 +23,9 @@ Refused with an OpenAI-style error (the agent's client raises it): a key of a ph
 (HTTP 409: a stale policy version, or an agent still running after its phase), an unknown key
 (404), sampling the trainer did not ask for (temperature other than the run's, top_p < 1, n > 1:
 the trained policy must be the one that sampled; 400), a call past the sample's token budget
-(`rollout.max_response_tokens`, all tokens after the first prompt; 400).
+(`rollout.max_response_tokens`, all tokens after the first prompt; 400), and a call that offers tools
+(400): tool calls are written in each model family's own format, which this endpoint does not parse
+yet, and an agent that never saw its calls answered would be trained as if it had offered none.
 """
 
 from __future__ import annotations
@@ -338,6 +340,12 @@ class ChatEndpoint:
         messages, tools = body.get("messages"), body.get("tools") or None
         if not isinstance(messages, list) or not messages:
             raise EndpointError(400, "invalid_request", "messages must be a non-empty list of chat messages")
+        if tools:
+            raise EndpointError(400, "tools_unsupported",
+                                f"the request offers tools {[t.get('function', {}).get('name') for t in tools][:5]}, and "
+                                "this endpoint does not parse tool calls out of the model's text (each model family "
+                                "writes them its own way): the agent would never see a call and the run would train "
+                                "on that. Use an agent without tools (verifiers: the null harness, no toolsets)")
         call, prompt_ids = self.prompt(record, messages, tools)
         left = record.budget - len(call.response_ids)
         if left < 1:

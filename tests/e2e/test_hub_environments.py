@@ -134,22 +134,30 @@ def test_multi_turn_episodes_train_on_every_turn_as_sampled(ray_local, tiny_mode
     assert several >= 3  # a random model rarely guesses right at once: most episodes take several turns
 
 
-def test_grpo_trains_on_a_verifiers_environment_with_its_rubric_as_the_reward(tmp_path):
-    train, val = _rows(tmp_path / "rows")
+@pytest.mark.parametrize("env, arguments, budget, rubric", [
+    (SUMS, '{agent: {harness: {id: "null"}}}', BUDGET, ("correct", "brevity")),
+    pytest.param(GUESS, '{agent: {harness: {id: "null"}, sampling: {max_tokens: 6}}}', 96, ("found", "turns"),
+                 marks=pytest.mark.slow),  # ~70 s: the multi-turn episodes through a whole GRPO step
+], ids=["single_turn", "multi_turn"])
+def test_grpo_trains_on_a_verifiers_environment_with_its_rubric_as_the_reward(env, arguments, budget, rubric,
+                                                                                tmp_path):
+    import json
+
+    train, val = _rows(tmp_path / "rows", env)
     done = without_ray(["recipe=grpo", "trainer.export_hf=false", "placement.pools.global.devices_per_node=1",
                         "rollout.backend=vllm", "trainer.total_steps=2", "trainer.val_every_steps=2",
                         "trainer.val_prompts=4", "trainer.prompts_per_step=2", "rollout.samples_per_prompt=4",
                         "actor.samples_per_micro_batch=8", "trainer.max_steps_without_signal=null",
                         "data=files", f"data.train_path={train}", f"data.val_path={val}",
-                        f"data.max_prompt_tokens={MAX_PROMPT_TOKENS}", f"rollout.max_response_tokens={BUDGET}",
-                        f"rollout.environment=verifiers:{SUMS}", '+rollout.environment_args={agent: {harness: {id: "null"}}}',
+                        f"data.max_prompt_tokens={MAX_PROMPT_TOKENS}", f"rollout.max_response_tokens={budget}",
+                        f"rollout.environment=verifiers:{env}", f"+rollout.environment_args={arguments}",
                         "reward.fn=environment"], tmp_path, "vf")
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
-    import json
-
     rows = [json.loads(line) for line in (tmp_path / "vf" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2]
-    for key in ("reward/score", "reward/correct", "reward/brevity", "agent/turns_mean", "val/accuracy", "actor/loss"):
+    for key in ("reward/score", *(f"reward/{name}" for name in rubric), "agent/turns_mean", "agent/unchained_calls",
+                "val/accuracy", "actor/loss"):
         assert key in rows[-1], f"{key} missing from the metrics"
-    assert rows[0]["agent/turns_mean"] == 1.0 and rows[0]["agent/env_failures"] == 0
+    assert rows[0]["agent/env_failures"] == 0 and rows[0]["agent/unchained_calls"] == 0
+    assert rows[0]["agent/turns_mean"] == 1.0 if env == SUMS else rows[0]["agent/turns_mean"] > 1.0
     assert rows[0]["rollout/log_prob_diff"] < 1e-3  # the sampler's log-probs are the actor's on the trained ids

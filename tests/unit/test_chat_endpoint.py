@@ -107,6 +107,9 @@ def test_refusals_name_the_cause(endpoint):
              {"role": "user", "content": "b"}]
     with pytest.raises(openai.BadRequestError, match="max_response_tokens=3"):
         client.chat.completions.create(model="m", messages=again)
+    with pytest.raises(openai.BadRequestError, match="does not parse tool calls"):
+        client.chat.completions.create(model="m", messages=[{"role": "user", "content": "a"}], tools=[
+            {"type": "function", "function": {"name": "calc", "parameters": {"type": "object", "properties": {}}}}])
     records = served.close_phase()
     assert records[key].truncated
     with pytest.raises(openai.ConflictError, match="policy version 5"):
