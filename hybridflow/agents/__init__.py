@@ -13,6 +13,10 @@ Both are named in `rollout.agent` like reward functions ('path/to/file.py:Name' 
 Token in, token out (trajectory.py): a trajectory is kept as token ids. The model's tokens are
 appended exactly as sampled, with their sampler log-probs, and are never decoded and re-encoded;
 only observations are encoded. The loss mask is True on the model's tokens only.
+
+Agents written for the OpenAI client reach the engine through an OpenAI-compatible endpoint that keeps
+the same promise (endpoint.py), and environments from the hubs (`rollout.environment`, hubs/) run
+through it unchanged.
 """
 
 from hybridflow.agents.environment import AgentError, Environment, call_with_row
