@@ -213,9 +213,9 @@ def check_rollout_engine(config: HybridFlowConfig) -> list[str]:
     """rollout.backend names an engine (`hybridflow.config.engines`) that can do what the rollout asks."""
     problems: list[str] = []
     engine = rollout_engine(config.rollout.backend)
-    agents = config.rollout.agent or config.rollout.environment
-    problems += need(not agents or engine.agents, "rollout.backend", config.rollout.backend,
-            f"agent rollouts (rollout.agent, rollout.environment) run on an engine that runs them: "
+    which = "rollout.agent" if config.rollout.agent else "rollout.environment" if config.rollout.environment else ""
+    problems += need(not which or engine.agents, "rollout.backend", config.rollout.backend,
+            f"agent rollouts ({which}) run on an engine that runs them: "
             f"{[e.name for e in ROLLOUT_ENGINES.values() if e.agents]}")
     head = "computes with the actor's output head: set actor.fp32_lm_head=true instead" if engine.exact else \
         "computes its output head in rollout.dtype"
