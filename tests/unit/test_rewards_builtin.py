@@ -11,7 +11,7 @@ def test_registry_holds_builtins_and_refuses_duplicates():
     assert {"exact_match", "math_answer"} <= set(REWARD_FUNCTIONS.names())
     with pytest.raises(KeyError, match="already registered"):
         REWARD_FUNCTIONS.add("exact_match", lambda response: 0.0)
-    with pytest.raises(KeyError, match="registered: digit_match, exact_match, last_number, math_answer, math_verify"):
+    with pytest.raises(KeyError, match="registered: digit_match, environment, exact_match, last_number, math_answer, math_verify"):
         REWARD_FUNCTIONS.get("nope")
 
 

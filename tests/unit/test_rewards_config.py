@@ -67,7 +67,7 @@ def test_an_unregistered_reward_name_is_refused_at_compose_naming_the_registered
     from hybridflow.config import ConfigError, compose
 
     with pytest.raises(ConfigError, match=r"config reward.fn='no_such_reward' is invalid: not a registered reward "
-                                          r"function \(digit_match, exact_match, last_number, math_answer, "
+                                          r"function \(digit_match, environment, exact_match, last_number, math_answer, "
                                           r"math_verify, reasoning_gym\)"):
         compose(["reward.fn=no_such_reward"])
     with pytest.raises(ConfigError, match=r"config reward.functions\[1\].fn='nope' is invalid: not a registered"):
