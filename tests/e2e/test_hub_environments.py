@@ -42,8 +42,9 @@ def _rows(out_dir: Path, env: Path = SUMS) -> tuple[Path, Path]:
     return out_dir / "train.jsonl", out_dir / "val.jsonl"
 
 
-def _roll_out(tiny_model_dir, out_dir: Path, env: Path, arguments: dict, budget: int, rows: int):
-    """A recording vLLM rollout worker serving `env`; its batch for the first `rows` training rows."""
+def _roll_out(tiny_model_dir, out_dir: Path, env: Path, arguments: dict, budget: int, rows: int, pool: str):
+    """A recording vLLM rollout worker serving `env` on a pool of its own (`pool`: the module fixture's
+    worker is still alive); its batch for the first `rows` training rows."""
     train, _ = _rows(out_dir, env)
     tok = AutoTokenizer.from_pretrained(tiny_model_dir)
     config = RolloutConfig(max_response_tokens=budget, temperature=1.0, environment=f"verifiers:{env}",
@@ -51,7 +52,7 @@ def _roll_out(tiny_model_dir, out_dir: Path, env: Path, arguments: dict, budget:
     spec = RoleSpec(RecordingVLLMRollout, dict(model_path=str(tiny_model_dir), rollout=config,
                                                max_prompt_tokens=MAX_PROMPT_TOKENS, eos_token_id=tok.eos_token_id,
                                                pad_token_id=tok.pad_token_id))
-    group = spawn_workers(ResourcePool(PoolSpec("rollout", devices_per_node=1)), {"rollout": spec},
+    group = spawn_workers(ResourcePool(PoolSpec(pool, devices_per_node=1)), {"rollout": spec},
                           env_vars=VLLM_ENV)["rollout"]
     group.start()
     chosen = read_rows(train)[:rows]
@@ -62,7 +63,7 @@ def _roll_out(tiny_model_dir, out_dir: Path, env: Path, arguments: dict, budget:
 
 @pytest.fixture(scope="module")
 def rolled_out(ray_local, tiny_model_dir, tmp_path_factory):
-    return _roll_out(tiny_model_dir, tmp_path_factory.mktemp("rows"), SUMS, NULL_HARNESS, BUDGET, 6)
+    return _roll_out(tiny_model_dir, tmp_path_factory.mktemp("rows"), SUMS, NULL_HARNESS, BUDGET, 6, "rollout")
 
 
 def test_the_trained_ids_are_the_engines_sampled_ids(rolled_out):
@@ -114,7 +115,7 @@ def test_multi_turn_episodes_train_on_every_turn_as_sampled(ray_local, tiny_mode
     of a trajectory is exactly what the engine sampled for the trajectory so far (never the reply's text
     re-encoded), the env's answers between them are not trained, and the rubric scores the whole episode."""
     arguments = {"agent": {"harness": {"id": "null"}, "sampling": {"max_tokens": 6}}}  # short guesses
-    group, tok, rows, samples = _roll_out(tiny_model_dir, tmp_path, GUESS, arguments, 96, 6)
+    group, tok, rows, samples = _roll_out(tiny_model_dir, tmp_path, GUESS, arguments, 96, 6, "guess")
     records = group.recorded()[0]
     several = 0
     for i in range(len(rows)):

@@ -14,7 +14,10 @@ path, beside our transfer engine inside vLLM, transfer.py).
 With `rollout.agent` set, `generate` rolls out multi-turn trajectories (hybridflow/agents):
 each round submits the next turn of every live trajectory, as token ids, in one `generate`
 call, so vLLM's continuous batching runs the turns of all of this rank's trajectories together
-while the tools of the previous round have already answered.
+while the tools of the previous round have already answered. With `rollout.environment` set, an
+environment from a hub (hybridflow/agents/hubs) plays every row's episode against the engine's
+OpenAI-compatible endpoint (hybridflow/agents/endpoint.py), started with the engine and serving for
+the duration of each `generate` call through the same per-turn engine call.
 """
 
 from __future__ import annotations
