@@ -10,7 +10,8 @@ An environment is a class; one instance serves one trajectory:
         def step(self, response):            # the text of the model's last turn
             return "higher", 0.0, False      # (observation | None, reward, done)
 
-`reset` takes the columns it names (all of them with `**kwargs`), as reward functions do. The
+`reset` takes the columns it names (all of them with `**kwargs`), as reward functions do. An
+optional `close()` is called when the trajectory ends, whatever ended it (an OpenEnv session ends so). The
 rewards of a trajectory's steps are summed into `agent_reward`, which reward functions may name.
 A `step` that raises, hangs past `rollout.tool_timeout_s` or returns something else than
 (str | None, number, bool) is an error: the model reads `error_observation(message)` (the
@@ -61,6 +62,17 @@ CALL_ERRORS = (ValueError, TypeError, LookupError)  # the model's call was wrong
 def is_call_error(error: BaseException | None) -> bool:
     """Whether a failed step's exception blames the model's call rather than the environment."""
     return isinstance(error, CALL_ERRORS)
+
+
+def failure_kind(error: BaseException | None, timed_out: bool = False) -> str:
+    """The kind of an environment failure, its `env/errors/<kind>` count: timeout, connection (a server
+    gone: ConnectionError), the `kind` an adapter's exception carries (hybridflow/agents/hubs), else exception."""
+    if timed_out:
+        return "timeout"
+    kind = getattr(error, "kind", None)
+    if isinstance(kind, str) and kind:
+        return kind
+    return "connection" if isinstance(error, ConnectionError) else "exception"
 
 
 def error_observation(env: Any, message: str) -> str:

@@ -1,8 +1,9 @@
 """`rollout.agent`: references to tools and environment classes, loaded into one AgentSet.
 
 Each reference names a function (a tool), a list of functions (tools), or a class (an
-environment). The tools together form one agent called `tools`; each environment class is an
-agent called by its class name. With one agent every row uses it; with several, the row's
+environment), or is `openenv:<target>`, an OpenEnv environment (hybridflow/agents/hubs). The tools
+together form one agent called `tools`; each environment class is an agent called by its class name,
+an OpenEnv environment the agent `openenv`. With one agent every row uses it; with several, the row's
 `rollout.agent_column` column names the agent.
 """
 
@@ -13,9 +14,13 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from hybridflow.agents.environment import AgentError
+from hybridflow.agents.hubs.openenv_env import OPENENV_AGENT
+from hybridflow.agents.hubs.openenv_server import openenv_agent
+from hybridflow.config.schema import OpenEnvConfig
 from hybridflow.agents.tools import Tool, tool_environment
 
 TOOLS_AGENT = "tools"
+OPENENV_PREFIX = "openenv:"  # an OpenEnv environment (hybridflow/agents/hubs/openenv_env.py)
 
 
 @dataclass
@@ -35,12 +40,19 @@ class AgentSet:
         return name, self.factories[name]()
 
 
-def load_agents(references: list[str], column: str = "agent") -> AgentSet:
+def load_agents(references: list[str], column: str = "agent", openenv: Any = None,
+                timeout_s: float = 10.0) -> AgentSet:
+    """`openenv`: rollout.openenv (hybridflow.config.schema.OpenEnvConfig) for an `openenv:<target>`
+    reference; `timeout_s`: rollout.tool_timeout_s, which bounds each of its calls."""
     from hybridflow.registry import load_object
 
     tools: list[Tool] = []
     factories: dict[str, Callable[[], Any]] = {}
     for reference in references:
+        if reference.startswith(OPENENV_PREFIX):
+            factories[OPENENV_AGENT] = openenv_agent(reference[len(OPENENV_PREFIX):], openenv or OpenEnvConfig(),
+                                                     timeout_s)
+            continue
         try:
             obj = load_object(reference)
         except Exception as exc:  # noqa: BLE001 - whatever the import raised, name the reference and key

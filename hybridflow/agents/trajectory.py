@@ -25,7 +25,7 @@ from typing import Any, Callable
 import torch
 
 from hybridflow.agents.environment import (AgentError, call_with_row, check_step_result, error_observation,
-                                           is_call_error)
+                                           failure_kind, is_call_error)
 from hybridflow.batch import Batch
 from hybridflow.rewards.calls import run_sync
 
@@ -58,6 +58,7 @@ class Trajectory:
     env_steps: int = 0  # environment steps called
     env_failures: int = 0  # failed steps that were the environment's, not the call's (is_call_error)
     first_failure: str = ""  # the first of them, for the message that names it
+    failure_kinds: dict[str, int] = field(default_factory=dict)  # env_failures by kind (environment.failure_kind)
     reward: float = 0.0
     truncated: bool = False
     done: bool = False
@@ -78,7 +79,15 @@ def run_trajectories(trajectories: list[Trajectory], rows: list[dict], generate:
                      max_turns: int, max_tokens: int, timeout_s: float) -> None:
     """Grow every trajectory until its environment says done, the model ends with EOS, or a
     limit stops it. Each round submits the next turn of every live trajectory in one call."""
-    _reset(trajectories, rows, tokenizer, max_tokens, timeout_s)
+    try:
+        _reset(trajectories, rows, tokenizer, max_tokens, timeout_s)
+        _run_turns(trajectories, generate, tokenizer, max_turns, max_tokens, timeout_s)
+    finally:
+        _close(trajectories)
+
+
+def _run_turns(trajectories: list[Trajectory], generate: GenerateFn, tokenizer, max_turns: int, max_tokens: int,
+               timeout_s: float) -> None:
     live = [t for t in trajectories if not t.done]
     while live:
         outputs = generate([TurnRequest(t.prompt_ids + t.response_ids, max_tokens - len(t.response_ids),
@@ -93,6 +102,14 @@ def run_trajectories(trajectories: list[Trajectory], rows: list[dict], generate:
                 stepping.append(t)
         _step(stepping, tokenizer, max_turns, max_tokens, timeout_s)
         live = [t for t in live if not t.done]
+
+
+def _close(trajectories: list[Trajectory]) -> None:
+    """Ends each environment that holds something outside this process (an OpenEnv server's session:
+    its optional `close()`), all at once, each within 10 s; whatever a close raises is dropped."""
+    calls = [t.env.close for t in trajectories if callable(getattr(t.env, "close", None))]
+    if calls:
+        run_sync(calls, 10.0, len(calls), False)
 
 
 def _turn_seed(t: Trajectory) -> int | None:
@@ -136,6 +153,8 @@ def _step(stepping: list[Trajectory], tokenizer, max_turns: int, max_tokens: int
                 f"{type(outcome.error).__name__}: {outcome.error}"
             if outcome.timed_out or not is_call_error(outcome.error):
                 t.env_failures += 1
+                kind = failure_kind(outcome.error, outcome.timed_out)
+                t.failure_kinds[kind] = t.failure_kinds.get(kind, 0) + 1
                 t.first_failure = t.first_failure or message
             observation, done = error_observation(t.env, message), False
         t.env_steps += 1
@@ -178,23 +197,27 @@ def trajectories_to_batch(trajectories: list[Trajectory], prompts: Batch, width:
                "agent_reward": [t.reward for t in trajectories],
                "finish_reason": ["length" if t.truncated else "stop" for t in trajectories],
                "agent_failure": [f"agent {t.agent!r}: {t.first_failure}" if t.first_failure else ""
-                                 for t in trajectories]}
+                                 for t in trajectories],
+               "agent_failure_kinds": [dict(t.failure_kinds) for t in trajectories]}
     return prompts.union(Batch(tensors=tensors, objects=objects))
 
 
 def agent_metrics(samples: Batch, prefix: str = "agent/") -> dict[str, float]:
     """`agent/turns_mean`, `agent/tool_errors` (per step, summed), `agent/truncated` (fraction),
     `agent/observation_tokens_mean`, `agent/env_failures` (summed) and `agent/env_failure_fraction`
-    (of the environment steps called), and for a hub environment `agent/unchained_calls` (summed: model
-    calls that extended no earlier one and were left off the trajectory, hybridflow/agents/endpoint.py);
-    empty for a batch that no agent rolled out."""
+    (of the environment steps called), `env/errors/<kind>` for each kind of failure the step met
+    (timeout, connection, exception, malformed, ...), and for a hub environment `agent/unchained_calls`
+    (summed: model calls that extended no earlier one and were left off the trajectory,
+    hybridflow/agents/endpoint.py); empty for a batch that no agent rolled out."""
     if "agent_turns" not in samples:
         return {}
     observation_tokens = (samples["response_mask"] & ~samples["loss_mask"]).sum(dim=1).float()
-    hub = {}
+    kinds = failure_kind_counts(samples).items()
+    errors = {f"val/env/errors/{kind}": n for kind, n in kinds} if prefix.startswith("val/") else \
+        {f"env/errors/{kind}": n for kind, n in kinds}
     if "env_unchained_calls" in samples:  # a hub environment's calls left off their sample's trajectory
-        hub[f"{prefix}unchained_calls"] = float(samples["env_unchained_calls"].sum())
-    return {**hub, f"{prefix}turns_mean": float(samples["agent_turns"].mean()),
+        errors[f"{prefix}unchained_calls"] = float(samples["env_unchained_calls"].sum())
+    return {**errors, f"{prefix}turns_mean": float(samples["agent_turns"].mean()),
             f"{prefix}tool_errors": float(samples["agent_tool_errors"].sum()),
             f"{prefix}truncated": float(samples["agent_truncated"].mean()),
             f"{prefix}observation_tokens_mean": float(observation_tokens.mean()),
@@ -206,3 +229,12 @@ def env_failure_fraction(samples: Batch) -> float:
     """The share of a batch's environment steps that failed on the environment's side (0 without steps)."""
     steps = float(samples["agent_env_steps"].sum())
     return float(samples["agent_env_failures"].sum()) / steps if steps else 0.0
+
+
+def failure_kind_counts(samples: Batch) -> dict[str, float]:
+    """The batch's environment failures by kind (only the kinds it met): kind -> count."""
+    counts: dict[str, float] = {}
+    for kinds in samples.objects.get("agent_failure_kinds", []):
+        for kind, n in (kinds or {}).items():
+            counts[kind] = counts.get(kind, 0.0) + float(n)
+    return counts

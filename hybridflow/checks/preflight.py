@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator
 
+from hybridflow.agents.hubs import load_hub_environment
 from hybridflow.config.recipes import recipe_spec
 from hybridflow.config.schema import HybridFlowConfig
 from hybridflow.data.checks import InputError  # raised here, and by the full read of the data (data/prompts.py)
@@ -232,7 +233,8 @@ def _agent_problems(config: HybridFlowConfig) -> list[str]:
     from hybridflow.agents import AgentError, load_agents
 
     try:
-        load_agents(config.rollout.agent, config.rollout.agent_column)
+        load_agents(config.rollout.agent, config.rollout.agent_column, config.rollout.openenv,
+                    config.rollout.tool_timeout_s)
     except AgentError as exc:
         return [str(exc)]
     return []
@@ -243,7 +245,6 @@ def _environment_problems(config: HybridFlowConfig) -> list[str]:
     runtimes and harnesses (the rollout role loads it again in its own processes)."""
     if not config.rollout.environment:
         return []
-    from hybridflow.agents.hubs import load_hub_environment
 
     try:
         load_hub_environment(config.rollout.environment, config.rollout.environment_args)

@@ -35,6 +35,9 @@ def check_agent_references(value: Any, key: str) -> list[str]:
     references = [] if value is None else [value] if isinstance(value, str) else list(value)
     checked = []
     for reference in references:
+        if str(reference).startswith(OPENENV_PREFIX):
+            checked.append(check_openenv_reference(str(reference), key, value, checked))
+            continue
         try:
             checked.append(absolute_reference(str(reference)))
         except ValueError:
@@ -67,3 +70,30 @@ def check_environment(value: Any, key: str = "rollout.environment") -> str:
             raise ValueError(f"config {key}={value!r} is invalid: file {path} does not exist")
         ident = str(path)
     return f"{hub}:{ident}"
+
+
+OPENENV_PREFIX = "openenv:"  # rollout.agent=openenv:<target>: an OpenEnv environment (hybridflow/agents/hubs)
+
+
+def check_openenv_reference(reference: str, key: str, value: Any, checked: list[str]) -> str:
+    """`openenv:<target>` with its target checked: a server's URL (http://host:port, which the run only
+    health-checks), or a reference to a FastAPI app or an OpenEnv Environment class (which the run serves
+    on loopback), its file path made absolute. One OpenEnv environment per run."""
+    target = reference[len(OPENENV_PREFIX):]
+    if any(r.startswith(OPENENV_PREFIX) for r in checked):
+        raise ValueError(f"config {key}={value!r} is invalid: it names two OpenEnv environments; a run drives one "
+                         "(its agent is called 'openenv')")
+    if target.startswith(("http://", "https://")):
+        host = target.split("://", 1)[1].split("/", 1)[0]
+        if not host or target.rstrip("/").count("/") > 2:
+            raise ValueError(f"config {key}={value!r} is invalid: {target!r} is not a server's base URL; give "
+                             "openenv:http://host:port (the server's /health, /schema and /ws are under it)")
+        return OPENENV_PREFIX + target.rstrip("/")
+    try:
+        return OPENENV_PREFIX + absolute_reference(target)
+    except ValueError:
+        raise ValueError(f"config {key}={value!r} is invalid: after 'openenv:' give a server's URL "
+                         "(openenv:http://host:port), its app (openenv:package.module:app or openenv:path/to/app.py:app) "
+                         "or its Environment class (openenv:path/to/env.py:MyEnvironment)") from None
+    except FileNotFoundError as exc:
+        raise ValueError(f"config {key}={value!r} is invalid: {exc}") from None

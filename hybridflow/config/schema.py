@@ -309,6 +309,37 @@ class DataConfig:
 
 
 @dataclass
+class OpenEnvConfig:
+    """An OpenEnv environment as an agent (rollout.agent=openenv:<target>; docs/agents.md)."""
+
+    # 'path/to/file.py:fn' or 'package.module:fn': fn(text) -> dict of the action's fields. null: the
+    # text goes into the action's one string field (refused before the first step when it has none or several)
+    action: Optional[str] = None
+    # fn(observation: dict) -> str | None: the text the model reads. null: the observation's one string field
+    observation: Optional[str] = None
+    stop: List[str] = field(default_factory=list)  # texts that end a model turn, besides EOS
+    startup_timeout_s: float = 60.0  # a server the run starts must answer /health within this
+    # sessions a server the run starts from an Environment class holds at once (openenv's
+    # max_concurrent_envs): one per trajectory in flight; more than 1 needs SUPPORTS_CONCURRENT_SESSIONS
+    max_sessions: int = 256
+
+    def __post_init__(self) -> None:
+        from hybridflow.config.references import absolute_reference
+
+        for key in ("action", "observation"):
+            value = getattr(self, key)
+            if value is not None:
+                try:
+                    setattr(self, key, absolute_reference(str(value)))
+                except (ValueError, FileNotFoundError) as exc:
+                    raise ValueError(f"config rollout.openenv.{key}={value!r} is invalid: {exc}; give "
+                                     "'path/to/file.py:fn' or 'package.module:fn'") from None
+        _require(self.startup_timeout_s > 0, "rollout.openenv.startup_timeout_s", self.startup_timeout_s,
+                 "must be > 0 seconds")
+        _require(self.max_sessions >= 1, "rollout.openenv.max_sessions", self.max_sessions, "must be >= 1")
+
+
+@dataclass
 class RolloutConfig:
     # The generation engine: a registered one (vllm; hf; exact: the actor's own module, sampling what the
     # actor's π_old computes bit for bit, no KV cache; hybridflow/config/engines.py) or 'package.module:NAME'
@@ -343,9 +374,14 @@ class RolloutConfig:
     # each request (their turns run as separate engine calls).
     seed_per_request: bool = False
     # Multi-turn agent rollouts (docs/agents.md): tools (typed functions) and environment classes,
-    # each 'path/to/file.py:Name' or 'package.module:Name'; empty: one response per prompt. Typed Any
-    # so one reference or a list can be given from the command line; __post_init__ makes it a list.
+    # each 'path/to/file.py:Name' or 'package.module:Name', or an OpenEnv environment,
+    # 'openenv:<module:app | file.py:EnvClass | http://host:port>' (rollout.openenv); empty: one response
+    # per prompt. Typed Any so one reference or a list can be given from the command line; __post_init__
+    # makes it a list.
     agent: Any = None
+    # rollout.agent=openenv:<target>: its text <-> action/observation mapping and its server (docs/agents.md
+    # "OpenEnv environments")
+    openenv: OpenEnvConfig = field(default_factory=OpenEnvConfig)
     agent_column: str = "agent"  # with several agents: the data column naming each row's agent
     max_turns: int = 4  # model turns per trajectory; max_response_tokens bounds all its tokens
     tool_timeout_s: float = 10.0  # per tool call (environment step); past it the model reads an error
@@ -380,6 +416,9 @@ class RolloutConfig:
                  "a mapping of the environment's load arguments, e.g. {agent: {max_turns: 4}}")
         _require(bool(self.environment) or not self.environment_args, "rollout.environment_args",
                  self.environment_args, "arguments of no environment: set rollout.environment, or drop them")
+        if isinstance(self.openenv, OpenEnvConfig) and self.openenv != OpenEnvConfig():
+            _require(any(str(a).startswith("openenv:") for a in self.agent), "rollout.openenv", self.openenv,
+                     "only with an OpenEnv environment in rollout.agent (openenv:<target>): nothing else reads it")
         _require(self.max_turns >= 1, "rollout.max_turns", self.max_turns, "must be >= 1")
         _require(self.on_update in ("finish", "recompute"), "rollout.on_update", self.on_update,
                  "one of ['finish', 'recompute']")

@@ -120,7 +120,9 @@ def check_plan_storage(config: HybridFlowConfig, plan: NodeAssignment) -> None:
 def code_files_by_key(config: HybridFlowConfig) -> dict[str, str]:
     """Config key -> file, for every `path/to/file.py:name` the workers load."""
     refs = {key: spec.fn for spec, key in zip(config.reward.function_specs(), config.reward.function_keys())}
-    refs.update({f"rollout.agent[{i}]": ref for i, ref in enumerate(config.rollout.agent or [])})
+    refs.update({f"rollout.agent[{i}]": ref.removeprefix("openenv:") for i, ref in enumerate(config.rollout.agent or [])})
+    refs.update({f"rollout.openenv.{key}": ref for key in ("action", "observation")
+                 if (ref := getattr(config.rollout.openenv, key)) is not None})
     return {key: ref.rpartition(":")[0] for key, ref in refs.items() if ref.rpartition(":")[0].endswith(".py")}
 
 

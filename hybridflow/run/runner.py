@@ -4,6 +4,7 @@ checkpoint save / resume, and the final export. Nothing here knows an algorithm.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from contextlib import contextmanager
 from pathlib import Path
@@ -12,6 +13,7 @@ from typing import Iterator
 import torch
 
 from hybridflow.output import console
+from hybridflow.agents.hubs.openenv_server import serve
 from hybridflow.batch import Batch
 from hybridflow.checkpoint import (CheckpointCorrupt, CheckpointManager, capture_rng_state, config_hash,
                                   restore_rng_state)
@@ -242,7 +244,9 @@ def run_stage(recipe, stage, run_dir: Path) -> dict:
     """Run one recipe in `run_dir` (a run, or one stage of a pipeline) on its `stage` (hybridflow.run.stage.Stage,
     decided before anything starts: its resolved config and its plan, saved here as plan.json), under its
     own deadlines (`trainer.stage_timeout_s`, `trainer.default_stage_timeout_s`) and restarts
-    (`trainer.max_restarts`): a restart resumes it from its own last complete checkpoint."""
+    (`trainer.max_restarts`): a restart resumes it from its own last complete checkpoint. An OpenEnv
+    environment's server (rollout.agent=openenv:...) is started before it and stopped after it
+    (hybridflow.agents.hubs.openenv_server.serve)."""
     from hybridflow.output.tracking import save_config
 
     for line in stage.said:
@@ -251,7 +255,8 @@ def run_stage(recipe, stage, run_dir: Path) -> dict:
     save_config(stage.config, run_dir)  # as the run uses it
     trainer = stage.config.trainer
     deadlines.configure(dict(trainer.stage_timeout_s), trainer.default_stage_timeout_s)
-    return run_with_restarts(recipe, stage, run_dir)
+    with serve(stage.config, run_dir) as config:  # rollout.agent=openenv:...: its server, for the stage's length
+        return run_with_restarts(recipe, dataclasses.replace(stage, config=config), run_dir)
 
 
 def run_with_restarts(recipe, stage, run_dir: Path) -> dict:
@@ -259,7 +264,6 @@ def run_with_restarts(recipe, stage, run_dir: Path) -> dict:
     tear the worker groups down and resume from the last complete checkpoint, at most
     `trainer.max_restarts` times. Each restart is a line in run_dir/restarts.jsonl, and every
     metrics row after it carries `trainer/restarts`."""
-    import dataclasses
     import json
 
     from hybridflow.run import cluster

@@ -154,6 +154,8 @@ def _matches(expected, got) -> bool:
     if isinstance(expected, (int, float)) and not isinstance(expected, bool) and isinstance(got, (int, float)):
         return float(expected) == float(got)
     if isinstance(expected, str) and isinstance(got, str) and ".py:" in expected:
+        prefix = "openenv:" if expected.startswith("openenv:") and got.startswith("openenv:") else ""
+        expected, got = expected[len(prefix):], got[len(prefix):]  # rollout.agent=openenv:path/env.py:Class
         return got == expected or got.endswith("/" + expected)  # a file reference is made absolute
     return str(expected) == str(got) if expected is not None else got is None
 

@@ -96,7 +96,7 @@ class VLLMRollout(RolloutEngineBase):
         if self.cfg.agent:
             from hybridflow.agents import load_agents
 
-            self.agents = load_agents(self.cfg.agent, self.cfg.agent_column)
+            self.agents = load_agents(self.cfg.agent, self.cfg.agent_column, self.cfg.openenv, self.cfg.tool_timeout_s)
         if self.cfg.environment:
             self.environment = load_hub_environment(self.cfg.environment, self.cfg.environment_args)
             self.endpoint = ChatEndpoint(self.engine.get_tokenizer())

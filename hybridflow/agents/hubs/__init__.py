@@ -1,5 +1,11 @@
-"""Environments from the hubs: an installed environment package's own tasks, turn logic and rubric,
-trained unchanged (docs/agents.md, "Environments from the hubs").
+"""Environments from the hubs, trained unchanged (docs/agents.md "Environments from the hubs" and
+"OpenEnv environments"). Two shapes, by what the hub's environment owns:
+
+- one that is reset and stepped (OpenEnv: openenv_env.py, `rollout.agent=openenv:<target>`,
+  `rollout.openenv.*`): an agent like any other (hybridflow/agents/environment.py's `reset(**row)` /
+  `step(response)`), so the turn loop, the token-faithful trajectories and the failure guard are the
+  ones every agent rollout uses; its server's lifetime is the run's (openenv_server.py);
+- one that owns its tasks, turn logic and rubric (verifiers), described below.
 
 `rollout.environment=<hub>:<id>` names one, `rollout.environment_args` its load arguments. Each hub
 is one class (STYLE 18) registered here by name, built in the rollout worker's process; the rollout
