@@ -165,3 +165,32 @@ def test_inverse_cdf_sampling_by_hand():
                                          torch.rand(20000, generator=torch.Generator().manual_seed(0),
                                                     dtype=torch.float64)), minlength=3) / 20000
     torch.testing.assert_close(counts, torch.tensor([0.1, 0.6, 0.3]), atol=0.015, rtol=0)
+
+
+@pytest.mark.parametrize("greedy", [True, False])
+def test_the_gpus_fixed_shape_steps_give_the_live_rows_steps_output(tiny_model_dir, greedy, monkeypatch):
+    """Issue 86 item 1: on a GPU each step runs at one shape (transformers' StaticCache at full width, ended rows
+    kept in the batch as padding) so that torch.compile captures it once; run here eagerly (the capture is the GPU's
+    own), those steps give the tokens, mask and log-probs of the CPU's live-row steps over the preallocated cache."""
+    from transformers import StaticCache
+
+    from workers.rollout.kv_cache import CapturedSteps
+
+    engine, tok = _engine(tiny_model_dir, max_response_tokens=6, temperature=0.9)
+    prompts = _prompts(tok, 5)
+    engine.eos_token_id = int(engine.generate(prompts, greedy=greedy)["response_ids"][0, 2])  # a row ends early
+    live_rows = engine.generate(prompts, greedy=greedy)
+
+    def fixed(prompt_mask):
+        positions = engine.max_prompt_tokens + engine.cfg.max_response_tokens
+        cache = StaticCache(config=engine.model.config, max_cache_len=positions)
+        return CapturedSteps(engine.model, engine.model, cache, positions, prompt_mask, engine.pad_token_id)
+
+    monkeypatch.setattr(engine, "_steps", fixed)
+    calls = _recording(engine)
+    out = engine.generate(prompts, greedy=greedy)
+    assert {c[0] for c in calls} == {5}  # every step at the batch's full size
+    assert not bool(out["response_mask"].all())  # a row ended early and stayed in the batch
+    for key in ("response_ids", "response_mask"):
+        assert torch.equal(out[key], live_rows[key]), key
+    torch.testing.assert_close(out["sampler_log_probs"], live_rows["sampler_log_probs"], atol=1e-5, rtol=1e-5)

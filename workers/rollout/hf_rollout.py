@@ -51,6 +51,7 @@ class HFRollout(RolloutEngineBase):
         self.eos_token_id, self.pad_token_id = eos_token_id, pad_token_id
         self.trust_remote_code = trust_remote_code
         self.model = None
+        self._compiled = self._static = None  # on a GPU: the captured step and its StaticCache ((rows, positions), cache)
 
     @register(Dispatch.ONE_TO_ALL)
     def start(self) -> float:
@@ -73,7 +74,8 @@ class HFRollout(RolloutEngineBase):
     def release(self) -> bool:
         """Level 2: the weights discarded (their shapes kept) and the buffers set aside in host memory, on
         any device; level 1: on a GPU the weights to host memory, on the CPU nothing. The allocator's
-        cached blocks returned."""
+        cached blocks returned. On a GPU the captured step's StaticCache freed too (the next batch allocates it)."""
+        self._static = None
         if self.sleep_level == 2:
             self._buffers = {n: b.to("cpu", copy=True) for n, b in self.model.named_buffers()}
             self._shapes = {n: p.shape for n, p in self.model.named_parameters()}
@@ -142,18 +144,15 @@ class HFRollout(RolloutEngineBase):
         rows still running at the limit), on the CPU. Prompts are left-padded; a row's EOS is its last response
         token. `draws` (B, R): each row's uniforms (None: greedy). A row that has ended leaves the batch and the
         KV cache (vLLM computes only live sequences too): the steps after it cost only the rows still running."""
-        from transformers import DynamicCache
-
         rows, width, device = len(prompt_ids), self.cfg.max_response_tokens, prompt_ids.device
         ids = torch.full((rows, width), self.pad_token_id, dtype=torch.long, device=device)  # (B, R)
         response_mask = torch.zeros((rows, width), dtype=torch.bool, device=device)
         sampler = torch.zeros((rows, width), dtype=torch.float32, device=device)
         running = torch.zeros(rows, dtype=torch.bool, device=device)
         live = torch.arange(rows, device=device)  # the batch rows still decoding, in cache order
-        attention = prompt_mask.long()
-        positions = (attention.cumsum(1) - 1).clamp(min=0)  # (B, P): left padding shifts nothing
-        cache = DynamicCache()
-        logits = self._prefill(prompt_ids, attention, positions, cache)  # (B, V)
+        positions = (prompt_mask.long().cumsum(1) - 1).clamp(min=0)  # (B, P): left padding shifts nothing
+        steps = self._steps(prompt_mask)
+        logits = steps.prefill(self._prefill, prompt_ids, positions)  # (B, V)
         position = positions[:, -1:] + 1
         for t in range(width):
             log_probs = self._processed_log_probs(logits.float(), draws is not None)  # (L, V): this step's only
@@ -166,13 +165,29 @@ class HFRollout(RolloutEngineBase):
                 break
             if not going.all():  # ended rows leave the batch and the cache
                 keep = going.nonzero()[:, 0]
-                live, token, attention, position = live[keep], token[keep], attention[keep], position[keep]
-                cache.batch_select_indices(keep)
-            attention = torch.cat([attention, torch.ones_like(attention[:, :1])], dim=1)
-            logits = self.model(input_ids=token[:, None], attention_mask=attention, position_ids=position,
-                                past_key_values=cache, use_cache=True).logits[:, -1]
+                live, token, position = live[keep], token[keep], position[keep]
+                steps.drop(keep)
+            logits = steps.next(token, position)
             position = position + 1
         return ids.cpu(), response_mask.cpu(), sampler.cpu(), running.cpu()
+
+    def _steps(self, prompt_mask: torch.Tensor):
+        """The batch's forward passes: over a preallocated cache of its live rows (the CPU), or on a GPU at one
+        fixed shape through the engine's captured step (`CapturedSteps`, the cache kept across batches)."""
+        from workers.rollout.kv_cache import CapturedSteps, LiveRowSteps
+
+        positions = prompt_mask.shape[1] + self.cfg.max_response_tokens
+        if prompt_mask.device.type != "cuda":
+            return LiveRowSteps(self.model, prompt_mask, positions)
+        positions = max(positions, self.max_prompt_tokens + self.cfg.max_response_tokens)  # one shape for all
+        if self._compiled is None:
+            self._compiled = torch.compile(self.model, mode="reduce-overhead", dynamic=False)
+        if self._static is None or self._static[0] != (len(prompt_mask), positions):
+            from transformers import StaticCache
+
+            self._static = None  # the last shape's cache freed before the next is allocated
+            self._static = ((len(prompt_mask), positions), StaticCache(config=self.model.config, max_cache_len=positions))
+        return CapturedSteps(self.model, self._compiled, self._static[1], positions, prompt_mask, self.pad_token_id)
 
     def _processed_log_probs(self, logits: torch.Tensor, sample: bool) -> torch.Tensor:
         """(B, V) log-probs of the distribution sampled from: tempered, then top-p filtered (the
@@ -208,3 +223,4 @@ def _inverse_cdf(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
     total = cdf[:, -1:].contiguous()  # (L, 1)
     token = torch.searchsorted(cdf, uniforms[:, None].to(cdf) * total, right=True)
     return torch.minimum(token, torch.searchsorted(cdf, total))[:, 0]  # the first index reaching the total
+

@@ -1,0 +1,123 @@
+"""The hf engine's KV cache (workers/rollout/hf_rollout.py): one buffer per layer for keys and one for values,
+allocated once per batch at the batch's full size (rows x (prompt + rollout.max_response_tokens) positions, what
+the memory model prices: hybridflow/checks/memory_budget.py), written in place by each step. Through
+transformers' cache interface (`Cache` of layers), so any model that takes `past_key_values` decodes over it.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers.cache_utils import Cache, DynamicLayer
+
+
+class _PreallocatedLayer(DynamicLayer):
+    """One layer's keys and values in buffers allocated once at their full size, (B, H, T, D) for the batch's rows
+    and every position it can reach: a step writes its token's keys and values in place, where `DynamicLayer`
+    concatenates (a copy of the whole layer's cache each step, and memory the allocator must find again). Attention
+    reads the filled part only, `keys` being a view of the live rows' first `length` positions — not the padded
+    full length a `StaticLayer` hands it (on the CPU attention's cost is then that of the tokens there are). Ended
+    rows leave by moving the live ones to the front (`batch_select_indices`). A subclass of `DynamicLayer`, so that
+    transformers builds the masks as for a growing cache (kv length = positions filled + the query's)."""
+
+    def __init__(self, positions: int) -> None:
+        super().__init__()
+        self.positions, self.length = positions, 0
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        rows, heads = key_states.shape[:2]
+        self.dtype, self.device = key_states.dtype, key_states.device
+        # (B, H, T, D): empty, not zeroed: a position is read only after a step has written it
+        self._keys = key_states.new_empty((rows, heads, self.positions, key_states.shape[-1]))
+        self._values = value_states.new_empty((rows, value_states.shape[1], self.positions, value_states.shape[-1]))
+        self.keys, self.values = self._keys[:, :, :0], self._values[:, :, :0]
+        self.is_initialized = True
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        rows, end = key_states.shape[0], self.length + key_states.shape[-2]
+        self._keys[:rows, :, self.length:end] = key_states
+        self._values[:rows, :, self.length:end] = value_states
+        self.length = end
+        self.keys, self.values = self._keys[:rows, :, :end], self._values[:rows, :, :end]
+        return self.keys, self.values
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        """The rows `indices` (ascending) moved to the front of the buffers, in that order."""
+        if not self.is_initialized:
+            return
+        rows = len(indices)
+        self._keys[:rows, :, :self.length] = self.keys[indices]  # the right side is a copy: no overlap
+        self._values[:rows, :, :self.length] = self.values[indices]
+        self.keys, self.values = self._keys[:rows, :, :self.length], self._values[:rows, :, :self.length]
+
+
+def preallocated_cache(model, positions: int) -> Cache:
+    """A KV cache for `model` of one preallocated layer per decoder layer, each holding `positions` tokens (the
+    prompt's width + rollout.max_response_tokens) for the batch of its first update."""
+    layers = model.config.get_text_config().num_hidden_layers
+    return Cache(layers=[_PreallocatedLayer(positions) for _ in range(layers)])
+
+
+class LiveRowSteps:
+    """A batch's forward passes over a preallocated cache, the live rows only: `prefill` once, then `next` per
+    step with the live rows' tokens; `drop` keeps the rows `keep` (the cache's and the mask's rows moved to the
+    front). The CPU's, and a GPU's where the step is not captured."""
+
+    def __init__(self, model, prompt_mask: torch.Tensor, positions: int) -> None:
+        rows, self.filled = prompt_mask.shape
+        self.model, self.cache = model, preallocated_cache(model, positions)
+        self.attention = prompt_mask.new_zeros((rows, positions), dtype=torch.long)  # (B, T): True = attend
+        self.attention[:, :self.filled] = prompt_mask
+
+    def prefill(self, prefill, prompt_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """(B, V): `prefill(prompt_ids, attention, positions, cache)`'s logits after the last prompt position."""
+        return prefill(prompt_ids, self.attention[:, :self.filled], positions, self.cache)
+
+    def next(self, token: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
+        """(L, V) the next logits of the live rows, given their tokens (L,) at their positions (L, 1)."""
+        live = len(token)
+        self.attention[:live, self.filled] = 1
+        self.filled += 1
+        return self.model(input_ids=token[:, None], attention_mask=self.attention[:live, :self.filled],
+                          position_ids=position, past_key_values=self.cache, use_cache=True).logits[:, -1]
+
+    def drop(self, keep: torch.Tensor) -> None:
+        self.cache.batch_select_indices(keep)
+        self.attention[:len(keep)] = self.attention[keep]
+
+
+class CapturedSteps:
+    """A batch's forward passes at one fixed shape, so that a GPU replays one captured graph per step (torch.compile,
+    mode reduce-overhead: CUDA graphs): transformers' `StaticCache` of `positions` for every row, the attention mask
+    (B, T) at its full width, ended rows still in the batch (their tokens padding, their logits not read) — as vLLM
+    pads a batch to the size its graph was captured at. The cache and the compiled model are the engine's, kept
+    across batches (a new address would capture again). `compile=False` runs the same steps eagerly: the CPU's
+    check of everything but the capture."""
+
+    def __init__(self, model, compiled, cache, positions: int, prompt_mask: torch.Tensor, pad_token_id: int) -> None:
+        rows, self.filled = prompt_mask.shape
+        self.model, self.compiled, self.cache, self.pad_token_id = model, compiled, cache, pad_token_id
+        self.cache.reset()
+        self.attention = prompt_mask.new_zeros((rows, positions), dtype=torch.long)  # (B, T): True = attend
+        self.attention[:, :self.filled] = prompt_mask
+        self.live = torch.arange(rows, device=prompt_mask.device)  # the batch's rows still decoding
+        self.position = torch.zeros((rows, 1), dtype=torch.long, device=prompt_mask.device)
+        self.token = torch.full((rows,), pad_token_id, dtype=torch.long, device=prompt_mask.device)
+
+    def prefill(self, prefill, prompt_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        return prefill(prompt_ids, self.attention, positions, self.cache)
+
+    def next(self, token: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
+        self.token.fill_(self.pad_token_id).index_copy_(0, self.live, token)
+        self.position.index_copy_(0, self.live, position)
+        self.attention[:, self.filled] = 1
+        self.filled += 1
+        if self.compiled is not self.model:
+            torch.compiler.cudagraph_mark_step_begin()  # the last replay's logits are read before this one
+        logits = self.compiled(input_ids=self.token[:, None], attention_mask=self.attention,
+                               position_ids=self.position, past_key_values=self.cache, use_cache=True).logits
+        return logits[self.live, -1]  # (L, V) a copy: the graph's output buffer is rewritten by the next replay
+
+    def drop(self, keep: torch.Tensor) -> None:
+        self.live = self.live[keep]
