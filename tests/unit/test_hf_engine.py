@@ -194,3 +194,25 @@ def test_the_gpus_fixed_shape_steps_give_the_live_rows_steps_output(tiny_model_d
     for key in ("response_ids", "response_mask"):
         assert torch.equal(out[key], live_rows[key]), key
     torch.testing.assert_close(out["sampler_log_probs"], live_rows["sampler_log_probs"], atol=1e-5, rtol=1e-5)
+
+
+def test_a_static_caches_storage_is_freed_and_refilled_in_its_own_tensors(tiny_model_dir):
+    """What the GPU's sleep does to the captured step's StaticCache: no bytes held while asleep, the same tensor
+    objects (their guards hold) and full size again at wake-up, and the next batch decodes as before."""
+    from transformers import StaticCache
+
+    from workers.rollout.kv_cache import CapturedSteps, free_storage, refill_storage
+
+    engine, tok = _engine(tiny_model_dir, max_response_tokens=4)
+    prompts = _prompts(tok, 3)
+    positions = engine.max_prompt_tokens + 4
+    cache = StaticCache(config=engine.model.config, max_cache_len=positions)
+    engine._steps = lambda mask: CapturedSteps(engine.model, engine.model, cache, positions, mask, engine.pad_token_id)
+    before = engine.generate(prompts, greedy=True)
+    tensors = [t for layer in cache.layers for t in (layer.keys, layer.values)]
+    free_storage(cache)
+    assert all(t.untyped_storage().nbytes() == 0 for t in tensors)
+    refill_storage(cache)
+    assert all(a is b for a, b in zip([t for layer in cache.layers for t in (layer.keys, layer.values)], tensors))
+    assert all(t.untyped_storage().nbytes() == t.numel() * 4 for t in tensors)
+    assert torch.equal(engine.generate(prompts, greedy=True)["response_ids"], before["response_ids"])

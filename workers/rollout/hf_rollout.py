@@ -74,8 +74,11 @@ class HFRollout(RolloutEngineBase):
     def release(self) -> bool:
         """Level 2: the weights discarded (their shapes kept) and the buffers set aside in host memory, on
         any device; level 1: on a GPU the weights to host memory, on the CPU nothing. The allocator's
-        cached blocks returned. On a GPU the captured step's StaticCache freed too (the next batch allocates it)."""
-        self._static = None
+        cached blocks returned. On a GPU the captured step's StaticCache freed too, its tensors kept (`free_storage`)."""
+        if self._static is not None:
+            from workers.rollout.kv_cache import free_storage
+
+            free_storage(self._static[1])
         if self.sleep_level == 2:
             self._buffers = {n: b.to("cpu", copy=True) for n, b in self.model.named_buffers()}
             self._shapes = {n: p.shape for n, p in self.model.named_parameters()}
@@ -91,7 +94,12 @@ class HFRollout(RolloutEngineBase):
 
     def restore(self, parts: list[str]) -> None:
         """The weights back: after level 2 allocated empty (a sync fills them) with the buffers put back,
-        after level 1 moved from host memory. The KV cache is made by each generate call."""
+        after level 1 moved from host memory. The KV cache is made by each generate call, but for the captured
+        step's StaticCache on a GPU, whose storage comes back with the KV cache."""
+        if "kv_cache" in parts and self._static is not None:
+            from workers.rollout.kv_cache import refill_storage
+
+            refill_storage(self._static[1])
         if "weights" not in parts:
             return
         if getattr(self, "_shapes", None) is None:

@@ -121,3 +121,20 @@ class CapturedSteps:
 
     def drop(self, keep: torch.Tensor) -> None:
         self.live = self.live[keep]
+
+
+def free_storage(cache: Cache) -> None:
+    """A StaticCache's memory returned, its tensors kept: the captured step guards on those very tensors (transformers
+    marks them static), so a new cache would compile again, where a new address only records the graph again."""
+    for layer in cache.layers:
+        if layer.is_initialized:
+            layer.keys.untyped_storage().resize_(0)
+            layer.values.untyped_storage().resize_(0)
+
+
+def refill_storage(cache: Cache) -> None:
+    """The memory `free_storage` returned allocated again (its values are rewritten by the next prefill)."""
+    for layer in cache.layers:
+        if layer.is_initialized:
+            for t in (layer.keys, layer.values):
+                t.untyped_storage().resize_(t.numel() * t.element_size())
