@@ -37,8 +37,8 @@ that much is not free), the weight sync (the actor's parameters and AdamW moment
 at the end of the update, while the engine's weights wake alone, its KV cache still freed, one bucket in
 flight) and generation (the actor's training state offloaded, the engine's whole share beside what does
 not offload: a reference's weights, a critic's state); the hf engine's same three with its own copy of the
-weights in `rollout.dtype` for the share, and at generation its KV cache (at most `rollout.max_num_seqs`
-rows at full length) and the prefill's logits at one position per row; the exact engine's generation
+weights in `rollout.dtype` for the share, and at generation its KV cache (preallocated for
+`rollout.max_num_seqs` rows at full length) and the prefill's logits at one position per row; the exact engine's generation
 alone (no copy, no sync): the actor's parameters kept beside one forward's logits at every response
 position of `actor.samples_per_micro_batch` rows. A run where a phase is above the GPU is refused before
 start with that phase's arithmetic, instead of running out of memory mid-step.
@@ -423,8 +423,8 @@ def gpu_device_phases(inputs: MemoryInputs, roles, ranks: int, tp: int, gpu_byte
       beside the engine's weights alone, 1/`tp`, and one bucket in flight) and "generation" (the
       engine's share beside what does not offload: only the actor moves to the host);
     - its own copy (hf): the same three phases with the engine's weights in rollout.dtype in place of a
-      share, and at generation its KV cache (at most rollout.max_num_seqs rows of this rank's samples x
-      (prompt + response) tokens) and one position's logits per row (the prefill's);
+      share, and at generation its KV cache (preallocated for rollout.max_num_seqs rows of this rank's
+      samples x (prompt + response) tokens) and one position's logits per row (the prefill's);
     - the actor's module (exact): "generation" alone (no copy, no sync): the actor's parameters stay on the
       device while one forward of actor.samples_per_micro_batch rows x (prompt + response) tokens runs per
       decode step, its logits at every response position kept.
@@ -502,8 +502,10 @@ HF_LOGITS_TERM = "hf engine prefill logits"
 
 
 def _hf_generation_terms(inputs: MemoryInputs, ranks: int) -> dict[str, float]:
-    """The hf engine's own at generation: its KV cache (keys and values of every layer) for a batch of
-    rows at full length, and the prefill's logits, one position per row."""
+    """The hf engine's own at generation: its KV cache (keys and values of every layer), allocated whole for a
+    batch of rows at full length (workers/rollout/kv_cache.py: data.max_prompt_tokens + rollout.max_response_tokens
+    positions, the most a batch's prompt width reaches; on a GPU exactly that, its StaticCache), and the prefill's
+    logits, one position per row."""
     s, rows = inputs.shape, generation_rows(inputs, ranks)
     logit_bytes = 4 if inputs.engine_fp32_head else inputs.rollout_bytes
     return {f"{HF_KV_TERM} ({rows} rows, rollout.max_num_seqs, x {inputs.tokens} tokens x 2 x {s.layers} layers x "

@@ -11,8 +11,8 @@ checks and the role builder read the entry, never the engine's name; `gpu_memory
 holds on a GPU in each phase of a step (`GpuMemory`), which the GPU memory model prices.
 
 Three are registered: `vllm` (vLLM, tensor parallel, on any pool, LoRA adapters, agents), `hf`
-(a Hugging Face model with a KV-cached decode loop of its own, one model per rank in the actor's
-processes; it sleeps on GPUs) and `exact` (the actor's own module, no cache: each decode step is the
+(a Hugging Face model with a decode loop of its own over a KV cache preallocated per batch, one model per
+rank in the actor's processes; on GPUs its decode step captured once, and it sleeps) and `exact` (the actor's own module, no cache: each decode step is the
 forward the actor's π_old pass computes, so the sampler's log-probs are the trainer's bit for bit, at
 the price of a whole forward per token; workers/rollout/exact_rollout.py). Another is one entry:
 `register_rollout_engine(RolloutEngine("mine", "my_package.module:MyRollout", ...))` in code the
@@ -34,7 +34,7 @@ class GpuMemory(str, Enum):
 
     # a fixed share of the GPU (rollout.gpu_memory_utilization) for its weights, activations and KV cache (vLLM)
     SHARE = "share"
-    # its own copy of the weights in rollout.dtype, and while it generates a KV cache of at most
+    # its own copy of the weights in rollout.dtype, and while it generates a KV cache preallocated for
     # rollout.max_num_seqs rows x (prompt + response) tokens and one position's logits per row (hf)
     OWN_COPY = "own_copy"
     # the actor's own module, no copy and no KV cache: a whole forward of actor.samples_per_micro_batch rows x

@@ -78,7 +78,7 @@ MEANINGS = {
     "rollout.samples_per_prompt": "responses sampled per prompt (GRPO's group size n)",
     "rollout.dtype": "dtype of the rollout engine's weights",
     "rollout.tensor_parallel_size": "ranks one vLLM engine spans: 1, or every rank of the rollout pool",
-    "rollout.max_num_seqs": "the most sequences in one batch: vLLM's scheduler cap; the hf engine decodes a rank's rows in batches of at most this many, each with its own KV cache",
+    "rollout.max_num_seqs": "the most sequences in one batch: vLLM's scheduler cap; the hf engine decodes a rank's rows in batches of at most this many, each with a KV cache preallocated for it (rows x (prompt + response) tokens, what the memory check prices)",
     "rollout.fp32_lm_head": "the engine's output head (matmul and logits) in float32 when it computes in a 16-bit dtype; engines that can: hf (vLLM here computes it in rollout.dtype)",
     "actor.fp32_lm_head": "the actor's (and the reference's) output head in float32 when the model computes in a 16-bit dtype: the bf16 head's rounding is much of the gap between the engine's and the trainer's log-probs; its logits then take float32 memory (priced)",
     "rollout.enforce_eager": "vLLM without CUDA graphs; null: eager on a CPU, CUDA graphs on a GPU (as vLLM's users run it)",

@@ -5,14 +5,18 @@ the same Batch layout as the vLLM engine.
 A decode loop of its own rather than `model.generate`: `generate` can only return the log-probs it
 sampled from by keeping every step's scores (rows x response tokens x vocabulary floats: 128 x 512 x
 151,936 in float32 is 40 GB), where this loop keeps one step's and gathers the sampled token's
-log-prob from it. Each step is one forward pass of the new tokens over transformers' `DynamicCache`
-(the prompt's keys and values computed once), sampled from the tempered, top-p filtered distribution
+log-prob from it. Each step is one forward pass of the new tokens over a KV cache preallocated for the batch
+(workers/rollout/kv_cache.py: the prompt's keys and values computed once, each step's written in place where
+transformers' `DynamicCache` concatenates), sampled from the tempered, top-p filtered distribution
 (what vLLM's `processed_logprobs` report). The prefill computes the logits of the last prompt position
 only (transformers' `logits_to_keep=1`): every position's would be rows x prompt x vocabulary (128 x 256
 x 151,936 in bf16 is 10 GB) for one row of each.
 
 A rank's rows decode in batches of at most `rollout.max_num_seqs` (vLLM's cap on sequences in one
-batch), each with its own KV cache, freed before the next batch starts; outputs keep the rows' order.
+batch), each with its own KV cache, allocated whole at its start (rows x (prompt + response) positions) and
+freed before the next batch starts; outputs keep the rows' order. On a GPU the decode step runs at one shape
+(transformers' `StaticCache` at full width, ended rows kept as padding) so that torch.compile captures it once
+(CUDA graphs, mode reduce-overhead); that cache is the engine's, kept across calls, its memory returned at sleep.
 Each sample draws from a stream of its own, seeded by its `sample_seed` (one uniform per response
 token, drawn on the host before decoding, turned into a token through the distribution's cumulative
 sum): its tokens do not depend on the batch it decodes in, so any `max_num_seqs` or rank count draws the
