@@ -101,13 +101,14 @@ def _recording(engine):
 
 def test_the_prefill_computes_the_last_positions_logits_only(tiny_model_dir):
     """Issue 83 item 1: the prefill asks for one position's logits (`logits_to_keep=1`) and gets (B, 1, V), not
-    (B, P, V); the greedy output is unchanged (the test above compares it with `generate`)."""
+    (B, P, V); the greedy output is unchanged (the test above compares it with `generate`, which computes the
+    padding columns too). Issue 86: the columns that are padding in every row are neither computed nor cached."""
     engine, tok = _engine(tiny_model_dir, max_response_tokens=3)
     prompts = _prompts(tok, 4)
     calls = _recording(engine)
     engine.generate(prompts, greedy=True)
-    width = prompts["prompt_ids"].shape[1]
-    assert width > 1 and calls[0] == (4, width, 1, 1)  # the prefill: every prompt position in, one out
+    width = int(prompts["prompt_mask"].sum(1).max())  # the columns that are padding in every row are not computed
+    assert 1 < width < prompts["prompt_ids"].shape[1] and calls[0] == (4, width, 1, 1)  # every position in, one out
     assert all(c[1] == 1 and c[3] == 1 for c in calls[1:])  # decode steps: one token in, one out
 
 

@@ -156,6 +156,8 @@ class HFRollout(RolloutEngineBase):
         rows still running at the limit), on the CPU. Prompts are left-padded; a row's EOS is its last response
         token. `draws` (B, R): each row's uniforms (None: greedy). A row that has ended leaves the batch and the
         KV cache (vLLM computes only live sequences too): the steps after it cost only the rows still running."""
+        first = int(prompt_mask.any(0).long().argmax())  # left padding: the columns before it are padding in every row
+        prompt_ids, prompt_mask = prompt_ids[:, first:], prompt_mask[:, first:]  # not computed, not cached
         rows, width, device = len(prompt_ids), self.cfg.max_response_tokens, prompt_ids.device
         ids = torch.full((rows, width), self.pad_token_id, dtype=torch.long, device=device)  # (B, R)
         response_mask = torch.zeros((rows, width), dtype=torch.bool, device=device)
