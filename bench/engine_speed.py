@@ -13,8 +13,8 @@ then `generate`: the product's path) —, one warm-up generation of one row, the
 every row. Tokens per second are the response tokens it produced (each row's EOS included) over those
 seconds. Every side stops a row at its EOS, as the product does (vLLM always stops there), so the
 response length is not fixed: each side's tokens are counted, and each side's rows are compared with
-the hf engine's (float32 greedy: the same tokens but for near-ties). The hf engine and `generate`
-compute every row until the last one stops; vLLM drops a row when it stops. The plain side keeps every
+the hf engine's (float32 greedy: the same tokens but for near-ties). `generate` computes every row until
+the last one stops; the hf engine and vLLM drop a row when it stops. The plain side keeps every
 step's scores, as a rollout needs them for the sampler's log-probs (bench/hf_engine_memory.py). The
 peaks are the process's resident set after the warm-up and after the timed generation; vLLM's includes
 its fixed KV cache (VLLM_CPU_KVCACHE_SPACE=1 GiB) and its imports. The table goes between the markers

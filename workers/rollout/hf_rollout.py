@@ -44,6 +44,7 @@ from hybridflow.config.schema import RolloutConfig
 from hybridflow.controller import Dispatch, WorkerContext, register
 from hybridflow.training.sequences import takes_logits_to_keep
 from workers.rollout import RolloutEngineBase
+from workers.rollout.kv_cache import CapturedSteps, LiveRowSteps, free_storage, refill_storage
 
 
 class HFRollout(RolloutEngineBase):
@@ -80,8 +81,6 @@ class HFRollout(RolloutEngineBase):
         any device; level 1: on a GPU the weights to host memory, on the CPU nothing. The allocator's
         cached blocks returned. On a GPU the captured step's StaticCache freed too, its tensors kept (`free_storage`)."""
         if self._static is not None:
-            from workers.rollout.kv_cache import free_storage
-
             free_storage(self._static[1])
         if self.sleep_level == 2:
             self._buffers = {n: b.to("cpu", copy=True) for n, b in self.model.named_buffers()}
@@ -101,8 +100,6 @@ class HFRollout(RolloutEngineBase):
         after level 1 moved from host memory. The KV cache is made by each generate call, but for the captured
         step's StaticCache on a GPU, whose storage comes back with the KV cache."""
         if "kv_cache" in parts and self._static is not None:
-            from workers.rollout.kv_cache import refill_storage
-
             refill_storage(self._static[1])
         if "weights" not in parts:
             return
@@ -188,8 +185,6 @@ class HFRollout(RolloutEngineBase):
     def _steps(self, prompt_mask: torch.Tensor):
         """The batch's forward passes: over a preallocated cache of its live rows (the CPU), or on a GPU at one
         fixed shape through the engine's captured step (`CapturedSteps`, the cache kept across batches)."""
-        from workers.rollout.kv_cache import CapturedSteps, LiveRowSteps
-
         positions = prompt_mask.shape[1] + self.cfg.max_response_tokens
         if prompt_mask.device.type != "cuda":
             return LiveRowSteps(self.model, prompt_mask, positions)
