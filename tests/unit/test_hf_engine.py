@@ -172,7 +172,8 @@ def test_inverse_cdf_sampling_by_hand():
 def test_the_gpus_fixed_shape_steps_give_the_live_rows_steps_output(tiny_model_dir, greedy, monkeypatch):
     """Issue 86 item 1: on a GPU each step runs at one shape (transformers' StaticCache at full width, ended rows
     kept in the batch as padding) so that torch.compile captures it once; run here eagerly (the capture is the GPU's
-    own), those steps give the tokens, mask and log-probs of the CPU's live-row steps over the preallocated cache."""
+    own), those steps — a batch padded to the cache's rows too — give the tokens, mask and log-probs of the CPU's
+    live-row steps over the preallocated cache."""
     from transformers import StaticCache
 
     from workers.rollout.kv_cache import CapturedSteps
@@ -182,15 +183,15 @@ def test_the_gpus_fixed_shape_steps_give_the_live_rows_steps_output(tiny_model_d
     engine.eos_token_id = int(engine.generate(prompts, greedy=greedy)["response_ids"][0, 2])  # a row ends early
     live_rows = engine.generate(prompts, greedy=greedy)
 
-    def fixed(prompt_mask):
+    def fixed(prompt_mask):  # 7 rows of cache for a batch of 5: two rows of padding too
         positions = engine.max_prompt_tokens + engine.cfg.max_response_tokens
         cache = StaticCache(config=engine.model.config, max_cache_len=positions)
-        return CapturedSteps(engine.model, engine.model, cache, positions, prompt_mask, engine.pad_token_id)
+        return CapturedSteps(engine.model, engine.model, cache, 7, positions, prompt_mask, engine.pad_token_id)
 
     monkeypatch.setattr(engine, "_steps", fixed)
     calls = _recording(engine)
     out = engine.generate(prompts, greedy=greedy)
-    assert {c[0] for c in calls} == {5}  # every step at the batch's full size
+    assert {c[0] for c in calls} == {7}  # every step at the cache's full size
     assert not bool(out["response_mask"].all())  # a row ended early and stayed in the batch
     for key in ("response_ids", "response_mask"):
         assert torch.equal(out[key], live_rows[key]), key
@@ -208,7 +209,7 @@ def test_a_static_caches_storage_is_freed_and_refilled_in_its_own_tensors(tiny_m
     prompts = _prompts(tok, 3)
     positions = engine.max_prompt_tokens + 4
     cache = StaticCache(config=engine.model.config, max_cache_len=positions)
-    engine._steps = lambda mask: CapturedSteps(engine.model, engine.model, cache, positions, mask, engine.pad_token_id)
+    engine._steps = lambda mask: CapturedSteps(engine.model, engine.model, cache, 3, positions, mask, engine.pad_token_id)
     before = engine.generate(prompts, greedy=True)
     tensors = [t for layer in cache.layers for t in (layer.keys, layer.values)]
     free_storage(cache)

@@ -15,8 +15,9 @@ x 151,936 in bf16 is 10 GB) for one row of each.
 A rank's rows decode in batches of at most `rollout.max_num_seqs` (vLLM's cap on sequences in one
 batch), each with its own KV cache, allocated whole at its start (rows x (prompt + response) positions) and
 freed before the next batch starts; outputs keep the rows' order. On a GPU the decode step runs at one shape
-(transformers' `StaticCache` at full width, ended rows kept as padding) so that torch.compile captures it once
-(CUDA graphs, mode reduce-overhead); that cache is the engine's, kept across calls, its memory returned at sleep.
+(transformers' `StaticCache` at full width for the most rows a batch has had, ended rows kept as padding, a
+smaller batch padded) so that torch.compile captures it once (CUDA graphs, mode reduce-overhead); that cache is
+the engine's, kept across calls, its memory returned at sleep.
 Each sample draws from a stream of its own, seeded by its `sample_seed` (one uniform per response
 token, drawn on the host before decoding, turned into a token through the distribution's cumulative
 sum): its tokens do not depend on the batch it decodes in, so any `max_num_seqs` or rank count draws the
@@ -56,7 +57,7 @@ class HFRollout(RolloutEngineBase):
         self.eos_token_id, self.pad_token_id = eos_token_id, pad_token_id
         self.trust_remote_code = trust_remote_code
         self.model = None
-        self._compiled = self._static = None  # on a GPU: the captured step and its StaticCache ((rows, positions), cache)
+        self._compiled = self._static = None  # on a GPU: the captured step and its StaticCache (rows, positions, cache)
 
     @register(Dispatch.ONE_TO_ALL)
     def start(self) -> float:
@@ -81,7 +82,7 @@ class HFRollout(RolloutEngineBase):
         any device; level 1: on a GPU the weights to host memory, on the CPU nothing. The allocator's
         cached blocks returned. On a GPU the captured step's StaticCache freed too, its tensors kept (`free_storage`)."""
         if self._static is not None:
-            free_storage(self._static[1])
+            free_storage(self._static[2])
         if self.sleep_level == 2:
             self._buffers = {n: b.to("cpu", copy=True) for n, b in self.model.named_buffers()}
             self._shapes = {n: p.shape for n, p in self.model.named_parameters()}
@@ -100,7 +101,7 @@ class HFRollout(RolloutEngineBase):
         after level 1 moved from host memory. The KV cache is made by each generate call, but for the captured
         step's StaticCache on a GPU, whose storage comes back with the KV cache."""
         if "kv_cache" in parts and self._static is not None:
-            refill_storage(self._static[1])
+            refill_storage(self._static[2])
         if "weights" not in parts:
             return
         if getattr(self, "_shapes", None) is None:
@@ -188,15 +189,16 @@ class HFRollout(RolloutEngineBase):
         positions = prompt_mask.shape[1] + self.cfg.max_response_tokens
         if prompt_mask.device.type != "cuda":
             return LiveRowSteps(self.model, prompt_mask, positions)
-        positions = max(positions, self.max_prompt_tokens + self.cfg.max_response_tokens)  # one shape for all
+        positions = max(positions, self.max_prompt_tokens + self.cfg.max_response_tokens)  # one width for all
         if self._compiled is None:
             self._compiled = torch.compile(self.model, mode="reduce-overhead", dynamic=False)
-        if self._static is None or self._static[0] != (len(prompt_mask), positions):
+        if self._static is None or self._static[0] < len(prompt_mask) or self._static[1] != positions:
             from transformers import StaticCache
 
-            self._static = None  # the last shape's cache freed before the next is allocated
-            self._static = ((len(prompt_mask), positions), StaticCache(config=self.model.config, max_cache_len=positions))
-        return CapturedSteps(self.model, self._compiled, self._static[1], positions, prompt_mask, self.pad_token_id)
+            self._static = None  # the smaller cache freed before the larger is allocated: shapes only grow
+            self._static = (len(prompt_mask), positions, StaticCache(config=self.model.config, max_cache_len=positions))
+        capacity, _, cache = self._static
+        return CapturedSteps(self.model, self._compiled, cache, capacity, positions, prompt_mask, self.pad_token_id)
 
     def _processed_log_probs(self, logits: torch.Tensor, sample: bool) -> torch.Tensor:
         """(B, V) log-probs of the distribution sampled from: tempered, then top-p filtered (the

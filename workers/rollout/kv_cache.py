@@ -94,24 +94,28 @@ class LiveRowSteps:
 
 class CapturedSteps:
     """A batch's forward passes at one fixed shape, so that a GPU replays one captured graph per step (torch.compile,
-    mode reduce-overhead: CUDA graphs): transformers' `StaticCache` of `positions` for every row, the attention mask
-    (B, T) at its full width, ended rows still in the batch (their tokens padding, their logits not read) — as vLLM
-    pads a batch to the size its graph was captured at. The cache and the compiled model are the engine's, kept
-    across batches (a new address would capture again). `compile=False` runs the same steps eagerly: the CPU's
-    check of everything but the capture."""
+    mode reduce-overhead: CUDA graphs): transformers' `StaticCache` of `positions` for `capacity` rows, the attention
+    mask (capacity, T) at its full width, ended rows still in the batch (their tokens padding, their logits not read)
+    and a batch of fewer rows padded with copies of its first — as vLLM pads a batch to the size its graph was
+    captured at. The cache and the compiled model are the engine's, kept across batches and calls (a new cache is
+    new tensors, which the compiled step guards on). Given the model itself as `compiled`, the same steps run
+    eagerly: the CPU's check of everything but the capture."""
 
-    def __init__(self, model, compiled, cache, positions: int, prompt_mask: torch.Tensor, pad_token_id: int) -> None:
+    def __init__(self, model, compiled, cache, capacity: int, positions: int, prompt_mask: torch.Tensor,
+                 pad_token_id: int) -> None:
         rows, self.filled = prompt_mask.shape
         self.model, self.compiled, self.cache, self.pad_token_id = model, compiled, cache, pad_token_id
         self.cache.reset()
-        self.attention = prompt_mask.new_zeros((rows, positions), dtype=torch.long)  # (B, T): True = attend
-        self.attention[:, :self.filled] = prompt_mask
+        self.padded = torch.cat([torch.arange(rows), torch.zeros(capacity - rows, dtype=torch.long)]).to(prompt_mask.device)
+        self.attention = prompt_mask.new_zeros((capacity, positions), dtype=torch.long)  # (C, T): True = attend
+        self.attention[:, :self.filled] = prompt_mask[self.padded]
         self.live = torch.arange(rows, device=prompt_mask.device)  # the batch's rows still decoding
-        self.position = torch.zeros((rows, 1), dtype=torch.long, device=prompt_mask.device)
-        self.token = torch.full((rows,), pad_token_id, dtype=torch.long, device=prompt_mask.device)
+        self.position = torch.zeros((capacity, 1), dtype=torch.long, device=prompt_mask.device)
+        self.token = torch.full((capacity,), pad_token_id, dtype=torch.long, device=prompt_mask.device)
 
     def prefill(self, prefill, prompt_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        return prefill(prompt_ids, self.attention, positions, self.cache)
+        """(B, V) the batch's rows' logits; the padding rows' prompts are the first row's."""
+        return prefill(prompt_ids[self.padded], self.attention, positions[self.padded], self.cache)[:len(prompt_ids)]
 
     def next(self, token: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
         self.token.fill_(self.pad_token_id).index_copy_(0, self.live, token)
