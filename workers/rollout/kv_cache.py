@@ -1,7 +1,6 @@
 """The hf engine's KV cache (workers/rollout/hf_rollout.py): one buffer per layer for keys and one for values,
-allocated per batch at the batch's full size (rows x (prompt + rollout.max_response_tokens) positions, what
-the memory model prices: hybridflow/checks/memory_budget.py), written in place by each step, allocated again for
-the rows still live when some end (their memory returned). Through
+allocated once per batch at the batch's full size (rows x (prompt + rollout.max_response_tokens) positions, what
+the memory model prices: hybridflow/checks/memory_budget.py), written in place by each step. Through
 transformers' cache interface (`Cache` of layers), so any model that takes `past_key_values` decodes over it.
 """
 
@@ -12,12 +11,12 @@ from transformers.cache_utils import Cache, DynamicLayer
 
 
 class _PreallocatedLayer(DynamicLayer):
-    """One layer's keys and values in buffers allocated at their full size, (B, H, T, D) for the batch's rows and
-    every position it can reach (again for the live rows when some end): a step writes its token's keys and values in place, where `DynamicLayer`
+    """One layer's keys and values in buffers allocated once at their full size, (B, H, T, D) for the batch's rows
+    and every position it can reach: a step writes its token's keys and values in place, where `DynamicLayer`
     concatenates (a copy of the whole layer's cache each step, and memory the allocator must find again). Attention
-    reads the filled part only, `keys` being a view of the first `length` positions — not the padded full length
-    a `StaticLayer` hands it (on the CPU attention's cost is then that of the tokens there are). Ended rows leave
-    with their buffers' memory (`batch_select_indices`). A subclass of `DynamicLayer`, so that
+    reads the filled part only, `keys` being a view of the live rows' first `length` positions — not the padded
+    full length a `StaticLayer` hands it (on the CPU attention's cost is then that of the tokens there are). Ended
+    rows leave by moving the live ones to the front (`batch_select_indices`). A subclass of `DynamicLayer`, so that
     transformers builds the masks as for a growing cache (kv length = positions filled + the query's)."""
 
     def __init__(self, positions: int) -> None:
@@ -44,17 +43,13 @@ class _PreallocatedLayer(DynamicLayer):
         return self.keys, self.values
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
-        """The rows `indices` kept, in that order, in buffers of their number: the ended rows' memory is returned
-        (in place, the pages they wrote would stay resident), at one copy of the filled part per drop, the copy
-        `DynamicLayer` makes then too."""
+        """The rows `indices` (ascending) moved to the front of the buffers, in that order."""
         if not self.is_initialized:
             return
-        for name in ("_keys", "_values"):
-            old = getattr(self, name)
-            new = old.new_empty((len(indices), *old.shape[1:]))
-            new[:, :, :self.length] = old[indices, :, :self.length]
-            setattr(self, name, new)
-        self.keys, self.values = self._keys[:, :, :self.length], self._values[:, :, :self.length]
+        rows = len(indices)
+        self._keys[:rows, :, :self.length] = self.keys[indices]  # the right side is a copy: no overlap
+        self._values[:rows, :, :self.length] = self.values[indices]
+        self.keys, self.values = self._keys[:rows, :, :self.length], self._values[:rows, :, :self.length]
 
 
 def preallocated_cache(model, positions: int) -> Cache:
