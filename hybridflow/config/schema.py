@@ -362,6 +362,10 @@ class RolloutConfig:
     max_num_seqs: int = 256
     fp32_lm_head: bool = False  # the engine's output head in float32 (engines that can: hf; vLLM cannot here)
     enforce_eager: Optional[bool] = None  # null: eager on a CPU (no CUDA graphs there), CUDA graphs on a GPU
+    # The hf engine on a GPU: its decode step at one shape over transformers' StaticCache, captured by
+    # torch.compile (mode reduce-overhead). Off until a GPU run has measured it (docs/gpu.md): the eager
+    # preallocated cache runs on every device
+    compile_decode: bool = False
     # How a colocated engine sleeps while the actor trains (workers/rollout/__init__.py): 1 keeps its
     # weights (vLLM: in host memory), 2 discards them, for runs whose every sync rewrites every weight.
     # null: 2, or 1 where a sync leaves weights as they are (weight_sync.lora=adapter: the base weights)

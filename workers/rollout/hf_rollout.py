@@ -14,7 +14,8 @@ x 151,936 in bf16 is 10 GB) for one row of each.
 
 A rank's rows decode in batches of at most `rollout.max_num_seqs` (vLLM's cap on sequences in one
 batch), each with its own KV cache, allocated whole at its start (rows x (prompt + response) positions) and
-freed before the next batch starts; outputs keep the rows' order. On a GPU the decode step runs at one shape
+freed before the next batch starts; outputs keep the rows' order. On a GPU with `rollout.compile_decode=true`
+(off by default: not yet run on a GPU) the decode step runs at one shape
 (transformers' `StaticCache` at full width for the most rows a batch has had, ended rows kept as padding, a
 smaller batch padded) so that torch.compile captures it once (CUDA graphs, mode reduce-overhead); that cache is
 the engine's, kept across calls, its memory returned at sleep.
@@ -187,7 +188,7 @@ class HFRollout(RolloutEngineBase):
         """The batch's forward passes: over a preallocated cache of its live rows (the CPU), or on a GPU at one
         fixed shape through the engine's captured step (`CapturedSteps`, the cache kept across batches)."""
         positions = prompt_mask.shape[1] + self.cfg.max_response_tokens
-        if prompt_mask.device.type != "cuda":
+        if prompt_mask.device.type != "cuda" or not self.cfg.compile_decode:
             return LiveRowSteps(self.model, prompt_mask, positions)
         positions = max(positions, self.max_prompt_tokens + self.cfg.max_response_tokens)  # one width for all
         if self._compiled is None:
