@@ -131,6 +131,11 @@ class MemoryInputs:
     max_num_seqs: int = 256  # rollout.max_num_seqs: the rows an engine decodes at once
     sequences: int = 0  # samples per step (prompts x samples per prompt), over the actor's ranks; 0: unknown
     engine_fp32_head: bool = False  # rollout.fp32_lm_head: the engine's logits in float32
+    # Ulysses sequence parallelism per role (docs/long_sequences.md): actor.sequence_parallel_size (the
+    # reference's too), critic.sequence_parallel_size, teacher.sequence_parallel_size
+    actor_sp: int = 1
+    critic_sp: int = 1
+    teacher_sp: int = 1
 
     @property
     def tokens(self) -> int:
@@ -159,7 +164,27 @@ class MemoryInputs:
                    sleep_level=config.rollout.sleep_level or 1,  # null: resolved at compose (checks.resolved)
                    engine_gpu=_engine_gpu(config), max_num_seqs=config.rollout.max_num_seqs,
                    sequences=config.trainer.prompts_per_step * config.rollout.samples_per_prompt,
-                   engine_fp32_head=config.rollout.fp32_lm_head)
+                   engine_fp32_head=config.rollout.fp32_lm_head, **sequence_parallel_sizes(config))
+
+
+def sequence_parallel_sizes(config) -> dict[str, int]:
+    """MemoryInputs' per-role sequence-parallel sizes from the config."""
+    return {"actor_sp": config.actor.sequence_parallel_size, "critic_sp": config.critic.sequence_parallel_size,
+            "teacher_sp": config.teacher.sequence_parallel_size}
+
+
+SP_KEYS = {"actor_sp": "actor.sequence_parallel_size", "critic_sp": "critic.sequence_parallel_size",
+           "teacher_sp": "teacher.sequence_parallel_size"}
+SP_OF_ROLE = {"actor": "actor_sp", "reference": "actor_sp", "critic": "critic_sp", "teacher": "teacher_sp"}
+
+
+def pool_sequence_parallel(inputs: MemoryInputs, roles) -> int:
+    """The sequence-parallel size a pool's one micro-batch is priced at: the smallest of its model roles'
+    (the roles take turns, so the largest activations are those split the least); a reward model scores
+    whole sequences in its own padded forward, so with one on the pool it is 1."""
+    sizes = [getattr(inputs, SP_OF_ROLE[r]) if r in SP_OF_ROLE else 1
+             for r in roles if r in MODEL_ROLES_ON_DEVICES and (r != "reward" or inputs.reward_parameters)]
+    return min(sizes, default=1)
 
 
 TRAINED_ROLES = ("actor", "critic")
@@ -207,7 +232,7 @@ def device_terms(inputs: MemoryInputs, roles, ranks: int, tp: int, device: str,
         embeddings = s.vocab * s.hidden * (1 if s.tied_embeddings else 2)
         terms["actor embeddings gathered, and their gradient (model.dtype, whole)"] = 2 * embeddings * compute
     if any(r in roles for r in MODEL_ROLES_ON_DEVICES):
-        terms.update(micro_batch_terms(inputs, attention_probabilities=cpu))
+        terms.update(micro_batch_terms(inputs, attention_probabilities=cpu, sp=pool_sequence_parallel(inputs, roles)))
     return terms
 
 
@@ -229,11 +254,28 @@ def _actor_pool_terms(inputs: MemoryInputs, plan, roles: set[str]) -> dict[str, 
 
 
 def micro_batch_terms(inputs: MemoryInputs, rows: int | None = None, checkpointing: bool | None = None,
-                      attention_probabilities: bool = True) -> dict[str, float]:
-    """One micro-batch's activations (kept for the backward pass) and logits, in bytes; `rows` and
-    `checkpointing` default to the inputs'; `attention_probabilities`: whether attention keeps its
+                      attention_probabilities: bool = True, sp: int = 1) -> dict[str, float]:
+    """One micro-batch's activations (kept for the backward pass) and logits, in bytes, on one rank; `rows`
+    and `checkpointing` default to the inputs'; `attention_probabilities`: whether attention keeps its
     (heads x sequence) probabilities per token (priced on CPUs, where it was measured; GPU kernels
-    never store them)."""
+    never store them).
+
+    `sp`: the sequence-parallel size (hybridflow/training/ulysses.py). The micro-batch's rows are packed
+    into one row of rows x tokens, padded to a multiple of SP, and each rank computes 1/SP of it: its
+    activations are those of t = ceil(rows x tokens / SP) tokens (per token the same floats: a rank
+    attends with H/SP heads over every one of the T keys, so its probabilities are (T/SP) x H x T, the same
+    2 x heads x sequence per token it holds). Its logits are at the response positions it holds, at most
+    min(rows x response, t). Besides, at SP > 1:
+    - the all-to-all buffers: each `all_to_all_single` call (`_all_to_all`) sends a contiguous copy of its
+      input (`torch.stack` of the chunks) and receives into a buffer of the same size, both freed when the
+      call returns; per layer four calls forward (q: t x heads x head size, k and v: t x key/value heads x
+      head size, the attention output: t x heads x head size) and their reverses backward, one at a time,
+      so the peak is the largest call's: 2 x t x heads x head size (= hidden) x model.dtype's bytes. What
+      each call returns (the gathered q/k/v, H/SP heads of every token, and the output) is what attention
+      and the output projection keep at SP 1 too, already in the per-token floats;
+    - the gathered per-token values, whole on every rank (`SequenceShard.gather`): the (B, R) log-probs and
+      entropy in float32, each with the all-gather's received parts and their concatenation (3 copies of
+      rows x response): 2 x 3 x rows x response x 4 bytes."""
     shape = inputs.shape
     rows = inputs.rows if rows is None else rows
     checkpointing = inputs.checkpointing if checkpointing is None else checkpointing
@@ -242,11 +284,23 @@ def micro_batch_terms(inputs: MemoryInputs, rows: int | None = None, checkpointi
         per_token = shape.hidden * shape.layers + _layer_floats(shape, tokens, attention_probabilities)
     else:
         per_token = _layer_floats(shape, tokens, attention_probabilities) * shape.layers
-    logits = rows * inputs.response_tokens * shape.vocab
-    return {f"activations of one micro-batch ({rows} rows x {tokens} tokens, actor.samples_per_micro_batch)":
-            rows * tokens * per_token * compute,
-            "its logits and their gradient (response positions x vocabulary"
-            + (", float32: actor.fp32_lm_head)" if inputs.fp32_head else ")"): 2 * logits * (4 if inputs.fp32_head else compute)}
+    mine = -(-rows * tokens // sp)  # this rank's tokens of the packed row, padded to a multiple of SP
+    predicted = rows * inputs.response_tokens
+    logits = min(predicted, mine) * shape.vocab
+    head = "float32: actor.fp32_lm_head" if inputs.fp32_head else ""
+    if sp == 1:
+        return {f"activations of one micro-batch ({rows} rows x {tokens} tokens, actor.samples_per_micro_batch)":
+                rows * tokens * per_token * compute,
+                "its logits and their gradient (response positions x vocabulary" + (f", {head})" if head else ")"):
+                2 * logits * (4 if inputs.fp32_head else compute)}
+    return {f"activations of one micro-batch (1/{sp} of {rows} rows x {tokens} tokens on each rank: {mine} tokens, "
+            f"sequence parallel {sp})": mine * per_token * compute,
+            f"its logits and their gradient (the {min(predicted, mine)} response positions a rank holds at most x "
+            "vocabulary" + (f", {head})" if head else ")"): 2 * logits * (4 if inputs.fp32_head else compute),
+            f"sequence parallel {sp}: all-to-all send and receive buffers (2 x {mine} tokens x {shape.hidden}, "
+            "one call at a time)": 2 * mine * shape.hidden * compute,
+            f"sequence parallel {sp}: gathered log-probs and entropy ({rows} x {inputs.response_tokens}, float32, "
+            "whole on every rank, 3 copies)": 2 * 3 * predicted * 4}
 
 
 # actor/critic.samples_per_micro_batch and actor.gradient_checkpointing left null are chosen before
@@ -289,11 +343,13 @@ def choose_micro_batch(config, plan, shape: ModelShape | None, node_bytes: int |
         budget, where = AUTO_SHARE * gpu, "one GPU holds"
     # every term but the micro-batch's: the whole floor at one row, less that row's terms
     inputs = MemoryInputs.from_config(config, shape, rows=1, checkpointing=False)
-    fixed = (sum(_actor_pool_terms(inputs, plan, actor_pool_roles(config, plan)).values())
-             - sum(micro_batch_terms(inputs, attention_probabilities=cpu).values()))
+    roles = actor_pool_roles(config, plan) | {"actor"}
+    sp = pool_sequence_parallel(inputs, roles)
+    fixed = (sum(_actor_pool_terms(inputs, plan, roles).values())
+             - sum(micro_batch_terms(inputs, attention_probabilities=cpu, sp=sp).values()))
 
     def fits(rows: int, ckpt: bool) -> bool:
-        return fixed + sum(micro_batch_terms(inputs, rows, ckpt, attention_probabilities=cpu).values()) <= budget
+        return fixed + sum(micro_batch_terms(inputs, rows, ckpt, attention_probabilities=cpu, sp=sp).values()) <= budget
 
     def most_rows(ckpt: bool) -> int:
         candidates = [rows_set] if rows_set else range(AUTO_MAX_ROWS, 0, -1)
@@ -308,7 +364,7 @@ def choose_micro_batch(config, plan, shape: ModelShape | None, node_bytes: int |
     share = f"{AUTO_SHARE:.0%} of the {budget / AUTO_SHARE / GIB:.1f} GiB {where}"
     if rows == 0:  # the smallest; memory_problems refuses it when even its floor cannot fit
         rows, ckpt = rows_set or 1, ckpt_set if ckpt_set is not None else True
-        floor = fixed + sum(micro_batch_terms(inputs, rows, ckpt, attention_probabilities=cpu).values())
+        floor = fixed + sum(micro_batch_terms(inputs, rows, ckpt, attention_probabilities=cpu, sp=sp).values())
         fix = ("Set rollout.dtype=bfloat16 (or model.master_dtype=bfloat16), or lower rollout.kv_cache_space_gib"
                if cpu else "Put more GPUs in the actor's pool (FSDP2 shards the training state), or set "
                "model.master_dtype=bfloat16")
@@ -576,22 +632,88 @@ def memory_problems(config, plan, roles: set[str] | None = None, node_bytes: int
         return []
     if plan.device != "cpu":
         return _gpu_problems(config, plan, shape, roles, gpu_bytes or gpu_memory_bytes(config), node_bytes)
+    asked = config
     config, _ = resolve_micro_batches(config, plan, node_bytes)  # null sizes: the choice the run would make
     pool = plan.pool_of("actor")
-    terms = process_terms(config, plan, shape, actor_pool_roles(config, plan) if roles is None else roles)
+    roles = actor_pool_roles(config, plan) if roles is None else roles
+    terms = process_terms(config, plan, shape, roles)
     per_process = sum(terms.values())
     node = pool.devices_per_node * per_process
     available = NODE_MEMORY_SHARE * (node_bytes or node_memory_bytes())
     if node <= available:
         return []
+
+    def fits(other) -> bool:
+        other, _ = resolve_micro_batches(other, plan, node_bytes)
+        return pool.devices_per_node * sum(process_terms(other, plan, shape, roles).values()) <= available
+
+    split = _sequence_parallel_line(asked, plan, roles | {"actor"}, fits)
     lines = _lines(terms)
     return [f"model.path={config.model.path!r} ({shape.parameters / 1e6:.0f}M parameters, {shape.layers} layers) does "
             f"not fit: each of the {pool.devices_per_node} processes of the actor's pool on a node holds at least "
             f"{per_process / GIB:.2f} GiB:{lines}\n    = {node / GIB:.2f} GiB per node, above the "
             f"{available / GIB:.2f} GiB Ray lets a node use ({NODE_MEMORY_SHARE:.0%} of {available / NODE_MEMORY_SHARE / GIB:.1f} "
-            "GiB). Fix: actor.gradient_checkpointing=true, a smaller actor.samples_per_micro_batch, "
+            f"GiB).{split} Fix: actor.gradient_checkpointing=true, a smaller actor.samples_per_micro_batch, "
             "model.dtype=bfloat16 with model.master_dtype=bfloat16, fewer ranks per node "
             "(placement.pools.<pool>.devices_per_node), or rollout.kv_cache_space_gib=1"]
+
+
+def sequence_parallel_fix(config, plan, roles, fits) -> str | None:
+    """The sequence-parallel size that would fit, for a refusal: the smallest size above the configured ones
+    of the model roles on the actor's pool that their heads admit (a common divisor of the attention and
+    key/value heads; the teacher's are its own model's) and that divides their pools' ranks, whose floor
+    `fits(config)` (a bool) says fits, as the keys to set; the sizes the heads admit when none does; None
+    when no role on the pool splits sequences or no size above 1 is admitted."""
+    import dataclasses
+
+    from hybridflow.config.model_facts import ModelFacts
+    from hybridflow.config.schema import model_heads
+
+    keys = {SP_OF_ROLE[r] for r in roles if r in SP_OF_ROLE}
+    if not keys or (config.reward.reward_model.path is not None and "reward" in roles):
+        return None  # a reward model scores whole sequences beside them
+
+    def admitted(heads: tuple[int, int]) -> set[int]:
+        return {d for d in range(1, min(heads) + 1) if heads[0] % d == 0 and heads[1] % d == 0}
+
+    sizes = admitted(model_heads(config.model))
+    if "teacher_sp" in keys:
+        for path in config.teacher.paths.values():
+            facts = ModelFacts.from_dir(path)
+            if facts is not None and facts.heads:
+                sizes &= admitted((facts.heads, facts.kv_heads or facts.heads))
+    ranks = {"actor_sp": [plan.devices_of("actor"), *([plan.devices_of("reference")] if "reference" in roles else [])],
+             "critic_sp": [plan.devices_of("critic")] if "critic" in roles else [],
+             "teacher_sp": [plan.devices_of(r) for r in roles if r == "teacher"]}
+    now = min(getattr(config, SP_KEYS[k].split(".")[0]).sequence_parallel_size for k in keys)
+    sizes = sorted(d for d in sizes if d > now and all(n % d == 0 for k in keys for n in ranks[k]))
+    if not sizes:
+        return None
+    for size in sizes:
+        raised = {}
+        for k in sorted(keys):
+            section = SP_KEYS[k].split(".")[0]
+            if getattr(config, section).sequence_parallel_size < size:
+                raised[section] = dataclasses.replace(getattr(config, section), sequence_parallel_size=size)
+        if fits(dataclasses.replace(config, **raised)):
+            return ", ".join(f"{section}.sequence_parallel_size={size}" for section in raised) + (
+                f" (each rank then holds 1/{size} of a micro-batch's tokens; the sizes the heads and the pool admit: "
+                f"{sizes})")
+    return (f"no sequence_parallel_size the heads and the pool admit ({sizes}) fits either; with more ranks in the "
+            "pool a larger one may")
+
+
+def _sequence_parallel_line(config, plan, roles, fits) -> str:
+    """The refusal's sentence on the longest sequence and the sequence-parallel size that would fit it
+    (`sequence_parallel_fix`); empty where no size above the configured one is admitted."""
+    fix = sequence_parallel_fix(config, plan, roles, fits)
+    if fix is None:
+        return ""
+    tokens = config.data.max_prompt_tokens + config.rollout.max_response_tokens
+    sp = config.actor.sequence_parallel_size
+    return (f" The longest sequence, data.max_prompt_tokens + rollout.max_response_tokens = {tokens} tokens, is "
+            f"{'whole on one rank' if sp == 1 else f'split over {sp} ranks'} (actor.sequence_parallel_size={sp}); "
+            f"split it further: {fix}.")
 
 
 def _host_problems(config, plan, shape: ModelShape, roles: set[str], node_bytes: int | None, model: str,
@@ -648,6 +770,7 @@ def _gpu_problems(config, plan, shape: ModelShape, roles: set[str] | None, gpu: 
                   node_bytes: int | None = None) -> list[str]:
     if gpu is None:  # unknown before start (said when the micro-batch is chosen)
         return []
+    asked = config
     config, _ = resolve_micro_batches(config, plan, gpu_bytes=gpu)
     roles = actor_pool_roles(config, plan) if roles is None else roles
     model = f"model.path={config.model.path!r} ({shape.parameters / 1e6:.0f}M parameters, {shape.layers} layers)"
@@ -662,6 +785,13 @@ def _gpu_problems(config, plan, shape: ModelShape, roles: set[str] | None, gpu: 
         if phase == "training":
             why, fix = "while it trains", (f"actor.gradient_checkpointing=true, a smaller actor.samples_per_micro_batch, "
                                           f"{more}, or model.master_dtype=bfloat16")
+
+            def fits(other) -> bool:
+                other, _ = resolve_micro_batches(other, plan, gpu_bytes=gpu)
+                return sum(gpu_phase_terms(other, plan, shape, roles, gpu)["training"].values()) <= usable
+
+            split = _sequence_parallel_line(asked, plan, set(roles) | {"actor"}, fits)
+            fix = f"{fix}.{split}" if split else fix
         elif phase in ("start", "generation") and any(k.startswith("vLLM") for k in terms):
             beside = sum(v for k, v in terms.items() if not k.startswith("vLLM"))
             why = ("when the colocated vLLM engine starts: it takes its whole share of the GPU while the training "

@@ -143,7 +143,9 @@ def report(result, workload, cluster, rates, top: int, refused: int = 3, note: s
     w = workload
     borrowed = note is not None and note.startswith("BORROWED")
     lines = [f"workload: {w.parameters / 1e6:.1f}M parameters, {w.prompts_per_step} prompts x {w.samples_per_prompt} "
-             f"samples, {w.prompt_tokens} + {w.response_tokens} tokens; roles {', '.join(w.roles)}",
+             f"samples, {w.prompt_tokens} + {w.response_tokens} tokens; roles {', '.join(w.roles)}"
+             + "".join(f"; sequence parallel {', '.join(f'{r} {n}' for r, n in w.sequence_parallel().items())}"
+                       for _ in [0] if w.sequence_parallel()),
              f"cluster: {cluster.describe()}", f"rates: {note or rates.source}",
              f"searched {result.considered} plans in {result.seconds:.2f} s: {len(result.ranked)} fit, "
              f"{len(result.refused)} refused", ""]
@@ -159,10 +161,15 @@ def report(result, workload, cluster, rates, top: int, refused: int = 3, note: s
     for i, c in enumerate(result.ranked[:top], 1):
         lines.append(f"{i:>3} " + shlex.join(c.plan.overrides()))
     best = result.best.plan
+    splits = workload.sequence_parallel()
+
+    def split_of(pool) -> str:  # each role that splits its sequences there, and its size
+        said = [f"{role} {size}" for role, size in splits.items() if role in pool.roles]
+        return f", sequence parallel: {', '.join(said)}" if said else ""
     lines += ["", "memory per device of the best plan (what the check counts, per phase of the step):"]
     for pool in best.pools:
         for phase, terms in phases(best, pool, workload, cluster).items():
-            lines.append(f"  pool {pool.name!r} ({'+'.join(pool.roles)} on {pool.devices}){phase}: "
+            lines.append(f"  pool {pool.name!r} ({'+'.join(pool.roles)} on {pool.devices}{split_of(pool)}){phase}: "
                          f"{sum(terms.values()) / GIB:.2f} of {cluster.device_memory_bytes / GIB:.1f} GiB")
             lines += [f"      {v / GIB:8.3f} GiB  {k}" for k, v in terms.items()]
     if result.refused and refused:

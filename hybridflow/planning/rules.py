@@ -17,7 +17,8 @@ over the pool; the rollout holds 1/tp of the weights and a KV cache (on a CPU, v
 `rollout.kv_cache_space_gib`; on a GPU what its share leaves, at least one sequence at full length,
 and generation runs in waves when the sequences do not all fit); one micro-batch's
 activations and logits (`Workload.micro_batch_rows` rows; with `checkpointing`, one hidden vector per
-layer and one layer's worth recomputed); the actor's gathered embeddings; on a CPU the process's
+layer and one layer's worth recomputed; 1/SP of their tokens per rank with sequence parallelism, plus its
+all-to-all buffers and gathered values, and a pool whose ranks SP does not divide is refused); the actor's gathered embeddings; on a CPU the process's
 measured runtime.
 """
 
@@ -54,6 +55,10 @@ def problems(plan: Plan, workload: Workload, cluster: Cluster, any_tp: bool = Fa
             for key, value, allowed in overlap_problems(plan.max_staleness, schedule_class(plan.max_staleness).overlaps,
                                                         plan.rollout_colocated, rollout.name)]
     out += device_problems(plan, cluster)
+    out += [f"{key}={size}: the {role} pool's {plan.devices_of(role)} device(s) do not divide into sequence-parallel "
+            f"groups of {size}" for role, size in workload.sequence_parallel().items()
+            for key in [("actor" if role == "reference" else role) + ".sequence_parallel_size"]
+            if plan.devices_of(role) % size]
     if cluster.device == "cuda" and workload.engine_memory:
         share = workload.gpu_memory_utilization * cluster.device_memory_bytes
         need = workload.parameters * workload.rollout_bytes / plan.rollout_tp + kv_per_sequence(plan, workload)

@@ -12,7 +12,8 @@ from dataclasses import dataclass, field
 
 # GIB: the planner's modules read it here
 from hybridflow.config.model_facts import ModelFacts
-from hybridflow.checks.memory_budget import DTYPE_BYTES, GIB, MemoryInputs, ModelShape  # noqa: F401
+from hybridflow.checks.memory_budget import (DTYPE_BYTES, GIB, MemoryInputs, ModelShape,  # noqa: F401
+                                             sequence_parallel_sizes)
 
 MODEL_ROLES = ("actor", "rollout", "critic", "reference", "reward", "teacher")  # in the order plans print them
 
@@ -53,6 +54,11 @@ class Workload:
     bucket_bytes: int = 0  # one weight-sync bucket (weight_sync.bucket_mb)
     teacher_parameters: int = 0  # a distillation teacher's (teacher.path), in teacher_bytes each
     teacher_bytes: int = 4
+    # Ulysses sequence parallelism per role (docs/long_sequences.md): each rank of a group computes 1/SP of a
+    # micro-batch's tokens, so its activations are 1/SP (hybridflow/checks/memory_budget.py `micro_batch_terms`)
+    actor_sp: int = 1  # actor.sequence_parallel_size, the reference's too
+    critic_sp: int = 1
+    teacher_sp: int = 1
     name: str = "workload"
 
     @property
@@ -91,7 +97,14 @@ class Workload:
                             reward_parameters=self.parameters if "reward" in self.roles else 0,
                             gpu_memory_utilization=self.gpu_memory_utilization, bucket_bytes=self.bucket_bytes,
                             teacher_parameters=self.teacher_parameters if "teacher" in self.roles else 0,
-                            teacher_bytes=self.teacher_bytes)
+                            teacher_bytes=self.teacher_bytes, actor_sp=self.actor_sp, critic_sp=self.critic_sp,
+                            teacher_sp=self.teacher_sp)
+
+    def sequence_parallel(self) -> dict[str, int]:
+        """The roles that split sequences, and their sizes (those above 1)."""
+        sizes = {"actor": self.actor_sp, "reference": self.actor_sp, "critic": self.critic_sp,
+                 "teacher": self.teacher_sp}
+        return {role: size for role, size in sizes.items() if size > 1 and role in self.roles}
 
     @classmethod
     def from_config(cls, config, name: str = "workload") -> "Workload":
@@ -122,7 +135,7 @@ class Workload:
                    engine_gpu=rollout_engine(config.rollout.backend).gpu_memory.value,
                    gpu_memory_utilization=config.rollout.gpu_memory_utilization,
                    bucket_bytes=config.weight_sync.bucket_mb * 2 ** 20, name=name,
-                   **_teacher(config))
+                   **_teacher(config), **sequence_parallel_sizes(config))
 
 
 def _teacher(config) -> dict[str, int]:

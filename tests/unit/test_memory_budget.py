@@ -443,3 +443,99 @@ def test_an_hf_run_whose_kv_cache_and_prefill_logits_cannot_fit_is_refused_with_
     logits = [v for k, v in terms["generation"].items() if k.startswith("one decode step's logits (4 rows")]
     assert logits == [4 * 1536 * 151936 * 2]  # rows x response positions x vocabulary, bfloat16
     assert terms["generation"]["actor parameters (model.master_dtype, FSDP shard)"] == 494_032_768 * 4
+
+
+def test_sequence_parallel_halves_the_activation_term_and_adds_its_buffers():
+    """Qwen2.5-0.5B's shapes, one row of 512 + 8,192 tokens, bfloat16 compute, on 2 CPU ranks. SP 1: 8,704
+    tokens x 24 layers x (10 x 896 + 4 x 4864 + 2 x 14 x 8704 = 272,128 floats) x 2 B = 105.9 GiB. SP 2: the
+    packed row split in two, 4,352 tokens a rank, the same floats per token (a rank attends with 7 of the 14
+    heads over all 8,704 keys): half, 52.9 GiB. Its logits at the 4,352 response positions a rank holds at most
+    (of 8,192): 2 x 4352 x 151,936 x 2 B. The all-to-all's send copy and receive buffer of the largest call
+    (the query's, 4,352 tokens x 14 heads x 64): 2 x 4352 x 896 x 2 B = 14.9 MiB; the gathered log-probs and
+    entropy, whole on every rank: 2 x 3 x 8192 x 4 B. The parameters, gradients and moments do not change
+    (FSDP2 shards over both ranks either way)."""
+    base = ["model=local_hf", "model.path=/m", "placement.device=cpu", *PINNED, "data.max_prompt_tokens=512",
+            "rollout.max_response_tokens=8192", "actor.samples_per_micro_batch=1",
+            "actor.gradient_checkpointing=false"]
+    terms = {}
+    for sp in (1, 2):
+        config = compose([*base, f"actor.sequence_parallel_size={sp}"])
+        terms[sp] = {k.split(" (")[0]: v for k, v in process_terms(*with_plan(config), QWEN05_SHAPE,
+                                                                       {"actor", "rollout"}).items()}
+    one, two = terms[1], terms[2]
+    per_token = 24 * (10 * 896 + 4 * 4864 + 2 * 14 * 8704) * 2
+    assert one["activations of one micro-batch"] == 8704 * per_token
+    assert two["activations of one micro-batch"] == 4352 * per_token == one["activations of one micro-batch"] / 2
+    assert one["its logits and their gradient"] == 2 * 8192 * 151936 * 2
+    assert two["its logits and their gradient"] == 2 * 4352 * 151936 * 2
+    buffers = {k: v for k, v in two.items() if k.startswith("sequence parallel 2")}
+    assert list(buffers.values()) == [2 * 4352 * 896 * 2, 2 * 3 * 8192 * 4], buffers
+    assert not any(k.startswith("sequence parallel") for k in one)
+    for k in ("actor parameters", "actor gradients", "actor AdamW moments", "vLLM weights"):
+        assert one[k] == two[k]
+    activation_one = one["activations of one micro-batch"]
+    activation_two = two["activations of one micro-batch"] + sum(buffers.values())
+    assert 0.5 < activation_two / activation_one < 0.501
+    # a row of odd length: 8,705 tokens pad to 8,706, 4,353 a rank
+    odd = compose([*base, "data.max_prompt_tokens=513", "actor.sequence_parallel_size=2"])
+    assert any("4353 tokens" in k for k in process_terms(*with_plan(odd), QWEN05_SHAPE, {"actor"}))
+
+
+def test_a_pool_is_priced_at_the_smallest_sequence_parallel_size_of_its_roles():
+    """The roles on a pool take turns; the micro-batch split the least is the largest: a critic at SP 1 beside an
+    actor at SP 2 keeps SP 1's activations on the pool; at SP 2 both, half. On a GPU the training phase too."""
+    from hybridflow.checks.memory_budget import MemoryInputs, device_terms, pool_sequence_parallel
+
+    inputs = MemoryInputs(shape=QWEN05_SHAPE, compute_bytes=2, master_bytes=4, rollout_bytes=2, rows=1,
+                          prompt_tokens=512, response_tokens=8192, checkpointing=False, kv_cache_bytes=GIB, actor_sp=2)
+    assert pool_sequence_parallel(inputs, {"actor", "reference", "rollout"}) == 2
+    assert pool_sequence_parallel(inputs, {"actor", "critic"}) == 1
+    assert pool_sequence_parallel(dataclasses.replace(inputs, critic_sp=2), {"actor", "critic"}) == 2
+    assert pool_sequence_parallel(dataclasses.replace(inputs, reward_parameters=10), {"actor", "reward"}) == 1
+
+    def activations(inputs, roles, device):
+        return next(v for k, v in device_terms(inputs, roles, 2, 1, device).items() if k.startswith("activations"))
+    for device in ("cpu", "cuda"):
+        whole = activations(inputs, {"critic"}, device)
+        assert activations(inputs, {"actor"}, device) == whole / 2
+        assert activations(inputs, {"actor", "critic"}, device) == whole
+
+
+def test_a_sequence_too_long_for_one_gpu_is_refused_naming_the_sequence_parallel_size_that_fits(tmp_path,
+                                                                                                 tiny_model_dir):
+    """Qwen2.5-0.5B on 2 GPUs of 24 GiB (21.6 usable), one checkpointed row of 512 + 32,768 tokens: the fixed
+    terms 4.95 GiB (0.92 + 0.92 + 1.84 of float32 state, 0.51 of gathered embeddings, 0.75 of context and
+    NCCL), activations 33,280 x (896 x 24 + 28,416 floats) x 2 B = 3.09 GiB and logits 2 x 32,768 x 151,936 x
+    2 B = 18.55 GiB: 26.6 GiB. At SP 2 (14 heads and 2 key/value heads admit 1 and 2): 16,640 tokens a rank,
+    1.55 GiB of activations and 9.42 of logits: 15.9 GiB, fits. At 512 + 131,072 even SP 2 does not."""
+    model = header_only_model(tmp_path / "qwen05", tiny_model_dir)
+    base = ["model=local_hf", f"model.path={model}", *GPU[2:5], "placement.pools.global.devices_per_node=2",
+            "actor.samples_per_micro_batch=1", "actor.gradient_checkpointing=true", "data.max_prompt_tokens=512",
+            "rollout.backend=hf", "rollout.max_num_seqs=1"]
+    refused = memory_problems(*with_plan(compose([*base, "rollout.max_response_tokens=32768"])), gpu_bytes=24 * GIB)
+    training = [p for p in refused if "while it trains" in p]
+    assert len(training) == 1, refused
+    text = training[0]
+    assert "26.58 GiB" in text and "18.55 GiB  its logits" in text, text
+    assert ("data.max_prompt_tokens + rollout.max_response_tokens = 33280 tokens, is whole on one rank "
+            "(actor.sequence_parallel_size=1)") in text
+    assert "split it further: actor.sequence_parallel_size=2 (each rank then holds 1/2" in text
+    assert "the sizes the heads and the pool admit: [2]" in text
+    fixed = memory_problems(*with_plan(compose([*base, "rollout.max_response_tokens=32768",
+                                                "actor.sequence_parallel_size=2"])), gpu_bytes=24 * GIB)
+    assert not any("while it trains" in p for p in fixed), fixed
+    hopeless = memory_problems(*with_plan(compose([*base, "rollout.max_response_tokens=131072"])), gpu_bytes=24 * GIB)
+    assert any("no sequence_parallel_size the heads and the pool admit ([2]) fits either" in p for p in hopeless)
+
+
+def test_a_sequence_too_long_for_a_cpu_node_is_refused_naming_the_sequence_parallel_size(tmp_path, tiny_model_dir):
+    """The CPU's check says the same: Qwen2.5-0.5B, 2 processes, one checkpointed row of 512 + 16,384 tokens on a
+    64 GiB node (60.8 usable): eager attention's probabilities (2 x 14 x 16,896 floats per token) make one rank's
+    activations 16.5 GiB and its logits 9.3 at SP 1, 33.6 GiB a process, 67 a node; at SP 2 each rank holds 8,448
+    tokens (8.2 GiB, logits 4.9): 41 GiB a node, it fits."""
+    model = header_only_model(tmp_path / "qwen05", tiny_model_dir)
+    base = ["model=local_hf", f"model.path={model}", "placement.device=cpu", *PINNED, "data.max_prompt_tokens=512",
+            "rollout.max_response_tokens=16384", "actor.samples_per_micro_batch=1", "actor.gradient_checkpointing=true"]
+    refused = memory_problems(*with_plan(compose(base)), node_bytes=64 * GIB)
+    assert len(refused) == 1 and "split it further: actor.sequence_parallel_size=2" in refused[0], refused
+    assert memory_problems(*with_plan(compose([*base, "actor.sequence_parallel_size=2"])), node_bytes=64 * GIB) == []
