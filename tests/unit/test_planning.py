@@ -140,6 +140,38 @@ def test_the_planner_prices_a_pool_as_the_runs_own_memory_check_does():
         assert planned == run and run, extra
 
 
+def test_the_planner_prices_sequence_parallelism_as_the_run_does_and_refuses_pools_it_does_not_divide():
+    """actor.sequence_parallel_size=2 (the reference's too): the planner's terms for the configured plan are
+    the preflight's, 1/2 of the micro-batch's tokens a rank and the all-to-all's buffers; a plan that puts the
+    actor or the reference on one device is refused, naming the key."""
+    from hybridflow.checks.memory_budget import actor_pool_roles, process_terms
+
+    config = compose_command(["recipe=grpo", "actor.kl_loss_coef=0.01", "actor.samples_per_micro_batch=4",
+                              "actor.sequence_parallel_size=2"])
+    plan, w = Plan.from_config(config), Workload.from_config(config)
+    assert w.sequence_parallel() == {"actor": 2, "reference": 2}
+    run = process_terms(config, plan, w.memory_inputs().shape, actor_pool_roles(config, plan))
+    planned = memory_terms(plan, plan.pool_of("actor"), w, TWO_CPUS)
+    assert planned == run
+    assert any(k.startswith("activations of one micro-batch (1/2 of 4 rows") for k in planned), planned
+    assert any(k.startswith("sequence parallel 2: all-to-all") for k in planned), planned
+    split = Plan((PoolPlan("actor", 1, 1, ("actor",)), PoolPlan("rest", 1, 1, ("rollout", "reference"))), 1, 0)
+    said = problems(split, w, TWO_CPUS)
+    assert "actor.sequence_parallel_size=2: the actor pool's 1 device(s) do not divide into sequence-parallel groups " \
+           "of 2" in said, said
+
+
+def test_the_plan_command_shows_sequence_parallelism_per_pool(capsys):
+    from hybridflow.planning.cli import main
+
+    assert main(["--cluster", "1x2", "--device-memory-gib", "8", "recipe=grpo", "actor.kl_loss_coef=0.01",
+                 "actor.sequence_parallel_size=2"], compose_command) == 0
+    out = capsys.readouterr().out
+    assert "; sequence parallel actor 2, reference 2" in out.splitlines()[0]
+    assert "(actor+rollout+reference on 2, sequence parallel: actor 2, reference 2):" in out, out
+    assert "activations of one micro-batch (1/2 of" in out and "all-to-all send and receive buffers" in out
+
+
 def test_on_gpus_the_planner_checks_the_runs_own_phases_and_the_engines_share():
     """The planner's GPU phases are the run's (start, training, the weight sync, generation, the engine
     taking its rollout.gpu_memory_utilization share), and a share that cannot hold the engine's weights
