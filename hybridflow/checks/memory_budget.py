@@ -54,6 +54,7 @@ from hybridflow.algos.entropy import CUDA_FLOAT32_CHUNK_BYTES
 from hybridflow.config.engines import GpuMemory
 from hybridflow.config.engines import rollout_engine
 from hybridflow.config.model_facts import ModelFacts
+from hybridflow.config.schema import model_heads
 
 GIB = 2 ** 30
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -665,9 +666,6 @@ def sequence_parallel_fix(config, plan, roles, fits) -> str | None:
     `fits(config)` (a bool) says fits, as the keys to set; the sizes the heads admit when none does; None
     when no role on the pool splits sequences or no size above 1 is admitted."""
     import dataclasses
-
-    from hybridflow.config.model_facts import ModelFacts
-    from hybridflow.config.schema import model_heads
 
     keys = {SP_OF_ROLE[r] for r in roles if r in SP_OF_ROLE}
     if not keys or (config.reward.reward_model.path is not None and "reward" in roles):
