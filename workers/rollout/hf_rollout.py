@@ -98,7 +98,7 @@ class HFRollout(RolloutEngineBase):
         return True
 
     def restore(self, parts: list[str]) -> None:
-        """The weights back: after level 2 allocated empty (a sync fills them) with the buffers put back,
+        """The weights back: after level 2 allocated as NaN (a sync fills them) with the buffers put back,
         after level 1 moved from host memory. The KV cache is made by each generate call, but for the captured
         step's StaticCache on a GPU, whose storage comes back with the KV cache."""
         if "kv_cache" in parts and self._static is not None:
@@ -108,8 +108,10 @@ class HFRollout(RolloutEngineBase):
         if getattr(self, "_shapes", None) is None:
             self.model.to(self.ctx.device)
             return
-        for name, param in self.model.named_parameters():
-            param.data = torch.empty(self._shapes[name], dtype=param.dtype, device=self.ctx.device)
+        for name, param in self.model.named_parameters():  # NaN until a load writes it: a weight no load rewrote
+            # can never hold, by the allocator's reuse of its freed block, the very values it held before the
+            # sleep, and pass the reload's checksums by chance (tests/e2e/test_guards.py)
+            param.data = torch.full(self._shapes[name], float("nan"), dtype=param.dtype, device=self.ctx.device)
         for name, buffer in self.model.named_buffers():
             buffer.data = self._buffers[name].to(self.ctx.device)
         self._shapes = self._buffers = None
