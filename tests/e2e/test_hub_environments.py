@@ -110,6 +110,7 @@ def _segments(mask: list[bool]) -> list[tuple[bool, int, int]]:
     return runs
 
 
+@pytest.mark.slow  # ~60 s under two workers: the default tier keeps the single-turn rollout's three tests
 def test_multi_turn_episodes_train_on_every_turn_as_sampled(ray_local, tiny_model_dir, tmp_path):
     """The guessing env's later turns are the harness resumed on the whole conversation: each model turn
     of a trajectory is exactly what the engine sampled for the trajectory so far (never the reply's text
@@ -136,7 +137,8 @@ def test_multi_turn_episodes_train_on_every_turn_as_sampled(ray_local, tiny_mode
 
 
 @pytest.mark.parametrize("env, arguments, budget, rubric", [
-    (SUMS, '{agent: {harness: {id: "null"}}}', BUDGET, ("correct", "brevity")),
+    pytest.param(SUMS, '{agent: {harness: {id: "null"}}}', BUDGET, ("correct", "brevity"),
+                 marks=pytest.mark.slow),  # ~65 s under two workers (the default tier's 16 minutes were full)
     pytest.param(GUESS, '{agent: {harness: {id: "null"}, sampling: {max_tokens: 6}}}', 96, ("found", "turns"),
                  marks=pytest.mark.slow),  # ~70 s: the multi-turn episodes through a whole GRPO step
 ], ids=["single_turn", "multi_turn"])

@@ -17,6 +17,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from tests.e2e.test_rl_recipes import ONE_RANK, SMALL, metrics
 
 FIXTURES = Path(__file__).parent / "fixtures"
@@ -124,6 +126,7 @@ def test_an_openenv_environment_trains_token_faithfully_and_its_server_ends_with
     assert all(r["trajectory"].startswith("go:") for r in trained)
 
 
+@pytest.mark.slow  # a planted failure, ~30 s (the default tier's 16 minutes were full)
 def test_an_environment_step_that_raises_is_counted_by_kind_and_stops_the_run_with_its_traceback(tmp_path):
     done, _ = run([*RUN, "trainer.total_steps=2", f"rollout.agent=openenv:{ENV_FILE}:Raising"], tmp_path, "raising")
     assert done.returncode != 0
@@ -136,6 +139,7 @@ def test_an_environment_step_that_raises_is_counted_by_kind_and_stops_the_run_wi
     server_gone(tmp_path / "raising")
 
 
+@pytest.mark.slow  # a planted failure, ~30 s (the default tier's 16 minutes were full)
 def test_a_server_that_dies_mid_run_is_counted_and_stops_the_run_naming_it(tmp_path):
     done, _ = run([*RUN, "trainer.total_steps=2", f"rollout.agent=openenv:{ENV_FILE}:Dying"], tmp_path, "dying")
     assert done.returncode != 0
