@@ -21,6 +21,7 @@ from hybridflow.controller import PoolSpec, ResourcePool, RoleSpec, spawn_worker
 from hybridflow.data.prompts import encode_prompts
 from hybridflow.data.rows import read_rows
 from hybridflow.training.sequences import log_probs_and_entropy
+from tests.e2e.test_agent_rollout import _segments  # (is the model's, start, end) runs of a loss mask
 from tests.e2e.cli_in_one_process import without_ray
 from tests.e2e.workers import RecordingVLLMRollout
 
@@ -98,16 +99,6 @@ def test_the_actors_log_probs_of_the_sampled_ids_are_the_samplers(rolled_out, ti
     log_probs, _ = log_probs_and_entropy(model, samples, rows_per_micro_batch=8)
     mask = samples["loss_mask"]
     torch.testing.assert_close(log_probs[mask], samples["sampler_log_probs"][mask], atol=1e-3, rtol=0)
-
-
-def _segments(mask: list[bool]) -> list[tuple[bool, int, int]]:
-    """(is the model's, start, end) runs of a loss mask."""
-    runs, start = [], 0
-    for i in range(1, len(mask) + 1):
-        if i == len(mask) or mask[i] != mask[start]:
-            runs.append((mask[start], start, i))
-            start = i
-    return runs
 
 
 @pytest.mark.slow  # ~60 s under two workers: the default tier keeps the single-turn rollout's three tests

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.e2e.test_agent_rollout import _segments as runs  # (is model, start, end) runs of a loss mask
 from tests.e2e.test_rl_recipes import ONE_RANK, SMALL, metrics
 
 FIXTURES = Path(__file__).parent / "fixtures"
@@ -84,16 +85,6 @@ def server_gone(run_dir: Path) -> dict:
     except ProcessLookupError:
         return served
     raise AssertionError(f"the OpenEnv server (pid {served['pid']}) outlived its run")
-
-
-def runs(mask: list[bool]) -> list[tuple[bool, int, int]]:
-    """(is model, start, end) runs of a loss mask."""
-    out, start = [], 0
-    for i in range(1, len(mask) + 1):
-        if i == len(mask) or mask[i] != mask[start]:
-            out.append((mask[start], start, i))
-            start = i
-    return out
 
 
 def test_an_openenv_environment_trains_token_faithfully_and_its_server_ends_with_the_run(tmp_path):
