@@ -16,7 +16,11 @@ every run, Ray's import blocked on the one-process backend's.
 from __future__ import annotations
 
 import math
+import os
 import socket
+import sys
+import threading
+import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
@@ -46,6 +50,31 @@ class RayWorkerHost(WorkerHost):
             s.bind(("", 0))
             port = s.getsockname()[1]
         return _ray().util.get_node_ip_address(), port
+
+    def end(self) -> None:
+        """End this process the way Ray counts as intended: the workers dropped, then Ray's own exit,
+        which tells the node it is going and ends the processes this one started. Never by a kill from
+        outside: Ray's kill sends SIGTERM and, five seconds later, SIGKILL to the process id if that id is
+        alive, and on a busy host the id may by then belong to another process (the slow tier lost a
+        newly started vLLM rank so; Ray 2.60, raylet/worker.cc `KillAsync`). A thread ends the process
+        after `EXIT_GRACE_S` if Python's own exit waits on a thread a library left running."""
+        threading.Thread(target=_exit_after, args=(EXIT_GRACE_S,), daemon=True).start()
+        self.teardown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        _ray().actor.exit_actor()
+
+
+# Seconds a host that asked Ray to exit may take to finish (`RayWorkerHost.end`), and
+# seconds the driver waits for a host to end before it kills it (a host still inside a call: it ends only
+# after the call).
+EXIT_GRACE_S = 1.0
+END_TIMEOUT_S = 10.0
+
+
+def _exit_after(seconds: float) -> None:
+    time.sleep(seconds)
+    os._exit(0)
 
 
 _TASKS: dict = {}
@@ -95,8 +124,11 @@ class RayHost(Host):
         _ray().kill(self.actor, no_restart=True)
 
     def teardown(self) -> None:
-        """The process ends, and everything its roles held with it."""
-        self.kill()
+        """The process ends, and everything its roles held with it: asked to end itself
+        (`RayWorkerHost.end`), killed if it has not within `END_TIMEOUT_S` (it is inside a call)."""
+        ended, _ = _ray().wait([self.actor.end.remote()], timeout=END_TIMEOUT_S)
+        if not ended:
+            self.kill()
 
 
 def spawn_workers(

@@ -10,7 +10,7 @@ import torch
 
 from hybridflow.batch import Batch
 from hybridflow.controller import PoolSpec, ResourcePool, RoleSpec, WorkerError, WorkerGroupBroken, spawn_workers
-from tests.controller.workers import BrokenInitWorker, CounterWorker, EchoWorker
+from tests.controller.workers import BrokenInitWorker, CounterWorker, EchoWorker, LingeringWorker
 
 
 @pytest.fixture(scope="module")
@@ -120,6 +120,53 @@ def test_remote_exception_names_class_method_rank_quickly(ray_local):
     assert "deliberate failure on rank 1" in str(err) and "Traceback" in str(err)
     with pytest.raises(WorkerGroupBroken):
         group.whoami()
+
+
+def _gone(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] == "Z"  # a zombie has ended
+    except FileNotFoundError:
+        return True
+
+
+def _wait_gone(pids: list[int], timeout_s: float) -> list[int]:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline and not all(_gone(p) for p in pids):
+        time.sleep(0.05)
+    return [p for p in pids if not _gone(p)]
+
+
+def _exit_types(group) -> list[str]:
+    import ray._private.state
+
+    causes = [str(ray._private.state.actors(host.actor._actor_id.hex())["DeathCause"]) for host in group.hosts]
+    return ["INTENDED_USER_EXIT" if "INTENDED_USER_EXIT" in c else c for c in causes]
+
+
+def test_a_group_shut_down_ends_its_processes_itself_and_what_they_started(ray_local):
+    """Each host ends itself (Ray's intended exit), never by Ray's kill, whose SIGKILL five seconds later
+    goes to the process id, which a busy machine may have given to another process by then (it killed a
+    new vLLM rank in CI once). A thread a library left running and a child process do not keep it."""
+    group = spawn_workers(ResourcePool(PoolSpec("lingering", devices_per_node=2)), {"l": RoleSpec(LingeringWorker)})["l"]
+    pids = [p for pair in group.process_ids() for p in pair]
+    group.shutdown()
+    assert _wait_gone(pids, 10.0) == []
+    assert _exit_types(group) == ["INTENDED_USER_EXIT"] * 2
+
+
+def test_a_host_still_inside_a_call_at_shutdown_is_killed_after_the_wait(ray_local, monkeypatch):
+    from hybridflow.controller import ray_host
+
+    monkeypatch.setattr(ray_host, "END_TIMEOUT_S", 1.0)
+    group = spawn_workers(ResourcePool(PoolSpec("busy")), {"l": RoleSpec(LingeringWorker)})["l"]
+    pids = list(group.process_ids()[0])
+    group.sleep.remote(600)
+    start = time.monotonic()
+    group.shutdown()
+    assert time.monotonic() - start < 5
+    assert _wait_gone(pids, 10.0) == []
+    assert "INTENDED_USER_EXIT" not in _exit_types(group)[0]
 
 
 def test_constructor_failure_is_reported(ray_local):

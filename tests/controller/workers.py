@@ -103,3 +103,23 @@ class CounterWorker:
 class BrokenInitWorker:
     def __init__(self, ctx: WorkerContext) -> None:
         raise RuntimeError("cannot build this worker")
+
+
+class LingeringWorker:
+    """Starts what libraries leave behind: a child process, and a thread that is not a daemon (Python's
+    exit waits for it)."""
+
+    def __init__(self, ctx: WorkerContext) -> None:
+        import subprocess
+        import threading
+
+        self.child = subprocess.Popen(["sleep", "600"])
+        threading.Thread(target=time.sleep, args=(600,)).start()
+
+    @register(Dispatch.ONE_TO_ALL)
+    def process_ids(self) -> tuple[int, int]:
+        return os.getpid(), self.child.pid
+
+    @register(Dispatch.ONE_TO_ALL)
+    def sleep(self, seconds: float) -> None:
+        time.sleep(seconds)
