@@ -54,8 +54,10 @@ def stop_head(proc: subprocess.Popen) -> None:
 def main() -> None:
     import ray
 
+    from hybridflow.controller.runtime import RAY_SYSTEM_CONFIG
+
     ray.init(address="local", num_cpus=HEAD_CPUS, include_dashboard=False, log_to_driver=False,
-             configure_logging=False, namespace="hybridflow-tests-head")
+             configure_logging=False, namespace="hybridflow-tests-head", _system_config=RAY_SYSTEM_CONFIG)
     print(ray.get_runtime_context().gcs_address, flush=True)
     sys.stdin.read()  # until the test process closes the pipe (or exits)
     ray.shutdown()

@@ -52,12 +52,16 @@ class RayWorkerHost(WorkerHost):
         return _ray().util.get_node_ip_address(), port
 
     def end(self) -> None:
-        """End this process the way Ray counts as intended: the workers dropped, then Ray's own exit,
-        which tells the node it is going and ends the processes this one started. Never by a kill from
-        outside: Ray's kill sends SIGTERM and, five seconds later, SIGKILL to the process id if that id is
-        alive, and on a busy host the id may by then belong to another process (the slow tier lost a
-        newly started vLLM rank so; Ray 2.60, raylet/worker.cc `KillAsync`). A thread ends the process
-        after `EXIT_GRACE_S` if Python's own exit waits on a thread a library left running."""
+        """End this process from inside it: the workers dropped, then Ray's own exit (`exit_actor`),
+        which tells the node the process is going and ends the processes it started. Called on the
+        monitor lane, so it runs while the default lane is inside a call (a rank stuck in a collective
+        its peer left): Ray's exit then waits for that call, and a thread ends the process after
+        `EXIT_GRACE_S` (as it does when Python's exit waits on a thread a library left running).
+
+        Not Ray's kill: it sends SIGTERM and, five seconds later, SIGKILL to the process id if that id is
+        alive, and on a machine that starts threads fast the id may by then name a thread of another
+        process (Ray 2.60, raylet/worker.cc `KillAsync`): in CI it killed a vLLM rank a new group had
+        just started. A process that ends itself is marked dead by its node, which kills nothing later."""
         threading.Thread(target=_exit_after, args=(EXIT_GRACE_S,), daemon=True).start()
         self.teardown()
         sys.stdout.flush()
@@ -65,9 +69,8 @@ class RayWorkerHost(WorkerHost):
         _ray().actor.exit_actor()
 
 
-# Seconds a host that asked Ray to exit may take to finish (`RayWorkerHost.end`), and
-# seconds the driver waits for a host to end before it kills it (a host still inside a call: it ends only
-# after the call).
+# Seconds a host that asked Ray to exit may take to end (`RayWorkerHost.end`), and seconds the driver waits
+# for it before it kills the process (one whose monitor lane does not answer either).
 EXIT_GRACE_S = 1.0
 END_TIMEOUT_S = 10.0
 
@@ -124,9 +127,10 @@ class RayHost(Host):
         _ray().kill(self.actor, no_restart=True)
 
     def teardown(self) -> None:
-        """The process ends, and everything its roles held with it: asked to end itself
-        (`RayWorkerHost.end`), killed if it has not within `END_TIMEOUT_S` (it is inside a call)."""
-        ended, _ = _ray().wait([self.actor.end.remote()], timeout=END_TIMEOUT_S)
+        """The process ends, and everything its roles held with it: it ends itself
+        (`RayWorkerHost.end`), or is killed if it has not within `END_TIMEOUT_S`."""
+        ended, _ = _ray().wait([self.actor.end.options(concurrency_group=MONITOR_LANE).remote()],
+                               timeout=END_TIMEOUT_S)
         if not ended:
             self.kill()
 

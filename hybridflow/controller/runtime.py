@@ -17,6 +17,13 @@ import os
 
 log = logging.getLogger(__name__)
 
+# The local Ray instance's settings. kill_worker_timeout_milliseconds: Ray's kill sends SIGTERM, and after
+# this many milliseconds SIGKILL to the process id if that id is alive (5,000 by default). By then a machine
+# that starts threads fast may have given the id to a thread of another process, which the SIGKILL ends:
+# in CI it killed a vLLM rank a new group had just started. Ray SIGKILLs the process's group 200 ms after the
+# SIGTERM anyway; a process group ends itself where it can (hybridflow.controller.ray_host `RayWorkerHost.end`).
+RAY_SYSTEM_CONFIG = {"kill_worker_timeout_milliseconds": 250}
+
 
 def join_address(address: str | None) -> str | None:
     """The cluster a driver joins: `ray.address`, else RAY_ADDRESS (which `ray job submit` exports to
@@ -83,6 +90,7 @@ def connect(*, address: str | None, num_cpus: int | None, dashboard: bool, dashb
         namespace=namespace,
         runtime_env=runtime_env,
         log_to_driver=log_to_driver,
+        _system_config=RAY_SYSTEM_CONFIG,
         **quiet,
     )
     log.info("started a local Ray instance with %s CPU slot(s)", ray.cluster_resources().get("CPU"))

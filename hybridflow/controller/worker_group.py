@@ -160,10 +160,7 @@ class WorkerGroup:
         """Tear down this group's hosts (shared with colocated roles: Ray's processes end, the one
         process frees its workers) and release its pool."""
         for host in self.hosts:
-            if self._broken:  # a rank may be stuck in a collective: nothing to wait for
-                host.kill()
-            else:
-                host.teardown()
+            host.teardown()
         if self.pool is not None:
             self.pool.remove()
         self._broken = "shut down"

@@ -155,18 +155,24 @@ def test_a_group_shut_down_ends_its_processes_itself_and_what_they_started(ray_l
     assert _exit_types(group) == ["INTENDED_USER_EXIT"] * 2
 
 
-def test_a_host_still_inside_a_call_at_shutdown_is_killed_after_the_wait(ray_local, monkeypatch):
+def test_a_host_still_inside_a_call_at_shutdown_ends_itself_and_one_that_answers_nothing_is_killed(
+        ray_local, monkeypatch):
+    """A rank inside a call (stuck in a collective its peer left) ends itself from its monitor lane within
+    seconds; a process whose monitor lane does not answer either is killed after `END_TIMEOUT_S`."""
     from hybridflow.controller import ray_host
 
-    monkeypatch.setattr(ray_host, "END_TIMEOUT_S", 1.0)
-    group = spawn_workers(ResourcePool(PoolSpec("busy")), {"l": RoleSpec(LingeringWorker)})["l"]
-    pids = list(group.process_ids()[0])
-    group.sleep.remote(600)
+    monkeypatch.setattr(ray_host, "END_TIMEOUT_S", 3.0)
+    group = spawn_workers(ResourcePool(PoolSpec("busy", devices_per_node=2)), {"l": RoleSpec(LingeringWorker)})["l"]
+    pids = [p for pair in group.process_ids() for p in pair]
+    group.sleep(600)
+    group.hosts[1].submit("l", "hold_the_monitor_lane", (600,), {}, "monitor")
+    time.sleep(0.5)
     start = time.monotonic()
     group.shutdown()
-    assert time.monotonic() - start < 5
+    assert time.monotonic() - start < 3.0 + 5.0
     assert _wait_gone(pids, 10.0) == []
-    assert "INTENDED_USER_EXIT" not in _exit_types(group)[0]
+    rank0, rank1 = _exit_types(group)
+    assert "RAY_KILL" not in rank0 and "RAY_KILL" in rank1
 
 
 def test_constructor_failure_is_reported(ray_local):

@@ -120,6 +120,11 @@ class LingeringWorker:
     def process_ids(self) -> tuple[int, int]:
         return os.getpid(), self.child.pid
 
-    @register(Dispatch.ONE_TO_ALL)
+    @register(Dispatch.ONE_TO_ALL, blocking=False)
     def sleep(self, seconds: float) -> None:
+        time.sleep(seconds)
+
+    @register(Dispatch.ONE_TO_ALL, blocking=False, lane="monitor")
+    def hold_the_monitor_lane(self, seconds: float) -> None:
+        """Blocks the lane the host's `end` runs on: a process that answers nothing."""
         time.sleep(seconds)
