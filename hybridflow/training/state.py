@@ -1,8 +1,8 @@
 """The training state's methods shared by the trainable workers (actor, critic): its checkpoint saved and
 loaded, and the whole model read or replaced (hybridflow.training.whole_model).
 
-A worker that mixes this in has `ctx`, `model`, `optimizer`, `scheduler`, `dtype` (the compute dtype)
-and an `updates` counter; the methods are collective over the worker's group (see hybridflow/checkpoint).
+A worker that mixes this in has `ctx`, `model`, `optimizer`, `scheduler`, `dtype` (the compute dtype),
+`loss_scale` (hybridflow.training.loss_scale) and an `updates` counter; the methods are collective over the worker's group (see hybridflow/checkpoint).
 A checkpoint loads on another number of ranks than saved it (docs/checkpoints.md).
 """
 
@@ -17,11 +17,14 @@ from hybridflow.training import whole_model
 class TrainingStateMixin:
     @register(Dispatch.ONE_TO_ALL)
     def save_checkpoint(self, directory: str) -> None:
-        """Collective: this rank's shard of model + optimizer, the scheduler, RNG and update count."""
+        """Collective: this rank's shard of model + optimizer, the scheduler, RNG, update count and
+        float16's loss scale (a resume that started again at 2^16 would retry the backwards that the
+        scale's first steps had backed off from, and its updates would differ)."""
         from hybridflow.checkpoint import save_training_state
 
         save_training_state(directory, model=self.model, optimizer=self.optimizer, scheduler=self.scheduler,
-                            rank=self.ctx.rank, extra={"updates": self.updates})
+                            rank=self.ctx.rank, extra={"updates": self.updates,
+                                                       "loss_scale": self.loss_scale.state_dict()})
 
     @register(Dispatch.ONE_TO_ALL)
     def load_checkpoint(self, directory: str) -> str | None:
@@ -32,6 +35,8 @@ class TrainingStateMixin:
         extra = load_training_state(directory, model=self.model, optimizer=self.optimizer, scheduler=self.scheduler,
                                     rank=self.ctx.rank)
         self.updates = int((extra or {}).get("updates", 0))
+        if "loss_scale" in (extra or {}):  # checkpoints before 2026-12-07 have none: the scale starts again
+            self.loss_scale.load_state_dict(extra["loss_scale"])
         return rank_change_note(saved_world_size(directory), self.ctx.world_size)
 
     @register(Dispatch.RANK_ZERO)

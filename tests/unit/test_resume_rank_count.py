@@ -251,3 +251,28 @@ def test_rank_change_note_says_what_is_restored():
     assert rank_change_note(2, 4) == ("saved by 2 ranks, loaded on 4: model and optimizer resharded by "
                                       "torch.distributed.checkpoint; RNG states of ranks 0-1 restored; ranks 2-3 "
                                       "seeded from sha256(saved rank 0's RNG state, rank)")
+
+
+def test_float16s_loss_scale_resumes_where_it_was(tiny_model_dir, tmp_path):
+    """A float16 run's loss scale backs off in its first steps; a resume that started again at 2^16 would
+    retry those overflows and update differently."""
+    from hybridflow.config.schema import ActorConfig, Dtype, HybridFlowConfig, ModelConfig, TrainerConfig
+    from hybridflow.controller import WorkerContext
+    from hybridflow.run.stage import prepare_stage
+    from hybridflow.training.loss_scale import INITIAL_SCALE
+    from recipes.roles import actor_role
+
+    def actor():
+        config = HybridFlowConfig(model=ModelConfig(dtype=Dtype.float16), actor=ActorConfig(samples_per_micro_batch=1),
+                                  trainer=TrainerConfig(total_steps=10))
+        built = actor_role(prepare_stage(config).config, str(tiny_model_dir)).build(WorkerContext(rank=0, world_size=1))
+        built.start()
+        return built
+
+    saved = actor()
+    assert saved.loss_scale.enabled and saved.loss_scale.scale == INITIAL_SCALE
+    saved.loss_scale.load_state_dict({"scale": 512.0, "good_steps": 7, "overflows": 3})
+    saved.save_checkpoint(str(tmp_path / "ckpt"))
+    resumed = actor()
+    resumed.load_checkpoint(str(tmp_path / "ckpt"))
+    assert resumed.loss_scale.state_dict() == {"scale": 512.0, "good_steps": 7, "overflows": 3}
