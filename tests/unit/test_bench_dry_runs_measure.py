@@ -67,6 +67,29 @@ def test_the_logprob_memory_bench_reads_each_paths_peak_with_the_backward_passs_
     assert paths["full"]["peak_above_start_bytes"] >= report["parameter_bytes"] > 0, report
 
 
+def test_the_sequence_parallel_bench_measures_both_sizes_on_two_ranks_beside_the_memory_model(tmp_path):
+    """bench/sequence_parallel.py --dry-run: responses of 64 and 128 tokens at SP 1 and SP 2, one packed row
+    per rank, the actor's training path on two gloo ranks (one pair of processes for all four here). Each rank
+    ran the policy loss (both ranks of the SP 2 group on one row; each its own at SP 1), read a peak above its
+    start, and the memory model's prediction stands beside it (the SP terms only at SP 2); the
+    longest-response search reads the table (no new lengths in the dry run)."""
+    report = _own_process("sequence_parallel.py", tmp_path / "sp.json")
+    assert (report["model"], report["prompt_tokens"], report["ranks"]) == ("tiny", 64, 2)
+    assert report["model_shape"]["heads"] % 2 == 0 and report["max_position_embeddings"] >= 64 + 128
+    rows = report["results"]
+    assert [(row["response_tokens"], row["sp"]) for row in rows] == [(64, 1), (64, 2), (128, 1), (128, 2)]
+    for row in rows:
+        assert [rank["rank"] for rank in row["ranks"]] == [0, 1] and row["seconds"] > 0, row
+        for rank in row["ranks"]:
+            assert rank["peak_bytes"] >= rank["start_bytes"] > 2**20, rank
+            assert rank["peak_above_start_bytes"] == rank["peak_bytes"] - rank["start_bytes"]
+        assert row["predicted_bytes"] > row["predicted_without_probabilities_bytes"] > 0
+        assert any(key.startswith("sequence parallel 2") for key in row["terms"]) == (row["sp"] == 2)
+    search = report["search"]
+    assert search["limit_bytes"] == rows[0]["peak_above_start_bytes"] and set(search["longest"]) == {"1", "2"}
+    assert report["extra"] == []
+
+
 def test_the_runtime_memory_bench_composes_both_runs_on_the_pools_it_reads(monkeypatch, tmp_path):
     """bench/runtime_memory.py --dry-run: both runs' commands composed and checked as `hybridflow` checks them
     (nothing started: no run directory), each placing the actor and a vLLM rollout on the pools whose
