@@ -132,6 +132,8 @@ class MemoryInputs:
     max_num_seqs: int = 256  # rollout.max_num_seqs: the rows an engine decodes at once
     sequences: int = 0  # samples per step (prompts x samples per prompt), over the actor's ranks; 0: unknown
     engine_fp32_head: bool = False  # rollout.fp32_lm_head: the engine's logits in float32
+    packed: bool = False  # model.pack_sequences=true (null decides when the model loads: priced as padded
+    # unless a role's sequence parallelism, which runs only packed, says the run packs)
     # Ulysses sequence parallelism per role (docs/long_sequences.md): actor.sequence_parallel_size (the
     # reference's too), critic.sequence_parallel_size, teacher.sequence_parallel_size
     actor_sp: int = 1
@@ -165,7 +167,19 @@ class MemoryInputs:
                    sleep_level=config.rollout.sleep_level or 1,  # null: resolved at compose (checks.resolved)
                    engine_gpu=_engine_gpu(config), max_num_seqs=config.rollout.max_num_seqs,
                    sequences=config.trainer.prompts_per_step * config.rollout.samples_per_prompt,
-                   engine_fp32_head=config.rollout.fp32_lm_head, **sequence_parallel_sizes(config))
+                   engine_fp32_head=config.rollout.fp32_lm_head, packed=config.model.pack_sequences is True,
+                   **sequence_parallel_sizes(config))
+
+
+def keeps_probabilities(inputs: MemoryInputs, cpu: bool) -> bool:
+    """Whether a micro-batch's attention keeps its (heads x tokens) probabilities per token: on a CPU with
+    the padded path (eager attention; measured), not on a GPU (its kernels recompute them) and not with
+    packed rows, which attend in one fused kernel keeping a log-sum-exp per head and token (measured: the
+    packed path's heap peak within 12% of the other terms at 2K-8K tokens, bench/sequence_parallel.py,
+    docs/results/performance.md). A run with sequence parallelism on any role packs (it is refused
+    otherwise)."""
+    packs = inputs.packed or max(inputs.actor_sp, inputs.critic_sp, inputs.teacher_sp) > 1
+    return cpu and not packs
 
 
 def sequence_parallel_sizes(config) -> dict[str, int]:
@@ -233,7 +247,8 @@ def device_terms(inputs: MemoryInputs, roles, ranks: int, tp: int, device: str,
         embeddings = s.vocab * s.hidden * (1 if s.tied_embeddings else 2)
         terms["actor embeddings gathered, and their gradient (model.dtype, whole)"] = 2 * embeddings * compute
     if any(r in roles for r in MODEL_ROLES_ON_DEVICES):
-        terms.update(micro_batch_terms(inputs, attention_probabilities=cpu, sp=pool_sequence_parallel(inputs, roles)))
+        sp = pool_sequence_parallel(inputs, roles)
+        terms.update(micro_batch_terms(inputs, attention_probabilities=keeps_probabilities(inputs, cpu), sp=sp))
     return terms
 
 
@@ -346,11 +361,12 @@ def choose_micro_batch(config, plan, shape: ModelShape | None, node_bytes: int |
     inputs = MemoryInputs.from_config(config, shape, rows=1, checkpointing=False)
     roles = actor_pool_roles(config, plan) | {"actor"}
     sp = pool_sequence_parallel(inputs, roles)
+    probabilities = keeps_probabilities(inputs, cpu)
     fixed = (sum(_actor_pool_terms(inputs, plan, roles).values())
-             - sum(micro_batch_terms(inputs, attention_probabilities=cpu, sp=sp).values()))
+             - sum(micro_batch_terms(inputs, attention_probabilities=probabilities, sp=sp).values()))
 
     def fits(rows: int, ckpt: bool) -> bool:
-        return fixed + sum(micro_batch_terms(inputs, rows, ckpt, attention_probabilities=cpu, sp=sp).values()) <= budget
+        return fixed + sum(micro_batch_terms(inputs, rows, ckpt, attention_probabilities=probabilities, sp=sp).values()) <= budget
 
     def most_rows(ckpt: bool) -> int:
         candidates = [rows_set] if rows_set else range(AUTO_MAX_ROWS, 0, -1)
@@ -365,7 +381,7 @@ def choose_micro_batch(config, plan, shape: ModelShape | None, node_bytes: int |
     share = f"{AUTO_SHARE:.0%} of the {budget / AUTO_SHARE / GIB:.1f} GiB {where}"
     if rows == 0:  # the smallest; memory_problems refuses it when even its floor cannot fit
         rows, ckpt = rows_set or 1, ckpt_set if ckpt_set is not None else True
-        floor = fixed + sum(micro_batch_terms(inputs, rows, ckpt, attention_probabilities=cpu, sp=sp).values())
+        floor = fixed + sum(micro_batch_terms(inputs, rows, ckpt, attention_probabilities=probabilities, sp=sp).values())
         fix = ("Set rollout.dtype=bfloat16 (or model.master_dtype=bfloat16), or lower rollout.kv_cache_space_gib"
                if cpu else "Put more GPUs in the actor's pool (FSDP2 shards the training state), or set "
                "model.master_dtype=bfloat16")
