@@ -24,8 +24,16 @@ Refused with an OpenAI-style error (the agent's client raises it): a key of a ph
 (404), sampling the trainer did not ask for (temperature other than the run's, top_p < 1, n > 1:
 the trained policy must be the one that sampled; 400), a call past the sample's token budget
 (`rollout.max_response_tokens`, all tokens after the first prompt; 400), and a call that offers tools
-(400): tool calls are written in each model family's own format, which this endpoint does not parse
-yet, and an agent that never saw its calls answered would be trained as if it had offered none.
+when no `rollout.tool_call_parser` is set (400): tool calls are written in each model family's own
+format, and an agent that never saw its calls answered would be trained as if it had offered none.
+
+Tool calls. With a parser set (tool_calls.py: vLLM's parsers, by name), a request's `tools` are
+rendered by the chat template and each reply is parsed into OpenAI `tool_calls` (finish_reason
+"tool_calls"); a reply with no call is a plain message, one whose call the parser rejects is plain
+text too and counted (`SampleRecord.malformed_tool_calls`). The next request repeats the assistant
+message with its `tool_calls`, which the template renders its own way (key order, spacing): where that
+text is not what was sampled, the tail is found by rendering the repeated message as the sampled text,
+so the chain still carries the sampled ids (`ChatTokens.tail`).
 """
 
 from __future__ import annotations
@@ -40,6 +48,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
+from hybridflow.agents.tool_calls import ToolCallParser, call_signature
 from hybridflow.agents.trajectory import GenerateFn, TurnRequest
 
 BATCH_WINDOW_S = 0.02  # calls arriving this close together go to the engine in one generate call
@@ -58,7 +67,7 @@ class Call:
     """One chat completion of a sample: its messages (normalised), the chain it extends, and its tokens."""
 
     messages: list[tuple]
-    reply: str  # the assistant content returned
+    reply: str  # the sampled text (special tokens skipped)
     root_ids: list[int]  # the chain's first prompt
     response_ids: list[int]  # after the root: the chain's earlier replies and tails, then this reply
     loss_mask: list[bool]  # True on sampled ids
@@ -66,6 +75,12 @@ class Call:
     parent: int | None  # the index of the call it extends
     completion_ids: list[int] = field(default_factory=list)
     finish_reason: str = "stop"
+    content: str | None = None  # the assistant content returned: the reply, less the tool calls parsed out of it
+    tool_calls: list[dict] = field(default_factory=list)  # the OpenAI tool calls returned
+
+    def returned(self) -> tuple:
+        """The assistant message returned, as `normalise` gives it when a later request repeats it."""
+        return ("assistant", self.content or "", call_signature(self.tool_calls))
 
 
 @dataclass
@@ -78,6 +93,7 @@ class SampleRecord:
     calls: list[Call] = field(default_factory=list)
     truncated: bool = False  # a call ran out of the budget, or one was refused for it
     refused: list[str] = field(default_factory=list)  # the endpoint's refusals, for the sample's message
+    malformed_tool_calls: int = 0  # replies that opened a tool call the parser rejected
 
     @property
     def last(self) -> Call | None:
@@ -110,8 +126,7 @@ def normalise(message: dict) -> tuple:
     """What identifies a message when a later call repeats it: role, text, tool calls and tool call id."""
     if not isinstance(message, dict) or not isinstance(message.get("role"), str):
         raise EndpointError(400, "invalid_message", f"message {message!r:.60} has no role")
-    calls = message.get("tool_calls") or None
-    return (message["role"], message_text(message.get("content")), json.dumps(calls, sort_keys=True) if calls else "",
+    return (message["role"], message_text(message.get("content")), call_signature(message.get("tool_calls")),
             message.get("tool_call_id") or "")
 
 
@@ -151,17 +166,28 @@ class ChatTokens:
     def tail(self, messages: list[dict], tools: list | None, parent: Call) -> list[int] | None:
         """The ids after `parent`'s prompt and reply when `messages` extend them, else None: the text the
         template puts after the reply, encoded. The reply's own text is matched whether the template
-        writes the sampled end token after it (Qwen's <|im_end|>) or not."""
+        writes the sampled end token after it (Qwen's <|im_end|>) or not. A repeated tool-call message
+        that the template renders otherwise than it was sampled is rendered as the sampled text instead
+        (a plain assistant message), so the tail is what follows the sampled ids."""
         n = len(parent.messages)
         head = self.render(messages[:n], tools)
-        text = self.render(messages, tools)
+        found = self._tail_text(head, self.render(messages, tools), parent)
+        if found is None and parent.tool_calls:
+            as_sampled = [*messages[:n], {"role": "assistant", "content": parent.reply}, *messages[n + 1:]]
+            try:
+                found = self._tail_text(head, self.render(as_sampled, tools), parent)
+            except Exception:  # noqa: BLE001 - a template that insists on the call (jinja's raise_exception)
+                found = None
+        return None if found is None else self.encode(found)
+
+    def _tail_text(self, head: str, text: str, parent: Call) -> str | None:
         if not text.startswith(head):
             return None
         rest = text[len(head):]
         with_specials = self.tokenizer.decode(parent.completion_ids, skip_special_tokens=False)
         for sampled in (with_specials, parent.reply):
             if rest.startswith(sampled):
-                return self.encode(rest[len(sampled):])
+                return rest[len(sampled):]
         return None
 
 
@@ -222,8 +248,9 @@ class ChatEndpoint:
     """The endpoint: `start()` once, then per generation phase `open_phase(...)` -> keys,
     `base_url(key)` per sample, and `close_phase()` -> the samples' records; `stop()` at the end."""
 
-    def __init__(self, tokenizer, model_name: str = "policy") -> None:
+    def __init__(self, tokenizer, model_name: str = "policy", tool_parser: ToolCallParser | None = None) -> None:
         self.tokens = ChatTokens(tokenizer)
+        self.tool_parser = tool_parser  # None: requests that offer tools are refused
         self.model_name = model_name
         self.generate: GenerateFn | None = None  # the open phase's engine, and its temperature
         self.temperature = 1.0
@@ -319,7 +346,7 @@ class ChatEndpoint:
             parent = record.calls[i]
             n = len(parent.messages)
             if (len(normalised) > n + 1 and normalised[:n] == parent.messages
-                    and normalised[n][:2] == ("assistant", parent.reply)):
+                    and normalised[n][:3] == parent.returned()):
                 tail = self.tokens.tail(messages, tools, parent)
                 if tail is not None:
                     call = Call(normalised, "", parent.root_ids, parent.response_ids + tail,
@@ -340,12 +367,13 @@ class ChatEndpoint:
         messages, tools = body.get("messages"), body.get("tools") or None
         if not isinstance(messages, list) or not messages:
             raise EndpointError(400, "invalid_request", "messages must be a non-empty list of chat messages")
-        if tools:
+        if tools and self.tool_parser is None:
             raise EndpointError(400, "tools_unsupported",
                                 f"the request offers tools {[t.get('function', {}).get('name') for t in tools][:5]}, and "
-                                "this endpoint does not parse tool calls out of the model's text (each model family "
-                                "writes them its own way): the agent would never see a call and the run would train "
-                                "on that. Use an agent without tools (verifiers: the null harness, no toolsets)")
+                                "no rollout.tool_call_parser is set to parse the calls out of the model's text (each "
+                                "model family writes them its own way): the agent would never see a call and the run "
+                                "would train on that. Set rollout.tool_call_parser to the model's format (hermes for "
+                                "<tool_call>{json}</tool_call>: Qwen2.5/Qwen3), or use an agent without tools")
         call, prompt_ids = self.prompt(record, messages, tools)
         left = record.budget - len(call.response_ids)
         if left < 1:
@@ -370,14 +398,23 @@ class ChatEndpoint:
         call.loss_mask = call.loss_mask + [True] * len(ids)
         call.log_probs = call.log_probs + list(log_probs)
         call.finish_reason = "length" if hit_length else "stop"
+        call.content, malformed = call.reply, False
+        tools = pending.body.get("tools")
+        if tools and not hit_length:  # a reply cut by the token limit is returned as text, its call unfinished
+            parsed = self.tool_parser.parse(call.reply, tools)
+            call.content, call.tool_calls, malformed = parsed.content, parsed.tool_calls, parsed.malformed
+            call.finish_reason = "tool_calls" if call.tool_calls else call.finish_reason
         with self.lock:
             pending.record.truncated = pending.record.truncated or (hit_length and pending.at_budget)
+            pending.record.malformed_tool_calls += malformed
             pending.record.calls.append(call)
         return self.response(pending.body, call, len(pending.request.prompt_ids), log_probs)
 
     def response(self, body: dict, call: Call, prompt_tokens: int, log_probs: list[float]) -> dict:
-        choice = {"index": 0, "message": {"role": "assistant", "content": call.reply},
-                  "finish_reason": call.finish_reason}
+        message = {"role": "assistant", "content": call.content}
+        if call.tool_calls:
+            message["tool_calls"] = call.tool_calls
+        choice = {"index": 0, "message": message, "finish_reason": call.finish_reason}
         if body.get("logprobs"):
             pieces = [self.tokens.tokenizer.decode([t]) for t in call.completion_ids]
             choice["logprobs"] = {"content": [{"token": p, "logprob": lp, "top_logprobs": []}
@@ -434,7 +471,10 @@ def _sse(result: dict, usage: bool):
     """A whole completion as chat.completion.chunk events (the engine does not stream tokens out)."""
     choice = result["choices"][0]
     base = {k: result[k] for k in ("id", "created", "model")} | {"object": "chat.completion.chunk"}
-    first = {"index": 0, "delta": {"role": "assistant", "content": choice["message"]["content"]}, "finish_reason": None}
+    delta = {"role": "assistant", "content": choice["message"]["content"]}
+    if choice["message"].get("tool_calls"):
+        delta["tool_calls"] = [{"index": i, **c} for i, c in enumerate(choice["message"]["tool_calls"])]
+    first = {"index": 0, "delta": delta, "finish_reason": None}
     if "logprobs" in choice:
         first["logprobs"] = choice["logprobs"]
     chunks = [base | {"choices": [first]},

@@ -29,14 +29,24 @@ CHARACTERS = string.digits + "+-*/=()?., " + string.ascii_letters + ":;!'\"#%&<>
 # and a turn can stop on the closing tag's token id. Appended after the characters: the ids of
 # every other token are unchanged.
 MARKER_TOKENS = ["<calc>", "</calc>", "<result>", "</result>"]
+# Braces, for JSON tool calls (Hermes' <tool_call>{"name": ..., "arguments": {...}}</tool_call>); appended
+# after the markers, so that no earlier id moves.
+LATER_CHARACTERS = "{}"
 # Chat prompts (verl's layout) render as "user: 3+4= assistant: ": only characters in the vocabulary.
-CHAT_TEMPLATE = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }} {% endfor %}"
+# With tools (the OpenAI-compatible endpoint, hybridflow/agents/endpoint.py), Hermes' format, compactly:
+# the tools' names first ("tools: calc; "), an assistant's calls after its content as
+# <tool_call>{"name": "calc", "arguments": {"expr": "3+4"}}</tool_call>, a tool's result as "tool: 7 ".
+CHAT_TEMPLATE = ("{% if tools %}tools: {% for t in tools %}{{ t['function']['name'] }}; {% endfor %}{% endif %}"
+                 "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}"
+                 "{% for c in m['tool_calls'] or [] %}<tool_call>{\"name\": \"{{ c['function']['name'] }}\", "
+                 "\"arguments\": {% if c['function']['arguments'] is string %}{{ c['function']['arguments'] }}"
+                 "{% else %}{{ c['function']['arguments'] | tojson }}{% endif %}}</tool_call>{% endfor %} {% endfor %}"
                  "{% if add_generation_prompt %}assistant: {% endif %}")
 
 
 def tiny_vocab_size() -> int:
     """The tiny model's vocabulary: its tokenizer's tokens, rounded up to a multiple of 64 (tidy matmul shapes)."""
-    tokens = len(SPECIAL_TOKENS) + len(dict.fromkeys(CHARACTERS)) + len(MARKER_TOKENS)
+    tokens = len(SPECIAL_TOKENS) + len(dict.fromkeys(CHARACTERS)) + len(MARKER_TOKENS) + len(LATER_CHARACTERS)
     return ((tokens + 63) // 64) * 64
 
 
@@ -45,7 +55,8 @@ def build_char_tokenizer():
     from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS + list(dict.fromkeys(CHARACTERS)) + MARKER_TOKENS)}
+    vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS + list(dict.fromkeys(CHARACTERS)) + MARKER_TOKENS
+                                            + list(LATER_CHARACTERS))}
     core = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
     core.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
     core.decoder = decoders.Fuse()

@@ -80,7 +80,8 @@ def first_problems(checks: list[Callable[[], list[str]]]) -> list[str]:
 def config_problems(config: HybridFlowConfig) -> list[str]:
     """What the config alone shows (`resolved` first: the precision rule reads the resolved dtypes)."""
     checks = [lambda: check_registered_names(config), lambda: check_reward_names(config),
-              lambda: check_environment_reward(config), lambda: check_rollout_engine(config), lambda: check_exact_engine(config),
+              lambda: check_environment_reward(config), lambda: check_tool_call_parser(config),
+              lambda: check_rollout_engine(config), lambda: check_exact_engine(config),
               lambda: check_truncated_sampling(config),
               lambda: check_precision(config), lambda: check_lora_sync(config), lambda: check_local_backend(config)]
     if not recipe_spec(config.recipe.name).pipeline:  # a pipeline's stages compose their own configs, each checked
@@ -207,6 +208,13 @@ def check_rollout_correction(config: HybridFlowConfig) -> list[str]:
             "clips against the sampler itself (nothing to correct): set trainer.old_log_probs=actor (or auto), or "
             "algorithm.rollout_correction=none")
     return problems
+
+
+def check_tool_call_parser(config: HybridFlowConfig) -> list[str]:
+    """rollout.tool_call_parser names one of vLLM's tool-call parsers (hybridflow/agents/tool_calls.py)."""
+    from hybridflow.agents.tool_calls import check_parser_name
+
+    return check_parser_name(config.rollout.tool_call_parser)
 
 
 def check_rollout_engine(config: HybridFlowConfig) -> list[str]:

@@ -401,6 +401,11 @@ class RolloutConfig:
     # The environment's own load arguments (verifiers: its env config, as its --env.* flags would give it),
     # a mapping. Typed Any so the whole mapping can be given from the command line; null: none
     environment_args: Any = None
+    # The environment's tool calls (docs/agents.md "Tool calls through the endpoint"): the vLLM tool-call
+    # parser that reads them out of the model's text, by the name `vllm serve --tool-call-parser` takes
+    # (hermes: <tool_call>{json}</tool_call>, Qwen2.5/Qwen3; llama3_json, mistral, ...). Empty: a request
+    # that offers tools is refused
+    tool_call_parser: str = ""
     # trainer.max_staleness >= 2 (docs/async.md): what requests running when new weights arrive do.
     # 'finish': they finish on the weights they started with, and the load waits for the batch;
     # 'recompute': the load lands between two engine steps, and running requests keep their tokens
@@ -420,6 +425,9 @@ class RolloutConfig:
                  "a mapping of the environment's load arguments, e.g. {agent: {max_turns: 4}}")
         _require(bool(self.environment) or not self.environment_args, "rollout.environment_args",
                  self.environment_args, "arguments of no environment: set rollout.environment, or drop them")
+        _require(bool(self.environment) or not self.tool_call_parser, "rollout.tool_call_parser", self.tool_call_parser,
+                 "parses the tool calls of a hub environment's agent (rollout.environment), and none is set: set "
+                 "rollout.environment, or unset this key")
         if isinstance(self.openenv, OpenEnvConfig) and self.openenv != OpenEnvConfig():
             _require(any(str(a).startswith("openenv:") for a in self.agent), "rollout.openenv", self.openenv,
                      "only with an OpenEnv environment in rollout.agent (openenv:<target>): nothing else reads it")

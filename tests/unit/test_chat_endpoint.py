@@ -107,7 +107,7 @@ def test_refusals_name_the_cause(endpoint):
              {"role": "user", "content": "b"}]
     with pytest.raises(openai.BadRequestError, match="max_response_tokens=3"):
         client.chat.completions.create(model="m", messages=again)
-    with pytest.raises(openai.BadRequestError, match="does not parse tool calls"):
+    with pytest.raises(openai.BadRequestError, match="no rollout.tool_call_parser is set"):
         client.chat.completions.create(model="m", messages=[{"role": "user", "content": "a"}], tools=[
             {"type": "function", "function": {"name": "calc", "parameters": {"type": "object", "properties": {}}}}])
     records = served.close_phase()
@@ -141,3 +141,82 @@ def test_calls_waiting_together_reach_the_engine_in_one_batch(endpoint):
         replies = list(pool.map(call, clients))
     assert replies == ["7"] * 16
     assert max(engine.batches) >= 8 and len(engine.batches) < 16, engine.batches  # not one by one
+
+
+# ---- tool calls (rollout.tool_call_parser=hermes: vLLM's parser of <tool_call>{json}</tool_call>) --------------
+TOOLS = [{"type": "function", "function": {"name": "calc", "description": "Evaluate an expression.",
+                                           "parameters": {"type": "object", "properties": {"expr": {"type": "string"}},
+                                                          "required": ["expr"]}}}]
+# sampled without the spaces the tiny template writes between JSON keys: its re-rendering of the parsed call
+# is other text than the sampled one, so only the sampled ids can be the trained ones
+CALL = '<tool_call>{"name":"calc","arguments":{"expr":"3+4"}}</tool_call>'
+
+
+@pytest.fixture()
+def tool_endpoint():
+    from hybridflow.agents.tool_calls import ToolCallParser
+
+    tokenizer = build_char_tokenizer()
+    engine = ScriptedEngine(tokenizer, [CALL, "7", "<tool_call>{oops</tool_call>"])
+    served = ChatEndpoint(tokenizer, tool_parser=ToolCallParser("hermes", tokenizer))
+    served.start()
+    yield served, engine, tokenizer
+    served.stop()
+
+
+def _ids(tok, text: str) -> list[int]:
+    return [tok.convert_tokens_to_ids(c) for c in text] + [tok.eos_token_id]  # as ScriptedEngine samples it
+
+
+def test_a_tool_call_is_parsed_and_its_episode_trains_on_the_sampled_ids(tool_endpoint):
+    served, engine, tok = tool_endpoint
+    (key,) = served.open_phase(version=0, seeds=[3], budget=128, generate=engine, temperature=TEMPERATURE)
+    client = _client(served, key)
+    messages = [{"role": "user", "content": "3+4="}]
+    first = client.chat.completions.create(model="m", messages=messages, tools=TOOLS)
+    root = engine.requests[0].prompt_ids
+    assert tok.decode(root) == "tools: calc; user: 3+4= assistant: "  # the template rendered the tools
+    choice = first.choices[0]
+    assert choice.finish_reason == "tool_calls" and not choice.message.content
+    (call,) = choice.message.tool_calls
+    assert (call.type, call.function.name, call.function.arguments) == ("function", "calc", '{"expr": "3+4"}')
+    assert call.id
+
+    # the agent's next request, as the openai client writes it: the call repeated, then the tool's result
+    messages += [choice.message.model_dump(exclude_none=True),
+                 {"role": "tool", "tool_call_id": call.id, "content": "7"}]
+    second = client.chat.completions.create(model="m", messages=messages, tools=TOOLS)
+    assert second.choices[0].message.content == "7" and second.choices[0].finish_reason == "stop"
+    rendered = tok.apply_chat_template(messages, tools=TOOLS, tokenize=False, add_generation_prompt=True)
+    assert '{"name": "calc", "arguments": {"expr": "3+4"}}' in rendered and CALL not in rendered  # differs
+    sampled, tail = _ids(tok, CALL), tok.encode(" tool: 7 assistant: ", add_special_tokens=False)
+    assert engine.requests[1].prompt_ids == root + sampled + tail
+    trajectory = served.close_phase()[key].trajectory()
+    assert trajectory.parent == 0 and trajectory.root_ids == root
+    assert trajectory.response_ids == sampled + tail + _ids(tok, "7")  # the engine's sampled ids, both turns
+    assert trajectory.loss_mask == [True] * len(sampled) + [False] * len(tail) + [True] * 2  # the result masked
+
+
+def test_a_reply_without_a_call_is_a_message_and_a_broken_call_is_counted(tool_endpoint):
+    served, engine, tok = tool_endpoint
+    engine.replies = ["7", "<tool_call>{oops</tool_call>"]
+    keys = served.open_phase(version=0, seeds=[1, 2], budget=64, generate=engine, temperature=TEMPERATURE)
+    plain = _client(served, keys[0]).chat.completions.create(
+        model="m", messages=[{"role": "user", "content": "a"}], tools=TOOLS).choices[0]
+    assert (plain.message.content, plain.message.tool_calls, plain.finish_reason) == ("7", None, "stop")
+    broken = _client(served, keys[1]).chat.completions.create(
+        model="m", messages=[{"role": "user", "content": "a"}], tools=TOOLS).choices[0]
+    assert (broken.message.content, broken.message.tool_calls) == ("<tool_call>{oops</tool_call>", None)
+    records = served.close_phase()
+    assert [records[k].malformed_tool_calls for k in keys] == [0, 1]
+
+
+def test_a_tool_call_streams_as_one_chunk(tool_endpoint):
+    served, engine, tok = tool_endpoint
+    (key,) = served.open_phase(version=0, seeds=[3], budget=128, generate=engine, temperature=TEMPERATURE)
+    chunks = list(_client(served, key).chat.completions.create(
+        model="m", messages=[{"role": "user", "content": "3+4="}], tools=TOOLS, stream=True))
+    (call,) = chunks[0].choices[0].delta.tool_calls
+    assert (call.function.name, call.function.arguments) == ("calc", '{"expr": "3+4"}')
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+    served.close_phase()

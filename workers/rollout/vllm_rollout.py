@@ -29,6 +29,7 @@ from typing import Iterator
 import torch
 
 from hybridflow.agents.endpoint import ChatEndpoint
+from hybridflow.agents.tool_calls import ToolCallParser
 from hybridflow.agents.hubs import Phase, load_hub_environment
 from hybridflow.batch import Batch
 from hybridflow.config.schema import RolloutConfig
@@ -99,7 +100,9 @@ class VLLMRollout(RolloutEngineBase):
             self.agents = load_agents(self.cfg.agent, self.cfg.agent_column, self.cfg.openenv, self.cfg.tool_timeout_s)
         if self.cfg.environment:
             self.environment = load_hub_environment(self.cfg.environment, self.cfg.environment_args)
-            self.endpoint = ChatEndpoint(self.engine.get_tokenizer())
+            tokenizer = self.engine.get_tokenizer()
+            parser = ToolCallParser(self.cfg.tool_call_parser, tokenizer) if self.cfg.tool_call_parser else None
+            self.endpoint = ChatEndpoint(tokenizer, tool_parser=parser)
             self.endpoint.start()
         from hybridflow.patches import transformers_backend_classes_stay_callable
 

@@ -49,6 +49,7 @@ TASK_COLUMN = "verifiers_task"  # a row's task data, as verifiers writes it on a
 CHAT_PROGRAM_PACKAGES = ("openai", "mcp", "httpx", "httpx2", "tenacity", "certifi")  # its PEP 723 header
 LOCAL_HARNESSES = ("null", "bash")  # the harnesses that run verifiers' chat program
 API_KEY_VARIABLE = "HYBRIDFLOW_ENDPOINT_KEY"  # the loopback endpoint takes no key; a variable no one sets
+MALFORMED_TOOL_CALL = "malformed_tool_call"  # the env/errors/<kind> of a call rollout.tool_call_parser rejected
 
 
 def import_verifiers():
@@ -217,6 +218,8 @@ class VerifiersEnvironment:
                            turns=_chain_length(record))
         t.truncated = record.truncated or (call is not None and call.finish_reason == "length")
         t.env_steps = 1
+        if record.malformed_tool_calls:  # the model's bad calls, returned to the agent as text: env/errors/<kind>
+            t.failure_kinds[MALFORMED_TOOL_CALL] = record.malformed_tool_calls
         if failure and not (record.truncated and record.refused):  # a budget refusal is a truncation, not a fault
             t.env_failures, t.first_failure = 1, f"sample {i}: {failure}"
         if failure:
