@@ -20,6 +20,9 @@ Refused, with the reason (docs/agents.md):
     third-party programs): on the trainer's host it would leak host state both ways;
   - an env with more than one agent seat (user-sim, best-of-n, judges): the endpoint records one
     trajectory per sample, and two seats' calls would mix in it.
+A taskset in a `.py` file that has tools (a `vf.Toolset`): verifiers serves each as `python -m <its module>` in
+a subprocess, so the file's folder is put on PYTHONPATH (which the subprocess runtime passes on); its
+tool calls need `rollout.tool_call_parser` (hybridflow/agents/tool_calls.py).
 The in-house chat program of the `null` and `bash` harnesses is a PEP 723 script that verifiers
 prepares with `uv sync`, which needs the package index. Its declared packages are verifiers' own
 dependencies, so the trainer's interpreter already holds them: `local_chat_program` registers that
@@ -33,6 +36,7 @@ import asyncio
 import copy
 import hashlib
 import importlib.util
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -71,6 +75,11 @@ def importable_id(environment_id: str) -> str:
         raise AgentError(f"rollout.environment: {environment_id!r} is not a file; name an installed verifiers "
                          "taskset, or a .py file that defines one (exported in __all__)")
     name = path.stem
+    # verifiers starts a taskset's tool servers as `python -m <their module>` in a subprocess (its
+    # subprocess runtime, which inherits this environment): the file's folder must be importable there too
+    paths = os.environ.get("PYTHONPATH", "").split(os.pathsep)
+    if str(path.parent) not in paths:
+        os.environ["PYTHONPATH"] = os.pathsep.join([str(path.parent), *filter(None, paths)])
     loaded = sys.modules.get(name)
     if loaded is None or Path(getattr(loaded, "__file__", "") or "").resolve() != path:
         spec = importlib.util.spec_from_file_location(name, path)
