@@ -17,6 +17,8 @@ def test_an_environment_composes_with_its_arguments_and_rubric():
     config = compose_command([ENV, '+rollout.environment_args={agent: {harness: {id: "null"}}}', "reward.fn=environment"])
     assert config.rollout.environment == f"verifiers:{SUMS}"
     assert config.rollout.environment_args == {"agent": {"harness": {"id": "null"}}}
+    assert compose_command([ENV, "reward.fn=environment", "rollout.tool_call_parser=hermes"]).rollout.tool_call_parser \
+        == "hermes"
 
 
 @pytest.mark.parametrize("overrides, named", [
@@ -27,6 +29,10 @@ def test_an_environment_composes_with_its_arguments_and_rubric():
     ([ENV, "rollout.agent=[x.py:Tool]", "reward.fn=environment"], "unset rollout.agent"),
     ([ENV], "rewarded by its own rubric: set reward.fn=environment"),
     (["reward.fn=environment"], "scores a hub environment's episodes: set rollout.environment"),
+    (["rollout.tool_call_parser=hermes"], "rollout.tool_call_parser='hermes' is invalid: parses the tool calls of a "
+                                          "hub environment's agent (rollout.environment), and none is set"),
+    ([ENV, "reward.fn=environment", "rollout.tool_call_parser=hermse"],  # vLLM's parser names, as its --tool-call-parser
+     "rollout.tool_call_parser='hermse' is invalid: not one of vLLM's tool-call parsers ['apertus'"),
 ])
 def test_refusals_name_the_key_and_the_fix(overrides, named, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
