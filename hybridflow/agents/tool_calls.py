@@ -22,31 +22,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 
-KEY = "rollout.tool_call_parser"
-
-
-def parser_names() -> list[str]:
-    """vLLM's registered tool-call parser names (its `--tool-call-parser` choices)."""
-    from vllm.tool_parsers import ToolParserManager
-
-    return sorted(ToolParserManager.list_registered())
-
-
-def check_parser_name(name: str) -> list[str]:
-    """Problems with `rollout.tool_call_parser`=`name` ('' : none): vLLM must be installed and know it."""
-    if not name:
-        return []
-    try:
-        names = parser_names()
-    except ImportError as exc:
-        return [f"config {KEY}={name!r} is invalid: tool calls are parsed by vLLM's tool parsers, and vLLM does "
-                f"not import ({exc}); install vllm (rollout=vllm needs it), or unset the key"]
-    if name in names:
-        return []
-    return [f"config {KEY}={name!r} is invalid: not one of vLLM's tool-call parsers {names}; name the one for the model's "
-            "family (hermes: Qwen2.5/Qwen3, Hermes and <tool_call>{json}</tool_call> templates; llama3_json, "
-            "mistral, ...), as `vllm serve --tool-call-parser` takes it"]
-
+from hybridflow.config.references import check_tool_call_parser
 
 @dataclass
 class ParsedReply:
@@ -63,7 +39,7 @@ class ToolCallParser:
     """One vLLM tool parser (`name`) over the model's tokenizer; `parse(text, tools)` per reply."""
 
     def __init__(self, name: str, tokenizer) -> None:
-        problems = check_parser_name(name)
+        problems = check_tool_call_parser(name)
         if problems:
             raise ValueError(problems[0])
         from vllm.tool_parsers import ToolParserManager

@@ -27,6 +27,7 @@ from hybridflow.algos import (ADVANTAGE_ESTIMATORS, KL_CONTROLLERS, KL_ESTIMATOR
                               check_estimator)
 from hybridflow.config.engines import ROLLOUT_ENGINES, rollout_engine
 from hybridflow.config.model_facts import ModelFacts
+from hybridflow.config.references import check_tool_call_parser as check_tool_call_parser_name
 from hybridflow.config.recipes import recipe_spec
 from hybridflow.config.schema import Dtype, HybridFlowConfig, model_heads, model_layers
 from hybridflow.planning.layout import overlap_problems, rollout_layout_problems
@@ -212,9 +213,7 @@ def check_rollout_correction(config: HybridFlowConfig) -> list[str]:
 
 def check_tool_call_parser(config: HybridFlowConfig) -> list[str]:
     """rollout.tool_call_parser names one of vLLM's tool-call parsers (hybridflow/agents/tool_calls.py)."""
-    from hybridflow.agents.tool_calls import check_parser_name
-
-    return check_parser_name(config.rollout.tool_call_parser)
+    return check_tool_call_parser_name(config.rollout.tool_call_parser)
 
 
 def check_rollout_engine(config: HybridFlowConfig) -> list[str]:

@@ -97,3 +97,30 @@ def check_openenv_reference(reference: str, key: str, value: Any, checked: list[
                          "or its Environment class (openenv:path/to/env.py:MyEnvironment)") from None
     except FileNotFoundError as exc:
         raise ValueError(f"config {key}={value!r} is invalid: {exc}") from None
+
+
+TOOL_CALL_PARSER_KEY = "rollout.tool_call_parser"
+
+
+def tool_call_parser_names() -> list[str]:
+    """vLLM's registered tool-call parser names (its `--tool-call-parser` choices)."""
+    from vllm.tool_parsers import ToolParserManager
+
+    return sorted(ToolParserManager.list_registered())
+
+
+def check_tool_call_parser(name: str) -> list[str]:
+    """Problems with `rollout.tool_call_parser`=`name` ('' : none): vLLM must be installed and know it
+    (hybridflow/agents/tool_calls.py parses with it)."""
+    if not name:
+        return []
+    try:
+        names = tool_call_parser_names()
+    except ImportError as exc:
+        return [f"config {TOOL_CALL_PARSER_KEY}={name!r} is invalid: tool calls are parsed by vLLM's tool parsers, "
+                f"and vLLM does not import ({exc}); install vllm (rollout=vllm needs it), or unset the key"]
+    if name in names:
+        return []
+    return [f"config {TOOL_CALL_PARSER_KEY}={name!r} is invalid: not one of vLLM's tool-call parsers {names}; name "
+            "the one for the model's family (hermes: Qwen2.5/Qwen3, Hermes and <tool_call>{json}</tool_call> templates; llama3_json, "
+            "mistral, ...), as `vllm serve --tool-call-parser` takes it"]
