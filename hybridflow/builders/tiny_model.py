@@ -29,9 +29,11 @@ CHARACTERS = string.digits + "+-*/=()?., " + string.ascii_letters + ":;!'\"#%&<>
 # and a turn can stop on the closing tag's token id. Appended after the characters: the ids of
 # every other token are unchanged.
 MARKER_TOKENS = ["<calc>", "</calc>", "<result>", "</result>"]
-# Braces, for JSON tool calls (Hermes' <tool_call>{"name": ..., "arguments": {...}}</tool_call>); appended
-# after the markers, so that no earlier id moves.
-LATER_CHARACTERS = "{}"
+# Braces, for JSON tool calls (Hermes' <tool_call>{"name": ..., "arguments": {...}}</tool_call>), with
+# `model.tiny.json_characters`: appended after the markers, so that no earlier id moves. Off by default: the
+# embeddings have rows past the tokenizer's tokens, which a random model samples now and then and which decode
+# to nothing; ids turned into braces would change what such samples read, and every recorded result with them.
+JSON_CHARACTERS = "{}"
 # Chat prompts (verl's layout) render as "user: 3+4= assistant: ": only characters in the vocabulary.
 # With tools (the OpenAI-compatible endpoint, hybridflow/agents/endpoint.py), Hermes' format, compactly:
 # the tools' names first ("tools: calc; "), an assistant's calls after its content as
@@ -46,17 +48,18 @@ CHAT_TEMPLATE = ("{% if tools %}tools: {% for t in tools %}{{ t['function']['nam
 
 def tiny_vocab_size() -> int:
     """The tiny model's vocabulary: its tokenizer's tokens, rounded up to a multiple of 64 (tidy matmul shapes)."""
-    tokens = len(SPECIAL_TOKENS) + len(dict.fromkeys(CHARACTERS)) + len(MARKER_TOKENS) + len(LATER_CHARACTERS)
+    tokens = len(SPECIAL_TOKENS) + len(dict.fromkeys(CHARACTERS)) + len(MARKER_TOKENS) + len(JSON_CHARACTERS)
     return ((tokens + 63) // 64) * 64
 
 
-def build_char_tokenizer():
-    """A transformers fast tokenizer with one token per character and <s>/</s>/<pad>."""
+def build_char_tokenizer(json_characters: bool = False):
+    """A transformers fast tokenizer with one token per character and <s>/</s>/<pad>; with
+    `json_characters`, '{' and '}' too (after every other token)."""
     from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
     vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS + list(dict.fromkeys(CHARACTERS)) + MARKER_TOKENS
-                                            + list(LATER_CHARACTERS))}
+                                            + list(JSON_CHARACTERS if json_characters else ""))}
     core = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
     core.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
     core.decoder = decoders.Fuse()
@@ -125,7 +128,7 @@ def _build(output_dir: Path, spec: TinyModelConfig, wanted: str) -> None:
     from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM
 
     marker = output_dir / "hybridflow_tiny_spec.json"
-    tokenizer = build_char_tokenizer()
+    tokenizer = build_char_tokenizer(spec.json_characters)
     vocab_size = tiny_vocab_size()
     assert vocab_size >= len(tokenizer), "every token of the tokenizer needs a row of the embeddings"
     config = Qwen2Config(

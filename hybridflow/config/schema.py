@@ -196,6 +196,9 @@ class TinyModelConfig:
     max_position_embeddings: int = 256
     tie_word_embeddings: bool = True
     seed: int = 0
+    # The tokenizer also has '{' and '}': JSON tool calls (rollout.tool_call_parser=hermes); off, those ids
+    # decode to nothing, as a random model's samples of them always have
+    json_characters: bool = False
 
     def __post_init__(self) -> None:
         _require(self.num_attention_heads >= 1 and self.num_key_value_heads >= 1, "model.tiny.num_attention_heads/"

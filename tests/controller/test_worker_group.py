@@ -155,6 +155,7 @@ def test_a_group_shut_down_ends_its_processes_itself_and_what_they_started(ray_l
     assert _exit_types(group) == ["INTENDED_USER_EXIT"] * 2
 
 
+@pytest.mark.slow  # ~10 s: the default tier's 16 minutes are full
 def test_a_host_still_inside_a_call_at_shutdown_ends_itself_and_one_that_answers_nothing_is_killed(
         ray_local, monkeypatch):
     """A rank inside a call (stuck in a collective its peer left) ends itself from its monitor lane within

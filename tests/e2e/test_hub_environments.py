@@ -137,7 +137,7 @@ def test_multi_turn_episodes_train_on_every_turn_as_sampled(ray_local, tiny_mode
     # hermes parser reads each reply (a random model's is plain text, a message; the tool loop itself is
     # tests/unit/test_verifiers_tools.py, on a scripted call)
     pytest.param(CALC, '{agent: {harness: {id: "null"}}}', 32, ("correct", "brevity"),
-                 ["rollout.tool_call_parser=hermes"], marks=pytest.mark.slow),
+                 ["rollout.tool_call_parser=hermes", "model.tiny.json_characters=true"], marks=pytest.mark.slow),
 ], ids=["single_turn", "multi_turn", "tools"])
 def test_grpo_trains_on_a_verifiers_environment_with_its_rubric_as_the_reward(env, arguments, budget, rubric, extra,
                                                                                 tmp_path):

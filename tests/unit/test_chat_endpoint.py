@@ -156,7 +156,7 @@ CALL = '<tool_call>{"name":"calc","arguments":{"expr":"3+4"}}</tool_call>'
 def tool_endpoint():
     from hybridflow.agents.tool_calls import ToolCallParser
 
-    tokenizer = build_char_tokenizer()
+    tokenizer = build_char_tokenizer(json_characters=True)
     engine = ScriptedEngine(tokenizer, [CALL, "7", "<tool_call>{oops</tool_call>"])
     served = ChatEndpoint(tokenizer, tool_parser=ToolCallParser("hermes", tokenizer))
     served.start()

@@ -269,8 +269,19 @@ def test_float16s_loss_scale_resumes_where_it_was(tiny_model_dir, tmp_path):
         built.start()
         return built
 
+    import torch.distributed as dist
+
+    had_group = dist.is_initialized()
+    try:
+        _float16_resume(actor, tmp_path, INITIAL_SCALE)
+    finally:  # the workers start a process group of one rank in this process: the next test must not meet it
+        if dist.is_initialized() and not had_group:
+            dist.destroy_process_group()
+
+
+def _float16_resume(actor, tmp_path, initial_scale: float) -> None:
     saved = actor()
-    assert saved.loss_scale.enabled and saved.loss_scale.scale == INITIAL_SCALE
+    assert saved.loss_scale.enabled and saved.loss_scale.scale == initial_scale
     saved.loss_scale.load_state_dict({"scale": 512.0, "good_steps": 7, "overflows": 3})
     saved.save_checkpoint(str(tmp_path / "ckpt"))
     resumed = actor()

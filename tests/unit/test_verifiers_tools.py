@@ -46,7 +46,7 @@ class Scripted:
 
 @pytest.mark.slow  # ~13 s on 2 cores: verifiers starts the tool server and its chat program as subprocesses
 def test_the_envs_tool_loop_runs_on_a_parsed_call_and_its_result_is_masked():
-    tok = build_char_tokenizer()
+    tok = build_char_tokenizer(json_characters=True)
     env = VerifiersEnvironment(CALC, NULL)
     rows = env.rows()[1:3]  # 1+2=, 1+3=
     engine = Scripted(tok, {"1+2=": [CALL, "3"], "1+3=": [BROKEN]})
