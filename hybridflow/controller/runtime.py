@@ -21,7 +21,7 @@ log = logging.getLogger(__name__)
 # this many milliseconds SIGKILL to the process id if that id is alive (5,000 by default). By then a machine
 # that starts threads fast may have given the id to a thread of another process, which the SIGKILL ends:
 # in CI it killed a vLLM rank a new group had just started. Ray SIGKILLs the process's group 200 ms after the
-# SIGTERM anyway; a process group ends itself where it can (hybridflow.controller.ray_host `RayWorkerHost.end`).
+# SIGTERM anyway; a group's processes end themselves where they can (hybridflow.controller.ray_host `RayWorkerHost.end`).
 RAY_SYSTEM_CONFIG = {"kill_worker_timeout_milliseconds": 250}
 
 
