@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 
 from hybridflow.config.references import check_tool_call_parser
 
+
 @dataclass
 class ParsedReply:
     """A reply as the OpenAI message gives it: `content` (None when the reply is calls alone), its
