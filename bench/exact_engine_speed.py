@@ -12,7 +12,8 @@ float32 (model.dtype, rollout.dtype) with trainer.old_log_probs=actor for both e
 `auto`), so the steps differ in the engine alone; the engines alternate (exact, hf, exact, hf: timings
 drift, docs/results/ci_times.md), `--repeats` runs each. Reported per shape, from each run's metrics.jsonl,
 over the steps after the first (its warm-up): the median `timing/generate_s` of each engine and their
-ratio, the response tokens per second, the median `timing/weight_sync_s` (the exact engine moves no
+ratio, the response tokens per second, the median `timing/actor_forward_s` (the actor's π_old pass: the
+exact engine's replays its decode, the hf run's is the usual pass), the median `timing/weight_sync_s` (the exact engine moves no
 weights and runs no sync probe), and the largest `rollout_mismatch/abs_diff_max` of any step. JSON to `--out`;
 the table between the markers of docs/results/rollout_mismatch.md. Run nothing else heavy meanwhile.
 """
@@ -74,6 +75,7 @@ def summarize(runs: list[dict]) -> dict:
             "response_tokens_per_s": statistics.median(r["response/tokens"] / r["timing/generate_s"] for r in later),
             "response_length_mean": statistics.fmean(r["response/length_mean"] for r in later),
             "weight_sync_s_median": statistics.median(r["timing/weight_sync_s"] for r in later),
+            "old_log_probs_s_median": statistics.median(r["timing/actor_forward_s"] for r in later),
             "abs_diff_max": max(r["rollout_mismatch/abs_diff_max"] for run in runs for r in run["steps"]),
             "abs_diff_mean_max": max(r["rollout_mismatch/abs_diff_mean"] for run in runs for r in run["steps"]),
             "steps_timed": len(later)}
@@ -106,17 +108,17 @@ def render(report: dict) -> str:
              f"{' '.join(a['shapes'])} --repeats {a['repeats']} --steps {a['steps']}` (GRPO in one process, float32, "
              "`trainer.old_log_probs=actor` for both engines; the medians over every step after each run's first).", "",
              "| shape (rows x tokens) | generate s: exact | hf | exact / hf | response tokens/s: exact | hf | "
-             "weight sync s: exact | hf | largest \\|Δ\\|: exact | hf |",
-             "| --- |" + " ---: |" * 9]
+             "π_old pass s: exact | hf | weight sync s: exact | hf | largest \\|Δ\\|: exact | hf |",
+             "| --- |" + " ---: |" * 11]
     for s in report["shapes"]:
         if "error" in s:
-            lines.append(f"| {s['shape']} | did not run: {s['error']} |" + " |" * 8)
+            lines.append(f"| {s['shape']} | did not run: {s['error']} |" + " |" * 10)
             continue
         e, h = s["exact"], s["hf"]
         lines.append(f"| {s['shape']} | {e['generate_s_median']:.2f} | {h['generate_s_median']:.2f} | "
                      f"{s['generate_ratio']:.1f}x | {e['response_tokens_per_s']:.0f} | "
-                     f"{h['response_tokens_per_s']:.0f} | "
-                     f"{e['weight_sync_s_median']:.2f} | {h['weight_sync_s_median']:.3f} | {e['abs_diff_max']:.1e} | "
+                     f"{h['response_tokens_per_s']:.0f} | {e['old_log_probs_s_median']:.2f} | "
+                     f"{h['old_log_probs_s_median']:.2f} | {e['weight_sync_s_median']:.2f} | {h['weight_sync_s_median']:.3f} | {e['abs_diff_max']:.1e} | "
                      f"{h['abs_diff_max']:.1e} |")
     return "\n".join(lines)
 

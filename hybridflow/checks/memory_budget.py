@@ -39,8 +39,8 @@ flight) and generation (the actor's training state offloaded, the engine's whole
 not offload: a reference's weights, a critic's state); the hf engine's same three with its own copy of the
 weights in `rollout.dtype` for the share, and at generation its KV cache (preallocated for
 `rollout.max_num_seqs` rows at full length) and the prefill's logits at one position per row; the exact engine's generation
-alone (no copy, no sync): the actor's parameters kept beside one forward's logits at every response
-position of `actor.samples_per_micro_batch` rows. A run where a phase is above the GPU is refused before
+alone (no copy, no sync): the actor's parameters kept beside a KV cache of `actor.samples_per_micro_batch` rows
+at full length and one position's logits per row. A run where a phase is above the GPU is refused before
 start with that phase's arithmetic, instead of running out of memory mid-step.
 """
 
@@ -50,7 +50,6 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from hybridflow.algos.entropy import CUDA_FLOAT32_CHUNK_BYTES
 from hybridflow.config.engines import GpuMemory
 from hybridflow.config.engines import rollout_engine
 from hybridflow.config.model_facts import ModelFacts
@@ -499,8 +498,8 @@ def gpu_device_phases(inputs: MemoryInputs, roles, ranks: int, tp: int, gpu_byte
       share, and at generation its KV cache (preallocated for rollout.max_num_seqs rows of this rank's
       samples x (prompt + response) tokens) and one position's logits per row (the prefill's);
     - the actor's module (exact): "generation" alone (no copy, no sync): the actor's parameters stay on the
-      device while one forward of actor.samples_per_micro_batch rows x (prompt + response) tokens runs per
-      decode step, its logits at every response position kept.
+      device beside a KV cache of actor.samples_per_micro_batch rows x (prompt + response) tokens and one
+      position's logits per row (its π_old pass replays the same decode).
     With the actor on the pool the engine sleeps while it trains (the colocated hand-over,
     hybridflow/resharding/transports/colocated.py); a vLLM engine without it stays awake. The run's GPU
     check and the planner's both call it."""
@@ -576,7 +575,7 @@ HF_LOGITS_TERM = "hf engine prefill logits"
 
 def _hf_generation_terms(inputs: MemoryInputs, ranks: int) -> dict[str, float]:
     """The hf engine's own at generation: its KV cache (keys and values of every layer), allocated whole for a
-    batch of rows at full length (workers/rollout/kv_cache.py: data.max_prompt_tokens + rollout.max_response_tokens
+    batch of rows at full length (hybridflow/training/kv_cache.py: data.max_prompt_tokens + rollout.max_response_tokens
     positions, the most a batch's prompt width reaches; on a GPU exactly that, its StaticCache), and the prefill's
     logits, one position per row."""
     s, rows = inputs.shape, generation_rows(inputs, ranks)
@@ -590,18 +589,22 @@ def _hf_generation_terms(inputs: MemoryInputs, ranks: int) -> dict[str, float]:
 
 
 def _exact_forward_terms(inputs: MemoryInputs, ranks: int) -> dict[str, float]:
-    """The exact engine's decode step (hybridflow/training/exact_layout.py): the actor's gathered
-    embeddings where FSDP2 keeps the root gathered, and one forward's logits at every response position
-    of actor.samples_per_micro_batch rows, with the float32 chunk their log-softmax reads."""
+    """The exact engine's decode (hybridflow/training/exact_layout.py), and the actor's π_old pass that replays it:
+    the actor's gathered embeddings where FSDP2 keeps the root gathered, a KV cache of actor.samples_per_micro_batch
+    rows at full length in model.dtype (hybridflow/training/kv_cache.py), and the prefill's logits at one position
+    per row with their float32 log-softmax."""
     s, rows, compute = inputs.shape, inputs.rows, inputs.compute_bytes
     terms = {}
     if ranks > 1 or compute != inputs.master_bytes:
         terms["actor embeddings gathered (model.dtype, whole)"] = s.vocab * s.hidden * (1 if s.tied_embeddings else 2) * compute
-    logits = rows * inputs.response_tokens * s.vocab
-    terms[f"one decode step's logits ({rows} rows, actor.samples_per_micro_batch, x {inputs.response_tokens} response "
-          f"positions x {s.vocab} vocabulary" + (", float32: actor.fp32_lm_head)" if inputs.fp32_head else ")")] = (
+    terms[f"exact engine KV cache ({rows} rows, actor.samples_per_micro_batch, x {inputs.tokens} tokens x 2 x "
+          f"{s.layers} layers x {s.kv_width or s.hidden} key/value values, model.dtype)"] = (
+        rows * inputs.tokens * s.kv_floats_per_token * compute)
+    logits = rows * s.vocab
+    terms[f"one decode step's logits ({rows} rows x one position x {s.vocab} vocabulary"
+          + (", float32: actor.fp32_lm_head)" if inputs.fp32_head else ", model.dtype)")] = (
         logits * (4 if inputs.fp32_head else compute))
-    terms["their float32 log-softmax chunk"] = min(CUDA_FLOAT32_CHUNK_BYTES, 4 * logits)
+    terms["their float32 log-softmax"] = 4 * logits
     return terms
 
 
@@ -767,9 +770,9 @@ def _engine_of_its_own(phase: str, terms: dict[str, float], usable: float, more:
         return ("when the engine starts: its own copy of the weights beside the training roles' weights",
                 f"rollout.dtype=bfloat16, {more}, or rollout.backend=exact (no copy: it generates with the actor's module)")
     per_row = {k: v for k, v in terms.items() if k.startswith((HF_KV_TERM, HF_LOGITS_TERM))}
-    if not per_row:  # the exact engine: one forward of a training micro-batch's rows per decode step
-        return ("while the exact engine generates: the actor's parameters stay on the GPU while each decode step "
-                "runs a whole forward of actor.samples_per_micro_batch rows",
+    if not per_row:  # the exact engine: a training micro-batch's rows decode together
+        return ("while the exact engine generates: the actor's parameters stay on the GPU beside the KV cache of "
+                "actor.samples_per_micro_batch rows at full length",
                 f"a smaller actor.samples_per_micro_batch, shorter rollout.max_response_tokens, {more}, or "
                 "rollout.backend=hf")
     rest = sum(terms.values()) - sum(per_row.values())

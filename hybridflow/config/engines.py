@@ -37,8 +37,8 @@ class GpuMemory(str, Enum):
     # its own copy of the weights in rollout.dtype, and while it generates a KV cache preallocated for
     # rollout.max_num_seqs rows x (prompt + response) tokens and one position's logits per row (hf)
     OWN_COPY = "own_copy"
-    # the actor's own module, no copy and no KV cache: a whole forward of actor.samples_per_micro_batch rows x
-    # (prompt + response) tokens per decode step, its parameters kept on the device (exact)
+    # the actor's own module, no copy: its parameters kept on the device beside a KV cache of
+    # actor.samples_per_micro_batch rows x (prompt + response) tokens and one position's logits per row (exact)
     ACTOR_MODULE = "actor_module"
     # an engine that does not say: nothing is counted for it (a floor counts only what it knows)
     UNCOUNTED = "uncounted"

@@ -70,7 +70,7 @@ MEANINGS = {
     "data.val_path": "validation file (.parquet / .jsonl), same columns as data.train_path",
     "data.max_prompt_tokens": "longest prompt in tokens; longer prompts are refused before start",
     "data.seed": "seed of the generated task",
-    "rollout.backend": "vllm, hf (a Hugging Face model's own decode loop) or exact (the actor's module, sampling what its π_old computes bit for bit; no KV cache)",
+    "rollout.backend": "vllm, hf (a Hugging Face model's own decode loop) or exact (the actor's module, sampling what its π_old computes bit for bit; π_old replays its decode)",
     "rollout.max_response_tokens": "most tokens per response (a whole multi-turn trajectory with rollout.agent)",
     "rollout.temperature": "sampling temperature of training rollouts (validation is greedy)",
     "rollout.top_p": "nucleus sampling; recipes that train on their samples refuse < 1 (truncated sampling bias)",

@@ -345,7 +345,7 @@ class OpenEnvConfig:
 @dataclass
 class RolloutConfig:
     # The generation engine: a registered one (vllm; hf; exact: the actor's own module, sampling what the
-    # actor's π_old computes bit for bit, no KV cache; hybridflow/config/engines.py) or 'package.module:NAME'
+    # actor's π_old computes bit for bit, the π_old pass replaying its decode; hybridflow/config/engines.py) or 'package.module:NAME'
     # naming a RolloutEngine
     backend: str = "vllm"
     max_response_tokens: int = 8

@@ -7,6 +7,7 @@ the equality (hybridflow/checks/rules.py check_exact_engine). The GRPO run that 
 from __future__ import annotations
 
 import math
+import time
 
 import pytest
 import torch
@@ -50,7 +51,7 @@ def _config(*overrides: str):
                                   *overrides])).config
 
 
-def _pair(model_dir, config, group: str):
+def _pair(model_dir, config, group: str, ctx: WorkerContext | None = None):
     """The actor and the exact engine, started in this process as one worker group (roles fused), introduced to
     each other as the host that builds them does."""
     from transformers import AutoTokenizer
@@ -59,7 +60,7 @@ def _pair(model_dir, config, group: str):
     from recipes.roles import actor_role, rollout_role
 
     tok = AutoTokenizer.from_pretrained(model_dir)
-    ctx = WorkerContext(group_name=group)
+    ctx = ctx or WorkerContext(group_name=group)
     actor = actor_role(config, model_dir).build(ctx)
     engine = rollout_role(config, model_dir, tok).build(ctx)
     introduce([actor, engine])
@@ -101,6 +102,68 @@ def test_the_engine_samples_what_the_actors_old_log_prob_pass_computes_bit_for_b
     torch.testing.assert_close(usual, old, atol=0.05 if dtype == "bfloat16" else 1e-5, rtol=0)
     again = engine.generate(prompts)  # the batch's first sample seed seeds its sampler
     assert torch.equal(again["response_ids"], samples["response_ids"])
+
+
+def test_the_old_log_prob_pass_replays_the_decode_on_the_module_it_reads(tiny_model_dir):
+    """π_old is computed from the actor's module, not copied from the batch: the module changed after sampling,
+    the pass returns other log-probs; the sampler's put back, the same bits again."""
+    actor, engine, tok = _pair(tiny_model_dir, _config("rollout.max_response_tokens=12"), "exact-reads")
+    samples = engine.generate(_prompts(tok))
+    weight = next(p for p in actor.model.parameters() if p.dim() == 2)
+    kept = weight.detach().clone()
+    with torch.no_grad():
+        weight.mul_(1.01)
+    moved = actor.compute_log_probs(samples)["old_log_probs"]
+    assert not torch.equal(moved, samples["sampler_log_probs"])
+    with torch.no_grad():
+        weight.copy_(kept)
+    assert torch.equal(actor.compute_log_probs(samples)["old_log_probs"], samples["sampler_log_probs"])
+
+
+def test_a_forward_of_the_whole_sequence_is_not_the_cached_decode_in_bfloat16(tiny_model_dir):
+    """Why π_old replays the engine's decode (hybridflow/training/exact_layout.py): the same tokens through one
+    forward of the whole sequence — the usual pass, (rows x length) products where a decode step has (rows x 1)
+    ones — give other bits (in float32 here 26 of 78 tokens, up to 9.5e-7, on the 2-core AMD EPYC; in bfloat16
+    every one, up to 4e-3). Should this ever hold, the replay could give way to the usual pass."""
+    from hybridflow.training.exact_layout import trimmed_prompts
+    from hybridflow.training.sequences import loss_mask, model_inputs
+
+    actor, engine, tok = _pair(tiny_model_dir, _config("model.dtype=bfloat16", "rollout.max_response_tokens=12"),
+                               "exact-whole")
+    samples = engine.generate(_prompts(tok))
+    whole = []
+    for micro in samples.split(3):  # the engine's rows together, the used prompt columns, every response column
+        micro = trimmed_prompts(micro)
+        prompt_width = micro["prompt_ids"].shape[1]
+        with torch.no_grad():
+            logits = actor.model(**model_inputs(micro), use_cache=False).logits[:, prompt_width - 1:-1]
+        log_probs, _ = token_log_probs_and_entropy(logits, micro["response_ids"], with_entropy=False)
+        whole.append(log_probs * loss_mask(micro))
+    whole, mask = torch.cat(whole), samples["response_mask"]
+    torch.testing.assert_close(whole, samples["sampler_log_probs"], atol=0.05, rtol=0)
+    assert (whole != samples["sampler_log_probs"])[mask].float().mean() > 0.5
+
+
+def test_a_rank_whose_rows_have_all_ended_keeps_one_as_padding_and_still_replays_bit_for_bit(tiny_model_dir,
+                                                                                             monkeypatch):
+    """Under FSDP every forward is collective: where this rank's rows end while another rank's go on
+    (`any_rank` says so), the decode keeps its first row as padding; the real rows' tokens and log-probs are those
+    of a decode that stopped, and π_old replays the same steps, the same bits."""
+    import hybridflow.training.exact_layout as layout
+
+    actor, engine, tok = _pair(tiny_model_dir, _config("rollout.max_response_tokens=12"), "exact-padding")
+    prompts = _prompts(tok)
+    alone = engine.generate(prompts)
+    forwards = []
+    plain_next = layout.LiveRowSteps.next
+    monkeypatch.setattr(layout.LiveRowSteps, "next", lambda self, token, position: (
+        forwards.append(len(token)), plain_next(self, token, position))[1])
+    monkeypatch.setattr(layout, "any_rank", lambda flag: True)  # another rank decodes to the limit
+    padded = engine.generate(prompts)
+    assert forwards.count(1) > 0 and len(forwards) == 3 * 11  # 3 micro-batches, 11 steps after each prefill
+    for key in ("response_ids", "response_mask", "sampler_log_probs"):
+        assert torch.equal(padded[key], alone[key]), key
+    assert torch.equal(actor.compute_log_probs(padded)["old_log_probs"], padded["sampler_log_probs"])
 
 
 def test_greedy_generation_and_the_probe_take_the_most_likely_token(tiny_model_dir):
@@ -176,3 +239,49 @@ def test_old_log_probs_auto_recomputes_pi_old_with_the_exact_engine():
 
     assert clips_against_sampler(compose(["recipe=grpo"])) is True  # on-policy, one update: the sampler's
     assert clips_against_sampler(compose(["recipe=grpo", "rollout.backend=exact"])) is False
+
+
+def _rank_decodes(rank: int, world: int, port: int, model_dir: str, out_file: str) -> None:
+    """One of two gloo ranks sharing the actor's FSDP2 shards: rank 0's rows all end after their first token
+    while rank 1's decode to the limit, so rank 0 runs its steps on a padding row; each replays its own."""
+    import torch.distributed as dist
+
+    from hybridflow.training.exact_layout import layout_decode, layout_log_probs
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    try:
+        ctx = WorkerContext(rank=rank, world_size=world, group_name="exact-two-ranks")
+        actor, _, tok = _pair(model_dir, _config("rollout.max_response_tokens=8"), "exact-two-ranks", ctx)
+        prompts = _prompts(tok, rows=3)
+
+        def greedy(t, live, log_probs):
+            token = log_probs.argmax(-1)
+            return token, torch.full_like(token, rank == 1 and t < 7, dtype=torch.bool)
+
+        ids, mask, picked, _ = layout_decode(actor.model, prompts, 8, 1.0, tok.pad_token_id, greedy)
+        replayed = layout_log_probs(actor.model, prompts.union(Batch({"response_ids": ids, "response_mask": mask})), 3)
+        torch.save({"mask": mask, "picked": picked, "replayed": replayed}, f"{out_file}.{rank}")
+    finally:
+        dist.destroy_process_group()
+
+
+def test_two_ranks_decode_and_replay_the_same_number_of_collective_forwards(tiny_model_dir, tmp_path):
+    """Over gloo, FSDP2's forwards are collective: a rank whose rows ended goes on with the other (a step short
+    would leave the other waiting in its gather); both decodes equal their replays bit for bit."""
+    import torch.multiprocessing as mp
+
+    from tests.unit.test_gradient_splits import _free_port
+
+    run = mp.start_processes(_rank_decodes, args=(2, _free_port(), str(tiny_model_dir), str(tmp_path / "out")),
+                             nprocs=2, join=False, start_method="spawn")
+    deadline = time.monotonic() + 120
+    while not run.join(timeout=5):
+        if time.monotonic() > deadline:
+            for process in run.processes:
+                process.kill()
+            pytest.fail("the two ranks did not finish in 120 s: their collective forwards did not pair up")
+    for rank, length in ((0, 1), (1, 8)):
+        out = torch.load(tmp_path / f"out.{rank}")
+        assert out["mask"].sum(1).tolist() == [length] * 3, rank
+        assert torch.equal(out["replayed"], out["picked"]), rank

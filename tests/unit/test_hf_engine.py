@@ -115,16 +115,16 @@ def test_the_prefill_computes_the_last_positions_logits_only(tiny_model_dir):
 def test_a_model_without_logits_to_keep_keeps_no_view_of_every_positions_logits(tiny_model_dir, monkeypatch):
     """Where the model does not take `logits_to_keep`, the last position is copied out: the tensor the prefill
     returns owns (B, V) floats, not a view into (B, P, V); the greedy output is the same."""
-    import workers.rollout.hf_rollout as hf
+    import hybridflow.training.kv_cache as kv_cache
     from transformers import DynamicCache
 
     engine, tok = _engine(tiny_model_dir, max_response_tokens=4)
     prompts = _prompts(tok, 3)
     kept = engine.generate(prompts, greedy=True)
-    monkeypatch.setattr(hf, "takes_logits_to_keep", lambda model: False)
+    monkeypatch.setattr(kv_cache, "takes_logits_to_keep", lambda model: False)
     calls = _recording(engine)
     mask = prompts["prompt_mask"].long()
-    logits = engine._prefill(prompts["prompt_ids"], mask, (mask.cumsum(1) - 1).clamp(min=0), DynamicCache())
+    logits = kv_cache.prefill_logits(engine.model, prompts["prompt_ids"], mask, (mask.cumsum(1) - 1).clamp(min=0), DynamicCache())
     assert calls[0][3] == prompts["prompt_ids"].shape[1]  # every position computed, then
     assert logits.untyped_storage().nbytes() == logits.numel() * logits.element_size()  # only the last kept
     assert torch.equal(engine.generate(prompts, greedy=True)["response_ids"], kept["response_ids"])
@@ -176,7 +176,7 @@ def test_the_gpus_fixed_shape_steps_give_the_live_rows_steps_output(tiny_model_d
     live-row steps over the preallocated cache."""
     from transformers import StaticCache
 
-    from workers.rollout.kv_cache import CapturedSteps
+    from hybridflow.training.kv_cache import CapturedSteps
 
     engine, tok = _engine(tiny_model_dir, max_response_tokens=6, temperature=0.9)
     prompts = _prompts(tok, 5)
@@ -203,7 +203,7 @@ def test_a_static_caches_storage_is_freed_and_refilled_in_its_own_tensors(tiny_m
     objects (their guards hold) and full size again at wake-up, and the next batch decodes as before."""
     from transformers import StaticCache
 
-    from workers.rollout.kv_cache import CapturedSteps, free_storage, refill_storage
+    from hybridflow.training.kv_cache import CapturedSteps, free_storage, refill_storage
 
     engine, tok = _engine(tiny_model_dir, max_response_tokens=4)
     prompts = _prompts(tok, 3)

@@ -414,7 +414,7 @@ def test_an_hf_run_whose_kv_cache_and_prefill_logits_cannot_fit_is_refused_with_
     0.14 GiB), beside the CUDA context (0.5): 13.57 GiB, above the 10.8 usable. A row costs 24.29 MiB, so
     (10.8 - 1.42) GiB / 24.29 MiB = 395 rows fit; at 256 rows (6.0 GiB of cache) the run fits. Its start
     and weight sync are priced too (the engine's copy beside the actor's state), and the exact engine's
-    generation is the actor's parameters beside one forward's logits."""
+    generation is the actor's parameters beside a KV cache of its micro-batch's rows and one position's logits."""
     from hybridflow.checks.memory_budget import actor_pool_roles, gpu_phase_terms
 
     model = header_only_model(tmp_path / "qwen05", tiny_model_dir)
@@ -441,7 +441,9 @@ def test_an_hf_run_whose_kv_cache_and_prefill_logits_cannot_fit_is_refused_with_
     terms = gpu_phase_terms(config, plan, QWEN05_SHAPE, actor_pool_roles(config, plan), 12 * GIB)
     assert list(terms) == ["training", "generation"]  # no copy, so no start of its own and no weight sync
     logits = [v for k, v in terms["generation"].items() if k.startswith("one decode step's logits (4 rows")]
-    assert logits == [4 * 1536 * 151936 * 2]  # rows x response positions x vocabulary, bfloat16
+    assert logits == [4 * 151936 * 2]  # rows x one position x vocabulary, bfloat16
+    cache = [v for k, v in terms["generation"].items() if k.startswith("exact engine KV cache (4 rows")]
+    assert cache == [4 * 2048 * QWEN05_SHAPE.kv_floats_per_token * 2]  # rows x (prompt + response) x key/value floats, bf16
     assert terms["generation"]["actor parameters (model.master_dtype, FSDP shard)"] == 494_032_768 * 4
 
 

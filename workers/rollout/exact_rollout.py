@@ -1,23 +1,21 @@
-"""The `exact` engine: generation with the actor's own module, in the actor's processes, computing at
-each decode step the forward the actor's π_old pass computes (hybridflow/training/exact_layout.py), so
-that the sampler's log-probs are the trainer's bit for bit: `rollout_mismatch/abs_diff_max` is 0.0 on
+"""The `exact` engine: generation with the actor's own module, in the actor's processes, by the decode the
+actor's π_old pass replays (hybridflow/training/exact_layout.py), so that the sampler's log-probs are the trainer's bit for bit: `rollout_mismatch/abs_diff_max` is 0.0 on
 every step, in float32 and in bfloat16 (slime's "true on-policy" mode makes SGLang compute what
 Megatron computes for the same end; docs/algorithms.md "Rollout correction").
 
-The price is speed: there is no KV cache, each response token is one forward of the whole fixed-shape
-micro-batch (rows x (prompt + response) tokens) through the actor's module and its output head, so a
-response of R tokens costs about R forwards of the π_old pass (docs/results/rollout_mismatch.md
-measures it against the hf engine). What it saves: a second copy of the model and the weight sync (the
-receiver here loads nothing: the engine reads the actor's parameters themselves, whatever their
-dtype, LoRA adapter and output head).
+It decodes as the hf engine does, over a KV cache, ended rows leaving the batch; the price of the equality
+is the actor's π_old pass, which replays this decode rather than running one forward of the whole
+sequence (docs/results/rollout_mismatch.md measures both against the hf engine). What it saves: a second
+copy of the model and the weight sync (the receiver here loads nothing: the engine reads the actor's
+parameters themselves, whatever their dtype, LoRA adapter and output head).
 
 Decoding is a micro-batch at a time: the actor's `rows_per_forward` consecutive rows of this rank's
 prompts, which are the rows its π_old pass reads together (the data-parallel split of the samples is
 the split of the prompts they were generated from). Each step's token is drawn from the step's whole
 tempered distribution — no top-p filter: the trainer computes the unfiltered one, and the config
 refuses rollout.top_p < 1 here — with one generator per batch seeded by its first sample seed, as the
-hf engine does. A finished row continues with masked padding; a micro-batch stops when no row of any
-rank runs, every rank together (the actor's FSDP forwards are collective).
+hf engine does. A finished row leaves the batch; a micro-batch stops when no row of any rank runs, every rank
+together (the actor's FSDP forwards are collective).
 
 The engine finds the actor's module through the meeting of the workers of its process (`meet`: the host
 hands it the other workers once it has built them all; it keeps the one that `OffersModule`).
@@ -35,7 +33,7 @@ from hybridflow.config.schema import RolloutConfig
 from hybridflow.controller import Dispatch, WorkerContext, peer_with, register
 from hybridflow.resharding.receiver import Receiver
 from hybridflow.resharding.verify import probe_fits
-from hybridflow.training.exact_layout import OfferedModule, OffersModule, any_rank, next_token_log_probs
+from hybridflow.training.exact_layout import OfferedModule, OffersModule, layout_decode
 from workers.rollout import RolloutEngineBase
 
 
@@ -99,30 +97,16 @@ class ExactRollout(RolloutEngineBase):
 
 def decode(model: torch.nn.Module, prompts: Batch, width: int, temperature: float, eos_token_id: int,
            pad_token_id: int, generator: torch.Generator | None, stop_at_eos: bool = True):
-    """One micro-batch's decode loop in the exact layout: (response ids, response mask, sampler log-probs,
-    rows still running at the limit), each (B, width) or (B,). Step t runs the layout's whole forward on
-    the prompts and the responses so far (`next_token_log_probs`) and draws column t from its
-    distribution (`generator`; None: greedy); a row's EOS is its last response token unless not
-    `stop_at_eos` (the probe's fixed length). Collective under FSDP: every rank runs as many steps."""
-    rows, device = len(prompts), prompts["prompt_ids"].device
-    ids = torch.full((rows, width), pad_token_id, dtype=torch.long, device=device)  # (B, R)
-    response_mask = torch.zeros((rows, width), dtype=torch.bool, device=device)
-    sampler = torch.zeros((rows, width), dtype=torch.float32, device=device)
-    running = torch.ones(rows, dtype=torch.bool, device=device)
-    for t in range(width):
-        step = Batch({"prompt_ids": prompts["prompt_ids"], "prompt_mask": prompts["prompt_mask"],
-                      "response_ids": ids, "response_mask": response_mask})
-        log_probs = next_token_log_probs(model, step, t, temperature)  # (B, V): the trainer's row, bit for bit
+    """One micro-batch's decode loop in the exact layout (`layout_decode`): (response ids, response mask, sampler
+    log-probs, rows still running at the limit), each (B, width) or (B,). Column t is drawn from the step's
+    distribution (`generator`; None: greedy); a row's EOS is its last response token unless not `stop_at_eos`
+    (the probe's fixed length). Collective under FSDP: every rank runs as many steps."""
+    def draw(t: int, live: torch.Tensor, log_probs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         token = torch.multinomial(log_probs.exp(), 1, generator=generator)[:, 0] if generator is not None \
             else log_probs.argmax(-1)
-        token = torch.where(running, token, pad_token_id)  # a finished row continues with padding
-        ids[:, t], response_mask[:, t] = token, running
-        sampler[:, t] = torch.where(running, log_probs.gather(-1, token[:, None])[:, 0], 0.0)
-        if stop_at_eos:
-            running = running & (token != eos_token_id)
-        if t == width - 1 or not any_rank(bool(running.any())):
-            break
-    return ids, response_mask, sampler, running
+        return token, (token != eos_token_id) if stop_at_eos else torch.ones_like(token, dtype=torch.bool)
+
+    return layout_decode(model, prompts, width, temperature, pad_token_id, draw)
 
 
 class ActorModuleReceiver(Receiver):

@@ -6,7 +6,7 @@ A decode loop of its own rather than `model.generate`: `generate` can only retur
 sampled from by keeping every step's scores (rows x response tokens x vocabulary floats: 128 x 512 x
 151,936 in float32 is 40 GB), where this loop keeps one step's and gathers the sampled token's
 log-prob from it. Each step is one forward pass of the new tokens over a KV cache preallocated for the batch
-(workers/rollout/kv_cache.py: the prompt's keys and values computed once, each step's written in place where
+(hybridflow/training/kv_cache.py: the prompt's keys and values computed once, each step's written in place where
 transformers' `DynamicCache` concatenates), sampled from the tempered, top-p filtered distribution
 (what vLLM's `processed_logprobs` report). The prefill computes the logits of the last prompt position
 only (transformers' `logits_to_keep=1`): every position's would be rows x prompt x vocabulary (128 x 256
@@ -44,9 +44,8 @@ import torch
 from hybridflow.batch import Batch
 from hybridflow.config.schema import RolloutConfig
 from hybridflow.controller import Dispatch, WorkerContext, register
-from hybridflow.training.sequences import takes_logits_to_keep
 from workers.rollout import RolloutEngineBase
-from workers.rollout.kv_cache import CapturedSteps, LiveRowSteps, free_storage, refill_storage
+from hybridflow.training.kv_cache import CapturedSteps, LiveRowSteps, free_storage, refill_storage
 
 
 class HFRollout(RolloutEngineBase):
@@ -142,16 +141,6 @@ class HFRollout(RolloutEngineBase):
         return torch.stack([torch.rand(width, dtype=torch.float64, generator=torch.Generator().manual_seed(int(s)))
                             for s in seeds])
 
-    def _prefill(self, prompt_ids, attention, positions, cache) -> torch.Tensor:
-        """(B, V) the logits after the last prompt position, the prompt's keys and values into `cache`. Only
-        that position's logits are computed (`logits_to_keep=1`) where the model takes it; elsewhere the
-        last position is copied out so that no view keeps the (B, P, V) tensor alive through decoding."""
-        inputs = dict(input_ids=prompt_ids, attention_mask=attention, position_ids=positions, past_key_values=cache,
-                      use_cache=True)
-        if takes_logits_to_keep(self.model):
-            return self.model(**inputs, logits_to_keep=1).logits[:, -1]  # (B, 1, V) computed
-        return self.model(**inputs).logits[:, -1].clone()
-
     def _decode(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, draws: torch.Tensor | None):
         """One batch's decode loop over its own KV cache: (response ids, response mask, sampler log-probs,
         rows still running at the limit), on the CPU. Prompts are left-padded; a row's EOS is its last response
@@ -167,7 +156,7 @@ class HFRollout(RolloutEngineBase):
         live = torch.arange(rows, device=device)  # the batch rows still decoding, in cache order
         positions = (prompt_mask.long().cumsum(1) - 1).clamp(min=0)  # (B, P): left padding shifts nothing
         steps = self._steps(prompt_mask)
-        logits = steps.prefill(self._prefill, prompt_ids, positions)  # (B, V)
+        logits = steps.prefill(prompt_ids, positions)  # (B, V)
         position = positions[:, -1:] + 1
         for t in range(width):
             log_probs = self._processed_log_probs(logits.float(), draws is not None)  # (L, V): this step's only

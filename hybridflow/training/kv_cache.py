@@ -1,4 +1,5 @@
-"""The hf engine's KV cache (workers/rollout/hf_rollout.py): one buffer per layer for keys and one for values,
+"""The KV cache of the engines that decode with a Hugging Face module (the hf engine, workers/rollout/hf_rollout.py;
+the exact engine and the actor's π_old pass beside it, hybridflow/training/exact_layout.py): one buffer per layer for keys and one for values,
 allocated once per batch at the batch's full size (rows x (prompt + rollout.max_response_tokens) positions, what
 the memory model prices: hybridflow/checks/memory_budget.py), written in place by each step. Through
 transformers' cache interface (`Cache` of layers), so any model that takes `past_key_values` decodes over it.
@@ -8,6 +9,8 @@ from __future__ import annotations
 
 import torch
 from transformers.cache_utils import Cache, DynamicLayer
+
+from hybridflow.training.sequences import takes_logits_to_keep
 
 
 class _PreallocatedLayer(DynamicLayer):
@@ -52,6 +55,18 @@ class _PreallocatedLayer(DynamicLayer):
         self.keys, self.values = self._keys[:rows, :, :self.length], self._values[:rows, :, :self.length]
 
 
+def prefill_logits(model, prompt_ids: torch.Tensor, attention: torch.Tensor, positions: torch.Tensor,
+                   cache: Cache) -> torch.Tensor:
+    """(B, V) the logits after the last prompt position, the prompt's keys and values into `cache`. Only that
+    position's logits are computed (`logits_to_keep=1`) where the model takes it; elsewhere the last position is
+    copied out so that no view keeps the (B, P, V) tensor alive through decoding."""
+    inputs = dict(input_ids=prompt_ids, attention_mask=attention, position_ids=positions, past_key_values=cache,
+                  use_cache=True)
+    if takes_logits_to_keep(model):
+        return model(**inputs, logits_to_keep=1).logits[:, -1]  # (B, 1, V) computed
+    return model(**inputs).logits[:, -1].clone()
+
+
 def preallocated_cache(model, positions: int) -> Cache:
     """A KV cache for `model` of one preallocated layer per decoder layer, each holding `positions` tokens (the
     prompt's width + rollout.max_response_tokens) for the batch of its first update."""
@@ -70,9 +85,9 @@ class LiveRowSteps:
         self.attention = prompt_mask.new_zeros((rows, positions), dtype=torch.long)  # (B, T): True = attend
         self.attention[:, :self.filled] = prompt_mask
 
-    def prefill(self, prefill, prompt_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """(B, V): `prefill(prompt_ids, attention, positions, cache)`'s logits after the last prompt position."""
-        return prefill(prompt_ids, self.attention[:, :self.filled], positions, self.cache)
+    def prefill(self, prompt_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """(B, V) the logits after the last prompt position (`prefill_logits`)."""
+        return prefill_logits(self.model, prompt_ids, self.attention[:, :self.filled], positions, self.cache)
 
     def next(self, token: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
         """(L, V) the next logits of the live rows, given their tokens (L,) at their positions (L, 1)."""
@@ -108,9 +123,10 @@ class CapturedSteps:
         self.position = torch.zeros((capacity, 1), dtype=torch.long, device=prompt_mask.device)
         self.token = torch.full((capacity,), pad_token_id, dtype=torch.long, device=prompt_mask.device)
 
-    def prefill(self, prefill, prompt_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    def prefill(self, prompt_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """(B, V) the batch's rows' logits; the padding rows' prompts are the first row's."""
-        return prefill(prompt_ids[self.padded], self.attention, positions[self.padded], self.cache)[:len(prompt_ids)]
+        return prefill_logits(self.model, prompt_ids[self.padded], self.attention, positions[self.padded],
+                              self.cache)[:len(prompt_ids)]
 
     def next(self, token: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
         self.token.fill_(self.pad_token_id).index_copy_(0, self.live, token)
