@@ -59,6 +59,7 @@ class Workload:
     actor_sp: int = 1  # actor.sequence_parallel_size, the reference's too
     critic_sp: int = 1
     teacher_sp: int = 1
+    packed: bool = False  # model.pack_sequences=true: no attention probabilities kept (`keeps_probabilities`)
     name: str = "workload"
 
     @property
@@ -98,7 +99,7 @@ class Workload:
                             gpu_memory_utilization=self.gpu_memory_utilization, bucket_bytes=self.bucket_bytes,
                             teacher_parameters=self.teacher_parameters if "teacher" in self.roles else 0,
                             teacher_bytes=self.teacher_bytes, actor_sp=self.actor_sp, critic_sp=self.critic_sp,
-                            teacher_sp=self.teacher_sp)
+                            teacher_sp=self.teacher_sp, packed=self.packed)
 
     def sequence_parallel(self) -> dict[str, int]:
         """The roles that split sequences, and their sizes (those above 1)."""
@@ -134,7 +135,8 @@ class Workload:
                    engine_memory=rollout_engine(config.rollout.backend).engine_memory,
                    engine_gpu=rollout_engine(config.rollout.backend).gpu_memory.value,
                    gpu_memory_utilization=config.rollout.gpu_memory_utilization,
-                   bucket_bytes=config.weight_sync.bucket_mb * 2 ** 20, name=name,
+                   bucket_bytes=config.weight_sync.bucket_mb * 2 ** 20, packed=config.model.pack_sequences is True,
+                   name=name,
                    **_teacher(config), **sequence_parallel_sizes(config))
 
 
