@@ -46,6 +46,7 @@ start with that phase's arithmetic, instead of running out of memory mid-step.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -678,17 +679,14 @@ def memory_problems(config, plan, roles: set[str] | None = None, node_bytes: int
             "(placement.pools.<pool>.devices_per_node), or rollout.kv_cache_space_gib=1"]
 
 
-def sequence_parallel_fix(config, plan, roles, fits) -> str | None:
-    """The sequence-parallel size that would fit, for a refusal: the smallest size above the configured ones
-    of the model roles on the actor's pool that their heads admit (a common divisor of the attention and
-    key/value heads; the teacher's are its own model's) and that divides their pools' ranks, whose floor
-    `fits(config)` (a bool) says fits, as the keys to set; the sizes the heads admit when none does; None
-    when no role on the pool splits sequences or no size above 1 is admitted."""
-    import dataclasses
+def sequence_parallel_keys(roles) -> list[str]:
+    """MemoryInputs' sequence-parallel fields (`SP_KEYS`) of the roles in `roles` that split sequences, sorted."""
+    return sorted({SP_OF_ROLE[r] for r in roles if r in SP_OF_ROLE})
 
-    keys = {SP_OF_ROLE[r] for r in roles if r in SP_OF_ROLE}
-    if not keys or (config.reward.reward_model.path is not None and "reward" in roles):
-        return None  # a reward model scores whole sequences beside them
+
+def admitted_sequence_parallel(config, keys) -> list[int]:
+    """The sequence-parallel sizes above the smallest configured one of `keys` that the heads admit: common
+    divisors of the model's attention and key/value heads (and of each teacher's, with the teacher's key)."""
 
     def admitted(heads: tuple[int, int]) -> set[int]:
         return {d for d in range(1, min(heads) + 1) if heads[0] % d == 0 and heads[1] % d == 0}
@@ -699,21 +697,40 @@ def sequence_parallel_fix(config, plan, roles, fits) -> str | None:
             facts = ModelFacts.from_dir(path)
             if facts is not None and facts.heads:
                 sizes &= admitted((facts.heads, facts.kv_heads or facts.heads))
+    now = min(getattr(config, SP_KEYS[k].split(".")[0]).sequence_parallel_size for k in keys)
+    return sorted(d for d in sizes if d > now)
+
+
+def raise_sequence_parallel(config, keys, size: int) -> tuple[object, dict[str, int]]:
+    """`config` with each of `keys` configured below `size` raised to it, and the keys raised
+    ({'actor.sequence_parallel_size': size, ...}); a size configured at or above it is kept."""
+    raised = {}
+    for k in sorted(keys):
+        section = SP_KEYS[k].split(".")[0]
+        if getattr(config, section).sequence_parallel_size < size:
+            raised[section] = dataclasses.replace(getattr(config, section), sequence_parallel_size=size)
+    return dataclasses.replace(config, **raised), {f"{section}.sequence_parallel_size": size for section in raised}
+
+
+def sequence_parallel_fix(config, plan, roles, fits) -> str | None:
+    """The sequence-parallel size that would fit, for a refusal: the smallest size above the configured ones
+    of the model roles on the actor's pool that their heads admit (`admitted_sequence_parallel`) and that
+    divides their pools' ranks, whose floor `fits(config)` (a bool) says fits, as the keys to set; the sizes
+    the heads admit when none does; None when no role on the pool splits sequences or no size above 1 is
+    admitted."""
+    keys = sequence_parallel_keys(roles)
+    if not keys or (config.reward.reward_model.path is not None and "reward" in roles):
+        return None  # a reward model scores whole sequences beside them
     ranks = {"actor_sp": [plan.devices_of("actor"), *([plan.devices_of("reference")] if "reference" in roles else [])],
              "critic_sp": [plan.devices_of("critic")] if "critic" in roles else [],
              "teacher_sp": [plan.devices_of(r) for r in roles if r == "teacher"]}
-    now = min(getattr(config, SP_KEYS[k].split(".")[0]).sequence_parallel_size for k in keys)
-    sizes = sorted(d for d in sizes if d > now and all(n % d == 0 for k in keys for n in ranks[k]))
+    sizes = [d for d in admitted_sequence_parallel(config, keys) if all(n % d == 0 for k in keys for n in ranks[k])]
     if not sizes:
         return None
     for size in sizes:
-        raised = {}
-        for k in sorted(keys):
-            section = SP_KEYS[k].split(".")[0]
-            if getattr(config, section).sequence_parallel_size < size:
-                raised[section] = dataclasses.replace(getattr(config, section), sequence_parallel_size=size)
-        if fits(dataclasses.replace(config, **raised)):
-            return ", ".join(f"{section}.sequence_parallel_size={size}" for section in raised) + (
+        raised, chosen = raise_sequence_parallel(config, keys, size)
+        if fits(raised):
+            return ", ".join(f"{key}={value}" for key, value in chosen.items()) + (
                 f" (each rank then holds 1/{size} of a micro-batch's tokens; the sizes the heads and the pool admit: "
                 f"{sizes})")
     return (f"no sequence_parallel_size the heads and the pool admit ({sizes}) fits either; with more ranks in the "

@@ -89,8 +89,9 @@ class PlannerConfig:
     """The placement planner (hybridflow/planning, docs/placement.md), used by placement=auto."""
 
     # Before Ray starts, search this run's plans on its cluster and run the fastest predicted (the
-    # pools, roles' pools and rollout TP); the plan and its prediction are saved as run_dir/plan.json
-    # and every step's metrics carry plan/predicted_<stage>_s.
+    # pools, roles' pools and rollout TP; where no plan fits at the configured <role>.sequence_parallel_size,
+    # the smallest larger size the heads admit at which one fits, docs/long_sequences.md); the plan and its
+    # prediction are saved as run_dir/plan.json and every step's metrics carry plan/predicted_<stage>_s.
     auto: bool = False
     # Rates JSON from `hybridflow plan --calibrate --save-rates FILE`; null: the rates cached for this
     # device, else built-in ones for it, else another device's, marked borrowed (docs/placement.md

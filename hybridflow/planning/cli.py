@@ -9,7 +9,10 @@
 The overrides are the run's (`recipe=ppo rollout.max_response_tokens=64 ...`): the workload is the
 step they describe. It prints the cluster, the rates and where they came from, the ranked plans
 (predicted seconds per step and per stage), the overrides that select each, each pool's memory
-terms for the best, and why the refused candidates were refused. Exit status 2 when no plan fits.
+terms for the best, and why the refused candidates were refused. Where no plan fits at the configured
+sequence-parallel sizes, it plans as placement=auto runs: at the smallest larger size that fits
+(hybridflow/planning/auto.py `split_sequences`), said in its first line and in each pool's memory line.
+Exit status 2 when no plan fits.
 """
 
 from __future__ import annotations
@@ -22,9 +25,10 @@ import sys
 from pathlib import Path
 from typing import Any, Callable
 
+from hybridflow.planning.auto import cluster_for, no_split_said, split_sequences
 from hybridflow.planning.cost import STAGES
 from hybridflow.planning.rules import phases
-from hybridflow.planning.workload import GIB, Cluster
+from hybridflow.planning.workload import GIB, Cluster, Workload
 
 
 def parser() -> argparse.ArgumentParser:
@@ -58,8 +62,6 @@ def make_cluster(args, config) -> Cluster:
 
         return Cluster.this_machine(args.device or device_of(config.placement.device.value))
     if args.cluster == "ray":
-        from hybridflow.planning.auto import cluster_for
-
         if config.ray.address is None:
             raise ValueError("--cluster ray reads the cluster at ray.address: add ray.address=HOST:PORT")
         return cluster_for(config)
@@ -81,7 +83,6 @@ def main(argv: list[str], compose_command: Callable[[list[str]], Any]) -> int:
     modules sit above the planner)."""
     args = parser().parse_args(argv)
     from hybridflow.planning.device_rates import load_rates
-    from hybridflow.planning.workload import Workload
 
     try:
         config = compose_command(args.overrides)
@@ -124,16 +125,28 @@ def main(argv: list[str], compose_command: Callable[[list[str]], Any]) -> int:
         from hybridflow.planning.cost import build_cost_model
 
         p = config.placement.planner
-        result = search(workload, cluster, build_cost_model(p.cost_model, rates), build_policy(p.policy),
-                        SearchOptions(any_tp=not args.tp_1_or_pool, depths=depths))
+        cost, policy = build_cost_model(p.cost_model, rates), build_policy(p.policy)
+        options = SearchOptions(any_tp=not args.tp_1_or_pool, depths=depths)
+        result = search(workload, cluster, cost, policy, options)
+        split, tried = None, []
+        if not result.ranked:  # as placement=auto runs it: the smallest larger sequence-parallel size that fits
+            split, tried = split_sequences(config, cluster,
+                                           lambda raised: search(Workload.from_config(raised), cluster, cost, policy,
+                                                                 options))
+            if split is not None:
+                workload, result = Workload.from_config(split.config), split.result
     except (ValueError, KeyError, RuntimeError) as exc:  # a ConfigError is a ValueError
         print(f"hybridflow plan: {exc}", file=sys.stderr)
         return 2
-    print(report(result, workload, cluster, rates, args.top, args.refused, note))
+    if split is not None:
+        print(split.line("hybridflow plan:"))
+    print(report(result, workload, cluster, rates, args.top, args.refused, note)
+          + (no_split_said(config, tried) if split is None else ""))
     if args.json:
         Path(args.json).write_text(json.dumps({"cluster": dataclasses.asdict(cluster), "rates": rates.to_dict(),
                                                "workload": dataclasses.asdict(workload),
-                                               "ranked": [c.to_dict() for c in result.ranked]}, indent=2))
+                                               "ranked": [c.to_dict() for c in result.ranked],
+                                               **({"sequence_parallel": split.to_dict()} if split else {})}, indent=2))
     return 0 if result.ranked else 2
 
 

@@ -66,7 +66,7 @@ def problems(plan: Plan, workload: Workload, cluster: Cluster, any_tp: bool = Fa
             out.append(f"rollout.gpu_memory_utilization={workload.gpu_memory_utilization}: the engine's share, "
                        f"{share / GIB:.1f} GiB of each GPU, is below its 1/{plan.rollout_tp} of the weights and one "
                        f"sequence's KV cache ({need / GIB:.1f} GiB)")
-    usable = (GPU_MEMORY_SHARE if cluster.device == "cuda" else 1.0) * cluster.device_memory_bytes
+    usable = usable_bytes(cluster)
     for pool in plan.pools:
         for phase, terms in phases(plan, pool, workload, cluster).items():
             if sum(terms.values()) > usable:
@@ -75,6 +75,18 @@ def problems(plan: Plan, workload: Workload, cluster: Cluster, any_tp: bool = Fa
                            f"{usable / GIB:.1f} GiB (of {cluster.device_memory_bytes / GIB:.1f}):"
                            + "".join(f"\n      {v / GIB:8.2f} GiB  {k}" for k, v in terms.items()))
     return out
+
+
+def usable_bytes(cluster: Cluster) -> float:
+    """What the memory terms of one device may sum to: a GPU's GPU_MEMORY_SHARE (the rest is the allocator's
+    fragmentation and transient buffers), a CPU slot's whole share of its node."""
+    return (GPU_MEMORY_SHARE if cluster.device == "cuda" else 1.0) * cluster.device_memory_bytes
+
+
+def pool_peaks(plan: Plan, workload: Workload, cluster: Cluster) -> dict[str, float]:
+    """Each pool's largest per-device sum of memory terms over the phases of the step (`phases`), by pool name."""
+    return {pool.name: max(sum(terms.values()) for terms in phases(plan, pool, workload, cluster).values())
+            for pool in plan.pools}
 
 
 def phases(plan: Plan, pool: PoolPlan, workload: Workload, cluster: Cluster) -> dict[str, dict[str, float]]:

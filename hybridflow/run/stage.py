@@ -7,7 +7,8 @@ phases, both before Ray starts and before any worker exists:
    tolerance) and what the config alone shows is wrong (`config_problems`) — both at compose
    (`hybridflow.config.to_config`);
 2. `prepare_stage(config)`: the plan (the config's own, or placement=auto's best on the cluster:
-   `hybridflow.planning.auto.decide_plan`, the one caller of `Plan.from_config`), what the plan
+   `hybridflow.planning.auto.decide_plan`, the one caller of `Plan.from_config`, with the sequence-parallel
+   sizes it raises where the configured ones fit no plan: the stage's config carries them), what the plan
    shows is wrong (`plan_problems`, raised as one `ConfigError`), the micro-batch sizes left null
    chosen for the plan's pools (hybridflow/checks/memory_budget.py, entered once), and the console lines saying
    so. The schedule trainer.max_staleness chooses is asked for once and handed to the plan and its checks.
@@ -36,7 +37,7 @@ from hybridflow.rollout_schedules import schedule_class
 
 @dataclass(frozen=True)
 class Stage:
-    config: HybridFlowConfig  # resolved: dtypes, probe tolerance and micro-batch sizes filled in
+    config: HybridFlowConfig  # resolved: dtypes, probe tolerance, micro-batch sizes (and placement=auto's SP) filled in
     plan: Plan  # its pools, each role's pool, the rollout's TP, the device and the weight transport
     prediction: dict | None = None  # placement=auto's prediction per stage, for `plan/predicted_<stage>_s`
     record: dict = field(default_factory=dict)  # placement=auto's search, saved beside the plan in plan.json
@@ -66,11 +67,13 @@ def prepare_stage(config: HybridFlowConfig) -> Stage:
     or `InputError` when placement=auto finds no plan that fits."""
     schedule = schedule_class(config.trainer.max_staleness)  # asked once: the plan and its checks are given it
     decided = decide_plan(config, schedule)
+    config = decided.config  # placement=auto's sequence-parallel sizes, where it raised them
     problems = plan_problems(config, decided.plan, schedule)
     if problems:
-        raise ConfigError("\n".join(problems))
+        raise ConfigError("\n".join([decided.split_line, *problems] if decided.split_line else problems))
     config, chosen = resolve_micro_batches(config, decided.plan)  # for the plan's pools
-    said = tuple(line for line in (decided.line, chosen, *_precision_lines(config, decided.plan.device)) if line)
+    said = tuple(line for line in (decided.line, decided.split_line, chosen,
+                                   *_precision_lines(config, decided.plan.device)) if line)
     return Stage(config, decided.plan, decided.prediction, decided.record, said)
 
 
