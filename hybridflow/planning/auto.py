@@ -7,7 +7,8 @@ device the run computes on), or the Ray cluster the run joins (`ray.address`, or
 `ray job submit`) — with the rates of
 `placement.planner.rates` (or the device's built-in profile), keeps the run's own
 `trainer.max_staleness` (a learning choice, not a placement one), and returns the best plan (its
-pools, roles and rollout tensor-parallel size; the config itself is not rewritten), which the runner
+pools, roles and rollout tensor-parallel size; the config itself is not rewritten, but for the
+sequence parallelism below), which the runner
 hands to everything that places, sizes or moves inside the stage (`hybridflow.run.stage.Stage`). The
 runner saves it as run_dir/plan.json (the plan, its prediction per stage, the rates' source and the
 runners-up); the metrics logger adds the stage's `plan/predicted_<stage>_s` to every step, beside the measured `timing/<stage>_s`. When no plan fits,
