@@ -266,6 +266,7 @@ def _rank_decodes(rank: int, world: int, port: int, model_dir: str, out_file: st
         dist.destroy_process_group()
 
 
+@pytest.mark.slow  # ~25 s: two spawned processes each build the actor (the default tier is at its budget)
 def test_two_ranks_decode_and_replay_the_same_number_of_collective_forwards(tiny_model_dir, tmp_path):
     """Over gloo, FSDP2's forwards are collective: a rank whose rows ended goes on with the other (a step short
     would leave the other waiting in its gather); both decodes equal their replays bit for bit."""
