@@ -189,3 +189,17 @@ def test_the_guard_cost_bench_times_each_guard(tmp_path):
     assert set(report["guards_s"]) == {"no_signal_s", "env_failures_s", "trained_prompts_s", "sft_eos_s",
                                        "truncated_sampling_at_compose_s"}
     assert all(v > 0 for v in report["guards_s"].values()) and report["guards_per_step_s"] > 0
+
+
+def test_the_hub_environments_bench_times_each_task_on_both_sides_and_reads_its_held_out_reward(tmp_path):
+    """bench/hub_environments.py --dry-run: each task (a verifiers taskset, an OpenEnv server) through its
+    hub adapter and through HybridFlow's own path, 2 steps a side, the untrained model's held-out reward
+    from recipe=evaluate, the overhead from the steps after the first; no doc written."""
+    report = _dry_run("hub_environments.py", tmp_path / "hub.json")
+    assert report["dry_run"] and set(report["runs"]) == {"verifiers_seed0", "openenv_seed0"}
+    for name, run in report["runs"].items():
+        assert 0 <= run["start_val_reward"] and 0 <= run["end_val_reward"], name
+        for side in ("hub", "own"):
+            assert len(run[side]["step_s"]) == 1 and run[side]["median_step_s"] > 0, (name, side)
+        assert run["overhead"] == run["hub"]["median_step_s"] / run["own"]["median_step_s"] - 1
+    assert report["runs"]["openenv_seed0"]["hub"]["turns_mean"] >= 1
