@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -191,6 +193,7 @@ def test_the_guard_cost_bench_times_each_guard(tmp_path):
     assert all(v > 0 for v in report["guards_s"].values()) and report["guards_per_step_s"] > 0
 
 
+@pytest.mark.slow  # six hybridflow processes with vLLM (~100 s on 2 cores); the default tier's 10 minutes are full
 def test_the_hub_environments_bench_times_each_task_on_both_sides_and_reads_its_held_out_reward(tmp_path):
     """bench/hub_environments.py --dry-run: each task (a verifiers taskset, an OpenEnv server) through its
     hub adapter and through HybridFlow's own path, 2 steps a side, the untrained model's held-out reward
