@@ -12,9 +12,9 @@ holds on a GPU in each phase of a step (`GpuMemory`), which the GPU memory model
 
 Three are registered: `vllm` (vLLM, tensor parallel, on any pool, LoRA adapters, agents), `hf`
 (a Hugging Face model with a decode loop of its own over a KV cache preallocated per batch, one model per
-rank in the actor's processes; on GPUs its decode step captured once, and it sleeps) and `exact` (the actor's own module, no cache: each decode step is the
-forward the actor's π_old pass computes, so the sampler's log-probs are the trainer's bit for bit, at
-the price of a whole forward per token; workers/rollout/exact_rollout.py). Another is one entry:
+rank in the actor's processes; on GPUs its decode step captured once, and it sleeps) and `exact` (the actor's own module, decoding over a KV cache; the actor's π_old pass replays that
+decode, so the sampler's log-probs are the trainer's bit for bit, at the price of a π_old pass that is a
+decode; workers/rollout/exact_rollout.py). Another is one entry:
 `register_rollout_engine(RolloutEngine("mine", "my_package.module:MyRollout", ...))` in code the
 driver imports, or `rollout.backend=my_package.module:ENGINE` naming a `RolloutEngine` object
 (tests/e2e/test_toy_rollout_engine.py adds one that generates with a plain sampling loop).
