@@ -1,7 +1,7 @@
 """Environments from the hubs, learning and timed against HybridFlow's own path (issue 85, its last done-when).
 
 Two tasks on the tiny model (random init, character tokenizer), GRPO in one process (`placement=local`,
-real vLLM), each run twice per seed, interleaved (hub, own, hub, own):
+real vLLM), each side once per seed, hub then own (so over two seeds: hub, own, hub, own):
 
 - `verifiers`: tests/e2e/fixtures/verifiers_arith.py (additions "3+4=", rubric correct + 0.5 * brevity)
   played by verifiers' own harness through the rollout engine's OpenAI-compatible endpoint
@@ -18,7 +18,7 @@ steps 2.. of each run; overhead = hub / own - 1 (per seed, and on the medians ov
 
     PYTHONPATH=. .venv/bin/python bench/hub_environments.py --tasks verifiers --seeds 0   # one task, one seed
     PYTHONPATH=. .venv/bin/python bench/hub_environments.py --report-only   # the table from the JSON
-    PYTHONPATH=. .venv/bin/python bench/hub_environments.py --dry-run --out /tmp/hub.json   # 1 step a side
+    PYTHONPATH=. .venv/bin/python bench/hub_environments.py --dry-run --out /tmp/hub.json   # 2 steps a side, 1 timed
 
 Each invocation adds its runs to --out (keyed by task and seed) and rewrites the table in
 docs/results/learning.md (not with --dry-run, which writes only --out).
@@ -168,7 +168,7 @@ def chat_program_start_s(repeats: int = 3) -> float:
 
 
 def measure(task: str, seed: int, steps: int, val_every: int, work: Path, dry_run: bool) -> dict:
-    """Start held-out reward (evaluate, hub side), then the hub run and the own run (interleaved)."""
+    """Start held-out reward (evaluate, hub side), then the hub run, then the own run."""
     start = hybridflow(["placement=local", "recipe=evaluate", "recipe.eval_samples=1", "logger.backends=[jsonl]",
                         f"seed={seed}", *task_args(task, "hub", work, dry_run)], work, f"{task}_seed{seed}_start")
     result = {"start_val_reward": start[-1]["val/reward_mean"]}
