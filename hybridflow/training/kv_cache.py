@@ -7,6 +7,10 @@ transformers' cache interface (`Cache` of layers), so any model that takes `past
 
 from __future__ import annotations
 
+import ctypes
+import mmap
+import sys
+
 import torch
 from transformers.cache_utils import Cache, DynamicLayer
 
@@ -19,7 +23,8 @@ class _PreallocatedLayer(DynamicLayer):
     concatenates (a copy of the whole layer's cache each step, and memory the allocator must find again). Attention
     reads the filled part only, `keys` being a view of the live rows' first `length` positions — not the padded
     full length a `StaticLayer` hands it (on the CPU attention's cost is then that of the tokens there are). Ended
-    rows leave by moving the live ones to the front (`batch_select_indices`). A subclass of `DynamicLayer`, so that
+    rows leave by moving the live ones to the front (`batch_select_indices`), the rows behind them given back to the
+    system (`release_rows`: the resident cache is the live rows', as `DynamicLayer`'s was). A subclass of `DynamicLayer`, so that
     transformers builds the masks as for a growing cache (kv length = positions filled + the query's)."""
 
     def __init__(self, positions: int) -> None:
@@ -53,6 +58,28 @@ class _PreallocatedLayer(DynamicLayer):
         self._keys[:rows, :, :self.length] = self.keys[indices]  # the right side is a copy: no overlap
         self._values[:rows, :, :self.length] = self.values[indices]
         self.keys, self.values = self._keys[:rows, :, :self.length], self._values[:rows, :, :self.length]
+        release_rows(self._keys, rows)
+        release_rows(self._values, rows)
+
+
+_MADV_DONTNEED = 4  # Linux's madvise advice: the range's pages dropped, read back as zeros if touched again
+_libc = ctypes.CDLL(None, use_errno=True) if sys.platform == "linux" else None
+
+
+def release_rows(buffer: torch.Tensor, rows: int) -> None:
+    """The host memory of `buffer`'s rows from `rows` on (a contiguous CPU buffer whose first dimension is the batch's
+    rows) given back to the system (Linux `madvise(MADV_DONTNEED)`), the buffer kept: a batch's ended rows' keys and
+    values are never read again, and the pages they had written would otherwise stay resident until the batch's
+    cache is freed — the whole batch's tokens by its end, where transformers' `DynamicCache` held the live rows'
+    only. Whole pages inside the range only; elsewhere (a GPU, another system) nothing."""
+    if _libc is None or buffer.device.type != "cpu" or not buffer.is_contiguous() or rows >= len(buffer):
+        return
+    begin = buffer.data_ptr() + rows * buffer.stride(0) * buffer.element_size()
+    end = buffer.data_ptr() + buffer.numel() * buffer.element_size()
+    begin = -(-begin // mmap.PAGESIZE) * mmap.PAGESIZE
+    end = end // mmap.PAGESIZE * mmap.PAGESIZE
+    if end > begin and _libc.madvise(ctypes.c_void_p(begin), ctypes.c_size_t(end - begin), _MADV_DONTNEED) != 0:
+        raise OSError(ctypes.get_errno(), "madvise(MADV_DONTNEED) of an ended row's KV cache pages failed")
 
 
 def prefill_logits(model, prompt_ids: torch.Tensor, attention: torch.Tensor, positions: torch.Tensor,

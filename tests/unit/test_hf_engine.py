@@ -1,7 +1,8 @@
 """The `hf` engine's own decode loop (workers/rollout/hf_rollout.py): greedy output equals transformers'
 `generate`, the sampler log-probs of sampled tokens equal a full forward pass's tempered, top-p filtered
 log-probs of the same tokens (what the trainer's ratio reads), and the top-p filter keeps the smallest
-set reaching top_p, worked by hand."""
+set reaching top_p, worked by hand. The references are the model as transformers loads it, with its own
+kernels: the engine's CPU kernels (hybridflow/training/decode_kernels.py) are held to them."""
 
 from __future__ import annotations
 
@@ -27,6 +28,13 @@ def _engine(tiny_model_dir, **rollout):
     return engine, tok
 
 
+def _plain_model(tiny_model_dir):
+    """The model as transformers loads it: its SDPA attention and `F.linear`, not the engine's kernels."""
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+
+
 def _prompts(tok, rows: int):
     from hybridflow.data import ArithmeticSpec, make_arithmetic_rows
     from hybridflow.data.prompts import encode_prompts
@@ -40,7 +48,7 @@ def test_greedy_output_equals_transformers_generate(tiny_model_dir):
     engine, tok = _engine(tiny_model_dir, max_response_tokens=6)
     prompts = _prompts(tok, 5)
     out = engine.generate(prompts, greedy=True)
-    reference = engine.model.generate(prompts["prompt_ids"], attention_mask=prompts["prompt_mask"].long(),
+    reference = _plain_model(tiny_model_dir).generate(prompts["prompt_ids"], attention_mask=prompts["prompt_mask"].long(),
                                       max_new_tokens=6, do_sample=False, eos_token_id=tok.eos_token_id,
                                       pad_token_id=tok.pad_token_id)[:, prompts["prompt_ids"].shape[1]:]
     width = reference.shape[1]
@@ -57,7 +65,9 @@ def test_sampler_log_probs_are_the_full_forwards_tempered_top_p_log_probs(tiny_m
     assert torch.equal(out["response_ids"], again["response_ids"])  # the batch's seed: reproducible
     ids = torch.cat([prompts["prompt_ids"], out["response_ids"]], 1)
     mask = torch.cat([prompts["prompt_mask"], out["response_mask"]], 1).long()
-    logits = engine.model(input_ids=ids, attention_mask=mask, position_ids=(mask.cumsum(1) - 1).clamp(min=0)).logits
+    with torch.no_grad():
+        logits = _plain_model(tiny_model_dir)(input_ids=ids, attention_mask=mask,
+                                              position_ids=(mask.cumsum(1) - 1).clamp(min=0)).logits
     width, start = out["response_ids"].shape[1], prompts["prompt_ids"].shape[1]
     full = engine._processed_log_probs(logits[:, start - 1:start - 1 + width].float().reshape(-1, logits.shape[-1]),
                                        sample=True).reshape(len(prompts), width, -1)

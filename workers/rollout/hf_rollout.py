@@ -8,7 +8,10 @@ sampled from by keeping every step's scores (rows x response tokens x vocabulary
 log-prob from it. Each step is one forward pass of the new tokens over a KV cache preallocated for the batch
 (hybridflow/training/kv_cache.py: the prompt's keys and values computed once, each step's written in place where
 transformers' `DynamicCache` concatenates), sampled from the tempered, top-p filtered distribution
-(what vLLM's `processed_logprobs` report). The prefill computes the logits of the last prompt position
+(what vLLM's `processed_logprobs` report). On the CPU the model's linear layers compute through oneDNN and its
+attention takes grouped key and value heads as they are (hybridflow/training/decode_kernels.py: transformers'
+defaults ran a decode 1.3x slower on SmolLM2), and an ended row's cache pages are given back to the system as it
+leaves. The prefill computes the logits of the last prompt position
 only (transformers' `logits_to_keep=1`): every position's would be rows x prompt x vocabulary (128 x 256
 x 151,936 in bf16 is 10 GB) for one row of each.
 
@@ -45,6 +48,7 @@ from hybridflow.batch import Batch
 from hybridflow.config.schema import RolloutConfig
 from hybridflow.controller import Dispatch, WorkerContext, register
 from workers.rollout import RolloutEngineBase
+from hybridflow.training.decode_kernels import grouped_query_attention, onednn_linears
 from hybridflow.training.kv_cache import CapturedSteps, LiveRowSteps, free_storage, refill_storage
 
 
@@ -73,6 +77,9 @@ class HFRollout(RolloutEngineBase):
             from hybridflow.training.fsdp import fp32_output_head
 
             fp32_output_head(self.model)
+        if self.ctx.device == "cpu":  # transformers' defaults are slow at a decode's shapes on the CPU
+            grouped_query_attention(self.model)
+            onednn_linears(self.model)
         self.sleep_level = self.cfg.sleep_level or 1  # null outside a HybridFlowConfig: keep the weights
         self.serve_weights(ModuleReceiver(self.model, self.pad_token_id))
         return time.perf_counter() - start
