@@ -228,6 +228,7 @@ def test_an_actor_not_built_for_the_exact_engine_refuses_to_offer_its_module(tin
     (["algorithm.dynamic_sampling_rounds=2"], "dynamic_sampling_rounds=2 is invalid: .*several generations"),
     (["model.dtype=float32", "rollout.dtype=bfloat16"], "rollout.dtype='bfloat16' is invalid: .*in model.dtype"),
     (["rollout.fp32_lm_head=true"], "computes with the actor's output head: set actor.fp32_lm_head=true"),
+    (["rollout.agent=[hybridflow.data.calculator:calc]"], r"agent rollouts \(rollout.agent\) run on an engine that"),
 ])
 def test_what_would_break_the_equality_is_refused_at_compose(overrides, message):
     with pytest.raises(ConfigError, match=message):

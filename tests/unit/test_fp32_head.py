@@ -1,5 +1,5 @@
 """The float32 output head (actor.fp32_lm_head, rollout.fp32_lm_head; hybridflow.training.fsdp.fp32_output_head):
-on a model computing in bfloat16 its logits are float32 and its log-probs nearer the float64 model's
+on a model computing in bfloat16 its logits are float32 and its log-probs nearer the float64 head's
 than the bfloat16 head's; an engine that cannot is refused before start; the memory floor prices it."""
 
 from __future__ import annotations
@@ -17,27 +17,30 @@ def _log_probs(model, ids: torch.Tensor) -> torch.Tensor:
 
 def test_the_float32_head_computes_the_logits_in_float32_and_brings_the_log_probs_nearer_float64(tiny_model_dir):
     """With the same bfloat16 body, the head's logits are the float32 product of its bfloat16 hidden states
-    and weight (not that product rounded to bfloat16), and the log-probs move nearer the float64 model's."""
+    and weight (not that product rounded to bfloat16), and its log-probs are nearer the float64 product's of the
+    same hidden states and weight than the bfloat16 head's are. (The whole float64 model is no reference for the
+    head alone: the bfloat16 body's own rounding, which differs between CPUs with and without bfloat16
+    instructions, can outweigh the head's on a model this small.)"""
     from transformers import AutoModelForCausalLM
 
     from hybridflow.training.fsdp import fp32_output_head
 
     torch.manual_seed(0)
-    reference = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float64)
-    ids = torch.randint(0, reference.config.vocab_size, (4, 24))
-    exact = _log_probs(reference, ids)
     bf16 = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.bfloat16)
+    ids = torch.randint(0, bf16.config.vocab_size, (4, 24))
     with torch.no_grad():
         plain = _log_probs(bf16, ids)
         hidden = bf16.model(input_ids=ids).last_hidden_state  # (B, T, H) bfloat16
         assert bf16(input_ids=ids).logits.dtype == torch.bfloat16
+        exact_logits = hidden.double() @ bf16.lm_head.weight.double().T  # the same inputs, float64
+        exact = torch.log_softmax(exact_logits[:, :-1], -1).gather(-1, ids[:, 1:, None])[..., 0]
         fp32_output_head(bf16)
         logits = bf16(input_ids=ids).logits
         assert logits.dtype == torch.float32
         torch.testing.assert_close(logits, hidden.float() @ bf16.lm_head.weight.float().T, rtol=0, atol=0)
         headed = _log_probs(bf16, ids)
     gap_plain, gap_headed = (plain - exact).abs().mean(), (headed - exact).abs().mean()
-    assert gap_headed < gap_plain, (float(gap_plain), float(gap_headed))
+    assert gap_headed < gap_plain / 10, (float(gap_plain), float(gap_headed))
 
 
 def test_an_engine_that_cannot_compute_its_head_in_float32_is_refused_naming_those_that_can():
