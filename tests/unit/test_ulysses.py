@@ -307,7 +307,8 @@ def test_smollm2_at_sp_3_over_three_ranks_gives_sp_1s_log_probs_and_gradients_to
     times 3 (the loop's factor) and its gradients divided by 3 rounds the same way: with one micro-batch,
     SP 3's gradients equal that within 1e-5 relative element by element (under the token budget the
     micro-batches' accumulation adds float32 noise of its own, as it does to SP 1 against itself: 2.1e-5
-    over all parameters, 9.7e-5 on one tensor). Against plain SP 1, at both splits: 1e-4 over all parameters
+    over all parameters, 9.7e-5 on one tensor). Against plain SP 1, at both splits: 2e-4 over all parameters (1.09e-4
+    on an AVX2-only EPYC, under 1e-4 on CPUs with bfloat16 instructions)
     and 2e-3 on each tensor, where the planted faults above are off by 50-100%."""
     from hybridflow.training import loop
 
@@ -330,7 +331,7 @@ def test_smollm2_at_sp_3_over_three_ranks_gives_sp_1s_log_probs_and_gradients_to
         got_grads = _named(got_grads)
         everything = _relative_error(torch.cat([got_grads[k].flatten() for k in want_grads]),
                                      torch.cat([want_grads[k].flatten() for k in want_grads]))
-        assert everything < 1e-4, (split, everything)
+        assert everything < 2e-4, (split, everything)
         worst = max((_relative_error(got_grads[k], want_grads[k]), k) for k in want_grads)
         assert worst[0] < 2e-3, (split, worst)
 
