@@ -116,49 +116,33 @@ def test_one_step_off_overlaps_generation_with_training_within_the_staleness_bou
     assert "val/accuracy" in rows[1] and "val/accuracy" in rows[3]
 
 
-@pytest.mark.slow  # CI's slow tier, for the default run's 20 minutes on a CPU without bf16 (README "Two commands")
-def test_a_one_step_off_driver_killed_after_a_checkpoint_resumes_on_the_same_batches(one_step_off, tmp_path):
-    """The driver is killed (SIGKILL, its whole process group) once the step-2 checkpoint is complete,
-    with step 3's batch in flight; resumed, steps 3 and 4 train on the drained batch and give the
-    uninterrupted run's numbers, each step logged once."""
-    kill_once_checkpointed(ONE_STEP_OFF, tmp_path, "run", step=2)
-    run_dir = tmp_path / "run"
-    state = json.loads((run_dir / "checkpoints" / "step_00000002" / "trainer_state.json").read_text())
-    assert [b["step"] for b in state["rollouts"]["in_flight"]] == [3]  # the drained batch is in the checkpoint
-    result = hybridflow([*ONE_STEP_OFF, "trainer.resume=true"], tmp_path, "run")
-    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
-    assert "resumed from" in result.stdout
-    resumed, whole = metrics(run_dir), metrics(one_step_off)
-    assert [r["step"] for r in resumed] == [1, 2, 3, 4]
-    # prompt for prompt: the training rows each step trained on, each step once (issue 87)
-    trained = (run_dir / "trained_prompts.jsonl").read_text()
-    assert trained == (one_step_off / "trained_prompts.jsonl").read_text()
-    assert [json.loads(line)["step"] for line in trained.splitlines()] == [1, 2, 3, 4]
-    for got, want in zip(resumed[2:], whole[2:]):
-        got, want = without_timing(got), without_timing(want)
-        assert got == want, {k: (got.get(k), want.get(k)) for k in set(got) | set(want) if got.get(k) != want.get(k)}
-
-
 DYNAMIC = [*(a for a in ONE_STEP_OFF if not a.startswith("reward.fn=")), f"reward.fn={FIXTURES / 'half_agreeing_reward.py'}:score",
            "algorithm.dynamic_sampling_rounds=3", "algorithm.dynamic_sampling_metric=reward",
            "algorithm.dynamic_sampling_on_limit=top_up"]
 
 
 @pytest.mark.slow  # CI's slow tier: two one-step-off runs on Ray (README "Two commands")
-def test_a_one_step_off_run_with_dynamic_sampling_resumes_prompt_for_prompt(tmp_path):
-    """Dynamic sampling draws extra prompts in rounds, one step ahead of the step that trains on them;
-    a driver killed after its step-2 checkpoint and resumed trains steps 3 and 4 on the uninterrupted
-    run's prompts (trained_prompts.jsonl, line for line) with its metrics (issue 87: NeMo-RL #3599)."""
+def test_a_one_step_off_run_with_dynamic_sampling_killed_after_a_checkpoint_resumes_prompt_for_prompt(tmp_path):
+    """Dynamic sampling draws extra prompts in rounds, one step ahead of the step that trains on them.
+    The driver is killed (SIGKILL, its whole process group) once the step-2 checkpoint is complete, with
+    step 3's batch in flight; resumed, steps 3 and 4 train on the drained batch: the uninterrupted run's
+    prompts (trained_prompts.jsonl, line for line, each step once) and its metrics (issue 87: NeMo-RL #3599)."""
     whole = hybridflow(DYNAMIC, tmp_path, "whole")
     assert whole.returncode == 0, whole.stdout[-4000:] + whole.stderr[-4000:]
     rows = metrics(tmp_path / "whole")
     assert any(r["dynamic_sampling/rounds"] > 0 for r in rows), rows  # extra rounds drew extra prompts
     kill_once_checkpointed(DYNAMIC, tmp_path, "run", step=2)
+    run_dir = tmp_path / "run"
+    state = json.loads((run_dir / "checkpoints" / "step_00000002" / "trainer_state.json").read_text())
+    assert [b["step"] for b in state["rollouts"]["in_flight"]] == [3]  # the drained batch is in the checkpoint
     result = hybridflow([*DYNAMIC, "trainer.resume=true"], tmp_path, "run")
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
-    trained = (tmp_path / "run" / "trained_prompts.jsonl").read_text()
+    assert "resumed from" in result.stdout
+    assert [r["step"] for r in metrics(run_dir)] == [1, 2, 3, 4]
+    trained = (run_dir / "trained_prompts.jsonl").read_text()
     assert trained == (tmp_path / "whole" / "trained_prompts.jsonl").read_text()
-    for got, want in zip(metrics(tmp_path / "run")[2:], rows[2:]):
+    assert [json.loads(line)["step"] for line in trained.splitlines()] == [1, 2, 3, 4]
+    for got, want in zip(metrics(run_dir)[2:], rows[2:]):
         got, want = without_timing(got), without_timing(want)
         assert got == want, {k: (got.get(k), want.get(k)) for k in set(got) | set(want) if got.get(k) != want.get(k)}
 

@@ -1,7 +1,7 @@
 """On-policy distillation's pieces, each as a run uses it: the signal against an independent float64
 formula, the advantage the PPO-family step trains, and what is refused before start (no teacher, a
 teacher of another tokenizer, a teacher that does not fit, a pipeline teacher that is not earlier).
-The recipe itself learns in tests/e2e/test_distill.py."""
+The recipe itself learns in the slow tier's twin of recipe=distill_pipeline (tests/e2e/test_pipeline.py)."""
 
 from __future__ import annotations
 

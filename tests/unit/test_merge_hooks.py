@@ -82,6 +82,26 @@ def test_last_checkpoint_and_final_model(run_dir, tmp_path):
     assert run_stage_hook(HookConfig("final_model"), run_dir, tmp_path / "unused") == run_dir / "final_model"
 
 
+def test_pipeline_start_is_the_first_stages_model_path_or_the_tiny_model_it_built(tmp_path):
+    """A pipeline's stage directories as the runner writes them (00-teacher/, 01-student/): the hook reads
+    the first stage's saved model.path, or its base_model/ where it built the tiny model; an incomplete
+    first stage is refused with the fix."""
+    run = tmp_path / "pipe"
+    first, previous = run / "00-teacher", run / "01-student"
+    previous.mkdir(parents=True)
+    first.mkdir()
+    (first / "config.json").write_text(json.dumps({"model": {"path": None}}))
+    with pytest.raises(MergeError, match=r"base_model: the pipeline's first stage \(00-teacher\) started from no model"
+                                         r".* rerun the pipeline under a new logger.run_name"):
+        run_stage_hook(HookConfig("pipeline_start"), previous, tmp_path / "unused")
+    write_hf(first / "base_model", checkpoint_state(0), 0)
+    assert run_stage_hook(HookConfig("pipeline_start"), previous, tmp_path / "unused") == first / "base_model"
+    write_hf(tmp_path / "given", checkpoint_state(1), 1)
+    (first / "config.json").write_text(json.dumps({"model": {"path": str(tmp_path / "given")}}))
+    assert run_stage_hook(HookConfig("pipeline_start"), previous, tmp_path / "unused") == tmp_path / "given"
+    assert not (tmp_path / "unused").exists()  # it writes nothing
+
+
 def test_last_checkpoint_without_hf_export_points_to_pma_sma(run_dir, tmp_path):
     step_dir = run_dir / "checkpoints" / "step_00000080"
     (step_dir / "actor").mkdir(parents=True)
