@@ -18,7 +18,12 @@ steps 2.. of each run; overhead = hub / own - 1 (per seed, and on the medians ov
 
     PYTHONPATH=. .venv/bin/python bench/hub_environments.py --tasks verifiers --seeds 0   # one task, one seed
     PYTHONPATH=. .venv/bin/python bench/hub_environments.py --report-only   # the table from the JSON
-    PYTHONPATH=. .venv/bin/python bench/hub_environments.py --dry-run --out /tmp/hub.json   # 2 steps a side, 1 timed
+    PYTHONPATH=. .venv/bin/python bench/hub_environments.py --dry-run --out /tmp/hub.json   # 2 steps a side, 1 timed, no evaluate
+    PYTHONPATH=. .venv/bin/python bench/hub_environments.py --tasks verifiers --model ~/.cache/hybridflow/models/SmolLM2-135M-Instruct.Q4_1
+
+`--model DIR` runs a task on a Hugging Face model directory instead of the tiny model (float32 on both
+sides, chat prompts up to 96 tokens): where a step is seconds of the model's, what the adapter adds per
+episode is measured against a real step. Its runs are keyed `<task>@<directory name>_seed<seed>`.
 
 Each invocation adds its runs to --out (keyed by task and seed) and rewrites the table in
 docs/results/learning.md (not with --dry-run, which writes only --out).
@@ -94,13 +99,21 @@ def verifiers_rows(work: Path) -> tuple[Path, Path, Path, Path]:
     return hub / "train.jsonl", hub / "val.jsonl", own / "train.jsonl", own / "val.jsonl"
 
 
-def task_args(task: str, side: str, work: Path, dry_run: bool = False) -> list[str]:
+def model_args(model: str | None) -> list[str]:
+    """The model keys: the tiny model built from the seed (None), or a model directory in float32."""
+    if model is None:
+        return []
+    return ["model=local_hf", f"model.path={Path(model).expanduser()}", "model.dtype=float32", "rollout.dtype=float32"]
+
+
+def task_args(task: str, side: str, work: Path, dry_run: bool = False, model: str | None = None) -> list[str]:
     """The data, rollout and reward keys of `task` on `side` (hub | own): what evaluate takes too."""
     val_prompts = 2 if dry_run else {"verifiers": 8, "openenv": 16}[task]
     if task == "verifiers":
         hub_train, hub_val, own_train, own_val = verifiers_rows(work)
         train, val = (hub_train, hub_val) if side == "hub" else (own_train, own_val)
-        args = ["data=files", f"data.train_path={train}", f"data.val_path={val}", "data.max_prompt_tokens=32",
+        prompt_tokens = 32 if model is None else 96  # a real model's chat template adds its system prompt
+        args = ["data=files", f"data.train_path={train}", f"data.val_path={val}", f"data.max_prompt_tokens={prompt_tokens}",
                 "rollout.max_response_tokens=16", f"trainer.val_prompts={val_prompts}"]
         if side == "hub":
             return args + [f"rollout.environment=verifiers:{VERIFIERS_ENV}",
@@ -167,19 +180,25 @@ def chat_program_start_s(repeats: int = 3) -> float:
     return statistics.median(times)
 
 
-def measure(task: str, seed: int, steps: int, val_every: int, work: Path, dry_run: bool) -> dict:
-    """Start held-out reward (evaluate, hub side), then the hub run, then the own run."""
-    start = hybridflow(["placement=local", "recipe=evaluate", "recipe.eval_samples=1", "logger.backends=[jsonl]",
-                        f"seed={seed}", *task_args(task, "hub", work, dry_run)], work, f"{task}_seed{seed}_start")
-    result = {"start_val_reward": start[-1]["val/reward_mean"]}
+def measure(task: str, seed: int, steps: int, val_every: int, work: Path, dry_run: bool,
+            model: str | None = None) -> dict:
+    """Start held-out reward (evaluate, hub side; not in a dry run: a process of its own, CI's time), then
+    the hub run, then the own run."""
+    keys = model_args(model)
+    result = {"start_val_reward": None}
+    if not dry_run:
+        start = hybridflow(["placement=local", "recipe=evaluate", "recipe.eval_samples=1", "logger.backends=[jsonl]",
+                            f"seed={seed}", *keys, *task_args(task, "hub", work, dry_run, model)], work,
+                           f"{task}_seed{seed}_start")
+        result["start_val_reward"] = start[-1]["val/reward_mean"]
     for side in ("hub", "own"):
-        rows = hybridflow([*COMMON, f"seed={seed}", *task_args(task, side, work, dry_run),
+        rows = hybridflow([*COMMON, f"seed={seed}", *keys, *task_args(task, side, work, dry_run, model),
                            *train_args(task, steps, val_every, dry_run)],
                           work, f"{task}_seed{seed}_{side}")
         result[side] = summary(rows)
     hub = result["hub"]
     result["end_val_reward"] = last(hub["val_reward"])
-    result["margin"] = result["end_val_reward"] - result["start_val_reward"]
+    result["margin"] = None if dry_run else result["end_val_reward"] - result["start_val_reward"]
     result["overhead"] = hub["median_step_s"] / result["own"]["median_step_s"] - 1
     if task == "verifiers":  # where the hub's time goes: one harness subprocess per episode
         episodes = shape(task, dry_run)[0] * shape(task, dry_run)[1]
@@ -196,8 +215,10 @@ def table(report: dict) -> str:
     for key, r in sorted(report["runs"].items()):
         task, seed = key.rsplit("_seed", 1)
         own_end = last(r["own"]["val_reward"])
-        lines.append(f"| {task} | {seed} | {r['steps']} | {r['start_val_reward']:.3f} | {r['end_val_reward']:.3f} | "
-                     f"{r['margin']:+.3f} | {own_end:.3f} | {r['own']['median_step_s']:.3f} | "
+        start, margin = ("-", "-") if r["start_val_reward"] is None else (f"{r['start_val_reward']:.3f}",
+                                                                           f"{r['margin']:+.3f}")
+        lines.append(f"| {task} | {seed} | {r['steps']} | {start} | {r['end_val_reward']:.3f} | "
+                     f"{margin} | {own_end:.3f} | {r['own']['median_step_s']:.3f} | "
                      f"{r['hub']['median_step_s']:.3f} | {100 * r['overhead']:+.0f}% |")
     return "\n".join(lines)
 
@@ -210,6 +231,7 @@ def main() -> None:
     p.add_argument("--out", default=str(ROOT / "bench" / "results" / "hub_environments.json"))
     p.add_argument("--dry-run", action="store_true", help="2 steps a side, nothing written but --out")
     p.add_argument("--report-only", action="store_true", help="rewrite the doc's table from --out")
+    p.add_argument("--model", default=None, help="a model directory (default: the tiny model built from the seed)")
     args = p.parse_args()
     out = Path(args.out)
     report = json.loads(out.read_text()) if out.exists() and not args.dry_run else {"runs": {}}
@@ -219,9 +241,10 @@ def main() -> None:
                 for task in args.tasks:
                     steps = 2 if args.dry_run else args.steps or {"verifiers": 12, "openenv": 30}[task]
                     val_every = steps if args.dry_run else steps // 2
-                    result = measure(task, seed, steps, val_every, Path(tmp), args.dry_run)
-                    report["runs"][f"{task}_seed{seed}"] = {"steps": steps, "date": time.strftime("%Y-%m-%d"), **result}
-                    print(f"{task} seed {seed}: held-out {result['start_val_reward']:.3f} -> "
+                    result = measure(task, seed, steps, val_every, Path(tmp), args.dry_run, args.model)
+                    label = task if args.model is None else f"{task}@{Path(args.model).name}"
+                    report["runs"][f"{label}_seed{seed}"] = {"steps": steps, "date": time.strftime("%Y-%m-%d"), **result}
+                    print(f"{task} seed {seed}: held-out {result['start_val_reward']} -> "
                           f"{result['end_val_reward']:.3f}, s/step own {result['own']['median_step_s']:.3f} hub "
                           f"{result['hub']['median_step_s']:.3f} ({100 * result['overhead']:+.0f}%)", flush=True)
     report["dry_run"] = args.dry_run

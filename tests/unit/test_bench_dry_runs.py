@@ -12,10 +12,10 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def _dry_run(script: str, out: Path) -> dict:
+def _dry_run(script: str, out: Path, timeout_s: int = 300) -> dict:
     """`bench/<script> --dry-run --out <out>` run to the end; its JSON report."""
     done = subprocess.run([sys.executable, f"bench/{script}", "--dry-run", "--out", str(out)], cwd=ROOT,
-                          capture_output=True, text=True, timeout=300)
+                          capture_output=True, text=True, timeout=timeout_s)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     return json.loads(out.read_text())
 
@@ -193,15 +193,16 @@ def test_the_guard_cost_bench_times_each_guard(tmp_path):
     assert all(v > 0 for v in report["guards_s"].values()) and report["guards_per_step_s"] > 0
 
 
-@pytest.mark.slow  # six hybridflow processes with vLLM (~100 s on 2 cores); the default tier's 10 minutes are full
+@pytest.mark.slow  # four hybridflow processes with vLLM (~100 s alone on 2 cores, 300 s beside the other worker)
+@pytest.mark.timeout(960)  # past pyproject.toml's 600 s
 def test_the_hub_environments_bench_times_each_task_on_both_sides_and_reads_its_held_out_reward(tmp_path):
     """bench/hub_environments.py --dry-run: each task (a verifiers taskset, an OpenEnv server) through its
-    hub adapter and through HybridFlow's own path, 2 steps a side, the untrained model's held-out reward
-    from recipe=evaluate, the overhead from the steps after the first; no doc written."""
-    report = _dry_run("hub_environments.py", tmp_path / "hub.json")
+    hub adapter and through HybridFlow's own path, 2 steps a side, the held-out reward at the end, the
+    overhead from the steps after the first; no doc written (and no recipe=evaluate run for the start)."""
+    report = _dry_run("hub_environments.py", tmp_path / "hub.json", timeout_s=900)
     assert report["dry_run"] and set(report["runs"]) == {"verifiers_seed0", "openenv_seed0"}
     for name, run in report["runs"].items():
-        assert 0 <= run["start_val_reward"] and 0 <= run["end_val_reward"], name
+        assert run["start_val_reward"] is None and 0 <= run["end_val_reward"], name
         for side in ("hub", "own"):
             assert len(run[side]["step_s"]) == 1 and run[side]["median_step_s"] > 0, (name, side)
         assert run["overhead"] == run["hub"]["median_step_s"] / run["own"]["median_step_s"] - 1
