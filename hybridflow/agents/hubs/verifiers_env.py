@@ -36,12 +36,12 @@ modules once, instead of a fresh interpreter importing them each time (1.5-2 s o
 from __future__ import annotations
 
 import asyncio
-import atexit
 import copy
 import hashlib
 import importlib.util
 import os
 import sys
+import weakref
 from pathlib import Path
 from typing import Any
 
@@ -138,8 +138,9 @@ def check_harnesses(config) -> None:
                              f"(rollout.environment_args={{{role}: {{harness: {{id: null}}}}}})")
 
 
-def local_chat_program() -> None:
-    """Register this interpreter as the prepared one for verifiers' chat program (module docstring)."""
+def local_chat_program(launcher: Path) -> None:
+    """Register `launcher` (a warm interpreter's, running this interpreter) as the prepared one for verifiers'
+    chat program (module docstring)."""
     from verifiers.v1.harnesses.utils.launch import CHAT_PROGRAM_SOURCE
     from verifiers.v1.runtimes.subprocess import SubprocessRuntime
 
@@ -157,20 +158,7 @@ def local_chat_program() -> None:
     if not path.exists() or path.read_bytes() != data:
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_bytes(data)
-    table[str(path)] = str(_warm_chat_program(CHAT_PROGRAM_SOURCE).launcher_path)
-
-
-_WARM: dict[str, WarmInterpreter] = {}  # this process's server for the chat program, started once
-
-
-def _warm_chat_program(source: str) -> WarmInterpreter:
-    """The chat program's imports held warm in one server process (hybridflow/agents/hubs/warm_interpreter.py),
-    started by the first rollout: each episode's program is forked from it instead of a fresh interpreter
-    importing them again."""
-    if "chat" not in _WARM:
-        _WARM["chat"] = WarmInterpreter(imported_modules(source))
-        atexit.register(_WARM["chat"].close)
-    return _WARM["chat"]
+    table[str(path)] = str(launcher)
 
 
 class VerifiersEnvironment:
@@ -183,7 +171,14 @@ class VerifiersEnvironment:
         self.name = f"verifiers:{environment_id}"
         self.config = env_config(importable_id(environment_id), arguments)
         check_harnesses(self.config)
-        local_chat_program()
+        from verifiers.v1.harnesses.utils.launch import CHAT_PROGRAM_SOURCE
+
+        # the chat program's imports held warm in one server process (hybridflow/agents/hubs/warm_interpreter.py),
+        # started by the first rollout (the driver's checks load the env too): each episode's program is forked
+        # from it instead of a fresh interpreter importing them again
+        self.warm = WarmInterpreter(imported_modules(CHAT_PROGRAM_SOURCE))
+        weakref.finalize(self, self.warm.close)
+        local_chat_program(self.warm.launcher_path)
         self.env = load_environment(self.config)
         self.task_type = type(self.env.taskset).task_type()
 
@@ -210,8 +205,7 @@ class VerifiersEnvironment:
     def rollout(self, prompts: Batch, endpoint, phase) -> Batch:
         """Every row's episode, its model calls served by `endpoint` in this `phase`; the batch of an
         agent rollout (hybridflow/agents/trajectory.py) with `env_rewards` per sample."""
-        for warm in _WARM.values():  # started by the first phase, not at load (the driver's checks load it too)
-            warm.start()
+        self.warm.start()
         rows = [{k: prompts.objects[k][i] for k in prompts.objects} for i in range(len(prompts))]
         tasks = [self.task(row, i) for i, row in enumerate(rows)]
         keys = endpoint.open_phase(phase.version, phase.seeds, phase.budget, phase.generate, phase.temperature)
