@@ -112,6 +112,19 @@ def test_a_launcher_runs_cold_before_start_and_waits_for_a_server_still_importin
         interpreter.close()
 
 
+def test_the_warm_up_runs_once_in_the_server_before_any_program(tmp_path):
+    """What a module imports lazily (openai's chat types on a client's first `.chat`) is done by the warm-up
+    code in the server: each forked program finds its result, without running it again."""
+    interpreter = WarmInterpreter(["email.mime.text"], warmup="import email.mime.text as m\nm.WARMED = 1\n")
+    try:
+        assert interpreter.wait_ready()
+        script = tmp_path / "warmed.py"
+        script.write_text("import email.mime.text as m\nprint(getattr(m, 'WARMED', 0))\n")
+        assert _run(interpreter.launcher_path, script, cwd=tmp_path).stdout == "1\n"
+    finally:
+        interpreter.close()
+
+
 def test_imported_modules_finds_lazy_imports_too():
     source = "import a.b, c\nfrom d.e import f\nfrom . import g\ndef h():\n    import i\n    from j import k\n"
     assert imported_modules(source) == ["a.b", "c", "d.e", "i", "j"]

@@ -59,6 +59,11 @@ CHAT_PROGRAM_PACKAGES = ("openai", "mcp", "httpx", "httpx2", "tenacity", "certif
 LOCAL_HARNESSES = ("null", "bash")  # the harnesses that run verifiers' chat program
 API_KEY_VARIABLE = "HYBRIDFLOW_ENDPOINT_KEY"  # the loopback endpoint takes no key; a variable no one sets
 MALFORMED_TOOL_CALL = "malformed_tool_call"  # the env/errors/<kind> of a call rollout.tool_call_parser rejected
+# The chat program's first `client.chat` imports openai's chat resources and builds their pydantic models (most
+# of a warm program's CPU, py-spy: 6 of 15 s in ModelMetaclass.__new__); the warm server does it once. No
+# connection is opened.
+OPENAI_CLIENT_WARMUP = ("import openai\nclient = openai.AsyncOpenAI(api_key='-', base_url='http://127.0.0.1:9/v1')\n"
+                        "client.chat.completions.create\n")
 
 
 def import_verifiers():
@@ -176,7 +181,7 @@ class VerifiersEnvironment:
         # the chat program's imports held warm in one server process (hybridflow/agents/hubs/warm_interpreter.py),
         # started by the first rollout (the driver's checks load the env too): each episode's program is forked
         # from it instead of a fresh interpreter importing them again
-        self.warm = WarmInterpreter(imported_modules(CHAT_PROGRAM_SOURCE))
+        self.warm = WarmInterpreter(imported_modules(CHAT_PROGRAM_SOURCE), warmup=OPENAI_CLIENT_WARMUP)
         weakref.finalize(self, self.warm.close)
         local_chat_program(self.warm.launcher_path)
         self.env = load_environment(self.config)

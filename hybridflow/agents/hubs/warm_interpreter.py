@@ -91,9 +91,13 @@ class WarmInterpreter:
     still importing, a launcher waits for it (up to STARTING_WAIT_S), since a cold start would compete
     with those same imports for the CPU."""
 
-    def __init__(self, modules: list[str]) -> None:
+    def __init__(self, modules: list[str], warmup: str = "") -> None:
+        """`warmup`: code the server runs after the imports, for what a module imports lazily (a client's
+        first attribute access); it must start no thread."""
         self.modules = list(modules)
         self.directory = Path(tempfile.mkdtemp(prefix="hybridflow-warm-"))
+        self.warmup_path = self.directory / "warmup.py"
+        self.warmup_path.write_text(warmup)
         self.socket_path = self.directory / "server.sock"
         self.pid_path = self.directory / "server.pid"
         self.launcher_path = self.directory / "python"
@@ -111,7 +115,7 @@ class WarmInterpreter:
         with open(self.log_path, "wb") as log:
             self.process = subprocess.Popen(
                 [sys.executable, __file__, str(self.socket_path),  # run as a file: no hybridflow imports
-                 str(os.getpid()), *self.modules], stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                 str(os.getpid()), str(self.warmup_path), *self.modules], stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
                 start_new_session=True)
         self.pid_path.write_text(str(self.process.pid))
 
@@ -134,7 +138,8 @@ class WarmInterpreter:
             except subprocess.TimeoutExpired:
                 self.process.kill()
                 self.process.wait()
-        for path in (self.socket_path, self.launcher_path, self.log_path, Path(str(self.socket_path) + ".bind")):
+        for path in (self.socket_path, self.launcher_path, self.log_path, self.warmup_path,
+                     Path(str(self.socket_path) + ".bind")):
             path.unlink(missing_ok=True)
         self.directory.rmdir()
 
@@ -219,12 +224,16 @@ def _handle(connection: socket.socket) -> None:
             os._exit(0)
 
 
-def serve(socket_path: str, parent_pid: int, modules: list[str]) -> None:
+def serve(socket_path: str, parent_pid: int, warmup_path: str, modules: list[str]) -> None:
     for module in modules:
         try:
             __import__(module)
         except Exception as error:  # noqa: BLE001 - a module that fails here fails in the program, named there
             print(f"warm interpreter: import {module} failed ({error}); the program imports it itself", flush=True)
+    try:
+        exec(compile(Path(warmup_path).read_text(), warmup_path, "exec"), {"__name__": "__warmup__"})
+    except Exception as error:  # noqa: BLE001 - the program then does that work itself
+        print(f"warm interpreter: the warm-up failed ({error})", flush=True)
     import threading
 
     if threading.active_count() > 1:  # forking a process with threads could copy a held lock
@@ -267,4 +276,4 @@ def serve(socket_path: str, parent_pid: int, modules: list[str]) -> None:
 
 if __name__ == "__main__":
     del sys.path[0]  # this file's folder (hybridflow/agents/hubs): its modules are no program's imports
-    serve(sys.argv[1], int(sys.argv[2]), sys.argv[3:])
+    serve(sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4:])
