@@ -210,6 +210,7 @@ class VerifiersEnvironment:
     def rollout(self, prompts: Batch, endpoint, phase) -> Batch:
         """Every row's episode, its model calls served by `endpoint` in this `phase`; the batch of an
         agent rollout (hybridflow/agents/trajectory.py) with `env_rewards` per sample."""
+        local_chat_program(self.warm.launcher_path)  # this env's (another env loaded here since may have closed its own)
         self.warm.start()
         rows = [{k: prompts.objects[k][i] for k in prompts.objects} for i in range(len(prompts))]
         tasks = [self.task(row, i) for i, row in enumerate(rows)]
