@@ -130,30 +130,27 @@ def test_multi_turn_episodes_train_on_every_turn_as_sampled(ray_local, tiny_mode
 
 # The single-turn env's GRPO run (SUMS, the null harness, its rubric as the reward, 2 steps) is the hub side of
 # bench/hub_environments.py's verifiers task, whose dry run the slow tier runs (tests/unit/test_bench_dry_runs.py)
-@pytest.mark.parametrize("env, arguments, budget, rubric, extra", [
+# each case 1 prompt a step and 2 held out, its samples per prompt its own
+@pytest.mark.parametrize("env, arguments, budget, rubric, samples, extra", [
     # the multi-turn episodes through a whole GRPO step: 136 s alone at 2 prompts x 4 samples a step and 4 held
     # out on a 2-core AVX2-only EPYC (a harness run per episode), so 1 x 4 and 2
-    pytest.param(GUESS, '{agent: {harness: {id: "null"}, sampling: {max_tokens: 6}}}', 96, ("found", "turns"),
-                 ["trainer.prompts_per_step=1", "trainer.val_prompts=2"], marks=pytest.mark.slow),
+    pytest.param(GUESS, '{agent: {harness: {id: "null"}, sampling: {max_tokens: 6}}}', 96, ("found", "turns"), 4, [],
+                 marks=pytest.mark.slow),
     # the env offers its calculator on every call: the template renders it (a longer first prompt), vLLM's
     # hermes parser reads each reply (a random model's is plain text, a message; the tool loop itself is
     # tests/unit/test_verifiers_tools.py, on a scripted call)
     # (verifiers starts a tool server per episode: 1 prompt x 2 samples a step, 2 held out; 83 s alone there)
-    pytest.param(CALC, '{agent: {harness: {id: "null"}}}', 32, ("correct", "brevity"),
-                 ["rollout.tool_call_parser=hermes", "model.tiny.json_characters=true", "trainer.prompts_per_step=1",
-                  "rollout.samples_per_prompt=2", "trainer.val_prompts=2"], marks=pytest.mark.slow),
+    pytest.param(CALC, '{agent: {harness: {id: "null"}}}', 32, ("correct", "brevity"), 2,
+                 ["rollout.tool_call_parser=hermes", "model.tiny.json_characters=true"], marks=pytest.mark.slow),
 ], ids=["multi_turn", "tools"])
-def test_grpo_trains_on_a_verifiers_environment_with_its_rubric_as_the_reward(env, arguments, budget, rubric, extra,
-                                                                                tmp_path):
+def test_grpo_trains_on_a_verifiers_environment_with_its_rubric_as_the_reward(env, arguments, budget, rubric, samples,
+                                                                                extra, tmp_path):
     import json
 
     train, val = _rows(tmp_path / "rows", env)
-    shape = {"trainer.val_prompts": 4, "trainer.prompts_per_step": 2, "rollout.samples_per_prompt": 4}
-    shape.update(dict(a.split("=", 1) for a in extra if a.split("=", 1)[0] in shape))  # a case's own shape
-    extra = [a for a in extra if a.split("=", 1)[0] not in shape]
     done = without_ray(["recipe=grpo", "trainer.export_hf=false", "placement.pools.global.devices_per_node=1",
                         "rollout.backend=vllm", "trainer.total_steps=2", "trainer.val_every_steps=2",
-                        *(f"{key}={value}" for key, value in shape.items()),
+                        "trainer.val_prompts=2", "trainer.prompts_per_step=1", f"rollout.samples_per_prompt={samples}",
                         "actor.samples_per_micro_batch=8", "trainer.max_steps_without_signal=null",
                         "data=files", f"data.train_path={train}", f"data.val_path={val}",
                         f"data.max_prompt_tokens={48 if env == CALC else MAX_PROMPT_TOKENS}",  # + "tools: calc; "
