@@ -66,20 +66,22 @@ def test_evaluate_samples_128_seeded_chat_requests_in_one_engine_call(tmp_path, 
     assert 0.0 < row["val/accuracy"] < 0.6 and 0.0 < row["val/pass@8"]
 
 
-@ON_RAY
 @pytest.mark.slow
-@pytest.mark.timeout(1500)  # in this process (the stages' own deadlines apply); a bf16 backward is ~20x float32 here
+@pytest.mark.timeout(1500)  # past pyproject.toml's 600 s; a bf16 backward is ~20x float32 here
 def test_grpo_in_bfloat16_on_the_real_model_passes_the_parity_checks(tmp_path, real_model_dir, chat_addition):
     """The model's own bfloat16 compute (float32 masters) against a float32 engine: the same weights
     pass the probe and the first-batch check at 30 layers; the first sync's probe stopped here before
     (a 0.119 worst-token gap against a 0.1 tolerance). 2 prompts x 2 samples of 16 tokens: a bfloat16
     backward is ~20x slower than float32 on these CPUs. The run's one validation (at its end) scores 2
-    prompts: 200 by default, 30 s of the 57 this test took alone on a 2-core Xeon."""
-    run_hybridflow([*real_overrides(real_model_dir, *chat_addition), "recipe=grpo", "trainer.total_steps=1",
-                    "model.dtype=bfloat16", "rollout.dtype=float32", "trainer.prompts_per_step=2", "rollout.samples_per_prompt=2", "rollout.max_response_tokens=16",
-                    "trainer.val_every_steps=0", "trainer.val_prompts=2", "trainer.export_hf=false",
-                    "actor.samples_per_micro_batch=2", "weight_sync.checksum_every_steps=1", ONE_RANK,
-                    f"logger.output_root={tmp_path}", "logger.run_name=bf16"])
+    prompts: 200 by default, 30 s of the 57 this test took alone on a 2-core Xeon. One process (Ray's
+    import blocked): the claim is about the two dtypes' parity, which the engine and the actor in one
+    process check as a rank's do (no Ray head, worker process and their imports: CI's time)."""
+    args = [*real_overrides(real_model_dir, *chat_addition), "recipe=grpo", "trainer.total_steps=1",
+            "model.dtype=bfloat16", "rollout.dtype=float32", "trainer.prompts_per_step=2", "rollout.samples_per_prompt=2",
+            "rollout.max_response_tokens=16", "trainer.val_every_steps=0", "trainer.val_prompts=2", "trainer.export_hf=false",
+            "actor.samples_per_micro_batch=2", "weight_sync.checksum_every_steps=1", ONE_RANK]
+    done = cli_in_one_process.without_ray(args, tmp_path, "bf16", timeout_s=1100)
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
     row = metrics(tmp_path / "bf16")[0]
     assert 1e-4 < row["weight_sync/probe_log_prob_gap_mean"] < 0.06  # rounding, within the 30-layer tolerance
     assert row["weight_sync/verified_tensors"] > 0 and row["rollout/log_prob_diff"] < 0.06
