@@ -1,15 +1,16 @@
-"""The actor's optimizer step (`hybridflow.training.fsdp.build_optimizer`) beside PyTorch's default AdamW.
+"""The actor's optimizer step (`hybridflow.training.fsdp.build_optimizer`) with `optim.fused=true` beside its CPU default.
 
     python bench/optimizer_step.py --model DIR [--steps 5] [--out bench/results/optimizer_step.json]
     python bench/optimizer_step.py --dry-run      # the tiny model, 2 steps a side: what tests/unit/test_bench_dry_runs.py runs
 
 Every trainer step ends in one AdamW step per mini-batch over every trainable parameter: memory traffic,
-no matmul, which no FLOP floor counts (docs/results/performance.md, "The FLOP floor"). The actor's
-optimizer is PyTorch's fused AdamW (one kernel over all parameters) on the CPU as on CUDA; `torch.optim.AdamW`
-without arguments, what a plain loop gets, runs a loop of per-tensor operations on the CPU. This times
-both over the same parameters and gradients of a Hugging Face model directory (float32, as the actor's
-masters), alternated A B A B (timings on these machines drift), after one warm-up step each, and checks
-that both moved the weights alike: the largest difference after the same steps, against the largest step.
+no matmul, which no FLOP floor counts (docs/results/performance.md, "The FLOP floor"). `build_optimizer`
+gives the actor PyTorch's fused AdamW (one kernel over all parameters) on CUDA, and on the CPU with
+`<role>.optim.fused=true`; its CPU default (`optim.fused` null) is PyTorch's default AdamW there, a loop of
+per-tensor operations. This times both over the same parameters and gradients of a Hugging Face model
+directory (float32, as the actor's masters), alternated A B A B (timings on these machines drift), after
+one warm-up step each, and checks that both moved the weights alike: the largest difference after the same
+steps, against the largest step.
 """
 
 from __future__ import annotations
@@ -38,8 +39,8 @@ def parameters_of(model_dir: Path) -> list[torch.nn.Parameter]:
     return [p for p in model.parameters() if p.requires_grad]
 
 
-def side(params: list[torch.nn.Parameter], grads: list[torch.Tensor], ours: bool, steps: int):
-    """A copy of `params` with `grads`, an optimizer over it (ours or the default), and a function that
+def side(params: list[torch.nn.Parameter], grads: list[torch.Tensor], fused: bool | None, steps: int):
+    """A copy of `params` with `grads`, the actor's optimizer over it (`optim.fused`), and a function that
     runs one step and returns its seconds."""
     from hybridflow.config.schema import OptimConfig
     from hybridflow.training.fsdp import build_optimizer
@@ -47,11 +48,8 @@ def side(params: list[torch.nn.Parameter], grads: list[torch.Tensor], ours: bool
     copies = [torch.nn.Parameter(p.detach().clone()) for p in params]
     for copy, grad in zip(copies, grads):
         copy.grad = grad
-    optim = OptimConfig(lr=1e-3, warmup_steps=0, lr_schedule="constant")
-    if ours:
-        optimizer = build_optimizer(torch.nn.ParameterList(copies), optim, total_steps=steps + 1)[0]
-    else:
-        optimizer = torch.optim.AdamW(copies, lr=optim.lr, weight_decay=optim.weight_decay, betas=tuple(optim.betas))
+    optim = OptimConfig(lr=1e-3, warmup_steps=0, lr_schedule="constant", fused=fused)
+    optimizer = build_optimizer(torch.nn.ParameterList(copies), optim, total_steps=steps + 1)[0]
 
     def step() -> float:
         start = time.perf_counter()
@@ -66,20 +64,21 @@ def measure(model_dir: Path, steps: int) -> dict:
     generator = torch.Generator().manual_seed(0)
     grads = [torch.randn(p.shape, generator=generator) * 1e-3 for p in params]
     start = [p.detach().clone() for p in params]
-    (ours_params, ours_opt, ours_step), (plain_params, plain_opt, plain_step) = (
-        side(params, grads, True, steps), side(params, grads, False, steps))
-    ours_step(), plain_step()  # warm-up
-    ours_s, plain_s = [], []
+    (fused_params, fused_opt, fused_step), (default_params, default_opt, default_step) = (
+        side(params, grads, True, steps), side(params, grads, None, steps))
+    fused_step(), default_step()  # warm-up
+    fused_s, default_s = [], []
     for _ in range(steps):  # A B A B
-        ours_s.append(ours_step())
-        plain_s.append(plain_step())
-    moved = max((p.detach() - s).abs().max().item() for p, s in zip(ours_params, start))
-    gap = max((a.detach() - b.detach()).abs().max().item() for a, b in zip(ours_params, plain_params))
+        fused_s.append(fused_step())
+        default_s.append(default_step())
+    moved = max((p.detach() - s).abs().max().item() for p, s in zip(fused_params, start))
+    gap = max((a.detach() - b.detach()).abs().max().item() for a, b in zip(fused_params, default_params))
     return {"model": str(model_dir), "parameters": sum(p.numel() for p in params), "steps": steps,
             "threads": torch.get_num_threads(), "cpu": cpu_description(),
-            "ours_fused": bool(ours_opt.defaults.get("fused")), "plain_fused": bool(plain_opt.defaults.get("fused")),
-            "ours_step_s": statistics.median(ours_s), "plain_step_s": statistics.median(plain_s),
-            "ratio": statistics.median(ours_s) / statistics.median(plain_s),
+            "fused_is_fused": bool(fused_opt.defaults.get("fused")),
+            "default_is_fused": bool(default_opt.defaults.get("fused")),
+            "fused_step_s": statistics.median(fused_s), "default_step_s": statistics.median(default_s),
+            "ratio": statistics.median(fused_s) / statistics.median(default_s),
             "largest_move": moved, "largest_gap": gap}
 
 

@@ -608,6 +608,10 @@ class OptimConfig:
     # down the schedule (an SFT stage that hands on a model while it is still learning fast).
     schedule_steps: Optional[int] = None
     max_grad_norm: float = 1.0  # 0 disables clipping
+    # PyTorch's fused AdamW (one kernel over every parameter): null, on CUDA; true, on the CPU too (a real
+    # model's step 6-7x faster there, docs/results/performance.md "The optimizer step"; off by default on
+    # the CPU until the documented CPU runs are remeasured with it); false, never.
+    fused: Optional[bool] = None
 
     def __post_init__(self) -> None:
         _require(self.lr > 0, "<role>.optim.lr", self.lr, "must be > 0")

@@ -247,13 +247,16 @@ def build_optimizer(model: torch.nn.Module, optim: OptimConfig, total_steps: int
     (`hybridflow.training.schedules.lr_factor`) over `optim.schedule_steps`, or `total_steps` (the
     trainer's) when that is null. `optim` is the role's `<role>.optim` config node; the schedule
     steps once per trainer step. PyTorch's fused AdamW (one kernel over all parameters, FSDP2's sharded
-    ones included) on CUDA and on the CPU: on an H200 at Qwen2.5-0.5B it took the policy update from 1.54
-    to 1.38 s (docs/results/gpu.md "On a GPU"); on a 2-core EPYC its step over 16.6M float32 parameters
-    took 16-27 ms where the default (a loop of per-tensor operations) took 64-168 (docs/results/performance.md)."""
+    ones included) on CUDA, and on the CPU where `optim.fused` asks for it: on an H200 at Qwen2.5-0.5B it
+    took the policy update from 1.54 to 1.38 s (docs/results/gpu.md "On a GPU"); on a 2-core EPYC,
+    SmolLM2's step 1.23 -> 0.18 s (docs/results/performance.md "The optimizer step"). The CPU's default
+    stays PyTorch's (a loop of per-tensor operations) until the documented CPU runs are remeasured: the
+    default pipeline's seed 0 trains to other numbers with the fused kernel's rounding."""
     params = [p for p in model.parameters() if p.requires_grad]
     if not params:
         raise ValueError("the model has no trainable parameters")
-    fused = all(p.device.type in ("cuda", "cpu") for p in params) or None
+    on_cuda = all(p.device.type == "cuda" for p in params)
+    fused = (on_cuda if optim.fused is None else optim.fused) or None
     optimizer = torch.optim.AdamW(params, lr=optim.lr, weight_decay=optim.weight_decay, betas=tuple(optim.betas),
                                   fused=fused)
     factor = partial(lr_factor, schedule=optim.lr_schedule, warmup_steps=optim.warmup_steps,
