@@ -38,6 +38,17 @@ os.environ.setdefault("REPORTER_UPDATE_INTERVAL_MS", "60000")
 os.environ["OMP_NUM_THREADS"] = "1"
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _warm_workers():
+    """Every Ray worker and one-process run this test process starts is forked from one warm
+    interpreter (tests/warm_workers.py says what that saves and what stays the same)."""
+    from tests import warm_workers
+
+    warm = warm_workers.start()
+    yield
+    warm_workers.stop(warm)
+
+
 @pytest.fixture(scope="module")
 def ray_local(_ray_head_address):
     """Ray for one test module, this process connected as its driver (Ray workers can import the tests

@@ -23,6 +23,10 @@ log = logging.getLogger(__name__)
 # in CI it killed a vLLM rank a new group had just started. Ray SIGKILLs the process's group 200 ms after the
 # SIGTERM anyway; a group's processes end themselves where they can (hybridflow.controller.ray_host `RayWorkerHost.end`).
 RAY_SYSTEM_CONFIG = {"kill_worker_timeout_milliseconds": 250}
+# The interpreter command Ray starts each worker process with (Ray's runtime_env `py_executable`), when set: a
+# wrapper such as a profiler, or the tests' warm interpreter (tests/warm_workers.py), which forks each worker
+# from a process that imported torch, transformers and vLLM once. Unset: Ray's own Python.
+WORKER_PYTHON_ENV = "HYBRIDFLOW_WORKER_PYTHON"
 
 
 def join_address(address: str | None) -> str | None:
@@ -71,6 +75,8 @@ def connect(*, address: str | None, num_cpus: int | None, dashboard: bool, dashb
         ray_logger.propagate = True
     quiet = {} if log_to_driver else {"configure_logging": False}
     runtime_env = {"env_vars": dict(env_vars or {})}
+    if os.environ.get(WORKER_PYTHON_ENV):
+        runtime_env["py_executable"] = os.environ[WORKER_PYTHON_ENV]
     target = join_address(address)
     if target:
         shipped = _ship(code_files or [])

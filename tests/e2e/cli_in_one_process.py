@@ -62,15 +62,19 @@ def run(argv: list[str], env: dict[str, str] | None = None, keep_ray: bool = Fal
 
 
 # The `hybridflow` command's entry point, in an interpreter where `import ray` fails
-WITHOUT_RAY = "import sys; sys.modules['ray'] = None; from hybridflow.cli import main; sys.exit(main())"
+WITHOUT_RAY = Path(__file__).with_name("without_ray_main.py")
 
 
 def without_ray(args: list[str], output_root: Path, run_name: str, timeout_s: int = 600) -> subprocess.CompletedProcess:
     """`hybridflow placement=local *args` into `output_root/run_name`, a command of its own with Ray's
-    import blocked. RAY_ADDRESS is left out of its environment: a module whose other runs join the
-    tests' Ray head sets it (tests/ray_head.py), and a one-process run refuses it."""
+    import blocked: in the tests' warm interpreter where one runs (tests/warm_workers.py), else a fresh
+    one. RAY_ADDRESS is left out of its environment: a module whose other runs join the tests' Ray head
+    sets it (tests/ray_head.py), and a one-process run refuses it."""
+    from hybridflow.controller.runtime import WORKER_PYTHON_ENV
+
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
-    return subprocess.run([sys.executable, "-c", WITHOUT_RAY, "placement=local", *args,
+    python = os.environ.get(WORKER_PYTHON_ENV) or sys.executable
+    return subprocess.run([python, str(WITHOUT_RAY), "placement=local", *args,
                            f"logger.output_root={output_root}", f"logger.run_name={run_name}"],
                           capture_output=True, text=True, timeout=timeout_s, env=env)
 

@@ -128,7 +128,7 @@ def test_a_weight_left_stale_by_a_level_2_reload_is_named_and_a_whole_reload_is_
     assert stale.returncode != 0
     out = stale.stdout + stale.stderr
     assert "WeightSyncError" in out and "model.norm.weight" in out, out[-3000:]
-    whole = _level_2_run(tmp_path, "whole", WITHOUT_RAY)
+    whole = _level_2_run(tmp_path, "whole", WITHOUT_RAY.read_text())
     assert whole.returncode == 0, whole.stdout[-3000:] + whole.stderr[-3000:]
     for row in metrics(tmp_path / "whole"):
         assert row["weight_sync/verified_tensors"] > 0 and row["weight_sync/reload_checksum_s"] > 0, row

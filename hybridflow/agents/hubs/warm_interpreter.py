@@ -160,6 +160,8 @@ def _run_program(request: dict, fds: list[int]) -> None:
     os.setpgid(0, 0)  # its own process group: the handler ends the whole tree when the launcher is gone
     for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGCHLD):
         signal.signal(signum, signal.SIG_DFL)
+    if "numpy" in sys.modules:  # a fresh interpreter's unseeded draws (`random` reseeds itself at a fork)
+        sys.modules["numpy"].random.seed()
     for target, fd in zip(STREAMS, fds):
         os.dup2(fd, target)
     for fd in fds:
