@@ -41,9 +41,13 @@ os.environ["OMP_NUM_THREADS"] = "1"
 @pytest.fixture(scope="session", autouse=True)
 def _warm_workers():
     """Every Ray worker and one-process run this test process starts is forked from one warm
-    interpreter (tests/warm_workers.py says what that saves and what stays the same)."""
+    interpreter (tests/warm_workers.py says what that saves and what stays the same);
+    HYBRIDFLOW_TEST_WARM_WORKERS=0 starts them cold, for a comparison."""
     from tests import warm_workers
 
+    if os.environ.get("HYBRIDFLOW_TEST_WARM_WORKERS") == "0":
+        yield
+        return
     warm = warm_workers.start()
     yield
     warm_workers.stop(warm)

@@ -55,28 +55,36 @@ class RayWorkerHost(WorkerHost):
         """End this process from inside it: the workers dropped, then Ray's own exit (`exit_actor`),
         which tells the node the process is going and ends the processes it started. Called on the
         monitor lane, so it runs while the default lane is inside a call (a rank stuck in a collective
-        its peer left): Ray's exit then waits for that call, and a thread ends the process after
-        `EXIT_GRACE_S` (as it does when Python's exit waits on a thread a library left running).
+        its peer left): Ray's exit then waits for that call, and a thread ends the process
+        `EXIT_GRACE_S` after the teardown (as it does when Python's exit waits on a thread a library left
+        running), or `TEARDOWN_GRACE_S` after the call if the teardown itself does not return.
 
         Not Ray's kill: it sends SIGTERM and, five seconds later, SIGKILL to the process id if that id is
         alive, and on a machine that starts threads fast the id may by then name a thread of another
         process (Ray 2.60, raylet/worker.cc `KillAsync`): in CI it killed a vLLM rank a new group had
         just started. A process that ends itself is marked dead by its node, which kills nothing later."""
-        threading.Thread(target=_exit_after, args=(EXIT_GRACE_S,), daemon=True).start()
+        deadline = [time.monotonic() + TEARDOWN_GRACE_S]
+        threading.Thread(target=_exit_at, args=(deadline,), daemon=True).start()
         self.teardown()
+        deadline[0] = min(deadline[0], time.monotonic() + EXIT_GRACE_S)
         sys.stdout.flush()
         sys.stderr.flush()
         _ray().actor.exit_actor()
 
 
-# Seconds a host that asked Ray to exit may take to end (`RayWorkerHost.end`), and seconds the driver waits
-# for it before it kills the process (one whose monitor lane does not answer either).
+# Seconds a host that asked Ray to exit may take to end once its workers are dropped (`RayWorkerHost.end`);
+# seconds the dropping may take (a vLLM engine whose last reference goes shuts down, collecting garbage twice:
+# 1.7-2.5 s on a 2-core EPYC); and seconds the driver waits for the host before it kills the process (one
+# whose monitor lane does not answer either): more than the two before it.
 EXIT_GRACE_S = 1.0
+TEARDOWN_GRACE_S = 6.0
 END_TIMEOUT_S = 10.0
 
 
-def _exit_after(seconds: float) -> None:
-    time.sleep(seconds)
+def _exit_at(deadline: list[float]) -> None:
+    """End the process at `deadline[0]` (monotonic seconds), which the caller may bring forward."""
+    while time.monotonic() < deadline[0]:
+        time.sleep(min(0.1, max(0.0, deadline[0] - time.monotonic())))
     os._exit(0)
 
 

@@ -3,6 +3,7 @@
 
 import sys
 
+sys.path[0] = ""  # the working directory, as for `python -c`: not this folder, whose modules (workers.py) would shadow the project's
 sys.modules["ray"] = None
 
 from hybridflow.cli import main  # noqa: E402 - after Ray's import is blocked

@@ -189,13 +189,27 @@ def _run_program(request: dict, fds: list[int]) -> None:
 
         traceback.print_exc()
         code = 1
-    finally:
-        for stream in (sys.stdout, sys.stderr):
-            try:
-                stream.flush()
-            except Exception:  # noqa: BLE001 - a closed pipe: nothing more to say
-                pass
+    _interpreter_exit()
     os._exit(code)
+
+
+def _interpreter_exit() -> None:
+    """What a fresh interpreter does as it exits: wait for the program's non-daemon threads, run its
+    atexit handlers (a Ray worker tells its node it is leaving in one: without it the node reports the
+    exit as a crash), flush its streams. Then the child ends with os._exit: nothing of the server's own runs."""
+    import atexit
+    import threading
+
+    try:
+        threading._shutdown()
+    except Exception:  # noqa: BLE001 - as at an interpreter's exit: the handlers still run
+        pass
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except Exception:  # noqa: BLE001 - a closed pipe: nothing more to say
+            pass
 
 
 def _handle(connection: socket.socket) -> None:
@@ -243,6 +257,11 @@ def serve(socket_path: str, parent_pid: int, warmup_path: str, modules: list[str
               "launchers run cold", flush=True)
         Path(socket_path).with_name("server.pid").unlink(missing_ok=True)
         return
+    import gc
+
+    gc.collect()
+    gc.freeze()  # the imports' objects out of every child's collections: a collection there would write to each
+    # object's header, copying every page the child shares with this server (seconds for torch and vLLM's)
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     partial = socket_path + ".bind"
     listener.bind(partial)
