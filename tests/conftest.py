@@ -61,12 +61,12 @@ def ray_local(_ray_head_address):
     of ten modules."""
     import ray
 
-    ray.init(
-        address=_ray_head_address,
-        namespace="hybridflow-tests",
-        runtime_env={"env_vars": {"PYTHONPATH": str(REPO_ROOT)}},
-        log_to_driver=False,
-    )
+    from hybridflow.controller.runtime import WORKER_PYTHON_ENV
+
+    runtime_env = {"env_vars": {"PYTHONPATH": str(REPO_ROOT)}}
+    if os.environ.get(WORKER_PYTHON_ENV):  # the warm interpreter's launcher, as a run's driver passes it
+        runtime_env["py_executable"] = os.environ[WORKER_PYTHON_ENV]
+    ray.init(address=_ray_head_address, namespace="hybridflow-tests", runtime_env=runtime_env, log_to_driver=False)
     yield ray
     ray.shutdown()
 

@@ -32,6 +32,10 @@ MODULES = ["torch", "torch.distributed.fsdp", "transformers", "peft", "safetenso
            "workers.rollout", "recipes.ppo", "recipes.sft", "recipes.pipeline", "recipes.distillation",
            "recipes.dpo", "recipes.evaluate"]
 
+# How long a worker waits for the server's imports (17 s alone on a 2-core EPYC; the suite's first tests
+# start beside them, and a worker started cold meanwhile would compete with them for the cores)
+STARTING_WAIT_S = 300.0
+
 WARMUP = f"""import sys
 sys.modules["ray"] = None  # blocked while importing: each worker imports Ray with its own environment
 for name in {MODULES!r}:
@@ -48,7 +52,7 @@ for name in [m for m in sys.modules if m == "ray" or m.startswith("ray.")]:
 def start() -> WarmInterpreter:
     """Start the server (its imports run in the background: a launcher waits for them) and point Ray's
     workers at its launcher for every run this process starts or runs."""
-    warm = WarmInterpreter([], warmup=WARMUP)
+    warm = WarmInterpreter([], warmup=WARMUP, starting_wait_s=STARTING_WAIT_S)
     warm.start()
     os.environ[WORKER_PYTHON_ENV] = str(warm.launcher_path)
     return warm

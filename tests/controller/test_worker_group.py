@@ -30,6 +30,15 @@ def test_ranks_get_rank_world_size_and_gloo(pair):
     assert infos[0]["pid"] != infos[1]["pid"]
 
 
+def test_workers_start_forked_from_the_tests_warm_interpreter(pair):
+    """The suite's Ray workers fork from its warm interpreter (tests/warm_workers.py), vLLM imported before
+    their first line: a server that fell back to cold starts (an import that started a thread, say) would
+    cost CI minutes and fail nothing else. Their exits stay Ray's intended ones (the shutdown tests below)."""
+    two, _ = pair
+    warm = os.environ.get("HYBRIDFLOW_TEST_WARM_WORKERS") != "0"
+    assert [i["vllm_imported"] for i in two.whoami()] == [warm, warm]
+
+
 def test_cpu_workers_start_with_onednns_kernel_caches_bounded(pair, monkeypatch):
     """Left at 1,024 entries, the caches grew by ~12 MB a step over a long CPU run (controller/memory.py);
     the driver's own setting wins."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import sys
 import time
 
 import torch
@@ -21,7 +22,8 @@ class EchoWorker:
     def whoami(self) -> dict:
         return {"rank": self.ctx.rank, "world_size": self.ctx.world_size, "pid": os.getpid(),
                 "node_id": self.ctx.node_id, "backend": dist.get_backend(),
-                "kernel_caches": {k: os.environ.get(k) for k in ("LRU_CACHE_CAPACITY", "ONEDNN_PRIMITIVE_CACHE_CAPACITY")}}
+                "kernel_caches": {k: os.environ.get(k) for k in ("LRU_CACHE_CAPACITY", "ONEDNN_PRIMITIVE_CACHE_CAPACITY")},
+                "vllm_imported": "vllm.entrypoints.llm" in sys.modules}  # this worker never imports it
 
     @register(Dispatch.ONE_TO_ALL)
     def affinity(self) -> tuple[list[list[int]], int]:

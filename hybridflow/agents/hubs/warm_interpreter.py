@@ -91,9 +91,10 @@ class WarmInterpreter:
     still importing, a launcher waits for it (up to STARTING_WAIT_S), since a cold start would compete
     with those same imports for the CPU."""
 
-    def __init__(self, modules: list[str], warmup: str = "") -> None:
+    def __init__(self, modules: list[str], warmup: str = "", starting_wait_s: float = STARTING_WAIT_S) -> None:
         """`warmup`: code the server runs after the imports, for what a module imports lazily (a client's
-        first attribute access); it must start no thread."""
+        first attribute access); it must start no thread. `starting_wait_s`: how long a launcher waits for
+        a server still importing before it runs its program cold."""
         self.modules = list(modules)
         self.directory = Path(tempfile.mkdtemp(prefix="hybridflow-warm-"))
         self.warmup_path = self.directory / "warmup.py"
@@ -103,7 +104,7 @@ class WarmInterpreter:
         self.launcher_path = self.directory / "python"
         self.launcher_path.write_text(f"#!{sys.executable} -S\n" + LAUNCHER % {
             "socket": str(self.socket_path), "python": sys.executable, "lost": LOST_EXIT_CODE,
-            "pid_file": str(self.pid_path), "wait_s": STARTING_WAIT_S})
+            "pid_file": str(self.pid_path), "wait_s": starting_wait_s})
         self.launcher_path.chmod(0o755)
         self.log_path = self.directory / "server.log"
         self.process: subprocess.Popen | None = None
