@@ -98,15 +98,11 @@ def _run(rank: int, port: int, model_dir: str, phase: str, ckpt_dir: str, out_di
 
 
 def _spawn(*args) -> None:
-    """Start WORLD_SIZE fresh processes. A forkserver (a clean process, started once) imports
-    torch and transformers once, so each group of ranks starts in well under a second."""
-    import multiprocessing
+    """Start WORLD_SIZE processes of their own, forked from the test process's forkserver (tests/ranks.py):
+    each group of ranks starts in well under a second."""
+    from tests.ranks import start_ranks
 
-    import torch.multiprocessing as mp
-
-    multiprocessing.get_context("forkserver").set_forkserver_preload(
-        ["torch.distributed.checkpoint", "transformers.models.qwen2.modeling_qwen2", "hybridflow.checkpoint", __name__])
-    mp.start_processes(_run, args=(_free_port(), *args), nprocs=WORLD_SIZE, join=True, start_method="forkserver")
+    start_ranks(_run, (_free_port(), *args), WORLD_SIZE, [__name__])
 
 
 @pytest.fixture(scope="module")

@@ -201,10 +201,9 @@ def _free_port() -> int:
 
 
 def _over_two_ranks(model_dir, out_file, planted: bool) -> dict:
-    import torch.multiprocessing as mp
+    from tests.ranks import start_ranks
 
-    mp.start_processes(_rank_gradients, args=(2, _free_port(), str(model_dir), str(out_file), planted),
-                       nprocs=2, join=True, start_method="spawn")
+    start_ranks(_rank_gradients, (2, _free_port(), str(model_dir), str(out_file), planted), 2, [__name__])
     return torch.load(out_file, weights_only=False)
 
 

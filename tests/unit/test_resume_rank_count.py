@@ -86,14 +86,10 @@ def _run(rank: int, world: int, port: int, model_dir: str, phase: str, ckpt_dir:
 
 
 def _spawn(world: int, *args) -> None:
-    """`world` fresh processes; a forkserver imports torch and transformers once for all groups."""
-    import multiprocessing
+    """`world` processes of their own, forked from the test process's forkserver (tests/ranks.py)."""
+    from tests.ranks import start_ranks
 
-    import torch.multiprocessing as mp
-
-    multiprocessing.get_context("forkserver").set_forkserver_preload(
-        ["torch.distributed.checkpoint", "transformers.models.qwen2.modeling_qwen2", "workers.actor", __name__])
-    mp.start_processes(_run, args=(world, _free_port(), *args), nprocs=world, join=True, start_method="forkserver")
+    start_ranks(_run, (world, _free_port(), *args), world, [__name__])
 
 
 @pytest.fixture(scope="module")

@@ -158,10 +158,9 @@ class _NoSumInBackward:
 
 
 def _over_ranks(model_dir, out_file, fault: str = "none", roles: bool = False, ranks: int = 2) -> dict:
-    import torch.multiprocessing as mp
+    from tests.ranks import start_ranks
 
-    mp.start_processes(_rank, args=(ranks, _free_port(), str(model_dir), str(out_file), fault, roles), nprocs=ranks,
-                       join=True, start_method="spawn")
+    start_ranks(_rank, (ranks, _free_port(), str(model_dir), str(out_file), fault, roles), ranks, [__name__])
     return torch.load(out_file, weights_only=False)
 
 
