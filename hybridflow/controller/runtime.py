@@ -29,6 +29,23 @@ RAY_SYSTEM_CONFIG = {"kill_worker_timeout_milliseconds": 250}
 WORKER_PYTHON_ENV = "HYBRIDFLOW_WORKER_PYTHON"
 
 
+def worker_python() -> str | None:
+    """HYBRIDFLOW_WORKER_PYTHON, checked here before Ray starts: a command this node cannot run would leave
+    every worker unstarted until Ray's registration timeout, with no word of why."""
+    import shlex
+    import shutil
+
+    value = os.environ.get(WORKER_PYTHON_ENV)
+    if not value:
+        return None
+    program = shlex.split(value)[0] if value.strip() else ""
+    if not shutil.which(program):
+        raise ValueError(f"{WORKER_PYTHON_ENV}={value!r}: {program!r} is not an executable on this node; give "
+                         f"the command Ray should start each worker with (an executable path, then its "
+                         f"arguments), or unset {WORKER_PYTHON_ENV} for Ray's own Python")
+    return value
+
+
 def join_address(address: str | None) -> str | None:
     """The cluster a driver joins: `ray.address`, else RAY_ADDRESS (which `ray job submit` exports to
     the job); None: it starts a local Ray. The driver reads RAY_ADDRESS here, at the edge, so workers
@@ -75,8 +92,8 @@ def connect(*, address: str | None, num_cpus: int | None, dashboard: bool, dashb
         ray_logger.propagate = True
     quiet = {} if log_to_driver else {"configure_logging": False}
     runtime_env = {"env_vars": dict(env_vars or {})}
-    if os.environ.get(WORKER_PYTHON_ENV):
-        runtime_env["py_executable"] = os.environ[WORKER_PYTHON_ENV]
+    if worker_python():
+        runtime_env["py_executable"] = worker_python()
     target = join_address(address)
     if target:
         shipped = _ship(code_files or [])

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import sys
 import time
 
 import pytest
@@ -260,3 +261,17 @@ def test_a_callers_timeout_does_not_lift_the_stage_deadline_and_a_call_keeps_its
     finally:
         deadlines.configure({}, default_s=None)
 
+
+
+def test_a_worker_python_this_node_cannot_run_is_refused_naming_the_variable(monkeypatch, tmp_path):
+    """HYBRIDFLOW_WORKER_PYTHON is checked before Ray starts: a missing command would leave every worker
+    unstarted until Ray's registration timeout."""
+    from hybridflow.controller.runtime import worker_python
+
+    monkeypatch.setenv("HYBRIDFLOW_WORKER_PYTHON", str(tmp_path / "no-such-python") + " -X dev")
+    with pytest.raises(ValueError, match=r"HYBRIDFLOW_WORKER_PYTHON=.*no-such-python.* is not an executable on this node"):
+        worker_python()
+    monkeypatch.setenv("HYBRIDFLOW_WORKER_PYTHON", sys.executable + " -X dev")
+    assert worker_python() == sys.executable + " -X dev"
+    monkeypatch.delenv("HYBRIDFLOW_WORKER_PYTHON")
+    assert worker_python() is None
