@@ -142,7 +142,9 @@ def train_args(task: str, steps: int, val_every: int, dry_run: bool = False) -> 
 def hybridflow(args: list[str], work: Path, name: str) -> list[dict]:
     """`hybridflow *args` as a process of its own (started with HYBRIDFLOW_WORKER_PYTHON where that is set, as a
     run's Ray workers are: the tests' warm interpreter, tests/warm_workers.py); the run's metrics rows."""
-    python = os.environ.get("HYBRIDFLOW_WORKER_PYTHON")
+    from hybridflow.controller.runtime import WORKER_PYTHON_ENV
+
+    python = os.environ.get(WORKER_PYTHON_ENV)
     keys = [*args, f"logger.output_root={work}", f"logger.run_name={name}"]
     command = [*([python] if python else []), str(Path(sys.executable).parent / "hybridflow"), *keys]
     print(name + ": " + " ".join(keys), flush=True)

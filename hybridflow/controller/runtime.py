@@ -92,8 +92,9 @@ def connect(*, address: str | None, num_cpus: int | None, dashboard: bool, dashb
         ray_logger.propagate = True
     quiet = {} if log_to_driver else {"configure_logging": False}
     runtime_env = {"env_vars": dict(env_vars or {})}
-    if worker_python():
-        runtime_env["py_executable"] = worker_python()
+    python = worker_python()
+    if python:
+        runtime_env["py_executable"] = python
     target = join_address(address)
     if target:
         shipped = _ship(code_files or [])

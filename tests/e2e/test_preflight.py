@@ -186,3 +186,18 @@ def test_long_prompt_after_the_sampled_rows_is_refused_before_ray_starts(inputs,
     logs = output_root / "long" / "logs"
     assert not (output_root / "long" / "metrics.jsonl").exists()
     assert not [p for p in logs.iterdir() if p.is_dir()], "a worker process was started"  # logs/<stage>/ per worker
+
+
+def test_a_worker_python_this_node_cannot_run_stops_the_run_before_ray_starts(tmp_path):
+    """A HYBRIDFLOW_WORKER_PYTHON the driver's node cannot run (Ray's py_executable for every worker) stops
+    the run naming the variable, before Ray starts: otherwise each worker waits out Ray's registration."""
+    ray_tmp = tmp_path / "ray_tmp"  # where a Ray started by this command would write its session
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    env.update(RAY_TMPDIR=str(ray_tmp), HYBRIDFLOW_WORKER_PYTHON=str(tmp_path / "no-such-python"))
+    result = subprocess.run([str(VENV_BIN / "hybridflow"), "recipe=grpo", "trainer.total_steps=1",
+                             f"logger.output_root={tmp_path / 'runs'}", "logger.run_name=bad_python"],
+                            capture_output=True, text=True, timeout=300, env=env)
+    assert result.returncode != 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert "HYBRIDFLOW_WORKER_PYTHON=" in result.stdout + result.stderr
+    assert "is not an executable on this node" in result.stdout + result.stderr
+    assert not ray_tmp.exists(), "Ray was started"
